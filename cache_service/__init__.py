@@ -1,0 +1,1 @@
+"""The draftcache service: entry points, storage and the I/O around the pure indexer."""

@@ -1,0 +1,145 @@
+"""Warming a static prior: corpus file -> tokenizer -> frozen n-gram tables.
+
+Formats: ``sharegpt`` (a JSON list of ``{"conversations": [{"from", "value"}]}``, assistant
+turns taken), ``jsonl`` (one object per line with a ``text`` field), ``text`` (documents separated
+by blank lines). ``.gz`` files are read transparently. Every problem is a ``CorpusError`` naming
+the file and what is wrong; nothing is built from a partly read corpus.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+
+from indexer.prior import PriorConfig, StaticPrior
+from indexer.tokens import SEPARATOR
+
+logger = logging.getLogger(__name__)
+
+FORMATS = ("sharegpt", "jsonl", "text")
+Encoder = Callable[[list[str]], list[list[int]]]
+
+
+class CorpusError(ValueError):
+    """A corpus or tokenizer that cannot be used."""
+
+
+def load_tokenizer(path: str | Path) -> tuple[Encoder, int]:
+    """An encoder for a tokenizer folder or file, and its vocabulary size.
+
+    A SentencePiece ``tokenizer.model`` is used directly (recent transformers versions change
+    Llama's leading-space handling); otherwise a Hugging Face ``tokenizer.json``.
+    """
+    path = Path(path)
+    model = path / "tokenizer.model" if path.is_dir() else path
+    if model.suffix == ".model" and model.exists():
+        import sentencepiece as spm
+
+        try:
+            sp = spm.SentencePieceProcessor(model_file=str(model))
+        except (OSError, RuntimeError) as exc:
+            raise CorpusError(f"{model}: not a SentencePiece model: {exc}") from exc
+        return (lambda texts: sp.encode(texts, num_threads=2)), int(sp.get_piece_size())
+    spec = path / "tokenizer.json" if path.is_dir() else path
+    if not spec.exists():
+        raise CorpusError(f"{path}: no tokenizer.model or tokenizer.json found")
+    from tokenizers import Tokenizer
+
+    try:
+        tok = Tokenizer.from_file(str(spec))
+    except Exception as exc:  # the Rust side raises its own exception type
+        raise CorpusError(f"{spec}: not a tokenizer.json: {exc}") from exc
+
+    def encode(texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)]
+
+    return encode, int(tok.get_vocab_size(with_added_tokens=True))
+
+
+def read_corpus(path: str | Path, fmt: str) -> Iterator[str]:
+    """Documents of a corpus file, in order."""
+    path = Path(path)
+    if fmt not in FORMATS:
+        raise CorpusError(f"unknown corpus format {fmt!r}; expected one of {', '.join(FORMATS)}")
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rt", encoding="utf-8") as fh:  # type: ignore[operator]
+            if fmt == "sharegpt":
+                yield from _sharegpt(json.load(fh), path)
+            elif fmt == "jsonl":
+                for lineno, line in enumerate(fh, 1):
+                    if line.strip():
+                        yield _jsonl_text(line, f"{path}:{lineno}")
+            else:
+                yield from (doc.strip() for doc in fh.read().split("\n\n") if doc.strip())
+    except (OSError, EOFError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CorpusError(f"{path}: unreadable {fmt} corpus: {exc}") from exc
+
+
+def _sharegpt(data: object, path: Path) -> Iterator[str]:
+    if not isinstance(data, list):
+        raise CorpusError(f"{path}: a sharegpt corpus is a JSON list of conversations")
+    for i, conv in enumerate(data):
+        turns = conv.get("conversations") if isinstance(conv, dict) else None
+        if not isinstance(turns, list):
+            raise CorpusError(f"{path}: conversation {i} has no 'conversations' list")
+        for turn in turns:
+            if isinstance(turn, dict) and turn.get("from") == "gpt" and isinstance(turn.get("value"), str):
+                yield turn["value"]
+
+
+def _jsonl_text(line: str, where: str) -> str:
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise CorpusError(f"{where}: invalid JSON: {exc}") from exc
+    if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+        raise CorpusError(f"{where}: expected an object with a 'text' string")
+    return obj["text"]
+
+
+def tokenize_corpus(
+    docs: Iterator[str],
+    encode: Encoder,
+    vocab_size: int,
+    *,
+    batch: int = 2048,
+    progress: Callable[[int, int], None] | None = None,
+) -> np.ndarray:
+    """All documents as one int32 array, each followed by the request separator."""
+    chunks: list[np.ndarray] = []
+    n_docs = n_tokens = 0
+    pending: list[str] = []
+
+    def flush() -> None:
+        nonlocal n_docs, n_tokens
+        for ids in encode(pending):
+            arr = np.asarray(ids, dtype=np.int64)
+            if arr.size and (arr.min() < 0 or arr.max() >= vocab_size):
+                raise CorpusError(f"tokenizer produced ids outside [0, {vocab_size})")
+            chunks.append(np.append(arr, SEPARATOR).astype(np.int32))
+            n_tokens += arr.size
+        n_docs += len(pending)
+        pending.clear()
+        if progress is not None:
+            progress(n_docs, n_tokens)
+
+    for doc in docs:
+        pending.append(doc)
+        if len(pending) >= batch:
+            flush()
+    if pending:
+        flush()
+    if not chunks:
+        raise CorpusError("the corpus holds no documents")
+    return np.concatenate(chunks)
+
+
+def build_prior(tokens: np.ndarray, config: PriorConfig) -> StaticPrior:
+    logger.info("building prior tables %s over %d tokens", config.orders, tokens.size)
+    return StaticPrior.build(tokens, config)

@@ -1,0 +1,1 @@
+"""Decoder-side code: trace replay (a simulated decoder) and drafting baselines."""

@@ -1,0 +1,109 @@
+"""Drafters to replay side by side: ours in-process, prompt lookup, and SuffixDecoding
+(``arctic-inference``, optional)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from indexer.drafter import DraftParams, NamespaceDrafter, Session
+from indexer.prompt_lookup import prompt_lookup
+from indexer.tree_builder import DraftTree
+
+
+class EngineDrafter:
+    """draftcache's engine, in-process."""
+
+    def __init__(self, engine: NamespaceDrafter, params: DraftParams, *, rebuild: bool = True, name: str = "draftcache") -> None:
+        self.name = name
+        self._engine = engine
+        self._params = params
+        self._rebuild = rebuild
+        self._session: Session | None = None
+
+    def start(self, prompt: np.ndarray) -> None:
+        self._session = self._engine.open(prompt)
+
+    def propose(self) -> DraftTree:
+        assert self._session is not None
+        return self._engine.draft(self._session, self._params)
+
+    def advance(self, tokens: np.ndarray) -> None:
+        assert self._session is not None
+        self._engine.accept(self._session, tokens)
+
+    def finish(self, commit_from: int) -> None:
+        assert self._session is not None
+        self._engine.close(self._session, commit=True, commit_from=commit_from)
+        self._session = None
+        # The service rebuilds on a schedule; replay rebuilds when the delta asks for it.
+        if self._rebuild and self._engine.memory.needs_rebuild():
+            self._engine.memory.rebuild()
+
+
+class PromptLookupDrafter:
+    """vLLM / transformers prompt lookup over the request's own context."""
+
+    def __init__(self, *, max_n: int = 3, min_n: int = 1, num_tokens: int = 10) -> None:
+        self.name = f"prompt-lookup(n={min_n}..{max_n},k={num_tokens})"
+        self._args = {"max_n": max_n, "min_n": min_n, "num_tokens": num_tokens}
+        self._ctx = np.zeros(0, dtype=np.int32)
+
+    def start(self, prompt: np.ndarray) -> None:
+        self._ctx = prompt.copy()
+
+    def propose(self) -> DraftTree:
+        return DraftTree.chain(prompt_lookup(self._ctx, **self._args))
+
+    def advance(self, tokens: np.ndarray) -> None:
+        self._ctx = np.concatenate((self._ctx, tokens))
+
+    def finish(self, commit_from: int) -> None:
+        self._ctx = np.zeros(0, dtype=np.int32)
+
+
+class SuffixDecodingDrafter:
+    """SuffixDecoding (arctic-inference): per-request and global suffix trees."""
+
+    def __init__(self, *, max_spec_tokens: int, max_spec_factor: float, min_token_prob: float, max_depth: int = 64) -> None:
+        from arctic_inference.suffix_decoding import SuffixDecodingCache  # optional extra
+
+        self.name = f"suffix-decoding(factor={max_spec_factor},p={min_token_prob})"
+        self._cache = SuffixDecodingCache(max_tree_depth=max_depth)
+        self._args = {"max_spec_tokens": max_spec_tokens, "max_spec_factor": max_spec_factor, "min_token_prob": min_token_prob}
+        self._ctx = np.zeros(0, dtype=np.int32)
+        self._req = 0
+        self._active = False
+
+    def start(self, prompt: np.ndarray) -> None:
+        self._req += 1
+        self._cache.start_request(self._req, prompt)
+        self._active = True
+        self._ctx = prompt.copy()
+
+    def propose(self) -> DraftTree:
+        d = self._cache.speculate(self._req, self._ctx, use_tree_spec=True, **self._args)
+        tokens = np.asarray(d.token_ids, dtype=np.int32)
+        if tokens.size == 0:
+            return DraftTree.empty()
+        return DraftTree(
+            tokens,
+            np.asarray(d.parents, dtype=np.int32),
+            np.zeros(tokens.size, dtype=np.uint8),
+            np.asarray(d.probs, dtype=np.float32),
+        )
+
+    def advance(self, tokens: np.ndarray) -> None:
+        self._cache.add_active_response(self._req, tokens)
+        self._ctx = np.concatenate((self._ctx, tokens))
+
+    def finish(self, commit_from: int) -> None:
+        self._cache.stop_request(self._req)
+        self._active = False
+
+
+def suffix_decoding_available() -> bool:
+    try:
+        import arctic_inference.suffix_decoding  # noqa: F401
+    except ImportError:
+        return False
+    return True

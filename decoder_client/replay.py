@@ -1,0 +1,107 @@
+"""Replaying logged traffic against a drafter: how many tokens per verification step (MAT)
+would speculative decoding have produced?
+
+The rule is exact for greedy decoding: at each step the drafter proposes a tree, the accepted
+length is the longest root path equal to the recorded continuation, and the step yields the
+accepted tokens plus one (the target's bonus token). Those tokens are fed back; the rest of the
+tree counts as rejected. When a request ends, its new tokens join the drafter's history.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from decoder_client.traces import Conversation
+from indexer.tree_builder import DraftTree, Tier
+
+
+class ReplayDrafter(Protocol):
+    """What replay needs from a drafter; one request is active at a time."""
+
+    name: str
+
+    def start(self, prompt: np.ndarray) -> None: ...
+
+    def propose(self) -> DraftTree: ...
+
+    def advance(self, tokens: np.ndarray) -> None: ...
+
+    def finish(self, commit_from: int) -> None: ...
+
+
+@dataclass
+class ReplayStats:
+    name: str
+    steps: int = 0
+    tokens: int = 0
+    drafted: int = 0
+    requests: int = 0
+    by_category: dict[str, list[int]] = field(default_factory=lambda: defaultdict(lambda: [0, 0]))
+    accepted_by_tier: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    latencies_us: list[float] = field(default_factory=list)
+
+    @property
+    def mat(self) -> float:
+        return self.tokens / self.steps if self.steps else 0.0
+
+    def summary(self) -> dict:
+        lat = np.array(self.latencies_us) if self.latencies_us else np.zeros(1)
+        return {
+            "drafter": self.name,
+            "mat": round(self.mat, 4),
+            "steps": self.steps,
+            "output_tokens": self.tokens,
+            "requests": self.requests,
+            "drafted_per_step": round(self.drafted / max(self.steps, 1), 2),
+            "draft_us_p50": round(float(np.percentile(lat, 50)), 1),
+            "draft_us_p99": round(float(np.percentile(lat, 99)), 1),
+            "mat_by_category": {c: round(t / max(s, 1), 4) for c, (t, s) in sorted(self.by_category.items())},
+            "accepted_by_tier": dict(sorted(self.accepted_by_tier.items())),
+        }
+
+
+def replay(conversations: Iterable[Conversation], drafter: ReplayDrafter) -> ReplayStats:
+    """Replay every output segment of every conversation, in order."""
+    stats = ReplayStats(drafter.name)
+    for conv in conversations:
+        parts: list[np.ndarray] = []
+        committed = 0  # context tokens already committed by earlier requests of this conversation
+        for seg in conv.segments:
+            if seg.kind == "input":
+                parts.append(seg.tokens)
+                continue
+            prompt = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
+            _request(drafter, prompt, seg.tokens, stats, conv.category)
+            drafter.finish(committed)
+            parts.append(seg.tokens)
+            committed = prompt.size + seg.tokens.size
+    return stats
+
+
+def _request(drafter: ReplayDrafter, prompt: np.ndarray, target: np.ndarray, stats: ReplayStats, category: str) -> None:
+    drafter.start(prompt)
+    pos, steps = 0, 0
+    while pos < target.size:
+        t0 = time.perf_counter()
+        tree = drafter.propose()
+        stats.latencies_us.append((time.perf_counter() - t0) * 1e6)
+        path = tree.accept(target[pos:])
+        for node in path:
+            stats.accepted_by_tier[Tier(int(tree.sources[node])).name] += 1
+        step = target[pos : pos + len(path) + 1]
+        drafter.advance(step)
+        pos += step.size
+        steps += 1
+        stats.drafted += len(tree)
+    stats.steps += steps
+    stats.tokens += int(target.size)
+    stats.requests += 1
+    cat = stats.by_category[category]
+    cat[0] += int(target.size)
+    cat[1] += steps

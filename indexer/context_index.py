@@ -1,0 +1,90 @@
+"""Matches inside one request's own context (prompt plus accepted output).
+
+The prompt is indexed once with a suffix array when the request opens; tokens accepted since then
+form a short tail that is searched directly. Together they answer "where else in this context do
+its last ``n`` tokens occur, for the largest ``n``", and the continuations that followed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from indexer.suffix_array import SuffixIndex
+
+_MIN_INDEXED_PROMPT = 256  # shorter prompts are cheaper to scan than to index
+
+
+class ContextIndex:
+    """A growing token context with longest-match lookups.
+
+    >>> ctx = ContextIndex(np.array([4, 5, 6, 7, 4, 5], dtype=np.int32))
+    >>> n, rows, weights = ctx.lookup(max_len=8, depth=3, samples=8)
+    >>> n, rows.tolist()  # "4 5" occurred before, followed by "6 7 4"
+    (2, [[6, 7, 4]])
+    """
+
+    def __init__(self, prompt: np.ndarray) -> None:
+        self._buf = np.empty(max(64, 2 * prompt.size), dtype=np.int32)
+        self._buf[: prompt.size] = prompt
+        self._len = int(prompt.size)
+        # The index covers the prompt minus its last token, so every indexed occurrence is
+        # followed by at least one token and the context's own suffix never matches itself.
+        self._indexed = self._len - 1 if self._len > _MIN_INDEXED_PROMPT else 0
+        self._sa = SuffixIndex(prompt[: self._indexed]) if self._indexed else None
+
+    def __len__(self) -> int:
+        return self._len
+
+    @property
+    def tokens(self) -> np.ndarray:
+        return self._buf[: self._len]
+
+    def extend(self, tokens: np.ndarray) -> None:
+        need = self._len + tokens.size
+        if need > self._buf.size:
+            grown = np.empty(max(need, 2 * self._buf.size), dtype=np.int32)
+            grown[: self._len] = self._buf[: self._len]
+            self._buf = grown
+        self._buf[self._len : need] = tokens
+        self._len = need
+
+    def lookup(self, *, max_len: int, depth: int, samples: int, hint: int = 0) -> tuple[int, np.ndarray, np.ndarray]:
+        """``(n, rows, weights)``: continuations after earlier occurrences of the longest
+        matching suffix (length ``n``, 0 if none). Each row is ``depth`` tokens, -1 padded."""
+        ctx = self.tokens
+        n_sa, first, last = (0, 0, 0)
+        if self._sa is not None:
+            n_sa, first, last = self._sa.longest_match(ctx, max_len, hint=hint)
+        n_tail, ends = self._tail_matches(ctx, max_len)
+        n = max(n_sa, n_tail)
+        if n == 0:
+            return 0, np.zeros((0, depth), dtype=np.int32), np.zeros(0)
+        starts: list[np.ndarray] = []
+        weights: list[np.ndarray] = []
+        if n_sa == n and self._sa is not None:
+            starts.append(self._sa.sample_starts(first, last, samples) + n)
+            weights.append(np.full(starts[-1].size, (last - first) / starts[-1].size))
+        if n_tail == n:
+            recent = ends[-samples:] + 1
+            starts.append(recent)
+            weights.append(np.ones(recent.size))
+        pos = np.concatenate(starts)
+        cols = pos[:, None] + np.arange(depth)
+        rows = ctx[np.minimum(cols, ctx.size - 1)].copy()
+        rows[cols >= ctx.size] = -1
+        return n, rows, np.concatenate(weights)
+
+    def _tail_matches(self, ctx: np.ndarray, max_len: int) -> tuple[int, np.ndarray]:
+        """Longest suffix match among occurrences ending after the indexed region (but before
+        the last token), with the end positions achieving it."""
+        size = ctx.size
+        lo = self._indexed
+        ends = np.flatnonzero(ctx[lo : size - 1] == ctx[-1]) + lo
+        if ends.size == 0:
+            return 0, ends
+        k = np.arange(min(max_len, size - 1))
+        idx = ends[:, None] - k  # compare backwards from each candidate end
+        ok = (idx >= 0) & (ctx[np.maximum(idx, 0)] == ctx[size - 1 - k])
+        lengths = np.where(ok.all(axis=1), k.size, np.argmin(ok, axis=1))
+        best = int(lengths.max())
+        return best, ends[lengths == best]

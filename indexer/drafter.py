@@ -1,0 +1,295 @@
+"""Drafting for one namespace: every tier queried, scored, merged into one tree.
+
+Each tier turns a match into rows of continuations with prefix probabilities (how often each
+prefix followed the match). A tier's probabilities are scaled by its confidence: a prior that
+grows with the match length, times a calibration factor learned online from which tier's first
+guess the target actually accepted, per tier and match length. So a tier earns its place in the
+tree by its track record on this namespace, not by a hand-set weight.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from indexer.context_index import ContextIndex
+from indexer.lifetime_index import LifetimeConfig, LifetimeMemory, prompt_key
+from indexer.prior import StaticPrior
+from indexer.session_cache import DynamicCache, LruTableConfig, RejectedCache
+from indexer.tokens import Namespace, as_tokens
+from indexer.tree_builder import Candidates, DraftTree, Tier, merge_candidates
+
+MAX_BUDGET = 1024
+MAX_DEPTH = 128
+
+
+@dataclass(frozen=True, kw_only=True)
+class DraftParams:
+    """Per-request drafting knobs (they travel with each draft call)."""
+
+    budget: int = 64  # most nodes in a tree
+    max_depth: int = 32  # most tokens on one path
+    min_score: float = 0.0  # drop nodes estimated less likely than this
+    depth_reserve: int = 8  # nodes kept for the best chain before widening
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.budget <= MAX_BUDGET:
+            raise ValueError(f"budget must be in [0, {MAX_BUDGET}], got {self.budget}")
+        if not 1 <= self.max_depth <= MAX_DEPTH:
+            raise ValueError(f"max_depth must be in [1, {MAX_DEPTH}], got {self.max_depth}")
+        if not 0.0 <= self.min_score < 1.0:
+            raise ValueError(f"min_score must be in [0, 1), got {self.min_score}")
+        if not 0 <= self.depth_reserve <= MAX_DEPTH:
+            raise ValueError(f"depth_reserve must be in [0, {MAX_DEPTH}], got {self.depth_reserve}")
+
+
+# Prior confidence n / (n + half[tier]): the match length at which a tier is right half the time.
+_HALF = {
+    Tier.CONTEXT: 2.0,
+    Tier.DYNAMIC: 3.0,
+    Tier.LIFETIME_SA: 4.0,
+    Tier.LIFETIME_NGRAM: 4.0,
+    Tier.PRIOR: 5.0,
+    Tier.REJECTED: 30.0,
+    Tier.EXACT: 0.25,
+}
+
+
+def _prior(tier: Tier, n: int) -> float:
+    return n / (n + _HALF[tier])
+
+
+@dataclass(frozen=True, kw_only=True)
+class DrafterConfig:
+    max_match: int = 32  # longest suffix match looked for
+    samples: int = 32  # continuations sampled from one lifetime match
+    context_samples: int = 16  # ... from one match in the request's own context
+    dynamic: LruTableConfig = field(default_factory=LruTableConfig)
+    rejected: LruTableConfig = field(default_factory=lambda: LruTableConfig(max_leaders=1024, max_followers=2))
+    seed_window: int = 2048  # prompt tokens that seed the dynamic table
+    lifetime: LifetimeConfig = field(default_factory=LifetimeConfig)
+    calibration_buckets: int = 16
+
+    def __post_init__(self) -> None:
+        for name in ("max_match", "samples", "context_samples", "seed_window", "calibration_buckets"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+class Calibrator:
+    """Per (tier, match length) ratio of first guesses accepted to first guesses predicted.
+
+    >>> cal = Calibrator(buckets=4)
+    >>> cal.update(Tier.PRIOR, 2, predicted=0.5, hit=False)
+    >>> round(cal.factor(Tier.PRIOR, 2), 3)  # (0 + 2) / (0.5 + 2)
+    0.8
+    """
+
+    def __init__(self, buckets: int) -> None:
+        self._buckets = buckets
+        self._pred = np.zeros((len(Tier), buckets + 1))
+        self._hits = np.zeros((len(Tier), buckets + 1))
+
+    def _b(self, n: int) -> int:
+        return min(n, self._buckets)
+
+    def factor(self, tier: Tier, n: int) -> float:
+        b = self._b(n)
+        return float((self._hits[tier, b] + 2.0) / (self._pred[tier, b] + 2.0))
+
+    def update(self, tier: Tier, n: int, *, predicted: float, hit: bool) -> None:
+        b = self._b(n)
+        self._pred[tier, b] += predicted
+        self._hits[tier, b] += hit
+
+    def table(self) -> dict[str, list[float]]:
+        """Acceptance rate of first guesses per tier and match-length bucket (for metrics)."""
+        return {t.name: ((self._hits[t] + 1) / (self._pred[t] + 1)).round(3).tolist() for t in Tier}
+
+
+@dataclass
+class _Guess:
+    n: int
+    token: int
+    predicted: float
+
+
+class Session:
+    """One request being decoded: its context, dynamic and rejected tables, last draft."""
+
+    def __init__(self, prompt: np.ndarray, config: DrafterConfig, exact: np.ndarray | None) -> None:
+        self.context = ContextIndex(prompt)
+        self.prompt_len = int(prompt.size)
+        self.dynamic = DynamicCache(config.dynamic, config.seed_window)
+        self.dynamic.observe(prompt)
+        self.rejected = RejectedCache(config.rejected)
+        self.exact = exact
+        self.last_tree: DraftTree | None = None
+        self.guesses: dict[Tier, _Guess] = {}
+        self.hints: dict[Tier, int] = {}  # last match length per tier, a starting point
+
+    @property
+    def generated(self) -> np.ndarray:
+        return self.context.tokens[self.prompt_len :]
+
+
+class NamespaceDrafter:
+    """All drafting state of one namespace.
+
+    >>> d = NamespaceDrafter(Namespace(name="t", vocab_size=100), DrafterConfig())
+    >>> s = d.open([5, 6, 7, 8, 5, 6])
+    >>> d.draft(s, DraftParams(budget=4)).tokens.tolist()[:2]  # "5 6" was followed by "7 8"
+    [7, 8]
+    """
+
+    def __init__(self, namespace: Namespace, config: DrafterConfig, prior: StaticPrior | None = None) -> None:
+        self.namespace = namespace
+        self.config = config
+        self.memory = LifetimeMemory(config.lifetime)
+        self.prior = prior
+        self.calibrator = Calibrator(config.calibration_buckets)
+        self._lock = threading.Lock()
+
+    def open(self, prompt: np.ndarray | list[int]) -> Session:
+        tokens = as_tokens(prompt, self.namespace.vocab_size, what="prompt")
+        return Session(tokens, self.config, self.memory.exact_response(prompt_key(tokens)))
+
+    def draft(self, session: Session, params: DraftParams) -> DraftTree:
+        """The draft tree for the session's current context."""
+        found = self._candidates(session, params.max_depth)
+        tree, firsts = merge_candidates(
+            [c for c, _ in found],
+            budget=params.budget,
+            max_depth=params.max_depth,
+            min_score=params.min_score,
+            depth_reserve=params.depth_reserve,
+        )
+        lengths = {c.tier: n for c, n in found}
+        session.last_tree = tree
+        session.guesses = {t: _Guess(lengths[t], tok, p * _prior(t, lengths[t])) for t, (tok, p) in firsts.items()}
+        session.hints = lengths
+        return tree
+
+    def accept(self, session: Session, tokens: np.ndarray | list[int], rejected: list[np.ndarray] | None = None) -> None:
+        """Tokens the target produced since the last draft (accepted drafts plus the bonus token).
+
+        Rejected branches default to those of the session's last tree that left the accepted
+        path; each is remembered in the session's rejected table.
+        """
+        new = as_tokens(tokens, self.namespace.vocab_size, what="accepted tokens")
+        if new.size == 0:
+            return
+        self._calibrate(session, int(new[0]))
+        branches = rejected if rejected is not None else self._rejected_branches(session, new)
+        before = session.context.tokens
+        for depth, branch in branches:
+            session.rejected.record(np.concatenate((before, new[:depth])), branch)
+        session.context.extend(new)
+        session.dynamic.observe(session.context.tokens)
+        session.last_tree, session.guesses = None, {}
+        session.hints = {t: n + int(new.size) for t, n in session.hints.items()}
+
+    def close(self, session: Session, *, commit: bool = True, commit_from: int = 0) -> None:
+        """Finish a request; with ``commit`` its tokens from ``commit_from`` join the lifetime
+        buffer and its prompt -> output pair the exact-prompt cache."""
+        if not commit:
+            return
+        tokens = session.context.tokens
+        prompt = tokens[: session.prompt_len]
+        self.memory.commit(tokens[commit_from:].copy(), prompt=prompt, response=session.generated)
+
+    # -- tiers -------------------------------------------------------------------------------
+
+    def _candidates(self, s: Session, depth: int) -> list[tuple[Candidates, int]]:
+        """Each tier's candidates with the match length that produced them."""
+        ctx = s.context.tokens
+        cfg = self.config
+        out: list[tuple[Candidates, int]] = []
+        n, rows, w = s.context.lookup(
+            max_len=cfg.max_match, depth=depth, samples=cfg.context_samples, hint=s.hints.get(Tier.CONTEXT, 0)
+        )
+        if n:
+            out.append((self._weighted(Tier.CONTEXT, n, rows, w), n))
+        for tier, table in ((Tier.DYNAMIC, s.dynamic.table), (Tier.REJECTED, s.rejected.table)):
+            rows, w = table.candidates(ctx)
+            if rows.size:
+                n = table.config.leader_len
+                out.append((self._weighted(tier, n, rows, w), n))
+        out.extend(self._lifetime(ctx, depth, s.hints.get(Tier.LIFETIME_SA, 0)))
+        if self.prior is not None:
+            hit = self.prior.lookup(ctx)
+            if hit is not None:
+                out.append((Candidates(Tier.PRIOR, hit.rows, probs=hit.probs, confidence=self._conf(Tier.PRIOR, hit.order)), hit.order))
+        exact = self._exact(s, depth)
+        if exact is not None:
+            out.append(exact)
+        return out
+
+    def _conf(self, tier: Tier, n: int) -> float:
+        return min(1.0, _prior(tier, n) * self.calibrator.factor(tier, n))
+
+    def _weighted(self, tier: Tier, n: int, rows: np.ndarray, weights: np.ndarray) -> Candidates:
+        return Candidates(tier, rows, weights=weights, confidence=self._conf(tier, n))
+
+    def _lifetime(self, ctx: np.ndarray, depth: int, hint: int) -> list[tuple[Candidates, int]]:
+        best, parts = 0, []
+        for index in self.memory.suffix_indexes():
+            n, first, last = index.longest_match(ctx, self.config.max_match, hint=hint)
+            if n > best:
+                best, parts = n, []
+            if n and n == best:
+                parts.append(index.continuations(first, last, n, depth, self.config.samples))
+        indexes = self.memory.indexes
+        if indexes is not None and 0 < best <= indexes.table.config.leader_len:
+            ll = indexes.table.config.leader_len
+            hit = indexes.table.lookup(ctx)
+            if hit is not None:
+                conf = self._conf(Tier.LIFETIME_NGRAM, ll)
+                return [(Candidates(Tier.LIFETIME_NGRAM, hit[0], probs=hit[1], confidence=conf), ll)]
+        if not parts:
+            return []
+        rows = np.vstack([p[0] for p in parts])
+        weights = np.concatenate([p[1] for p in parts])
+        return [(self._weighted(Tier.LIFETIME_SA, best, rows, weights), best)]
+
+    def _exact(self, s: Session, depth: int) -> tuple[Candidates, int] | None:
+        if s.exact is None:
+            return None
+        done = s.generated
+        if done.size >= s.exact.size or not np.array_equal(s.exact[: done.size], done):
+            return None
+        rest = s.exact[done.size : done.size + depth]
+        n = max(1, int(done.size) + 1)
+        return Candidates(Tier.EXACT, rest[None, :], weights=np.ones(1), confidence=self._conf(Tier.EXACT, n)), n
+
+    def _calibrate(self, s: Session, actual: int) -> None:
+        with self._lock:
+            for tier, g in s.guesses.items():
+                self.calibrator.update(tier, g.n, predicted=g.predicted, hit=g.token == actual)
+
+    @staticmethod
+    def _rejected_branches(s: Session, new: np.ndarray, limit: int = 4) -> list[tuple[int, np.ndarray]]:
+        """``(depth, tokens)`` for the best ``limit`` branches that left the accepted path where
+        verification stopped, each extended by its best-scoring descendants."""
+        tree = s.last_tree
+        if tree is None or len(tree) == 0:
+            return []
+        path = tree.accept(new)
+        if len(path) >= new.size:  # nothing was rejected: verification ended inside the tree
+            return []
+        children: dict[int, list[int]] = {}
+        for i, p in enumerate(tree.parents.tolist()):
+            children.setdefault(p, []).append(i)
+        scores, tokens = tree.scores.tolist(), tree.tokens.tolist()
+        stop = path[-1] if path else -1
+        kids = sorted(children.get(stop, []), key=lambda i: -scores[i])[:limit]
+        out = []
+        for node in kids:
+            chain = [tokens[node]]
+            while node in children:
+                node = max(children[node], key=lambda i: scores[i])
+                chain.append(tokens[node])
+            out.append((len(path), np.array(chain, dtype=np.int32)))
+        return out

@@ -1,0 +1,163 @@
+"""Everything a namespace drafts from across requests: the lifetime buffer, its rebuilt indexes
+(suffix array + frozen n-gram table), a small delta index over requests finished since the
+last rebuild, and the exact-prompt cache.
+
+Rebuilds read a snapshot and swap the finished indexes in with one reference assignment, so
+readers never see a half-built index and never wait for a rebuild.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from indexer.lifetime_buffer import LifetimeBuffer
+from indexer.ngram_table import NgramTable, NgramTableConfig, lcp_array
+from indexer.suffix_array import SuffixIndex, build_suffix_array
+from indexer.tokens import SEPARATOR
+
+
+@dataclass(frozen=True, kw_only=True)
+class LifetimeConfig:
+    """Sizes of one namespace's lifetime memory."""
+
+    capacity_tokens: int = 16 << 20
+    table: NgramTableConfig = field(default_factory=NgramTableConfig)
+    delta_max_tokens: int = 1 << 16  # past this, finished requests call for a full rebuild
+    exact_entries: int = 4096
+    exact_max_tokens: int = 1 << 14  # longest response kept for exact-prompt hits
+
+    def __post_init__(self) -> None:
+        if self.capacity_tokens < 2:
+            raise ValueError(f"capacity_tokens must be >= 2, got {self.capacity_tokens}")
+        if self.delta_max_tokens < 1:
+            raise ValueError(f"delta_max_tokens must be >= 1, got {self.delta_max_tokens}")
+        if self.exact_entries < 0 or self.exact_max_tokens < 0:
+            raise ValueError("exact_entries and exact_max_tokens must be >= 0")
+
+
+@dataclass(frozen=True)
+class LifetimeIndexes:
+    """One immutable generation of rebuilt indexes."""
+
+    suffix: SuffixIndex
+    table: NgramTable
+    version: int  # buffer.appended when the snapshot was taken
+    build_seconds: float
+
+    @property
+    def nbytes(self) -> int:
+        return self.suffix.nbytes + self.table.nbytes
+
+
+def build_indexes(tokens: np.ndarray, table_config: NgramTableConfig, version: int) -> LifetimeIndexes:
+    """Suffix array and n-gram table over one snapshot (pure; run off the hot path)."""
+    start = time.perf_counter()
+    sa = build_suffix_array(tokens)
+    table = NgramTable.build_from_suffix_array(tokens, sa, lcp_array(tokens, sa), table_config)
+    suffix = SuffixIndex(tokens, sa)
+    return LifetimeIndexes(suffix, table, version, time.perf_counter() - start)
+
+
+def prompt_key(prompt: np.ndarray) -> bytes:
+    return hashlib.blake2b(prompt.tobytes(), digest_size=16).digest()
+
+
+class LifetimeMemory:
+    """A namespace's cross-request memory.
+
+    >>> mem = LifetimeMemory(LifetimeConfig(capacity_tokens=64))
+    >>> mem.commit(np.array([1, 2, 3, 4], dtype=np.int32))
+    >>> [idx.longest_match(np.array([9, 2, 3], dtype=np.int32), max_len=4)[0] for idx in mem.suffix_indexes()]
+    [2]
+    """
+
+    def __init__(self, config: LifetimeConfig) -> None:
+        self.config = config
+        self.buffer = LifetimeBuffer(config.capacity_tokens)
+        self._indexes: LifetimeIndexes | None = None
+        self._delta: SuffixIndex | None = None
+        self._delta_tokens: list[np.ndarray] = []
+        self._delta_from = 0  # buffer.appended covered by the main indexes
+        self._exact: OrderedDict[bytes, np.ndarray] = OrderedDict()
+        self._lock = threading.Lock()
+        self._rebuild_lock = threading.Lock()
+
+    @property
+    def indexes(self) -> LifetimeIndexes | None:
+        return self._indexes
+
+    def commit(self, tokens: np.ndarray, *, prompt: np.ndarray | None = None, response: np.ndarray | None = None) -> None:
+        """Add one finished request's tokens; remember ``prompt -> response`` for exact hits."""
+        with self._lock:
+            self.buffer.append(tokens)
+            self._delta_tokens.append(tokens)
+            self._delta_tokens.append(np.array([SEPARATOR], dtype=np.int32))
+            self._refresh_delta()
+            if prompt is not None and response is not None:
+                self._remember(prompt, response)
+
+    def _refresh_delta(self) -> None:
+        if not self._delta_tokens:
+            self._delta = None
+            return
+        joined = np.concatenate(self._delta_tokens)
+        # The delta only covers what the ring still holds.
+        self._delta = SuffixIndex(joined[-self.buffer.capacity :])
+
+    def _remember(self, prompt: np.ndarray, response: np.ndarray) -> None:
+        if self.config.exact_entries == 0 or response.size == 0:
+            return
+        key = prompt_key(prompt)
+        self._exact[key] = response[: self.config.exact_max_tokens].copy()
+        self._exact.move_to_end(key)
+        while len(self._exact) > self.config.exact_entries:
+            self._exact.popitem(last=False)
+
+    def exact_response(self, key: bytes) -> np.ndarray | None:
+        with self._lock:
+            return self._exact.get(key)
+
+    def suffix_indexes(self) -> list[SuffixIndex]:
+        """The indexes to search, main first; together they cover the whole buffer."""
+        out = [] if self._indexes is None else [self._indexes.suffix]
+        delta = self._delta
+        if delta is not None:
+            out.append(delta)
+        return out
+
+    def delta_tokens(self) -> int:
+        return self.buffer.appended - self._delta_from
+
+    def needs_rebuild(self) -> bool:
+        return self.delta_tokens() > self.config.delta_max_tokens
+
+    def rebuild(self) -> LifetimeIndexes:
+        """Snapshot the buffer, build, swap. Concurrent callers coalesce into one build."""
+        with self._rebuild_lock:
+            with self._lock:
+                snapshot, version = self.buffer.snapshot(), self.buffer.appended
+            built = build_indexes(snapshot, self.config.table, version)
+            with self._lock:
+                self._indexes = built
+                # Drop the delta parts the new main index now covers.
+                covered = version - self._delta_from
+                self._delta_from = version
+                self._trim_delta(covered)
+            return built
+
+    def _trim_delta(self, covered: int) -> None:
+        while covered > 0 and self._delta_tokens:
+            head = self._delta_tokens[0]
+            if head.size <= covered:
+                covered -= head.size
+                self._delta_tokens.pop(0)
+            else:
+                self._delta_tokens[0] = head[covered:]
+                covered = 0
+        self._refresh_delta()

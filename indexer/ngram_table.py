@@ -1,0 +1,306 @@
+"""Frozen leader -> follower tables (Cacheback's frozen table, built from a suffix array).
+
+For a leader (the last ``leader_len`` context tokens) the table keeps the ``top_k`` followers of
+``follower_len`` tokens that maximise the expected accepted length, ``sum_j P(f[:j] | leader)``,
+with those prefix probabilities stored beside them. Building from a suffix array makes this
+exact and cheap: rows of the array sorted by suffix put every leader's occurrences together and,
+within a leader, every follower prefix together, so all prefix counts are run lengths of the LCP
+array.
+
+Tables are immutable once built; ``to_bytes`` / ``from_bytes`` move them through storage.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+
+import numpy as np
+
+from indexer.suffix_array import build_suffix_array
+from indexer.tokens import SEPARATOR
+
+_MASK = (1 << 64) - 1
+_PRIME = 0x100000001B3
+_MIX = 0xBF58476D1CE4E5B9
+
+try:
+    from pydivsufsort import kasai as _kasai
+except ImportError:  # pragma: no cover
+    _kasai = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class NgramTableConfig:
+    """Shape of one frozen table.
+
+    ``max_leaders`` bounds memory: only the most frequent leaders are kept.
+    """
+
+    leader_len: int = 3
+    follower_len: int = 8
+    top_k: int = 4
+    min_count: int = 2
+    max_leaders: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        for name in ("leader_len", "follower_len", "top_k", "min_count", "max_leaders"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.leader_len > 16 or self.follower_len > 64:
+            raise ValueError("leader_len must be <= 16 and follower_len <= 64")
+
+
+def leader_hash(tokens: np.ndarray | list[int]) -> int:
+    """64-bit hash of one leader; equals :func:`leader_hashes` on the same tokens."""
+    h = 0
+    for t in tokens:
+        h = (h * _PRIME + int(t) + 1) & _MASK
+    h ^= h >> 31
+    return (h * _MIX) & _MASK
+
+
+def leader_hashes(mat: np.ndarray) -> np.ndarray:
+    """Row-wise :func:`leader_hash` of a ``(rows, leader_len)`` int32 matrix."""
+    h = np.zeros(mat.shape[0], dtype=np.uint64)
+    prime = np.uint64(_PRIME)
+    for j in range(mat.shape[1]):
+        h = h * prime + mat[:, j].astype(np.uint64) + np.uint64(1)
+    h ^= h >> np.uint64(31)
+    return h * np.uint64(_MIX)
+
+
+def lcp_array(tokens: np.ndarray, sa: np.ndarray) -> np.ndarray:
+    """``lcp[i]`` = common prefix length of suffixes ``sa[i-1]`` and ``sa[i]`` (``lcp[0] = 0``)."""
+    if sa.size == 0:
+        return np.zeros(0, dtype=np.int32)
+    if _kasai is not None:
+        nxt = np.asarray(_kasai(np.ascontiguousarray(tokens, dtype=np.int32), sa), dtype=np.int32)
+        return np.concatenate((np.zeros(1, dtype=np.int32), nxt[:-1]))
+    return _lcp_numpy(tokens, sa)
+
+
+def _lcp_numpy(tokens: np.ndarray, sa: np.ndarray) -> np.ndarray:  # pragma: no cover - fallback
+    rank = np.empty_like(sa)
+    rank[sa] = np.arange(sa.size, dtype=np.int32)
+    lcp = np.zeros(sa.size, dtype=np.int32)
+    h = 0
+    for i in range(sa.size):
+        r = int(rank[i])
+        if r == 0:
+            h = 0
+            continue
+        j = int(sa[r - 1])
+        while i + h < sa.size and j + h < sa.size and tokens[i + h] == tokens[j + h]:
+            h += 1
+        lcp[r] = h
+        h = max(h - 1, 0)
+    return lcp
+
+
+class NgramTable:
+    """Immutable leader -> top followers table.
+
+    >>> toks = np.array([1, 2, 3, 4, 9, 1, 2, 3, 4, 9, 1, 2, 3, 5], dtype=np.int32)
+    >>> table = NgramTable.build(toks, NgramTableConfig(leader_len=2, follower_len=2, top_k=2))
+    >>> rows, probs, count = table.lookup(np.array([7, 1, 2], dtype=np.int32))
+    >>> rows.tolist(), count  # "1 2" was followed by "3 4" twice and "3 5" once
+    ([[3, 4], [3, 5]], 3)
+    """
+
+    def __init__(
+        self,
+        config: NgramTableConfig,
+        keys: np.ndarray,
+        offsets: np.ndarray,
+        leader_counts: np.ndarray,
+        followers: np.ndarray,
+        probs: np.ndarray,
+    ) -> None:
+        self.config = config
+        self._keys = keys
+        self._offsets = offsets
+        self._leader_counts = leader_counts
+        self._followers = followers
+        self._probs = probs
+        self._lookup = {int(k): i for i, k in enumerate(keys.tolist())} if keys.size < 4096 else None
+
+    @property
+    def leaders(self) -> int:
+        return int(self._keys.size)
+
+    @property
+    def entries(self) -> int:
+        return int(self._followers.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        arrays = (self._keys, self._offsets, self._leader_counts, self._followers, self._probs)
+        return sum(int(a.nbytes) for a in arrays)
+
+    def lookup(self, context: np.ndarray) -> tuple[np.ndarray, np.ndarray, int] | None:
+        """Followers of the context's last ``leader_len`` tokens: ``(rows, probs, count)``.
+
+        ``rows`` is ``(k, follower_len)`` int32 padded with -1; ``probs[r, j]`` is the estimated
+        probability that the first ``j + 1`` tokens of row ``r`` follow; ``count`` is how often
+        the leader occurred. ``None`` when the leader is unknown.
+        """
+        ll = self.config.leader_len
+        if context.size < ll or self._keys.size == 0:
+            return None
+        h = leader_hash(context[-ll:].tolist())
+        if self._lookup is not None:
+            i = self._lookup.get(h)
+            if i is None:
+                return None
+        else:
+            i = int(np.searchsorted(self._keys, np.uint64(h)))
+            if i >= self._keys.size or int(self._keys[i]) != h:
+                return None
+        lo, hi = int(self._offsets[i]), int(self._offsets[i + 1])
+        return self._followers[lo:hi], self._probs[lo:hi], int(self._leader_counts[i])
+
+    @classmethod
+    def build(cls, tokens: np.ndarray, config: NgramTableConfig) -> NgramTable:
+        """Build from int32 tokens (requests separated by ``SEPARATOR``)."""
+        sa = build_suffix_array(tokens)
+        return cls.build_from_suffix_array(tokens, sa, lcp_array(tokens, sa), config)
+
+    @classmethod
+    def build_from_suffix_array(
+        cls, tokens: np.ndarray, sa: np.ndarray, lcp: np.ndarray, config: NgramTableConfig
+    ) -> NgramTable:
+        """Build reusing a suffix array and its LCP array (see :func:`lcp_array`)."""
+        ll, fl = config.leader_len, config.follower_len
+        n = int(tokens.size)
+        if n == 0:
+            return cls._empty(config)
+        # Tokens a suffix has before the next separator (SEPARATOR itself included as a stop).
+        is_sep = tokens == SEPARATOR
+        sep_pos = np.where(is_sep, np.arange(n), n)
+        next_sep = np.minimum.accumulate(sep_pos[::-1])[::-1]
+        run = (next_sep - np.arange(n))[sa]  # clean tokens from each SA row's start
+        follow_len = np.clip(run - ll, 0, fl)  # usable follower tokens per row
+        ok = follow_len > 0
+        # Leaders: runs of rows sharing their first ll tokens.
+        lead_start = lcp < ll
+        lead_id = np.cumsum(lead_start) - 1
+        lead_count = np.bincount(lead_id, weights=ok).astype(np.int64)
+        keep = cls._top_leaders(lead_count, config)
+        row_keep = ok & keep[lead_id]
+        if not row_keep.any():
+            return cls._empty(config)
+        # Prefix counts per level: rows sharing their first ll + j tokens.
+        counts = np.zeros((fl, n), dtype=np.int32)
+        for j in range(1, fl + 1):
+            start = lcp < ll + j
+            gid = np.cumsum(start) - 1
+            valid = row_keep & (follow_len >= j)
+            c = np.bincount(gid, weights=valid).astype(np.int32)
+            counts[j - 1] = np.where(valid, c[gid], 0)
+        # Distinct followers: first row of each run sharing ll + follower tokens.
+        rep = np.flatnonzero((lcp < ll + follow_len) & row_keep)
+        score = counts[:, rep].sum(axis=0, dtype=np.int64)
+        order = np.lexsort((rep, -score, lead_id[rep]))
+        rep, lid = rep[order], lead_id[rep[order]]
+        first = np.flatnonzero(np.concatenate(([True], lid[1:] != lid[:-1])))
+        rank = np.arange(rep.size) - np.repeat(first, np.diff(np.append(first, rep.size)))
+        sel = rank < config.top_k
+        rep, lid = rep[sel], lid[sel]
+        return cls._assemble(tokens, sa, rep, lid, counts[:, rep].T, follow_len[rep], lead_count, config)
+
+    @staticmethod
+    def _top_leaders(lead_count: np.ndarray, config: NgramTableConfig) -> np.ndarray:
+        keep = lead_count >= config.min_count
+        if int(keep.sum()) > config.max_leaders:
+            # Most frequent leaders win; ties go to the lexicographically smaller leader.
+            order = np.lexsort((np.arange(lead_count.size), -lead_count))[: config.max_leaders]
+            keep = np.zeros_like(keep)
+            keep[order] = True
+        return keep
+
+    @classmethod
+    def _assemble(
+        cls,
+        tokens: np.ndarray,
+        sa: np.ndarray,
+        rep: np.ndarray,
+        lid: np.ndarray,
+        counts: np.ndarray,
+        flen: np.ndarray,
+        lead_count: np.ndarray,
+        config: NgramTableConfig,
+    ) -> NgramTable:
+        ll, fl = config.leader_len, config.follower_len
+        starts = sa[rep].astype(np.int64)
+        leaders = tokens[starts[:, None] + np.arange(ll)]
+        keys = leader_hashes(leaders)
+        cols = starts[:, None] + ll + np.arange(fl)
+        followers = tokens[np.minimum(cols, tokens.size - 1)].astype(np.int32)
+        followers[np.arange(fl)[None, :] >= flen[:, None]] = -1
+        totals = lead_count[lid].astype(np.float32)
+        probs = (counts / totals[:, None]).astype(np.float32)
+        # Group by key (hash order) keeping the per-leader score order inside each group.
+        order = np.lexsort((np.arange(rep.size), keys))
+        keys, lid = keys[order], lid[order]
+        first = np.concatenate(([True], keys[1:] != keys[:-1]))
+        offsets = np.append(np.flatnonzero(first), keys.size).astype(np.int64)
+        return cls(
+            config,
+            keys[first],
+            offsets,
+            lead_count[lid[first]].astype(np.int64),
+            followers[order],
+            probs[order],
+        )
+
+    @classmethod
+    def _empty(cls, config: NgramTableConfig) -> NgramTable:
+        fl = config.follower_len
+        return cls(
+            config,
+            np.zeros(0, dtype=np.uint64),
+            np.zeros(1, dtype=np.int64),
+            np.zeros(0, dtype=np.int64),
+            np.zeros((0, fl), dtype=np.int32),
+            np.zeros((0, fl), dtype=np.float32),
+        )
+
+    def to_bytes(self) -> bytes:
+        """Serialise to an ``.npz`` blob (CRC-checked on load)."""
+        buf = io.BytesIO()
+        c = self.config
+        shape = np.array([c.leader_len, c.follower_len, c.top_k, c.min_count, c.max_leaders], np.int64)
+        np.savez(
+            buf,
+            shape=shape,
+            keys=self._keys,
+            offsets=self._offsets,
+            leader_counts=self._leader_counts,
+            followers=self._followers,
+            probs=self._probs,
+        )
+        return buf.getvalue()
+
+    @classmethod
+    def from_bytes(cls, blob: bytes) -> NgramTable:
+        """Inverse of :meth:`to_bytes`; raises ``ValueError`` on a corrupt or foreign blob."""
+        try:
+            with np.load(io.BytesIO(blob), allow_pickle=False) as z:
+                ll, fl, k, mc, ml = (int(v) for v in z["shape"])
+                config = NgramTableConfig(leader_len=ll, follower_len=fl, top_k=k, min_count=mc, max_leaders=ml)
+                arrays = [z[name] for name in ("keys", "offsets", "leader_counts", "followers", "probs")]
+        except Exception as exc:  # zipfile, KeyError, bad header: all mean "not our table"
+            raise ValueError(f"corrupt n-gram table blob: {exc}") from exc
+        keys, offsets, counts, followers, probs = arrays
+        if (
+            keys.dtype != np.uint64
+            or offsets.size != keys.size + 1
+            or followers.shape != probs.shape
+            or followers.ndim != 2
+            or followers.shape[1] != fl
+            or (offsets.size and int(offsets[-1]) != followers.shape[0])
+            or followers.dtype != np.int32
+        ):
+            raise ValueError("corrupt n-gram table blob: inconsistent arrays")
+        return cls(config, keys, offsets, counts, followers, probs)

@@ -1,0 +1,102 @@
+"""Static priors: frozen n-gram tables of several leader lengths, warmed from a corpus.
+
+Lookups back off from the longest leader to the shortest, so a context that matches a
+four-token leader uses the more specific followers and a rare context still gets a guess.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from indexer.ngram_table import NgramTable, NgramTableConfig, lcp_array
+from indexer.suffix_array import build_suffix_array
+
+
+@dataclass(frozen=True, kw_only=True)
+class PriorConfig:
+    orders: tuple[int, ...] = (1, 2, 3, 4)
+    follower_len: int = 8
+    top_k: int = 4
+    min_count: int = 2
+    max_leaders: int = 1 << 20  # per order
+
+    def __post_init__(self) -> None:
+        if not self.orders or any(o < 1 or o > 16 for o in self.orders):
+            raise ValueError(f"orders must be leader lengths in [1, 16], got {self.orders}")
+        if len(set(self.orders)) != len(self.orders):
+            raise ValueError(f"orders must be distinct, got {self.orders}")
+
+    def table(self, order: int) -> NgramTableConfig:
+        return NgramTableConfig(
+            leader_len=order,
+            follower_len=self.follower_len,
+            top_k=self.top_k,
+            min_count=self.min_count,
+            max_leaders=self.max_leaders,
+        )
+
+
+@dataclass(frozen=True)
+class PriorHit:
+    order: int
+    rows: np.ndarray
+    probs: np.ndarray
+    count: int
+
+
+@dataclass(frozen=True)
+class StaticPrior:
+    """Tables ordered longest leader first.
+
+    >>> toks = np.array([1, 2, 3, 9, 1, 2, 3, 9, 4, 2, 5], dtype=np.int32)
+    >>> prior = StaticPrior.build(toks, PriorConfig(orders=(1, 2), follower_len=2))
+    >>> hit = prior.lookup(np.array([7, 1, 2], dtype=np.int32))
+    >>> hit.order, hit.rows.tolist()  # "1 2" beats "2" alone
+    (2, [[3, 9]])
+    """
+
+    tables: tuple[NgramTable, ...]
+    source_tokens: int = field(default=0)
+
+    @classmethod
+    def build(cls, tokens: np.ndarray, config: PriorConfig) -> StaticPrior:
+        sa = build_suffix_array(tokens)
+        lcp = lcp_array(tokens, sa)
+        tables = [NgramTable.build_from_suffix_array(tokens, sa, lcp, config.table(o)) for o in config.orders]
+        tables.sort(key=lambda t: -t.config.leader_len)
+        return cls(tuple(tables), int(tokens.size))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tables)
+
+    def lookup(self, context: np.ndarray) -> PriorHit | None:
+        for table in self.tables:
+            hit = table.lookup(context)
+            if hit is not None:
+                return PriorHit(table.config.leader_len, *hit)
+        return None
+
+    def to_bytes(self) -> bytes:
+        buf = io.BytesIO()
+        blobs = {f"t{i}": np.frombuffer(t.to_bytes(), dtype=np.uint8) for i, t in enumerate(self.tables)}
+        np.savez(buf, source_tokens=np.array([self.source_tokens], np.int64), **blobs)  # type: ignore[arg-type]
+        return buf.getvalue()
+
+    @classmethod
+    def from_bytes(cls, blob: bytes) -> StaticPrior:
+        """Inverse of :meth:`to_bytes`; ``ValueError`` on anything corrupt."""
+        try:
+            with np.load(io.BytesIO(blob), allow_pickle=False) as z:
+                names = sorted((k for k in z.files if k.startswith("t")), key=lambda k: int(k[1:]))
+                raw = [z[k].tobytes() for k in names]
+                source = int(z["source_tokens"][0])
+        except Exception as exc:
+            raise ValueError(f"corrupt prior blob: {exc}") from exc
+        if not raw:
+            raise ValueError("corrupt prior blob: no tables")
+        tables = sorted((NgramTable.from_bytes(b) for b in raw), key=lambda t: -t.config.leader_len)
+        return cls(tuple(tables), source)

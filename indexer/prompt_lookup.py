@@ -1,0 +1,37 @@
+"""Prompt lookup decoding (vLLM's ``ngram`` proposer, transformers' ``prompt_lookup_num_tokens``):
+the reference baseline and the client's local fallback drafter.
+
+Find the longest n-gram (``max_n`` down to ``min_n``) ending the context that occurred earlier in
+it and propose the ``num_tokens`` that followed its most recent earlier occurrence (the
+occurrence nearest the end, as vLLM's ngram proposer does).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+
+def prompt_lookup(context: np.ndarray, *, min_n: int = 1, max_n: int = 3, num_tokens: int = 10) -> np.ndarray:
+    """Draft chain for ``context`` (int32), empty if no n-gram repeats.
+
+    >>> ctx = np.array([1, 2, 3, 4, 5, 1, 2, 3], dtype=np.int32)
+    >>> prompt_lookup(ctx, num_tokens=3).tolist()  # "1 2 3" occurred at 0, followed by 4 5 1
+    [4, 5, 1]
+    >>> ctx = np.array([7, 1, 7, 2, 7], dtype=np.int32)
+    >>> prompt_lookup(ctx, num_tokens=1).tolist()  # "7" occurred twice: the later one wins
+    [2]
+    >>> prompt_lookup(np.array([1, 2, 3], dtype=np.int32)).tolist()  # nothing repeats
+    []
+    """
+    if min_n < 1 or max_n < min_n or num_tokens < 0:
+        raise ValueError(f"need 1 <= min_n <= max_n and num_tokens >= 0, got {min_n}, {max_n}, {num_tokens}")
+    size = int(context.size)
+    for n in range(min(max_n, size - 1), min_n - 1, -1):
+        # Windows starting before size - n: every one is followed by at least one token.
+        windows = sliding_window_view(context[: size - 1], n)
+        hits = np.flatnonzero((windows == context[size - n :]).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return context[start : start + num_tokens].copy()
+    return np.zeros(0, dtype=np.int32)

@@ -1,0 +1,131 @@
+"""Session-scoped LRU leader -> follower tables (Cacheback's dynamic table, DOUBLE's rejected
+cache).
+
+A *leader* is the ``leader_len`` tokens before a position; its *followers* are the
+``follower_len`` tokens seen after it. Both levels are LRU: a lookup or an update refreshes the
+leader, and the least recently used leader (or follower of one leader) goes first when a
+capacity is reached.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+Leader = tuple[int, ...]
+Follower = tuple[int, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class LruTableConfig:
+    leader_len: int = 2
+    follower_len: int = 8
+    max_leaders: int = 8192
+    max_followers: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("leader_len", "follower_len", "max_leaders", "max_followers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+class LruTable:
+    """Bounded leader -> followers map with per-follower hit counts.
+
+    >>> t = LruTable(LruTableConfig(leader_len=1, follower_len=2, max_leaders=2, max_followers=2))
+    >>> t.add((1,), (2, 3)); t.add((1,), (2, 4)); t.add((1,), (2, 3))
+    >>> t.followers((1,))  # most recent first, with counts
+    [((2, 3), 2), ((2, 4), 1)]
+    """
+
+    def __init__(self, config: LruTableConfig) -> None:
+        self.config = config
+        self._table: OrderedDict[Leader, OrderedDict[Follower, int]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    def add(self, leader: Leader, follower: Follower, count: int = 1) -> None:
+        followers = self._table.get(leader)
+        if followers is None:
+            followers = self._table[leader] = OrderedDict()
+            if len(self._table) > self.config.max_leaders:
+                self._table.popitem(last=False)
+        else:
+            self._table.move_to_end(leader)
+        followers[follower] = followers.pop(follower, 0) + count
+        if len(followers) > self.config.max_followers:
+            followers.popitem(last=False)
+
+    def followers(self, leader: Leader) -> list[tuple[Follower, int]]:
+        followers = self._table.get(leader)
+        if followers is None:
+            return []
+        self._table.move_to_end(leader)
+        return list(reversed(followers.items()))
+
+    def items(self) -> list[tuple[Leader, list[tuple[Follower, int]]]]:
+        """Oldest leader first, each with its followers oldest first (replayable by ``add``)."""
+        return [(lead, list(fol.items())) for lead, fol in self._table.items()]
+
+    def candidates(self, context: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Followers of the context's last ``leader_len`` tokens as ``(rows, weights)``."""
+        ll, fl = self.config.leader_len, self.config.follower_len
+        if context.size < ll:
+            return np.zeros((0, fl), dtype=np.int32), np.zeros(0)
+        found = self.followers(tuple(context[-ll:].tolist()))
+        if not found:
+            return np.zeros((0, fl), dtype=np.int32), np.zeros(0)
+        rows = np.full((len(found), fl), -1, dtype=np.int32)
+        for i, (fol, _) in enumerate(found):
+            rows[i, : len(fol)] = fol
+        return rows, np.array([c for _, c in found], dtype=np.float64)
+
+
+class DynamicCache:
+    """The session's dynamic table, fed with every context position whose follower is complete.
+
+    >>> cache = DynamicCache(LruTableConfig(leader_len=1, follower_len=2))
+    >>> cache.observe(np.array([1, 2, 3, 1], dtype=np.int32))
+    >>> cache.table.followers((1,))
+    [((2, 3), 1)]
+    """
+
+    def __init__(self, config: LruTableConfig, seed_window: int = 2048) -> None:
+        self.table = LruTable(config)
+        self._seed_window = seed_window
+        self._next = -1  # next leader end position to record; -1 until seeded
+
+    def observe(self, context: np.ndarray) -> None:
+        """Record positions made complete since the last call (the first call seeds from the
+        last ``seed_window`` tokens)."""
+        ll, fl = self.table.config.leader_len, self.table.config.follower_len
+        if self._next < 0:
+            self._next = max(ll, context.size - self._seed_window)
+        stop = context.size - fl
+        if stop < self._next:
+            return
+        window = context[self._next - ll : stop + fl].tolist()
+        for i in range(stop - self._next + 1):
+            self.table.add(tuple(window[i : i + ll]), tuple(window[i + ll : i + ll + fl]))
+        self._next = stop + 1
+
+
+class RejectedCache:
+    """Branches the target rejected, keyed by the context tail where they branched off.
+
+    >>> cache = RejectedCache(LruTableConfig(leader_len=1, follower_len=3))
+    >>> cache.record(np.array([5, 6], dtype=np.int32), np.array([9, 9, 9, 9], dtype=np.int32))
+    >>> cache.table.followers((6,))
+    [((9, 9, 9), 1)]
+    """
+
+    def __init__(self, config: LruTableConfig) -> None:
+        self.table = LruTable(config)
+
+    def record(self, context: np.ndarray, branch: np.ndarray) -> None:
+        ll, fl = self.table.config.leader_len, self.table.config.follower_len
+        if context.size >= ll and branch.size:
+            self.table.add(tuple(context[-ll:].tolist()), tuple(branch[:fl].tolist()))

@@ -1,0 +1,247 @@
+"""Merge candidate continuations from every tier into one budgeted draft tree.
+
+Each tier hands over rows of continuation tokens with, per position, the estimated probability
+that the row's prefix up to there is what the target generates. Rows from all tiers become one
+trie; a node's score is the sum over tiers of that tier's best estimate for the node (tiers that
+agree reinforce each other). Scores never grow along a path, so the ``budget`` best nodes form a
+valid tree with every parent kept: that is best-first growth from the root, and it sizes the tree
+by confidence (a weak match yields a few nodes above ``min_score``, a strong one a long chain).
+A depth reserve keeps the best chain's first ``depth_reserve`` nodes even when wide, shallow
+alternatives score higher, so one confident long path is never crowded out.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import numpy as np
+
+
+class Tier(enum.IntEnum):
+    """Where a draft node came from (on the wire as a small int)."""
+
+    DYNAMIC = 0  # session LRU leader -> followers
+    CONTEXT = 1  # the request's own prompt and output
+    REJECTED = 2  # branches the target rejected earlier in the session
+    LIFETIME_SA = 3  # suffix array over every finished request
+    LIFETIME_NGRAM = 4  # frozen n-gram table over the same buffer
+    PRIOR = 5  # static prior warmed from a corpus
+    EXACT = 6  # the previous response to an identical prompt
+
+
+@dataclass(frozen=True)
+class Candidates:
+    """One tier's proposals: ``rows`` (R, D) int32 padded with -1, scaled by ``confidence``.
+
+    Either ``weights`` (R,): occurrence counts, a node's probability being the weight share of
+    the tier's rows through it; or ``probs`` (R, D): per-prefix probabilities computed upstream
+    (frozen tables), a node taking the best of its rows.
+    """
+
+    tier: Tier
+    rows: np.ndarray
+    weights: np.ndarray | None = None
+    probs: np.ndarray | None = None
+    confidence: float = 1.0
+
+    def __post_init__(self) -> None:
+        if (self.weights is None) == (self.probs is None):
+            raise ValueError("give exactly one of weights or probs")
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """A draft tree in wire order: parents precede children, -1 is the context's last token.
+
+    >>> t = DraftTree.chain(np.array([7, 8], dtype=np.int32))
+    >>> t.parents.tolist(), t.depths().tolist()
+    ([-1, 0], [1, 2])
+    """
+
+    tokens: np.ndarray  # int32 (n,)
+    parents: np.ndarray  # int32 (n,)
+    sources: np.ndarray  # uint8 (n,) Tier values
+    scores: np.ndarray  # float32 (n,) estimated probability that the node is accepted
+
+    @classmethod
+    def empty(cls) -> DraftTree:
+        z = np.zeros(0, dtype=np.int32)
+        return cls(z, z.copy(), np.zeros(0, dtype=np.uint8), np.zeros(0, dtype=np.float32))
+
+    @classmethod
+    def chain(cls, tokens: np.ndarray, tier: Tier = Tier.CONTEXT) -> DraftTree:
+        n = tokens.size
+        return cls(
+            tokens.astype(np.int32),
+            np.arange(-1, n - 1, dtype=np.int32),
+            np.full(n, tier, dtype=np.uint8),
+            np.ones(n, dtype=np.float32),
+        )
+
+    def __len__(self) -> int:
+        return int(self.tokens.size)
+
+    def depths(self) -> np.ndarray:
+        d = np.zeros(len(self), dtype=np.int32)
+        for i, p in enumerate(self.parents.tolist()):
+            d[i] = 1 if p < 0 else d[p] + 1
+        return d
+
+    def accept(self, target: np.ndarray) -> list[int]:
+        """Node indices of the longest root path equal to a prefix of ``target``."""
+        path: list[int] = []
+        node = -1
+        for tok in target[: len(self)].tolist():
+            hit = np.flatnonzero((self.parents == node) & (self.tokens == tok))
+            if hit.size == 0:
+                break
+            node = int(hit[0])
+            path.append(node)
+        return path
+
+
+def _prefix_node_ids(srt: np.ndarray) -> np.ndarray:
+    """Trie node ids ``(depth, row)`` for lexicographically sorted rows, numbered depth-major so
+    that every parent id is smaller than its children's. -1 where a row has ended."""
+    r, d = srt.shape
+    valid = srt >= 0
+    start = np.ones((r, d), dtype=bool)
+    if r > 1:
+        start[1:] = np.logical_or.accumulate(srt[1:] != srt[:-1], axis=1)
+    start &= valid
+    ids = (np.cumsum(start.T.ravel()) - 1).reshape(d, r)
+    return np.where(valid.T, ids, -1)
+
+
+def build_tree(
+    candidates: list[Candidates],
+    *,
+    budget: int,
+    max_depth: int,
+    min_score: float = 0.0,
+    depth_reserve: int = 0,
+) -> DraftTree:
+    """Merge tiers into one tree of at most ``budget`` nodes and ``max_depth`` levels.
+
+    >>> a = Candidates(Tier.CONTEXT, np.array([[5, 6, 7]], np.int32), weights=np.ones(1), confidence=0.9)
+    >>> b = Candidates(Tier.PRIOR, np.array([[5, 9, -1]], np.int32), probs=np.array([[0.5, 0.4, 0.0]]))
+    >>> t = build_tree([a, b], budget=3, max_depth=3)
+    >>> t.tokens.tolist(), t.parents.tolist()  # 5 is shared (0.9 + 0.5); 6 (0.9) beats 9 (0.4)
+    ([5, 6, 7], [-1, 0, 1])
+    """
+    return merge_candidates(
+        candidates, budget=budget, max_depth=max_depth, min_score=min_score, depth_reserve=depth_reserve
+    )[0]
+
+
+def merge_candidates(
+    candidates: list[Candidates],
+    *,
+    budget: int,
+    max_depth: int,
+    min_score: float = 0.0,
+    depth_reserve: int = 0,
+) -> tuple[DraftTree, dict[Tier, tuple[int, float]]]:
+    """:func:`build_tree` plus, per tier, its most likely first token and that token's
+    probability under the tier alone (what calibration compares with the outcome)."""
+    if budget < 0 or max_depth < 0:
+        raise ValueError(f"budget and max_depth must be >= 0, got {budget}, {max_depth}")
+    parts = [c for c in candidates if c.rows.size and c.rows.shape[1]]
+    if budget == 0 or max_depth == 0 or not parts:
+        return DraftTree.empty(), {}
+    rows, vals, is_max, tiers = _stack(parts, max_depth)
+    order = np.argsort(_row_keys(rows), kind="stable")  # lexicographic, -1 (ended) first
+    rows, vals, is_max, tiers = rows[order], vals[order], is_max[order], tiers[order]
+    ids = _prefix_node_ids(rows)  # (depth, row)
+    n_nodes = int(ids.max()) + 1
+    if n_nodes == 0:
+        return DraftTree.empty(), {}
+    valid = ids >= 0
+    node_of = ids[valid]
+    n_tiers = len(Tier)
+    key = node_of * n_tiers + np.broadcast_to(tiers, ids.shape)[valid]
+    cell = vals.T[valid]
+    cell_max = np.broadcast_to(is_max, ids.shape)[valid]
+    per_tier = np.bincount(key[~cell_max], weights=cell[~cell_max], minlength=n_nodes * n_tiers)
+    if cell_max.any():
+        np.maximum.at(per_tier, key[cell_max], cell[cell_max])
+    per_tier = per_tier.reshape(n_nodes, n_tiers)
+    score = np.minimum(per_tier.sum(axis=1), 1.0)
+    # Node token and parent from the cells that open each node (depth-major ids: parents first).
+    token = np.empty(n_nodes, dtype=np.int32)
+    parent = np.empty(n_nodes, dtype=np.int64)
+    token[node_of] = rows.T[valid]
+    parent[node_of] = np.vstack((np.full((1, ids.shape[1]), -1), ids[:-1]))[valid]
+    keep = _select(score, parent, budget, min_score, depth_reserve)
+    remap = np.full(n_nodes, -1, dtype=np.int64)
+    remap[keep] = np.arange(keep.size)
+    parents = np.where(parent[keep] >= 0, remap[np.maximum(parent[keep], 0)], -1)
+    tree = DraftTree(
+        token[keep], parents.astype(np.int32), per_tier[keep].argmax(axis=1).astype(np.uint8), score[keep].astype(np.float32)
+    )
+    return tree, _first_guesses(per_tier[: int(ids[0].max()) + 1], token, parts)
+
+
+def _first_guesses(first_level: np.ndarray, token: np.ndarray, parts: list[Candidates]) -> dict[Tier, tuple[int, float]]:
+    best = first_level.argmax(axis=0)
+    out = {}
+    for c in parts:
+        value = float(first_level[best[c.tier], c.tier])
+        if value > 0 and c.confidence > 0:
+            out[c.tier] = (int(token[best[c.tier]]), value / c.confidence)
+    return out
+
+
+def _row_keys(rows: np.ndarray) -> np.ndarray:
+    """One opaque sort key per row: big-endian bytes order rows lexicographically."""
+    shifted = np.ascontiguousarray((rows + 1).astype(">u4"))
+    return shifted.view(np.dtype((np.void, 4 * rows.shape[1]))).ravel()
+
+
+def _stack(parts: list[Candidates], depth: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    total = sum(c.rows.shape[0] for c in parts)
+    rows = np.full((total, depth), -1, dtype=np.int32)
+    vals = np.zeros((total, depth), dtype=np.float64)
+    is_max = np.zeros(total, dtype=bool)
+    tiers = np.empty(total, dtype=np.int64)
+    at = 0
+    for c in parts:
+        k, w = c.rows.shape[0], min(c.rows.shape[1], depth)
+        rows[at : at + k, :w] = c.rows[:, :w]
+        tiers[at : at + k] = int(c.tier)
+        if c.probs is not None:
+            vals[at : at + k, :w] = c.probs[:, :w] * c.confidence
+            is_max[at : at + k] = True
+        else:
+            assert c.weights is not None
+            vals[at : at + k] = (c.weights * (c.confidence / float(c.weights.sum())))[:, None]
+        at += k
+    return rows, vals, is_max, tiers
+
+
+def _select(score: np.ndarray, parent: np.ndarray, budget: int, min_score: float, depth_reserve: int) -> np.ndarray:
+    """Node ids to keep, ascending (so parents come first): the reserved best chain, then the
+    highest scores. A stable sort over depth-major ids breaks ties toward parents."""
+    rank = np.argsort(-score, kind="stable")
+    rank = rank[score[rank] > min_score]
+    chosen = np.zeros(score.size, dtype=bool)
+    if depth_reserve > 0 and rank.size:
+        chosen[_best_chain(rank, parent, min(depth_reserve, budget))] = True
+    room = budget - int(chosen.sum())
+    if room > 0:
+        chosen[rank[~chosen[rank]][:room]] = True
+    return np.flatnonzero(chosen)
+
+
+def _best_chain(rank: np.ndarray, parent: np.ndarray, length: int) -> list[int]:
+    """The greedy best chain from the root (``rank`` is best-first), at most ``length`` nodes."""
+    parents_in_rank = parent[rank]
+    uniq, first = np.unique(parents_in_rank, return_index=True)
+    best_child = dict(zip(uniq.tolist(), rank[first].tolist(), strict=True))
+    chain: list[int] = []
+    node = best_child.get(-1)
+    while node is not None and len(chain) < length:
+        chain.append(node)
+        node = best_child.get(node)
+    return chain
