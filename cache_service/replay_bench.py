@@ -1,0 +1,101 @@
+"""The replay benchmark: draftcache and its baselines over the same traces, side by side."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from decoder_client.baselines import EngineDrafter, PromptLookupDrafter, SuffixDecodingDrafter, suffix_decoding_available
+from decoder_client.replay import ReplayDrafter, ReplayStats, replay
+from decoder_client.traces import Conversation
+from indexer.drafter import DrafterConfig, DraftParams, NamespaceDrafter
+from indexer.prior import StaticPrior
+from indexer.tokens import Namespace
+
+logger = logging.getLogger(__name__)
+
+BASELINES = ("prompt-lookup", "suffix-decoding")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReplayConfig:
+    params: DraftParams = field(default_factory=DraftParams)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    baselines: tuple[str, ...] = ()
+    # SuffixDecoding's best setting on our traces (its vLLM default is factor 1.0, p 0.1).
+    suffix_factor: float = 8.0
+    suffix_min_prob: float = 0.0
+
+    def __post_init__(self) -> None:
+        unknown = set(self.baselines) - set(BASELINES)
+        if unknown:
+            raise ValueError(f"unknown baselines {sorted(unknown)}; choose from {', '.join(BASELINES)}")
+        if self.suffix_factor <= 0 or not 0 <= self.suffix_min_prob < 1:
+            raise ValueError("suffix_factor must be > 0 and suffix_min_prob in [0, 1)")
+
+
+def namespace_of(conversations: list[Conversation], vocab_size: int | None) -> Namespace:
+    names = {c.namespace for c in conversations}
+    if len(names) != 1:
+        raise ValueError(f"a replay covers one namespace; the traces hold {sorted(names)}")
+    if vocab_size is None:
+        vocab_size = 1 + max((int(s.tokens.max()) for c in conversations for s in c.segments if s.tokens.size), default=0)
+    return Namespace(name=names.pop(), vocab_size=vocab_size)
+
+
+def drafters(namespace: Namespace, config: ReplayConfig, prior: StaticPrior | None) -> list[ReplayDrafter]:
+    engine = NamespaceDrafter(namespace, config.drafter, prior=prior)
+    out: list[ReplayDrafter] = [EngineDrafter(engine, config.params)]
+    if "prompt-lookup" in config.baselines:
+        out.append(PromptLookupDrafter())
+    if "suffix-decoding" in config.baselines:
+        if suffix_decoding_available():
+            out.append(
+                SuffixDecodingDrafter(
+                    max_spec_tokens=config.params.budget,
+                    max_spec_factor=config.suffix_factor,
+                    min_token_prob=config.suffix_min_prob,
+                )
+            )
+        else:
+            logger.warning("suffix-decoding baseline skipped: pip install arctic-inference==0.3.0")
+    return out
+
+
+def run_replay(conversations: list[Conversation], drafter_list: list[ReplayDrafter]) -> list[ReplayStats]:
+    results = []
+    for d in drafter_list:
+        start = time.perf_counter()
+        stats = replay(conversations, d)
+        logger.info("%s: MAT %.3f in %.1f s", d.name, stats.mat, time.perf_counter() - start)
+        results.append(stats)
+    return results
+
+
+def report(results: list[ReplayStats], trace: Path, *, as_json: bool) -> str:
+    rows = [r.summary() for r in results]
+    if as_json:
+        return json.dumps({"trace": str(trace), "results": rows}, indent=2)
+    cats = sorted({c for r in rows for c in r["mat_by_category"]})
+    width = max(len(r["drafter"]) for r in rows) + 2
+    lines = [f"trace: {trace}"]
+    head = f"{'drafter':<{width}}{'MAT':>7}{'draft/step':>11}{'p50 us':>9}{'p99 us':>9}"
+    lines.append(head)
+    for r in rows:
+        lines.append(
+            f"{r['drafter']:<{width}}{r['mat']:>7.3f}{r['drafted_per_step']:>11.1f}"
+            f"{r['draft_us_p50']:>9.0f}{r['draft_us_p99']:>9.0f}"
+        )
+    lines.append("")
+    lines.append("MAT by category: " + " | ".join(r["drafter"] for r in rows))
+    for c in cats:
+        vals = "  ".join(f"{r['mat_by_category'].get(c, 0):.3f}" for r in rows)
+        lines.append(f"  {c:<16}{vals}")
+    tiers = rows[0]["accepted_by_tier"]
+    if tiers:
+        total = sum(tiers.values())
+        lines.append("accepted draft tokens by tier (draftcache): " + ", ".join(f"{t} {v / total:.1%}" for t, v in tiers.items()))
+    return "\n".join(lines)
