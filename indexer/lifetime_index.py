@@ -102,6 +102,15 @@ class LifetimeMemory:
             if prompt is not None and response is not None:
                 self._remember(prompt, response)
 
+    def commit_many(self, requests: list[np.ndarray]) -> None:
+        """Bulk-add finished requests (a restore or a load): one delta rebuild, not one each."""
+        with self._lock:
+            for tokens in requests:
+                self.buffer.append(tokens)
+                self._delta_tokens.append(tokens)
+                self._delta_tokens.append(np.array([SEPARATOR], dtype=np.int32))
+            self._refresh_delta()
+
     def _refresh_delta(self) -> None:
         if not self._delta_tokens:
             self._delta = None

@@ -41,7 +41,7 @@ class NgramTableConfig:
     follower_len: int = 8
     top_k: int = 4
     min_count: int = 2
-    max_leaders: int = 1 << 20
+    max_leaders: int = 1 << 16
 
     def __post_init__(self) -> None:
         for name in ("leader_len", "follower_len", "top_k", "min_count", "max_leaders"):
@@ -175,39 +175,38 @@ class NgramTable:
         n = int(tokens.size)
         if n == 0:
             return cls._empty(config)
-        # Tokens a suffix has before the next separator (SEPARATOR itself included as a stop).
-        is_sep = tokens == SEPARATOR
-        sep_pos = np.where(is_sep, np.arange(n), n)
-        next_sep = np.minimum.accumulate(sep_pos[::-1])[::-1]
-        run = (next_sep - np.arange(n))[sa]  # clean tokens from each SA row's start
-        follow_len = np.clip(run - ll, 0, fl)  # usable follower tokens per row
-        ok = follow_len > 0
-        # Leaders: runs of rows sharing their first ll tokens.
+        # Clean tokens from each SA row's start up to the next separator.
+        sep_pos = np.where(tokens == SEPARATOR, np.arange(n), n)
+        run = (np.minimum.accumulate(sep_pos[::-1])[::-1] - np.arange(n))[sa]
+        follow_len = np.clip(run - ll, 0, fl)  # usable follower tokens per SA row
+        # Leaders: runs of SA rows sharing their first ll tokens.
         lead_start = lcp < ll
         lead_id = np.cumsum(lead_start) - 1
-        lead_count = np.bincount(lead_id, weights=ok).astype(np.int64)
+        lead_count = np.bincount(lead_id, weights=follow_len > 0).astype(np.int64)
         keep = cls._top_leaders(lead_count, config)
-        row_keep = ok & keep[lead_id]
-        if not row_keep.any():
+        # Kept leaders are whole runs of SA rows, so within the selection consecutive rows of
+        # one leader are still SA neighbours and their LCP still applies.
+        rows = np.flatnonzero(keep[lead_id])
+        if rows.size == 0:
             return cls._empty(config)
-        # Prefix counts per level: rows sharing their first ll + j tokens.
-        counts = np.zeros((fl, n), dtype=np.int32)
-        for j in range(1, fl + 1):
-            start = lcp < ll + j
-            gid = np.cumsum(start) - 1
-            valid = row_keep & (follow_len >= j)
-            c = np.bincount(gid, weights=valid).astype(np.int32)
-            counts[j - 1] = np.where(valid, c[gid], 0)
-        # Distinct followers: first row of each run sharing ll + follower tokens.
-        rep = np.flatnonzero((lcp < ll + follow_len) & row_keep)
-        score = counts[:, rep].sum(axis=0, dtype=np.int64)
-        order = np.lexsort((rep, -score, lead_id[rep]))
-        rep, lid = rep[order], lead_id[rep[order]]
-        first = np.flatnonzero(np.concatenate(([True], lid[1:] != lid[:-1])))
+        lcp_sel, flen, lid = lcp[rows], follow_len[rows], lead_id[rows]
+        # Distinct followers: first row of each run sharing ll + its follower tokens.
+        rep = np.flatnonzero((lcp_sel < ll + flen) & (flen > 0))
+        counts = np.zeros((rep.size, fl), dtype=np.int32)
+        for j in range(1, fl + 1):  # rows sharing ll + j tokens, counted where j tokens exist
+            gid = np.cumsum(lcp_sel < ll + j) - 1
+            valid = flen >= j
+            sizes = np.bincount(gid, weights=valid)
+            counts[:, j - 1] = np.where(valid[rep], sizes[gid[rep]], 0)
+        score = counts.sum(axis=1, dtype=np.int64)  # expected accepted length, times leader count
+        order = np.lexsort((rep, -score, lid[rep]))
+        rep, counts = rep[order], counts[order]
+        rep_lid = lid[rep]
+        first = np.flatnonzero(np.concatenate(([True], rep_lid[1:] != rep_lid[:-1])))
         rank = np.arange(rep.size) - np.repeat(first, np.diff(np.append(first, rep.size)))
         sel = rank < config.top_k
-        rep, lid = rep[sel], lid[sel]
-        return cls._assemble(tokens, sa, rep, lid, counts[:, rep].T, follow_len[rep], lead_count, config)
+        rep = rep[sel]
+        return cls._assemble(tokens, sa[rows[rep]], lid[rep], counts[sel], flen[rep], lead_count, config)
 
     @staticmethod
     def _top_leaders(lead_count: np.ndarray, config: NgramTableConfig) -> np.ndarray:
@@ -223,8 +222,7 @@ class NgramTable:
     def _assemble(
         cls,
         tokens: np.ndarray,
-        sa: np.ndarray,
-        rep: np.ndarray,
+        starts: np.ndarray,
         lid: np.ndarray,
         counts: np.ndarray,
         flen: np.ndarray,
@@ -232,16 +230,16 @@ class NgramTable:
         config: NgramTableConfig,
     ) -> NgramTable:
         ll, fl = config.leader_len, config.follower_len
-        starts = sa[rep].astype(np.int64)
+        starts = starts.astype(np.int64)
         leaders = tokens[starts[:, None] + np.arange(ll)]
         keys = leader_hashes(leaders)
         cols = starts[:, None] + ll + np.arange(fl)
         followers = tokens[np.minimum(cols, tokens.size - 1)].astype(np.int32)
         followers[np.arange(fl)[None, :] >= flen[:, None]] = -1
         totals = lead_count[lid].astype(np.float32)
-        probs = (counts / totals[:, None]).astype(np.float32)
+        probs = (counts / totals[:, None]).astype(np.float16)
         # Group by key (hash order) keeping the per-leader score order inside each group.
-        order = np.lexsort((np.arange(rep.size), keys))
+        order = np.lexsort((np.arange(starts.size), keys))
         keys, lid = keys[order], lid[order]
         first = np.concatenate(([True], keys[1:] != keys[:-1]))
         offsets = np.append(np.flatnonzero(first), keys.size).astype(np.int64)
@@ -263,7 +261,7 @@ class NgramTable:
             np.zeros(1, dtype=np.int64),
             np.zeros(0, dtype=np.int64),
             np.zeros((0, fl), dtype=np.int32),
-            np.zeros((0, fl), dtype=np.float32),
+            np.zeros((0, fl), dtype=np.float16),
         )
 
     def to_bytes(self) -> bytes:

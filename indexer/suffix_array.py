@@ -3,7 +3,8 @@
 Lookups compare big-endian byte slices: for non-negative int32 ids, comparing their big-endian
 bytes orders sequences exactly like comparing the ids, so each binary-search step is one C-level
 ``bytes`` comparison instead of a numpy call. The index holds 8 bytes per token: the byte copy of
-the tokens and the int32 suffix array.
+the tokens and the int32 suffix array, plus a sampled key array (under 1 byte per token) that
+narrows each binary search with one ``np.searchsorted`` before the byte comparisons start.
 """
 
 from __future__ import annotations
@@ -62,6 +63,11 @@ class SuffixIndex:
 
     def __init__(self, tokens: np.ndarray, suffix_array: np.ndarray | None = None) -> None:
         tokens = np.ascontiguousarray(tokens, dtype=np.int32)
+        if tokens.size == 0 or tokens[-1] != SEPARATOR:
+            # A final separator: no match or continuation ever runs off the end.
+            if suffix_array is not None:
+                raise ValueError("a prebuilt suffix array needs tokens ending with SEPARATOR")
+            tokens = np.append(tokens, SEPARATOR)
         self._be = tokens.astype(">i4").tobytes()
         self._tokens = np.frombuffer(self._be, dtype=">i4")
         sa = build_suffix_array(tokens) if suffix_array is None else suffix_array
@@ -69,6 +75,7 @@ class SuffixIndex:
             raise ValueError("suffix array must be int32 with one entry per token")
         self._sa = sa
         self._sa_view = memoryview(sa)  # indexing yields Python ints without numpy scalar cost
+        self._keys = _SampledKeys(tokens, sa)
 
     @property
     def size(self) -> int:
@@ -76,7 +83,7 @@ class SuffixIndex:
 
     @property
     def nbytes(self) -> int:
-        return len(self._be) + int(self._sa.nbytes)
+        return len(self._be) + int(self._sa.nbytes) + self._keys.nbytes
 
     @property
     def tokens(self) -> np.ndarray:
@@ -87,10 +94,13 @@ class SuffixIndex:
     def suffix_array(self) -> np.ndarray:
         return self._sa
 
-    def match_range(self, pattern: bytes, lo: int = 0, hi: int | None = None) -> tuple[int, int]:
-        """SA rows ``[first, last)`` whose suffixes start with ``pattern`` (big-endian bytes)."""
+    def match_range(self, pattern: bytes, ids: list[int] | None = None) -> tuple[int, int]:
+        """SA rows ``[first, last)`` whose suffixes start with ``pattern`` (big-endian bytes of
+        the token ids ``ids``, which are decoded from it when not given)."""
         be, sa, m = self._be, self._sa_view, len(pattern)
-        end = self.size if hi is None else hi
+        if ids is None:
+            ids = np.frombuffer(pattern, dtype=">i4").tolist()
+        lo, end = self._keys.bounds(ids)
         hi = end
         while lo < hi:
             mid = (lo + hi) >> 1
@@ -126,22 +136,23 @@ class SuffixIndex:
         if hi_n < min_len or self.size == 0:
             return 0, 0, 0
         tail = context[-hi_n:].astype(">i4").tobytes()
+        ids = context[-hi_n:].tolist()
         best = (0, 0, 0)
         lo_n = min_len - 1
         if min_len <= hint <= hi_n:
-            first, last = self.match_range(tail[-4 * hint :])
+            first, last = self.match_range(tail[-4 * hint :], ids[-hint:])
             if first == last:
                 hi_n = hint - 1
             else:
                 lo_n, best = hint, (hint, first, last)
                 if hint < hi_n:
-                    first, last = self.match_range(tail[-4 * (hint + 1) :])
+                    first, last = self.match_range(tail[-4 * (hint + 1) :], ids[-hint - 1 :])
                     if first == last:
                         return best
                     lo_n, best = hint + 1, (hint + 1, first, last)
         while lo_n < hi_n:
             mid = (lo_n + hi_n + 1) >> 1
-            first, last = self.match_range(tail[-4 * mid :])
+            first, last = self.match_range(tail[-4 * mid :], ids[-mid:])
             if first < last:
                 lo_n, best = mid, (mid, first, last)
             else:
@@ -162,10 +173,9 @@ class SuffixIndex:
         if count <= 0 or depth <= 0:
             return np.zeros((0, depth), dtype=np.int32), np.zeros(0, dtype=np.float64)
         starts = self.sample_starts(first, last, samples) + offset
-        cols = starts[:, None] + np.arange(depth)
-        past_end = cols >= self.size
-        rows = self._tokens[np.minimum(cols, self.size - 1)].astype(np.int32)
-        rows[np.logical_or.accumulate((rows == SEPARATOR) | past_end, axis=1)] = -1
+        cols = np.minimum(starts[:, None] + np.arange(depth), self.size - 1)  # the last token is a separator
+        rows = self._tokens[cols].astype(np.int32)
+        rows[np.logical_or.accumulate(rows == SEPARATOR, axis=1)] = -1
         return rows, np.full(starts.size, count / starts.size)
 
     def sample_starts(self, first: int, last: int, samples: int) -> np.ndarray:
@@ -176,3 +186,69 @@ class SuffixIndex:
         else:
             picks = first + (np.arange(samples, dtype=np.int64) * count) // samples
         return self._sa[picks].astype(np.int64)
+
+
+class _SampledKeys:
+    """Every ``step``-th suffix's first tokens packed into one uint64, in SA order.
+
+    Tokens are coded ``id + 1`` (0 means "suffix ended") with the separator as the largest
+    code, ``bits`` bits each, so integer order equals suffix order on the packed prefix.
+    """
+
+    def __init__(self, tokens: np.ndarray, sa: np.ndarray, step: int = 16) -> None:
+        self.step = step
+        real = tokens[tokens != SEPARATOR]
+        top = int(real.max()) + 2 if real.size else 2  # codes 1..max+1, separator max+2
+        self.bits = max(1, top.bit_length())
+        self.width = max(1, min(8, 64 // self.bits))
+        self._sep = top
+        starts = sa[::step].astype(np.int64)
+        key = np.zeros(starts.size, dtype=np.uint64)
+        for j in range(self.width):
+            pos = starts + j
+            code = np.where(pos < tokens.size, tokens[np.minimum(pos, tokens.size - 1)].astype(np.int64) + 1, 0)
+            code = np.where(code == int(SEPARATOR) + 1, self._sep, code)
+            key = (key << np.uint64(self.bits)) | code.astype(np.uint64)
+        self.keys = key
+        self._view = memoryview(key)  # Python-int indexing for the binary search
+        self.size = int(sa.size)
+        # Sampled keys per first-token code, so a search starts inside its first token's bucket.
+        first_code = (key >> np.uint64(self.bits * (self.width - 1))).astype(np.int64)
+        self._bucket = np.searchsorted(first_code, np.arange(top + 2)).tolist()
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.keys.nbytes) + 8 * len(self._bucket)
+
+    def bounds(self, ids: list[int]) -> tuple[int, int]:
+        """A row range certain to contain every suffix starting with the tokens ``ids``."""
+        keys, n = self._view, len(self._view)
+        if n == 0:
+            return 0, self.size
+        bits, sep = self.bits, int(SEPARATOR)
+        lo_key = hi_key = 0
+        for j in range(self.width):
+            if j < len(ids):
+                code = self._sep if ids[j] == sep else ids[j] + 1
+                if code > self._sep:  # an id never seen by this index: nothing can match
+                    return 0, 0
+                lo_key, hi_key = (lo_key << bits) | code, (hi_key << bits) | code
+            else:  # the pattern ended: any continuation (codes 0 .. all ones) matches
+                lo_key, hi_key = lo_key << bits, (hi_key << bits) | ((1 << bits) - 1)
+        c0 = lo_key >> (bits * (self.width - 1))
+        lo, hi = self._bucket[c0], self._bucket[c0 + 1]  # first sampled key >= lo_key
+        top = hi
+        while lo < hi:
+            mid = (lo + hi) >> 1
+            if keys[mid] < lo_key:
+                lo = mid + 1
+            else:
+                hi = mid
+        first, hi = lo, top  # first sampled key > hi_key
+        while lo < hi:
+            mid = (lo + hi) >> 1
+            if keys[mid] <= hi_key:
+                lo = mid + 1
+            else:
+                hi = mid
+        return max(0, (first - 1) * self.step), min(self.size, lo * self.step)

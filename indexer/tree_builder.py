@@ -104,14 +104,16 @@ class DraftTree:
 def _prefix_node_ids(srt: np.ndarray) -> np.ndarray:
     """Trie node ids ``(depth, row)`` for lexicographically sorted rows, numbered depth-major so
     that every parent id is smaller than its children's. -1 where a row has ended."""
-    r, d = srt.shape
-    valid = srt >= 0
-    start = np.ones((r, d), dtype=bool)
-    if r > 1:
-        start[1:] = np.logical_or.accumulate(srt[1:] != srt[:-1], axis=1)
+    cols = srt.T  # (depth, row)
+    valid = cols >= 0
+    start = np.empty(cols.shape, dtype=bool)
+    start[:, 0] = True
+    # A row opens a new node at depth d when its prefix up to d differs from the row before.
+    np.logical_or.accumulate(cols[:, 1:] != cols[:, :-1], axis=0, out=start[:, 1:])
     start &= valid
-    ids = (np.cumsum(start.T.ravel()) - 1).reshape(d, r)
-    return np.where(valid.T, ids, -1)
+    ids = np.cumsum(start, axis=None).reshape(cols.shape) - 1
+    ids[~valid] = -1
+    return ids
 
 
 def build_tree(
@@ -157,22 +159,23 @@ def merge_candidates(
     n_nodes = int(ids.max()) + 1
     if n_nodes == 0:
         return DraftTree.empty(), {}
-    valid = ids >= 0
-    node_of = ids[valid]
+    d_idx, r_idx = np.nonzero(ids >= 0)  # every filled cell, depth-major
+    node_of = ids[d_idx, r_idx]
     n_tiers = len(Tier)
-    key = node_of * n_tiers + np.broadcast_to(tiers, ids.shape)[valid]
-    cell = vals.T[valid]
-    cell_max = np.broadcast_to(is_max, ids.shape)[valid]
+    key = node_of * n_tiers + tiers[r_idx]
+    cell = vals[r_idx, d_idx]
+    cell_max = is_max[r_idx]
+    # Weight-share tiers add up along a node; table tiers take their best row.
     per_tier = np.bincount(key[~cell_max], weights=cell[~cell_max], minlength=n_nodes * n_tiers)
     if cell_max.any():
         np.maximum.at(per_tier, key[cell_max], cell[cell_max])
     per_tier = per_tier.reshape(n_nodes, n_tiers)
     score = np.minimum(per_tier.sum(axis=1), 1.0)
-    # Node token and parent from the cells that open each node (depth-major ids: parents first).
+    # Node token and parent from its cells (depth-major ids: every parent id is smaller).
     token = np.empty(n_nodes, dtype=np.int32)
     parent = np.empty(n_nodes, dtype=np.int64)
-    token[node_of] = rows.T[valid]
-    parent[node_of] = np.vstack((np.full((1, ids.shape[1]), -1), ids[:-1]))[valid]
+    token[node_of] = rows[r_idx, d_idx]
+    parent[node_of] = np.where(d_idx > 0, ids[np.maximum(d_idx - 1, 0), r_idx], -1)
     keep = _select(score, parent, budget, min_score, depth_reserve)
     remap = np.full(n_nodes, -1, dtype=np.int64)
     remap[keep] = np.arange(keep.size)
@@ -236,12 +239,12 @@ def _select(score: np.ndarray, parent: np.ndarray, budget: int, min_score: float
 
 def _best_chain(rank: np.ndarray, parent: np.ndarray, length: int) -> list[int]:
     """The greedy best chain from the root (``rank`` is best-first), at most ``length`` nodes."""
-    parents_in_rank = parent[rank]
-    uniq, first = np.unique(parents_in_rank, return_index=True)
-    best_child = dict(zip(uniq.tolist(), rank[first].tolist(), strict=True))
+    best_child = np.full(parent.size + 1, -1, dtype=np.int64)  # slot 0 is the root
+    best_child[parent[rank[::-1]] + 1] = rank[::-1]  # later writes win: the best-ranked child
+    table = best_child.tolist()
     chain: list[int] = []
-    node = best_child.get(-1)
-    while node is not None and len(chain) < length:
+    node = table[0]
+    while node >= 0 and len(chain) < length:
         chain.append(node)
-        node = best_child.get(node)
+        node = table[node + 1]
     return chain

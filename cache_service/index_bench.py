@@ -1,0 +1,86 @@
+"""Index benchmark: rebuild time, lookup latency and memory per token at a given buffer size,
+on real corpus tokens (requests = corpus documents, queries = held-out documents)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from indexer.lifetime_index import LifetimeConfig, LifetimeMemory
+from indexer.ngram_table import NgramTableConfig
+from indexer.tokens import SEPARATOR
+
+
+@dataclass(frozen=True, kw_only=True)
+class IndexBenchConfig:
+    buffer_tokens: int = 10_000_000
+    queries: int = 20_000
+    context: int = 64  # tokens of context per query
+    max_match: int = 32
+    depth: int = 32
+    samples: int = 32
+    table: NgramTableConfig = NgramTableConfig()
+
+    def __post_init__(self) -> None:
+        if self.buffer_tokens < 1000 or self.queries < 1 or self.context < 1:
+            raise ValueError("buffer_tokens >= 1000, queries >= 1 and context >= 1 required")
+
+
+def split_documents(tokens: np.ndarray) -> list[np.ndarray]:
+    cuts = np.flatnonzero(tokens == SEPARATOR)
+    starts = np.concatenate(([0], cuts[:-1] + 1))
+    return [tokens[a:b] for a, b in zip(starts.tolist(), cuts.tolist(), strict=True) if b > a]
+
+
+def run_index_bench(corpus: np.ndarray, config: IndexBenchConfig) -> dict:
+    docs = split_documents(corpus)
+    loaded, used = [], 0
+    for doc in docs:
+        if used + doc.size + 1 > config.buffer_tokens:
+            break
+        loaded.append(doc)
+        used += doc.size + 1
+    held_out = np.concatenate(docs[len(loaded) :] or [corpus[-config.context * 4 :]])
+    if held_out.size <= config.context:
+        raise ValueError("the corpus is too small for the requested buffer: nothing left to query with")
+    memory = LifetimeMemory(
+        LifetimeConfig(capacity_tokens=used + 1, table=config.table, delta_max_tokens=max(1, used))
+    )
+    memory.commit_many(loaded)
+    start = time.perf_counter()
+    built = memory.rebuild()
+    rebuild_s = time.perf_counter() - start
+    index = built.suffix
+    rng = np.random.default_rng(0)
+    ends = rng.integers(config.context, held_out.size, size=config.queries)
+    lat, found = np.empty(config.queries), 0
+    for i, end in enumerate(ends.tolist()):
+        ctx = held_out[end - config.context : end]
+        t0 = time.perf_counter()
+        n, first, last = index.longest_match(ctx, config.max_match)
+        if n:
+            index.continuations(first, last, n, config.depth, config.samples)
+            found += 1
+        lat[i] = time.perf_counter() - t0
+    t_lat = np.empty(min(config.queries, 5000))
+    for i, end in enumerate(ends[: t_lat.size].tolist()):
+        ctx = held_out[end - config.context : end]
+        t0 = time.perf_counter()
+        built.table.lookup(ctx)
+        t_lat[i] = time.perf_counter() - t0
+    return {
+        "buffer_tokens": int(index.size),
+        "requests": len(loaded),
+        "rebuild_s": round(rebuild_s, 3),
+        "index_bytes_per_token": round(built.nbytes / index.size, 2),
+        "suffix_bytes_per_token": round(index.nbytes / index.size, 2),
+        "table_bytes_per_token": round(built.table.nbytes / index.size, 2),
+        "table_leaders": built.table.leaders,
+        "lookup_us_p50": round(float(np.percentile(lat, 50)) * 1e6, 1),
+        "lookup_us_p99": round(float(np.percentile(lat, 99)) * 1e6, 1),
+        "table_lookup_us_p50": round(float(np.percentile(t_lat, 50)) * 1e6, 1),
+        "table_lookup_us_p99": round(float(np.percentile(t_lat, 99)) * 1e6, 1),
+        "queries_matched": round(found / config.queries, 3),
+    }
