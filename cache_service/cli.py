@@ -79,7 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _warm_prior(corpus: Path, fmt: str, tokenizer: Path, config: PriorConfig, *, vocab_size: int | None = None) -> StaticPrior:
+def _warm_prior(
+    corpus: Path, fmt: str, tokenizer: Path, config: PriorConfig, *, vocab_size: int | None = None
+) -> StaticPrior:
     from tqdm import tqdm
 
     encode, vocab = warm.load_tokenizer(tokenizer)
@@ -95,7 +97,10 @@ def _warm_prior(corpus: Path, fmt: str, tokenizer: Path, config: PriorConfig, *,
         tokens = warm.tokenize_corpus(warm.read_corpus(corpus, fmt), encode, vocab, progress=progress)
     prior = warm.build_prior(tokens, config)
     logger.info(
-        "prior: %d corpus tokens -> %.1f MB of tables in %.1f s", tokens.size, prior.nbytes / 1e6, time.perf_counter() - start
+        "prior: %d corpus tokens -> %.1f MB of tables in %.1f s",
+        tokens.size,
+        prior.nbytes / 1e6,
+        time.perf_counter() - start,
     )
     return prior
 

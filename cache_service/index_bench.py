@@ -4,7 +4,7 @@ on real corpus tokens (requests = corpus documents, queries = held-out documents
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -21,7 +21,7 @@ class IndexBenchConfig:
     max_match: int = 32
     depth: int = 32
     samples: int = 32
-    table: NgramTableConfig = NgramTableConfig()
+    table: NgramTableConfig = field(default_factory=NgramTableConfig)
 
     def __post_init__(self) -> None:
         if self.buffer_tokens < 1000 or self.queries < 1 or self.context < 1:
@@ -45,9 +45,7 @@ def run_index_bench(corpus: np.ndarray, config: IndexBenchConfig) -> dict:
     held_out = np.concatenate(docs[len(loaded) :] or [corpus[-config.context * 4 :]])
     if held_out.size <= config.context:
         raise ValueError("the corpus is too small for the requested buffer: nothing left to query with")
-    memory = LifetimeMemory(
-        LifetimeConfig(capacity_tokens=used + 1, table=config.table, delta_max_tokens=max(1, used))
-    )
+    memory = LifetimeMemory(LifetimeConfig(capacity_tokens=used + 1, table=config.table, delta_max_tokens=max(1, used)))
     memory.commit_many(loaded)
     start = time.perf_counter()
     built = memory.rebuild()

@@ -8,7 +8,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from decoder_client.baselines import EngineDrafter, PromptLookupDrafter, SuffixDecodingDrafter, suffix_decoding_available
+from decoder_client.baselines import (
+    EngineDrafter,
+    PromptLookupDrafter,
+    SuffixDecodingDrafter,
+    suffix_decoding_available,
+)
 from decoder_client.replay import ReplayDrafter, ReplayStats, replay
 from decoder_client.traces import Conversation
 from indexer.drafter import DrafterConfig, DraftParams, NamespaceDrafter
@@ -42,7 +47,9 @@ def namespace_of(conversations: list[Conversation], vocab_size: int | None) -> N
     if len(names) != 1:
         raise ValueError(f"a replay covers one namespace; the traces hold {sorted(names)}")
     if vocab_size is None:
-        vocab_size = 1 + max((int(s.tokens.max()) for c in conversations for s in c.segments if s.tokens.size), default=0)
+        vocab_size = 1 + max(
+            (int(s.tokens.max()) for c in conversations for s in c.segments if s.tokens.size), default=0
+        )
     return Namespace(name=names.pop(), vocab_size=vocab_size)
 
 
@@ -97,5 +104,7 @@ def report(results: list[ReplayStats], trace: Path, *, as_json: bool) -> str:
     tiers = rows[0]["accepted_by_tier"]
     if tiers:
         total = sum(tiers.values())
-        lines.append("accepted draft tokens by tier (draftcache): " + ", ".join(f"{t} {v / total:.1%}" for t, v in tiers.items()))
+        lines.append(
+            "accepted draft tokens by tier (draftcache): " + ", ".join(f"{t} {v / total:.1%}" for t, v in tiers.items())
+        )
     return "\n".join(lines)

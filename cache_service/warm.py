@@ -68,7 +68,7 @@ def read_corpus(path: str | Path, fmt: str) -> Iterator[str]:
         raise CorpusError(f"unknown corpus format {fmt!r}; expected one of {', '.join(FORMATS)}")
     opener = gzip.open if path.suffix == ".gz" else open
     try:
-        with opener(path, "rt", encoding="utf-8") as fh:  # type: ignore[operator]
+        with opener(path, "rt", encoding="utf-8") as fh:
             if fmt == "sharegpt":
                 yield from _sharegpt(json.load(fh), path)
             elif fmt == "jsonl":

@@ -13,7 +13,9 @@ from indexer.tree_builder import DraftTree
 class EngineDrafter:
     """draftcache's engine, in-process."""
 
-    def __init__(self, engine: NamespaceDrafter, params: DraftParams, *, rebuild: bool = True, name: str = "draftcache") -> None:
+    def __init__(
+        self, engine: NamespaceDrafter, params: DraftParams, *, rebuild: bool = True, name: str = "draftcache"
+    ) -> None:
         self.name = name
         self._engine = engine
         self._params = params
@@ -64,12 +66,18 @@ class PromptLookupDrafter:
 class SuffixDecodingDrafter:
     """SuffixDecoding (arctic-inference): per-request and global suffix trees."""
 
-    def __init__(self, *, max_spec_tokens: int, max_spec_factor: float, min_token_prob: float, max_depth: int = 64) -> None:
+    def __init__(
+        self, *, max_spec_tokens: int, max_spec_factor: float, min_token_prob: float, max_depth: int = 64
+    ) -> None:
         from arctic_inference.suffix_decoding import SuffixDecodingCache  # optional extra
 
         self.name = f"suffix-decoding(factor={max_spec_factor},p={min_token_prob})"
         self._cache = SuffixDecodingCache(max_tree_depth=max_depth)
-        self._args = {"max_spec_tokens": max_spec_tokens, "max_spec_factor": max_spec_factor, "min_token_prob": min_token_prob}
+        self._args = {
+            "max_spec_tokens": max_spec_tokens,
+            "max_spec_factor": max_spec_factor,
+            "min_token_prob": min_token_prob,
+        }
         self._ctx = np.zeros(0, dtype=np.int32)
         self._req = 0
         self._active = False

@@ -38,7 +38,7 @@ def iter_traces(path: str | Path, *, limit: int | None = None) -> Iterator[Conve
     path = Path(path)
     opener = gzip.open if path.suffix == ".gz" else open
     try:
-        with opener(path, "rt", encoding="utf-8") as fh:  # type: ignore[operator]
+        with opener(path, "rt", encoding="utf-8") as fh:
             for lineno, line in enumerate(fh, 1):
                 if limit is not None and lineno > limit:
                     return

@@ -172,7 +172,9 @@ class NamespaceDrafter:
         session.hints = lengths
         return tree
 
-    def accept(self, session: Session, tokens: np.ndarray | list[int], rejected: list[np.ndarray] | None = None) -> None:
+    def accept(
+        self, session: Session, tokens: np.ndarray | list[int], rejected: list[np.ndarray] | None = None
+    ) -> None:
         """Tokens the target produced since the last draft (accepted drafts plus the bonus token).
 
         Rejected branches default to those of the session's last tree that left the accepted
@@ -221,7 +223,12 @@ class NamespaceDrafter:
         if self.prior is not None:
             hit = self.prior.lookup(ctx)
             if hit is not None:
-                out.append((Candidates(Tier.PRIOR, hit.rows, probs=hit.probs, confidence=self._conf(Tier.PRIOR, hit.order)), hit.order))
+                out.append(
+                    (
+                        Candidates(Tier.PRIOR, hit.rows, probs=hit.probs, confidence=self._conf(Tier.PRIOR, hit.order)),
+                        hit.order,
+                    )
+                )
         exact = self._exact(s, depth)
         if exact is not None:
             out.append(exact)
@@ -234,7 +241,8 @@ class NamespaceDrafter:
         return Candidates(tier, rows, weights=weights, confidence=self._conf(tier, n))
 
     def _lifetime(self, ctx: np.ndarray, depth: int, hint: int) -> list[tuple[Candidates, int]]:
-        best, parts = 0, []
+        best = 0
+        parts: list[tuple[np.ndarray, np.ndarray]] = []
         for index in self.memory.suffix_indexes():
             n, first, last = index.longest_match(ctx, self.config.max_match, hint=hint)
             if n > best:

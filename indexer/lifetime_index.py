@@ -92,7 +92,9 @@ class LifetimeMemory:
     def indexes(self) -> LifetimeIndexes | None:
         return self._indexes
 
-    def commit(self, tokens: np.ndarray, *, prompt: np.ndarray | None = None, response: np.ndarray | None = None) -> None:
+    def commit(
+        self, tokens: np.ndarray, *, prompt: np.ndarray | None = None, response: np.ndarray | None = None
+    ) -> None:
         """Add one finished request's tokens; remember ``prompt -> response`` for exact hits."""
         with self._lock:
             self.buffer.append(tokens)

@@ -74,7 +74,7 @@ class SuffixIndex:
         if sa.dtype != np.int32 or sa.size != tokens.size:
             raise ValueError("suffix array must be int32 with one entry per token")
         self._sa = sa
-        self._sa_view = memoryview(sa)  # indexing yields Python ints without numpy scalar cost
+        self._sa_view = memoryview(sa)  # type: ignore[arg-type]  # indexing yields Python ints without numpy scalar cost
         self._keys = _SampledKeys(tokens, sa)
 
     @property
@@ -121,9 +121,7 @@ class SuffixIndex:
                 hi = mid
         return first, lo
 
-    def longest_match(
-        self, context: np.ndarray, max_len: int, min_len: int = 1, hint: int = 0
-    ) -> tuple[int, int, int]:
+    def longest_match(self, context: np.ndarray, max_len: int, min_len: int = 1, hint: int = 0) -> tuple[int, int, int]:
         """``(n, first, last)``: the longest ``n`` in ``[min_len, max_len]`` such that the last
         ``n`` context tokens occur in the index, with their SA rows. ``n == 0`` when none does.
 
@@ -210,7 +208,7 @@ class _SampledKeys:
             code = np.where(code == int(SEPARATOR) + 1, self._sep, code)
             key = (key << np.uint64(self.bits)) | code.astype(np.uint64)
         self.keys = key
-        self._view = memoryview(key)  # Python-int indexing for the binary search
+        self._view = memoryview(key)  # type: ignore[arg-type]  # Python-int indexing for the binary search
         self.size = int(sa.size)
         # Sampled keys per first-token code, so a search starts inside its first token's bucket.
         first_code = (key >> np.uint64(self.bits * (self.width - 1))).astype(np.int64)

@@ -65,7 +65,5 @@ def as_tokens(tokens: np.ndarray | Sequence[int], vocab_size: int, *, what: str 
         bad = np.flatnonzero((arr < 0) | (arr >= vocab_size))
         if bad.size:
             i = int(bad[0])
-            raise ValueError(
-                f"{what}: id {int(arr[i])} at position {i} is outside the vocabulary [0, {vocab_size})"
-            )
+            raise ValueError(f"{what}: id {int(arr[i])} at position {i} is outside the vocabulary [0, {vocab_size})")
     return arr.astype(np.int32, copy=False)

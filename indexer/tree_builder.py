@@ -181,12 +181,17 @@ def merge_candidates(
     remap[keep] = np.arange(keep.size)
     parents = np.where(parent[keep] >= 0, remap[np.maximum(parent[keep], 0)], -1)
     tree = DraftTree(
-        token[keep], parents.astype(np.int32), per_tier[keep].argmax(axis=1).astype(np.uint8), score[keep].astype(np.float32)
+        token[keep],
+        parents.astype(np.int32),
+        per_tier[keep].argmax(axis=1).astype(np.uint8),
+        score[keep].astype(np.float32),
     )
     return tree, _first_guesses(per_tier[: int(ids[0].max()) + 1], token, parts)
 
 
-def _first_guesses(first_level: np.ndarray, token: np.ndarray, parts: list[Candidates]) -> dict[Tier, tuple[int, float]]:
+def _first_guesses(
+    first_level: np.ndarray, token: np.ndarray, parts: list[Candidates]
+) -> dict[Tier, tuple[int, float]]:
     best = first_level.argmax(axis=0)
     out = {}
     for c in parts:
