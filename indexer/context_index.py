@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from indexer import kernels
 from indexer.suffix_array import SuffixIndex
+from indexer.tokens import SEPARATOR
 
 _MIN_INDEXED_PROMPT = 256  # shorter prompts are cheaper to scan than to index
 
@@ -68,23 +70,11 @@ class ContextIndex:
             recent = ends[-samples:] + 1
             starts.append(recent)
             weights.append(np.ones(recent.size))
-        pos = np.concatenate(starts)
-        cols = pos[:, None] + np.arange(depth)
-        rows = ctx[np.minimum(cols, ctx.size - 1)].copy()
-        rows[cols >= ctx.size] = -1
-        return n, rows, np.concatenate(weights)
+        pos = np.concatenate(starts) if len(starts) > 1 else starts[0]
+        rows = kernels.gather_rows(ctx, pos, depth, int(SEPARATOR))
+        return n, rows, np.concatenate(weights) if len(weights) > 1 else weights[0]
 
     def _tail_matches(self, ctx: np.ndarray, max_len: int) -> tuple[int, np.ndarray]:
         """Longest suffix match among occurrences ending after the indexed region (but before
         the last token), with the end positions achieving it."""
-        size = ctx.size
-        lo = self._indexed
-        ends = np.flatnonzero(ctx[lo : size - 1] == ctx[-1]) + lo
-        if ends.size == 0:
-            return 0, ends
-        k = np.arange(min(max_len, size - 1))
-        idx = ends[:, None] - k  # compare backwards from each candidate end
-        ok = (idx >= 0) & (ctx[np.maximum(idx, 0)] == ctx[size - 1 - k])
-        lengths = np.where(ok.all(axis=1), k.size, np.argmin(ok, axis=1))
-        best = int(lengths.max())
-        return best, ends[lengths == best]
+        return kernels.tail_matches(ctx, self._indexed, max_len)

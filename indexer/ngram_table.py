@@ -17,12 +17,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from indexer import kernels
 from indexer.suffix_array import build_suffix_array
 from indexer.tokens import SEPARATOR
 
-_MASK = (1 << 64) - 1
-_PRIME = 0x100000001B3
-_MIX = 0xBF58476D1CE4E5B9
 
 try:
     from pydivsufsort import kasai as _kasai
@@ -51,23 +49,14 @@ class NgramTableConfig:
             raise ValueError("leader_len must be <= 16 and follower_len <= 64")
 
 
-def leader_hash(tokens: np.ndarray | list[int]) -> int:
-    """64-bit hash of one leader; equals :func:`leader_hashes` on the same tokens."""
-    h = 0
-    for t in tokens:
-        h = (h * _PRIME + int(t) + 1) & _MASK
-    h ^= h >> 31
-    return (h * _MIX) & _MASK
+def leader_hash(tokens: np.ndarray) -> int:
+    """64-bit hash of one leader (int32 tokens); equals :func:`leader_hashes` on the same row."""
+    return int(kernels.hash_tokens(np.ascontiguousarray(tokens, dtype=np.int32), 0, tokens.size))
 
 
 def leader_hashes(mat: np.ndarray) -> np.ndarray:
     """Row-wise :func:`leader_hash` of a ``(rows, leader_len)`` int32 matrix."""
-    h = np.zeros(mat.shape[0], dtype=np.uint64)
-    prime = np.uint64(_PRIME)
-    for j in range(mat.shape[1]):
-        h = h * prime + mat[:, j].astype(np.uint64) + np.uint64(1)
-    h ^= h >> np.uint64(31)
-    return h * np.uint64(_MIX)
+    return kernels.hash_rows(np.ascontiguousarray(mat, dtype=np.int32))
 
 
 def lcp_array(tokens: np.ndarray, sa: np.ndarray) -> np.ndarray:
@@ -123,7 +112,6 @@ class NgramTable:
         self._leader_counts = leader_counts
         self._followers = followers
         self._probs = probs
-        self._lookup = {int(k): i for i, k in enumerate(keys.tolist())} if keys.size < 4096 else None
 
     @property
     def leaders(self) -> int:
@@ -148,17 +136,21 @@ class NgramTable:
         ll = self.config.leader_len
         if context.size < ll or self._keys.size == 0:
             return None
-        h = leader_hash(context[-ll:].tolist())
-        if self._lookup is not None:
-            i = self._lookup.get(h)
-            if i is None:
-                return None
-        else:
-            i = int(np.searchsorted(self._keys, np.uint64(h)))
-            if i >= self._keys.size or int(self._keys[i]) != h:
-                return None
+        h = kernels.hash_tokens(context, context.size - ll, ll)
+        i = int(np.searchsorted(self._keys, h))
+        if i >= self._keys.size or self._keys[i] != h:
+            return None
+        return self.entry(i)
+
+    def entry(self, i: int) -> tuple[np.ndarray, np.ndarray, int]:
+        """Followers, prefix probabilities and count of the ``i``-th leader (hash order)."""
         lo, hi = int(self._offsets[i]), int(self._offsets[i + 1])
         return self._followers[lo:hi], self._probs[lo:hi], int(self._leader_counts[i])
+
+    @property
+    def keys(self) -> np.ndarray:
+        """Leader hashes, ascending."""
+        return self._keys
 
     @classmethod
     def build(cls, tokens: np.ndarray, config: NgramTableConfig) -> NgramTable:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from indexer import kernels
 from indexer.ngram_table import NgramTable, NgramTableConfig, lcp_array
 from indexer.suffix_array import build_suffix_array
 
@@ -60,6 +61,25 @@ class StaticPrior:
 
     tables: tuple[NgramTable, ...]
     source_tokens: int = field(default=0)
+    # All tables' leader hashes in one sorted array, so one compiled call finds the longest hit.
+    _keys: np.ndarray = field(init=False, repr=False, compare=False)
+    _owner: np.ndarray = field(init=False, repr=False, compare=False)
+    _slot: np.ndarray = field(init=False, repr=False, compare=False)
+    _orders: np.ndarray = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if list(self.tables) != sorted(self.tables, key=lambda t: -t.config.leader_len):
+            raise ValueError("prior tables must be ordered longest leader first")
+        keys = np.concatenate([t.keys for t in self.tables]) if self.tables else np.zeros(0, np.uint64)
+        owner = np.concatenate(
+            [np.full(t.leaders, i, np.int64) for i, t in enumerate(self.tables)] or [np.zeros(0, np.int64)]
+        )
+        slot = np.concatenate([np.arange(t.leaders) for t in self.tables] or [np.zeros(0, np.int64)])
+        order = np.lexsort((owner, keys))
+        object.__setattr__(self, "_keys", keys[order])
+        object.__setattr__(self, "_owner", owner[order])
+        object.__setattr__(self, "_slot", slot[order])
+        object.__setattr__(self, "_orders", np.array([t.config.leader_len for t in self.tables], np.int64))
 
     @classmethod
     def build(cls, tokens: np.ndarray, config: PriorConfig) -> StaticPrior:
@@ -74,11 +94,11 @@ class StaticPrior:
         return sum(t.nbytes for t in self.tables)
 
     def lookup(self, context: np.ndarray) -> PriorHit | None:
-        for table in self.tables:
-            hit = table.lookup(context)
-            if hit is not None:
-                return PriorHit(table.config.leader_len, *hit)
-        return None
+        i = kernels.find_longest_leader(context, self._orders, self._keys, self._owner)
+        if i < 0:
+            return None
+        table = self.tables[int(self._owner[i])]
+        return PriorHit(table.config.leader_len, *table.entry(int(self._slot[i])))
 
     def to_bytes(self) -> bytes:
         buf = io.BytesIO()

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from indexer import kernels
+
 
 class Tier(enum.IntEnum):
     """Where a draft node came from (on the wire as a small int)."""
@@ -101,21 +103,6 @@ class DraftTree:
         return path
 
 
-def _prefix_node_ids(srt: np.ndarray) -> np.ndarray:
-    """Trie node ids ``(depth, row)`` for lexicographically sorted rows, numbered depth-major so
-    that every parent id is smaller than its children's. -1 where a row has ended."""
-    cols = srt.T  # (depth, row)
-    valid = cols >= 0
-    start = np.empty(cols.shape, dtype=bool)
-    start[:, 0] = True
-    # A row opens a new node at depth d when its prefix up to d differs from the row before.
-    np.logical_or.accumulate(cols[:, 1:] != cols[:, :-1], axis=0, out=start[:, 1:])
-    start &= valid
-    ids = np.cumsum(start, axis=None).reshape(cols.shape) - 1
-    ids[~valid] = -1
-    return ids
-
-
 def build_tree(
     candidates: list[Candidates],
     *,
@@ -149,62 +136,19 @@ def merge_candidates(
     probability under the tier alone (what calibration compares with the outcome)."""
     if budget < 0 or max_depth < 0:
         raise ValueError(f"budget and max_depth must be >= 0, got {budget}, {max_depth}")
-    parts = [c for c in candidates if c.rows.size and c.rows.shape[1]]
+    parts = [c for c in candidates if c.rows.size and (c.weights is None or float(c.weights.sum()) > 0)]
     if budget == 0 or max_depth == 0 or not parts:
         return DraftTree.empty(), {}
     rows, vals, is_max, tiers = _stack(parts, max_depth)
-    order = np.argsort(_row_keys(rows), kind="stable")  # lexicographic, -1 (ended) first
-    rows, vals, is_max, tiers = rows[order], vals[order], is_max[order], tiers[order]
-    ids = _prefix_node_ids(rows)  # (depth, row)
-    n_nodes = int(ids.max()) + 1
-    if n_nodes == 0:
-        return DraftTree.empty(), {}
-    d_idx, r_idx = np.nonzero(ids >= 0)  # every filled cell, depth-major
-    node_of = ids[d_idx, r_idx]
-    n_tiers = len(Tier)
-    key = node_of * n_tiers + tiers[r_idx]
-    cell = vals[r_idx, d_idx]
-    cell_max = is_max[r_idx]
-    # Weight-share tiers add up along a node; table tiers take their best row.
-    per_tier = np.bincount(key[~cell_max], weights=cell[~cell_max], minlength=n_nodes * n_tiers)
-    if cell_max.any():
-        np.maximum.at(per_tier, key[cell_max], cell[cell_max])
-    per_tier = per_tier.reshape(n_nodes, n_tiers)
-    score = np.minimum(per_tier.sum(axis=1), 1.0)
-    # Node token and parent from its cells (depth-major ids: every parent id is smaller).
-    token = np.empty(n_nodes, dtype=np.int32)
-    parent = np.empty(n_nodes, dtype=np.int64)
-    token[node_of] = rows[r_idx, d_idx]
-    parent[node_of] = np.where(d_idx > 0, ids[np.maximum(d_idx - 1, 0), r_idx], -1)
-    keep = _select(score, parent, budget, min_score, depth_reserve)
-    remap = np.full(n_nodes, -1, dtype=np.int64)
-    remap[keep] = np.arange(keep.size)
-    parents = np.where(parent[keep] >= 0, remap[np.maximum(parent[keep], 0)], -1)
-    tree = DraftTree(
-        token[keep],
-        parents.astype(np.int32),
-        per_tier[keep].argmax(axis=1).astype(np.uint8),
-        score[keep].astype(np.float32),
+    tokens, parents, sources, scores, first_tok, first_val = kernels.merge_tree(
+        rows, vals, is_max, tiers, len(Tier), budget, float(min_score), depth_reserve
     )
-    return tree, _first_guesses(per_tier[: int(ids[0].max()) + 1], token, parts)
-
-
-def _first_guesses(
-    first_level: np.ndarray, token: np.ndarray, parts: list[Candidates]
-) -> dict[Tier, tuple[int, float]]:
-    best = first_level.argmax(axis=0)
-    out = {}
-    for c in parts:
-        value = float(first_level[best[c.tier], c.tier])
-        if value > 0 and c.confidence > 0:
-            out[c.tier] = (int(token[best[c.tier]]), value / c.confidence)
-    return out
-
-
-def _row_keys(rows: np.ndarray) -> np.ndarray:
-    """One opaque sort key per row: big-endian bytes order rows lexicographically."""
-    shifted = np.ascontiguousarray((rows + 1).astype(">u4"))
-    return shifted.view(np.dtype((np.void, 4 * rows.shape[1]))).ravel()
+    firsts = {
+        c.tier: (int(first_tok[c.tier]), float(first_val[c.tier]) / c.confidence)
+        for c in parts
+        if first_tok[c.tier] >= 0 and c.confidence > 0
+    }
+    return DraftTree(tokens, parents, sources, scores), firsts
 
 
 def _stack(parts: list[Candidates], depth: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -226,30 +170,3 @@ def _stack(parts: list[Candidates], depth: int) -> tuple[np.ndarray, np.ndarray,
             vals[at : at + k] = (c.weights * (c.confidence / float(c.weights.sum())))[:, None]
         at += k
     return rows, vals, is_max, tiers
-
-
-def _select(score: np.ndarray, parent: np.ndarray, budget: int, min_score: float, depth_reserve: int) -> np.ndarray:
-    """Node ids to keep, ascending (so parents come first): the reserved best chain, then the
-    highest scores. A stable sort over depth-major ids breaks ties toward parents."""
-    rank = np.argsort(-score, kind="stable")
-    rank = rank[score[rank] > min_score]
-    chosen = np.zeros(score.size, dtype=bool)
-    if depth_reserve > 0 and rank.size:
-        chosen[_best_chain(rank, parent, min(depth_reserve, budget))] = True
-    room = budget - int(chosen.sum())
-    if room > 0:
-        chosen[rank[~chosen[rank]][:room]] = True
-    return np.flatnonzero(chosen)
-
-
-def _best_chain(rank: np.ndarray, parent: np.ndarray, length: int) -> list[int]:
-    """The greedy best chain from the root (``rank`` is best-first), at most ``length`` nodes."""
-    best_child = np.full(parent.size + 1, -1, dtype=np.int64)  # slot 0 is the root
-    best_child[parent[rank[::-1]] + 1] = rank[::-1]  # later writes win: the best-ranked child
-    table = best_child.tolist()
-    chain: list[int] = []
-    node = table[0]
-    while node >= 0 and len(chain) < length:
-        chain.append(node)
-        node = table[node + 1]
-    return chain
