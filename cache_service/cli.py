@@ -7,13 +7,14 @@ Every flag can also come from a ``DRAFTCACHE_<FLAG>`` environment variable (``--
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import sys
 import time
 from pathlib import Path
 
-from cache_service import replay_bench, warm
+from cache_service import index_bench, replay_bench, warm
 from decoder_client.traces import read_traces
 from indexer.drafter import DrafterConfig, DraftParams
 from indexer.prior import PriorConfig, StaticPrior
@@ -38,7 +39,7 @@ def _prior_args(p: argparse.ArgumentParser) -> None:
     _add(p, "--orders", default="1,2,3,4", help="leader lengths of the prior's tables")
     _add(p, "--follower-len", type=int, default=8)
     _add(p, "--top-k", type=int, default=4)
-    _add(p, "--max-leaders", type=int, default=1 << 20, help="per order")
+    _add(p, "--max-leaders", type=int, default=1 << 18, help="per order")
 
 
 def _prior_config(a: argparse.Namespace) -> PriorConfig:
@@ -60,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add(r, "--vocab-size", type=int, default=None, help="default: the tokenizer's, else the traces' max id + 1")
     _add(r, "--baselines", default="", help="comma list: prompt-lookup,suffix-decoding")
     _add(r, "--suffix-factor", type=float, default=8.0)
-    _add(r, "--suffix-min-prob", type=float, default=0.0)
+    _add(r, "--suffix-min-prob", type=float, default=0.01)
     _add(r, "--prior", type=Path, default=None, help="a prior file written by 'draftcache warm'")
     _add(r, "--warm-corpus", type=Path, default=None, help="warm a prior from this corpus first")
     _add(r, "--corpus-format", default="sharegpt", choices=warm.FORMATS)
@@ -76,6 +77,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add(w, "--format", default="sharegpt", choices=warm.FORMATS)
     _add(w, "--out", type=Path, required=_env("out") is None, help="prior file to write")
     _prior_args(w)
+
+    b = sub.add_parser("bench-index", help="rebuild time, lookup latency and bytes per token at a buffer size")
+    _add(b, "--corpus", type=Path, required=_env("corpus") is None, help="real text to fill the buffer with")
+    _add(b, "--format", default="sharegpt", choices=warm.FORMATS)
+    _add(b, "--tokenizer", type=Path, required=_env("tokenizer") is None)
+    _add(b, "--tokens", type=int, default=10_000_000, help="buffer size in tokens")
+    _add(b, "--queries", type=int, default=20_000)
+    b.add_argument("--json", action="store_true")
     return parser
 
 
@@ -152,16 +161,34 @@ def cmd_replay(a: argparse.Namespace) -> int:
         vocab = warm.load_tokenizer(a.tokenizer)[1]
     namespace = replay_bench.namespace_of(conversations, vocab)
     prior = _replay_prior(a, namespace.vocab_size)
+    gc.freeze()
     results = replay_bench.run_replay(conversations, replay_bench.drafters(namespace, config, prior))
     print(replay_bench.report(results, a.traces, as_json=a.json))
     return 0
 
 
-COMMANDS = {"replay": cmd_replay, "warm": cmd_warm}
+def cmd_bench_index(a: argparse.Namespace) -> int:
+    import json
+
+    encode, vocab = warm.load_tokenizer(a.tokenizer)
+    tokens = warm.tokenize_corpus(warm.read_corpus(a.corpus, a.format), encode, vocab)
+    config = index_bench.IndexBenchConfig(buffer_tokens=a.tokens, queries=a.queries)
+    result = index_bench.run_index_bench(tokens, config)
+    if a.json:
+        print(json.dumps(result, indent=2))
+    else:
+        for key, value in result.items():
+            print(f"{key:<24}{value}")
+    return 0
+
+
+COMMANDS = {"replay": cmd_replay, "warm": cmd_warm, "bench-index": cmd_bench_index}
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # Long-lived tables are never garbage: keep the cyclic collector off them and rare.
+    gc.set_threshold(50_000, 50, 100)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -32,7 +32,7 @@ class ReplayConfig:
     baselines: tuple[str, ...] = ()
     # SuffixDecoding's best setting on our traces (its vLLM default is factor 1.0, p 0.1).
     suffix_factor: float = 8.0
-    suffix_min_prob: float = 0.0
+    suffix_min_prob: float = 0.01
 
     def __post_init__(self) -> None:
         unknown = set(self.baselines) - set(BASELINES)

@@ -14,10 +14,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from indexer import kernels
 from indexer.context_index import ContextIndex
 from indexer.lifetime_index import LifetimeConfig, LifetimeMemory, prompt_key
 from indexer.prior import StaticPrior
 from indexer.session_cache import DynamicCache, LruTableConfig, RejectedCache
+from indexer.suffix_array import SuffixIndex
 from indexer.tokens import Namespace, as_tokens
 from indexer.tree_builder import Candidates, DraftTree, Tier, merge_candidates
 
@@ -151,6 +153,7 @@ class NamespaceDrafter:
         self.prior = prior
         self.calibrator = Calibrator(config.calibration_buckets)
         self._lock = threading.Lock()
+        kernels.warm_up()  # compile or load the compiled loops now, not on the first draft
 
     def open(self, prompt: np.ndarray | list[int]) -> Session:
         tokens = as_tokens(prompt, self.namespace.vocab_size, what="prompt")
@@ -215,8 +218,9 @@ class NamespaceDrafter:
         if n:
             out.append((self._weighted(Tier.CONTEXT, n, rows, w), n))
         for tier, table in ((Tier.DYNAMIC, s.dynamic.table), (Tier.REJECTED, s.rejected.table)):
-            rows, w = table.candidates(ctx)
-            if rows.size:
+            found = table.candidates(ctx)
+            if found is not None:
+                rows, w = found
                 n = table.config.leader_len
                 out.append((self._weighted(tier, n, rows, w), n))
         out.extend(self._lifetime(ctx, depth, s.hints.get(Tier.LIFETIME_SA, 0)))
@@ -241,25 +245,31 @@ class NamespaceDrafter:
         return Candidates(tier, rows, weights=weights, confidence=self._conf(tier, n))
 
     def _lifetime(self, ctx: np.ndarray, depth: int, hint: int) -> list[tuple[Candidates, int]]:
+        """The longest match over the main and delta suffix indexes; a match no longer than the
+        frozen table's leaders is answered by the table's exact top followers instead."""
         best = 0
-        parts: list[tuple[np.ndarray, np.ndarray]] = []
+        hits: list[tuple[SuffixIndex, int, int]] = []
         for index in self.memory.suffix_indexes():
             n, first, last = index.longest_match(ctx, self.config.max_match, hint=hint)
             if n > best:
-                best, parts = n, []
+                best, hits = n, []
             if n and n == best:
-                parts.append(index.continuations(first, last, n, depth, self.config.samples))
+                hits.append((index, first, last))
+        if not hits:
+            return []
         indexes = self.memory.indexes
-        if indexes is not None and 0 < best <= indexes.table.config.leader_len:
+        if indexes is not None and best <= indexes.table.config.leader_len:
             ll = indexes.table.config.leader_len
             hit = indexes.table.lookup(ctx)
             if hit is not None:
                 conf = self._conf(Tier.LIFETIME_NGRAM, ll)
                 return [(Candidates(Tier.LIFETIME_NGRAM, hit[0], probs=hit[1], confidence=conf), ll)]
-        if not parts:
-            return []
-        rows = np.vstack([p[0] for p in parts])
-        weights = np.concatenate([p[1] for p in parts])
+        parts = [index.continuations(first, last, best, depth, self.config.samples) for index, first, last in hits]
+        if len(parts) == 1:
+            rows, weights = parts[0]
+        else:
+            rows = np.vstack([p[0] for p in parts])
+            weights = np.concatenate([p[1] for p in parts])
         return [(self._weighted(Tier.LIFETIME_SA, best, rows, weights), best)]
 
     def _exact(self, s: Session, depth: int) -> tuple[Candidates, int] | None:

@@ -151,7 +151,7 @@ def find_longest_leader(context: np.ndarray, orders: np.ndarray, keys: np.ndarra
         if ll > n:
             continue
         h = hash_tokens(context, n - ll, ll)
-        i = np.searchsorted(keys, h)
+        i = int(np.searchsorted(keys, h))
         while i < keys.size and keys[i] == h:
             if owner[i] == t:
                 return i
@@ -329,10 +329,10 @@ def merge_tree(
             if not chosen[c] and score[c] > min_score:
                 heapq.heappush(heap, (-score[c], np.int64(c)))
     while taken < budget and len(heap) > 0:
-        _, c = heapq.heappop(heap)
-        chosen[c] = True
+        _, picked = heapq.heappop(heap)
+        chosen[picked] = True
         taken += 1
-        for g in range(child_lo[c + 1], child_hi[c + 1]):
+        for g in range(child_lo[picked + 1], child_hi[picked + 1]):
             if score[g] > min_score:
                 heapq.heappush(heap, (-score[g], np.int64(g)))
     remap = np.full(n, -1, dtype=np.int64)

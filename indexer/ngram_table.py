@@ -21,7 +21,6 @@ from indexer import kernels
 from indexer.suffix_array import build_suffix_array
 from indexer.tokens import SEPARATOR
 
-
 try:
     from pydivsufsort import kasai as _kasai
 except ImportError:  # pragma: no cover

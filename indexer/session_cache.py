@@ -70,14 +70,15 @@ class LruTable:
         """Oldest leader first, each with its followers oldest first (replayable by ``add``)."""
         return [(lead, list(fol.items())) for lead, fol in self._table.items()]
 
-    def candidates(self, context: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Followers of the context's last ``leader_len`` tokens as ``(rows, weights)``."""
+    def candidates(self, context: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """Followers of the context's last ``leader_len`` tokens as ``(rows, weights)``, or
+        ``None`` when the leader is unknown."""
         ll, fl = self.config.leader_len, self.config.follower_len
         if context.size < ll:
-            return np.zeros((0, fl), dtype=np.int32), np.zeros(0)
+            return None
         found = self.followers(tuple(context[-ll:].tolist()))
         if not found:
-            return np.zeros((0, fl), dtype=np.int32), np.zeros(0)
+            return None
         rows = np.full((len(found), fl), -1, dtype=np.int32)
         for i, (fol, _) in enumerate(found):
             rows[i, : len(fol)] = fol

@@ -160,13 +160,13 @@ def _stack(parts: list[Candidates], depth: int) -> tuple[np.ndarray, np.ndarray,
     at = 0
     for c in parts:
         k, w = c.rows.shape[0], min(c.rows.shape[1], depth)
-        rows[at : at + k, :w] = c.rows[:, :w]
+        rows[at : at + k, :w] = c.rows if c.rows.shape[1] == w else c.rows[:, :w]
         tiers[at : at + k] = int(c.tier)
         if c.probs is not None:
-            vals[at : at + k, :w] = c.probs[:, :w] * c.confidence
+            np.multiply(c.probs[:, :w], c.confidence, out=vals[at : at + k, :w])
             is_max[at : at + k] = True
         else:
             assert c.weights is not None
-            vals[at : at + k] = (c.weights * (c.confidence / float(c.weights.sum())))[:, None]
+            vals[at : at + k] = (c.weights * (c.confidence / c.weights.sum()))[:, None]
         at += k
     return rows, vals, is_max, tiers
