@@ -67,9 +67,9 @@ class ContextIndex:
             starts.append(self._sa.sample_starts(first, last, samples) + n)
             weights.append(np.full(starts[-1].size, (last - first) / starts[-1].size))
         if n_tail == n:
-            recent = ends[-samples:] + 1
+            recent = ends[-samples:] + 1  # the most recent occurrences stand for all of them
             starts.append(recent)
-            weights.append(np.ones(recent.size))
+            weights.append(np.full(recent.size, ends.size / recent.size))
         pos = np.concatenate(starts) if len(starts) > 1 else starts[0]
         rows = kernels.gather_rows(ctx, pos, depth, int(SEPARATOR))
         return n, rows, np.concatenate(weights) if len(weights) > 1 else weights[0]

@@ -59,6 +59,12 @@ _HALF = {
 }
 
 
+def _offset(offset: int, accepted: int) -> int:
+    if not 0 <= offset < accepted:
+        raise ValueError(f"rejected branch offset must be in [0, {accepted}), got {offset}")
+    return offset
+
+
 def _prior(tier: Tier, n: int) -> float:
     return n / (n + _HALF[tier])
 
@@ -176,18 +182,26 @@ class NamespaceDrafter:
         return tree
 
     def accept(
-        self, session: Session, tokens: np.ndarray | list[int], rejected: list[np.ndarray] | None = None
+        self,
+        session: Session,
+        tokens: np.ndarray | list[int],
+        rejected: list[tuple[int, np.ndarray | list[int]]] | None = None,
     ) -> None:
         """Tokens the target produced since the last draft (accepted drafts plus the bonus token).
 
-        Rejected branches default to those of the session's last tree that left the accepted
-        path; each is remembered in the session's rejected table.
+        ``rejected`` lists ``(offset, branch)``: a branch the target rejected where it left the
+        accepted tokens after ``offset`` of them. By default the branches come from the session's
+        last tree, where verification stopped. Each is remembered in the rejected table.
         """
-        new = as_tokens(tokens, self.namespace.vocab_size, what="accepted tokens")
+        vocab = self.namespace.vocab_size
+        new = as_tokens(tokens, vocab, what="accepted tokens")
         if new.size == 0:
             return
+        if rejected is None:
+            branches = self._rejected_branches(session, new)
+        else:
+            branches = [(_offset(off, new.size), as_tokens(b, vocab, what="rejected branch")) for off, b in rejected]
         self._calibrate(session, int(new[0]))
-        branches = rejected if rejected is not None else self._rejected_branches(session, new)
         before = session.context.tokens
         for depth, branch in branches:
             session.rejected.record(np.concatenate((before, new[:depth])), branch)

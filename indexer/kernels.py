@@ -167,10 +167,12 @@ def tail_matches(ctx: np.ndarray, lo: int, max_len: int) -> tuple[int, np.ndarra
     """Longest match of the context's suffix among occurrences ending in ``[lo, len - 1)``, and
     the end positions that achieve it (ascending)."""
     size = ctx.size
-    last = ctx[size - 1]
     best = 0
     count = 0
     ends = np.empty(max(size - 1 - lo, 0), dtype=np.int64)
+    if max_len < 1 or size < 2:
+        return best, ends[:0]
+    last = ctx[size - 1]
     for e in range(lo, size - 1):
         if ctx[e] != last:
             continue

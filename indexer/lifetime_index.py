@@ -97,9 +97,7 @@ class LifetimeMemory:
     ) -> None:
         """Add one finished request's tokens; remember ``prompt -> response`` for exact hits."""
         with self._lock:
-            self.buffer.append(tokens)
-            self._delta_tokens.append(tokens)
-            self._delta_tokens.append(np.array([SEPARATOR], dtype=np.int32))
+            self._append(tokens)
             self._refresh_delta()
             if prompt is not None and response is not None:
                 self._remember(prompt, response)
@@ -108,10 +106,16 @@ class LifetimeMemory:
         """Bulk-add finished requests (a restore or a load): one delta rebuild, not one each."""
         with self._lock:
             for tokens in requests:
-                self.buffer.append(tokens)
-                self._delta_tokens.append(tokens)
-                self._delta_tokens.append(np.array([SEPARATOR], dtype=np.int32))
+                self._append(tokens)
             self._refresh_delta()
+
+    def _append(self, tokens: np.ndarray) -> None:
+        # The ring keeps at most capacity - 1 tokens of one request (plus its separator); the
+        # delta mirrors exactly what the ring holds so a rebuild trims it exactly.
+        kept = tokens[-(self.buffer.capacity - 1) :] if tokens.size >= self.buffer.capacity else tokens
+        self.buffer.append(kept)
+        self._delta_tokens.append(kept)
+        self._delta_tokens.append(np.array([SEPARATOR], dtype=np.int32))
 
     def _refresh_delta(self) -> None:
         if not self._delta_tokens:

@@ -58,6 +58,13 @@ def leader_hashes(mat: np.ndarray) -> np.ndarray:
     return kernels.hash_rows(np.ascontiguousarray(mat, dtype=np.int32))
 
 
+def with_final_separator(tokens: np.ndarray) -> np.ndarray:
+    """``tokens`` ending with one ``SEPARATOR`` (appended if missing)."""
+    if tokens.size and tokens[-1] == SEPARATOR:
+        return tokens
+    return np.append(tokens, SEPARATOR).astype(np.int32)
+
+
 def lcp_array(tokens: np.ndarray, sa: np.ndarray) -> np.ndarray:
     """``lcp[i]`` = common prefix length of suffixes ``sa[i-1]`` and ``sa[i]`` (``lcp[0] = 0``)."""
     if sa.size == 0:
@@ -154,6 +161,7 @@ class NgramTable:
     @classmethod
     def build(cls, tokens: np.ndarray, config: NgramTableConfig) -> NgramTable:
         """Build from int32 tokens (requests separated by ``SEPARATOR``)."""
+        tokens = with_final_separator(tokens)
         sa = build_suffix_array(tokens)
         return cls.build_from_suffix_array(tokens, sa, lcp_array(tokens, sa), config)
 
@@ -161,11 +169,15 @@ class NgramTable:
     def build_from_suffix_array(
         cls, tokens: np.ndarray, sa: np.ndarray, lcp: np.ndarray, config: NgramTableConfig
     ) -> NgramTable:
-        """Build reusing a suffix array and its LCP array (see :func:`lcp_array`)."""
+        """Build reusing a suffix array and its LCP array (see :func:`lcp_array`) of ``tokens``,
+        which must end with ``SEPARATOR`` (the end of the text then ends a follower exactly as
+        a request boundary does)."""
         ll, fl = config.leader_len, config.follower_len
         n = int(tokens.size)
         if n == 0:
             return cls._empty(config)
+        if tokens[-1] != SEPARATOR:
+            raise ValueError("tokens must end with SEPARATOR (see with_final_separator)")
         # Clean tokens from each SA row's start up to the next separator.
         sep_pos = np.where(tokens == SEPARATOR, np.arange(n), n)
         run = (np.minimum.accumulate(sep_pos[::-1])[::-1] - np.arange(n))[sa]
@@ -284,7 +296,13 @@ class NgramTable:
         keys, offsets, counts, followers, probs = arrays
         if (
             keys.dtype != np.uint64
+            or keys.ndim != 1
             or offsets.size != keys.size + 1
+            or counts.shape != keys.shape
+            or (keys.size > 1 and bool(np.any(keys[1:] <= keys[:-1])))
+            or int(offsets[0]) != 0
+            or bool(np.any(np.diff(offsets) < 1))
+            or probs.dtype.kind != "f"
             or followers.shape != probs.shape
             or followers.ndim != 2
             or followers.shape[1] != fl

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from indexer import kernels
-from indexer.ngram_table import NgramTable, NgramTableConfig, lcp_array
+from indexer.ngram_table import NgramTable, NgramTableConfig, lcp_array, with_final_separator
 from indexer.suffix_array import build_suffix_array
 
 
@@ -83,11 +83,13 @@ class StaticPrior:
 
     @classmethod
     def build(cls, tokens: np.ndarray, config: PriorConfig) -> StaticPrior:
+        source = int(tokens.size)
+        tokens = with_final_separator(tokens)
         sa = build_suffix_array(tokens)
         lcp = lcp_array(tokens, sa)
         tables = [NgramTable.build_from_suffix_array(tokens, sa, lcp, config.table(o)) for o in config.orders]
         tables.sort(key=lambda t: -t.config.leader_len)
-        return cls(tuple(tables), int(tokens.size))
+        return cls(tuple(tables), source)
 
     @property
     def nbytes(self) -> int:

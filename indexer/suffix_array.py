@@ -35,6 +35,8 @@ def build_suffix_array(tokens: np.ndarray) -> np.ndarray:
 def suffix_array_numpy(tokens: np.ndarray) -> np.ndarray:
     """Prefix-doubling construction, O(n log^2 n); the fallback when pydivsufsort is absent."""
     n = tokens.size
+    if n == 0:
+        return np.zeros(0, dtype=np.int32)
     rank = np.unique(tokens, return_inverse=True)[1].astype(np.int64) + 1
     k = 1
     while True:

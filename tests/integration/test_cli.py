@@ -1,0 +1,127 @@
+"""The ``draftcache`` command end to end, in-process, on small real inputs."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+
+from cache_service.cli import main
+from indexer.prior import StaticPrior
+
+CONVERSATIONS = [
+    {
+        "id": "a",
+        "namespace": "toy",
+        "category": "copy",
+        "segments": [
+            {"kind": "input", "tokens": [1, 2, 3, 4, 5, 6, 7, 8, 9]},
+            {"kind": "output", "tokens": [1, 2, 3, 4, 5, 6, 7, 8, 9]},
+        ],
+    },
+    {
+        "id": "b",
+        "namespace": "toy",
+        "category": "repeat",
+        "segments": [
+            {"kind": "input", "tokens": [20, 21]},
+            {"kind": "output", "tokens": [1, 2, 3, 4, 5, 6, 7, 8, 9]},
+        ],
+    },
+]
+
+
+def _write_traces(path: Path, conversations: list[dict]) -> Path:
+    with gzip.open(path, "wt") as fh:
+        for conv in conversations:
+            fh.write(json.dumps(conv) + "\n")
+    return path
+
+
+def test_replay_json_reports_every_drafter(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    traces = _write_traces(tmp_path / "t.jsonl.gz", CONVERSATIONS)
+    assert main(["replay", str(traces), "--baselines", "prompt-lookup", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    ours, pld = out["results"]
+    assert ours["drafter"] == "draftcache" and pld["drafter"].startswith("prompt-lookup")
+    assert ours["output_tokens"] == pld["output_tokens"] == 18  # both outputs, once each
+    # Request "b" repeats request "a"'s output: the lifetime buffer drafts it, prompt lookup can't.
+    assert ours["mat_by_category"]["repeat"] > pld["mat_by_category"]["repeat"]
+    assert ours["mat"] > 1.0
+
+
+def test_budget_from_environment(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    traces = _write_traces(tmp_path / "t.jsonl.gz", CONVERSATIONS)
+    monkeypatch.setenv("DRAFTCACHE_BUDGET", "2")
+    assert main(["replay", str(traces), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["results"][0]["drafted_per_step"] <= 2  # DRAFTCACHE_BUDGET caps every tree
+
+
+def test_replay_rejects_a_corrupt_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"namespace": "toy", "segments": [{"kind": "output", "tokens": [1, -5]}]}\n')
+    assert main(["replay", str(bad)]) == 2
+    assert "bad.jsonl:1" in capsys.readouterr().err  # the error names the file and line
+
+
+@pytest.fixture
+def llama_tokenizer(shared_data: Path) -> Path:
+    return shared_data / "tokenizers" / "llama2-spm"
+
+
+def _sharegpt(path: Path, texts: list[str]) -> Path:
+    data = [{"id": str(i), "conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": t}]} for i, t in enumerate(texts)]
+    with gzip.open(path, "wt") as fh:
+        json.dump(data, fh)
+    return path
+
+
+def test_warm_writes_a_loadable_prior(tmp_path: Path, llama_tokenizer: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    corpus = _sharegpt(tmp_path / "c.json.gz", ["The quick brown fox jumps over the lazy dog."] * 3)
+    out = tmp_path / "prior.npz"
+    args = ["warm", "--namespace", "llama2", "--tokenizer", str(llama_tokenizer), "--corpus", str(corpus), "--out", str(out)]
+    assert main(args) == 0
+    prior = StaticPrior.from_bytes(out.read_bytes())
+    assert prior.source_tokens > 0
+    # Every text occurred three times, so its n-grams pass min_count and the prior knows them.
+    assert any(t.leaders > 0 for t in prior.tables)
+
+
+@pytest.mark.parametrize(
+    ("name", "payload", "fmt"),
+    [
+        ("truncated.json.gz", None, "sharegpt"),
+        ("notalist.json", '{"conversations": []}', "sharegpt"),
+        ("bad.jsonl", '{"text": "ok"}\nnot json\n', "jsonl"),
+        ("notext.jsonl", '{"body": "x"}\n', "jsonl"),
+    ],
+)
+def test_warm_rejects_corrupt_corpora(
+    tmp_path: Path, llama_tokenizer: Path, capsys: pytest.CaptureFixture[str], name: str, payload: str | None, fmt: str
+) -> None:
+    corpus = tmp_path / name
+    if payload is None:  # a gzip stream cut in half
+        full = gzip.compress(json.dumps([{"conversations": [{"from": "gpt", "value": "x" * 5000}]}]).encode())
+        corpus.write_bytes(full[: len(full) // 2])
+    else:
+        corpus.write_text(payload)
+    out = tmp_path / "prior.npz"
+    args = ["warm", "--namespace", "llama2", "--tokenizer", str(llama_tokenizer), "--corpus", str(corpus)]
+    assert main([*args, "--format", fmt, "--out", str(out)]) == 2
+    assert str(corpus.name) in capsys.readouterr().err  # the error names the corpus
+    assert not out.exists() and not out.with_name(out.name + ".tmp").exists()  # nothing published
+
+
+def test_warm_rejects_a_wrong_tokenizer(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    corpus = _sharegpt(tmp_path / "c.json.gz", ["hello"])
+    fake = tmp_path / "tok"
+    fake.mkdir()
+    (fake / "tokenizer.json").write_text("{not a tokenizer")
+    out = tmp_path / "prior.npz"
+    args = ["warm", "--namespace", "x", "--tokenizer", str(fake), "--corpus", str(corpus), "--out", str(out)]
+    assert main(args) == 2
+    assert "tokenizer" in capsys.readouterr().err
+    assert not out.exists()

@@ -1,0 +1,182 @@
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from indexer.lifetime_index import LifetimeConfig, LifetimeMemory, build_indexes, prompt_key
+from indexer.ngram_table import NgramTableConfig
+from indexer.tokens import SEPARATOR
+
+S = int(SEPARATOR)
+
+
+def _a(ids):
+    return np.array(ids, dtype=np.int32)
+
+
+def _mem(**kw):
+    return LifetimeMemory(LifetimeConfig(**kw))
+
+
+def _occurrences(mem, pattern):
+    """Occurrences of ``pattern`` summed over every index the drafter searches."""
+    total = 0
+    for idx in mem.suffix_indexes():
+        n, first, last = idx.longest_match(_a(pattern), max_len=len(pattern), min_len=len(pattern))
+        total += last - first if n else 0
+    return total
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [{"capacity_tokens": 1}, {"delta_max_tokens": 0}, {"exact_entries": -1}, {"exact_max_tokens": -1}],
+)
+def test_config_validation(kw):
+    # Sizes outside their documented ranges are rejected.
+    with pytest.raises(ValueError):
+        LifetimeConfig(**kw)
+
+
+def test_prompt_key_depends_on_every_token():
+    # Same ids, same key; one different id, different key.
+    assert prompt_key(_a([1, 2, 3])) == prompt_key(_a([1, 2, 3]))
+    assert prompt_key(_a([1, 2, 3])) != prompt_key(_a([1, 2, 4]))
+    # A 16-byte digest.
+    assert len(prompt_key(_a([1]))) == 16
+
+
+def test_commit_is_searchable_before_any_rebuild():
+    mem = _mem(capacity_tokens=64)
+    mem.commit(_a([1, 2, 3, 4]))
+    # Only the delta index exists yet, and it holds the request.
+    assert mem.indexes is None
+    assert len(mem.suffix_indexes()) == 1
+    assert _occurrences(mem, [2, 3]) == 1
+    # Matches never run across the separator into the next request.
+    mem.commit(_a([5, 6]))
+    assert _occurrences(mem, [4, 5]) == 0
+
+
+def test_rebuild_moves_delta_into_main_index():
+    mem = _mem(capacity_tokens=64)
+    mem.commit(_a([1, 2, 3]))
+    mem.commit(_a([2, 3, 4]))
+    built = mem.rebuild()
+    # The rebuilt index covers the buffer up to its current version; the delta is now empty.
+    assert built.version == mem.buffer.appended == 8
+    assert mem.indexes is built
+    assert len(mem.suffix_indexes()) == 1
+    assert mem.delta_tokens() == 0
+    # Each occurrence is found exactly once.
+    assert _occurrences(mem, [2, 3]) == 2
+    mem.commit(_a([2, 3, 9]))
+    # New requests land in a fresh delta beside the main index.
+    assert len(mem.suffix_indexes()) == 2
+    assert _occurrences(mem, [2, 3]) == 3
+
+
+def test_rebuild_builds_ngram_table():
+    mem = _mem(capacity_tokens=64, table=NgramTableConfig(leader_len=2, follower_len=2, min_count=2))
+    for _ in range(2):
+        mem.commit(_a([1, 2, 3, 4]))
+    mem.rebuild()
+    rows, _, count = mem.indexes.table.lookup(_a([1, 2]))
+    # "1 2" was followed by "3 4" in both requests.
+    assert rows.tolist() == [[3, 4]]
+    assert count == 2
+
+
+def test_needs_rebuild_after_delta_max_tokens():
+    mem = _mem(capacity_tokens=64, delta_max_tokens=5)
+    mem.commit(_a([1, 2, 3]))
+    # 3 tokens + separator = 4 <= 5: not yet.
+    assert mem.delta_tokens() == 4
+    assert not mem.needs_rebuild()
+    mem.commit(_a([4]))
+    # 6 > 5: a rebuild is due.
+    assert mem.needs_rebuild()
+    mem.rebuild()
+    assert not mem.needs_rebuild()
+
+
+def test_commit_many_equals_individual_commits():
+    one, many = _mem(capacity_tokens=32), _mem(capacity_tokens=32)
+    reqs = [_a([1, 2]), _a([3, 1, 2]), _a([2, 5])]
+    for r in reqs:
+        one.commit(r)
+    many.commit_many(reqs)
+    # Same buffer and the same matches either way.
+    assert one.buffer.snapshot().tolist() == many.buffer.snapshot().tolist()
+    assert _occurrences(one, [1, 2]) == _occurrences(many, [1, 2]) == 2
+
+
+def test_exact_prompt_cache():
+    mem = _mem(capacity_tokens=64)
+    mem.commit(_a([1, 2, 7, 8]), prompt=_a([1, 2]), response=_a([7, 8]))
+    # The prompt's key returns the response that followed it.
+    assert mem.exact_response(prompt_key(_a([1, 2]))).tolist() == [7, 8]
+    # Another prompt has no entry.
+    assert mem.exact_response(prompt_key(_a([1, 3]))) is None
+
+
+def test_exact_cache_evicts_least_recent_and_truncates():
+    mem = _mem(capacity_tokens=64, exact_entries=2, exact_max_tokens=3)
+    for p in (1, 2, 3):
+        mem.commit(_a([p]), prompt=_a([p]), response=_a([p, p, p, p, p]))
+    # Two entries at most: the first prompt was evicted.
+    assert mem.exact_response(prompt_key(_a([1]))) is None
+    # Responses are cut to exact_max_tokens.
+    assert mem.exact_response(prompt_key(_a([3]))).tolist() == [3, 3, 3]
+
+
+def test_exact_cache_disabled_or_empty_response():
+    off = _mem(capacity_tokens=64, exact_entries=0)
+    off.commit(_a([1]), prompt=_a([1]), response=_a([2]))
+    # exact_entries=0 turns the cache off.
+    assert off.exact_response(prompt_key(_a([1]))) is None
+    on = _mem(capacity_tokens=64)
+    on.commit(_a([1]), prompt=_a([1]), response=_a([]))
+    # An empty response is not worth remembering.
+    assert on.exact_response(prompt_key(_a([1]))) is None
+
+
+def test_build_indexes_is_pure():
+    tokens = _a([1, 2, 3, S, 1, 2, 4, S])
+    built = build_indexes(tokens, NgramTableConfig(leader_len=1, follower_len=1), version=7)
+    # The version is recorded as given; the input is untouched.
+    assert built.version == 7
+    assert tokens.tolist() == [1, 2, 3, S, 1, 2, 4, S]
+    # The suffix index answers over the snapshot.
+    assert built.suffix.longest_match(_a([9, 1, 2]), max_len=4)[0] == 2
+    assert built.nbytes > 0
+
+
+def test_rebuild_after_oversized_request_clears_delta():
+    mem = _mem(capacity_tokens=8)
+    mem.commit(np.arange(20, dtype=np.int32))
+    mem.rebuild()
+    # The ring holds 13..19 and a separator; after the rebuild only the main index covers it.
+    assert len(mem.suffix_indexes()) == 1
+    # "15 16" occurs once in the buffer, so once across all indexes.
+    assert _occurrences(mem, [15, 16]) == 1
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    capacity=st.integers(6, 30),
+    # Requests shorter than the ring (the oversized case is tested above).
+    steps=st.lists(st.tuples(st.lists(st.integers(0, 3), max_size=4), st.booleans()), min_size=1, max_size=8),
+)
+def test_indexes_cover_buffer_exactly_after_rebuild(capacity, steps):
+    mem = _mem(capacity_tokens=capacity, table=NgramTableConfig(leader_len=1, follower_len=1))
+    for req, rebuild in steps:
+        mem.commit(_a(req))
+        if rebuild:
+            mem.rebuild()
+    mem.rebuild()
+    snap = mem.buffer.snapshot().tolist()
+    for pattern in ([0], [1], [0, 1], [2, 2], [3, 0, 1]):
+        want = sum(snap[i : i + len(pattern)] == pattern for i in range(len(snap)))
+        # Right after a rebuild, the searched indexes hold exactly the buffer: no token missing,
+        # none counted twice.
+        assert _occurrences(mem, pattern) == want

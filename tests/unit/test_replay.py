@@ -1,0 +1,233 @@
+import gzip
+import json
+
+import numpy as np
+import pytest
+
+from decoder_client.baselines import EngineDrafter, PromptLookupDrafter
+from decoder_client.replay import replay
+from decoder_client.traces import Conversation, Segment, read_traces
+from indexer.drafter import DrafterConfig, DraftParams, NamespaceDrafter
+from indexer.tokens import Namespace
+from indexer.tree_builder import DraftTree
+
+
+def _a(ids):
+    return np.array(ids, dtype=np.int32)
+
+
+def _conv(cid, *segments, category="all"):
+    return Conversation(cid, "ns", category, tuple(Segment(kind, _a(toks)) for kind, toks in segments))
+
+
+# Prompt lookup on [1 2 3 4 1 2] drafts "3 4 1 2" ("1 2" occurred at 0).
+FULL = _conv("full", ("input", [1, 2, 3, 4, 1, 2]), ("output", [3, 4, 1, 2]), category="full")
+PARTIAL = _conv("partial", ("input", [1, 2, 3, 4, 1, 2]), ("output", [3, 4, 7, 8]), category="partial")
+# Prompt lookup on [1 2 1] drafts "2 1", but the target says 5 then 6.
+NEVER = _conv("never", ("input", [1, 2, 1]), ("output", [5, 6]), category="never")
+
+
+def test_fully_accepted_draft_is_one_step():
+    stats = replay([FULL], PromptLookupDrafter())
+    # The draft "3 4 1 2" is the whole output: one verification step yields all 4 tokens.
+    assert (stats.steps, stats.tokens, stats.requests) == (1, 4, 1)
+    assert stats.mat == 4.0
+    # 4 tokens were drafted and all 4 accepted, from the chain's CONTEXT tier.
+    assert stats.drafted == 4
+    assert stats.accepted_by_tier == {"CONTEXT": 4}
+
+
+def test_partially_accepted_draft():
+    stats = replay([PARTIAL], PromptLookupDrafter())
+    # Step 1: draft "3 4 1 2", "3 4" accepted + bonus 7. Step 2: "4 7"/"7" never seen, empty
+    # draft, bonus 8. Two steps for four tokens.
+    assert (stats.steps, stats.tokens) == (2, 4)
+    assert stats.mat == 2.0
+    # Only the first step drafted anything (4 tokens), 2 of which were accepted.
+    assert stats.drafted == 4
+    assert stats.accepted_by_tier == {"CONTEXT": 2}
+
+
+def test_never_accepted_draft():
+    stats = replay([NEVER], PromptLookupDrafter())
+    # Step 1: draft "2 1" rejected at once, bonus 5. Step 2: nothing repeats, bonus 6.
+    assert (stats.steps, stats.tokens) == (2, 2)
+    # One token per step: no speed-up.
+    assert stats.mat == 1.0
+    assert stats.drafted == 2
+    assert dict(stats.accepted_by_tier) == {}
+
+
+def test_totals_and_categories_over_several_conversations():
+    stats = replay([FULL, PARTIAL, NEVER], PromptLookupDrafter())
+    # 4 + 4 + 2 tokens over 1 + 2 + 2 steps.
+    assert (stats.steps, stats.tokens, stats.requests) == (5, 10, 3)
+    assert stats.mat == 2.0
+    # Per category: [tokens, steps].
+    assert dict(stats.by_category) == {"full": [4, 1], "partial": [4, 2], "never": [2, 2]}
+    summary = stats.summary()
+    assert summary["mat"] == 2.0
+    assert summary["mat_by_category"] == {"full": 4.0, "never": 1.0, "partial": 2.0}
+    assert summary["drafted_per_step"] == 2.0  # (4 + 4 + 2) drafted / 5 steps
+    # One latency sample per step.
+    assert len(stats.latencies_us) == 5
+
+
+def test_empty_replay():
+    stats = replay([], PromptLookupDrafter())
+    # No steps: MAT is defined as 0 rather than dividing by zero.
+    assert (stats.steps, stats.mat) == (0, 0.0)
+    assert stats.summary()["steps"] == 0
+
+
+def test_multi_turn_prompt_includes_earlier_output():
+    conv = _conv("mt", ("input", [1, 2, 3]), ("output", [9]), ("input", [1, 2]), ("output", [3, 9]))
+    stats = replay([conv], PromptLookupDrafter(num_tokens=2))
+    # Turn 1: nothing repeats, one step for 9. Turn 2: prompt [1 2 3 9 1 2], "1 2" drafts "3 9",
+    # fully accepted: one step.
+    assert (stats.steps, stats.tokens, stats.requests) == (2, 3, 2)
+    assert stats.mat == 1.5
+
+
+def test_engine_replays_identical_request_in_one_step():
+    engine = NamespaceDrafter(Namespace(name="ns", vocab_size=100), DrafterConfig())
+    conv = _conv("x", ("input", [10, 11, 12, 13, 14]), ("output", [20, 21, 22, 23, 24, 25]))
+    stats = replay([conv, conv], EngineDrafter(engine, DraftParams()))
+    # First time: nothing repeats and nothing is remembered, so 6 steps for 6 tokens. Second time:
+    # the exact-prompt tier drafts the whole previous response, accepted in one step.
+    assert (stats.steps, stats.tokens, stats.requests) == (7, 12, 2)
+    assert stats.accepted_by_tier["EXACT"] == 6
+
+
+class _Recorder:
+    """Proposes nothing; records what replay asks of it."""
+
+    name = "recorder"
+
+    def __init__(self):
+        self.calls = []
+
+    def start(self, prompt):
+        self.calls.append(("start", prompt.tolist(), str(prompt.dtype)))
+
+    def propose(self):
+        return DraftTree.empty()
+
+    def advance(self, tokens):
+        self.calls.append(("advance", tokens.tolist()))
+
+    def finish(self, commit_from):
+        self.calls.append(("finish", commit_from))
+
+
+def test_replay_protocol_prompts_steps_and_commit_offsets():
+    rec = _Recorder()
+    conv = _conv("p", ("input", [1, 2]), ("output", [3, 4]), ("input", [5]), ("output", [6]))
+    stats = replay([conv], rec)
+    assert rec.calls == [
+        # Turn 1 sees the first input as its prompt and, with empty drafts, one token per step.
+        ("start", [1, 2], "int32"),
+        ("advance", [3]),
+        ("advance", [4]),
+        # Nothing of this conversation was committed before.
+        ("finish", 0),
+        # Turn 2's prompt is everything so far; the first 4 tokens were committed by turn 1.
+        ("start", [1, 2, 3, 4, 5], "int32"),
+        ("advance", [6]),
+        ("finish", 4),
+    ]
+    # Every step yields exactly one token.
+    assert stats.mat == 1.0
+
+
+def test_output_without_input_starts_from_empty_prompt():
+    rec = _Recorder()
+    replay([_conv("o", ("output", [7]))], rec)
+    # No input segment: an empty int32 prompt.
+    assert rec.calls[0] == ("start", [], "int32")
+
+
+# -- traces ------------------------------------------------------------------------------------
+
+
+def _write_gz(path, lines):
+    with gzip.open(path, "wt", encoding="utf-8") as fh:
+        fh.write("\n".join(lines) + "\n")
+
+
+CONV_A = {
+    "id": "a",
+    "namespace": "llama",
+    "category": "code",
+    "segments": [{"kind": "input", "tokens": [1, 2]}, {"kind": "output", "tokens": [3, 4, 5]}],
+}
+CONV_B = {"namespace": "llama", "segments": [{"kind": "output", "tokens": [7]}]}
+
+
+def test_read_traces_gz(tmp_path):
+    path = tmp_path / "t.jsonl.gz"
+    _write_gz(path, [json.dumps(CONV_A), "", json.dumps(CONV_B)])
+    convs = read_traces(path)
+    # Two conversations; the blank line is skipped.
+    assert [c.id for c in convs] == ["a", f"{path}:3"]
+    a, b = convs
+    assert (a.namespace, a.category) == ("llama", "code")
+    assert [(s.kind, s.tokens.tolist()) for s in a.segments] == [("input", [1, 2]), ("output", [3, 4, 5])]
+    # Tokens arrive as int32 arrays.
+    assert a.segments[0].tokens.dtype == np.int32
+    # Only output segments count as output tokens.
+    assert a.output_tokens == 3
+    # A missing category defaults to "all".
+    assert b.category == "all"
+
+
+def test_read_traces_plain_jsonl_and_limit(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps(CONV_A) + "\n" + json.dumps(CONV_B) + "\n")
+    # Uncompressed files work too; limit stops after that many lines.
+    assert [c.id for c in read_traces(path, limit=1)] == ["a"]
+    assert len(read_traces(path)) == 2
+
+
+def test_read_traces_invalid_json_names_line(tmp_path):
+    path = tmp_path / "bad.jsonl.gz"
+    _write_gz(path, [json.dumps(CONV_A), "{not json"])
+    # The error names the file and the line (2).
+    with pytest.raises(ValueError, match=r"bad\.jsonl\.gz:2: malformed"):
+        read_traces(path)
+
+
+@pytest.mark.parametrize(
+    "obj",
+    [
+        {"segments": []},  # no namespace
+        {"namespace": "x"},  # no segments
+        {"namespace": "x", "segments": [{"kind": "prompt", "tokens": [1]}]},  # unknown kind
+        {"namespace": "x", "segments": [{"kind": "input", "tokens": [1, -2]}]},  # negative id
+        {"namespace": "x", "segments": [{"kind": "input", "tokens": [[1]]}]},  # nested tokens
+        {"namespace": "x", "segments": [{"kind": "input", "tokens": [2**31 - 1]}]},  # the separator id
+    ],
+)
+def test_read_traces_malformed_conversation_names_line(tmp_path, obj):
+    path = tmp_path / "bad.jsonl.gz"
+    _write_gz(path, [json.dumps(CONV_A), json.dumps(CONV_B), json.dumps(obj)])
+    # Each of these is a malformed conversation on line 3.
+    with pytest.raises(ValueError, match=r":3: malformed"):
+        read_traces(path)
+
+
+def test_read_traces_corrupt_gzip(tmp_path):
+    path = tmp_path / "t.jsonl.gz"
+    path.write_bytes(b"this is not gzip data")
+    # An unreadable file is a ValueError, not an OSError.
+    with pytest.raises(ValueError, match="unreadable"):
+        read_traces(path)
+
+
+def test_read_traces_truncated_gzip(tmp_path):
+    path = tmp_path / "t.jsonl.gz"
+    _write_gz(path, [json.dumps(CONV_A)] * 50)
+    path.write_bytes(path.read_bytes()[:-20])
+    # A cut-off gzip stream is reported as unreadable.
+    with pytest.raises(ValueError, match="unreadable"):
+        read_traces(path)
