@@ -52,7 +52,9 @@ def test_replay_json_reports_every_drafter(tmp_path: Path, capsys: pytest.Captur
     assert ours["mat"] > 1.0
 
 
-def test_budget_from_environment(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_budget_from_environment(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     traces = _write_traces(tmp_path / "t.jsonl.gz", CONVERSATIONS)
     monkeypatch.setenv("DRAFTCACHE_BUDGET", "2")
     assert main(["replay", str(traces), "--json"]) == 0
@@ -73,16 +75,31 @@ def llama_tokenizer(shared_data: Path) -> Path:
 
 
 def _sharegpt(path: Path, texts: list[str]) -> Path:
-    data = [{"id": str(i), "conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": t}]} for i, t in enumerate(texts)]
+    data = [
+        {"id": str(i), "conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": t}]}
+        for i, t in enumerate(texts)
+    ]
     with gzip.open(path, "wt") as fh:
         json.dump(data, fh)
     return path
 
 
-def test_warm_writes_a_loadable_prior(tmp_path: Path, llama_tokenizer: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_warm_writes_a_loadable_prior(
+    tmp_path: Path, llama_tokenizer: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     corpus = _sharegpt(tmp_path / "c.json.gz", ["The quick brown fox jumps over the lazy dog."] * 3)
     out = tmp_path / "prior.npz"
-    args = ["warm", "--namespace", "llama2", "--tokenizer", str(llama_tokenizer), "--corpus", str(corpus), "--out", str(out)]
+    args = [
+        "warm",
+        "--namespace",
+        "llama2",
+        "--tokenizer",
+        str(llama_tokenizer),
+        "--corpus",
+        str(corpus),
+        "--out",
+        str(out),
+    ]
     assert main(args) == 0
     prior = StaticPrior.from_bytes(out.read_bytes())
     assert prior.source_tokens > 0

@@ -8,7 +8,12 @@ from pathlib import Path
 import pytest
 
 from cache_service import warm
-from decoder_client.baselines import EngineDrafter, PromptLookupDrafter, SuffixDecodingDrafter, suffix_decoding_available
+from decoder_client.baselines import (
+    EngineDrafter,
+    PromptLookupDrafter,
+    SuffixDecodingDrafter,
+    suffix_decoding_available,
+)
 from decoder_client.replay import replay
 from decoder_client.traces import read_traces
 from indexer.drafter import DrafterConfig, DraftParams, NamespaceDrafter
@@ -20,7 +25,9 @@ SWE = "traces/swe_agent_dev.jsonl.gz"
 
 
 def _engine(vocab: int, name: str, prior=None) -> EngineDrafter:
-    return EngineDrafter(NamespaceDrafter(Namespace(name=name, vocab_size=vocab), DrafterConfig(), prior=prior), DraftParams())
+    return EngineDrafter(
+        NamespaceDrafter(Namespace(name=name, vocab_size=vocab), DrafterConfig(), prior=prior), DraftParams()
+    )
 
 
 def test_prompt_lookup_harness_check(shared_data: Path) -> None:
