@@ -188,6 +188,23 @@ def tail_matches(ctx: np.ndarray, lo: int, max_len: int) -> tuple[int, np.ndarra
     return best, ends[:count]
 
 
+@njit(cache=True, nogil=True)
+def prompt_lookup_start(ctx: np.ndarray, min_n: int, max_n: int) -> int:
+    """Where the tokens after the most recent earlier occurrence of the longest n-gram (``max_n``
+    down to ``min_n``) ending the context start, or -1."""
+    size = ctx.size
+    for n in range(min(max_n, size - 1), min_n - 1, -1):
+        for s in range(size - n - 1, -1, -1):  # latest window first, never the suffix itself
+            ok = True
+            for j in range(n):
+                if ctx[s + j] != ctx[size - n + j]:
+                    ok = False
+                    break
+            if ok:
+                return s + n
+    return -1
+
+
 # -- tree merge -----------------------------------------------------------------------------------
 
 
@@ -367,5 +384,6 @@ def warm_up() -> None:
     sa = np.array([0, 2, 1, 3, 4], dtype=np.int32)
     longest_match(toks, sa, np.array([1, 2], dtype=np.int32), 4, 1, 0)
     tail_matches(np.array([1, 2, 1], dtype=np.int32), 0, 4)
+    prompt_lookup_start(np.array([1, 2, 1], dtype=np.int32), 1, 3)
     rows = np.array([[1, 2], [1, -1]], dtype=np.int32)
     merge_tree(rows, np.ones((2, 2)), np.zeros(2, dtype=np.bool_), np.zeros(2, dtype=np.int64), 7, 4, 0.0, 1)

@@ -9,7 +9,8 @@ occurrence nearest the end, as vLLM's ngram proposer does).
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
+
+from indexer import kernels
 
 
 def prompt_lookup(context: np.ndarray, *, min_n: int = 1, max_n: int = 3, num_tokens: int = 10) -> np.ndarray:
@@ -26,12 +27,7 @@ def prompt_lookup(context: np.ndarray, *, min_n: int = 1, max_n: int = 3, num_to
     """
     if min_n < 1 or max_n < min_n or num_tokens < 0:
         raise ValueError(f"need 1 <= min_n <= max_n and num_tokens >= 0, got {min_n}, {max_n}, {num_tokens}")
-    size = int(context.size)
-    for n in range(min(max_n, size - 1), min_n - 1, -1):
-        # Windows starting before size - n: every one is followed by at least one token.
-        windows = sliding_window_view(context[: size - 1], n)
-        hits = np.flatnonzero((windows == context[size - n :]).all(axis=1))
-        if hits.size:
-            start = int(hits[-1]) + n
-            return context[start : start + num_tokens].copy()
-    return np.zeros(0, dtype=np.int32)
+    start = kernels.prompt_lookup_start(np.ascontiguousarray(context, dtype=np.int32), min_n, max_n)
+    if start < 0:
+        return np.zeros(0, dtype=np.int32)
+    return context[start : start + num_tokens].copy()
