@@ -97,24 +97,25 @@ class Calibrator:
 
     def __init__(self, buckets: int) -> None:
         self._buckets = buckets
-        self._pred = np.zeros((len(Tier), buckets + 1))
-        self._hits = np.zeros((len(Tier), buckets + 1))
-
-    def _b(self, n: int) -> int:
-        return min(n, self._buckets)
+        # Plain lists: this sits on the hot path, where numpy scalar arithmetic costs microseconds.
+        self._pred = [[0.0] * (buckets + 1) for _ in Tier]
+        self._hits = [[0.0] * (buckets + 1) for _ in Tier]
 
     def factor(self, tier: Tier, n: int) -> float:
-        b = self._b(n)
-        return float((self._hits[tier, b] + 2.0) / (self._pred[tier, b] + 2.0))
+        b = min(n, self._buckets)
+        return (self._hits[tier][b] + 2.0) / (self._pred[tier][b] + 2.0)
 
     def update(self, tier: Tier, n: int, *, predicted: float, hit: bool) -> None:
-        b = self._b(n)
-        self._pred[tier, b] += predicted
-        self._hits[tier, b] += hit
+        b = min(n, self._buckets)
+        self._pred[tier][b] += predicted
+        self._hits[tier][b] += hit
 
     def table(self) -> dict[str, list[float]]:
         """Acceptance rate of first guesses per tier and match-length bucket (for metrics)."""
-        return {t.name: ((self._hits[t] + 1) / (self._pred[t] + 1)).round(3).tolist() for t in Tier}
+        return {
+            t.name: [round((h + 1) / (p + 1), 3) for h, p in zip(self._hits[t], self._pred[t], strict=True)]
+            for t in Tier
+        }
 
 
 @dataclass

@@ -142,6 +142,16 @@ def hash_rows(mat: np.ndarray) -> np.ndarray:
 
 
 @njit(cache=True, nogil=True)
+def find_leader(context: np.ndarray, leader_len: int, keys: np.ndarray) -> int:
+    """Index in the sorted ``keys`` of the hash of the context's last ``leader_len`` tokens, or -1."""
+    if leader_len > context.size or keys.size == 0:
+        return -1
+    h = hash_tokens(context, context.size - leader_len, leader_len)
+    i = int(np.searchsorted(keys, h))
+    return i if i < keys.size and keys[i] == h else -1
+
+
+@njit(cache=True, nogil=True)
 def find_longest_leader(context: np.ndarray, orders: np.ndarray, keys: np.ndarray, owner: np.ndarray) -> int:
     """Index into ``keys`` of the longest leader (``orders`` longest first) ending the context,
     or -1. ``keys`` are all tables' leader hashes, sorted; ``owner`` says which order each is."""
@@ -385,5 +395,6 @@ def warm_up() -> None:
     longest_match(toks, sa, np.array([1, 2], dtype=np.int32), 4, 1, 0)
     tail_matches(np.array([1, 2, 1], dtype=np.int32), 0, 4)
     prompt_lookup_start(np.array([1, 2, 1], dtype=np.int32), 1, 3)
+    find_leader(np.array([1, 2], dtype=np.int32), 2, np.zeros(1, dtype=np.uint64))
     rows = np.array([[1, 2], [1, -1]], dtype=np.int32)
     merge_tree(rows, np.ones((2, 2)), np.zeros(2, dtype=np.bool_), np.zeros(2, dtype=np.int64), 7, 4, 0.0, 1)

@@ -139,14 +139,8 @@ class NgramTable:
         probability that the first ``j + 1`` tokens of row ``r`` follow; ``count`` is how often
         the leader occurred. ``None`` when the leader is unknown.
         """
-        ll = self.config.leader_len
-        if context.size < ll or self._keys.size == 0:
-            return None
-        h = kernels.hash_tokens(context, context.size - ll, ll)
-        i = int(np.searchsorted(self._keys, h))
-        if i >= self._keys.size or self._keys[i] != h:
-            return None
-        return self.entry(i)
+        i = kernels.find_leader(context, self.config.leader_len, self._keys)
+        return None if i < 0 else self.entry(i)
 
     def entry(self, i: int) -> tuple[np.ndarray, np.ndarray, int]:
         """Followers, prefix probabilities and count of the ``i``-th leader (hash order)."""

@@ -436,3 +436,16 @@ def test_separator_terminated_table_keeps_top_k_distinct_maximal_followers(text,
         # The kept ones are the top_k by expected accepted length.
         best = sorted((_score(text, leader, c) for c in maximal), reverse=True)[: cfg.top_k]
         assert sorted((_score(text, leader, g) for g in got), reverse=True) == best
+
+
+def test_every_kept_leader_is_found_including_high_hashes():
+    # 3-token leaders over 12 symbols: ~1700 distinct leaders, each seen many times, so all are
+    # kept; their 64-bit hashes spread over the whole range, half of them >= 2**63.
+    rng = np.random.default_rng(7)
+    text = rng.integers(0, 12, size=60_000).astype(np.int32)
+    table = NgramTable.build(text, NgramTableConfig(leader_len=3, follower_len=2, max_leaders=1 << 20))
+    assert int((table.keys >= np.uint64(1 << 63)).sum()) > table.leaders // 4
+    windows = np.lib.stride_tricks.sliding_window_view(text[:-1], 3)
+    for leader in np.unique(windows, axis=0)[:500]:
+        # A leader that occurred (followed by a token) is always found by its own tokens.
+        assert table.lookup(np.ascontiguousarray(leader)) is not None
