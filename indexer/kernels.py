@@ -116,6 +116,67 @@ def sample_starts(sa: np.ndarray, first: int, last: int, samples: int) -> np.nda
     return out
 
 
+# -- frozen n-gram tables -----------------------------------------------------------------------
+
+
+@njit(cache=True, nogil=True)
+def follower_lengths(tokens: np.ndarray, sa: np.ndarray, leader_len: int, follower_len: int, stop: int) -> np.ndarray:
+    """Per SA row: how many follower tokens (at most ``follower_len``) follow a clean leader of
+    ``leader_len`` tokens at that suffix before a token >= ``stop`` (0 if the leader isn't clean)."""
+    out = np.zeros(sa.size, dtype=np.int64)
+    n = tokens.size
+    want = leader_len + follower_len
+    for i in range(sa.size):
+        s = sa[i]
+        k = 0
+        while k < want and s + k < n and tokens[s + k] < stop:
+            k += 1
+        if k > leader_len:
+            out[i] = k - leader_len
+    return out
+
+
+@njit(cache=True, nogil=True)
+def prefix_counts(lcp: np.ndarray, flen: np.ndarray, rep: np.ndarray, leader_len: int, follower_len: int) -> np.ndarray:
+    """For each representative row, the size of its run of rows sharing ``leader_len + j``
+    tokens (counting rows with at least ``j`` follower tokens), for ``j = 1 .. follower_len``."""
+    m = lcp.size
+    counts = np.zeros((rep.size, follower_len), dtype=np.int32)
+    for j in range(1, follower_len + 1):
+        rp = 0
+        cnt = 0
+        for i in range(m + 1):
+            if i == m or (i > 0 and lcp[i] < leader_len + j):
+                while rp < rep.size and rep[rp] < i:
+                    if flen[rep[rp]] >= j:
+                        counts[rp, j - 1] = cnt
+                    rp += 1
+                cnt = 0
+            if i < m and flen[i] >= j:
+                cnt += 1
+    return counts
+
+
+@njit(cache=True, nogil=True)
+def top_per_group(group: np.ndarray, score: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the ``k`` highest scores within each run of equal ``group`` values (runs are
+    contiguous), ties to the lower index, in (group, -score, index) order."""
+    out = np.empty(group.size, dtype=np.int64)
+    taken = 0
+    start = 0
+    n = group.size
+    while start < n:
+        stop = start + 1
+        while stop < n and group[stop] == group[start]:
+            stop += 1
+        order = np.argsort(-score[start:stop], kind="mergesort")
+        for t in range(min(k, order.size)):
+            out[taken] = start + order[t]
+            taken += 1
+        start = stop
+    return out[:taken]
+
+
 # -- hashing --------------------------------------------------------------------------------------
 
 _PRIME = np.uint64(0x100000001B3)
@@ -396,5 +457,6 @@ def warm_up() -> None:
     tail_matches(np.array([1, 2, 1], dtype=np.int32), 0, 4)
     prompt_lookup_start(np.array([1, 2, 1], dtype=np.int32), 1, 3)
     find_leader(np.array([1, 2], dtype=np.int32), 2, np.zeros(1, dtype=np.uint64))
+    hash_rows(np.zeros((1, 2), dtype=np.int32))
     rows = np.array([[1, 2], [1, -1]], dtype=np.int32)
     merge_tree(rows, np.ones((2, 2)), np.zeros(2, dtype=np.bool_), np.zeros(2, dtype=np.int64), 7, 4, 0.0, 1)

@@ -172,10 +172,7 @@ class NgramTable:
             return cls._empty(config)
         if tokens[-1] != SEPARATOR:
             raise ValueError("tokens must end with SEPARATOR (see with_final_separator)")
-        # Clean tokens from each SA row's start up to the next separator.
-        sep_pos = np.where(tokens == SEPARATOR, np.arange(n), n)
-        run = (np.minimum.accumulate(sep_pos[::-1])[::-1] - np.arange(n))[sa]
-        follow_len = np.clip(run - ll, 0, fl)  # usable follower tokens per SA row
+        follow_len = kernels.follower_lengths(tokens, sa, ll, fl, int(SEPARATOR))
         # Leaders: runs of SA rows sharing their first ll tokens.
         lead_start = lcp < ll
         lead_id = np.cumsum(lead_start) - 1
@@ -189,21 +186,11 @@ class NgramTable:
         lcp_sel, flen, lid = lcp[rows], follow_len[rows], lead_id[rows]
         # Distinct followers: first row of each run sharing ll + its follower tokens.
         rep = np.flatnonzero((lcp_sel < ll + flen) & (flen > 0))
-        counts = np.zeros((rep.size, fl), dtype=np.int32)
-        for j in range(1, fl + 1):  # rows sharing ll + j tokens, counted where j tokens exist
-            gid = np.cumsum(lcp_sel < ll + j) - 1
-            valid = flen >= j
-            sizes = np.bincount(gid, weights=valid)
-            counts[:, j - 1] = np.where(valid[rep], sizes[gid[rep]], 0)
+        counts = kernels.prefix_counts(lcp_sel, flen, rep, ll, fl)
         score = counts.sum(axis=1, dtype=np.int64)  # expected accepted length, times leader count
-        order = np.lexsort((rep, -score, lid[rep]))
-        rep, counts = rep[order], counts[order]
-        rep_lid = lid[rep]
-        first = np.flatnonzero(np.concatenate(([True], rep_lid[1:] != rep_lid[:-1])))
-        rank = np.arange(rep.size) - np.repeat(first, np.diff(np.append(first, rep.size)))
-        sel = rank < config.top_k
-        rep = rep[sel]
-        return cls._assemble(tokens, sa[rows[rep]], lid[rep], counts[sel], flen[rep], lead_count, config)
+        best = kernels.top_per_group(lid[rep], score, config.top_k)
+        rep, counts = rep[best], counts[best]
+        return cls._assemble(tokens, sa[rows[rep]], lid[rep], counts, flen[rep], lead_count, config)
 
     @staticmethod
     def _top_leaders(lead_count: np.ndarray, config: NgramTableConfig) -> np.ndarray:
