@@ -8,8 +8,6 @@ pays the compile time; :func:`warm_up` pays it at start-up rather than on a firs
 
 from __future__ import annotations
 
-import heapq
-
 import numpy as np
 from numba import njit
 
@@ -319,6 +317,28 @@ def _row_order(rows: np.ndarray) -> np.ndarray:
 
 
 @njit(cache=True, nogil=True)
+def _best(score: np.ndarray, skip: np.ndarray, min_score: float, m: int) -> np.ndarray:
+    """Ids of the ``m`` highest scores above ``min_score`` not in ``skip``; ties to lower ids."""
+    if m <= 0:
+        return np.zeros(0, dtype=np.int64)
+    buf = np.empty(m, dtype=np.int64)  # sorted best first
+    size = 0
+    for node in range(score.size):
+        v = score[node]
+        if skip[node] or v <= min_score or (size == m and v <= score[buf[m - 1]]):
+            continue
+        pos = size if size < m else m - 1
+        while pos > 0 and score[buf[pos - 1]] < v:  # equal scores stay ahead (lower ids)
+            if pos < m:
+                buf[pos] = buf[pos - 1]
+            pos -= 1
+        buf[pos] = node
+        if size < m:
+            size += 1
+    return buf[:size]
+
+
+@njit(cache=True, nogil=True)
 def merge_tree(
     rows: np.ndarray,
     vals: np.ndarray,
@@ -408,23 +428,11 @@ def merge_tree(
         chosen[best] = True
         taken += 1
         node = best
-    # Then best-first growth: a frontier of children of chosen nodes, highest score (then lowest
-    # id, so parents before children on ties) first. Equivalent to taking the global top scores.
-    heap = [(0.0, np.int64(0))]
-    heap.pop()
-    for parent_slot in range(n + 1):
-        if parent_slot > 0 and not chosen[parent_slot - 1]:
-            continue
-        for c in range(child_lo[parent_slot], child_hi[parent_slot]):
-            if not chosen[c] and score[c] > min_score:
-                heapq.heappush(heap, (-score[c], np.int64(c)))
-    while taken < budget and len(heap) > 0:
-        _, picked = heapq.heappop(heap)
-        chosen[picked] = True
+    # Then the best remaining scores (ties to the lower id). Scores never grow from parent to
+    # child and a parent's id is lower, so the kept set stays a tree with every parent kept.
+    for node in _best(score, chosen, min_score, budget - taken):
+        chosen[node] = True
         taken += 1
-        for g in range(child_lo[picked + 1], child_hi[picked + 1]):
-            if score[g] > min_score:
-                heapq.heappush(heap, (-score[g], np.int64(g)))
     remap = np.full(n, -1, dtype=np.int64)
     out_tok = np.empty(taken, dtype=np.int32)
     out_par = np.empty(taken, dtype=np.int32)

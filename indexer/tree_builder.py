@@ -136,7 +136,7 @@ def merge_candidates(
     probability under the tier alone (what calibration compares with the outcome)."""
     if budget < 0 or max_depth < 0:
         raise ValueError(f"budget and max_depth must be >= 0, got {budget}, {max_depth}")
-    parts = [c for c in candidates if c.rows.size and (c.weights is None or float(c.weights.sum()) > 0)]
+    parts = [c for c in candidates if c.rows.size]
     if budget == 0 or max_depth == 0 or not parts:
         return DraftTree.empty(), {}
     rows, vals, is_max, tiers = _stack(parts, max_depth)
@@ -167,6 +167,8 @@ def _stack(parts: list[Candidates], depth: int) -> tuple[np.ndarray, np.ndarray,
             is_max[at : at + k] = True
         else:
             assert c.weights is not None
-            vals[at : at + k] = (c.weights * (c.confidence / c.weights.sum()))[:, None]
+            total = c.weights.sum()
+            if total > 0:  # a tier with no weight contributes nothing
+                vals[at : at + k] = (c.weights * (c.confidence / total))[:, None]
         at += k
     return rows, vals, is_max, tiers
