@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from indexer import kernels
+from indexer.calibration import Calibrator
 from indexer.context_index import ContextIndex
 from indexer.lifetime_index import LifetimeConfig, LifetimeMemory, prompt_key
 from indexer.prior import StaticPrior
@@ -84,38 +85,6 @@ class DrafterConfig:
         for name in ("max_match", "samples", "context_samples", "seed_window", "calibration_buckets"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-
-
-class Calibrator:
-    """Per (tier, match length) ratio of first guesses accepted to first guesses predicted.
-
-    >>> cal = Calibrator(buckets=4)
-    >>> cal.update(Tier.PRIOR, 2, predicted=0.5, hit=False)
-    >>> round(cal.factor(Tier.PRIOR, 2), 3)  # (0 + 2) / (0.5 + 2)
-    0.8
-    """
-
-    def __init__(self, buckets: int) -> None:
-        self._buckets = buckets
-        # Plain lists: this sits on the hot path, where numpy scalar arithmetic costs microseconds.
-        self._pred = [[0.0] * (buckets + 1) for _ in Tier]
-        self._hits = [[0.0] * (buckets + 1) for _ in Tier]
-
-    def factor(self, tier: Tier, n: int) -> float:
-        b = min(n, self._buckets)
-        return (self._hits[tier][b] + 2.0) / (self._pred[tier][b] + 2.0)
-
-    def update(self, tier: Tier, n: int, *, predicted: float, hit: bool) -> None:
-        b = min(n, self._buckets)
-        self._pred[tier][b] += predicted
-        self._hits[tier][b] += hit
-
-    def table(self) -> dict[str, list[float]]:
-        """Acceptance rate of first guesses per tier and match-length bucket (for metrics)."""
-        return {
-            t.name: [round((h + 1) / (p + 1), 3) for h, p in zip(self._hits[t], self._pred[t], strict=True)]
-            for t in Tier
-        }
 
 
 @dataclass

@@ -1,7 +1,8 @@
 import numpy as np
 import pytest
 
-from indexer.drafter import Calibrator, DrafterConfig, DraftParams, NamespaceDrafter
+from indexer.calibration import Calibrator
+from indexer.drafter import DrafterConfig, DraftParams, NamespaceDrafter
 from indexer.prior import PriorConfig, StaticPrior
 from indexer.tokens import SEPARATOR, Namespace
 from indexer.tree_builder import Tier

@@ -1,0 +1,61 @@
+"""Compiled inner loops (numba, as vLLM's n-gram proposer does): suffix-array searches, the
+own-context scan and the draft-tree merge. Everything else stays in numpy.
+
+Each kernel is plain Python over numpy arrays; ``NUMBA_DISABLE_JIT=1`` runs them uncompiled
+for debugging. Compiled code is cached beside the module, so only the first process on a machine
+pays the compile time; :func:`warm_up` pays it at start-up rather than on a first request.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from indexer.kernels.search import (
+    gather_rows,
+    longest_match,
+    match_range,
+    prompt_lookup_start,
+    sample_starts,
+    tail_matches,
+)
+from indexer.kernels.tables import (
+    find_leader,
+    find_longest_leader,
+    follower_lengths,
+    hash_rows,
+    hash_tokens,
+    prefix_counts,
+    top_per_group,
+)
+from indexer.kernels.tree import merge_tree
+
+__all__ = [
+    "find_leader",
+    "find_longest_leader",
+    "follower_lengths",
+    "gather_rows",
+    "hash_rows",
+    "hash_tokens",
+    "longest_match",
+    "match_range",
+    "merge_tree",
+    "prefix_counts",
+    "prompt_lookup_start",
+    "sample_starts",
+    "tail_matches",
+    "top_per_group",
+    "warm_up",
+]
+
+
+def warm_up() -> None:
+    """Compile (or load from cache) every kernel now, off any request's path."""
+    toks = np.array([1, 2, 1, 2, 2147483647], dtype=np.int32)
+    sa = np.array([0, 2, 1, 3, 4], dtype=np.int32)
+    longest_match(toks, sa, np.array([1, 2], dtype=np.int32), 4, 1, 0)
+    tail_matches(np.array([1, 2, 1], dtype=np.int32), 0, 4)
+    prompt_lookup_start(np.array([1, 2, 1], dtype=np.int32), 1, 3)
+    find_leader(np.array([1, 2], dtype=np.int32), 2, np.zeros(1, dtype=np.uint64))
+    hash_rows(np.zeros((1, 2), dtype=np.int32))
+    rows = np.array([[1, 2], [1, -1]], dtype=np.int32)
+    merge_tree(rows, np.ones((2, 2)), np.zeros(2, dtype=np.bool_), np.zeros(2, dtype=np.int64), 7, 4, 0.0, 1)

@@ -1,0 +1,155 @@
+"""Compiled searches: suffix-array ranges and longest matches, continuation gathering, the
+own-context scan and prompt lookup."""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+# -- suffix array -------------------------------------------------------------------------------
+
+
+@njit(cache=True, nogil=True)
+def _compare(tokens: np.ndarray, start: int, pattern: np.ndarray) -> int:
+    """Sign of ``tokens[start:start+m]`` versus ``pattern`` (a suffix that ends first is smaller)."""
+    n = tokens.size
+    for j in range(pattern.size):
+        p = start + j
+        if p >= n:
+            return -1
+        x = tokens[p]
+        y = pattern[j]
+        if x != y:
+            return -1 if x < y else 1
+    return 0
+
+
+@njit(cache=True, nogil=True)
+def match_range(tokens: np.ndarray, sa: np.ndarray, pattern: np.ndarray, lo: int, hi: int) -> tuple[int, int]:
+    """SA rows in ``[lo, hi)`` whose suffixes start with ``pattern``, as ``(first, last)``."""
+    end = hi
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if _compare(tokens, sa[mid], pattern) < 0:
+            lo = mid + 1
+        else:
+            hi = mid
+    if lo >= end or _compare(tokens, sa[lo], pattern) != 0:
+        return lo, lo
+    first = lo
+    hi = end
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if _compare(tokens, sa[mid], pattern) <= 0:
+            lo = mid + 1
+        else:
+            hi = mid
+    return first, lo
+
+
+@njit(cache=True, nogil=True)
+def longest_match(
+    tokens: np.ndarray, sa: np.ndarray, context: np.ndarray, max_len: int, min_len: int, hint: int
+) -> tuple[int, int, int]:
+    """Longest ``n`` in ``[min_len, max_len]`` whose last-``n`` context tokens occur: ``(n, first, last)``.
+
+    Matching is monotone in ``n``, so a binary search over ``n`` works; ``hint`` is probed first
+    (with ``hint + 1``), which settles the common case of a match that simply continued.
+    """
+    hi_n = min(max_len, context.size)
+    size = sa.size
+    best_n, best_f, best_l = 0, 0, 0
+    if hi_n < min_len or size == 0:
+        return best_n, best_f, best_l
+    lo_n = min_len - 1
+    if min_len <= hint <= hi_n:
+        f, last = match_range(tokens, sa, context[context.size - hint :], 0, size)
+        if f == last:
+            hi_n = hint - 1
+        else:
+            lo_n, best_n, best_f, best_l = hint, hint, f, last
+            if hint < hi_n:
+                f, last = match_range(tokens, sa, context[context.size - hint - 1 :], 0, size)
+                if f == last:
+                    return best_n, best_f, best_l
+                lo_n, best_n, best_f, best_l = hint + 1, hint + 1, f, last
+    while lo_n < hi_n:
+        mid = (lo_n + hi_n + 1) >> 1
+        f, last = match_range(tokens, sa, context[context.size - mid :], 0, size)
+        if f < last:
+            lo_n, best_n, best_f, best_l = mid, mid, f, last
+        else:
+            hi_n = mid - 1
+    return best_n, best_f, best_l
+
+
+@njit(cache=True, nogil=True)
+def gather_rows(tokens: np.ndarray, starts: np.ndarray, depth: int, stop: int) -> np.ndarray:
+    """``depth`` tokens from each start, -1 from the first token >= ``stop`` (the separator) or
+    past the end of ``tokens``."""
+    rows = np.full((starts.size, depth), -1, dtype=np.int32)
+    n = tokens.size
+    for i in range(starts.size):
+        for j in range(depth):
+            p = starts[i] + j
+            if p >= n or tokens[p] >= stop:
+                break
+            rows[i, j] = tokens[p]
+    return rows
+
+
+@njit(cache=True, nogil=True)
+def sample_starts(sa: np.ndarray, first: int, last: int, samples: int) -> np.ndarray:
+    """Suffix starts of up to ``samples`` evenly spaced SA rows in ``[first, last)``."""
+    count = last - first
+    k = min(count, samples)
+    out = np.empty(k, dtype=np.int64)
+    for i in range(k):
+        out[i] = sa[first + (i * count) // k]
+    return out
+
+
+# -- own context ----------------------------------------------------------------------------------
+
+
+@njit(cache=True, nogil=True)
+def tail_matches(ctx: np.ndarray, lo: int, max_len: int) -> tuple[int, np.ndarray]:
+    """Longest match of the context's suffix among occurrences ending in ``[lo, len - 1)``, and
+    the end positions that achieve it (ascending)."""
+    size = ctx.size
+    best = 0
+    count = 0
+    ends = np.empty(max(size - 1 - lo, 0), dtype=np.int64)
+    if max_len < 1 or size < 2:
+        return best, ends[:0]
+    last = ctx[size - 1]
+    for e in range(lo, size - 1):
+        if ctx[e] != last:
+            continue
+        k = 1
+        while k < max_len and e - k >= 0 and ctx[e - k] == ctx[size - 1 - k]:
+            k += 1
+        if k > best:
+            best = k
+            count = 0
+        if k == best:
+            ends[count] = e
+            count += 1
+    return best, ends[:count]
+
+
+@njit(cache=True, nogil=True)
+def prompt_lookup_start(ctx: np.ndarray, min_n: int, max_n: int) -> int:
+    """Where the tokens after the most recent earlier occurrence of the longest n-gram (``max_n``
+    down to ``min_n``) ending the context start, or -1."""
+    size = ctx.size
+    for n in range(min(max_n, size - 1), min_n - 1, -1):
+        for s in range(size - n - 1, -1, -1):  # latest window first, never the suffix itself
+            ok = True
+            for j in range(n):
+                if ctx[s + j] != ctx[size - n + j]:
+                    ok = False
+                    break
+            if ok:
+                return s + n
+    return -1

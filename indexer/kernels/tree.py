@@ -1,0 +1,188 @@
+"""The compiled draft-tree merge: a trie of every tier's rows, scored per node, kept best first."""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+# -- tree merge -----------------------------------------------------------------------------------
+
+
+@njit(cache=True, nogil=True)
+def _row_order(rows: np.ndarray) -> np.ndarray:
+    """Stable lexicographic order of rows (-1, an ended row, sorts first): merge sort."""
+    r = rows.shape[0]
+    order = np.arange(r)
+    tmp = np.empty(r, dtype=np.int64)
+    width = 1
+    while width < r:
+        for start in range(0, r, 2 * width):
+            mid = min(start + width, r)
+            stop = min(start + 2 * width, r)
+            i, j, k = start, mid, start
+            while i < mid and j < stop:
+                a, b = order[i], order[j]
+                less = False  # rows[b] < rows[a]?
+                for d in range(rows.shape[1]):
+                    if rows[a, d] != rows[b, d]:
+                        less = rows[b, d] < rows[a, d]
+                        break
+                if less:
+                    tmp[k] = b
+                    j += 1
+                else:
+                    tmp[k] = a
+                    i += 1
+                k += 1
+            while i < mid:
+                tmp[k] = order[i]
+                i += 1
+                k += 1
+            while j < stop:
+                tmp[k] = order[j]
+                j += 1
+                k += 1
+        order, tmp = tmp, order
+        width *= 2
+    return order
+
+
+@njit(cache=True, nogil=True)
+def _best(score: np.ndarray, skip: np.ndarray, min_score: float, m: int) -> np.ndarray:
+    """Ids of the ``m`` highest scores above ``min_score`` not in ``skip``; ties to lower ids."""
+    if m <= 0:
+        return np.zeros(0, dtype=np.int64)
+    buf = np.empty(m, dtype=np.int64)  # sorted best first
+    size = 0
+    for node in range(score.size):
+        v = score[node]
+        if skip[node] or v <= min_score or (size == m and v <= score[buf[m - 1]]):
+            continue
+        pos = size if size < m else m - 1
+        while pos > 0 and score[buf[pos - 1]] < v:  # equal scores stay ahead (lower ids)
+            if pos < m:
+                buf[pos] = buf[pos - 1]
+            pos -= 1
+        buf[pos] = node
+        if size < m:
+            size += 1
+    return buf[:size]
+
+
+@njit(cache=True, nogil=True)
+def merge_tree(
+    rows: np.ndarray,
+    vals: np.ndarray,
+    is_max: np.ndarray,
+    tiers: np.ndarray,
+    n_tiers: int,
+    budget: int,
+    min_score: float,
+    depth_reserve: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Trie of all rows; per node and tier the summed (weights) or best (probs) value; keep the
+    reserved best chain and then the highest scores, parents first.
+
+    Returns ``(tokens, parents, sources, scores, first_token, first_value)``, the last two per
+    tier: its best first-level token (-1 if none) and that token's value.
+    """
+    r_count, depth = rows.shape
+    order = _row_order(rows)
+    ids = np.full((depth, r_count), -1, dtype=np.int64)
+    differs = np.zeros(r_count, dtype=np.bool_)
+    cap = r_count * depth
+    token = np.empty(cap, dtype=np.int32)
+    parent = np.empty(cap, dtype=np.int64)
+    n = 0
+    n_first = 0
+    for d in range(depth):
+        for i in range(r_count):
+            row = order[i]
+            t = rows[row, d]
+            if i > 0 and rows[order[i - 1], d] != t:
+                differs[i] = True
+            if t < 0:
+                continue
+            if i == 0 or differs[i] or ids[d, i - 1] < 0:
+                token[n] = t
+                parent[n] = ids[d - 1, i] if d > 0 else -1
+                n += 1
+            ids[d, i] = n - 1
+        if d == 0:
+            n_first = n
+    per = np.zeros((max(n, 1), n_tiers))
+    for d in range(depth):
+        for i in range(r_count):
+            node = ids[d, i]
+            if node < 0:
+                continue
+            row = order[i]
+            t = tiers[row]
+            v = vals[row, d]
+            if is_max[row]:
+                if v > per[node, t]:
+                    per[node, t] = v
+            else:
+                per[node, t] += v
+    score = np.empty(n)
+    source = np.zeros(n, dtype=np.uint8)
+    for node in range(n):
+        total = 0.0
+        best_t = 0
+        for t in range(n_tiers):
+            total += per[node, t]
+            if per[node, t] > per[node, best_t]:
+                best_t = t
+        score[node] = min(total, 1.0)
+        source[node] = best_t
+    # Children of a node are consecutive ids (depth-major numbering over sorted rows).
+    child_lo = np.full(n + 1, n, dtype=np.int64)  # slot 0 is the root
+    child_hi = np.zeros(n + 1, dtype=np.int64)
+    child_lo[0], child_hi[0] = 0, n_first
+    for d in range(depth - 1):
+        for i in range(r_count):
+            node, child = ids[d, i], ids[d + 1, i]
+            if node >= 0 and child >= 0:
+                child_lo[node + 1] = min(child_lo[node + 1], child)
+                child_hi[node + 1] = max(child_hi[node + 1], child + 1)
+    chosen = np.zeros(n, dtype=np.bool_)
+    taken = 0
+    # Depth reserve: the greedy best chain (ties to the lower id) goes in first.
+    node = -1
+    while taken < min(depth_reserve, budget):
+        best = -1
+        for c in range(child_lo[node + 1], child_hi[node + 1]):
+            if score[c] > min_score and (best < 0 or score[c] > score[best]):
+                best = c
+        if best < 0:
+            break
+        chosen[best] = True
+        taken += 1
+        node = best
+    # Then the best remaining scores (ties to the lower id). Scores never grow from parent to
+    # child and a parent's id is lower, so the kept set stays a tree with every parent kept.
+    for node in _best(score, chosen, min_score, budget - taken):
+        chosen[node] = True
+        taken += 1
+    remap = np.full(n, -1, dtype=np.int64)
+    out_tok = np.empty(taken, dtype=np.int32)
+    out_par = np.empty(taken, dtype=np.int32)
+    out_src = np.empty(taken, dtype=np.uint8)
+    out_score = np.empty(taken, dtype=np.float32)
+    k = 0
+    for node in range(n):
+        if chosen[node]:
+            remap[node] = k
+            out_tok[k] = token[node]
+            out_par[k] = remap[parent[node]] if parent[node] >= 0 else -1
+            out_src[k] = source[node]
+            out_score[k] = score[node]
+            k += 1
+    first_tok = np.full(n_tiers, -1, dtype=np.int64)
+    first_val = np.zeros(n_tiers)
+    for node in range(n_first):
+        for t in range(n_tiers):
+            if per[node, t] > first_val[t]:
+                first_val[t] = per[node, t]
+                first_tok[t] = token[node]
+    return out_tok, out_par, out_src, out_score, first_tok, first_val
