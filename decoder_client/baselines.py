@@ -25,17 +25,19 @@ class EngineDrafter:
     def start(self, prompt: np.ndarray) -> None:
         self._session = self._engine.open(prompt)
 
+    def _active(self) -> Session:
+        if self._session is None:
+            raise RuntimeError("no request in progress: call start() first")
+        return self._session
+
     def propose(self) -> DraftTree:
-        assert self._session is not None
-        return self._engine.draft(self._session, self._params)
+        return self._engine.draft(self._active(), self._params)
 
     def advance(self, tokens: np.ndarray) -> None:
-        assert self._session is not None
-        self._engine.accept(self._session, tokens)
+        self._engine.accept(self._active(), tokens)
 
     def finish(self, commit_from: int) -> None:
-        assert self._session is not None
-        self._engine.close(self._session, commit=True, commit_from=commit_from)
+        self._engine.close(self._active(), commit=True, commit_from=commit_from)
         self._session = None
         # The service rebuilds on a schedule; replay rebuilds when the delta asks for it.
         if self._rebuild and self._engine.memory.needs_rebuild():

@@ -186,6 +186,8 @@ class NamespaceDrafter:
         if not commit:
             return
         tokens = session.context.tokens
+        if not 0 <= commit_from <= tokens.size:
+            raise ValueError(f"commit_from must be in [0, {tokens.size}], got {commit_from}")
         prompt = tokens[: session.prompt_len]
         self.memory.commit(tokens[commit_from:].copy(), prompt=prompt, response=session.generated)
 

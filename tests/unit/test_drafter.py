@@ -366,3 +366,13 @@ def test_drafter_calibration_moves_toward_outcomes():
     t_hit = hit.draft(hit.open([5, 6, 7, 8, 5, 6]), DraftParams(budget=4))
     assert t_missed.scores[0] == pytest.approx(0.5 * 0.8)
     assert t_hit.scores[0] == pytest.approx(0.5 * 1.2)
+
+
+def test_close_rejects_commit_from_outside_the_context():
+    d = _drafter()
+    s = d.open([1, 2, 3])
+    # The context has 3 tokens: committing from position 4 names nothing.
+    with pytest.raises(ValueError, match="commit_from"):
+        d.close(s, commit=True, commit_from=4)
+    # Nothing was committed by the failed call.
+    assert d.memory.buffer.size == 0
