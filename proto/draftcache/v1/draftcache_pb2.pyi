@@ -1,0 +1,237 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DraftParams(_message.Message):
+    __slots__ = ("budget", "max_depth", "min_score", "depth_reserve")
+    BUDGET_FIELD_NUMBER: _ClassVar[int]
+    MAX_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    MIN_SCORE_FIELD_NUMBER: _ClassVar[int]
+    DEPTH_RESERVE_FIELD_NUMBER: _ClassVar[int]
+    budget: int
+    max_depth: int
+    min_score: float
+    depth_reserve: int
+    def __init__(self, budget: _Optional[int] = ..., max_depth: _Optional[int] = ..., min_score: _Optional[float] = ..., depth_reserve: _Optional[int] = ...) -> None: ...
+
+class Tree(_message.Message):
+    __slots__ = ("tokens", "parents", "sources", "scores")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
+    SCORES_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    parents: _containers.RepeatedScalarFieldContainer[int]
+    sources: bytes
+    scores: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., sources: _Optional[bytes] = ..., scores: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class OpenSession(_message.Message):
+    __slots__ = ("namespace", "prompt", "params")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    prompt: _containers.RepeatedScalarFieldContainer[int]
+    params: DraftParams
+    def __init__(self, namespace: _Optional[str] = ..., prompt: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[DraftParams, _Mapping]] = ...) -> None: ...
+
+class OpenSessionsRequest(_message.Message):
+    __slots__ = ("sessions",)
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    sessions: _containers.RepeatedCompositeFieldContainer[OpenSession]
+    def __init__(self, sessions: _Optional[_Iterable[_Union[OpenSession, _Mapping]]] = ...) -> None: ...
+
+class OpenSessionsResponse(_message.Message):
+    __slots__ = ("session_ids",)
+    SESSION_IDS_FIELD_NUMBER: _ClassVar[int]
+    session_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, session_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class DraftItem(_message.Message):
+    __slots__ = ("session_id", "new_tokens")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    new_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., new_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DraftRequest(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[DraftItem]
+    def __init__(self, items: _Optional[_Iterable[_Union[DraftItem, _Mapping]]] = ...) -> None: ...
+
+class DraftResponse(_message.Message):
+    __slots__ = ("trees",)
+    TREES_FIELD_NUMBER: _ClassVar[int]
+    trees: _containers.RepeatedCompositeFieldContainer[Tree]
+    def __init__(self, trees: _Optional[_Iterable[_Union[Tree, _Mapping]]] = ...) -> None: ...
+
+class RejectedBranch(_message.Message):
+    __slots__ = ("offset", "tokens")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, offset: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class FeedbackItem(_message.Message):
+    __slots__ = ("session_id", "accepted", "rejected")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    accepted: _containers.RepeatedScalarFieldContainer[int]
+    rejected: _containers.RepeatedCompositeFieldContainer[RejectedBranch]
+    def __init__(self, session_id: _Optional[str] = ..., accepted: _Optional[_Iterable[int]] = ..., rejected: _Optional[_Iterable[_Union[RejectedBranch, _Mapping]]] = ...) -> None: ...
+
+class FeedbackRequest(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[FeedbackItem]
+    def __init__(self, items: _Optional[_Iterable[_Union[FeedbackItem, _Mapping]]] = ...) -> None: ...
+
+class FeedbackResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CloseSession(_message.Message):
+    __slots__ = ("session_id", "commit", "commit_from")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FROM_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    commit: bool
+    commit_from: int
+    def __init__(self, session_id: _Optional[str] = ..., commit: _Optional[bool] = ..., commit_from: _Optional[int] = ...) -> None: ...
+
+class CloseSessionsRequest(_message.Message):
+    __slots__ = ("sessions",)
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    sessions: _containers.RepeatedCompositeFieldContainer[CloseSession]
+    def __init__(self, sessions: _Optional[_Iterable[_Union[CloseSession, _Mapping]]] = ...) -> None: ...
+
+class CloseSessionsResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StreamRequest(_message.Message):
+    __slots__ = ("request_id", "open", "draft", "feedback", "close")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
+    FEEDBACK_FIELD_NUMBER: _ClassVar[int]
+    CLOSE_FIELD_NUMBER: _ClassVar[int]
+    request_id: int
+    open: OpenSessionsRequest
+    draft: DraftRequest
+    feedback: FeedbackRequest
+    close: CloseSessionsRequest
+    def __init__(self, request_id: _Optional[int] = ..., open: _Optional[_Union[OpenSessionsRequest, _Mapping]] = ..., draft: _Optional[_Union[DraftRequest, _Mapping]] = ..., feedback: _Optional[_Union[FeedbackRequest, _Mapping]] = ..., close: _Optional[_Union[CloseSessionsRequest, _Mapping]] = ...) -> None: ...
+
+class StreamResponse(_message.Message):
+    __slots__ = ("request_id", "open", "draft", "feedback", "close")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
+    FEEDBACK_FIELD_NUMBER: _ClassVar[int]
+    CLOSE_FIELD_NUMBER: _ClassVar[int]
+    request_id: int
+    open: OpenSessionsResponse
+    draft: DraftResponse
+    feedback: FeedbackResponse
+    close: CloseSessionsResponse
+    def __init__(self, request_id: _Optional[int] = ..., open: _Optional[_Union[OpenSessionsResponse, _Mapping]] = ..., draft: _Optional[_Union[DraftResponse, _Mapping]] = ..., feedback: _Optional[_Union[FeedbackResponse, _Mapping]] = ..., close: _Optional[_Union[CloseSessionsResponse, _Mapping]] = ...) -> None: ...
+
+class EchoRequest(_message.Message):
+    __slots__ = ("payload",)
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    payload: bytes
+    def __init__(self, payload: _Optional[bytes] = ...) -> None: ...
+
+class EchoResponse(_message.Message):
+    __slots__ = ("payload",)
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    payload: bytes
+    def __init__(self, payload: _Optional[bytes] = ...) -> None: ...
+
+class NamespaceInfo(_message.Message):
+    __slots__ = ("name", "vocab_size", "buffered_tokens", "requests", "index_tokens", "last_rebuild_seconds", "prior_version", "sessions")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BUFFERED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LAST_REBUILD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PRIOR_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    vocab_size: int
+    buffered_tokens: int
+    requests: int
+    index_tokens: int
+    last_rebuild_seconds: float
+    prior_version: int
+    sessions: int
+    def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., buffered_tokens: _Optional[int] = ..., requests: _Optional[int] = ..., index_tokens: _Optional[int] = ..., last_rebuild_seconds: _Optional[float] = ..., prior_version: _Optional[int] = ..., sessions: _Optional[int] = ...) -> None: ...
+
+class CreateNamespaceRequest(_message.Message):
+    __slots__ = ("name", "vocab_size")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    vocab_size: int
+    def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ...) -> None: ...
+
+class CreateNamespaceResponse(_message.Message):
+    __slots__ = ("namespace",)
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    namespace: NamespaceInfo
+    def __init__(self, namespace: _Optional[_Union[NamespaceInfo, _Mapping]] = ...) -> None: ...
+
+class NamespacesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class NamespacesResponse(_message.Message):
+    __slots__ = ("namespaces",)
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceInfo]
+    def __init__(self, namespaces: _Optional[_Iterable[_Union[NamespaceInfo, _Mapping]]] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ("namespace",)
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    def __init__(self, namespace: _Optional[str] = ...) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("namespaces", "sessions", "drafts", "pending_writes", "schema")
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    PENDING_WRITES_FIELD_NUMBER: _ClassVar[int]
+    SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceInfo]
+    sessions: int
+    drafts: int
+    pending_writes: int
+    schema: str
+    def __init__(self, namespaces: _Optional[_Iterable[_Union[NamespaceInfo, _Mapping]]] = ..., sessions: _Optional[int] = ..., drafts: _Optional[int] = ..., pending_writes: _Optional[int] = ..., schema: _Optional[str] = ...) -> None: ...
+
+class RebuildRequest(_message.Message):
+    __slots__ = ("namespace",)
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    def __init__(self, namespace: _Optional[str] = ...) -> None: ...
+
+class RebuildResponse(_message.Message):
+    __slots__ = ("namespaces",)
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceInfo]
+    def __init__(self, namespaces: _Optional[_Iterable[_Union[NamespaceInfo, _Mapping]]] = ...) -> None: ...
