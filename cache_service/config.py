@@ -1,0 +1,78 @@
+"""Configuration of the service, built once at the entry point and passed whole."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from indexer.drafter import MAX_BUDGET, DrafterConfig, DraftParams
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServiceConfig:
+    """Limits and defaults of one service process.
+
+    >>> ServiceConfig(max_batch=0)
+    Traceback (most recent call last):
+    ...
+    ValueError: max_batch must be in [1, 4096], got 0
+    """
+
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    default_params: DraftParams = field(default_factory=DraftParams)
+    max_batch: int = 256  # sequences in one call
+    max_prompt_tokens: int = 1 << 20
+    max_new_tokens: int = 4096  # tokens one session may add in one call
+    max_sessions: int = 100_000
+    session_ttl_s: float = 3600.0  # idle sessions expire (memory and storage)
+    rebuild_interval_s: float = 30.0
+    follow_interval_s: float = 0.2  # how often the lifetime log is polled for other replicas' commits
+    flush_interval_s: float = 0.05  # write-behind period for session state
+    max_pending_writes: int = 100_000  # buffered write-backs while storage is down
+
+    def __post_init__(self) -> None:
+        _range("max_batch", self.max_batch, 1, 4096)
+        _range("max_prompt_tokens", self.max_prompt_tokens, 1, 1 << 26)
+        _range("max_new_tokens", self.max_new_tokens, 1, 1 << 20)
+        _range("max_sessions", self.max_sessions, 1, 1 << 30)
+        _range("max_pending_writes", self.max_pending_writes, 1, 1 << 30)
+        for name in ("session_ttl_s", "rebuild_interval_s", "follow_interval_s", "flush_interval_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.default_params.budget > MAX_BUDGET:
+            raise ValueError(f"default budget must be <= {MAX_BUDGET}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerConfig:
+    """Where and how the gRPC server listens."""
+
+    host: str = "127.0.0.1"
+    port: int = 50051  # 0 picks a free port (tests)
+    max_message_bytes: int = 64 << 20
+    grace_s: float = 5.0  # drain time on shutdown
+    workers: int = 4  # threads for blocking work (commits, storage)
+
+    def __post_init__(self) -> None:
+        _range("port", self.port, 0, 65535)
+        _range("max_message_bytes", self.max_message_bytes, 1024, 1 << 31)
+        _range("workers", self.workers, 1, 256)
+        if self.grace_s < 0:
+            raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EmbeddedRedisConfig:
+    """The local Redis-compatible server ``serve`` spawns when no URL is given."""
+
+    data_dir: Path = Path("data/redis")
+    port: int = 0  # 0: a free port
+    appendonly: bool = True
+
+    def __post_init__(self) -> None:
+        _range("port", self.port, 0, 65535)
+
+
+def _range(name: str, value: int, lo: int, hi: int) -> None:
+    if not lo <= value <= hi:
+        raise ValueError(f"{name} must be in [{lo}, {hi}], got {value}")

@@ -1,0 +1,73 @@
+"""Proto <-> domain translation; nothing else."""
+
+from __future__ import annotations
+
+import numpy as np
+from draftcache.v1 import draftcache_pb2 as pb
+
+from cache_service.errors import InvalidArgument
+from cache_service.service import CloseItem, FeedbackItem, NamespaceStats, OpenItem
+from indexer.drafter import DraftParams
+from indexer.tree_builder import DraftTree
+
+
+def tokens(field: object) -> np.ndarray:
+    """A repeated int32 field as an int32 array (protobuf already bounds the values)."""
+    return np.array(field, dtype=np.int32)
+
+
+def params(msg: pb.DraftParams, default: DraftParams) -> DraftParams:
+    try:
+        return DraftParams(
+            budget=msg.budget or default.budget,
+            max_depth=msg.max_depth or default.max_depth,
+            min_score=msg.min_score or default.min_score,
+            depth_reserve=msg.depth_reserve or default.depth_reserve,
+        )
+    except ValueError as exc:
+        raise InvalidArgument(str(exc)) from exc
+
+
+def open_items(req: pb.OpenSessionsRequest, default: DraftParams) -> list[OpenItem]:
+    return [
+        OpenItem(s.namespace, tokens(s.prompt), params(s.params, default) if s.HasField("params") else None)
+        for s in req.sessions
+    ]
+
+
+def draft_items(req: pb.DraftRequest) -> list[tuple[str, np.ndarray]]:
+    return [(item.session_id, tokens(item.new_tokens)) for item in req.items]
+
+
+def feedback_items(req: pb.FeedbackRequest) -> list[FeedbackItem]:
+    return [
+        FeedbackItem(
+            item.session_id,
+            tokens(item.accepted),
+            [(b.offset, tokens(b.tokens)) for b in item.rejected] if len(item.rejected) else None,
+        )
+        for item in req.items
+    ]
+
+
+def close_items(req: pb.CloseSessionsRequest) -> list[CloseItem]:
+    return [CloseItem(s.session_id, s.commit, s.commit_from) for s in req.sessions]
+
+
+def tree(t: DraftTree) -> pb.Tree:
+    return pb.Tree(
+        tokens=t.tokens.tolist(), parents=t.parents.tolist(), sources=t.sources.tobytes(), scores=t.scores.tolist()
+    )
+
+
+def namespace_info(s: NamespaceStats) -> pb.NamespaceInfo:
+    return pb.NamespaceInfo(
+        name=s.name,
+        vocab_size=s.vocab_size,
+        buffered_tokens=s.buffered_tokens,
+        requests=s.requests,
+        index_tokens=s.index_tokens,
+        last_rebuild_seconds=s.last_rebuild_seconds,
+        prior_version=s.prior_version,
+        sessions=s.sessions,
+    )

@@ -1,0 +1,32 @@
+"""Domain errors. The servicer raises these (or ``ValueError`` from the indexer); the one error
+interceptor maps them to gRPC status codes."""
+
+from __future__ import annotations
+
+
+class DraftCacheError(Exception):
+    """Base of every error a client can be told about."""
+
+
+class InvalidArgument(DraftCacheError, ValueError):
+    """The request itself is wrong: bad ids, budgets, shapes, names."""
+
+
+class NotFound(DraftCacheError):
+    """An unknown (or closed, or expired) session or namespace."""
+
+
+class AlreadyExists(DraftCacheError):
+    """A namespace created twice with different settings."""
+
+
+class ResourceExhausted(DraftCacheError):
+    """A limit was reached: batch size, message size, sessions per tenant."""
+
+
+class Unavailable(DraftCacheError):
+    """A dependency (storage) cannot be reached; retrying later may succeed."""
+
+
+class FailedPrecondition(DraftCacheError):
+    """The system is not in a state to serve this (e.g. an unknown newer storage schema)."""

@@ -1,0 +1,79 @@
+"""The one place where domain errors become gRPC status codes."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+
+from cache_service import errors
+
+logger = logging.getLogger(__name__)
+
+_CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
+    (errors.NotFound, grpc.StatusCode.NOT_FOUND),
+    (errors.AlreadyExists, grpc.StatusCode.ALREADY_EXISTS),
+    (errors.ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (errors.Unavailable, grpc.StatusCode.UNAVAILABLE),
+    (errors.FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
+    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),  # InvalidArgument and the indexer's checks
+]
+
+
+def status_for(exc: BaseException) -> grpc.StatusCode:
+    for kind, code in _CODES:
+        if isinstance(exc, kind):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: str) -> None:
+    code = status_for(exc)
+    if code is grpc.StatusCode.INTERNAL:
+        logger.exception("internal error in %s", method, exc_info=exc)
+        await context.abort(code, f"internal error ({type(exc).__name__})")
+    await context.abort(code, str(exc))
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Maps exceptions escaping a handler to status codes; INTERNAL ones are logged with traceback."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None:
+            return handler
+        method = details.method
+        if handler.unary_unary is not None:
+            inner = handler.unary_unary
+
+            async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                try:
+                    return await inner(request, context)
+                except (errors.DraftCacheError, ValueError, Exception) as exc:
+                    if isinstance(exc, grpc.aio.AbortError):
+                        raise
+                    await _abort(context, exc, method)
+
+            return grpc.unary_unary_rpc_method_handler(unary, handler.request_deserializer, handler.response_serializer)
+        if handler.stream_stream is not None:
+            inner_stream = handler.stream_stream
+
+            async def stream(requests: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                try:
+                    async for response in inner_stream(requests, context):
+                        yield response
+                except Exception as exc:
+                    if isinstance(exc, grpc.aio.AbortError):
+                        raise
+                    await _abort(context, exc, method)
+
+            return grpc.stream_stream_rpc_method_handler(
+                stream, handler.request_deserializer, handler.response_serializer
+            )
+        return handler

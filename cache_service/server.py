@@ -1,0 +1,66 @@
+"""The gRPC server: servicers, the error interceptor, health, reflection, graceful shutdown."""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+from draftcache.v1 import draftcache_pb2 as pb
+from draftcache.v1 import draftcache_pb2_grpc as pb_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from cache_service.config import ServerConfig
+from cache_service.interceptor import ErrorInterceptor
+from cache_service.service import DraftService
+from cache_service.servicer import AdminServicer, DraftCacheServicer
+
+logger = logging.getLogger(__name__)
+
+SERVICES = (pb.DESCRIPTOR.services_by_name["DraftCache"].full_name, pb.DESCRIPTOR.services_by_name["Admin"].full_name)
+
+
+class Server:
+    """A started gRPC server and its health status.
+
+    ``port`` is the bound port (``ServerConfig(port=0)`` picks a free one).
+    """
+
+    def __init__(self, server: grpc.aio.Server, port: int, health_servicer: health.aio.HealthServicer) -> None:
+        self.grpc = server
+        self.port = port
+        self.health = health_servicer
+
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", *SERVICES):
+            await self.health.set(name, status)
+
+    async def stop(self, grace_s: float) -> None:
+        """Report NOT_SERVING, let in-flight calls drain for ``grace_s``, then stop."""
+        await self.set_serving(False)
+        await self.grpc.stop(grace_s)
+        logger.info("server on port %d stopped", self.port)
+
+
+async def create_server(config: ServerConfig, service: DraftService) -> Server:
+    """Build, bind and start the server; health starts NOT_SERVING until the caller says so."""
+    options = [
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.max_send_message_length", config.max_message_bytes),
+        ("grpc.so_reuseport", 1),
+    ]
+    server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=options)
+    pb_grpc.add_DraftCacheServicer_to_server(DraftCacheServicer(service), server)
+    pb_grpc.add_AdminServicer_to_server(AdminServicer(service), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((*SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    if port == 0:
+        raise OSError(f"could not bind {config.host}:{config.port}")
+    await server.start()
+    started = Server(server, port, health_servicer)
+    await started.set_serving(False)
+    logger.info("draftcache listening on %s:%d", config.host, port)
+    return started

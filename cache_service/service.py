@@ -1,0 +1,251 @@
+"""The service's domain layer: namespaces, sessions, batched draft/feedback/close.
+
+Every batch is validated whole before any state changes, so a bad item never leaves half a
+batch applied. Durable side effects (lifetime log, session state) go through ``Persistence``;
+without one the service keeps everything in memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Protocol
+
+import numpy as np
+
+from cache_service.config import ServiceConfig
+from cache_service.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
+from cache_service.sessions import SessionEntry, SessionTable, new_session_id
+from indexer.drafter import DraftParams, NamespaceDrafter
+from indexer.prior import StaticPrior
+from indexer.tokens import Namespace, as_tokens
+from indexer.tree_builder import DraftTree
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class OpenItem:
+    namespace: str
+    prompt: np.ndarray | list[int]
+    params: DraftParams | None = None
+
+
+@dataclass(frozen=True)
+class FeedbackItem:
+    session_id: str
+    accepted: np.ndarray | list[int]
+    rejected: list[tuple[int, np.ndarray | list[int]]] | None = None
+
+
+@dataclass(frozen=True)
+class CloseItem:
+    session_id: str
+    commit: bool = True
+    commit_from: int = 0
+
+
+@dataclass(frozen=True)
+class NamespaceStats:
+    name: str
+    vocab_size: int
+    buffered_tokens: int
+    requests: int
+    index_tokens: int
+    last_rebuild_seconds: float
+    prior_version: int
+    sessions: int
+
+
+class Persistence(Protocol):
+    """Where durable effects go (Redis in production)."""
+
+    def namespace_created(self, name: str, vocab_size: int) -> None: ...
+
+    def request_committed(self, namespace: str, tokens: np.ndarray) -> None: ...
+
+
+@dataclass
+class _Counters:
+    drafts: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class DraftService:
+    """Batched drafting over many namespaces and sessions."""
+
+    def __init__(self, config: ServiceConfig, persistence: Persistence | None = None) -> None:
+        self.config = config
+        self._persistence = persistence
+        self._namespaces: dict[str, NamespaceDrafter] = {}
+        self._prior_versions: dict[str, int] = {}
+        self.sessions = SessionTable(max_sessions=config.max_sessions, ttl_s=config.session_ttl_s)
+        self._counters = _Counters()
+        self._ns_lock = threading.Lock()
+
+    # -- namespaces --------------------------------------------------------------------------
+
+    def create_namespace(self, name: str, vocab_size: int, *, persist: bool = True) -> NamespaceDrafter:
+        try:
+            namespace = Namespace(name=name, vocab_size=vocab_size)
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from exc
+        with self._ns_lock:
+            existing = self._namespaces.get(name)
+            if existing is not None:
+                if existing.namespace.vocab_size != vocab_size:
+                    raise AlreadyExists(
+                        f"namespace {name!r} exists with vocab_size {existing.namespace.vocab_size}, not {vocab_size}"
+                    )
+                return existing
+            drafter = NamespaceDrafter(namespace, self.config.drafter)
+            self._namespaces[name] = drafter
+        if persist and self._persistence is not None:
+            self._persistence.namespace_created(name, vocab_size)
+        logger.info("namespace %s (vocab %d) ready", name, vocab_size)
+        return drafter
+
+    def namespace(self, name: str) -> NamespaceDrafter:
+        drafter = self._namespaces.get(name)
+        if drafter is None:
+            raise NotFound(f"unknown namespace {name!r}")
+        return drafter
+
+    def namespace_names(self) -> list[str]:
+        return sorted(self._namespaces)
+
+    def set_prior(self, name: str, prior: StaticPrior | None, version: int) -> None:
+        """Swap a namespace's static prior (one reference assignment: drafts never wait)."""
+        self.namespace(name).prior = prior
+        self._prior_versions[name] = version
+
+    def stats(self, name: str = "") -> list[NamespaceStats]:
+        names = [name] if name else self.namespace_names()
+        sessions = self.sessions.count_by_namespace()
+        out = []
+        for n in names:
+            d = self.namespace(n)
+            built = d.memory.indexes
+            out.append(
+                NamespaceStats(
+                    name=n,
+                    vocab_size=d.namespace.vocab_size,
+                    buffered_tokens=d.memory.buffer.size,
+                    requests=d.memory.buffer.requests,
+                    index_tokens=0 if built is None else built.suffix.size,
+                    last_rebuild_seconds=0.0 if built is None else built.build_seconds,
+                    prior_version=self._prior_versions.get(n, 0),
+                    sessions=sessions.get(n, 0),
+                )
+            )
+        return out
+
+    @property
+    def drafts(self) -> int:
+        return self._counters.drafts
+
+    def rebuild(self, name: str = "") -> list[NamespaceStats]:
+        """Rebuild lifetime indexes now (the scheduler calls this off the request path)."""
+        for n in [name] if name else self.namespace_names():
+            self.namespace(n).memory.rebuild()
+        return self.stats(name)
+
+    # -- sessions ----------------------------------------------------------------------------
+
+    def open(self, items: list[OpenItem]) -> list[str]:
+        self._check_batch(len(items))
+        prepared = []
+        for item in items:
+            drafter = self.namespace(item.namespace)
+            prompt = _tokens(item.prompt, drafter, "prompt")
+            if prompt.size > self.config.max_prompt_tokens:
+                raise ResourceExhausted(f"prompt of {prompt.size} tokens exceeds {self.config.max_prompt_tokens}")
+            prepared.append((item, drafter, prompt))
+        ids = []
+        for item, drafter, prompt in prepared:
+            entry = SessionEntry(
+                sid=new_session_id(),
+                namespace=item.namespace,
+                drafter=drafter,
+                session=drafter.open(prompt),
+                params=item.params or self.config.default_params,
+            )
+            self.sessions.add(entry)
+            ids.append(entry.sid)
+        return ids
+
+    def draft(self, items: Sequence[tuple[str, np.ndarray | list[int]]]) -> list[DraftTree]:
+        """For each ``(session_id, new_tokens)``: append the tokens, then draft."""
+        self._check_batch(len(items))
+        resolved = [(self.sessions.get(sid), tokens) for sid, tokens in items]
+        checked = [(entry, self._new_tokens(entry, tokens)) for entry, tokens in resolved]
+        trees = []
+        for entry, new in checked:
+            if new.size:
+                entry.drafter.accept(entry.session, new)
+            trees.append(entry.drafter.draft(entry.session, entry.params))
+            self.sessions.touch(entry)
+        with self._counters.lock:
+            self._counters.drafts += len(trees)
+        return trees
+
+    def feedback(self, items: list[FeedbackItem]) -> None:
+        self._check_batch(len(items))
+        checked = []
+        for item in items:
+            entry = self.sessions.get(item.session_id)
+            new = self._new_tokens(entry, item.accepted)
+            rejected = None
+            if item.rejected is not None:
+                rejected = [(off, _tokens(b, entry.drafter, "rejected branch")) for off, b in item.rejected]
+                if any(not 0 <= off < new.size for off, _ in rejected):
+                    raise InvalidArgument("a rejected branch's offset must point inside the accepted tokens")
+            checked.append((entry, new, rejected))
+        for entry, new, rejected in checked:
+            if new.size:
+                entry.drafter.accept(entry.session, new, rejected)
+            self.sessions.touch(entry)
+
+    def close(self, items: list[CloseItem]) -> list[Callable[[], None]]:
+        """End sessions now; return the commits still to run (off the request loop: a commit
+        rebuilds the small delta index, milliseconds of work)."""
+        self._check_batch(len(items))
+        entries = [(self.sessions.get(item.session_id), item) for item in items]
+        for entry, item in entries:
+            if not 0 <= item.commit_from <= len(entry.session.context):
+                raise InvalidArgument(f"commit_from {item.commit_from} is outside the session's context")
+        jobs: list[Callable[[], None]] = []
+        for entry, item in entries:
+            self.sessions.pop(entry.sid)
+            if item.commit:
+                jobs.append(partial(self._commit, entry, item.commit_from))
+        return jobs
+
+    def _commit(self, entry: SessionEntry, commit_from: int) -> None:
+        entry.drafter.close(entry.session, commit=True, commit_from=commit_from)
+        if self._persistence is not None:
+            self._persistence.request_committed(entry.namespace, entry.session.context.tokens[commit_from:].copy())
+
+    # -- checks ------------------------------------------------------------------------------
+
+    def _check_batch(self, size: int) -> None:
+        if size > self.config.max_batch:
+            raise ResourceExhausted(f"batch of {size} exceeds the limit of {self.config.max_batch}")
+
+    def _new_tokens(self, entry: SessionEntry, tokens: np.ndarray | list[int]) -> np.ndarray:
+        new = _tokens(tokens, entry.drafter, "new tokens")
+        if new.size > self.config.max_new_tokens:
+            raise ResourceExhausted(f"{new.size} new tokens in one call exceed {self.config.max_new_tokens}")
+        return new
+
+
+def _tokens(
+    tokens: np.ndarray | list[int], drafter: NamespaceDrafter, what: str, vocab: int | None = None
+) -> np.ndarray:
+    try:
+        return as_tokens(tokens, vocab or drafter.namespace.vocab_size, what=what)
+    except ValueError as exc:
+        raise InvalidArgument(f"namespace {drafter.namespace.name}: {exc}") from exc

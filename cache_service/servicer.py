@@ -1,0 +1,87 @@
+"""gRPC servicers: proto in, domain call, proto out. No logic lives here."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+from draftcache.v1 import draftcache_pb2 as pb
+from draftcache.v1 import draftcache_pb2_grpc as pb_grpc
+
+from cache_service import convert
+from cache_service.service import DraftService
+
+
+class DraftCacheServicer(pb_grpc.DraftCacheServicer):
+    def __init__(self, service: DraftService) -> None:
+        self._service = service
+
+    async def OpenSessions(
+        self, request: pb.OpenSessionsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.OpenSessionsResponse:
+        items = convert.open_items(request, self._service.config.default_params)
+        return pb.OpenSessionsResponse(session_ids=self._service.open(items))
+
+    async def Draft(self, request: pb.DraftRequest, context: grpc.aio.ServicerContext) -> pb.DraftResponse:
+        trees = self._service.draft(convert.draft_items(request))
+        return pb.DraftResponse(trees=[convert.tree(t) for t in trees])
+
+    async def Feedback(self, request: pb.FeedbackRequest, context: grpc.aio.ServicerContext) -> pb.FeedbackResponse:
+        self._service.feedback(convert.feedback_items(request))
+        return pb.FeedbackResponse()
+
+    async def CloseSessions(
+        self, request: pb.CloseSessionsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.CloseSessionsResponse:
+        jobs = self._service.close(convert.close_items(request))
+        for job in jobs:  # commits run off the event loop; the reply waits so they are visible
+            await asyncio.to_thread(job)
+        return pb.CloseSessionsResponse()
+
+    async def Echo(self, request: pb.EchoRequest, context: grpc.aio.ServicerContext) -> pb.EchoResponse:
+        return pb.EchoResponse(payload=request.payload)
+
+    async def Stream(
+        self, request_iterator: AsyncIterator[pb.StreamRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.StreamResponse]:
+        async for req in request_iterator:
+            kind = req.WhichOneof("body")
+            if kind == "draft":
+                yield pb.StreamResponse(request_id=req.request_id, draft=await self.Draft(req.draft, context))
+            elif kind == "open":
+                yield pb.StreamResponse(request_id=req.request_id, open=await self.OpenSessions(req.open, context))
+            elif kind == "feedback":
+                yield pb.StreamResponse(request_id=req.request_id, feedback=await self.Feedback(req.feedback, context))
+            elif kind == "close":
+                yield pb.StreamResponse(request_id=req.request_id, close=await self.CloseSessions(req.close, context))
+            else:
+                raise ValueError("stream message without a body")
+
+
+class AdminServicer(pb_grpc.AdminServicer):
+    def __init__(self, service: DraftService) -> None:
+        self._service = service
+
+    async def CreateNamespace(
+        self, request: pb.CreateNamespaceRequest, context: grpc.aio.ServicerContext
+    ) -> pb.CreateNamespaceResponse:
+        self._service.create_namespace(request.name, request.vocab_size)
+        (stats,) = self._service.stats(request.name)
+        return pb.CreateNamespaceResponse(namespace=convert.namespace_info(stats))
+
+    async def Namespaces(
+        self, request: pb.NamespacesRequest, context: grpc.aio.ServicerContext
+    ) -> pb.NamespacesResponse:
+        return pb.NamespacesResponse(namespaces=[convert.namespace_info(s) for s in self._service.stats()])
+
+    async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
+        return pb.StatsResponse(
+            namespaces=[convert.namespace_info(s) for s in self._service.stats(request.namespace)],
+            sessions=len(self._service.sessions),
+            drafts=self._service.drafts,
+        )
+
+    async def Rebuild(self, request: pb.RebuildRequest, context: grpc.aio.ServicerContext) -> pb.RebuildResponse:
+        stats = await asyncio.to_thread(self._service.rebuild, request.namespace)
+        return pb.RebuildResponse(namespaces=[convert.namespace_info(s) for s in stats])

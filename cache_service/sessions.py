@@ -1,0 +1,85 @@
+"""Live sessions of one service process: unguessable ids, idle expiry, a global limit."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from cache_service.errors import NotFound, ResourceExhausted
+from indexer.drafter import DraftParams, NamespaceDrafter, Session
+
+
+@dataclass
+class SessionEntry:
+    """A session and what serving it needs."""
+
+    sid: str
+    namespace: str
+    drafter: NamespaceDrafter
+    session: Session
+    params: DraftParams
+    last_used: float = field(default_factory=time.monotonic)
+
+
+def new_session_id() -> str:
+    """128 random bits, URL-safe: not guessable, not enumerable."""
+    return secrets.token_urlsafe(16)
+
+
+class SessionTable:
+    """Sessions by id, least recently used first.
+
+    >>> table = SessionTable(max_sessions=1, ttl_s=60)
+    >>> table.get("nope")
+    Traceback (most recent call last):
+    ...
+    cache_service.errors.NotFound: unknown or expired session 'nope'
+    """
+
+    def __init__(self, *, max_sessions: int, ttl_s: float) -> None:
+        self._entries: OrderedDict[str, SessionEntry] = OrderedDict()
+        self._max = max_sessions
+        self._ttl = ttl_s
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def add(self, entry: SessionEntry) -> None:
+        self.expire()
+        if len(self._entries) >= self._max:
+            raise ResourceExhausted(f"session limit reached ({self._max}); close or let sessions expire")
+        self._entries[entry.sid] = entry
+
+    def get(self, sid: str) -> SessionEntry:
+        entry = self._entries.get(sid)
+        if entry is None or time.monotonic() - entry.last_used > self._ttl:
+            raise NotFound(f"unknown or expired session {sid!r}")
+        return entry
+
+    def touch(self, entry: SessionEntry) -> None:
+        entry.last_used = time.monotonic()
+        self._entries.move_to_end(entry.sid)
+
+    def pop(self, sid: str) -> SessionEntry:
+        entry = self.get(sid)
+        del self._entries[sid]
+        return entry
+
+    def expire(self) -> list[str]:
+        """Drop sessions idle past the TTL; their ids."""
+        now, gone = time.monotonic(), []
+        while self._entries:
+            sid, entry = next(iter(self._entries.items()))
+            if now - entry.last_used <= self._ttl:
+                break
+            del self._entries[sid]
+            gone.append(sid)
+        return gone
+
+    def count_by_namespace(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for entry in self._entries.values():
+            out[entry.namespace] = out.get(entry.namespace, 0) + 1
+        return out

@@ -1,0 +1,58 @@
+"""An in-process service on a free port, driven through real gRPC channels."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import grpc
+import pytest
+from draftcache.v1 import draftcache_pb2_grpc as pb_grpc
+
+from cache_service.config import ServerConfig, ServiceConfig
+from cache_service.server import Server, create_server
+from cache_service.service import DraftService
+
+
+@dataclass
+class Running:
+    service: DraftService
+    server: Server
+    loop: asyncio.AbstractEventLoop
+    channel: grpc.Channel
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.server.port}"
+
+    @property
+    def stub(self) -> pb_grpc.DraftCacheStub:
+        return pb_grpc.DraftCacheStub(self.channel)
+
+    @property
+    def admin(self) -> pb_grpc.AdminStub:
+        return pb_grpc.AdminStub(self.channel)
+
+
+def start_service(config: ServiceConfig) -> Running:
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    service = DraftService(config)
+    server = asyncio.run_coroutine_threadsafe(create_server(ServerConfig(port=0), service), loop).result(30)
+    asyncio.run_coroutine_threadsafe(server.set_serving(True), loop).result(5)
+    return Running(service, server, loop, grpc.insecure_channel(f"127.0.0.1:{server.port}"))
+
+
+def stop_service(running: Running) -> None:
+    running.channel.close()
+    asyncio.run_coroutine_threadsafe(running.server.stop(0.5), running.loop).result(10)
+    running.loop.call_soon_threadsafe(running.loop.stop)
+
+
+@pytest.fixture
+def running() -> Iterator[Running]:
+    r = start_service(ServiceConfig(max_batch=8, max_new_tokens=64))
+    yield r
+    stop_service(r)

@@ -1,0 +1,138 @@
+"""The gRPC API on a real server bound to a free port: behaviour and status codes."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from draftcache.v1 import draftcache_pb2 as pb
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tests.service.conftest import Running
+
+
+def _ns(running: Running, name: str = "toy", vocab: int = 100) -> None:
+    running.admin.CreateNamespace(pb.CreateNamespaceRequest(name=name, vocab_size=vocab))
+
+
+def _open(running: Running, prompt: list[int], namespace: str = "toy") -> str:
+    req = pb.OpenSessionsRequest(sessions=[pb.OpenSession(namespace=namespace, prompt=prompt)])
+    return running.stub.OpenSessions(req).session_ids[0]
+
+
+def _draft(running: Running, sid: str, new: list[int]) -> pb.Tree:
+    return running.stub.Draft(pb.DraftRequest(items=[pb.DraftItem(session_id=sid, new_tokens=new)])).trees[0]
+
+
+def _code(call) -> grpc.StatusCode:  # type: ignore[no-untyped-def]
+    with pytest.raises(grpc.RpcError) as err:
+        call()
+    return err.value.code()
+
+
+def test_health_serving(running: Running) -> None:
+    stub = health_pb2_grpc.HealthStub(running.channel)
+    resp = stub.Check(health_pb2.HealthCheckRequest(service="draftcache.v1.DraftCache"))
+    assert resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_draft_from_own_context_then_lifetime(running: Running) -> None:
+    _ns(running)
+    sid = _open(running, [5, 6, 7, 8, 9, 5, 6])
+    tree = _draft(running, sid, [])
+    # "5 6" occurred before, followed by "7 8 9": the tree starts with that chain.
+    assert list(tree.tokens[:3]) == [7, 8, 9]
+    assert list(tree.parents[:3]) == [-1, 0, 1]
+    assert len(tree.sources) == len(tree.tokens) == len(tree.scores)
+    running.stub.CloseSessions(pb.CloseSessionsRequest(sessions=[pb.CloseSession(session_id=sid, commit=True)]))
+    # A new request ending with "8 9" is drafted from the committed request: "5 6" follows.
+    other = _open(running, [1, 2, 8, 9])
+    assert list(_draft(running, other, []).tokens[:2]) == [5, 6]
+
+
+def test_batched_draft_keeps_order(running: Running) -> None:
+    _ns(running)
+    a, b = _open(running, [1, 2, 3, 1, 2]), _open(running, [4, 5, 6, 4, 5])
+    req = pb.DraftRequest(items=[pb.DraftItem(session_id=b), pb.DraftItem(session_id=a)])
+    trees = running.stub.Draft(req).trees
+    # One tree per item, in request order: b continues with 6, a with 3.
+    assert trees[0].tokens[0] == 6 and trees[1].tokens[0] == 3
+
+
+def test_stream_answers_in_order(running: Running) -> None:
+    _ns(running)
+    sid = _open(running, [1, 2, 3, 1, 2])
+
+    def requests():  # type: ignore[no-untyped-def]
+        yield pb.StreamRequest(request_id=7, draft=pb.DraftRequest(items=[pb.DraftItem(session_id=sid)]))
+        yield pb.StreamRequest(
+            request_id=8, draft=pb.DraftRequest(items=[pb.DraftItem(session_id=sid, new_tokens=[3])])
+        )
+
+    out = list(running.stub.Stream(requests()))
+    assert [r.request_id for r in out] == [7, 8]
+    assert out[0].draft.trees[0].tokens[0] == 3
+
+
+def test_echo(running: Running) -> None:
+    assert running.stub.Echo(pb.EchoRequest(payload=b"x" * 100)).payload == b"x" * 100
+
+
+def test_unknown_session_is_not_found(running: Running) -> None:
+    _ns(running)
+    assert _code(lambda: _draft(running, "no-such-session", [])) == grpc.StatusCode.NOT_FOUND
+
+
+def test_closed_session_is_not_found(running: Running) -> None:
+    _ns(running)
+    sid = _open(running, [1, 2])
+    running.stub.CloseSessions(pb.CloseSessionsRequest(sessions=[pb.CloseSession(session_id=sid)]))
+    assert _code(lambda: _draft(running, sid, [])) == grpc.StatusCode.NOT_FOUND
+
+
+def test_unknown_namespace_is_not_found(running: Running) -> None:
+    assert _code(lambda: _open(running, [1], namespace="nope")) == grpc.StatusCode.NOT_FOUND
+
+
+def test_out_of_vocabulary_is_invalid_and_changes_nothing(running: Running) -> None:
+    _ns(running, vocab=10)
+    assert _code(lambda: _open(running, [1, 10])) == grpc.StatusCode.INVALID_ARGUMENT
+    sid = _open(running, [1, 2, 3, 1, 2])
+    before = _draft(running, sid, [])
+    # A batch whose second item is bad is rejected whole: the first session is not advanced.
+    bad = pb.DraftRequest(
+        items=[pb.DraftItem(session_id=sid, new_tokens=[3]), pb.DraftItem(session_id=sid, new_tokens=[-1])]
+    )
+    assert _code(lambda: running.stub.Draft(bad)) == grpc.StatusCode.INVALID_ARGUMENT
+    assert list(_draft(running, sid, []).tokens) == list(before.tokens)
+
+
+def test_oversized_batch_and_step_are_resource_exhausted(running: Running) -> None:
+    _ns(running)
+    sid = _open(running, [1])
+    big = pb.DraftRequest(items=[pb.DraftItem(session_id=sid)] * 9)  # max_batch is 8
+    assert _code(lambda: running.stub.Draft(big)) == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert _code(lambda: _draft(running, sid, [1] * 65)) == grpc.StatusCode.RESOURCE_EXHAUSTED  # max_new_tokens 64
+
+
+def test_bad_budget_is_invalid(running: Running) -> None:
+    _ns(running)
+    req = pb.OpenSessionsRequest(
+        sessions=[pb.OpenSession(namespace="toy", prompt=[1], params=pb.DraftParams(budget=5000))]
+    )
+    assert _code(lambda: running.stub.OpenSessions(req)) == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_namespace_conflict_is_already_exists(running: Running) -> None:
+    _ns(running, vocab=100)
+    assert _code(lambda: _ns(running, vocab=50)) == grpc.StatusCode.ALREADY_EXISTS
+
+
+def test_admin_stats_and_rebuild(running: Running) -> None:
+    _ns(running)
+    sid = _open(running, [1, 2, 3])
+    running.stub.CloseSessions(pb.CloseSessionsRequest(sessions=[pb.CloseSession(session_id=sid, commit=True)]))
+    (info,) = running.admin.Rebuild(pb.RebuildRequest(namespace="toy")).namespaces
+    # 3 tokens plus the request separator were buffered and indexed.
+    assert info.buffered_tokens == 4 and info.index_tokens == 4 and info.requests == 1
+    stats = running.admin.Stats(pb.StatsRequest())
+    assert stats.sessions == 0 and [n.name for n in stats.namespaces] == ["toy"]
