@@ -12,6 +12,7 @@ import logging
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from cache_service import index_bench, replay_bench, warm
@@ -54,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("replay", help="replay traces and report MAT (tokens per verification step)")
     r.add_argument("traces", type=Path)
+    _add(r, "--target", default=None, help="host:port of a running service (default: the engine in-process)")
     _add(r, "--budget", type=int, default=64, help="draft tree size in tokens")
     _add(r, "--max-depth", type=int, default=32)
     _add(r, "--min-score", type=float, default=0.0)
@@ -160,9 +162,14 @@ def cmd_replay(a: argparse.Namespace) -> int:
     if vocab is None and a.tokenizer is not None:
         vocab = warm.load_tokenizer(a.tokenizer)[1]
     namespace = replay_bench.namespace_of(conversations, vocab)
-    prior = _replay_prior(a, namespace.vocab_size)
+    # Through a service, its own priors apply (warmed into its storage); in-process, ours.
+    prior = None if a.target else _replay_prior(a, namespace.vocab_size)
     gc.freeze()
-    results = replay_bench.run_replay(conversations, replay_bench.drafters(namespace, config, prior))
+    drafter_list = [replay_bench.remote_drafter(a.target, namespace, config.params)] if a.target else []
+    if a.target:
+        config = replace(config, include_engine=False)
+    drafter_list += replay_bench.drafters(namespace, config, prior)
+    results = replay_bench.run_replay(conversations, drafter_list)
     print(replay_bench.report(results, a.traces, as_json=a.json))
     return 0
 

@@ -33,6 +33,7 @@ class ReplayConfig:
     # SuffixDecoding's best setting on our traces (its vLLM default is factor 1.0, p 0.1).
     suffix_factor: float = 8.0
     suffix_min_prob: float = 0.01
+    include_engine: bool = True  # off when draftcache is replayed through a remote service
 
     def __post_init__(self) -> None:
         unknown = set(self.baselines) - set(BASELINES)
@@ -54,8 +55,9 @@ def namespace_of(conversations: list[Conversation], vocab_size: int | None) -> N
 
 
 def drafters(namespace: Namespace, config: ReplayConfig, prior: StaticPrior | None) -> list[ReplayDrafter]:
-    engine = NamespaceDrafter(namespace, config.drafter, prior=prior)
-    out: list[ReplayDrafter] = [EngineDrafter(engine, config.params)]
+    out: list[ReplayDrafter] = []
+    if config.include_engine:
+        out.append(EngineDrafter(NamespaceDrafter(namespace, config.drafter, prior=prior), config.params))
     if "prompt-lookup" in config.baselines:
         out.append(PromptLookupDrafter())
     if "suffix-decoding" in config.baselines:
@@ -70,6 +72,22 @@ def drafters(namespace: Namespace, config: ReplayConfig, prior: StaticPrior | No
         else:
             logger.warning("suffix-decoding baseline skipped: pip install arctic-inference==0.3.0")
     return out
+
+
+def remote_drafter(target: str, namespace: Namespace, params: DraftParams) -> ReplayDrafter:
+    """draftcache through a running service; the namespace is created there if missing."""
+    import grpc
+    from draftcache.v1 import draftcache_pb2 as pb
+    from draftcache.v1 import draftcache_pb2_grpc as pb_grpc
+
+    from decoder_client.remote import RemoteDrafter
+
+    with grpc.insecure_channel(target) as channel:
+        admin = pb_grpc.AdminStub(channel)
+        admin.CreateNamespace(
+            pb.CreateNamespaceRequest(name=namespace.name, vocab_size=namespace.vocab_size), timeout=30
+        )
+    return RemoteDrafter(target, namespace.name, params)
 
 
 def run_replay(conversations: list[Conversation], drafter_list: list[ReplayDrafter]) -> list[ReplayStats]:
