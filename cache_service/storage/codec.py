@@ -1,0 +1,204 @@
+"""Pure byte layouts of what draftcache stores: token arrays, LRU tables, session state.
+
+Every ``decode_*`` raises :class:`~cache_service.storage.errors.StorageCorrupt` on input it did
+not produce; every ``encode_*`` raises ``ValueError`` on input it cannot represent.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from cache_service.storage import keys
+from cache_service.storage.errors import StorageCorrupt
+
+Row = tuple[int, ...]
+TableItems = list[tuple[Row, list[tuple[Row, int]]]]  # the shape of LruTable.items()
+
+_LE_INT32 = np.dtype("<i4")
+_INT32_MAX = int(np.iinfo(np.int32).max)
+_TABLE_MAGIC = b"DCLT"
+_TABLE_FORMAT = 1
+# magic, format, reserved, leaders, followers, leader tokens, follower tokens
+_TABLE_HEADER = struct.Struct("<4sHHIIII")
+STATE_FORMAT = b"1"
+
+
+def tokens_to_bytes(tokens: np.ndarray) -> bytes:
+    """Raw little-endian int32 bytes of a 1-D int32 array.
+
+    >>> tokens_to_bytes(np.array([1, 256], dtype=np.int32))
+    b'\\x01\\x00\\x00\\x00\\x00\\x01\\x00\\x00'
+    """
+    if not isinstance(tokens, np.ndarray) or tokens.dtype != np.int32 or tokens.ndim != 1:
+        raise ValueError("tokens must be a 1-D int32 numpy array")
+    return tokens.astype(_LE_INT32, copy=False).tobytes()
+
+
+def tokens_from_bytes(raw: bytes, *, what: str = "tokens") -> np.ndarray:
+    """Inverse of :func:`tokens_to_bytes`: a read-only int32 view over ``raw``.
+
+    >>> tokens_from_bytes(b"\\x01\\x00\\x00\\x00").tolist()
+    [1]
+    """
+    if len(raw) % 4:
+        raise StorageCorrupt(f"{what}: {len(raw)} bytes is not a whole number of int32 tokens")
+    return np.frombuffer(raw, dtype=_LE_INT32).astype(np.int32, copy=False)
+
+
+def as_bytes(value: object, *, what: str) -> bytes:
+    """``value`` if Redis answered bytes (it always does with ``decode_responses=False``)."""
+    if not isinstance(value, bytes):
+        raise StorageCorrupt(f"{what}: expected bytes from Redis, got {type(value).__name__}")
+    return value
+
+
+def as_fields(value: object, *, what: str) -> dict[bytes, bytes]:
+    """A hash or stream entry's fields as ``{bytes: bytes}``."""
+    if not isinstance(value, dict):
+        raise StorageCorrupt(f"{what}: expected a field map from Redis, got {type(value).__name__}")
+    return {as_bytes(k, what=what): as_bytes(v, what=what) for k, v in value.items()}
+
+
+def _int32_array(values: list[int], what: str) -> np.ndarray:
+    arr = np.asarray(values, dtype=np.int64)
+    if arr.size and (arr.min() < -_INT32_MAX - 1 or arr.max() > _INT32_MAX):
+        raise ValueError(f"{what}: values must fit in int32")
+    return arr.astype(_LE_INT32)
+
+
+def encode_table(items: Sequence[tuple[Sequence[int], Sequence[tuple[Sequence[int], int]]]]) -> bytes:
+    """Serialize ``LruTable.items()`` (oldest leader first) into one compact blob.
+
+    Layout: a 24-byte header, then little-endian int32 columns ``leader_lens``,
+    ``followers_per_leader``, ``follower_lens``, ``counts``, ``leader_tokens``,
+    ``follower_tokens``. Counts saturate at 2**31 - 1 (they are weights, not ledgers).
+
+    >>> decode_table(encode_table([((1, 2), [((3, 4), 2), ((5,), 1)])]))
+    [((1, 2), [((3, 4), 2), ((5,), 1)])]
+    """
+    leader_lens: list[int] = []
+    fanout: list[int] = []
+    follower_lens: list[int] = []
+    counts: list[int] = []
+    leader_tokens: list[int] = []
+    follower_tokens: list[int] = []
+    for leader, followers in items:
+        leader_lens.append(len(leader))
+        leader_tokens.extend(leader)
+        fanout.append(len(followers))
+        for follower, count in followers:
+            if count < 0:
+                raise ValueError(f"follower counts must be >= 0, got {count}")
+            follower_lens.append(len(follower))
+            follower_tokens.extend(follower)
+            counts.append(min(int(count), _INT32_MAX))
+    header = _TABLE_HEADER.pack(
+        _TABLE_MAGIC, _TABLE_FORMAT, 0, len(leader_lens), len(counts), len(leader_tokens), len(follower_tokens)
+    )
+    columns = (leader_lens, fanout, follower_lens, counts, leader_tokens, follower_tokens)
+    return header + b"".join(_int32_array(c, "table").tobytes() for c in columns)
+
+
+def _table_columns(blob: bytes) -> list[np.ndarray]:
+    if len(blob) < _TABLE_HEADER.size:
+        raise StorageCorrupt(f"table blob of {len(blob)} bytes is shorter than its header")
+    magic, fmt, _, n_lead, n_fol, n_lt, n_ft = _TABLE_HEADER.unpack_from(blob)
+    if magic != _TABLE_MAGIC or fmt != _TABLE_FORMAT:
+        raise StorageCorrupt(f"table blob has magic {magic!r} format {fmt}, expected {_TABLE_MAGIC!r} {_TABLE_FORMAT}")
+    sizes = (n_lead, n_lead, n_fol, n_fol, n_lt, n_ft)
+    if len(blob) != _TABLE_HEADER.size + 4 * sum(sizes):
+        raise StorageCorrupt(f"table blob is {len(blob)} bytes, its header describes {4 * sum(sizes)} + header")
+    body = np.frombuffer(blob, dtype=_LE_INT32, offset=_TABLE_HEADER.size)
+    columns = np.split(body, np.cumsum(sizes)[:-1])
+    leader_lens, fanout, follower_lens, counts = columns[:4]
+    for col in (leader_lens, fanout, follower_lens, counts):
+        if col.size and col.min() < 0:
+            raise StorageCorrupt("table blob has negative lengths or counts")
+    if leader_lens.sum() != n_lt or fanout.sum() != n_fol or follower_lens.sum() != n_ft:
+        raise StorageCorrupt("table blob lengths do not add up to its token columns")
+    return columns
+
+
+def decode_table(blob: bytes) -> TableItems:
+    """Inverse of :func:`encode_table`; replay with ``LruTable.add(leader, follower, count)``."""
+    leader_lens, fanout, follower_lens, counts, leader_tokens, follower_tokens = (
+        c.tolist() for c in _table_columns(blob)
+    )
+    items: TableItems = []
+    lt = ft = f = 0
+    for n_lead, n_fol in zip(leader_lens, fanout, strict=True):
+        leader = tuple(leader_tokens[lt : lt + n_lead])
+        lt += n_lead
+        followers = []
+        for length, count in zip(follower_lens[f : f + n_fol], counts[f : f + n_fol], strict=True):
+            followers.append((tuple(follower_tokens[ft : ft + length]), count))
+            ft += length
+        f += n_fol
+        items.append((leader, followers))
+    return items
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class SessionState:
+    """What a replica needs to resume a session: its namespace, context and draft parameters.
+
+    ``context`` is the prompt followed by the tokens generated so far; ``params`` is any JSON
+    object (draft budget, depth, ...).
+
+    >>> s = SessionState(namespace="llama2", context=np.array([5, 6, 7], np.int32), prompt_len=2)
+    >>> decode_state(encode_state(s)).context.tolist()
+    [5, 6, 7]
+    """
+
+    namespace: str
+    context: np.ndarray
+    prompt_len: int
+    params: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        keys.check_name(self.namespace, what="namespace")
+        if not isinstance(self.context, np.ndarray) or self.context.dtype != np.int32 or self.context.ndim != 1:
+            raise ValueError("context must be a 1-D int32 numpy array")
+        if not 0 <= self.prompt_len <= self.context.size:
+            raise ValueError(f"prompt_len must be in [0, {self.context.size}], got {self.prompt_len}")
+        if not isinstance(self.params, Mapping):
+            raise ValueError("params must be a mapping")
+
+
+def encode_state(state: SessionState) -> dict[bytes, bytes]:
+    """Hash fields for a session's ``state`` key."""
+    try:
+        params = json.dumps(dict(state.params), sort_keys=True, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"params must be JSON-serialisable: {exc}") from exc
+    return {
+        b"fmt": STATE_FORMAT,
+        b"namespace": state.namespace.encode(),
+        b"context": tokens_to_bytes(state.context),
+        b"prompt_len": str(state.prompt_len).encode(),
+        b"params": params.encode(),
+    }
+
+
+def decode_state(fields: Mapping[bytes, bytes]) -> SessionState:
+    """Inverse of :func:`encode_state`."""
+    if fields.get(b"fmt") != STATE_FORMAT:
+        raise StorageCorrupt(f"session state has format {fields.get(b'fmt')!r}, expected {STATE_FORMAT!r}")
+    try:
+        params = json.loads(fields[b"params"])
+        if not isinstance(params, dict):
+            raise ValueError("params is not a JSON object")
+        return SessionState(
+            namespace=fields[b"namespace"].decode(),
+            context=tokens_from_bytes(fields[b"context"], what="session context"),
+            prompt_len=int(fields[b"prompt_len"]),
+            params=params,
+        )
+    except (KeyError, ValueError, UnicodeDecodeError) as exc:
+        raise StorageCorrupt(f"session state does not decode: {exc!r}") from exc

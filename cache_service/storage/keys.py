@@ -1,0 +1,154 @@
+"""Every Redis key draftcache uses, in one place.
+
+Layout (``v1`` is the key-layout generation; the *schema* version that migrations track is the
+separate integer under :data:`SCHEMA_VERSION`)::
+
+    draftcache:schema_version                          string  integer, see migrations/
+    draftcache:migration_lock                          string  SET NX PX token while migrating
+    draftcache:v1:namespaces                           hash    namespace name -> vocab_size
+    draftcache:v1:ns:{<ns>}:log                        stream  lifetime log, one entry per request
+    draftcache:v1:ns:{<ns>}:log:tokens                 string  tokens currently in the log
+    draftcache:v1:ns:{<ns>}:prior:seq                  string  last prior version handed out
+    draftcache:v1:ns:{<ns>}:prior:current              string  version replicas serve
+    draftcache:v1:ns:{<ns>}:prior:previous             string  version kept for rollback
+    draftcache:v1:ns:{<ns>}:prior:<version>:meta       hash    parts, size, part_size, blake2b
+    draftcache:v1:ns:{<ns>}:prior:<version>:<part>     string  one chunk of the blob
+    draftcache:v1:session:{<sid>}:state                hash    namespace, context, prompt_len, params
+    draftcache:v1:session:{<sid>}:dyn                  string  dynamic table (codec.encode_table)
+    draftcache:v1:session:{<sid>}:rej                  string  rejected table (codec.encode_table)
+
+The ``{...}`` hash tags put all of one namespace's keys, and all of one session's keys, in one
+Redis Cluster slot, so the multi-key transactions and scripts over them are legal on a cluster.
+A tenant-scoped namespace is simply named ``<tenant>/<namespace>``.
+"""
+
+from __future__ import annotations
+
+import re
+
+PREFIX = "draftcache"
+LAYOUT = "v1"
+_BASE = f"{PREFIX}:{LAYOUT}"
+
+SCHEMA_VERSION = f"{PREFIX}:schema_version"
+MIGRATION_LOCK = f"{PREFIX}:migration_lock"
+NAMESPACES = f"{_BASE}:namespaces"
+
+MAX_NAME_LEN = 128
+# No braces (they would break the hash tag), no glob characters (they would break SCAN
+# patterns), no whitespace or control characters.
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+=-]*")
+_MATCH = re.compile(r"[A-Za-z0-9._:/@+=*?-]+")
+
+
+def check_name(name: str, *, what: str = "name") -> str:
+    """Return ``name`` if it may appear inside a key, else raise ``ValueError``.
+
+    Names are 1-128 characters from ``A-Z a-z 0-9 . _ : / @ + = -``, starting alphanumeric.
+
+    >>> check_name("acme/llama2")
+    'acme/llama2'
+    >>> check_name("a{b}")
+    Traceback (most recent call last):
+    ...
+    ValueError: name must be 1-128 characters of [A-Za-z0-9._:/@+=-] starting alphanumeric, got 'a{b}'
+    """
+    if not isinstance(name, str) or len(name) > MAX_NAME_LEN or not _NAME.fullmatch(name):
+        raise ValueError(
+            f"{what} must be 1-{MAX_NAME_LEN} characters of [A-Za-z0-9._:/@+=-] starting alphanumeric, got {name!r}"
+        )
+    return name
+
+
+def _ns(ns: str) -> str:
+    return f"{_BASE}:ns:{{{check_name(ns, what='namespace')}}}"
+
+
+def _session(sid: str) -> str:
+    return f"{_BASE}:session:{{{check_name(sid, what='session id')}}}"
+
+
+def log(ns: str) -> str:
+    """The namespace's lifetime log stream.
+
+    >>> log("llama2")
+    'draftcache:v1:ns:{llama2}:log'
+    """
+    return f"{_ns(ns)}:log"
+
+
+def log_tokens(ns: str) -> str:
+    """Running total of the tokens held by :func:`log` (kept exact by the append script)."""
+    return f"{_ns(ns)}:log:tokens"
+
+
+LOG_PATTERN = f"{_BASE}:ns:{{*}}:log"  # SCAN pattern matching every namespace's log stream
+
+
+def prior_seq(ns: str) -> str:
+    return f"{_ns(ns)}:prior:seq"
+
+
+def prior_current(ns: str) -> str:
+    return f"{_ns(ns)}:prior:current"
+
+
+def prior_previous(ns: str) -> str:
+    return f"{_ns(ns)}:prior:previous"
+
+
+def prior_meta(ns: str, version: int) -> str:
+    """
+    >>> prior_meta("llama2", 3)
+    'draftcache:v1:ns:{llama2}:prior:3:meta'
+    """
+    return f"{_ns(ns)}:prior:{int(version)}:meta"
+
+
+def prior_part(ns: str, version: int, part: int) -> str:
+    return f"{_ns(ns)}:prior:{int(version)}:{int(part)}"
+
+
+def session_state(sid: str) -> str:
+    """
+    >>> session_state("3f2a")
+    'draftcache:v1:session:{3f2a}:state'
+    """
+    return f"{_session(sid)}:state"
+
+
+def session_dyn(sid: str) -> str:
+    return f"{_session(sid)}:dyn"
+
+
+def session_rej(sid: str) -> str:
+    return f"{_session(sid)}:rej"
+
+
+def session_keys(sid: str) -> tuple[str, str, str]:
+    """All keys of one session: state, dynamic table, rejected table."""
+    return session_state(sid), session_dyn(sid), session_rej(sid)
+
+
+def session_state_pattern(match: str = "*") -> str:
+    """SCAN pattern over session state keys whose id matches the glob ``match``.
+
+    >>> session_state_pattern("ab*")
+    'draftcache:v1:session:{ab*}:state'
+    """
+    if not _MATCH.fullmatch(match) or len(match) > MAX_NAME_LEN:
+        raise ValueError(f"match must be a glob of [A-Za-z0-9._:/@+=-*?], got {match!r}")
+    return f"{_BASE}:session:{{{match}}}:state"
+
+
+def tag_of(key: str | bytes) -> str:
+    """The hash-tagged name inside a key (a namespace or a session id).
+
+    >>> tag_of(b"draftcache:v1:session:{3f2a}:state")
+    '3f2a'
+    """
+    text = key.decode() if isinstance(key, bytes) else key
+    start, end = text.find("{"), text.find("}")
+    if start < 0 or end <= start + 1:
+        raise ValueError(f"key has no hash tag: {text!r}")
+    return text[start + 1 : end]

@@ -1,0 +1,218 @@
+"""``RedisStore``: everything draftcache keeps in Redis, behind one small API.
+
+The store takes a ready ``redis.Redis`` client (built at the entry point, with
+``decode_responses=False``, socket timeouts and a bounded retry policy) and raises only
+:mod:`cache_service.storage.errors` types for Redis trouble. It assumes the key schema is
+current: entry points run ``migrations.check(client)`` before serving.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import redis
+
+from cache_service.storage import codec, keys, priors, sessions, stream_log
+from cache_service.storage.codec import SessionState, TableItems
+from cache_service.storage.errors import NamespaceConflict, StorageCorrupt, guarded
+from cache_service.storage.sessions import StoredSession
+from cache_service.storage.stream_log import LogEntry
+from indexer.tokens import MAX_VOCAB_SIZE
+
+MiB = 1 << 20
+# Redis rejects bulk strings above proto-max-bulk-len (512 MB by default); parts stay far below.
+MAX_PART_BYTES = 512 * MiB
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoreConfig:
+    """Sizes and limits of the store.
+
+    >>> StoreConfig(max_log_tokens=1 << 20).prior_part_bytes == 64 * MiB
+    True
+    """
+
+    max_log_tokens: int = 16 << 20  # per namespace, the lifetime buffer's capacity
+    prior_part_bytes: int = 64 * MiB
+    prior_staging_ttl_s: int = 3600  # an unpublished upload disappears after this
+    read_batch: int = 1024  # log entries per read, keys per SCAN step
+
+    def __post_init__(self) -> None:
+        if self.max_log_tokens < 1:
+            raise ValueError(f"max_log_tokens must be >= 1, got {self.max_log_tokens}")
+        if not 1 <= self.prior_part_bytes <= MAX_PART_BYTES:
+            raise ValueError(f"prior_part_bytes must be in [1, {MAX_PART_BYTES}], got {self.prior_part_bytes}")
+        if self.prior_staging_ttl_s < 1:
+            raise ValueError(f"prior_staging_ttl_s must be >= 1, got {self.prior_staging_ttl_s}")
+        if self.read_batch < 1:
+            raise ValueError(f"read_batch must be >= 1, got {self.read_batch}")
+
+
+class RedisStore:
+    """Lifetime logs, priors, the namespace registry and session copies in one Redis.
+
+    >>> store = RedisStore(redis.Redis.from_url("redis://127.0.0.1:6379/0"))  # doctest: +SKIP
+    >>> store.append_requests("llama2", [np.array([5, 6, 7], np.int32)])  # doctest: +SKIP
+    ['1718000000000-0']
+    >>> [e.tokens.tolist() for e in store.read_log("llama2")]  # doctest: +SKIP
+    [[5, 6, 7]]
+    """
+
+    def __init__(self, client: redis.Redis, config: StoreConfig | None = None) -> None:
+        settings = client.get_connection_kwargs() if hasattr(client, "get_connection_kwargs") else {}
+        if settings.get("decode_responses"):
+            raise ValueError("RedisStore needs a client with decode_responses=False (it stores raw bytes)")
+        self.client = client
+        self.config = config or StoreConfig()
+        self._append = client.register_script(stream_log.APPEND_LUA)
+
+    @guarded
+    def ping(self) -> float:
+        """Round-trip time to Redis in seconds; :class:`StorageUnavailable` if it does not answer."""
+        start = time.perf_counter()
+        self.client.ping()
+        return time.perf_counter() - start
+
+    # -- namespaces -------------------------------------------------------------------------
+
+    @guarded
+    def register_namespace(self, name: str, vocab_size: int) -> bool:
+        """Record ``name -> vocab_size``; ``True`` if new, ``False`` if already registered alike.
+
+        Raises :class:`NamespaceConflict` if ``name`` is registered with another vocabulary size.
+        """
+        keys.check_name(name, what="namespace")
+        if isinstance(vocab_size, bool) or not 1 <= vocab_size <= MAX_VOCAB_SIZE:
+            raise ValueError(f"vocab_size must be in [1, {MAX_VOCAB_SIZE}], got {vocab_size!r}")
+        # HSETNX never overwrites, so a value read after a failed HSETNX is final.
+        if self.client.hsetnx(keys.NAMESPACES, name, int(vocab_size)):
+            return True
+        stored = self.namespaces().get(name)
+        if stored != vocab_size:
+            raise NamespaceConflict(f"namespace {name!r} is registered with vocab_size {stored}, not {vocab_size}")
+        return False
+
+    @guarded
+    def namespaces(self) -> dict[str, int]:
+        """Every registered namespace and its vocabulary size."""
+        fields = codec.as_fields(self.client.hgetall(keys.NAMESPACES), what=keys.NAMESPACES)
+        try:
+            return {k.decode(): int(v) for k, v in fields.items()}
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise StorageCorrupt(f"{keys.NAMESPACES} does not decode: {exc!r}") from exc
+
+    # -- lifetime log -----------------------------------------------------------------------
+
+    @guarded
+    def append_requests(self, ns: str, requests: list[np.ndarray], *, max_tokens: int | None = None) -> list[str]:
+        """Append finished requests (1-D int32 arrays, ids already validated) to the log.
+
+        Returns one stream id per request. Afterwards the log holds at most ``max_tokens``
+        tokens (default ``config.max_log_tokens``): the oldest entries are dropped whole, and a
+        request longer than the cap keeps only its last ``max_tokens`` tokens. Separators are
+        not stored and not counted. Append, trim and the token counter update are atomic.
+        """
+        cap = self.config.max_log_tokens if max_tokens is None else max_tokens
+        if cap < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {cap}")
+        for tokens in requests:
+            if not isinstance(tokens, np.ndarray) or tokens.dtype != np.int32 or tokens.ndim != 1:
+                raise ValueError("every request must be a 1-D int32 numpy array")
+        if not requests:
+            return []
+        return stream_log.append(self._append, ns, requests, cap)
+
+    @guarded
+    def read_log(self, ns: str, after_id: str = "0", count: int | None = None) -> list[LogEntry]:
+        """Up to ``count`` entries (default ``config.read_batch``) after ``after_id``, oldest first.
+
+        Page through the whole log by passing the last id back until the answer is empty; the
+        arrays are read-only int32 views.
+        """
+        return stream_log.read(self.client, ns, after_id, count or self.config.read_batch)
+
+    @guarded
+    def follow(self, ns: str, last_id: str, *, block_ms: int | None = 1000, count: int | None = None) -> list[LogEntry]:
+        """Entries appended after ``last_id``, waiting up to ``block_ms`` for the first one.
+
+        ``[]`` when nothing arrived in time. ``block_ms=None`` does not wait; ``0`` (wait
+        forever) is refused. The client's ``socket_timeout`` must exceed ``block_ms``.
+        """
+        if block_ms is not None and block_ms < 1:
+            raise ValueError(f"block_ms must be >= 1 or None, got {block_ms}")
+        return stream_log.follow(self.client, ns, last_id, block_ms, count or self.config.read_batch)
+
+    @guarded
+    def log_size(self, ns: str) -> tuple[int, int]:
+        """``(entries, tokens)`` in the namespace's log."""
+        return stream_log.size(self.client, ns)
+
+    # -- priors -----------------------------------------------------------------------------
+
+    @guarded
+    def put_prior(self, ns: str, blob: bytes) -> int:
+        """Store a prior blob as a new version, make it current, keep the old one for rollback.
+
+        Versions increase per namespace. Returns the new version.
+        """
+        if not blob:
+            raise ValueError("prior blob is empty")
+        cfg = self.config
+        version, meta = priors.stage(
+            self.client, ns, blob, part_size=cfg.prior_part_bytes, ttl_s=cfg.prior_staging_ttl_s
+        )
+        priors.publish(self.client, ns, version, meta.parts)
+        return version
+
+    @guarded
+    def get_prior(self, ns: str) -> tuple[int, bytearray] | None:
+        """``(version, blob)`` of the current prior, verified against its checksum, or ``None``."""
+        return priors.read_current(self.client, ns)
+
+    @guarded
+    def prior_version(self, ns: str) -> int | None:
+        """The current prior version (one GET: cheap enough to poll), or ``None``."""
+        return priors.current_version(self.client, ns)
+
+    @guarded
+    def rollback_prior(self, ns: str) -> int | None:
+        """Make the previous version current again (and the current one previous).
+
+        Returns the version now current, or ``None`` when there is no previous version.
+        """
+        return priors.rollback(self.client, ns)
+
+    # -- sessions ---------------------------------------------------------------------------
+
+    @guarded
+    def save_session(self, sid: str, state: SessionState, dyn: TableItems, rej: TableItems, ttl_s: float) -> None:
+        """Write a session's state and both tables (``LruTable.items()``) in one transaction.
+
+        Every key of the session gets a fresh ``ttl_s``-second expiry.
+        """
+        sessions.save(self.client, sid, state, dyn, rej, ttl_s)
+
+    @guarded
+    def load_session(self, sid: str) -> StoredSession | None:
+        """The session saved under ``sid``, or ``None`` if it expired or never existed.
+
+        Loading does not refresh the expiry; call :meth:`touch_session` for that.
+        """
+        return sessions.load(self.client, sid)
+
+    @guarded
+    def touch_session(self, sid: str, ttl_s: float) -> bool:
+        """Reset the session's expiry to ``ttl_s`` seconds; ``False`` if it does not exist."""
+        return sessions.touch(self.client, sid, ttl_s)
+
+    @guarded
+    def delete_session(self, sid: str) -> bool:
+        """Delete the session; ``False`` if there was nothing to delete."""
+        return sessions.delete(self.client, sid)
+
+    @guarded
+    def session_ids(self, match: str = "*") -> list[str]:
+        """Sorted ids of stored sessions whose id matches the glob ``match`` (via SCAN)."""
+        return sessions.ids(self.client, match, self.config.read_batch)

@@ -1,0 +1,87 @@
+"""A session's durable copy: state hash plus dynamic and rejected tables, all under one TTL."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import redis
+
+from cache_service.storage import codec, keys
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class StoredSession:
+    """A loaded session; replay the tables into ``LruTable``s with ``add(leader, follower, count)``."""
+
+    state: codec.SessionState
+    dyn: codec.TableItems
+    rej: codec.TableItems
+
+
+def ttl_ms(ttl_s: float) -> int:
+    """Expiry in whole milliseconds (at least 1) for ``ttl_s`` seconds.
+
+    >>> ttl_ms(1.5)
+    1500
+    """
+    if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not 0 < ttl_s < 1e9:
+        raise ValueError(f"ttl_s must be a positive number of seconds, got {ttl_s!r}")
+    return max(1, round(ttl_s * 1000))
+
+
+def save(
+    client: redis.Redis,
+    sid: str,
+    state: codec.SessionState,
+    dyn: codec.TableItems,
+    rej: codec.TableItems,
+    ttl_s: float,
+) -> None:
+    state_key, dyn_key, rej_key = keys.session_keys(sid)
+    fields = codec.encode_state(state)
+    dyn_blob, rej_blob = codec.encode_table(dyn), codec.encode_table(rej)
+    ms = ttl_ms(ttl_s)
+    with client.pipeline(transaction=True) as pipe:
+        pipe.delete(state_key)  # no fields survive from an older format
+        pipe.hset(state_key, mapping={k: v for k, v in fields.items()})
+        pipe.pexpire(state_key, ms)
+        pipe.set(dyn_key, dyn_blob, px=ms)
+        pipe.set(rej_key, rej_blob, px=ms)
+        pipe.execute()
+
+
+def load(client: redis.Redis, sid: str) -> StoredSession | None:
+    state_key, dyn_key, rej_key = keys.session_keys(sid)
+    with client.pipeline(transaction=True) as pipe:
+        pipe.hgetall(state_key)
+        pipe.get(dyn_key)
+        pipe.get(rej_key)
+        fields, dyn_blob, rej_blob = pipe.execute()
+    if not fields:
+        return None
+    where = f"session {sid!r}"
+    # The tables share the state's expiry; one that is missing anyway loads as empty (a cache
+    # may lose entries, and the dynamic table refills from the context).
+    return StoredSession(
+        state=codec.decode_state(codec.as_fields(fields, what=where)),
+        dyn=codec.decode_table(codec.as_bytes(dyn_blob, what=where)) if dyn_blob is not None else [],
+        rej=codec.decode_table(codec.as_bytes(rej_blob, what=where)) if rej_blob is not None else [],
+    )
+
+
+def touch(client: redis.Redis, sid: str, ttl_s: float) -> bool:
+    ms = ttl_ms(ttl_s)
+    with client.pipeline(transaction=True) as pipe:
+        for key in keys.session_keys(sid):
+            pipe.pexpire(key, ms)
+        found = pipe.execute()
+    return bool(found[0])
+
+
+def delete(client: redis.Redis, sid: str) -> bool:
+    return bool(client.delete(*keys.session_keys(sid)))
+
+
+def ids(client: redis.Redis, match: str, batch: int) -> list[str]:
+    pattern = keys.session_state_pattern(match)
+    return sorted({keys.tag_of(key) for key in client.scan_iter(match=pattern, count=batch)})

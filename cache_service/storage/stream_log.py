@@ -1,0 +1,140 @@
+"""A namespace's lifetime log: a Redis Stream of finished requests, capped by token count.
+
+Entry fields: ``n`` (token count, decimal) and ``tokens`` (``n`` little-endian int32 ids).
+A counter key beside the stream holds the exact number of tokens it contains; one Lua script
+appends a batch, trims the oldest entries until the total fits the cap, and updates the
+counter, so concurrent writers can never make the two disagree.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import NamedTuple
+
+import numpy as np
+import redis
+from redis.commands.core import Script
+
+from cache_service.storage import codec, keys
+from cache_service.storage.errors import StorageCorrupt
+
+# KEYS[1] stream, KEYS[2] token counter; ARGV[1] cap, then (tokens, n) per request.
+APPEND_LUA = """
+local function count_of(fields)
+  for j = 1, #fields, 2 do
+    if fields[j] == 'n' then return tonumber(fields[j + 1]) end
+  end
+  return nil
+end
+local raw = redis.call('GET', KEYS[2])
+local total = nil
+if raw then
+  total = tonumber(raw)
+elseif redis.call('EXISTS', KEYS[1]) == 0 then
+  total = 0
+end
+if not total then
+  return redis.error_reply('CORRUPT token counter of ' .. KEYS[1] .. ' is missing or bad (run draftcache migrate)')
+end
+local cap = tonumber(ARGV[1])
+local ids = {}
+for i = 2, #ARGV, 2 do
+  ids[#ids + 1] = redis.call('XADD', KEYS[1], '*', 'n', ARGV[i + 1], 'tokens', ARGV[i])
+  total = total + tonumber(ARGV[i + 1])
+end
+local last = nil
+while total > cap do
+  local batch = redis.call('XRANGE', KEYS[1], last and ('(' .. last) or '-', '+', 'COUNT', 256)
+  if #batch == 0 then break end
+  for _, entry in ipairs(batch) do
+    if total <= cap then break end
+    local n = count_of(entry[2])
+    if not n then return redis.error_reply('CORRUPT log entry ' .. entry[1] .. ' has no token count') end
+    total = total - n
+    last = entry[1]
+  end
+end
+if last then
+  -- MINID evicts ids strictly below the threshold: the successor of the last dropped id.
+  local ms, seq = string.match(last, '^(%d+)-(%d+)$')
+  redis.call('XTRIM', KEYS[1], 'MINID', ms .. '-' .. string.format('%d', tonumber(seq) + 1))
+end
+redis.call('SET', KEYS[2], string.format('%d', total))
+return ids
+"""
+
+_STREAM_ID = re.compile(r"\d+(-\d+)?")
+
+
+class LogEntry(NamedTuple):
+    """One finished request: its stream id and its tokens (a read-only int32 array)."""
+
+    id: str
+    tokens: np.ndarray
+
+
+def check_stream_id(stream_id: str) -> str:
+    if not isinstance(stream_id, str) or not _STREAM_ID.fullmatch(stream_id):
+        raise ValueError(f"stream id must look like '<ms>-<seq>' or '0', got {stream_id!r}")
+    return stream_id
+
+
+def append(script: Script, ns: str, requests: list[np.ndarray], max_tokens: int) -> list[str]:
+    """Append requests (keeping the last ``max_tokens`` of an oversized one) and trim."""
+    args: list[bytes | int] = [max_tokens]
+    for tokens in requests:
+        kept = tokens[-max_tokens:] if tokens.size > max_tokens else tokens
+        args += [codec.tokens_to_bytes(kept), int(kept.size)]
+    ids = script(keys=[keys.log(ns), keys.log_tokens(ns)], args=args)
+    return [i.decode() for i in ids]
+
+
+def _entry(raw_id: object, raw_fields: object) -> LogEntry:
+    entry_id = codec.as_bytes(raw_id, what="log entry id").decode()
+    fields = codec.as_fields(raw_fields, what=f"log entry {entry_id}")
+    try:
+        n, raw = int(fields[b"n"]), fields[b"tokens"]
+    except (KeyError, ValueError) as exc:
+        raise StorageCorrupt(f"log entry {entry_id} lacks a valid n/tokens field") from exc
+    tokens = codec.tokens_from_bytes(raw, what=f"log entry {entry_id}")
+    if tokens.size != n:
+        raise StorageCorrupt(f"log entry {entry_id} says n={n} but holds {tokens.size} tokens")
+    return LogEntry(entry_id, tokens)
+
+
+def read(client: redis.Redis, ns: str, after_id: str, count: int) -> list[LogEntry]:
+    """Up to ``count`` entries with ids strictly after ``after_id``, oldest first."""
+    rows = client.xrange(keys.log(ns), min="(" + check_stream_id(after_id), max="+", count=count)
+    return [_entry(i, f) for i, f in rows or []]
+
+
+def follow(client: redis.Redis, ns: str, last_id: str, block_ms: int | None, count: int) -> list[LogEntry]:
+    """Entries after ``last_id`` (or ``"$"``: only new ones), waiting up to ``block_ms``."""
+    if last_id != "$":
+        check_stream_id(last_id)
+    reply = client.xread({keys.log(ns): last_id}, count=count, block=block_ms)
+    return [_entry(i, f) for entries in _reply_entries(reply) for i, f in entries]
+
+
+def _reply_entries(reply: object) -> list[list[tuple[object, object]]]:
+    """XREAD's entries per stream: RESP2 answers ``[[stream, entries]]``, RESP3
+    ``{stream: [entries]}``, and both answer an empty container on a timeout."""
+    if not reply:
+        return []
+    if isinstance(reply, dict):
+        return [v[0] if v and isinstance(v[0], list) else v for v in reply.values()]
+    if not isinstance(reply, list):
+        raise StorageCorrupt(f"unexpected XREAD reply of type {type(reply).__name__}")
+    return [entries for _, entries in reply]
+
+
+def size(client: redis.Redis, ns: str) -> tuple[int, int]:
+    """``(entries, tokens)`` currently in the log."""
+    with client.pipeline(transaction=True) as pipe:
+        pipe.xlen(keys.log(ns))
+        pipe.get(keys.log_tokens(ns))
+        entries, tokens = pipe.execute()
+    try:
+        return int(entries), int(tokens or 0)
+    except ValueError as exc:
+        raise StorageCorrupt(f"token counter of {keys.log(ns)} is not an integer: {tokens!r}") from exc
