@@ -1,0 +1,135 @@
+"""Plan, apply and check key-schema migrations.
+
+The schema version is one integer under ``draftcache:schema_version`` (absent means 0, an empty
+database). ``apply`` holds a ``SET NX PX`` lock so two replicas never migrate at once, and
+records each step's version only while it still holds the lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import redis
+
+from cache_service.storage import keys
+from cache_service.storage.errors import MigrationInProgress, SchemaMismatch, StorageCorrupt, guarded
+from migrations import v001_initial, v002_log_token_counts
+from migrations.base import Migration
+
+logger = logging.getLogger(__name__)
+
+MIGRATIONS: tuple[Migration, ...] = (v001_initial.MIGRATION, v002_log_token_counts.MIGRATION)
+LATEST = MIGRATIONS[-1].version
+LOCK_TTL_MS = 60_000
+
+# Record a step and extend the lock, only if the lock is still ours (a fencing check).
+_RECORD_LUA = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[2], ARGV[2])
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return 1
+"""
+_RELEASE_LUA = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+def _check_sequence(migrations: Sequence[Migration]) -> None:
+    if [m.version for m in migrations] != list(range(1, len(migrations) + 1)):
+        raise ValueError(f"migrations must be numbered 1..n in order, got {[m.version for m in migrations]}")
+
+
+@guarded
+def stored_version(client: redis.Redis) -> int:
+    """The schema version recorded in Redis; 0 for a database draftcache never touched."""
+    raw = client.get(keys.SCHEMA_VERSION)
+    if raw is None:
+        return 0
+    try:
+        version = int(raw)
+    except ValueError as exc:
+        raise StorageCorrupt(f"{keys.SCHEMA_VERSION} holds {raw!r}, not an integer") from exc
+    if version < 0:
+        raise StorageCorrupt(f"{keys.SCHEMA_VERSION} holds a negative version {version}")
+    return version
+
+
+def _refuse_newer(stored: int, migrations: Sequence[Migration]) -> None:
+    latest = migrations[-1].version if migrations else 0
+    if stored > latest:
+        raise SchemaMismatch(
+            f"Redis holds key schema v{stored}, newer than this build knows (v{latest}); upgrade draftcache",
+            stored=stored,
+            expected=latest,
+        )
+
+
+@guarded
+def plan(client: redis.Redis, migrations: Sequence[Migration] = MIGRATIONS) -> list[Migration]:
+    """The migrations ``apply`` would run, in order (a dry run: writes nothing).
+
+    >>> [str(m) for m in plan(redis.Redis())]  # doctest: +SKIP
+    ['v1: initial key layout', 'v2: token counters for lifetime logs (cap by tokens)']
+    """
+    _check_sequence(migrations)
+    stored = stored_version(client)
+    _refuse_newer(stored, migrations)
+    return [m for m in migrations if m.version > stored]
+
+
+@contextmanager
+def migration_lock(client: redis.Redis, ttl_ms: int = LOCK_TTL_MS) -> Iterator[str]:
+    """Hold the migration lock; yields this holder's token. Raises :class:`MigrationInProgress`."""
+    token = uuid.uuid4().hex
+    if not client.set(keys.MIGRATION_LOCK, token, nx=True, px=ttl_ms):
+        raise MigrationInProgress(f"another process holds {keys.MIGRATION_LOCK}; retry when it is done")
+    try:
+        yield token
+    finally:
+        client.register_script(_RELEASE_LUA)(keys=[keys.MIGRATION_LOCK], args=[token])
+
+
+@guarded
+def apply(
+    client: redis.Redis, migrations: Sequence[Migration] = MIGRATIONS, *, lock_ttl_ms: int = LOCK_TTL_MS
+) -> list[Migration]:
+    """Run every pending migration in order; returns those applied (``[]`` when up to date).
+
+    Each step must finish within ``lock_ttl_ms`` (the lock is extended after every step).
+    """
+    _check_sequence(migrations)
+    record = client.register_script(_RECORD_LUA)
+    applied: list[Migration] = []
+    with migration_lock(client, lock_ttl_ms) as token:
+        for migration in plan(client, migrations):  # planned under the lock: nobody else moves it
+            logger.info("applying schema migration %s", migration)
+            migration.apply(client)
+            fence = [keys.MIGRATION_LOCK, keys.SCHEMA_VERSION]
+            if not record(keys=fence, args=[token, migration.version, lock_ttl_ms]):
+                raise MigrationInProgress(f"lost {keys.MIGRATION_LOCK} while applying {migration}; run migrate again")
+            applied.append(migration)
+    return applied
+
+
+@guarded
+def check(client: redis.Redis, migrations: Sequence[Migration] = MIGRATIONS) -> int:
+    """Return the stored schema version if this build serves it, else raise :class:`SchemaMismatch`.
+
+    A newer stored version means an older build must not write to it; an older one means
+    ``draftcache migrate`` has not been run yet.
+    """
+    _check_sequence(migrations)
+    stored = stored_version(client)
+    _refuse_newer(stored, migrations)
+    latest = migrations[-1].version if migrations else 0
+    if stored < latest:
+        raise SchemaMismatch(
+            f"Redis holds key schema v{stored}, this build needs v{latest}; run `draftcache migrate`",
+            stored=stored,
+            expected=latest,
+        )
+    return stored
