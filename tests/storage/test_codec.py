@@ -1,0 +1,123 @@
+"""Pure byte layouts: round trips, and garbage refused as StorageCorrupt."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from cache_service.storage import StorageCorrupt, codec
+from indexer.session_cache import LruTable, LruTableConfig
+
+
+def _table(seed: int, config: LruTableConfig) -> LruTable:
+    rng = np.random.default_rng(seed)
+    table = LruTable(config)
+    for _ in range(500):
+        leader = tuple(rng.integers(0, 20, config.leader_len).tolist())
+        follower = tuple(rng.integers(0, 32000, rng.integers(1, config.follower_len + 1)).tolist())
+        table.add(leader, follower)
+    return table
+
+
+def test_lru_table_round_trip_replays_to_the_same_table() -> None:
+    config = LruTableConfig(leader_len=2, follower_len=8, max_leaders=64, max_followers=4)
+    table = _table(0, config)
+    decoded = codec.decode_table(codec.encode_table(table.items()))
+    assert decoded == table.items()
+    replayed = LruTable(config)
+    for leader, followers in decoded:
+        for follower, count in followers:
+            replayed.add(leader, follower, count)
+    assert replayed.items() == table.items()  # same order, so the same LRU victims next
+
+
+def test_empty_table_round_trips() -> None:
+    assert codec.decode_table(codec.encode_table([])) == []
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.lists(st.integers(0, 2**31 - 1), max_size=4).map(tuple),
+            st.lists(st.tuples(st.lists(st.integers(0, 2**31 - 1), max_size=9).map(tuple), st.integers(0, 2**31 - 1))),
+        ),
+        max_size=8,
+    )
+)
+def test_any_table_round_trips(items: codec.TableItems) -> None:
+    assert codec.decode_table(codec.encode_table(items)) == items
+
+
+def test_counts_saturate_and_out_of_range_tokens_are_refused() -> None:
+    assert codec.decode_table(codec.encode_table([((1,), [((2,), 2**40)])])) == [((1,), [((2,), 2**31 - 1)])]
+    with pytest.raises(ValueError):
+        codec.encode_table([((2**31,), [((2,), 1)])])
+    with pytest.raises(ValueError):
+        codec.encode_table([((1,), [((2,), -1)])])
+
+
+@pytest.mark.parametrize(
+    "mangle",
+    [
+        lambda b: b[:10],  # shorter than the header
+        lambda b: b"XXXX" + b[4:],  # wrong magic
+        lambda b: b[:-4],  # truncated body
+        lambda b: b + b"\0\0\0\0",  # trailing bytes
+        lambda b: b[:24] + (-1).to_bytes(4, "little", signed=True) + b[28:],  # negative leader length
+        lambda b: b[:24] + (3).to_bytes(4, "little") + b[28:],  # lengths no longer add up
+    ],
+)
+def test_garbage_tables_are_corrupt(mangle: Callable[[bytes], bytes]) -> None:
+    blob = codec.encode_table([((1, 2), [((3, 4), 1)]), ((5, 6), [((7,), 2)])])
+    with pytest.raises(StorageCorrupt):
+        codec.decode_table(mangle(blob))
+
+
+def test_tokens_round_trip_little_endian() -> None:
+    tokens = np.array([0, 1, 2**31 - 1, 65536], dtype=np.int32)
+    raw = codec.tokens_to_bytes(tokens)
+    assert raw[:8] == b"\0\0\0\0\x01\0\0\0"
+    back = codec.tokens_from_bytes(raw)
+    assert back.dtype == np.int32 and back.tolist() == tokens.tolist()
+    with pytest.raises(StorageCorrupt):
+        codec.tokens_from_bytes(b"\0\0\0")
+    with pytest.raises(ValueError):
+        codec.tokens_to_bytes(np.array([1, 2], dtype=np.int64))
+
+
+def test_session_state_round_trip() -> None:
+    state = codec.SessionState(
+        namespace="acme/llama2",
+        context=np.array([5, 6, 7, 8], np.int32),
+        prompt_len=3,
+        params={"budget": 64, "min_score": 0.5, "tiers": ["dyn", "prior"]},
+    )
+    back = codec.decode_state(codec.encode_state(state))
+    assert (back.namespace, back.prompt_len, dict(back.params)) == (state.namespace, 3, dict(state.params))
+    assert back.context.tolist() == [5, 6, 7, 8]
+
+
+def test_session_state_is_validated() -> None:
+    with pytest.raises(ValueError):
+        codec.SessionState(namespace="n", context=np.array([1], np.int32), prompt_len=2)
+    with pytest.raises(ValueError):
+        codec.SessionState(namespace="n", context=np.array([1], np.int64), prompt_len=0)
+    with pytest.raises(ValueError):
+        codec.encode_state(
+            codec.SessionState(namespace="n", context=np.zeros(0, np.int32), prompt_len=0, params={"x": {1}})
+        )
+
+
+@pytest.mark.parametrize("field", [b"fmt", b"namespace", b"context", b"prompt_len", b"params"])
+def test_broken_session_state_is_corrupt(field: bytes) -> None:
+    fields = codec.encode_state(codec.SessionState(namespace="n", context=np.array([1, 2], np.int32), prompt_len=1))
+    broken = {**fields, field: b"\xff{"}
+    with pytest.raises(StorageCorrupt):
+        codec.decode_state(broken)
+    missing = {k: v for k, v in fields.items() if k != field}
+    with pytest.raises(StorageCorrupt):
+        codec.decode_state(missing)

@@ -1,0 +1,134 @@
+"""Lifetime log contract: round trips, an exact token cap, followers, concurrent writers."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import redis
+
+from cache_service.storage import RedisStore, StorageCorrupt, keys
+
+
+def _req(*tokens: int) -> np.ndarray:
+    return np.array(tokens, dtype=np.int32)
+
+
+def _stored_tokens(client: redis.Redis, ns: str) -> int:
+    """The truth, recomputed from the entries themselves."""
+    return sum(int(fields[b"n"]) for _, fields in client.xrange(keys.log(ns)))
+
+
+def test_append_then_read_round_trips(store: RedisStore) -> None:
+    ids = store.append_requests("ns", [_req(1, 2, 3), _req(), _req(2**31 - 1)])
+    entries = store.read_log("ns")
+    assert [e.id for e in entries] == ids  # one id per request, in order
+    assert [e.tokens.tolist() for e in entries] == [[1, 2, 3], [], [2**31 - 1]]
+    assert all(e.tokens.dtype == np.int32 for e in entries)
+    assert store.log_size("ns") == (3, 4)
+    assert store.read_log("other") == []  # namespaces never mix
+
+
+def test_stream_fields_are_n_and_little_endian_tokens(store: RedisStore, client: redis.Redis) -> None:
+    [entry_id] = store.append_requests("ns", [_req(1, 256)])
+    [(raw_id, fields)] = client.xrange(keys.log("ns"))
+    assert raw_id.decode() == entry_id
+    assert fields == {b"n": b"2", b"tokens": b"\x01\x00\x00\x00\x00\x01\x00\x00"}
+
+
+def test_read_pages_after_an_id(store: RedisStore) -> None:
+    ids = store.append_requests("ns", [_req(i) for i in range(5)])
+    first = store.read_log("ns", count=2)
+    assert [e.tokens.tolist() for e in first] == [[0], [1]]
+    rest = store.read_log("ns", after_id=first[-1].id)
+    assert [e.id for e in rest] == ids[2:]
+    assert store.read_log("ns", after_id=ids[-1]) == []
+
+
+def test_token_cap_is_exact_and_keeps_the_newest(store: RedisStore, client: redis.Redis) -> None:
+    for i in range(4):
+        store.append_requests("ns", [_req(*[i] * 30)], max_tokens=100)
+    # 120 tokens appended: the oldest whole request goes, three remain.
+    assert [e.tokens[0] for e in store.read_log("ns")] == [1, 2, 3]
+    assert store.log_size("ns") == (3, 90) and _stored_tokens(client, "ns") == 90
+    store.append_requests("ns", [_req(*[7] * 11)], max_tokens=100)  # 101 > 100: drop one more
+    assert [e.tokens[0] for e in store.read_log("ns")] == [2, 3, 7]
+    assert store.log_size("ns") == (3, 71)
+
+
+def test_a_request_longer_than_the_cap_keeps_its_tail(store: RedisStore) -> None:
+    store.append_requests("ns", [_req(1, 2)], max_tokens=5)
+    store.append_requests("ns", [_req(*range(10))], max_tokens=5)
+    assert [e.tokens.tolist() for e in store.read_log("ns")] == [[5, 6, 7, 8, 9]]
+    assert store.log_size("ns") == (1, 5)
+
+
+def test_one_batch_larger_than_the_cap_trims_within_itself(store: RedisStore, client: redis.Redis) -> None:
+    batch = [_req(*[7] * n) for n in range(1, 101)]  # 5,050 tokens against the store's cap of 1,000
+    store.append_requests("ns", batch)
+    sizes = [e.tokens.size for e in store.read_log("ns", count=10_000)]
+    assert sizes == list(range(91, 101))  # 91 + ... + 100 = 955; adding 90 would make 1,045
+    assert _stored_tokens(client, "ns") == store.log_size("ns")[1] == 955
+
+
+def test_follow_returns_new_entries_and_times_out_empty(store: RedisStore) -> None:
+    [first] = store.append_requests("ns", [_req(1)])
+    assert store.follow("ns", first, block_ms=50) == []
+    got: list[list[int]] = []
+    reader = threading.Thread(
+        target=lambda: got.extend(e.tokens.tolist() for e in store.follow("ns", first, block_ms=5000))
+    )
+    reader.start()
+    store.append_requests("ns", [_req(2, 3)])
+    reader.join(5)
+    assert got == [[2, 3]]
+    assert [e.tokens.tolist() for e in store.follow("ns", "0", block_ms=None)] == [[1], [2, 3]]
+    with pytest.raises(ValueError):
+        store.follow("ns", first, block_ms=0)  # would block forever
+
+
+def test_concurrent_appends_keep_the_counter_exact(store: RedisStore, client: redis.Redis) -> None:
+    def writer(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        for _ in range(100):
+            batch = [rng.integers(0, 100, rng.integers(1, 40)).astype(np.int32) for _ in range(rng.integers(1, 4))]
+            store.append_requests("ns", batch, max_tokens=500)
+
+    threads = [threading.Thread(target=writer, args=(seed,)) for seed in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    entries, tokens = store.log_size("ns")
+    assert tokens == _stored_tokens(client, "ns")
+    assert 500 - 40 < tokens <= 500  # full, within one request of the cap
+    assert entries == len(store.read_log("ns", count=10_000))
+
+
+def test_invalid_requests_are_refused_before_writing(store: RedisStore) -> None:
+    with pytest.raises(ValueError):
+        store.append_requests("ns", [_req(1), np.array([1, 2], dtype=np.int64)])
+    with pytest.raises(ValueError):
+        store.append_requests("bad name", [_req(1)])
+    with pytest.raises(ValueError):
+        store.read_log("ns", after_id="nope")
+    assert store.log_size("ns") == (0, 0)
+    assert store.append_requests("ns", []) == []
+
+
+def test_a_log_without_its_counter_is_refused(store: RedisStore, client: redis.Redis) -> None:
+    client.xadd(keys.log("ns"), {"n": 1, "tokens": b"\x01\x00\x00\x00"})  # written by a v1 replica
+    with pytest.raises(StorageCorrupt, match="migrate"):
+        store.append_requests("ns", [_req(2)])
+    assert client.xlen(keys.log("ns")) == 1  # nothing half-written
+
+
+def test_corrupt_entries_are_reported(store: RedisStore, client: redis.Redis) -> None:
+    client.xadd(keys.log("ns"), {"n": 2, "tokens": b"\x01\x00\x00\x00"})
+    with pytest.raises(StorageCorrupt, match="n=2"):
+        store.read_log("ns")
+    client.delete(keys.log("ns"))
+    client.set(keys.log("ns"), b"not a stream")
+    with pytest.raises(StorageCorrupt):
+        store.read_log("ns")

@@ -1,0 +1,86 @@
+"""Session copies: one transaction, one expiry, SCAN listing."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import redis
+
+from cache_service.storage import RedisStore, SessionState, StorageCorrupt, keys
+from indexer.session_cache import DynamicCache, LruTableConfig, RejectedCache
+
+
+def _session() -> tuple[SessionState, DynamicCache, RejectedCache]:
+    context = np.array([3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3], np.int32)
+    dyn = DynamicCache(LruTableConfig(leader_len=2, follower_len=3))
+    dyn.observe(context)
+    rej = RejectedCache(LruTableConfig(leader_len=2, follower_len=3))
+    rej.record(context, np.array([11, 12, 13, 14], np.int32))
+    rej.record(context[:-1], np.array([15], np.int32))
+    state = SessionState(namespace="acme/llama2", context=context, prompt_len=10, params={"budget": 32})
+    return state, dyn, rej
+
+
+def test_save_load_round_trip(store: RedisStore) -> None:
+    state, dyn, rej = _session()
+    store.save_session("s-1", state, dyn.table.items(), rej.table.items(), ttl_s=60)
+    got = store.load_session("s-1")
+    assert got is not None
+    assert got.state.namespace == "acme/llama2" and got.state.prompt_len == 10
+    assert got.state.context.tolist() == state.context.tolist() and dict(got.state.params) == {"budget": 32}
+    assert got.dyn == dyn.table.items() and len(got.dyn) > 5
+    # Oldest leader first; the branch is cut to follower_len.
+    assert got.rej == rej.table.items() == [((9, 3), [((11, 12, 13), 1)]), ((7, 9), [((15,), 1)])]
+    assert store.load_session("s-2") is None
+
+
+def test_every_key_gets_the_ttl_and_save_or_touch_refresh_it(store: RedisStore, client: redis.Redis) -> None:
+    state, dyn, rej = _session()
+    store.save_session("s", state, dyn.table.items(), rej.table.items(), ttl_s=30)
+    ttls = [client.pttl(k) for k in keys.session_keys("s")]
+    assert all(25_000 < t <= 30_000 for t in ttls)
+    store.save_session("s", state, [], [], ttl_s=300)  # a later save refreshes every key
+    assert all(295_000 < client.pttl(k) <= 300_000 for k in keys.session_keys("s"))
+    assert store.touch_session("s", 1000.5)
+    assert all(995_000 < client.pttl(k) <= 1_000_500 for k in keys.session_keys("s"))
+    assert not store.touch_session("gone", 10)
+    with pytest.raises(ValueError):
+        store.touch_session("s", 0)
+
+
+def test_sessions_expire(store: RedisStore) -> None:
+    state, _, _ = _session()
+    store.save_session("short", state, [], [], ttl_s=0.05)
+    assert store.load_session("short") is not None
+    time.sleep(0.1)
+    assert store.load_session("short") is None  # an expired key is never returned, even before eviction
+    assert store.session_ids("short") == []
+
+
+def test_delete_and_scan_listing(store: RedisStore) -> None:
+    state, _, _ = _session()
+    sids = [f"sess-{i:03d}" for i in range(250)] + ["other-1"]
+    for sid in sids:
+        store.save_session(sid, state, [], [], ttl_s=60)
+    assert store.session_ids() == sorted(sids)
+    assert store.session_ids("other-*") == ["other-1"]
+    assert store.delete_session("other-1")
+    assert not store.delete_session("other-1")
+    assert store.session_ids("other-*") == []
+    assert store.load_session("other-1") is None
+
+
+def test_a_missing_table_loads_empty_and_garbage_is_corrupt(store: RedisStore, client: redis.Redis) -> None:
+    state, dyn, rej = _session()
+    store.save_session("s", state, dyn.table.items(), rej.table.items(), ttl_s=60)
+    client.delete(keys.session_rej("s"))
+    got = store.load_session("s")
+    assert got is not None and got.rej == [] and got.dyn == dyn.table.items()
+    client.set(keys.session_dyn("s"), b"garbage")
+    with pytest.raises(StorageCorrupt):
+        store.load_session("s")
+    client.hset(keys.session_state("s"), "fmt", "99")
+    with pytest.raises(StorageCorrupt):
+        store.load_session("s")

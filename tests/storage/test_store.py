@@ -1,0 +1,67 @@
+"""Namespace registry, health and client requirements."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import redis
+
+from cache_service.storage import NamespaceConflict, RedisStore, SessionState, StorageCorrupt, StoreConfig, keys
+
+
+def test_register_and_list_namespaces(store: RedisStore) -> None:
+    assert store.namespaces() == {}
+    assert store.register_namespace("acme/llama2", 32000)
+    assert store.register_namespace("smollm2", 49152)
+    assert not store.register_namespace("smollm2", 49152)  # idempotent
+    assert store.namespaces() == {"acme/llama2": 32000, "smollm2": 49152}
+
+
+def test_a_namespace_keeps_its_vocabulary(store: RedisStore) -> None:
+    store.register_namespace("n", 100)
+    with pytest.raises(NamespaceConflict, match="100"):
+        store.register_namespace("n", 101)
+    with pytest.raises(ValueError):
+        store.register_namespace("m", 0)
+    with pytest.raises(ValueError):
+        store.register_namespace("bad name", 10)
+    assert store.namespaces() == {"n": 100}
+
+
+def test_a_mangled_registry_is_corrupt(store: RedisStore, client: redis.Redis) -> None:
+    client.hset(keys.NAMESPACES, "n", "many")
+    with pytest.raises(StorageCorrupt):
+        store.namespaces()
+
+
+def test_ping_measures_a_round_trip(store: RedisStore) -> None:
+    assert 0 < store.ping() < 1
+
+
+def test_a_decoding_client_is_refused(redis_url: str) -> None:
+    with pytest.raises(ValueError, match="decode_responses"):
+        RedisStore(redis.Redis.from_url(redis_url, decode_responses=True))
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"max_log_tokens": 0}, {"prior_part_bytes": 0}, {"prior_staging_ttl_s": 0}, {"read_batch": 0}]
+)
+def test_config_is_validated(kwargs: dict[str, int]) -> None:
+    with pytest.raises(ValueError):
+        StoreConfig(**kwargs)
+
+
+def test_a_resp3_client_reads_the_same(redis_url: str, store: RedisStore) -> None:
+    resp3 = RedisStore(redis.Redis.from_url(redis_url, protocol=3))
+    ids = resp3.append_requests("n", [np.array([1, 2], np.int32)])
+    assert [e.id for e in store.read_log("n")] == ids
+    assert [e.tokens.tolist() for e in resp3.follow("n", "0", block_ms=10)] == [[1, 2]]
+    assert resp3.follow("n", ids[-1], block_ms=10) == []
+    assert resp3.register_namespace("n", 7) and store.namespaces() == resp3.namespaces() == {"n": 7}
+    state = SessionState(namespace="n", context=np.array([1, 2], np.int32), prompt_len=1)
+    resp3.save_session("s", state, [((1,), [((2,), 1)])], [], ttl_s=10)
+    loaded = resp3.load_session("s")
+    assert loaded is not None and loaded.dyn == [((1,), [((2,), 1)])]
+    version = resp3.put_prior("n", b"abc")
+    assert resp3.get_prior("n") == (version, b"abc")
+    assert resp3.session_ids() == ["s"]
