@@ -16,6 +16,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from cache_service import index_bench, replay_bench, warm
+from cache_service.errors import DraftCacheError
+from cache_service.storage.errors import StorageError
 from decoder_client.traces import read_traces
 from indexer.drafter import DrafterConfig, DraftParams
 from indexer.prior import PriorConfig, StaticPrior
@@ -41,6 +43,23 @@ def _prior_args(p: argparse.ArgumentParser) -> None:
     _add(p, "--follower-len", type=int, default=8)
     _add(p, "--top-k", type=int, default=4)
     _add(p, "--max-leaders", type=int, default=1 << 18, help="per order")
+
+
+def _storage_args(p: argparse.ArgumentParser) -> None:
+    _add(p, "--redis-url", default=None, help="Redis (or Redis Cluster/Sentinel) URL; default: the embedded one")
+    _add(p, "--data-dir", type=Path, default=Path("data"), help="where the embedded Redis keeps its files")
+
+
+def _redis_url(a: argparse.Namespace) -> str:
+    """``--redis-url``, else the URL the embedded server of ``--data-dir`` published."""
+    if a.redis_url:
+        return str(a.redis_url)
+    published = a.data_dir / "redis" / "url"
+    if not published.exists():
+        raise ValueError(
+            f"no --redis-url and no running embedded Redis in {a.data_dir} (start 'draftcache serve' first)"
+        )
+    return published.read_text().strip()
 
 
 def _prior_config(a: argparse.Namespace) -> PriorConfig:
@@ -77,8 +96,30 @@ def build_parser() -> argparse.ArgumentParser:
     _add(w, "--tokenizer", type=Path, required=_env("tokenizer") is None)
     _add(w, "--corpus", type=Path, required=_env("corpus") is None)
     _add(w, "--format", default="sharegpt", choices=warm.FORMATS)
-    _add(w, "--out", type=Path, required=_env("out") is None, help="prior file to write")
+    _add(w, "--out", type=Path, default=None, help="write a prior file instead of publishing to Redis")
+    _storage_args(w)
     _prior_args(w)
+
+    sv = sub.add_parser("serve", help="run the gRPC service (embedded persistent Redis unless --redis-url)")
+    _add(sv, "--host", default="127.0.0.1")
+    _add(sv, "--port", type=int, default=50051)
+    _storage_args(sv)
+    _add(sv, "--rebuild-interval", type=float, default=30.0, help="seconds between index rebuilds")
+    _add(sv, "--session-ttl", type=float, default=3600.0, help="idle seconds before a session expires")
+    _add(sv, "--max-batch", type=int, default=256)
+    _add(sv, "--max-sessions", type=int, default=100_000)
+
+    m = sub.add_parser("migrate", help="bring the Redis key schema up to date")
+    _storage_args(m)
+    m.add_argument("--dry-run", action="store_true", help="only say what would be applied")
+
+    for name, text in (
+        ("stats", "namespaces, buffers, indexes and sessions"),
+        ("rebuild", "reload priors, rebuild now"),
+    ):
+        c = sub.add_parser(name, help=text)
+        _add(c, "--target", default="127.0.0.1:50051", help="host:port of the service")
+        _add(c, "--namespace", default="", help="one namespace (default: all)")
 
     b = sub.add_parser("bench-index", help="rebuild time, lookup latency and bytes per token at a buffer size")
     _add(b, "--corpus", type=Path, required=_env("corpus") is None, help="real text to fill the buffer with")
@@ -126,8 +167,69 @@ def _write_atomic(path: Path, blob: bytes) -> None:
 
 def cmd_warm(a: argparse.Namespace) -> int:
     prior = _warm_prior(a.corpus, a.format, a.tokenizer, _prior_config(a))
-    _write_atomic(a.out, prior.to_bytes())
-    print(f"namespace {a.namespace}: prior of {prior.source_tokens} tokens, {prior.nbytes / 1e6:.1f} MB -> {a.out}")
+    blob = prior.to_bytes()
+    if a.out is not None:
+        _write_atomic(a.out, blob)
+        where = str(a.out)
+    else:  # publish: the namespace is registered with the tokenizer's vocabulary, then the blob
+        from cache_service.app import connect
+        from cache_service.storage.redis_store import RedisStore
+
+        store = RedisStore(connect(_redis_url(a)))
+        store.register_namespace(a.namespace, warm.load_tokenizer(a.tokenizer)[1])
+        where = f"Redis, version {store.put_prior(a.namespace, blob)}"
+    print(f"namespace {a.namespace}: prior of {prior.source_tokens} tokens, {prior.nbytes / 1e6:.1f} MB -> {where}")
+    return 0
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    import asyncio
+
+    from cache_service.app import AppConfig, serve
+    from cache_service.config import EmbeddedRedisConfig, ServerConfig, ServiceConfig
+
+    config = AppConfig(
+        service=ServiceConfig(
+            rebuild_interval_s=a.rebuild_interval,
+            session_ttl_s=a.session_ttl,
+            max_batch=a.max_batch,
+            max_sessions=a.max_sessions,
+        ),
+        server=ServerConfig(host=a.host, port=a.port),
+        redis_url=a.redis_url,
+        embedded=EmbeddedRedisConfig(data_dir=a.data_dir / "redis"),
+    )
+    asyncio.run(serve(config))
+    return 0
+
+
+def cmd_migrate(a: argparse.Namespace) -> int:
+    import migrations
+    from cache_service.app import connect
+
+    print(migrations.run_migrate(connect(_redis_url(a)), dry_run=a.dry_run))
+    return 0
+
+
+def cmd_admin(a: argparse.Namespace) -> int:
+    import grpc
+    from draftcache.v1 import draftcache_pb2 as pb
+    from draftcache.v1 import draftcache_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(a.target) as channel:
+        admin = pb_grpc.AdminStub(channel)
+        if a.command == "rebuild":
+            infos = admin.Rebuild(pb.RebuildRequest(namespace=a.namespace), timeout=600).namespaces
+        else:
+            stats = admin.Stats(pb.StatsRequest(namespace=a.namespace), timeout=30)
+            print(f"sessions {stats.sessions}, drafts {stats.drafts}")
+            infos = stats.namespaces
+    for i in infos:
+        print(
+            f"{i.name}: vocab {i.vocab_size}, {i.buffered_tokens} buffered tokens in {i.requests} requests, "
+            f"index {i.index_tokens} tokens ({i.last_rebuild_seconds:.2f} s), prior v{i.prior_version}, "
+            f"{i.sessions} sessions"
+        )
     return 0
 
 
@@ -189,7 +291,15 @@ def cmd_bench_index(a: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"replay": cmd_replay, "warm": cmd_warm, "bench-index": cmd_bench_index}
+COMMANDS = {
+    "replay": cmd_replay,
+    "warm": cmd_warm,
+    "serve": cmd_serve,
+    "migrate": cmd_migrate,
+    "stats": cmd_admin,
+    "rebuild": cmd_admin,
+    "bench-index": cmd_bench_index,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -203,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         return COMMANDS[args.command](args)
-    except (ValueError, OSError) as exc:  # bad input: one clear line, no traceback
+    except (ValueError, OSError, DraftCacheError, StorageError) as exc:  # one clear line, no traceback
         print(f"draftcache {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -56,6 +58,7 @@ class EmbeddedRedis:
     def start(self, timeout_s: float = 20.0) -> EmbeddedRedis:
         data = self.config.data_dir.resolve()
         data.mkdir(parents=True, exist_ok=True)
+        _stop_orphan(data / "server.pid")
         args = [
             str(find_server_binary()),
             "--bind", "127.0.0.1",
@@ -68,6 +71,7 @@ class EmbeddedRedis:
         ]  # fmt: skip
         log = open(data / "server.log", "ab")  # noqa: SIM115 - the child process owns it
         self._proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        (data / "server.pid").write_text(str(self._proc.pid))
         self._wait_ready(timeout_s)
         logger.info("embedded Redis on port %d, data in %s", self.port, data)
         return self
@@ -100,3 +104,24 @@ class EmbeddedRedis:
         except subprocess.TimeoutExpired:
             self._proc.kill()
             self._proc.wait()
+        (self.config.data_dir.resolve() / "server.pid").unlink(missing_ok=True)
+
+
+def _stop_orphan(pid_file: Path, timeout_s: float = 10.0) -> None:
+    """A server left running by a killed service still owns the data folder: stop it cleanly
+    (SIGTERM flushes its AOF) before a new one opens the same files."""
+    try:
+        pid = int(pid_file.read_text())
+    except (OSError, ValueError):
+        return
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return  # gone already
+    if b"redis-server" not in cmdline and b"valkey-server" not in cmdline:
+        return  # the pid was reused by something else
+    logger.warning("stopping embedded Redis %d left by a previous run", pid)
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)

@@ -9,10 +9,14 @@ from typing import Any
 import grpc
 
 from cache_service import errors
+from cache_service.storage import errors as storage_errors
 
 logger = logging.getLogger(__name__)
 
 _CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
+    (storage_errors.StorageUnavailable, grpc.StatusCode.UNAVAILABLE),
+    (storage_errors.SchemaMismatch, grpc.StatusCode.FAILED_PRECONDITION),
+    (storage_errors.NamespaceConflict, grpc.StatusCode.ALREADY_EXISTS),
     (errors.NotFound, grpc.StatusCode.NOT_FOUND),
     (errors.AlreadyExists, grpc.StatusCode.ALREADY_EXISTS),
     (errors.ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),

@@ -67,6 +67,8 @@ class Persistence(Protocol):
 
     def request_committed(self, namespace: str, tokens: np.ndarray) -> None: ...
 
+    def reload_priors(self, service: DraftService) -> None: ...
+
 
 @dataclass
 class _Counters:
@@ -122,6 +124,9 @@ class DraftService:
         self.namespace(name).prior = prior
         self._prior_versions[name] = version
 
+    def prior_version(self, name: str) -> int:
+        return self._prior_versions.get(name, 0)
+
     def stats(self, name: str = "") -> list[NamespaceStats]:
         names = [name] if name else self.namespace_names()
         sessions = self.sessions.count_by_namespace()
@@ -148,7 +153,10 @@ class DraftService:
         return self._counters.drafts
 
     def rebuild(self, name: str = "") -> list[NamespaceStats]:
-        """Rebuild lifetime indexes now (the scheduler calls this off the request path)."""
+        """Reload published priors and rebuild lifetime indexes now (the scheduler does this on
+        its own, off the request path)."""
+        if self._persistence is not None:
+            self._persistence.reload_priors(self)
         for n in [name] if name else self.namespace_names():
             self.namespace(n).memory.rebuild()
         return self.stats(name)

@@ -10,6 +10,7 @@ tree by its track record on this namespace, not by a hand-set weight.
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -155,7 +156,7 @@ class NamespaceDrafter:
         self,
         session: Session,
         tokens: np.ndarray | list[int],
-        rejected: list[tuple[int, np.ndarray | list[int]]] | None = None,
+        rejected: Sequence[tuple[int, np.ndarray | list[int]]] | None = None,
     ) -> None:
         """Tokens the target produced since the last draft (accepted drafts plus the bonus token).
 

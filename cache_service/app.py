@@ -1,0 +1,119 @@
+"""Running the service: storage (given or embedded), schema check, restore, background jobs,
+the gRPC server, and an orderly shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from dataclasses import dataclass, field
+
+import redis
+from apscheduler.schedulers.background import BackgroundScheduler
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+import migrations
+from cache_service.config import EmbeddedRedisConfig, ServerConfig, ServiceConfig
+from cache_service.embedded_redis import EmbeddedRedis
+from cache_service.persistence import RedisPersistence
+from cache_service.server import create_server
+from cache_service.service import DraftService
+from cache_service.storage.redis_store import RedisStore, StoreConfig
+
+logger = logging.getLogger(__name__)
+
+PRIOR_POLL_S = 2.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class AppConfig:
+    service: ServiceConfig = field(default_factory=ServiceConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
+    redis_url: str | None = None  # None: spawn the embedded server
+    embedded: EmbeddedRedisConfig = field(default_factory=EmbeddedRedisConfig)
+
+
+def connect(url: str) -> redis.Redis:
+    """A client for the store: raw bytes, one quick retry, timeouts long enough for a 64 MB
+    prior part, short enough that a dead server fails a sync job quickly."""
+    return redis.Redis.from_url(
+        url,
+        decode_responses=False,
+        socket_timeout=30.0,
+        socket_connect_timeout=2.0,
+        retry=Retry(NoBackoff(), 1),
+    )
+
+
+def prepare_schema(client: redis.Redis) -> int:
+    """Initialise an empty Redis; refuse an older (not migrated) or unknown newer schema."""
+    if migrations.stored_version(client) == 0:
+        migrations.apply(client)
+    return migrations.check(client)
+
+
+class App:
+    """Everything ``serve`` runs, started by :meth:`start` and stopped by :meth:`stop`."""
+
+    def __init__(self, config: AppConfig) -> None:
+        self.config = config
+        self.embedded: EmbeddedRedis | None = None
+        self.scheduler = BackgroundScheduler(job_defaults={"coalesce": True, "max_instances": 1})
+        self.url = config.redis_url or ""
+
+    async def start(self) -> int:
+        """Start serving; returns the bound port."""
+        if not self.url:
+            self.embedded = await asyncio.to_thread(EmbeddedRedis(self.config.embedded).start)
+            self.url = self.embedded.url
+            (self.config.embedded.data_dir / "url").write_text(self.url)
+        client = connect(self.url)
+        logger.info("storage schema v%d at %s", await asyncio.to_thread(prepare_schema, client), self.url)
+        self.persistence = RedisPersistence(
+            RedisStore(client, self.config.store), max_pending=self.config.service.max_pending_writes
+        )
+        self.service = DraftService(self.config.service, self.persistence)
+        await asyncio.to_thread(self.persistence.restore, self.service)
+        self._schedule()
+        self.server = await create_server(self.config.server, self.service)
+        await self.server.set_serving(True)  # indexes are loaded: ready
+        return self.server.port
+
+    def _schedule(self) -> None:
+        cfg = self.config.service
+        self.scheduler.add_job(self.persistence.sync, "interval", seconds=cfg.follow_interval_s, args=[self.service])
+        self.scheduler.add_job(self._rebuild, "interval", seconds=cfg.rebuild_interval_s)
+        self.scheduler.add_job(self.persistence.reload_priors, "interval", seconds=PRIOR_POLL_S, args=[self.service])
+        self.scheduler.start()
+
+    def _rebuild(self) -> None:
+        """Rebuild the namespaces that have new requests since their last index."""
+        for name in self.service.namespace_names():
+            memory = self.service.namespace(name).memory
+            if memory.delta_tokens() > 0:
+                built = memory.rebuild()
+                logger.info("rebuilt %s: %d tokens in %.2f s", name, built.suffix.size, built.build_seconds)
+
+    async def stop(self) -> None:
+        """NOT_SERVING, drain in-flight calls, stop jobs, flush queued commits, stop Redis."""
+        await self.server.stop(self.config.server.grace_s)
+        self.scheduler.shutdown(wait=True)
+        await asyncio.to_thread(self.persistence.sync, self.service)
+        if self.embedded is not None:
+            await asyncio.to_thread(self.embedded.stop)
+
+
+async def serve(config: AppConfig) -> None:
+    """Run until SIGINT or SIGTERM."""
+    app = App(config)
+    port = await app.start()
+    print(f"draftcache serving on {config.server.host}:{port} (storage {app.url})", flush=True)
+    done = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, done.set)
+    await done.wait()
+    logger.info("shutting down")
+    await app.stop()

@@ -1,0 +1,138 @@
+"""Keeping a service's memory and Redis in step.
+
+Commits are written behind (a bounded queue drained by the sync job), so closing a request never
+waits on Redis; while Redis is down they stay queued and are flushed when it returns. The same
+job follows the lifetime log for requests other replicas committed, skipping its own entries,
+and reloads a namespace's static prior when a new version is published.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+
+import numpy as np
+
+from cache_service.errors import Unavailable
+from cache_service.service import DraftService
+from cache_service.storage.errors import StorageError, StorageUnavailable
+from cache_service.storage.redis_store import RedisStore
+from indexer.prior import StaticPrior
+
+logger = logging.getLogger(__name__)
+
+
+class RedisPersistence:
+    """The service's :class:`~cache_service.service.Persistence` on a :class:`RedisStore`."""
+
+    def __init__(self, store: RedisStore, *, max_pending: int) -> None:
+        self.store = store
+        self._pending: deque[tuple[str, np.ndarray]] = deque()
+        self._max_pending = max_pending
+        self._own: set[str] = set()  # ids of entries this process appended
+        self._last: dict[str, str] = {}  # per namespace: the last log entry applied
+        self._lock = threading.Lock()
+        self._sync_lock = threading.Lock()
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    # -- Persistence ---------------------------------------------------------------------------
+
+    def namespace_created(self, name: str, vocab_size: int) -> None:
+        try:
+            self.store.register_namespace(name, vocab_size)
+        except StorageUnavailable as exc:
+            raise Unavailable(f"storage unavailable: {exc}") from exc
+
+    def request_committed(self, namespace: str, tokens: np.ndarray) -> None:
+        """Queue a commit and try to write it now, so it is durable when the caller is answered;
+        if storage is down it stays queued for the sync job."""
+        with self._lock:
+            if len(self._pending) >= self._max_pending:
+                raise Unavailable(f"{len(self._pending)} commits are waiting for storage; try again later")
+            self._pending.append((namespace, tokens))
+        with self._sync_lock:
+            try:
+                self._flush()
+            except StorageError as exc:
+                logger.warning("commit queued until storage returns (%d queued): %s", len(self._pending), exc)
+
+    # -- start-up and the periodic sync --------------------------------------------------------
+
+    def restore(self, service: DraftService) -> None:
+        """Namespaces, lifetime logs and priors from storage into a fresh service."""
+        for name, vocab in sorted(self.store.namespaces().items()):
+            drafter = service.create_namespace(name, vocab, persist=False)
+            requests = self._read_all(name)
+            drafter.memory.commit_many(requests)
+            if requests:
+                drafter.memory.rebuild()
+            self._load_prior(service, name)
+            logger.info(
+                "restored namespace %s: %d requests, %d tokens", name, len(requests), drafter.memory.buffer.size
+            )
+
+    def _read_all(self, ns: str) -> list[np.ndarray]:
+        out: list[np.ndarray] = []
+        last = "0"
+        while True:
+            entries = self.store.read_log(ns, after_id=last)
+            if not entries:
+                break
+            out.extend(np.array(e.tokens, dtype=np.int32) for e in entries)
+            last = entries[-1].id
+        self._last[ns] = last
+        return out
+
+    def sync(self, service: DraftService) -> None:
+        """Flush queued commits, then apply other replicas' new ones. Storage errors are logged
+        and retried on the next run; nothing queued is dropped."""
+        with self._sync_lock:
+            try:
+                self._flush()
+                for name in service.namespace_names():
+                    self._follow(service, name)
+            except StorageError as exc:
+                logger.warning("storage sync deferred (%d commits queued): %s", len(self._pending), exc)
+
+    def _flush(self) -> None:
+        while self._pending:
+            ns, tokens = self._pending[0]
+            ids = self.store.append_requests(ns, [tokens])
+            with self._lock:
+                self._own.update(ids)
+                self._pending.popleft()
+
+    def _follow(self, service: DraftService, ns: str) -> None:
+        entries = self.store.read_log(ns, after_id=self._last.get(ns, "0"))
+        if not entries:
+            return
+        theirs = []
+        for entry in entries:
+            if entry.id in self._own:
+                self._own.discard(entry.id)
+            else:
+                theirs.append(np.array(entry.tokens, dtype=np.int32))
+        if theirs:
+            service.namespace(ns).memory.commit_many(theirs)
+        self._last[ns] = entries[-1].id
+
+    def reload_priors(self, service: DraftService) -> None:
+        for name in service.namespace_names():
+            try:
+                version = self.store.prior_version(name)
+                if version is not None and version != service.prior_version(name):
+                    self._load_prior(service, name)
+            except (StorageError, ValueError) as exc:
+                logger.warning("prior reload for %s deferred: %s", name, exc)
+
+    def _load_prior(self, service: DraftService, name: str) -> None:
+        found = self.store.get_prior(name)
+        if found is None:
+            return
+        version, blob = found
+        service.set_prior(name, StaticPrior.from_bytes(bytes(blob)), version)
+        logger.info("namespace %s: static prior version %d loaded", name, version)
