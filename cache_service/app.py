@@ -18,7 +18,8 @@ from cache_service.config import EmbeddedRedisConfig, ServerConfig, ServiceConfi
 from cache_service.embedded_redis import EmbeddedRedis
 from cache_service.persistence import RedisPersistence
 from cache_service.server import create_server
-from cache_service.service import DraftService
+from cache_service.service import DraftService, StoredSession
+from cache_service.storage.errors import StorageError
 from cache_service.storage.redis_store import RedisStore, StoreConfig
 
 logger = logging.getLogger(__name__)
@@ -65,6 +66,7 @@ class App:
 
     async def start(self) -> int:
         """Start serving; returns the bound port."""
+        self._loop = asyncio.get_running_loop()
         if not self.url:
             self.embedded = await asyncio.to_thread(EmbeddedRedis(self.config.embedded).start)
             self.url = self.embedded.url
@@ -84,9 +86,27 @@ class App:
     def _schedule(self) -> None:
         cfg = self.config.service
         self.scheduler.add_job(self.persistence.sync, "interval", seconds=cfg.follow_interval_s, args=[self.service])
+        self.scheduler.add_job(self._save_sessions, "interval", seconds=cfg.flush_interval_s)
         self.scheduler.add_job(self._rebuild, "interval", seconds=cfg.rebuild_interval_s)
         self.scheduler.add_job(self.persistence.reload_priors, "interval", seconds=PRIOR_POLL_S, args=[self.service])
         self.scheduler.start()
+
+    def _save_sessions(self) -> None:
+        """Snapshot changed sessions on the serving loop, write them from this job's thread."""
+        future = asyncio.run_coroutine_threadsafe(self._take_changes(), self._loop)
+        changed, closed = future.result(timeout=30)
+        if changed or closed:
+            try:
+                self.persistence.save_sessions(changed, closed, self.config.service.session_ttl_s)
+            except StorageError as exc:
+                logger.warning("session write-back deferred: %s", exc)
+                asyncio.run_coroutine_threadsafe(self._requeue(changed, closed), self._loop).result(timeout=30)
+
+    async def _requeue(self, changed: list[tuple[str, StoredSession]], closed: list[str]) -> None:
+        self.service.requeue(changed, closed)
+
+    async def _take_changes(self) -> tuple[list[tuple[str, StoredSession]], list[str]]:
+        return self.service.take_changes()
 
     def _rebuild(self) -> None:
         """Rebuild the namespaces that have new requests since their last index."""
@@ -100,6 +120,8 @@ class App:
         """NOT_SERVING, drain in-flight calls, stop jobs, flush queued commits, stop Redis."""
         await self.server.stop(self.config.server.grace_s)
         self.scheduler.shutdown(wait=True)
+        changed, closed = self.service.take_changes()
+        await asyncio.to_thread(self.persistence.save_sessions, changed, closed, self.config.service.session_ttl_s)
         await asyncio.to_thread(self.persistence.sync, self.service)
         if self.embedded is not None:
             await asyncio.to_thread(self.embedded.stop)

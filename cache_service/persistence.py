@@ -11,14 +11,19 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
+from dataclasses import asdict
+from typing import Any
 
 import numpy as np
 
 from cache_service.errors import Unavailable
-from cache_service.service import DraftService
+from cache_service.service import DraftService, StoredSession
+from cache_service.storage.codec import SessionState
 from cache_service.storage.errors import StorageError, StorageUnavailable
 from cache_service.storage.redis_store import RedisStore
+from indexer.drafter import DraftParams
 from indexer.prior import StaticPrior
+from indexer.session import SessionSnapshot, TableItems
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +65,36 @@ class RedisPersistence:
             except StorageError as exc:
                 logger.warning("commit queued until storage returns (%d queued): %s", len(self._pending), exc)
 
+    def load_session(self, sid: str) -> StoredSession | None:
+        try:
+            found = self.store.load_session(sid)
+        except StorageUnavailable as exc:
+            raise Unavailable(f"storage unavailable: {exc}") from exc
+        if found is None:
+            return None
+        state = found.state
+        params = dict(state.params)
+        snapshot = SessionSnapshot(
+            context=np.array(state.context, dtype=np.int32),
+            prompt_len=state.prompt_len,
+            dynamic=_items(found.dyn),
+            dynamic_next=int(params.pop("dynamic_next", -1)),
+            rejected=_items(found.rej),
+        )
+        return StoredSession(state.namespace, snapshot, DraftParams(**params))
+
+    def save_sessions(self, changed: list[tuple[str, StoredSession]], closed: list[str], ttl_s: float) -> None:
+        """Write session copies (state and both tables, one transaction each) and drop closed ones."""
+        for sid, stored in changed:
+            snap = stored.snapshot
+            params = {**asdict(stored.params), "dynamic_next": snap.dynamic_next}
+            state = SessionState(
+                namespace=stored.namespace, context=snap.context, prompt_len=snap.prompt_len, params=params
+            )
+            self.store.save_session(sid, state, snap.dynamic, snap.rejected, ttl_s)
+        for sid in closed:
+            self.store.delete_session(sid)
+
     # -- start-up and the periodic sync --------------------------------------------------------
 
     def restore(self, service: DraftService) -> None:
@@ -93,10 +128,18 @@ class RedisPersistence:
         with self._sync_lock:
             try:
                 self._flush()
+                self._discover(service)
                 for name in service.namespace_names():
                     self._follow(service, name)
             except StorageError as exc:
                 logger.warning("storage sync deferred (%d commits queued): %s", len(self._pending), exc)
+
+    def _discover(self, service: DraftService) -> None:
+        """Namespaces registered by another replica or by ``draftcache warm``."""
+        known = set(service.namespace_names())
+        for name, vocab in self.store.namespaces().items():
+            if name not in known:
+                service.create_namespace(name, vocab, persist=False)
 
     def _flush(self) -> None:
         while self._pending:
@@ -121,6 +164,10 @@ class RedisPersistence:
         self._last[ns] = entries[-1].id
 
     def reload_priors(self, service: DraftService) -> None:
+        try:
+            self._discover(service)
+        except StorageError as exc:
+            logger.warning("namespace discovery deferred: %s", exc)
         for name in service.namespace_names():
             try:
                 version = self.store.prior_version(name)
@@ -136,3 +183,8 @@ class RedisPersistence:
         version, blob = found
         service.set_prior(name, StaticPrior.from_bytes(bytes(blob)), version)
         logger.info("namespace %s: static prior version %d loaded", name, version)
+
+
+def _items(table: Any) -> TableItems:
+    """Stored table items as the tuples ``LruTable.add`` takes."""
+    return [(tuple(leader), [(tuple(f), int(c)) for f, c in followers]) for leader, followers in table]

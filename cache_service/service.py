@@ -19,8 +19,10 @@ import numpy as np
 from cache_service.config import ServiceConfig
 from cache_service.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
 from cache_service.sessions import SessionEntry, SessionTable, new_session_id
+from cache_service.storage.keys import check_name
 from indexer.drafter import DraftParams, NamespaceDrafter
 from indexer.prior import StaticPrior
+from indexer.session import SessionSnapshot
 from indexer.tokens import Namespace, as_tokens
 from indexer.tree_builder import DraftTree
 
@@ -60,8 +62,19 @@ class NamespaceStats:
     sessions: int
 
 
+@dataclass(frozen=True)
+class StoredSession:
+    """A session as storage keeps it, for another replica (or a restart) to continue."""
+
+    namespace: str
+    snapshot: SessionSnapshot
+    params: DraftParams
+
+
 class Persistence(Protocol):
     """Where durable effects go (Redis in production)."""
+
+    def load_session(self, sid: str) -> StoredSession | None: ...
 
     def namespace_created(self, name: str, vocab_size: int) -> None: ...
 
@@ -87,11 +100,14 @@ class DraftService:
         self.sessions = SessionTable(max_sessions=config.max_sessions, ttl_s=config.session_ttl_s)
         self._counters = _Counters()
         self._ns_lock = threading.Lock()
+        self._dirty: set[str] = set()  # sessions changed since storage last saw them
+        self._closed: set[str] = set()
 
     # -- namespaces --------------------------------------------------------------------------
 
     def create_namespace(self, name: str, vocab_size: int, *, persist: bool = True) -> NamespaceDrafter:
         try:
+            check_name(name, what="namespace")
             namespace = Namespace(name=name, vocab_size=vocab_size)
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from exc
@@ -182,13 +198,14 @@ class DraftService:
                 params=item.params or self.config.default_params,
             )
             self.sessions.add(entry)
+            self._dirty.add(entry.sid)
             ids.append(entry.sid)
         return ids
 
     def draft(self, items: Sequence[tuple[str, np.ndarray | list[int]]]) -> list[DraftTree]:
         """For each ``(session_id, new_tokens)``: append the tokens, then draft."""
         self._check_batch(len(items))
-        resolved = [(self.sessions.get(sid), tokens) for sid, tokens in items]
+        resolved = [(self._entry(sid), tokens) for sid, tokens in items]
         checked = [(entry, self._new_tokens(entry, tokens)) for entry, tokens in resolved]
         trees = []
         for entry, new in checked:
@@ -196,6 +213,7 @@ class DraftService:
                 entry.drafter.accept(entry.session, new)
             trees.append(entry.drafter.draft(entry.session, entry.params))
             self.sessions.touch(entry)
+            self._dirty.add(entry.sid)
         with self._counters.lock:
             self._counters.drafts += len(trees)
         return trees
@@ -204,7 +222,7 @@ class DraftService:
         self._check_batch(len(items))
         checked = []
         for item in items:
-            entry = self.sessions.get(item.session_id)
+            entry = self._entry(item.session_id)
             new = self._new_tokens(entry, item.accepted)
             rejected = None
             if item.rejected is not None:
@@ -216,18 +234,21 @@ class DraftService:
             if new.size:
                 entry.drafter.accept(entry.session, new, rejected)
             self.sessions.touch(entry)
+            self._dirty.add(entry.sid)
 
     def close(self, items: list[CloseItem]) -> list[Callable[[], None]]:
         """End sessions now; return the commits still to run (off the request loop: a commit
         rebuilds the small delta index, milliseconds of work)."""
         self._check_batch(len(items))
-        entries = [(self.sessions.get(item.session_id), item) for item in items]
+        entries = [(self._entry(item.session_id), item) for item in items]
         for entry, item in entries:
             if not 0 <= item.commit_from <= len(entry.session.context):
                 raise InvalidArgument(f"commit_from {item.commit_from} is outside the session's context")
         jobs: list[Callable[[], None]] = []
         for entry, item in entries:
             self.sessions.pop(entry.sid)
+            self._dirty.discard(entry.sid)
+            self._closed.add(entry.sid)
             if item.commit:
                 jobs.append(partial(self._commit, entry, item.commit_from))
         return jobs
@@ -236,6 +257,40 @@ class DraftService:
         entry.drafter.close(entry.session, commit=True, commit_from=commit_from)
         if self._persistence is not None:
             self._persistence.request_committed(entry.namespace, entry.session.context.tokens[commit_from:].copy())
+
+    def _entry(self, sid: str) -> SessionEntry:
+        """A live session, or one continued from storage (opened on another replica)."""
+        try:
+            return self.sessions.get(sid)
+        except NotFound:
+            stored = self._persistence.load_session(sid) if self._persistence is not None else None
+            if stored is None:
+                raise
+        drafter = self.namespace(stored.namespace)
+        entry = SessionEntry(sid, stored.namespace, drafter, drafter.resume(stored.snapshot), stored.params)
+        self.sessions.add(entry)
+        logger.info("session %s continued from storage", sid)
+        return entry
+
+    def take_changes(self) -> tuple[list[tuple[str, StoredSession]], list[str]]:
+        """Snapshots of sessions changed since the last call, and ids closed since; call on the
+        thread that serves requests (a snapshot must not race a draft)."""
+        changed = []
+        for sid in self._dirty:
+            try:
+                entry = self.sessions.get(sid)
+            except NotFound:
+                continue  # expired meanwhile
+            changed.append((sid, StoredSession(entry.namespace, entry.session.snapshot(), entry.params)))
+        closed = list(self._closed)
+        self._dirty.clear()
+        self._closed.clear()
+        return changed, closed
+
+    def requeue(self, changed: list[tuple[str, StoredSession]], closed: list[str]) -> None:
+        """Put back changes storage could not take (on the serving thread, like take_changes)."""
+        self._dirty.update(sid for sid, _ in changed)
+        self._closed.update(closed)
 
     # -- checks ------------------------------------------------------------------------------
 

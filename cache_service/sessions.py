@@ -24,8 +24,8 @@ class SessionEntry:
 
 
 def new_session_id() -> str:
-    """128 random bits, URL-safe: not guessable, not enumerable."""
-    return secrets.token_urlsafe(16)
+    """128 random bits as hex: not guessable, not enumerable, safe inside any storage key."""
+    return secrets.token_hex(16)
 
 
 class SessionTable:

@@ -17,10 +17,10 @@ import numpy as np
 
 from indexer import kernels
 from indexer.calibration import Calibrator
-from indexer.context_index import ContextIndex
 from indexer.lifetime_index import LifetimeConfig, LifetimeMemory, prompt_key
 from indexer.prior import StaticPrior
-from indexer.session_cache import DynamicCache, LruTableConfig, RejectedCache
+from indexer.session import Guess, Session, SessionSnapshot
+from indexer.session_cache import LruTableConfig
 from indexer.suffix_array import SuffixIndex
 from indexer.tokens import Namespace, as_tokens
 from indexer.tree_builder import Candidates, DraftTree, Tier, merge_candidates
@@ -88,32 +88,6 @@ class DrafterConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
-@dataclass
-class _Guess:
-    n: int
-    token: int
-    predicted: float
-
-
-class Session:
-    """One request being decoded: its context, dynamic and rejected tables, last draft."""
-
-    def __init__(self, prompt: np.ndarray, config: DrafterConfig, exact: np.ndarray | None) -> None:
-        self.context = ContextIndex(prompt)
-        self.prompt_len = int(prompt.size)
-        self.dynamic = DynamicCache(config.dynamic, config.seed_window)
-        self.dynamic.observe(prompt)
-        self.rejected = RejectedCache(config.rejected)
-        self.exact = exact
-        self.last_tree: DraftTree | None = None
-        self.guesses: dict[Tier, _Guess] = {}
-        self.hints: dict[Tier, int] = {}  # last match length per tier, a starting point
-
-    @property
-    def generated(self) -> np.ndarray:
-        return self.context.tokens[self.prompt_len :]
-
-
 class NamespaceDrafter:
     """All drafting state of one namespace.
 
@@ -136,6 +110,14 @@ class NamespaceDrafter:
         tokens = as_tokens(prompt, self.namespace.vocab_size, what="prompt")
         return Session(tokens, self.config, self.memory.exact_response(prompt_key(tokens)))
 
+    def resume(self, snapshot: SessionSnapshot) -> Session:
+        """A session continued from :meth:`Session.snapshot` (taken here or on another replica)."""
+        context = as_tokens(snapshot.context, self.namespace.vocab_size, what="context")
+        if not 0 <= snapshot.prompt_len <= context.size:
+            raise ValueError(f"prompt_len {snapshot.prompt_len} outside a context of {context.size} tokens")
+        prompt = context[: snapshot.prompt_len]
+        return Session.restore(snapshot, self.config, self.memory.exact_response(prompt_key(prompt)))
+
     def draft(self, session: Session, params: DraftParams) -> DraftTree:
         """The draft tree for the session's current context."""
         found = self._candidates(session, params.max_depth)
@@ -148,7 +130,7 @@ class NamespaceDrafter:
         )
         lengths = {c.tier: n for c, n in found}
         session.last_tree = tree
-        session.guesses = {t: _Guess(lengths[t], tok, p * _prior(t, lengths[t])) for t, (tok, p) in firsts.items()}
+        session.guesses = {t: Guess(lengths[t], tok, p * _prior(t, lengths[t])) for t, (tok, p) in firsts.items()}
         session.hints = lengths
         return tree
 

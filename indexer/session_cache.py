@@ -99,6 +99,15 @@ class DynamicCache:
         self._seed_window = seed_window
         self._next = -1  # next leader end position to record; -1 until seeded
 
+    @property
+    def next_position(self) -> int:
+        """The next leader end position to record (-1 until seeded): part of a snapshot."""
+        return self._next
+
+    @next_position.setter
+    def next_position(self, value: int) -> None:
+        self._next = value
+
     def observe(self, context: np.ndarray) -> None:
         """Record positions made complete since the last call (the first call seeds from the
         last ``seed_window`` tokens)."""

@@ -1,0 +1,86 @@
+"""One request being decoded, and its portable snapshot (for storage and other replicas)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from indexer.context_index import ContextIndex
+from indexer.session_cache import DynamicCache, RejectedCache
+from indexer.tree_builder import DraftTree, Tier
+
+if TYPE_CHECKING:
+    from indexer.drafter import DrafterConfig
+
+TableItems = list[tuple[tuple[int, ...], list[tuple[tuple[int, ...], int]]]]
+
+
+@dataclass
+class Guess:
+    """A tier's most likely first token at the last draft, kept for calibration."""
+
+    n: int
+    token: int
+    predicted: float
+
+
+@dataclass(frozen=True)
+class SessionSnapshot:
+    """Everything needed to continue a session elsewhere: context, tables, where seeding stopped."""
+
+    context: np.ndarray
+    prompt_len: int
+    dynamic: TableItems = field(default_factory=list)
+    dynamic_next: int = -1
+    rejected: TableItems = field(default_factory=list)
+
+
+class Session:
+    """One request being decoded: its context, dynamic and rejected tables, last draft.
+
+    >>> from indexer.drafter import DrafterConfig
+    >>> s = Session(np.array([1, 2, 3, 1, 2], dtype=np.int32), DrafterConfig(), None)
+    >>> again = Session.restore(s.snapshot(), DrafterConfig(), None)
+    >>> again.context.tokens.tolist(), again.dynamic.table.items() == s.dynamic.table.items()
+    ([1, 2, 3, 1, 2], True)
+    """
+
+    def __init__(
+        self, prompt: np.ndarray, config: DrafterConfig, exact: np.ndarray | None, *, seed: bool = True
+    ) -> None:
+        self.context = ContextIndex(prompt)
+        self.prompt_len = int(prompt.size)
+        self.dynamic = DynamicCache(config.dynamic, config.seed_window)
+        if seed:
+            self.dynamic.observe(prompt)
+        self.rejected = RejectedCache(config.rejected)
+        self.exact = exact
+        self.last_tree: DraftTree | None = None
+        self.guesses: dict[Tier, Guess] = {}
+        self.hints: dict[Tier, int] = {}  # last match length per tier, a starting point
+
+    @property
+    def generated(self) -> np.ndarray:
+        return self.context.tokens[self.prompt_len :]
+
+    def snapshot(self) -> SessionSnapshot:
+        return SessionSnapshot(
+            context=self.context.tokens.copy(),
+            prompt_len=self.prompt_len,
+            dynamic=self.dynamic.table.items(),
+            dynamic_next=self.dynamic.next_position,
+            rejected=self.rejected.table.items(),
+        )
+
+    @classmethod
+    def restore(cls, snap: SessionSnapshot, config: DrafterConfig, exact: np.ndarray | None) -> Session:
+        session = cls(snap.context[: snap.prompt_len], config, exact, seed=False)
+        session.context.extend(snap.context[snap.prompt_len :])
+        for table, items in ((session.dynamic.table, snap.dynamic), (session.rejected.table, snap.rejected)):
+            for leader, followers in items:
+                for follower, count in followers:
+                    table.add(tuple(leader), tuple(follower), count)
+        session.dynamic.next_position = snap.dynamic_next
+        return session
