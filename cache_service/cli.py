@@ -15,6 +15,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import grpc
+
 from cache_service import index_bench, replay_bench, warm
 from cache_service.errors import DraftCacheError
 from cache_service.storage.errors import StorageError
@@ -311,10 +313,14 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    logging.getLogger("apscheduler").setLevel(logging.WARNING)  # one line per job run is noise
     try:
         return COMMANDS[args.command](args)
     except (ValueError, OSError, DraftCacheError, StorageError) as exc:  # one clear line, no traceback
         print(f"draftcache {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except grpc.RpcError as exc:
+        print(f"draftcache {args.command}: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 2
 
 

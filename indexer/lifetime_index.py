@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from indexer.lifetime_buffer import LifetimeBuffer
-from indexer.ngram_table import NgramTable, NgramTableConfig, lcp_array
+from indexer.ngram_table import NgramTable, NgramTableConfig, lcp_array, with_final_separator
 from indexer.suffix_array import SuffixIndex, build_suffix_array
 from indexer.tokens import SEPARATOR
 
@@ -58,6 +58,7 @@ class LifetimeIndexes:
 def build_indexes(tokens: np.ndarray, table_config: NgramTableConfig, version: int) -> LifetimeIndexes:
     """Suffix array and n-gram table over one snapshot (pure; run off the hot path)."""
     start = time.perf_counter()
+    tokens = with_final_separator(tokens)  # an empty buffer indexes as one separator
     sa = build_suffix_array(tokens)
     table = NgramTable.build_from_suffix_array(tokens, sa, lcp_array(tokens, sa), table_config)
     suffix = SuffixIndex(tokens, sa)
