@@ -313,7 +313,8 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    logging.getLogger("apscheduler").setLevel(logging.WARNING)  # one line per job run is noise
+    # One line per job run, or per run skipped while the previous one works, is noise.
+    logging.getLogger("apscheduler").setLevel(logging.ERROR)
     try:
         return COMMANDS[args.command](args)
     except (ValueError, OSError, DraftCacheError, StorageError) as exc:  # one clear line, no traceback

@@ -39,6 +39,7 @@ class RedisPersistence:
         self._last: dict[str, str] = {}  # per namespace: the last log entry applied
         self._lock = threading.Lock()
         self._sync_lock = threading.Lock()
+        self._prior_lock = threading.Lock()  # the schedule and an admin rebuild may both reload
 
     @property
     def pending(self) -> int:
@@ -168,13 +169,14 @@ class RedisPersistence:
             self._discover(service)
         except StorageError as exc:
             logger.warning("namespace discovery deferred: %s", exc)
-        for name in service.namespace_names():
-            try:
-                version = self.store.prior_version(name)
-                if version is not None and version != service.prior_version(name):
-                    self._load_prior(service, name)
-            except (StorageError, ValueError) as exc:
-                logger.warning("prior reload for %s deferred: %s", name, exc)
+        with self._prior_lock:
+            for name in service.namespace_names():
+                try:
+                    version = self.store.prior_version(name)
+                    if version is not None and version != service.prior_version(name):
+                        self._load_prior(service, name)
+                except (StorageError, ValueError) as exc:
+                    logger.warning("prior reload for %s deferred: %s", name, exc)
 
     def _load_prior(self, service: DraftService, name: str) -> None:
         found = self.store.get_prior(name)
