@@ -123,6 +123,13 @@ def build_parser() -> argparse.ArgumentParser:
         _add(c, "--target", default="127.0.0.1:50051", help="host:port of the service")
         _add(c, "--namespace", default="", help="one namespace (default: all)")
 
+    rb = sub.add_parser("bench-rpc", help="draft round trip over the stream vs an echo of the same size")
+    rb.add_argument("traces", type=Path, help="prompts come from these conversations")
+    _add(rb, "--target", default="127.0.0.1:50051")
+    _add(rb, "--tokenizer", type=Path, default=None, help="tokenizer of the traces' namespace (its vocabulary)")
+    _add(rb, "--steps", type=int, default=2000)
+    _add(rb, "--batch", type=int, default=32)
+
     b = sub.add_parser("bench-index", help="rebuild time, lookup latency and bytes per token at a buffer size")
     _add(b, "--corpus", type=Path, required=_env("corpus") is None, help="real text to fill the buffer with")
     _add(b, "--format", default="sharegpt", choices=warm.FORMATS)
@@ -293,6 +300,19 @@ def cmd_bench_index(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_rpc(a: argparse.Namespace) -> int:
+    import json
+
+    from decoder_client.rpc_bench import run_rpc_bench
+
+    conversations = read_traces(a.traces, limit=max(a.batch, 1))
+    vocab = warm.load_tokenizer(a.tokenizer)[1] if a.tokenizer is not None else None
+    namespace = replay_bench.namespace_of(conversations, vocab)
+    replay_bench.ensure_namespace(a.target, namespace)
+    print(json.dumps(run_rpc_bench(a.target, namespace.name, conversations, steps=a.steps, batch=a.batch), indent=2))
+    return 0
+
+
 COMMANDS = {
     "replay": cmd_replay,
     "warm": cmd_warm,
@@ -301,6 +321,7 @@ COMMANDS = {
     "stats": cmd_admin,
     "rebuild": cmd_admin,
     "bench-index": cmd_bench_index,
+    "bench-rpc": cmd_bench_rpc,
 }
 
 

@@ -27,7 +27,7 @@ class ServiceConfig:
     session_ttl_s: float = 3600.0  # idle sessions expire (memory and storage)
     rebuild_interval_s: float = 30.0
     follow_interval_s: float = 0.2  # how often the lifetime log is polled for other replicas' commits
-    flush_interval_s: float = 0.05  # write-behind period for session state
+    flush_interval_s: float = 0.5  # write-behind period for session state
     max_pending_writes: int = 100_000  # buffered write-backs while storage is down
 
     def __post_init__(self) -> None:

@@ -78,8 +78,6 @@ class RedisPersistence:
         snapshot = SessionSnapshot(
             context=np.array(state.context, dtype=np.int32),
             prompt_len=state.prompt_len,
-            dynamic=_items(found.dyn),
-            dynamic_next=int(params.pop("dynamic_next", -1)),
             rejected=_items(found.rej),
         )
         return StoredSession(state.namespace, snapshot, DraftParams(**params))
@@ -88,11 +86,11 @@ class RedisPersistence:
         """Write session copies (state and both tables, one transaction each) and drop closed ones."""
         for sid, stored in changed:
             snap = stored.snapshot
-            params = {**asdict(stored.params), "dynamic_next": snap.dynamic_next}
+            params = asdict(stored.params)
             state = SessionState(
                 namespace=stored.namespace, context=snap.context, prompt_len=snap.prompt_len, params=params
             )
-            self.store.save_session(sid, state, snap.dynamic, snap.rejected, ttl_s)
+            self.store.save_session(sid, state, [], snap.rejected, ttl_s)  # dynamic: rebuilt from tokens
         for sid in closed:
             self.store.delete_session(sid)
 

@@ -74,19 +74,22 @@ def drafters(namespace: Namespace, config: ReplayConfig, prior: StaticPrior | No
     return out
 
 
-def remote_drafter(target: str, namespace: Namespace, params: DraftParams) -> ReplayDrafter:
-    """draftcache through a running service; the namespace is created there if missing."""
+def ensure_namespace(target: str, namespace: Namespace) -> None:
+    """Create the namespace on the service at ``target`` (a no-op when it exists alike)."""
     import grpc
     from draftcache.v1 import draftcache_pb2 as pb
     from draftcache.v1 import draftcache_pb2_grpc as pb_grpc
 
+    with grpc.insecure_channel(target) as channel:
+        request = pb.CreateNamespaceRequest(name=namespace.name, vocab_size=namespace.vocab_size)
+        pb_grpc.AdminStub(channel).CreateNamespace(request, timeout=30)
+
+
+def remote_drafter(target: str, namespace: Namespace, params: DraftParams) -> ReplayDrafter:
+    """draftcache through a running service; the namespace is created there if missing."""
     from decoder_client.remote import RemoteDrafter
 
-    with grpc.insecure_channel(target) as channel:
-        admin = pb_grpc.AdminStub(channel)
-        admin.CreateNamespace(
-            pb.CreateNamespaceRequest(name=namespace.name, vocab_size=namespace.vocab_size), timeout=30
-        )
+    ensure_namespace(target, namespace)
     return RemoteDrafter(target, namespace.name, params)
 
 

@@ -28,12 +28,11 @@ class Guess:
 
 @dataclass(frozen=True)
 class SessionSnapshot:
-    """Everything needed to continue a session elsewhere: context, tables, where seeding stopped."""
+    """Everything needed to continue a session elsewhere: its tokens and its rejected table.
+    The dynamic table is not carried: it is a pure function of the tokens and is rebuilt."""
 
     context: np.ndarray
     prompt_len: int
-    dynamic: TableItems = field(default_factory=list)
-    dynamic_next: int = -1
     rejected: TableItems = field(default_factory=list)
 
 
@@ -47,14 +46,11 @@ class Session:
     ([1, 2, 3, 1, 2], True)
     """
 
-    def __init__(
-        self, prompt: np.ndarray, config: DrafterConfig, exact: np.ndarray | None, *, seed: bool = True
-    ) -> None:
+    def __init__(self, prompt: np.ndarray, config: DrafterConfig, exact: np.ndarray | None) -> None:
         self.context = ContextIndex(prompt)
         self.prompt_len = int(prompt.size)
         self.dynamic = DynamicCache(config.dynamic, config.seed_window)
-        if seed:
-            self.dynamic.observe(prompt)
+        self.dynamic.observe(prompt)
         self.rejected = RejectedCache(config.rejected)
         self.exact = exact
         self.last_tree: DraftTree | None = None
@@ -69,18 +65,15 @@ class Session:
         return SessionSnapshot(
             context=self.context.tokens.copy(),
             prompt_len=self.prompt_len,
-            dynamic=self.dynamic.table.items(),
-            dynamic_next=self.dynamic.next_position,
             rejected=self.rejected.table.items(),
         )
 
     @classmethod
     def restore(cls, snap: SessionSnapshot, config: DrafterConfig, exact: np.ndarray | None) -> Session:
-        session = cls(snap.context[: snap.prompt_len], config, exact, seed=False)
+        session = cls(snap.context[: snap.prompt_len], config, exact)
         session.context.extend(snap.context[snap.prompt_len :])
-        for table, items in ((session.dynamic.table, snap.dynamic), (session.rejected.table, snap.rejected)):
-            for leader, followers in items:
-                for follower, count in followers:
-                    table.add(tuple(leader), tuple(follower), count)
-        session.dynamic.next_position = snap.dynamic_next
+        session.dynamic.observe(session.context.tokens)  # the same adds, in the same order
+        for leader, followers in snap.rejected:
+            for follower, count in followers:
+                session.rejected.table.add(tuple(leader), tuple(follower), count)
         return session

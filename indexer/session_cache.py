@@ -2,9 +2,11 @@
 cache).
 
 A *leader* is the ``leader_len`` tokens before a position; its *followers* are the
-``follower_len`` tokens seen after it. Both levels are LRU: a lookup or an update refreshes the
-leader, and the least recently used leader (or follower of one leader) goes first when a
-capacity is reached.
+``follower_len`` tokens seen after it. Both levels are LRU by update: adding to a leader (or
+seeing a follower again) refreshes it, and the least recently updated leader (or follower of one
+leader) goes first when a capacity is reached. Lookups do not reorder anything, so a table is a
+pure function of what was added to it: a replica rebuilds a session's dynamic table from the
+session's tokens alone.
 """
 
 from __future__ import annotations
@@ -63,7 +65,6 @@ class LruTable:
         followers = self._table.get(leader)
         if followers is None:
             return []
-        self._table.move_to_end(leader)
         return list(reversed(followers.items()))
 
     def items(self) -> list[tuple[Leader, list[tuple[Follower, int]]]]:
@@ -98,15 +99,6 @@ class DynamicCache:
         self.table = LruTable(config)
         self._seed_window = seed_window
         self._next = -1  # next leader end position to record; -1 until seeded
-
-    @property
-    def next_position(self) -> int:
-        """The next leader end position to record (-1 until seeded): part of a snapshot."""
-        return self._next
-
-    @next_position.setter
-    def next_position(self, value: int) -> None:
-        self._next = value
 
     def observe(self, context: np.ndarray) -> None:
         """Record positions made complete since the last call (the first call seeds from the

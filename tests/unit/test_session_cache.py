@@ -54,16 +54,16 @@ def test_max_leaders_evicts_least_recently_used():
     assert len(t) == 2
 
 
-def test_lookup_refreshes_leader_so_it_survives_eviction():
+def test_lookup_does_not_reorder_so_the_table_depends_on_adds_only():
     t = _table(leader_len=1, max_leaders=2)
     t.add((1,), (10,))
     t.add((2,), (20,))
-    # Reading (1,) makes it the most recently used...
+    # Reading (1,) changes nothing...
     assert t.followers((1,)) == [((10,), 1)]
     t.add((3,), (30,))
-    # ...so (2,) is evicted instead.
-    assert t.followers((2,)) == []
-    assert t.followers((1,)) == [((10,), 1)]
+    # ...so (1,), the least recently added, is evicted: replaying the adds rebuilds the table.
+    assert t.followers((1,)) == []
+    assert t.followers((2,)) == [((20,), 1)]
     assert t.followers((3,)) == [((30,), 1)]
 
 
@@ -137,11 +137,9 @@ def test_candidates_miss_and_short_context():
 )
 def test_capacities_hold_under_many_operations(max_leaders, max_followers, ops):
     t = _table(leader_len=1, follower_len=1, max_leaders=max_leaders, max_followers=max_followers)
-    model: dict = {}  # leader -> {follower: count}, both in LRU order (dicts keep insertion order)
+    model: dict = {}  # leader -> {follower: count}, both in update order (dicts keep insertion order)
     for lead, fol, is_read in ops:
-        if is_read:
-            if (lead,) in model:
-                model[(lead,)] = model.pop((lead,))
+        if is_read:  # reads never reorder
             t.followers((lead,))
             continue
         t.add((lead,), (fol,))
@@ -155,7 +153,7 @@ def test_capacities_hold_under_many_operations(max_leaders, max_followers, ops):
         # Capacities are never exceeded.
         assert len(t) <= max_leaders
         assert all(len(f) <= max_followers for _, f in t.items())
-    # The table behaves exactly like a two-level LRU map with counts.
+    # The table behaves exactly like a two-level least-recently-updated map with counts.
     assert t.items() == [(lead, list(fols.items())) for lead, fols in model.items()]
 
 
