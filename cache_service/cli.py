@@ -115,6 +115,11 @@ def build_parser() -> argparse.ArgumentParser:
     _storage_args(m)
     m.add_argument("--dry-run", action="store_true", help="only say what would be applied")
 
+    ss = sub.add_parser("sessions", help="sessions kept in storage (any replica can continue them)")
+    _storage_args(ss)
+    _add(ss, "--match", default="*", help="glob over session ids")
+    _add(ss, "--limit", type=int, default=100)
+
     for name, text in (
         ("stats", "namespaces, buffers, indexes and sessions"),
         ("rebuild", "reload priors, rebuild now"),
@@ -220,6 +225,21 @@ def cmd_migrate(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_sessions(a: argparse.Namespace) -> int:
+    from cache_service.app import connect
+    from cache_service.storage.redis_store import RedisStore
+
+    store = RedisStore(connect(_redis_url(a)))
+    ids = store.session_ids(a.match)
+    print(f"{len(ids)} sessions in storage")
+    for sid in ids[: a.limit]:
+        found = store.load_session(sid)
+        if found is not None:  # it may expire between the scan and the read
+            state = found.state
+            print(f"{sid}  {state.namespace}  {state.context.size} tokens ({state.prompt_len} prompt)")
+    return 0
+
+
 def cmd_admin(a: argparse.Namespace) -> int:
     import grpc
     from draftcache.v1 import draftcache_pb2 as pb
@@ -318,6 +338,7 @@ COMMANDS = {
     "warm": cmd_warm,
     "serve": cmd_serve,
     "migrate": cmd_migrate,
+    "sessions": cmd_sessions,
     "stats": cmd_admin,
     "rebuild": cmd_admin,
     "bench-index": cmd_bench_index,

@@ -97,3 +97,27 @@ def test_sigkill_and_restart_keep_lifetime_and_prior(data: Path) -> None:
     finally:
         proc.send_signal(signal.SIGTERM)  # graceful: drains, flushes, stops its Redis
         assert proc.wait(30) == 0
+
+
+def test_sessions_command_lists_stored_sessions(data: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from cache_service.cli import main
+
+    port = free_port()
+    proc = _serve(data, port)
+    try:
+        stub = pb_grpc.DraftCacheStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+        pb_grpc.AdminStub(grpc.insecure_channel(f"127.0.0.1:{port}")).CreateNamespace(
+            pb.CreateNamespaceRequest(name="toy", vocab_size=100)
+        )
+        sid = _open(stub, [1, 2, 3])
+        deadline = time.monotonic() + 10
+        while True:  # written behind within the flush interval
+            assert main(["sessions", "--data-dir", str(data)]) == 0
+            out = capsys.readouterr().out
+            if sid in out or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert f"{sid}  toy  3 tokens (3 prompt)" in out
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
