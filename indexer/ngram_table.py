@@ -248,20 +248,22 @@ class NgramTable:
             np.zeros((0, fl), dtype=np.float16),
         )
 
+    ARRAYS = ("keys", "offsets", "leader_counts", "followers", "probs")
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The table's arrays by name (with :meth:`from_arrays`, a zero-copy round trip)."""
+        return dict(
+            zip(
+                self.ARRAYS, (self._keys, self._offsets, self._leader_counts, self._followers, self._probs), strict=True
+            )
+        )
+
     def to_bytes(self) -> bytes:
         """Serialise to an ``.npz`` blob (CRC-checked on load)."""
         buf = io.BytesIO()
         c = self.config
         shape = np.array([c.leader_len, c.follower_len, c.top_k, c.min_count, c.max_leaders], np.int64)
-        np.savez(
-            buf,
-            shape=shape,
-            keys=self._keys,
-            offsets=self._offsets,
-            leader_counts=self._leader_counts,
-            followers=self._followers,
-            probs=self._probs,
-        )
+        np.savez(buf, shape=shape, **self.arrays())  # type: ignore[arg-type]
         return buf.getvalue()
 
     @classmethod
@@ -271,10 +273,15 @@ class NgramTable:
             with np.load(io.BytesIO(blob), allow_pickle=False) as z:
                 ll, fl, k, mc, ml = (int(v) for v in z["shape"])
                 config = NgramTableConfig(leader_len=ll, follower_len=fl, top_k=k, min_count=mc, max_leaders=ml)
-                arrays = [z[name] for name in ("keys", "offsets", "leader_counts", "followers", "probs")]
+                arrays = {name: z[name] for name in cls.ARRAYS}
         except Exception as exc:  # zipfile, KeyError, bad header: all mean "not our table"
             raise ValueError(f"corrupt n-gram table blob: {exc}") from exc
-        keys, offsets, counts, followers, probs = arrays
+        return cls.from_arrays(config, arrays)
+
+    @classmethod
+    def from_arrays(cls, config: NgramTableConfig, arrays: dict[str, np.ndarray]) -> NgramTable:
+        """A table over given arrays (no copy); ``ValueError`` if they are inconsistent."""
+        keys, offsets, counts, followers, probs = (arrays[name] for name in cls.ARRAYS)
         if (
             keys.dtype != np.uint64
             or keys.ndim != 1
@@ -286,7 +293,7 @@ class NgramTable:
             or probs.dtype.kind != "f"
             or followers.shape != probs.shape
             or followers.ndim != 2
-            or followers.shape[1] != fl
+            or followers.shape[1] != config.follower_len
             or (offsets.size and int(offsets[-1]) != followers.shape[0])
             or followers.dtype != np.int32
         ):
