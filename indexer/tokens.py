@@ -61,7 +61,7 @@ def as_tokens(tokens: np.ndarray | Sequence[int], vocab_size: int, *, what: str 
             raise ValueError(f"{what}: ids must fit in int32") from exc
         if arr.ndim != 1:
             raise ValueError(f"{what}: expected a flat sequence")
-    if arr.size:
+    if arr.size and (arr.min() < 0 or arr.max() >= vocab_size):  # two reductions, no temporaries
         bad = np.flatnonzero((arr < 0) | (arr >= vocab_size))
         if bad.size:
             i = int(bad[0])

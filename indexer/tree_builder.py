@@ -92,15 +92,8 @@ class DraftTree:
 
     def accept(self, target: np.ndarray) -> list[int]:
         """Node indices of the longest root path equal to a prefix of ``target``."""
-        path: list[int] = []
-        node = -1
-        for tok in target[: len(self)].tolist():
-            hit = np.flatnonzero((self.parents == node) & (self.tokens == tok))
-            if hit.size == 0:
-                break
-            node = int(hit[0])
-            path.append(node)
-        return path
+        path = kernels.accepted_path(self.tokens, self.parents, np.ascontiguousarray(target, dtype=np.int32))
+        return list(path.tolist())
 
 
 def build_tree(

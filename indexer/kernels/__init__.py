@@ -27,9 +27,10 @@ from indexer.kernels.tables import (
     prefix_counts,
     top_per_group,
 )
-from indexer.kernels.tree import merge_tree
+from indexer.kernels.tree import accepted_path, merge_tree
 
 __all__ = [
+    "accepted_path",
     "find_leader",
     "find_longest_leader",
     "follower_lengths",
@@ -59,3 +60,4 @@ def warm_up() -> None:
     hash_rows(np.zeros((1, 2), dtype=np.int32))
     rows = np.array([[1, 2], [1, -1]], dtype=np.int32)
     merge_tree(rows, np.ones((2, 2)), np.zeros(2, dtype=np.bool_), np.zeros(2, dtype=np.int64), 7, 4, 0.0, 1)
+    accepted_path(np.array([1], dtype=np.int32), np.array([-1], dtype=np.int32), np.array([1], dtype=np.int32))

@@ -186,3 +186,23 @@ def merge_tree(
                 first_val[t] = per[node, t]
                 first_tok[t] = token[node]
     return out_tok, out_par, out_src, out_score, first_tok, first_val
+
+
+@njit(cache=True, nogil=True)
+def accepted_path(tokens: np.ndarray, parents: np.ndarray, target: np.ndarray) -> np.ndarray:
+    """Node indices of the longest root path of a tree equal to a prefix of ``target``."""
+    path = np.empty(min(tokens.size, target.size), dtype=np.int64)
+    node = -1
+    depth = 0
+    while depth < path.size:
+        nxt = -1
+        for i in range(tokens.size):
+            if parents[i] == node and tokens[i] == target[depth]:
+                nxt = i
+                break
+        if nxt < 0:
+            break
+        path[depth] = nxt
+        node = nxt
+        depth += 1
+    return path[:depth]
