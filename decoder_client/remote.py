@@ -11,17 +11,9 @@ import numpy as np
 from draftcache.v1 import draftcache_pb2 as pb
 from draftcache.v1 import draftcache_pb2_grpc as pb_grpc
 
+from decoder_client.client import tree_from_proto
 from indexer.drafter import DraftParams
 from indexer.tree_builder import DraftTree
-
-
-def _tree(msg: pb.Tree) -> DraftTree:
-    return DraftTree(
-        np.array(msg.tokens, dtype=np.int32),
-        np.array(msg.parents, dtype=np.int32),
-        np.frombuffer(msg.sources, dtype=np.uint8).copy(),
-        np.array(msg.scores, dtype=np.float32),
-    )
 
 
 class RemoteDrafter:
@@ -52,7 +44,7 @@ class RemoteDrafter:
     def propose(self) -> DraftTree:
         req = pb.DraftRequest(items=[pb.DraftItem(session_id=self._sid, new_tokens=self._pending)])
         self._pending = []
-        return _tree(self._stub.Draft(req, timeout=self._timeout).trees[0])
+        return tree_from_proto(self._stub.Draft(req, timeout=self._timeout).trees[0])
 
     def advance(self, tokens: np.ndarray) -> None:
         self._pending.extend(tokens.tolist())
