@@ -119,3 +119,14 @@ def test_deadline_holds_against_a_slow_service() -> None:
     client.shutdown()
     asyncio.run_coroutine_threadsafe(server.stop(0), loop).result(10)
     loop.call_soon_threadsafe(loop.stop)
+
+
+def test_chain_proposer_over_the_service(running) -> None:  # type: ignore[no-untyped-def]
+    from decoder_client.adapters import ChainProposer
+
+    _ns(running.target)
+    proposer = ChainProposer(DraftClient(ClientConfig(target=running.target, namespace="toy", deadline_s=1.0)), 4)
+    proposer.start("r1", PROMPT + TEXT[:2])
+    # The prompt holds the document; after its first two tokens the chain continues it.
+    assert proposer.propose({"r1": []}) == {"r1": TEXT[2:6]}
+    proposer.finish("r1")
