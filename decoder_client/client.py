@@ -14,6 +14,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 import numpy as np
@@ -71,6 +72,87 @@ class ClientStats:
     reopened: int = 0
 
 
+class _Core:
+    """The client's bookkeeping without I/O, shared by the sync and the asyncio client."""
+
+    def __init__(self, config: ClientConfig, fallback: Fallback) -> None:
+        self.config = config
+        self.stats = ClientStats()
+        self.fallback = fallback
+        self.down_until = 0.0
+        p = config.params
+        self.params = pb.DraftParams(
+            budget=p.budget, max_depth=p.max_depth, min_score=p.min_score, depth_reserve=p.depth_reserve
+        )
+
+    def available(self) -> bool:
+        return time.monotonic() >= self.down_until
+
+    def failed(self, exc: grpc.RpcError) -> None:
+        self.stats.failures += 1
+        self.down_until = time.monotonic() + self.config.retry_after_s
+        logger.debug("draftcache call failed (%s); local drafts for %.1f s", exc.code(), self.config.retry_after_s)
+
+    def add_tokens(self, sessions: Sequence[ClientSession], new_tokens: Sequence[Sequence[int]]) -> None:
+        for s, new in zip(sessions, new_tokens, strict=True):
+            if len(new):
+                s.context = np.concatenate((s.context, np.asarray(new, dtype=np.int32)))
+                s.pending.extend(int(t) for t in new)
+
+    def open_request(self, sessions: Sequence[ClientSession]) -> pb.OpenSessionsRequest | None:
+        todo = [s for s in sessions if not s.server_id]
+        if not todo or not self.available():
+            return None
+        ns = self.config.namespace
+        return pb.OpenSessionsRequest(
+            sessions=[pb.OpenSession(namespace=ns, prompt=s.context.tolist(), params=self.params) for s in todo]
+        )
+
+    def opened(self, sessions: Sequence[ClientSession], resp: pb.OpenSessionsResponse) -> None:
+        todo = [s for s in sessions if not s.server_id]
+        for s, sid in zip(todo, resp.session_ids, strict=True):
+            if s.prompt_len != s.context.size:
+                self.stats.reopened += 1
+            s.server_id, s.pending = sid, []
+
+    def draft_request(self, sessions: Sequence[ClientSession]) -> pb.DraftRequest | None:
+        remote = [s for s in sessions if s.server_id]
+        if not remote or not self.available():
+            return None
+        return pb.DraftRequest(items=[pb.DraftItem(session_id=s.server_id, new_tokens=s.pending) for s in remote])
+
+    def trees(self, sessions: Sequence[ClientSession], resp: pb.DraftResponse | None) -> list[DraftTree]:
+        """Remote trees where the service answered, local ones everywhere else."""
+        remote = [s for s in sessions if s.server_id]
+        got: dict[int, DraftTree] = {}
+        if resp is not None:
+            for s, msg in zip(remote, resp.trees, strict=True):
+                s.pending = []
+                got[id(s)] = tree_from_proto(msg)
+            self.stats.remote += len(remote)
+        else:
+            for s in remote:
+                s.server_id = ""  # it may have missed tokens: re-open with the full context later
+        out = []
+        for s in sessions:
+            tree = got.get(id(s))
+            if tree is None:
+                self.stats.fallback += 1
+                tree = self.fallback(s.context, self.config.params.budget)
+            out.append(tree)
+        return out
+
+    def close_requests(
+        self, sessions: Sequence[ClientSession], commit: bool
+    ) -> tuple[pb.FeedbackRequest | None, pb.CloseSessionsRequest | None]:
+        live = [s for s in sessions if s.server_id] if self.available() else []
+        tail = [pb.FeedbackItem(session_id=s.server_id, accepted=s.pending) for s in live if s.pending]
+        for s in live:
+            s.pending = []
+        close = pb.CloseSessionsRequest(sessions=[pb.CloseSession(session_id=s.server_id, commit=commit) for s in live])
+        return (pb.FeedbackRequest(items=tail) if tail else None), (close if live else None)
+
+
 class DraftClient:
     """Sync client; see the module docstring.
 
@@ -80,109 +162,104 @@ class DraftClient:
     """
 
     def __init__(self, config: ClientConfig, fallback: Fallback = prompt_lookup_fallback) -> None:
-        self.config = config
-        self.stats = ClientStats()
-        self._fallback = fallback
+        self._core = _Core(config, fallback)
         # Reconnect quickly after an outage: the fallback covers the gap, not a long backoff.
         self._channel = grpc.insecure_channel(config.target, options=RECONNECT_OPTIONS)
         self._stub = pb_grpc.DraftCacheStub(self._channel)
-        self._down_until = 0.0
-        self._params = pb.DraftParams(
-            budget=config.params.budget,
-            max_depth=config.params.max_depth,
-            min_score=config.params.min_score,
-            depth_reserve=config.params.depth_reserve,
-        )
+
+    @property
+    def config(self) -> ClientConfig:
+        return self._core.config
+
+    @property
+    def stats(self) -> ClientStats:
+        return self._core.stats
 
     def open(self, prompts: Sequence[Sequence[int] | np.ndarray]) -> list[ClientSession]:
         sessions = [ClientSession(np.asarray(p, dtype=np.int32), len(p)) for p in prompts]
-        self._reopen(sessions)
+        self._open(sessions)
         return sessions
 
     def draft(self, sessions: Sequence[ClientSession], new_tokens: Sequence[Sequence[int]]) -> list[DraftTree]:
         """Append each session's new tokens, then one tree per session (remote or fallback)."""
-        for s, new in zip(sessions, new_tokens, strict=True):
-            if len(new):
-                s.context = np.concatenate((s.context, np.asarray(new, dtype=np.int32)))
-                s.pending.extend(int(t) for t in new)
-        self._reopen([s for s in sessions if not s.server_id])
-        remote = [s for s in sessions if s.server_id]
-        trees = self._remote_draft(remote) if remote and self._available() else None
-        if trees is None:
-            for s in remote:
-                s.server_id = ""  # it may have missed tokens: re-open with the full context later
-            self.stats.fallback += len(sessions)
-            return [self._fallback(s.context, self.config.params.budget) for s in sessions]
-        by_session = dict(zip((id(s) for s in remote), trees, strict=True))
-        out = []
-        for s in sessions:
-            tree = by_session.get(id(s))
-            if tree is None:
-                self.stats.fallback += 1
-                tree = self._fallback(s.context, self.config.params.budget)
-            out.append(tree)
-        return out
+        self._core.add_tokens(sessions, new_tokens)
+        self._open(sessions)
+        req = self._core.draft_request(sessions)
+        resp = self._call(self._stub.Draft, req, self.config.deadline_s) if req is not None else None
+        return self._core.trees(sessions, resp)
 
     def close(self, sessions: Sequence[ClientSession], *, commit: bool = True) -> None:
         """End the requests; with ``commit`` the service adds them to its lifetime memory."""
-        live = [s for s in sessions if s.server_id and self._available()]
-        if not live:
-            return
-        items = []
-        for s in live:
-            if s.pending:  # the last step's tokens belong to the request
-                self._call(
-                    self._stub.Feedback,
-                    pb.FeedbackRequest(items=[pb.FeedbackItem(session_id=s.server_id, accepted=s.pending)]),
-                    self.config.control_timeout_s,
-                )
-                s.pending = []
-            items.append(pb.CloseSession(session_id=s.server_id, commit=commit))
-        self._call(self._stub.CloseSessions, pb.CloseSessionsRequest(sessions=items), self.config.control_timeout_s)
+        tail, close = self._core.close_requests(sessions, commit)
+        if tail is not None:  # the last step's tokens belong to the requests
+            self._call(self._stub.Feedback, tail, self.config.control_timeout_s)
+        if close is not None:
+            self._call(self._stub.CloseSessions, close, self.config.control_timeout_s)
 
     def shutdown(self) -> None:
         self._channel.close()
 
-    # -- internals ---------------------------------------------------------------------------
+    def _open(self, sessions: Sequence[ClientSession]) -> None:
+        req = self._core.open_request(sessions)
+        resp = self._call(self._stub.OpenSessions, req, self.config.control_timeout_s) if req is not None else None
+        if resp is not None:
+            self._core.opened(sessions, resp)
 
-    def _available(self) -> bool:
-        return time.monotonic() >= self._down_until
-
-    def _call(self, method: Callable, request: object, timeout: float) -> object | None:
+    def _call(self, method: Callable, request: object, timeout: float) -> Any:
         try:
             return method(request, timeout=timeout)
         except grpc.RpcError as exc:
-            self.stats.failures += 1
-            self._down_until = time.monotonic() + self.config.retry_after_s
-            logger.debug("draftcache call failed (%s); local drafts for %.1f s", exc.code(), self.config.retry_after_s)
+            self._core.failed(exc)
             return None
 
-    def _reopen(self, sessions: list[ClientSession]) -> None:
-        if not sessions or not self._available():
-            return
-        req = pb.OpenSessionsRequest(
-            sessions=[
-                pb.OpenSession(namespace=self.config.namespace, prompt=s.context.tolist(), params=self._params)
-                for s in sessions
-            ]
-        )
-        resp = self._call(self._stub.OpenSessions, req, self.config.control_timeout_s)
-        if resp is None:
-            return
-        for s, sid in zip(sessions, resp.session_ids, strict=True):  # type: ignore[attr-defined]
-            if s.prompt_len != s.context.size:
-                self.stats.reopened += 1
-            s.server_id, s.pending = sid, []
 
-    def _remote_draft(self, sessions: list[ClientSession]) -> list[DraftTree] | None:
-        req = pb.DraftRequest(items=[pb.DraftItem(session_id=s.server_id, new_tokens=s.pending) for s in sessions])
-        resp = self._call(self._stub.Draft, req, self.config.deadline_s)
-        if resp is None:
+class AsyncDraftClient:
+    """The asyncio twin of :class:`DraftClient` (same bookkeeping, ``grpc.aio`` transport)."""
+
+    def __init__(self, config: ClientConfig, fallback: Fallback = prompt_lookup_fallback) -> None:
+        self._core = _Core(config, fallback)
+        self._channel = grpc.aio.insecure_channel(config.target, options=RECONNECT_OPTIONS)
+        self._stub = pb_grpc.DraftCacheStub(self._channel)
+
+    @property
+    def stats(self) -> ClientStats:
+        return self._core.stats
+
+    async def open(self, prompts: Sequence[Sequence[int] | np.ndarray]) -> list[ClientSession]:
+        sessions = [ClientSession(np.asarray(p, dtype=np.int32), len(p)) for p in prompts]
+        await self._open(sessions)
+        return sessions
+
+    async def draft(self, sessions: Sequence[ClientSession], new_tokens: Sequence[Sequence[int]]) -> list[DraftTree]:
+        self._core.add_tokens(sessions, new_tokens)
+        await self._open(sessions)
+        req = self._core.draft_request(sessions)
+        resp = await self._call(self._stub.Draft, req, self._core.config.deadline_s) if req is not None else None
+        return self._core.trees(sessions, resp)
+
+    async def close(self, sessions: Sequence[ClientSession], *, commit: bool = True) -> None:
+        tail, close = self._core.close_requests(sessions, commit)
+        if tail is not None:
+            await self._call(self._stub.Feedback, tail, self._core.config.control_timeout_s)
+        if close is not None:
+            await self._call(self._stub.CloseSessions, close, self._core.config.control_timeout_s)
+
+    async def shutdown(self) -> None:
+        await self._channel.close()
+
+    async def _open(self, sessions: Sequence[ClientSession]) -> None:
+        req = self._core.open_request(sessions)
+        if req is not None:
+            resp = await self._call(self._stub.OpenSessions, req, self._core.config.control_timeout_s)
+            if resp is not None:
+                self._core.opened(sessions, resp)
+
+    async def _call(self, method: Callable, request: object, timeout: float) -> Any:
+        try:
+            return await method(request, timeout=timeout)
+        except grpc.RpcError as exc:  # grpc.aio.AioRpcError is one
+            self._core.failed(exc)
             return None
-        for s in sessions:
-            s.pending = []
-        self.stats.remote += len(sessions)
-        return [tree_from_proto(t) for t in resp.trees]  # type: ignore[attr-defined]
 
 
 def tree_from_proto(msg: pb.Tree) -> DraftTree:

@@ -130,3 +130,32 @@ def test_chain_proposer_over_the_service(running) -> None:  # type: ignore[no-un
     # The prompt holds the document; after its first two tokens the chain continues it.
     assert proposer.propose({"r1": []}) == {"r1": TEXT[2:6]}
     proposer.finish("r1")
+
+
+def test_async_client_drafts_and_falls_back() -> None:
+    from decoder_client.client import AsyncDraftClient
+
+    running = start_service(ServiceConfig())
+    _ns(running.target)
+
+    async def scenario() -> tuple[list[int], list[int], int, int]:
+        client = AsyncDraftClient(ClientConfig(target=running.target, namespace="toy", deadline_s=0.5))
+        (session,) = await client.open([PROMPT + TEXT[:2]])
+        (remote_tree,) = await client.draft([session], [[]])
+        stop_service(running)  # gone: the next call must not wait for it
+        t0 = time.perf_counter()
+        (local_tree,) = await client.draft([session], [[TEXT[2]]])
+        waited = time.perf_counter() - t0
+        await client.shutdown()
+        assert waited < 0.5 + 0.2
+        return (
+            remote_tree.tokens[:3].tolist(),
+            local_tree.tokens[:3].tolist(),
+            client.stats.remote,
+            client.stats.fallback,
+        )
+
+    remote, local, n_remote, n_fallback = asyncio.run(scenario())
+    # The service continued the document; after it stopped, prompt lookup did the same.
+    assert remote == TEXT[2:5] and local == TEXT[3:6]
+    assert (n_remote, n_fallback) == (1, 1)
