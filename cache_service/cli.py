@@ -23,6 +23,7 @@ from cache_service.storage.errors import StorageError
 from decoder_client.traces import read_traces
 from indexer.drafter import DrafterConfig, DraftParams
 from indexer.prior import PriorConfig, StaticPrior
+from indexer.tokens import Namespace
 
 logger = logging.getLogger("draftcache")
 
@@ -127,6 +128,14 @@ def build_parser() -> argparse.ArgumentParser:
         c = sub.add_parser(name, help=text)
         _add(c, "--target", default="127.0.0.1:50051", help="host:port of the service")
         _add(c, "--namespace", default="", help="one namespace (default: all)")
+
+    g = sub.add_parser("generate", help="speculative greedy decoding of one prompt with a real model")
+    _add(g, "--prompt", required=_env("prompt") is None)
+    _add(g, "--model", type=Path, default=None, help="local Hugging Face model folder (default: SmolLM2-135M)")
+    _add(g, "--tokenizer", type=Path, default=Path("../shared/data/tokenizers/smollm2"))
+    _add(g, "--target", default=None, help="draft through this service (default: the engine in-process)")
+    _add(g, "--max-new-tokens", type=int, default=128)
+    _add(g, "--budget", type=int, default=16, help="draft tokens verified per step")
 
     rb = sub.add_parser("bench-rpc", help="draft round trip over the stream vs an echo of the same size")
     rb.add_argument("traces", type=Path, help="prompts come from these conversations")
@@ -320,6 +329,34 @@ def cmd_bench_index(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_generate(a: argparse.Namespace) -> int:
+    from decoder_client.client import ClientConfig
+    from decoder_client.generate import EngineDrafter, ServiceDrafter, run_generate
+    from decoder_client.models import load_model
+
+    model, tokenizer = load_model(a.model, a.tokenizer)
+    params = DraftParams(budget=a.budget)
+    vocab = len(tokenizer)
+    drafter: EngineDrafter | ServiceDrafter
+    if a.target:
+        replay_bench.ensure_namespace(a.target, Namespace(name="generate", vocab_size=vocab))
+        drafter = ServiceDrafter(ClientConfig(target=a.target, namespace="generate", params=params))
+    else:
+        drafter = EngineDrafter(vocab, params)
+    result = run_generate(model, tokenizer, a.prompt, drafter, max_new_tokens=a.max_new_tokens)
+    if isinstance(drafter, ServiceDrafter):
+        drafter.finish()
+    print(result["text"])
+    print()
+    for name in ("vanilla", "transformers-prompt-lookup", "draftcache"):
+        print(f"{name:<28}{result[name]['tokens_per_s']:>8.2f} tokens/s")
+    ours = result["draftcache"]
+    print(
+        f"MAT {ours['mat']}, accepted draft tokens by tier {ours['accepted_by_tier']}, identical {result['identical']}"
+    )
+    return 0 if result["identical"] else 1
+
+
 def cmd_bench_rpc(a: argparse.Namespace) -> int:
     import json
 
@@ -343,6 +380,7 @@ COMMANDS = {
     "rebuild": cmd_admin,
     "bench-index": cmd_bench_index,
     "bench-rpc": cmd_bench_rpc,
+    "generate": cmd_generate,
 }
 
 

