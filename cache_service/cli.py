@@ -135,7 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add(g, "--tokenizer", type=Path, default=Path("../shared/data/tokenizers/smollm2"))
     _add(g, "--target", default=None, help="draft through this service (default: the engine in-process)")
     _add(g, "--max-new-tokens", type=int, default=128)
-    _add(g, "--budget", type=int, default=16, help="draft tokens verified per step")
+    _add(g, "--budget", type=int, default=64, help="most draft tokens per tree")
+    g.add_argument("--no-cost-aware", action="store_true", help="verify whole trees, whatever they cost")
 
     rb = sub.add_parser("bench-rpc", help="draft round trip over the stream vs an echo of the same size")
     rb.add_argument("traces", type=Path, help="prompts come from these conversations")
@@ -343,7 +344,9 @@ def cmd_generate(a: argparse.Namespace) -> int:
         drafter = ServiceDrafter(ClientConfig(target=a.target, namespace="generate", params=params))
     else:
         drafter = EngineDrafter(vocab, params)
-    result = run_generate(model, tokenizer, a.prompt, drafter, max_new_tokens=a.max_new_tokens)
+    result = run_generate(
+        model, tokenizer, a.prompt, drafter, max_new_tokens=a.max_new_tokens, cost_aware=not a.no_cost_aware
+    )
     if isinstance(drafter, ServiceDrafter):
         drafter.finish()
     print(result["text"])

@@ -11,7 +11,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from decoder_client import cost_model
 from decoder_client.client import ClientConfig, ClientSession, DraftClient
+from decoder_client.cost_model import CostCurve
 from decoder_client.reference_decoder import ReferenceDecoder
 from indexer.drafter import DrafterConfig, DraftParams, NamespaceDrafter, Session
 from indexer.tokens import Namespace
@@ -77,11 +79,19 @@ class ServiceDrafter:
         self._client.shutdown()
 
 
-def run_generate(model: Any, tokenizer: Any, prompt: str, drafter: Any, *, max_new_tokens: int) -> dict:
-    """Vanilla greedy, transformers' prompt lookup and draftcache on the same prompt."""
+def run_generate(
+    model: Any, tokenizer: Any, prompt: str, drafter: Any, *, max_new_tokens: int, cost_aware: bool = True
+) -> dict:
+    """Vanilla greedy, transformers' prompt lookup and draftcache on the same prompt. With
+    ``cost_aware`` the device's verification cost curve is measured first and every tree is cut
+    to its most profitable prefix."""
     messages = [{"role": "user", "content": prompt}]
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     input_ids = ids["input_ids"]
+    verify = drafter
+    if cost_aware:
+        curve = CostCurve.measure(model, context=max(int(input_ids.shape[1]), 64))
+        verify = cost_model.cost_aware(drafter, curve)
     eos = tokenizer.eos_token_id
     results: dict[str, Any] = {}
     with torch.inference_mode():
@@ -91,7 +101,7 @@ def run_generate(model: Any, tokenizer: Any, prompt: str, drafter: Any, *, max_n
             tokens = out[0, input_ids.shape[1] :].tolist()
             results[name] = {"tokens_per_s": round(len(tokens) / (time.perf_counter() - start), 2), "tokens": tokens}
         decoder = ReferenceDecoder(model)
-        tokens, stats = decoder.generate(input_ids[0].tolist(), max_new_tokens, drafter=drafter, eos_token_id=eos)
+        tokens, stats = decoder.generate(input_ids[0].tolist(), max_new_tokens, drafter=verify, eos_token_id=eos)
     results["draftcache"] = {
         "tokens_per_s": round(stats.tokens_per_s, 2),
         "tokens": tokens,
