@@ -261,7 +261,9 @@ def cmd_admin(a: argparse.Namespace) -> int:
             infos = admin.Rebuild(pb.RebuildRequest(namespace=a.namespace), timeout=600).namespaces
         else:
             stats = admin.Stats(pb.StatsRequest(namespace=a.namespace), timeout=30)
-            print(f"sessions {stats.sessions}, drafts {stats.drafts}")
+            print(
+                f"sessions {stats.sessions}, drafts {stats.drafts}, commits waiting for storage {stats.pending_writes}"
+            )
             infos = stats.namespaces
     for i in infos:
         print(

@@ -74,6 +74,11 @@ class StoredSession:
 class Persistence(Protocol):
     """Where durable effects go (Redis in production)."""
 
+    @property
+    def pending(self) -> int:
+        """Commits accepted but not yet written (storage slow or down)."""
+        ...
+
     def load_session(self, sid: str) -> StoredSession | None: ...
 
     def namespace_created(self, name: str, vocab_size: int) -> None: ...
@@ -167,6 +172,10 @@ class DraftService:
     @property
     def drafts(self) -> int:
         return self._counters.drafts
+
+    @property
+    def pending_writes(self) -> int:
+        return 0 if self._persistence is None else self._persistence.pending
 
     def rebuild(self, name: str = "") -> list[NamespaceStats]:
         """Reload published priors and rebuild lifetime indexes now (the scheduler does this on

@@ -80,6 +80,7 @@ class AdminServicer(pb_grpc.AdminServicer):
             namespaces=[convert.namespace_info(s) for s in self._service.stats(request.namespace)],
             sessions=len(self._service.sessions),
             drafts=self._service.drafts,
+            pending_writes=self._service.pending_writes,
         )
 
     async def Rebuild(self, request: pb.RebuildRequest, context: grpc.aio.ServicerContext) -> pb.RebuildResponse:
