@@ -334,18 +334,18 @@ def cmd_bench_index(a: argparse.Namespace) -> int:
 
 def cmd_generate(a: argparse.Namespace) -> int:
     from decoder_client.client import ClientConfig
-    from decoder_client.generate import EngineDrafter, ServiceDrafter, run_generate
+    from decoder_client.generate import InProcessDrafter, ServiceDrafter, run_generate
     from decoder_client.models import load_model
 
     model, tokenizer = load_model(a.model, a.tokenizer)
     params = DraftParams(budget=a.budget)
     vocab = len(tokenizer)
-    drafter: EngineDrafter | ServiceDrafter
+    drafter: InProcessDrafter | ServiceDrafter
     if a.target:
         replay_bench.ensure_namespace(a.target, Namespace(name="generate", vocab_size=vocab))
         drafter = ServiceDrafter(ClientConfig(target=a.target, namespace="generate", params=params))
     else:
-        drafter = EngineDrafter(vocab, params)
+        drafter = InProcessDrafter(vocab, params)
     result = run_generate(
         model, tokenizer, a.prompt, drafter, max_new_tokens=a.max_new_tokens, cost_aware=not a.no_cost_aware
     )

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import Protocol
 
@@ -88,12 +88,6 @@ class Persistence(Protocol):
     def reload_priors(self, service: DraftService) -> None: ...
 
 
-@dataclass
-class _Counters:
-    drafts: int = 0
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-
 class DraftService:
     """Batched drafting over many namespaces and sessions."""
 
@@ -103,7 +97,7 @@ class DraftService:
         self._namespaces: dict[str, NamespaceDrafter] = {}
         self._prior_versions: dict[str, int] = {}
         self.sessions = SessionTable(max_sessions=config.max_sessions, ttl_s=config.session_ttl_s)
-        self._counters = _Counters()
+        self._drafts = 0  # served trees (updated on the serving thread only)
         self._ns_lock = threading.Lock()
         self._dirty: set[str] = set()  # sessions changed since storage last saw them
         self._closed: set[str] = set()
@@ -171,7 +165,7 @@ class DraftService:
 
     @property
     def drafts(self) -> int:
-        return self._counters.drafts
+        return self._drafts
 
     @property
     def pending_writes(self) -> int:
@@ -223,8 +217,7 @@ class DraftService:
             trees.append(entry.drafter.draft(entry.session, entry.params))
             self.sessions.touch(entry)
             self._dirty.add(entry.sid)
-        with self._counters.lock:
-            self._counters.drafts += len(trees)
+        self._drafts += len(trees)
         return trees
 
     def feedback(self, items: list[FeedbackItem]) -> None:

@@ -1,1 +1,2 @@
-"""Decoder-side code: trace replay (a simulated decoder) and drafting baselines."""
+"""Decoder-side code: the draft client (sync and asyncio), the reference tree decoder, trace
+replay (a simulated decoder), baselines and adapters."""

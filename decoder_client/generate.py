@@ -34,7 +34,7 @@ class TierCounter:
         self._last = tree
 
 
-class EngineDrafter:
+class InProcessDrafter:
     """The engine in-process as a reference-decoder drafter (context in, tree out)."""
 
     def __init__(self, vocab_size: int, params: DraftParams) -> None:

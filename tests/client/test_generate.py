@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from decoder_client.generate import EngineDrafter, run_generate
+from decoder_client.generate import InProcessDrafter, run_generate
 from indexer.drafter import DraftParams
 
 
 def test_generate_is_lossless_and_counts_tiers(smollm2) -> None:  # type: ignore[no-untyped-def]
     model, tokenizer = smollm2
-    drafter = EngineDrafter(len(tokenizer), DraftParams(budget=16))
+    drafter = InProcessDrafter(len(tokenizer), DraftParams(budget=16))
     prompt = "Repeat exactly: alpha beta gamma delta. Then repeat it again: alpha beta gamma delta."
     result = run_generate(model, tokenizer, prompt, drafter, max_new_tokens=24)
     # Same tokens from vanilla greedy, transformers' prompt lookup and draftcache's tree decoder.
