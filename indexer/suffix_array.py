@@ -28,8 +28,19 @@ def build_suffix_array(tokens: np.ndarray) -> np.ndarray:
     if tokens.size == 0:
         return np.zeros(0, dtype=np.int32)
     if _divsufsort is not None:
-        return np.asarray(_divsufsort(np.ascontiguousarray(tokens, dtype=np.int32)), dtype=np.int32)
+        return np.asarray(_divsufsort(_compact_separator(tokens)), dtype=np.int32)
     return suffix_array_numpy(tokens)
+
+
+def _compact_separator(tokens: np.ndarray) -> np.ndarray:
+    """The same order with the separator (the largest int32) renumbered just above the largest
+    other token: divsufsort's time grows with the alphabet's top value, not its size."""
+    tokens = np.ascontiguousarray(tokens, dtype=np.int32)
+    is_sep = tokens == SEPARATOR
+    if not is_sep.any():
+        return tokens
+    top = int(tokens[~is_sep].max()) if not is_sep.all() else -1
+    return np.where(is_sep, np.int32(top + 1), tokens).astype(np.int32, copy=False)
 
 
 def suffix_array_numpy(tokens: np.ndarray) -> np.ndarray:
