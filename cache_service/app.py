@@ -25,6 +25,7 @@ from cache_service.storage.redis_store import RedisStore, StoreConfig
 logger = logging.getLogger(__name__)
 
 PRIOR_POLL_S = 2.0
+DELTA_CHECK_S = 1.0  # how often a delta past its limit is looked for
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,6 +89,7 @@ class App:
         self.scheduler.add_job(self.persistence.sync, "interval", seconds=cfg.follow_interval_s, args=[self.service])
         self.scheduler.add_job(self._save_sessions, "interval", seconds=cfg.flush_interval_s)
         self.scheduler.add_job(self._rebuild, "interval", seconds=cfg.rebuild_interval_s)
+        self.scheduler.add_job(self._rebuild_large_deltas, "interval", seconds=DELTA_CHECK_S)
         self.scheduler.add_job(self.persistence.reload_priors, "interval", seconds=PRIOR_POLL_S, args=[self.service])
         self.scheduler.start()
 
@@ -115,6 +117,14 @@ class App:
             if memory.delta_tokens() > 0:
                 built = memory.rebuild()
                 logger.info("rebuilt %s: %d tokens in %.2f s", name, built.suffix.size, built.build_seconds)
+
+    def _rebuild_large_deltas(self) -> None:
+        """Rebuild early a namespace whose delta outgrew its limit (a burst of requests)."""
+        for name in self.service.namespace_names():
+            memory = self.service.namespace(name).memory
+            if memory.needs_rebuild():
+                built = memory.rebuild()
+                logger.info("rebuilt %s early: %d tokens in %.2f s", name, built.suffix.size, built.build_seconds)
 
     async def stop(self) -> None:
         """NOT_SERVING, drain in-flight calls, stop jobs, flush queued commits, stop Redis."""

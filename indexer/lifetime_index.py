@@ -1,6 +1,11 @@
 """Everything a namespace drafts from across requests: the lifetime buffer, its rebuilt indexes
-(suffix array + frozen n-gram table), a small delta index over requests finished since the
+(suffix array + frozen n-gram table), small delta indexes over requests finished since the
 last rebuild, and the exact-prompt cache.
+
+The delta is log-structured, so a finished request costs about its own size to index rather than
+the whole delta's: each request starts a run of its own, and the newest two runs merge (one
+suffix array over both) while the older is at most twice the newer. Runs double in size going
+back, so there are O(log delta) of them and each token is re-indexed O(log delta) times.
 
 Rebuilds read a snapshot and swap the finished indexes in with one reference assignment, so
 readers never see a half-built index and never wait for a rebuild.
@@ -82,7 +87,7 @@ class LifetimeMemory:
         self.config = config
         self.buffer = LifetimeBuffer(config.capacity_tokens)
         self._indexes: LifetimeIndexes | None = None
-        self._delta: SuffixIndex | None = None
+        self._runs: list[tuple[list[np.ndarray], SuffixIndex]] = []  # oldest first
         self._delta_tokens: list[np.ndarray] = []
         self._delta_from = 0  # buffer.appended covered by the main indexes
         self._exact: OrderedDict[bytes, np.ndarray] = OrderedDict()
@@ -98,33 +103,43 @@ class LifetimeMemory:
     ) -> None:
         """Add one finished request's tokens; remember ``prompt -> response`` for exact hits."""
         with self._lock:
-            self._append(tokens)
-            self._refresh_delta()
+            self._add_run([self._append(tokens)])
             if prompt is not None and response is not None:
                 self._remember(prompt, response)
 
     def commit_many(self, requests: list[np.ndarray]) -> None:
         """Bulk-add finished requests (a restore or a load): one delta rebuild, not one each."""
         with self._lock:
-            for tokens in requests:
-                self._append(tokens)
-            self._refresh_delta()
+            if requests:
+                self._add_run([self._append(tokens) for tokens in requests])
 
-    def _append(self, tokens: np.ndarray) -> None:
-        # The ring keeps at most capacity - 1 tokens of one request (plus its separator); the
-        # delta mirrors exactly what the ring holds so a rebuild trims it exactly.
+    def _append(self, tokens: np.ndarray) -> np.ndarray:
+        """Into the ring; returns the request as the delta holds it (with its separator). The
+        ring keeps at most capacity - 1 tokens of one request (plus its separator); the delta
+        mirrors exactly what the ring holds so a rebuild trims it exactly."""
         kept = tokens[-(self.buffer.capacity - 1) :] if tokens.size >= self.buffer.capacity else tokens
         self.buffer.append(kept)
-        self._delta_tokens.append(kept)
-        self._delta_tokens.append(np.array([SEPARATOR], dtype=np.int32))
+        piece = np.concatenate((kept, np.array([SEPARATOR], dtype=np.int32)))
+        self._delta_tokens.append(piece)
+        return piece
+
+    def _add_run(self, pieces: list[np.ndarray]) -> None:
+        runs = [*self._runs, (pieces, SuffixIndex(np.concatenate(pieces)))]  # readers keep the old list
+        while len(runs) >= 2 and runs[-2][1].size <= 2 * runs[-1][1].size:
+            newer, older = runs.pop(), runs.pop()
+            joined = older[0] + newer[0]
+            runs.append((joined, SuffixIndex(np.concatenate(joined))))
+        self._runs = runs
+        if sum(run.size for _, run in runs) > self.buffer.capacity:
+            self._refresh_delta()  # the ring overwrote part of the delta: only a tiny ring does
 
     def _refresh_delta(self) -> None:
+        """One run over the whole delta, cut to what the ring still holds."""
         if not self._delta_tokens:
-            self._delta = None
+            self._runs = []
             return
-        joined = np.concatenate(self._delta_tokens)
-        # The delta only covers what the ring still holds.
-        self._delta = SuffixIndex(joined[-self.buffer.capacity :])
+        joined = np.concatenate(self._delta_tokens)[-self.buffer.capacity :]
+        self._runs = [([joined], SuffixIndex(joined))]
 
     def _remember(self, prompt: np.ndarray, response: np.ndarray) -> None:
         if self.config.exact_entries == 0 or response.size == 0:
@@ -142,9 +157,7 @@ class LifetimeMemory:
     def suffix_indexes(self) -> list[SuffixIndex]:
         """The indexes to search, main first; together they cover the whole buffer."""
         out = [] if self._indexes is None else [self._indexes.suffix]
-        delta = self._delta
-        if delta is not None:
-            out.append(delta)
+        out.extend(run for _, run in self._runs)
         return out
 
     def delta_tokens(self) -> int:

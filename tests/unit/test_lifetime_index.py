@@ -180,3 +180,18 @@ def test_indexes_cover_buffer_exactly_after_rebuild(capacity, steps):
         # Right after a rebuild, the searched indexes hold exactly the buffer: no token missing,
         # none counted twice.
         assert _occurrences(mem, pattern) == want
+
+
+def test_delta_runs_stay_logarithmic():
+    # 64 requests of 3 tokens (+ separator): runs double going back, so at most log2(64) + 1.
+    mem = _mem(capacity_tokens=4096)
+    for i in range(64):
+        mem.commit(_a([i % 7, i % 5, i % 3]))
+    runs = mem.suffix_indexes()
+    assert 1 <= len(runs) <= 7
+    assert sum(r.size for r in runs) == 64 * 4
+    # Every pair is found exactly as often as it occurs (no request lost, none indexed twice).
+    text = [t for i in range(64) for t in (i % 7, i % 5, i % 3, -1)]
+    for pair in ([6, 4], [0, 0], [1, 1]):
+        expected = sum(1 for j in range(len(text) - 1) if text[j : j + 2] == pair)
+        assert expected >= 1 and _occurrences(mem, pair) == expected
