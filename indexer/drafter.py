@@ -155,9 +155,11 @@ class NamespaceDrafter:
         else:
             branches = [(_offset(off, new.size), as_tokens(b, vocab, what="rejected branch")) for off, b in rejected]
         self._calibrate(session, int(new[0]))
-        before = session.context.tokens
-        for depth, branch in branches:
-            session.rejected.record(np.concatenate((before, new[:depth])), branch)
+        if branches:  # each keyed by the context tail where it branched off
+            before = session.context.tokens[-self.config.rejected.leader_len :]
+            tail = np.concatenate((before, new))
+            for depth, branch in branches:
+                session.rejected.record(tail[: before.size + depth], branch)
         session.context.extend(new)
         session.dynamic.observe(session.context.tokens)
         session.last_tree, session.guesses = None, {}
@@ -263,20 +265,10 @@ class NamespaceDrafter:
         tree = s.last_tree
         if tree is None or len(tree) == 0:
             return []
-        path = tree.accept(new)
-        if len(path) >= new.size:  # nothing was rejected: verification ended inside the tree
+        path = kernels.accepted_path(tree.tokens, tree.parents, new)
+        if path.size >= new.size:  # nothing was rejected: verification ended inside the tree
             return []
-        children: dict[int, list[int]] = {}
-        for i, p in enumerate(tree.parents.tolist()):
-            children.setdefault(p, []).append(i)
-        scores, tokens = tree.scores.tolist(), tree.tokens.tolist()
-        stop = path[-1] if path else -1
-        kids = sorted(children.get(stop, []), key=lambda i: -scores[i])[:limit]
-        out = []
-        for node in kids:
-            chain = [tokens[node]]
-            while node in children:
-                node = max(children[node], key=lambda i: scores[i])
-                chain.append(tokens[node])
-            out.append((len(path), np.array(chain, dtype=np.int32)))
-        return out
+        stop = int(path[-1]) if path.size else -1
+        rows, lengths = kernels.rejected_branches(tree.tokens, tree.parents, tree.scores, stop, limit)
+        depth = int(path.size)
+        return [(depth, rows[j, :n]) for j, n in enumerate(lengths.tolist())]

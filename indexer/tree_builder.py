@@ -132,9 +132,19 @@ def merge_candidates(
     parts = [c for c in candidates if c.rows.size]
     if budget == 0 or max_depth == 0 or not parts:
         return DraftTree.empty(), {}
-    rows, vals, is_max, tiers = _stack(parts, max_depth)
-    tokens, parents, sources, scores, first_tok, first_val = kernels.merge_tree(
-        rows, vals, is_max, tiers, len(Tier), budget, float(min_score), depth_reserve
+    tokens, parents, sources, scores, first_tok, first_val = kernels.merge_parts(
+        np.concatenate([c.rows.ravel() for c in parts]).astype(np.int32, copy=False),
+        np.array([c.rows.shape[0] for c in parts], dtype=np.int64),
+        np.array([c.rows.shape[1] for c in parts], dtype=np.int64),
+        np.concatenate([_values(c).ravel() for c in parts]).astype(np.float64, copy=False),
+        np.array([c.probs is not None for c in parts], dtype=np.bool_),
+        np.array([int(c.tier) for c in parts], dtype=np.int64),
+        np.array([c.confidence for c in parts], dtype=np.float64),
+        max_depth,
+        len(Tier),
+        budget,
+        float(min_score),
+        depth_reserve,
     )
     firsts = {
         c.tier: (int(first_tok[c.tier]), float(first_val[c.tier]) / c.confidence)
@@ -144,24 +154,7 @@ def merge_candidates(
     return DraftTree(tokens, parents, sources, scores), firsts
 
 
-def _stack(parts: list[Candidates], depth: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    total = sum(c.rows.shape[0] for c in parts)
-    rows = np.full((total, depth), -1, dtype=np.int32)
-    vals = np.zeros((total, depth), dtype=np.float64)
-    is_max = np.zeros(total, dtype=bool)
-    tiers = np.empty(total, dtype=np.int64)
-    at = 0
-    for c in parts:
-        k, w = c.rows.shape[0], min(c.rows.shape[1], depth)
-        rows[at : at + k, :w] = c.rows if c.rows.shape[1] == w else c.rows[:, :w]
-        tiers[at : at + k] = int(c.tier)
-        if c.probs is not None:
-            np.multiply(c.probs[:, :w], c.confidence, out=vals[at : at + k, :w])
-            is_max[at : at + k] = True
-        else:
-            assert c.weights is not None
-            total = c.weights.sum()
-            if total > 0:  # a tier with no weight contributes nothing
-                vals[at : at + k] = (c.weights * (c.confidence / total))[:, None]
-        at += k
-    return rows, vals, is_max, tiers
+def _values(c: Candidates) -> np.ndarray:
+    values = c.probs if c.probs is not None else c.weights
+    assert values is not None  # Candidates guarantees one of the two
+    return values

@@ -27,7 +27,7 @@ from indexer.kernels.tables import (
     prefix_counts,
     top_per_group,
 )
-from indexer.kernels.tree import accepted_path, merge_tree
+from indexer.kernels.tree import accepted_path, merge_parts, merge_tree, rejected_branches
 
 __all__ = [
     "accepted_path",
@@ -39,9 +39,11 @@ __all__ = [
     "hash_tokens",
     "longest_match",
     "match_range",
+    "merge_parts",
     "merge_tree",
     "prefix_counts",
     "prompt_lookup_start",
+    "rejected_branches",
     "sample_starts",
     "tail_matches",
     "top_per_group",
@@ -60,4 +62,8 @@ def warm_up() -> None:
     hash_rows(np.zeros((1, 2), dtype=np.int32))
     rows = np.array([[1, 2], [1, -1]], dtype=np.int32)
     merge_tree(rows, np.ones((2, 2)), np.zeros(2, dtype=np.bool_), np.zeros(2, dtype=np.int64), 7, 4, 0.0, 1)
-    accepted_path(np.array([1], dtype=np.int32), np.array([-1], dtype=np.int32), np.array([1], dtype=np.int32))
+    ints, flags = np.ones(1, dtype=np.int64), np.ones(1, dtype=np.bool_)
+    merge_parts(rows.ravel(), ints * 2, ints * 2, np.ones(4), flags, ints, np.ones(1), 2, 7, 4, 0.0, 1)
+    one = np.array([1], dtype=np.int32)
+    accepted_path(one, np.array([-1], dtype=np.int32), one)
+    rejected_branches(one, np.array([-1], dtype=np.int32), np.ones(1, dtype=np.float32), -1, 2)

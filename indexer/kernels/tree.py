@@ -189,6 +189,79 @@ def merge_tree(
 
 
 @njit(cache=True, nogil=True)
+def stack_parts(
+    rows_flat: np.ndarray,
+    counts: np.ndarray,
+    widths: np.ndarray,
+    vals_flat: np.ndarray,
+    per_cell: np.ndarray,
+    part_tiers: np.ndarray,
+    confidence: np.ndarray,
+    depth: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Every tier's rows in one (R, depth) block, -1 padded, with each cell's value.
+
+    Part ``p`` holds ``counts[p]`` rows of ``widths[p]`` tokens, flattened in ``rows_flat``.
+    With ``per_cell[p]`` its values are per-prefix probabilities (``counts * widths`` of them in
+    ``vals_flat``), scaled by the confidence, and a node takes its best row; otherwise they are
+    row weights (``counts`` of them), a node taking the weight share of its rows.
+    """
+    total = 0
+    for p in range(counts.size):
+        total += counts[p]
+    rows = np.full((total, depth), -1, dtype=np.int32)
+    vals = np.zeros((total, depth))
+    is_max = np.zeros(total, dtype=np.bool_)
+    tiers = np.empty(total, dtype=np.int64)
+    at, ro, vo = 0, 0, 0
+    for p in range(counts.size):
+        k, w = counts[p], widths[p]
+        keep = min(w, depth)
+        scale = confidence[p]
+        if not per_cell[p]:
+            weight = 0.0
+            for r in range(k):
+                weight += vals_flat[vo + r]
+            scale = scale / weight if weight > 0 else 0.0  # a tier with no weight adds nothing
+        for r in range(k):
+            for d in range(keep):
+                rows[at + r, d] = rows_flat[ro + r * w + d]
+            if per_cell[p]:
+                for d in range(keep):
+                    vals[at + r, d] = vals_flat[vo + r * w + d] * scale
+                is_max[at + r] = True
+            else:
+                vals[at + r, :] = vals_flat[vo + r] * scale
+            tiers[at + r] = part_tiers[p]
+        at += k
+        ro += k * w
+        vo += k * w if per_cell[p] else k
+    return rows, vals, is_max, tiers
+
+
+@njit(cache=True, nogil=True)
+def merge_parts(
+    rows_flat: np.ndarray,
+    counts: np.ndarray,
+    widths: np.ndarray,
+    vals_flat: np.ndarray,
+    per_cell: np.ndarray,
+    part_tiers: np.ndarray,
+    confidence: np.ndarray,
+    depth: int,
+    n_tiers: int,
+    budget: int,
+    min_score: float,
+    depth_reserve: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`stack_parts` then :func:`merge_tree`, in one call."""
+    rows, vals, is_max, tiers = stack_parts(
+        rows_flat, counts, widths, vals_flat, per_cell, part_tiers, confidence, depth
+    )
+    return merge_tree(rows, vals, is_max, tiers, n_tiers, budget, min_score, depth_reserve)
+
+
+@njit(cache=True, nogil=True)
 def accepted_path(tokens: np.ndarray, parents: np.ndarray, target: np.ndarray) -> np.ndarray:
     """Node indices of the longest root path of a tree equal to a prefix of ``target``."""
     path = np.empty(min(tokens.size, target.size), dtype=np.int64)
@@ -206,3 +279,47 @@ def accepted_path(tokens: np.ndarray, parents: np.ndarray, target: np.ndarray) -
         node = nxt
         depth += 1
     return path[:depth]
+
+
+@njit(cache=True, nogil=True)
+def rejected_branches(
+    tokens: np.ndarray, parents: np.ndarray, scores: np.ndarray, stop: int, limit: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The ``limit`` best-scoring children of node ``stop`` (-1: the root), each extended by
+    its best-scoring descendants: ``(rows padded with -1, row lengths)``. Ties go to the lower
+    node id.
+
+    ``[[7, 9], [8, -1]]`` and ``[2, 1]`` for tokens ``[5, 7, 8, 9]``, parents
+    ``[-1, 0, 0, 1]``, scores ``[.9, .5, .4, .3]`` and ``stop=0``.
+    """
+    n = tokens.size
+    best_child = np.full(n + 1, -1, dtype=np.int64)  # slot 0 is the root
+    kids = np.empty(n, dtype=np.int64)
+    k = 0
+    for i in range(n):  # parents precede children
+        slot = parents[i] + 1
+        b = best_child[slot]
+        if b < 0 or scores[i] > scores[b]:
+            best_child[slot] = i
+        if parents[i] == stop:
+            kids[k] = i
+            k += 1
+    chosen = _best(scores[kids[:k]], np.zeros(k, dtype=np.bool_), -np.inf, limit)
+    width = 0
+    for j in range(chosen.size):
+        length, node = 1, kids[chosen[j]]
+        while best_child[node + 1] >= 0:
+            node = best_child[node + 1]
+            length += 1
+        width = max(width, length)
+    out = np.full((chosen.size, width), -1, dtype=np.int32)
+    lengths = np.ones(chosen.size, dtype=np.int64)
+    for j in range(chosen.size):
+        node, d = kids[chosen[j]], 0
+        out[j, 0] = tokens[node]
+        while best_child[node + 1] >= 0:
+            node = best_child[node + 1]
+            d += 1
+            out[j, d] = tokens[node]
+        lengths[j] = d + 1
+    return out, lengths

@@ -3,6 +3,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from indexer import kernels
 from indexer.tree_builder import Candidates, DraftTree, Tier, build_tree, merge_candidates
 
 
@@ -376,3 +377,62 @@ def test_depth_reserve_keeps_greedy_best_chain(parts, budget, depth_reserve):
     # The reserved chain always survives, however wide the alternatives.
     assert set(chain) <= set(_paths(tree))
     assert len(tree) <= budget
+
+
+def _stack_reference(parts, depth):
+    """Every part's rows in one -1 padded block with per-cell values, built with plain numpy."""
+    total = sum(c.rows.shape[0] for c in parts)
+    rows = np.full((total, depth), -1, dtype=np.int32)
+    vals = np.zeros((total, depth))
+    is_max = np.zeros(total, dtype=bool)
+    tiers = np.empty(total, dtype=np.int64)
+    at = 0
+    for c in parts:
+        k, w = c.rows.shape[0], min(c.rows.shape[1], depth)
+        rows[at : at + k, :w] = c.rows[:, :w]
+        tiers[at : at + k] = int(c.tier)
+        if c.probs is not None:
+            vals[at : at + k, :w] = c.probs[:, :w] * c.confidence
+            is_max[at : at + k] = True
+        elif c.weights.sum() > 0:
+            vals[at : at + k] = (c.weights * (c.confidence / c.weights.sum()))[:, None]
+        at += k
+    return rows, vals, is_max, tiers
+
+
+@settings(max_examples=200, deadline=None)
+@given(parts=candidate_sets(), budget=st.integers(1, 12), max_depth=st.integers(1, 7))
+def test_merge_parts_equals_stacking_then_merging(parts, budget, max_depth):
+    # The one-call kernel (flattened parts) builds exactly the tree of stacking then merging.
+    rows, vals, is_max, tiers = _stack_reference(parts, max_depth)
+    expected = kernels.merge_tree(rows, vals, is_max, tiers, len(Tier), budget, 0.0, 2)
+    got = merge_candidates(parts, budget=budget, max_depth=max_depth, depth_reserve=2)[0]
+    assert got.tokens.tolist() == expected[0].tolist()
+    assert got.parents.tolist() == expected[1].tolist()
+    assert got.sources.tolist() == expected[2].tolist()
+    assert np.allclose(got.scores, expected[3])
+
+
+def test_rejected_branches_best_children_extended_by_best_descendants():
+    # Tree: 5 -> {7 -> 9, 8}; scores 7 (.5) > 8 (.4), so 7's branch comes first, extended by 9.
+    tokens = np.array([5, 7, 8, 9], dtype=np.int32)
+    parents = np.array([-1, 0, 0, 1], dtype=np.int32)
+    scores = np.array([0.9, 0.5, 0.4, 0.3], dtype=np.float32)
+    rows, lengths = kernels.rejected_branches(tokens, parents, scores, 0, 4)
+    assert rows.tolist() == [[7, 9], [8, -1]]
+    assert lengths.tolist() == [2, 1]
+    # The limit keeps the best: one branch only.
+    assert kernels.rejected_branches(tokens, parents, scores, 0, 1)[0].tolist() == [[7, 9]]
+    # From the root (-1) the only child is 5, extended along the best path 7 -> 9.
+    assert kernels.rejected_branches(tokens, parents, scores, -1, 4)[0].tolist() == [[5, 7, 9]]
+    # A leaf has no children: nothing.
+    assert kernels.rejected_branches(tokens, parents, scores, 3, 4)[0].shape == (0, 0)
+
+
+def test_rejected_branch_ties_go_to_lower_node():
+    # Equal scores: the lower id first, for both the branch order and the extension.
+    tokens = np.array([4, 6, 1, 2], dtype=np.int32)
+    parents = np.array([-1, -1, 0, 0], dtype=np.int32)
+    scores = np.full(4, 0.5, dtype=np.float32)
+    rows, _ = kernels.rejected_branches(tokens, parents, scores, -1, 4)
+    assert rows.tolist() == [[4, 1], [6, -1]]
