@@ -7,6 +7,12 @@ parent. The accepted tokens plus the argmax after the last of them (the bonus to
 emitted, so a step always yields at least one token and greedy output equals plain greedy
 decoding whatever the drafter proposes.
 
+Sampling (``temperature > 0``) uses the same forward. The target distribution at a position is
+``softmax(logits / temperature)``, top-p filtered as transformers does, and
+:func:`sample_accept` walks the tree by recursive rejection of one-hot proposals (each child is
+a deterministic guess), so the emitted tokens are distributed exactly as plain sampling from the
+target, whatever the drafter proposes.
+
 KV cache pruning: after the forward, a ``DynamicCache`` holds ``past + root + n`` entries per
 layer (``layers[i].keys`` / ``.values``, shape (batch, heads, seq, head_dim)). On every layer we
 copy the accepted path's entries down, in place, to just after the root and crop the rest, so
@@ -17,6 +23,7 @@ attention) are refused, not approximated.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,6 +37,8 @@ from decoder_client.tree_attention import tree_attention_mask, tree_position_ids
 from indexer.tree_builder import DraftTree
 
 Drafter = Callable[[np.ndarray], DraftTree]
+# Picks (accepted node indices, bonus token) from a tree and its logits over [root, nodes...].
+Chooser = Callable[[DraftTree, torch.Tensor], tuple[list[int], int]]
 
 
 @dataclass
@@ -81,6 +90,100 @@ def greedy_accept(tokens: np.ndarray, parents: np.ndarray, argmax: np.ndarray) -
         path.append(node)
 
 
+def target_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
+    """Sampling distribution of each row of ``logits`` (..., V): ``softmax(logits / temperature)``.
+
+    With ``top_p < 1`` it keeps, as transformers' ``TopPLogitsWarper`` does, the smallest set of
+    most likely tokens whose mass reaches ``top_p`` (always at least the most likely one).
+
+    >>> logits = torch.tensor([0.0, math.log(3.0)])  # probabilities 1/4, 3/4
+    >>> target_probs(logits, temperature=0.5)  # squared and renormalised
+    tensor([0.1000, 0.9000])
+    >>> target_probs(logits, temperature=1.0, top_p=0.7)  # 3/4 alone reaches 0.7
+    tensor([0., 1.])
+    """
+    scores = logits.float() / temperature
+    if top_p < 1.0:
+        ascending, order = torch.sort(scores, descending=False)
+        drop = ascending.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p
+        drop[..., -1] = False  # the most likely token always stays
+        scores = scores.masked_fill(drop.scatter(-1, order, drop), -math.inf)
+    return scores.softmax(dim=-1)
+
+
+def sample_accept(
+    tokens: np.ndarray, parents: np.ndarray, probs: torch.Tensor, generator: torch.Generator | None = None
+) -> tuple[list[int], int]:
+    """Speculative sampling over a deterministic draft tree: (accepted node indices, bonus token).
+
+    ``probs`` (n+1, V) holds the target distribution after ``[root, nodes...]``. From the root,
+    the children of the current node are tried in wire order: child x is accepted with
+    probability ``p(x)``; if rejected, ``p`` becomes ``p`` without x, renormalised, and the next
+    child is tried. When a child is accepted the walk continues from it with the distribution at
+    its position; when none is, the bonus token is drawn from what is left of ``p``.
+
+    Why it is lossless: with one child x, the token emitted is x with probability ``p(x)``, and
+    any y != x with probability ``(1 - p(x)) * p(y) / (1 - p(x)) = p(y)``, so exactly ``p``.
+    Trying the next child on the residual applies the same argument to ``p`` conditioned on
+    not being x (sampling without replacement), and after an accepted node the next token is
+    drawn from the target given that node's root path, so the whole emitted sequence follows the
+    target's own distribution. A generator (CPU) makes the draws reproducible.
+
+    >>> toks = np.array([5, 6], dtype=np.int32)  # node 0 = 5 under the root, node 1 = 6 under 0
+    >>> pars = np.array([-1, 0], dtype=np.int32)
+    >>> probs = torch.eye(8)[[5, 6, 2]]  # root -> 5, node 0 -> 6, node 1 -> 2, all certain
+    >>> sample_accept(toks, pars, probs)
+    ([0, 1], 2)
+    """
+    path: list[int] = []
+    node = -1
+    while True:
+        residual = probs[node + 1].to(device="cpu", dtype=torch.float64, copy=True)
+        children = np.flatnonzero(parents == node)
+        hit = _first_accepted(tokens[children].tolist(), residual, generator)
+        if hit is None:
+            return path, int(torch.multinomial(residual, 1, generator=generator))
+        node = int(children[hit])
+        path.append(node)
+
+
+def _first_accepted(candidates: list[int], residual: torch.Tensor, generator: torch.Generator | None) -> int | None:
+    """Index of the first candidate accepted by recursive rejection; rejected mass leaves ``residual``."""
+    for i, token in enumerate(candidates):
+        # Dividing by what is left renormalises; it is exactly 1 when x holds all of it (never rejected).
+        chance = residual[token] / residual.sum()
+        if torch.rand((), dtype=torch.float64, generator=generator) < chance:
+            return i
+        residual[token] = 0.0
+    return None
+
+
+def greedy_choice(tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], int]:
+    """The greedy :data:`Chooser`: :func:`greedy_accept`'s path and the argmax after it."""
+    argmax = logits.argmax(dim=-1).cpu().numpy()
+    path = greedy_accept(tree.tokens, tree.parents, argmax)
+    return path, int(argmax[path[-1] + 1] if path else argmax[0])
+
+
+def sampling_choice(temperature: float, top_p: float = 1.0, generator: torch.Generator | None = None) -> Chooser:
+    """The sampling :data:`Chooser`: :func:`sample_accept` on :func:`target_probs` of the logits."""
+
+    def choose(tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], int]:
+        return sample_accept(tree.tokens, tree.parents, target_probs(logits, temperature, top_p), generator)
+
+    return choose
+
+
+def check_sampling(temperature: float, top_p: float, generator: torch.Generator | None) -> None:
+    """Raise ``ValueError`` unless ``temperature >= 0``, ``0 < top_p <= 1`` and the generator is on CPU."""
+    if not temperature >= 0:  # also refuses NaN
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must lie in (0, 1], got {top_p}")
+    if generator is not None and generator.device.type != "cpu":
+        raise ValueError(f"the generator must be a CPU one (draws happen on CPU), got {generator.device}")
+
+
 def prune_cache(cache: DynamicCache, start: int, path: list[int]) -> None:
     """Keep positions ``[0, start)`` and ``start + path`` (ascending) in every layer, in place.
 
@@ -116,7 +219,7 @@ def _finish(tokens: list[int], max_new_tokens: int, eos_token_id: int | None) ->
 
 
 class ReferenceDecoder:
-    """Greedy speculative decoding (batch 1) of a Hugging Face causal LM with draft trees.
+    """Greedy or sampling speculative decoding (batch 1) of a Hugging Face causal LM with draft trees.
 
     >>> dec = ReferenceDecoder(model, tokenizer)  # doctest: +SKIP
     >>> lookup = lambda ctx: DraftTree.chain(prompt_lookup(ctx, num_tokens=8))  # doctest: +SKIP
@@ -139,17 +242,25 @@ class ReferenceDecoder:
         max_new_tokens: int,
         drafter: Drafter | None = None,
         eos_token_id: int | None = None,
+        *,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        generator: torch.Generator | None = None,
     ) -> tuple[list[int], DecodeStats]:
-        """Greedy continuation of ``prompt_ids``, token-identical to ``model.generate(do_sample=False)``.
+        """Continuation of ``prompt_ids``: greedy, or sampled when ``temperature > 0``.
 
-        ``drafter`` maps the context so far (int32) to a :class:`DraftTree` (possibly empty);
-        without one every step emits one token. Stops after ``eos_token_id`` or
-        ``max_new_tokens`` tokens, whichever comes first.
+        Greedy output is token-identical to ``model.generate(do_sample=False)``. Sampled output
+        follows the distribution of plain sampling at ``temperature`` with ``top_p`` (see
+        :func:`sample_accept`); ``generator`` (CPU) seeds it. ``drafter`` maps the context so far
+        (int32) to a :class:`DraftTree` (possibly empty); without one every step emits one token.
+        Stops after ``eos_token_id`` or ``max_new_tokens`` tokens, whichever comes first.
         """
         if not prompt_ids:
             raise ValueError("prompt_ids must not be empty")
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        check_sampling(temperature, top_p, generator)
+        choose = greedy_choice if temperature == 0 else sampling_choice(temperature, top_p, generator)
         began, stats = time.perf_counter(), DecodeStats()
         out: list[int] = []
         done = max_new_tokens == 0
@@ -158,7 +269,7 @@ class ReferenceDecoder:
             while not done:
                 context = np.asarray([*prompt_ids, *out], dtype=np.int32)
                 tree = drafter(context) if drafter is not None else DraftTree.empty()
-                emitted = self._step(cache, int(context[-1]), tree)
+                emitted = self._step(cache, int(context[-1]), tree, choose)
                 stats.accepted.append(len(emitted) - 1)
                 stats.drafted.append(len(tree))
                 out, done = _finish(out + emitted, max_new_tokens, eos_token_id)
@@ -172,7 +283,7 @@ class ReferenceDecoder:
             self.model(input_ids=tensor, past_key_values=cache, use_cache=True, logits_to_keep=1)
         return cache
 
-    def _step(self, cache: DynamicCache, root: int, tree: DraftTree) -> list[int]:
+    def _step(self, cache: DynamicCache, root: int, tree: DraftTree, choose: Chooser) -> list[int]:
         """One forward over ``[root] + tree``; returns the accepted tokens plus the bonus token."""
         self._check_tree(tree)
         past = cache.get_seq_length()
@@ -184,10 +295,8 @@ class ReferenceDecoder:
             past_key_values=cache,
             use_cache=True,
         ).logits
-        argmax = logits[0].argmax(dim=-1).cpu().numpy()
-        path = greedy_accept(tree.tokens, tree.parents, argmax)
+        path, bonus = choose(tree, logits[0])
         prune_cache(cache, past + 1, path)
-        bonus = int(argmax[path[-1] + 1] if path else argmax[0])
         return [*tree.tokens[path].tolist(), bonus]
 
     def _check_tree(self, tree: DraftTree) -> None:
