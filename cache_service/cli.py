@@ -145,6 +145,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add(rb, "--steps", type=int, default=2000)
     _add(rb, "--batch", type=int, default=32)
 
+    bl = sub.add_parser("bench-load", help="decoder processes stepping batches of real traces against the service")
+    bl.add_argument("traces", type=Path, help="requests come from these conversations")
+    bl.add_argument("--target", action="append", help="a replica (repeat for several; default 127.0.0.1:50051)")
+    _add(bl, "--tokenizer", type=Path, default=None, help="tokenizer of the traces' namespace (its vocabulary)")
+    _add(bl, "--decoders", type=int, default=8)
+    _add(bl, "--batch", type=int, default=32)
+    _add(bl, "--seconds", type=float, default=30.0)
+    _add(bl, "--step-ms", type=float, default=0.0, help="the target's verification time per step (0: back to back)")
+    _add(bl, "--deadline-ms", type=float, default=50.0, help="client deadline; past it the fallback drafts")
+    _add(bl, "--budget", type=int, default=64)
+    bl.add_argument("--watch-pid", type=int, action="append", default=[], help="sample this process's memory and CPU")
+
     b = sub.add_parser("bench-index", help="rebuild time, lookup latency and bytes per token at a buffer size")
     _add(b, "--corpus", type=Path, required=_env("corpus") is None, help="real text to fill the buffer with")
     _add(b, "--format", default="sharegpt", choices=warm.FORMATS)
@@ -375,6 +387,33 @@ def cmd_bench_rpc(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_load(a: argparse.Namespace) -> int:
+    import json
+
+    from decoder_client.load_bench import LoadConfig, run_load
+
+    targets = tuple(a.target or ["127.0.0.1:50051"])
+    conversations = read_traces(a.traces)
+    vocab = warm.load_tokenizer(a.tokenizer)[1] if a.tokenizer is not None else None
+    namespace = replay_bench.namespace_of(conversations, vocab)
+    for target in targets:
+        replay_bench.ensure_namespace(target, namespace)
+    config = LoadConfig(
+        targets=targets,
+        namespace=namespace.name,
+        traces=a.traces,
+        decoders=a.decoders,
+        batch=a.batch,
+        seconds=a.seconds,
+        step_interval_s=a.step_ms / 1e3,
+        deadline_s=a.deadline_ms / 1e3,
+        params=DraftParams(budget=a.budget),
+        watch_pids=tuple(a.watch_pid),
+    )
+    print(json.dumps(run_load(config), indent=2))
+    return 0
+
+
 COMMANDS = {
     "replay": cmd_replay,
     "warm": cmd_warm,
@@ -385,6 +424,7 @@ COMMANDS = {
     "rebuild": cmd_admin,
     "bench-index": cmd_bench_index,
     "bench-rpc": cmd_bench_rpc,
+    "bench-load": cmd_bench_load,
     "generate": cmd_generate,
 }
 

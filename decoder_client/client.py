@@ -188,6 +188,11 @@ class DraftClient:
         resp = self._call(self._stub.Draft, req, self.config.deadline_s) if req is not None else None
         return self._core.trees(sessions, resp)
 
+    def add_tokens(self, sessions: Sequence[ClientSession], new_tokens: Sequence[Sequence[int]]) -> None:
+        """Record tokens produced without asking for a draft (a request's last step): they go
+        with the next call, a close included."""
+        self._core.add_tokens(sessions, new_tokens)
+
     def close(self, sessions: Sequence[ClientSession], *, commit: bool = True) -> None:
         """End the requests; with ``commit`` the service adds them to its lifetime memory."""
         tail, close = self._core.close_requests(sessions, commit)

@@ -1,0 +1,230 @@
+"""Load test: several decoder processes, each stepping a batch of real sequences against the
+service, the way inference replicas use it.
+
+Each decoder process embeds a :class:`DraftClient` and keeps ``batch`` requests in flight, taken
+from a trace file in turn: one batched draft call per step, the accepted length judged against
+the recorded continuation (exact for greedy decoding), the produced tokens sent with the next
+call, a finished request closed (committed) and replaced by the next one. ``step_interval_s``
+stands for the target model's verification time between two draft calls; 0 steps back to back
+(the service's saturation throughput). Replicas are taken round robin by decoder.
+
+The parent process collects every step's client-visible latency and, for processes on this
+host (``watch_pids``), samples resident memory and CPU time once a second.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import numpy as np
+from draftcache.v1 import draftcache_pb2 as pb
+from draftcache.v1 import draftcache_pb2_grpc as pb_grpc
+
+from decoder_client.client import ClientConfig, ClientSession, DraftClient
+from decoder_client.traces import Conversation, iter_traces
+from indexer.drafter import DraftParams
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadConfig:
+    targets: tuple[str, ...]
+    namespace: str
+    traces: Path
+    decoders: int = 8
+    batch: int = 32
+    seconds: float = 30.0
+    step_interval_s: float = 0.0  # the target's verification time between draft calls
+    deadline_s: float = 0.05  # past it a step is answered by the local fallback
+    params: DraftParams = field(default_factory=DraftParams)
+    watch_pids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.targets:
+            raise ValueError("at least one target is needed")
+        if self.decoders < 1 or self.batch < 1 or self.seconds <= 0:
+            raise ValueError("decoders and batch must be >= 1 and seconds > 0")
+        if self.step_interval_s < 0 or self.deadline_s <= 0:
+            raise ValueError("step_interval_s must be >= 0 and deadline_s > 0")
+
+
+@dataclass
+class DecoderResult:
+    """One decoder process's counts and step latencies (seconds)."""
+
+    steps: int = 0
+    sequence_drafts: int = 0  # trees received from the service
+    fallbacks: int = 0  # trees the local drafter made instead
+    tokens: int = 0  # tokens produced (accepted drafts + bonus)
+    sequence_steps: int = 0
+    requests: int = 0
+    latencies: list[float] = field(default_factory=list)
+
+
+def requests_of(conversations: list[Conversation]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """``(prompt, output)`` for every output segment, cycling over the conversations forever."""
+    pairs = []
+    for conv in conversations:
+        parts: list[np.ndarray] = []
+        for seg in conv.segments:
+            if seg.kind == "output" and parts and seg.tokens.size > 1:
+                pairs.append((np.concatenate(parts), seg.tokens))
+            parts.append(seg.tokens)
+    if not pairs:
+        raise ValueError("the traces hold no output segments with a prompt")
+    while True:
+        yield from pairs
+
+
+@dataclass
+class _Slot:
+    session: ClientSession
+    output: np.ndarray
+    pos: int = 0
+    pending: list[int] = field(default_factory=list)
+
+
+def run_decoder(config: LoadConfig, index: int) -> DecoderResult:
+    """One decoder: ``batch`` sequences stepped until ``seconds`` have passed."""
+    conversations = [c for i, c in enumerate(iter_traces(config.traces)) if i % config.decoders == index]
+    source = requests_of(conversations or list(iter_traces(config.traces)))
+    target = config.targets[index % len(config.targets)]
+    client = DraftClient(
+        ClientConfig(target=target, namespace=config.namespace, params=config.params, deadline_s=config.deadline_s)
+    )
+    result = DecoderResult()
+    slots = [_open(client, source) for _ in range(config.batch)]
+    result.requests = len(slots)
+    stop = time.monotonic() + config.seconds
+    while time.monotonic() < stop:
+        began = time.perf_counter()
+        before = client.stats.fallback
+        trees = client.draft([s.session for s in slots], [s.pending for s in slots])
+        result.latencies.append(time.perf_counter() - began)
+        result.steps += 1
+        result.fallbacks += client.stats.fallback - before
+        result.sequence_drafts += len(slots) - (client.stats.fallback - before)
+        for i, (slot, tree) in enumerate(zip(slots, trees, strict=True)):
+            n = len(tree.accept(slot.output[slot.pos :])) + 1
+            slot.pending = slot.output[slot.pos : slot.pos + n].tolist()
+            slot.pos += n
+            result.tokens += len(slot.pending)
+            result.sequence_steps += 1
+            if slot.pos >= slot.output.size:
+                client.add_tokens([slot.session], [slot.pending])
+                client.close([slot.session])
+                slots[i] = _open(client, source)
+                result.requests += 1
+        if config.step_interval_s:
+            time.sleep(max(0.0, began + config.step_interval_s - time.perf_counter()))
+    client.close([s.session for s in slots], commit=False)
+    client.shutdown()
+    return result
+
+
+def _open(client: DraftClient, source: Iterator[tuple[np.ndarray, np.ndarray]]) -> _Slot:
+    prompt, output = next(source)
+    (session,) = client.open([prompt])
+    return _Slot(session, output)
+
+
+def _worker(config: LoadConfig, index: int, results: mp.Queue) -> None:
+    results.put((index, run_decoder(config, index)))
+
+
+def _sample(pids: tuple[int, ...]) -> dict[int, tuple[float, float]]:
+    """Resident MiB and CPU seconds of each process (Linux /proc)."""
+    ticks = 100.0
+    out = {}
+    for pid in pids:
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+            rss_kb = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:"))
+            stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            out[pid] = (rss_kb / 1024, (int(stat[11]) + int(stat[12])) / ticks)
+        except (OSError, StopIteration, IndexError, ValueError):
+            continue
+    return out
+
+
+def _server_drafts(targets: tuple[str, ...]) -> int:
+    total = 0
+    for target in targets:
+        with grpc.insecure_channel(target) as channel:
+            total += pb_grpc.AdminStub(channel).Stats(pb.StatsRequest(), timeout=5).drafts
+    return total
+
+
+def run_load(config: LoadConfig) -> dict:
+    """Start the decoders, wait for them, and summarise."""
+    ctx = mp.get_context("spawn")
+    results: mp.Queue = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(config, i, results), daemon=True) for i in range(config.decoders)]
+    drafts_before = _server_drafts(config.targets)
+    began = time.monotonic()
+    for p in procs:
+        p.start()
+    samples: list[tuple[float, dict[int, tuple[float, float]]]] = []
+    collected: list[DecoderResult] = []
+    while len(collected) < len(procs):
+        samples.append((time.monotonic() - began, _sample(config.watch_pids)))
+        try:
+            collected.append(results.get(timeout=1.0)[1])
+        except Exception:  # queue.Empty: keep sampling
+            if not any(p.is_alive() for p in procs) and results.empty():
+                raise RuntimeError("a decoder process died without a result") from None
+    elapsed = time.monotonic() - began
+    for p in procs:
+        p.join(timeout=10)
+    return summarise(config, collected, samples, _server_drafts(config.targets) - drafts_before, elapsed)
+
+
+def summarise(
+    config: LoadConfig,
+    results: list[DecoderResult],
+    samples: list[tuple[float, dict[int, tuple[float, float]]]],
+    server_drafts: int,
+    elapsed: float,
+) -> dict:
+    lat = np.array([x for r in results for x in r.latencies]) * 1e3
+    steps = sum(r.steps for r in results)
+    out: dict = {
+        "decoders": config.decoders,
+        "batch": config.batch,
+        "replicas": len(config.targets),
+        "step_interval_ms": config.step_interval_s * 1e3,
+        "seconds": round(elapsed, 1),
+        "steps": steps,
+        "step_ms_p50": round(float(np.percentile(lat, 50)), 3) if lat.size else None,
+        "step_ms_p99": round(float(np.percentile(lat, 99)), 3) if lat.size else None,
+        "sequence_drafts_per_s": round(sum(r.sequence_drafts for r in results) / config.seconds, 1),
+        "server_drafts_per_s": round(server_drafts / config.seconds, 1),
+        "fallback_share": round(sum(r.fallbacks for r in results) / max(1, steps * config.batch), 4),
+        "mat": round(sum(r.tokens for r in results) / max(1, sum(r.sequence_steps for r in results)), 3),
+        "requests": sum(r.requests for r in results),
+    }
+    if samples and config.watch_pids:
+        out["processes"] = _process_report(samples, config.watch_pids)
+    return out
+
+
+def _process_report(samples: list[tuple[float, dict[int, tuple[float, float]]]], pids: tuple[int, ...]) -> dict:
+    report = {}
+    for pid in pids:
+        seen = [(t, s[pid]) for t, s in samples if pid in s]
+        if len(seen) < 2:
+            continue
+        rss = [m for _, (m, _) in seen]
+        (t0, (_, c0)), (t1, (_, c1)) = seen[0], seen[-1]
+        quarter = max(1, len(rss) // 4)
+        report[str(pid)] = {
+            "rss_mib_first": round(rss[0], 1),
+            "rss_mib_last_quarter_max": round(max(rss[-quarter:]), 1),
+            "rss_mib_max": round(max(rss), 1),
+            "cpu_cores_used": round((c1 - c0) / max(t1 - t0, 1e-9), 2),
+        }
+    return report

@@ -1,0 +1,86 @@
+"""The load benchmark against a real in-process service: decoder processes, real traces."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cache_service.config import ServiceConfig
+from decoder_client.load_bench import DecoderResult, LoadConfig, requests_of, run_load, summarise
+from decoder_client.traces import Conversation, Segment
+from tests.service.conftest import start_service, stop_service
+
+
+def _conv(*segments: tuple[str, list[int]]) -> Conversation:
+    return Conversation("c", "ns", "cat", tuple(Segment(k, np.array(t, dtype=np.int32)) for k, t in segments))
+
+
+def test_requests_cycle_over_output_segments_with_their_context() -> None:
+    conv = _conv(("input", [1, 2]), ("output", [3, 4]), ("input", [5]), ("output", [6, 7]))
+    source = requests_of([conv])
+    first, second, again = next(source), next(source), next(source)
+    # Each output is a request whose prompt is everything before it.
+    assert (first[0].tolist(), first[1].tolist()) == ([1, 2], [3, 4])
+    assert (second[0].tolist(), second[1].tolist()) == ([1, 2, 3, 4, 5], [6, 7])
+    # The source cycles forever.
+    assert again[1].tolist() == [3, 4]
+
+
+def test_requests_need_an_output() -> None:
+    with pytest.raises(ValueError, match="no output segments"):
+        next(requests_of([_conv(("input", [1, 2]))]))
+
+
+def test_summary_counts_and_percentiles() -> None:
+    config = LoadConfig(targets=("x",), namespace="ns", traces=Path("t"), decoders=2, batch=4, seconds=2.0)
+    a = DecoderResult(steps=2, sequence_drafts=7, fallbacks=1, tokens=16, sequence_steps=8, latencies=[0.001, 0.003])
+    b = DecoderResult(steps=1, sequence_drafts=4, fallbacks=0, tokens=4, sequence_steps=4, latencies=[0.002])
+    out = summarise(config, [a, b], [], server_drafts=11, elapsed=2.5)
+    assert out["steps"] == 3
+    assert out["step_ms_p50"] == pytest.approx(2.0)
+    assert out["sequence_drafts_per_s"] == pytest.approx(5.5)  # 11 remote trees in 2 s
+    assert out["fallback_share"] == pytest.approx(1 / 12, abs=1e-4)  # 1 of 3 steps x 4 sequences
+    assert out["mat"] == pytest.approx(20 / 12, abs=1e-3)
+
+
+def test_load_run_against_a_live_service(tmp_path: Path) -> None:
+    # Two decoder processes, real requests from a small trace written here.
+    rng = np.random.default_rng(0)
+    with gzip.open(tmp_path / "t.jsonl.gz", "wt") as fh:
+        for i in range(6):
+            text = rng.integers(0, 50, 40).tolist()
+            row = {
+                "id": str(i),
+                "namespace": "ns",
+                "category": "c",
+                "segments": [{"kind": "input", "tokens": text}, {"kind": "output", "tokens": text[:20] * 2}],
+            }
+            fh.write(json.dumps(row) + "\n")
+    running = start_service(ServiceConfig())
+    try:
+        running.service.create_namespace("ns", 64)
+        config = LoadConfig(
+            targets=(running.target,),
+            namespace="ns",
+            traces=tmp_path / "t.jsonl.gz",
+            decoders=2,
+            batch=3,
+            seconds=2.0,
+            deadline_s=1.0,
+            watch_pids=(os.getpid(),),
+        )
+        out = run_load(config)
+    finally:
+        stop_service(running)
+    assert out["steps"] > 0 and out["fallback_share"] == 0.0
+    # Every tree the decoders counted was served (and counted) by the service.
+    assert out["server_drafts_per_s"] == out["sequence_drafts_per_s"] > 0
+    # Outputs repeat their prompts, so drafts are accepted: more than one token per step.
+    assert out["mat"] > 1.5
+    assert out["requests"] > 6  # finished requests were replaced by new ones
+    assert str(os.getpid()) in out["processes"]
