@@ -8,6 +8,10 @@ so no match or continuation runs across requests or off the end.
 
 from __future__ import annotations
 
+import ctypes
+from collections.abc import Callable
+from pathlib import Path
+
 import numpy as np
 
 from indexer import kernels
@@ -19,6 +23,30 @@ except ImportError:  # pragma: no cover - exercised only where the wheel is miss
     _divsufsort = None
 
 
+def _openmp_threads_setter() -> Callable[[int], None] | None:
+    """``omp_set_num_threads`` of the OpenMP runtime bundled with pydivsufsort, if any.
+
+    libdivsufsort sorts with OpenMP. Beside a busy serving thread, every parallel call pays
+    thread wake-ups and spin-waits (about 8 ms even for 500 tokens on two loaded cores, and the
+    spinning threads take CPU from the requests being served), so sorts run on one thread.
+    """
+    if _divsufsort is None:
+        return None
+    import pydivsufsort
+
+    libs = Path(pydivsufsort.__file__).parent.parent / "pydivsufsort.libs"
+    found = sorted(libs.glob("libgomp*.so*")) if libs.is_dir() else []
+    if not found:
+        return None
+    try:
+        return ctypes.CDLL(str(found[0])).omp_set_num_threads  # the already-loaded copy
+    except (OSError, AttributeError):  # pragma: no cover - an unusual build
+        return None
+
+
+_set_openmp_threads = _openmp_threads_setter()
+
+
 def build_suffix_array(tokens: np.ndarray) -> np.ndarray:
     """Start positions of all suffixes of ``tokens`` in lexicographic (signed int32) order.
 
@@ -28,6 +56,8 @@ def build_suffix_array(tokens: np.ndarray) -> np.ndarray:
     if tokens.size == 0:
         return np.zeros(0, dtype=np.int32)
     if _divsufsort is not None:
+        if _set_openmp_threads is not None:
+            _set_openmp_threads(1)  # per calling thread: builds run on several threads
         return np.asarray(_divsufsort(_compact_separator(tokens)), dtype=np.int32)
     return suffix_array_numpy(tokens)
 
