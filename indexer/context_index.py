@@ -74,6 +74,22 @@ class ContextIndex:
         rows = kernels.gather_rows(ctx, pos, depth, int(SEPARATOR))
         return n, rows, np.concatenate(weights) if len(weights) > 1 else weights[0]
 
+    def followers(
+        self, *, leader_len: int, follower_len: int, keep: int, since: int = 0
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``(rows, counts)``: the ``keep`` most recently seen distinct ``follower_len``-token
+        continuations of the context's last ``leader_len`` tokens, among occurrences starting at
+        ``since`` or later, with how often each followed (a session's dynamic table, computed
+        when asked from the context itself)."""
+        ctx = self.tokens
+        tail_from = 0
+        starts = np.zeros(0, dtype=np.int32)
+        if self._sa is not None and ctx.size >= leader_len:
+            first, last = self._sa.match_range(ctx[-leader_len:])
+            starts = self._sa.suffix_array[first:last]
+            tail_from = max(0, self._indexed - leader_len + 1)  # later starts are not all indexed
+        return kernels.recent_followers(ctx, starts, tail_from, since, leader_len, follower_len, keep)
+
     def _tail_matches(self, ctx: np.ndarray, max_len: int) -> tuple[int, np.ndarray]:
         """Longest suffix match among occurrences ending after the indexed region (but before
         the last token), with the end positions achieving it."""

@@ -72,18 +72,34 @@ def _prior(tier: Tier, n: int) -> float:
 
 
 @dataclass(frozen=True, kw_only=True)
+class DynamicConfig:
+    """The session's dynamic tier: what followed the context's last ``leader_len`` tokens
+    earlier in the request, the ``max_followers`` most recent distinct continuations weighted by
+    how often each occurred (Cacheback's leader -> follower table, read off the context)."""
+
+    leader_len: int = 2
+    follower_len: int = 8
+    max_followers: int = 4
+    window: int = 2048  # prompt tokens it draws from (every generated token counts)
+
+    def __post_init__(self) -> None:
+        for name in ("leader_len", "follower_len", "max_followers", "window"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True, kw_only=True)
 class DrafterConfig:
     max_match: int = 32  # longest suffix match looked for
     samples: int = 32  # continuations sampled from one lifetime match
     context_samples: int = 16  # ... from one match in the request's own context
-    dynamic: LruTableConfig = field(default_factory=LruTableConfig)
+    dynamic: DynamicConfig = field(default_factory=DynamicConfig)
     rejected: LruTableConfig = field(default_factory=lambda: LruTableConfig(max_leaders=1024, max_followers=2))
-    seed_window: int = 2048  # prompt tokens that seed the dynamic table
     lifetime: LifetimeConfig = field(default_factory=LifetimeConfig)
     calibration_buckets: int = 16
 
     def __post_init__(self) -> None:
-        for name in ("max_match", "samples", "context_samples", "seed_window", "calibration_buckets"):
+        for name in ("max_match", "samples", "context_samples", "calibration_buckets"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
@@ -161,7 +177,6 @@ class NamespaceDrafter:
             for depth, branch in branches:
                 session.rejected.record(tail[: before.size + depth], branch)
         session.context.extend(new)
-        session.dynamic.observe(session.context.tokens)
         session.last_tree, session.guesses = None, {}
         session.hints = {t: n + int(new.size) for t, n in session.hints.items()}
 
@@ -188,12 +203,20 @@ class NamespaceDrafter:
         )
         if n:
             out.append((self._weighted(Tier.CONTEXT, n, rows, w), n))
-        for tier, table in ((Tier.DYNAMIC, s.dynamic.table), (Tier.REJECTED, s.rejected.table)):
-            found = table.candidates(ctx)
-            if found is not None:
-                rows, w = found
-                n = table.config.leader_len
-                out.append((self._weighted(tier, n, rows, w), n))
+        dyn = cfg.dynamic
+        rows, w = s.context.followers(
+            leader_len=dyn.leader_len,
+            follower_len=dyn.follower_len,
+            keep=dyn.max_followers,
+            since=max(0, s.prompt_len - dyn.window),
+        )
+        if w.size:
+            out.append((self._weighted(Tier.DYNAMIC, dyn.leader_len, rows, w), dyn.leader_len))
+        found = s.rejected.table.candidates(ctx)
+        if found is not None:
+            rows, w = found
+            n = s.rejected.table.config.leader_len
+            out.append((self._weighted(Tier.REJECTED, n, rows, w), n))
         out.extend(self._lifetime(ctx, depth, s.hints.get(Tier.LIFETIME_SA, 0)))
         if self.prior is not None:
             hit = self.prior.lookup(ctx)

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from indexer.context_index import ContextIndex
-from indexer.session_cache import DynamicCache, RejectedCache
+from indexer.session_cache import RejectedCache
 from indexer.tree_builder import DraftTree, Tier
 
 if TYPE_CHECKING:
@@ -29,7 +29,7 @@ class Guess:
 @dataclass(frozen=True)
 class SessionSnapshot:
     """Everything needed to continue a session elsewhere: its tokens and its rejected table.
-    The dynamic table is not carried: it is a pure function of the tokens and is rebuilt."""
+    (The dynamic tier is read off the tokens themselves.)"""
 
     context: np.ndarray
     prompt_len: int
@@ -37,20 +37,18 @@ class SessionSnapshot:
 
 
 class Session:
-    """One request being decoded: its context, dynamic and rejected tables, last draft.
+    """One request being decoded: its context, rejected table, last draft.
 
     >>> from indexer.drafter import DrafterConfig
     >>> s = Session(np.array([1, 2, 3, 1, 2], dtype=np.int32), DrafterConfig(), None)
     >>> again = Session.restore(s.snapshot(), DrafterConfig(), None)
-    >>> again.context.tokens.tolist(), again.dynamic.table.items() == s.dynamic.table.items()
-    ([1, 2, 3, 1, 2], True)
+    >>> again.context.tokens.tolist(), again.prompt_len
+    ([1, 2, 3, 1, 2], 5)
     """
 
     def __init__(self, prompt: np.ndarray, config: DrafterConfig, exact: np.ndarray | None) -> None:
         self.context = ContextIndex(prompt)
         self.prompt_len = int(prompt.size)
-        self.dynamic = DynamicCache(config.dynamic, config.seed_window)
-        self.dynamic.observe(prompt)
         self.rejected = RejectedCache(config.rejected)
         self.exact = exact
         self.last_tree: DraftTree | None = None
@@ -72,7 +70,6 @@ class Session:
     def restore(cls, snap: SessionSnapshot, config: DrafterConfig, exact: np.ndarray | None) -> Session:
         session = cls(snap.context[: snap.prompt_len], config, exact)
         session.context.extend(snap.context[snap.prompt_len :])
-        session.dynamic.observe(session.context.tokens)  # the same adds, in the same order
         for leader, followers in snap.rejected:
             for follower, count in followers:
                 session.rejected.table.add(tuple(leader), tuple(follower), count)

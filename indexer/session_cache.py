@@ -1,12 +1,10 @@
-"""Session-scoped LRU leader -> follower tables (Cacheback's dynamic table, DOUBLE's rejected
-cache).
+"""Session-scoped LRU leader -> follower tables (DOUBLE's rejected cache).
 
 A *leader* is the ``leader_len`` tokens before a position; its *followers* are the
 ``follower_len`` tokens seen after it. Both levels are LRU by update: adding to a leader (or
 seeing a follower again) refreshes it, and the least recently updated leader (or follower of one
 leader) goes first when a capacity is reached. Lookups do not reorder anything, so a table is a
-pure function of what was added to it: a replica rebuilds a session's dynamic table from the
-session's tokens alone.
+pure function of what was added to it.
 """
 
 from __future__ import annotations
@@ -84,35 +82,6 @@ class LruTable:
         for i, (fol, _) in enumerate(found):
             rows[i, : len(fol)] = fol
         return rows, np.array([c for _, c in found], dtype=np.float64)
-
-
-class DynamicCache:
-    """The session's dynamic table, fed with every context position whose follower is complete.
-
-    >>> cache = DynamicCache(LruTableConfig(leader_len=1, follower_len=2))
-    >>> cache.observe(np.array([1, 2, 3, 1], dtype=np.int32))
-    >>> cache.table.followers((1,))
-    [((2, 3), 1)]
-    """
-
-    def __init__(self, config: LruTableConfig, seed_window: int = 2048) -> None:
-        self.table = LruTable(config)
-        self._seed_window = seed_window
-        self._next = -1  # next leader end position to record; -1 until seeded
-
-    def observe(self, context: np.ndarray) -> None:
-        """Record positions made complete since the last call (the first call seeds from the
-        last ``seed_window`` tokens)."""
-        ll, fl = self.table.config.leader_len, self.table.config.follower_len
-        if self._next < 0:
-            self._next = max(ll, context.size - self._seed_window)
-        stop = context.size - fl
-        if stop < self._next:
-            return
-        window = context[self._next - ll : stop + fl].tolist()
-        for i in range(stop - self._next + 1):
-            self.table.add(tuple(window[i : i + ll]), tuple(window[i + ll : i + ll + fl]))
-        self._next = stop + 1
 
 
 class RejectedCache:

@@ -15,6 +15,7 @@ from indexer.kernels.search import (
     longest_match,
     match_range,
     prompt_lookup_start,
+    recent_followers,
     sample_starts,
     tail_matches,
 )
@@ -43,6 +44,7 @@ __all__ = [
     "merge_tree",
     "prefix_counts",
     "prompt_lookup_start",
+    "recent_followers",
     "rejected_branches",
     "sample_starts",
     "tail_matches",
@@ -58,6 +60,7 @@ def warm_up() -> None:
     longest_match(toks, sa, np.array([1, 2], dtype=np.int32), 4, 1, 0)
     tail_matches(np.array([1, 2, 1], dtype=np.int32), 0, 4)
     prompt_lookup_start(np.array([1, 2, 1], dtype=np.int32), 1, 3)
+    recent_followers(toks, sa[:1], 2, 0, 1, 1, 2)
     find_leader(np.array([1, 2], dtype=np.int32), 2, np.zeros(1, dtype=np.uint64))
     hash_rows(np.zeros((1, 2), dtype=np.int32))
     rows = np.array([[1, 2], [1, -1]], dtype=np.int32)

@@ -153,3 +153,59 @@ def prompt_lookup_start(ctx: np.ndarray, min_n: int, max_n: int) -> int:
             if ok:
                 return s + n
     return -1
+
+
+@njit(cache=True, nogil=True)
+def recent_followers(
+    ctx: np.ndarray, indexed_starts: np.ndarray, tail_from: int, since: int, ll: int, fl: int, keep: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The ``keep`` most recently seen distinct ``fl``-token followers of the context's last
+    ``ll`` tokens, most recent first, with how often each followed them: ``(rows, counts)``.
+
+    Occurrences start at ``since`` or later and have a complete follower. Those starting before
+    ``tail_from`` come from an index (``indexed_starts``, any order); the rest are scanned here.
+    For ``ctx = [1, 2, 9, 1, 2, 8, 1, 2, 9, 1, 2]``, ``ll = 2``, ``fl = 1``: ``[[9], [8]]`` with
+    counts ``[2, 1]`` (9 followed "1 2" at starts 0 and 6, 8 at start 3).
+    """
+    n = ctx.size
+    last = n - ll - fl  # the latest start with a complete follower
+    rows = np.full((keep, fl), -1, dtype=np.int32)
+    counts = np.zeros(keep)
+    if keep < 1 or fl < 1 or ll < 1 or last < since:
+        return rows[:0], counts[:0]
+    starts = np.empty(max(0, last - max(since, tail_from) + 1) + indexed_starts.size, dtype=np.int64)
+    m = 0
+    for p in range(last, max(since, tail_from) - 1, -1):  # the tail, most recent first
+        same = True
+        for j in range(ll):
+            if ctx[p + j] != ctx[n - ll + j]:
+                same = False
+                break
+        if same:
+            starts[m] = p
+            m += 1
+    indexed = np.sort(indexed_starts)[::-1]
+    for p in indexed:
+        if since <= p <= last and p < tail_from:
+            starts[m] = p
+            m += 1
+    found = 0
+    for i in range(m):
+        at = starts[i] + ll
+        row = -1
+        for r in range(found):
+            same = True
+            for j in range(fl):
+                if rows[r, j] != ctx[at + j]:
+                    same = False
+                    break
+            if same:
+                row = r
+                break
+        if row >= 0:
+            counts[row] += 1
+        elif found < keep:
+            rows[found] = ctx[at : at + fl]
+            counts[found] = 1
+            found += 1
+    return rows[:found], counts[:found]

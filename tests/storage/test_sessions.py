@@ -9,13 +9,15 @@ import pytest
 import redis
 
 from cache_service.storage import RedisStore, SessionState, StorageCorrupt, keys
-from indexer.session_cache import DynamicCache, LruTableConfig, RejectedCache
+from indexer.session_cache import LruTable, LruTableConfig, RejectedCache
 
 
-def _session() -> tuple[SessionState, DynamicCache, RejectedCache]:
+def _session() -> tuple[SessionState, LruTable, RejectedCache]:
     context = np.array([3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3], np.int32)
-    dyn = DynamicCache(LruTableConfig(leader_len=2, follower_len=3))
-    dyn.observe(context)
+    dyn = LruTable(LruTableConfig(leader_len=2, follower_len=3))  # any table: storage keeps it as given
+    ids = context.tolist()
+    for i in range(2, len(ids) - 2):
+        dyn.add(tuple(ids[i - 2 : i]), tuple(ids[i : i + 3]))
     rej = RejectedCache(LruTableConfig(leader_len=2, follower_len=3))
     rej.record(context, np.array([11, 12, 13, 14], np.int32))
     rej.record(context[:-1], np.array([15], np.int32))
@@ -25,12 +27,12 @@ def _session() -> tuple[SessionState, DynamicCache, RejectedCache]:
 
 def test_save_load_round_trip(store: RedisStore) -> None:
     state, dyn, rej = _session()
-    store.save_session("s-1", state, dyn.table.items(), rej.table.items(), ttl_s=60)
+    store.save_session("s-1", state, dyn.items(), rej.table.items(), ttl_s=60)
     got = store.load_session("s-1")
     assert got is not None
     assert got.state.namespace == "acme/llama2" and got.state.prompt_len == 10
     assert got.state.context.tolist() == state.context.tolist() and dict(got.state.params) == {"budget": 32}
-    assert got.dyn == dyn.table.items() and len(got.dyn) > 5
+    assert got.dyn == dyn.items() and len(got.dyn) > 5
     # Oldest leader first; the branch is cut to follower_len.
     assert got.rej == rej.table.items() == [((9, 3), [((11, 12, 13), 1)]), ((7, 9), [((15,), 1)])]
     assert store.load_session("s-2") is None
@@ -38,7 +40,7 @@ def test_save_load_round_trip(store: RedisStore) -> None:
 
 def test_every_key_gets_the_ttl_and_save_or_touch_refresh_it(store: RedisStore, client: redis.Redis) -> None:
     state, dyn, rej = _session()
-    store.save_session("s", state, dyn.table.items(), rej.table.items(), ttl_s=30)
+    store.save_session("s", state, dyn.items(), rej.table.items(), ttl_s=30)
     ttls = [client.pttl(k) for k in keys.session_keys("s")]
     assert all(25_000 < t <= 30_000 for t in ttls)
     store.save_session("s", state, [], [], ttl_s=300)  # a later save refreshes every key
@@ -74,10 +76,10 @@ def test_delete_and_scan_listing(store: RedisStore) -> None:
 
 def test_a_missing_table_loads_empty_and_garbage_is_corrupt(store: RedisStore, client: redis.Redis) -> None:
     state, dyn, rej = _session()
-    store.save_session("s", state, dyn.table.items(), rej.table.items(), ttl_s=60)
+    store.save_session("s", state, dyn.items(), rej.table.items(), ttl_s=60)
     client.delete(keys.session_rej("s"))
     got = store.load_session("s")
-    assert got is not None and got.rej == [] and got.dyn == dyn.table.items()
+    assert got is not None and got.rej == [] and got.dyn == dyn.items()
     client.set(keys.session_dyn("s"), b"garbage")
     with pytest.raises(StorageCorrupt):
         store.load_session("s")

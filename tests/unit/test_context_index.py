@@ -216,3 +216,59 @@ def test_short_prompt_matches_brute_force(prompt, ext, max_len, depth, hint):
 )
 def test_long_prompt_matches_brute_force(prompt, ext, max_len, depth, hint):
     _check(prompt, ext, max_len, depth, hint)
+
+
+# -- followers (the dynamic tier) --------------------------------------------------------------
+
+
+def _brute_followers(ids, ll, fl, keep, since):
+    """Distinct followers of the last ``ll`` ids, most recent occurrence first, with counts."""
+    n, order, counts = len(ids), [], {}
+    for p in range(n - ll - fl, since - 1, -1):
+        if ids[p : p + ll] == ids[n - ll :]:
+            f = tuple(ids[p + ll : p + ll + fl])
+            if f not in counts:
+                order.append(f)
+                counts[f] = 0
+            counts[f] += 1
+    return [list(f) for f in order[:keep]], [float(counts[f]) for f in order[:keep]]
+
+
+@pytest.mark.parametrize("size", [SHORT, LONG])
+def test_followers_most_recent_first_with_counts(size):
+    ctx = ContextIndex(_a([*_filler(size), 1, 2, 9, 1, 2, 8, 1, 2, 9]))
+    ctx.extend(_a([1, 2]))
+    rows, counts = ctx.followers(leader_len=2, follower_len=1, keep=4)
+    # "1 2" was followed by 9 (twice, most recently) and by 8 (once).
+    assert rows.tolist() == [[9], [8]] and counts.tolist() == [2.0, 1.0]
+    # keep bounds the followers; the most recent stays.
+    assert ctx.followers(leader_len=2, follower_len=1, keep=1)[0].tolist() == [[9]]
+
+
+@pytest.mark.parametrize("size", [SHORT, LONG])
+def test_followers_need_a_complete_follower_and_respect_since(size):
+    ctx = ContextIndex(_a([*_filler(size), 1, 2, 7, 7, 1, 2, 5]))
+    ctx.extend(_a([1, 2]))
+    # Four tokens: after the second "1 2" only "5 1 2" remain, incomplete; the first has "7 7 1 2".
+    rows, _ = ctx.followers(leader_len=2, follower_len=4, keep=4)
+    assert rows.tolist() == [[7, 7, 1, 2]]
+    # Occurrences starting before ``since`` are ignored.
+    assert ctx.followers(leader_len=2, follower_len=1, keep=4, since=size + 3)[0].tolist() == [[5]]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    prompt=st.lists(st.integers(0, 3), min_size=0, max_size=400),
+    ext=st.lists(st.integers(0, 3), max_size=30),
+    ll=st.integers(1, 3),
+    fl=st.integers(1, 4),
+    keep=st.integers(1, 5),
+    since=st.integers(0, 50),
+)
+def test_followers_match_brute_force(prompt, ext, ll, fl, keep, since):
+    # Indexed prompts (> 256 tokens) and scanned ones agree with a direct scan.
+    ctx = ContextIndex(_a(prompt))
+    ctx.extend(_a(ext))
+    rows, counts = ctx.followers(leader_len=ll, follower_len=fl, keep=keep, since=since)
+    want_rows, want_counts = _brute_followers(prompt + ext, ll, fl, keep, since)
+    assert rows.tolist() == want_rows and counts.tolist() == want_counts

@@ -57,7 +57,7 @@ def test_draft_params_bounds_are_inclusive():
     assert DraftParams(budget=0).budget == 0
 
 
-@pytest.mark.parametrize("name", ["max_match", "samples", "context_samples", "seed_window", "calibration_buckets"])
+@pytest.mark.parametrize("name", ["max_match", "samples", "context_samples", "calibration_buckets"])
 def test_drafter_config_validation(name):
     # Every count must be at least 1.
     with pytest.raises(ValueError, match=name):

@@ -3,7 +3,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from indexer.session_cache import DynamicCache, LruTable, LruTableConfig, RejectedCache
+from indexer.session_cache import LruTable, LruTableConfig, RejectedCache
 
 
 def _a(ids):
@@ -155,60 +155,6 @@ def test_capacities_hold_under_many_operations(max_leaders, max_followers, ops):
         assert all(len(f) <= max_followers for _, f in t.items())
     # The table behaves exactly like a two-level least-recently-updated map with counts.
     assert t.items() == [(lead, list(fols.items())) for lead, fols in model.items()]
-
-
-# -- DynamicCache ------------------------------------------------------------------------------
-
-
-def test_dynamic_records_complete_positions():
-    cache = DynamicCache(LruTableConfig(leader_len=1, follower_len=2))
-    cache.observe(_a([1, 2, 3, 1]))
-    # Leaders with a full 2-token follower: "1"->"2 3" and "2"->"3 1"; "3"->"1" is incomplete.
-    assert cache.table.followers((1,)) == [((2, 3), 1)]
-    assert cache.table.followers((2,)) == [((3, 1), 1)]
-    assert cache.table.followers((3,)) == []
-
-
-def test_dynamic_adds_entries_as_context_grows():
-    cache = DynamicCache(LruTableConfig(leader_len=1, follower_len=2))
-    cache.observe(_a([1, 2, 3, 1]))
-    cache.observe(_a([1, 2, 3, 1, 2]))
-    # The new token completes "3" -> "1 2".
-    assert cache.table.followers((3,)) == [((1, 2), 1)]
-    cache.observe(_a([1, 2, 3, 1, 2, 4]))
-    # And then "1" -> "2 4" (the second occurrence of "1"), most recent first.
-    assert cache.table.followers((1,)) == [((2, 4), 1), ((2, 3), 1)]
-
-
-def test_dynamic_observe_is_idempotent_for_same_context():
-    cache = DynamicCache(LruTableConfig(leader_len=1, follower_len=1))
-    ctx = _a([5, 6, 5, 6])
-    cache.observe(ctx)
-    cache.observe(ctx)
-    # Positions already recorded are not counted twice.
-    assert cache.table.followers((5,)) == [((6,), 2)]
-
-
-def test_dynamic_short_context_then_growth():
-    cache = DynamicCache(LruTableConfig(leader_len=2, follower_len=2))
-    cache.observe(_a([1, 2]))
-    # Two tokens: no leader has a complete follower yet.
-    assert len(cache.table) == 0
-    cache.observe(_a([1, 2, 3, 4]))
-    # Now "1 2" -> "3 4" is complete.
-    assert cache.table.followers((1, 2)) == [((3, 4), 1)]
-
-
-def test_dynamic_seed_window_limits_first_observation():
-    cache = DynamicCache(LruTableConfig(leader_len=1, follower_len=1), seed_window=3)
-    cache.observe(_a([1, 2, 3, 4, 5, 6]))
-    # Only followers starting in the last 3 tokens (4, 5, 6) are seeded: 3->4, 4->5, 5->6.
-    assert [lead for lead, _ in cache.table.items()] == [(3,), (4,), (5,)]
-    cache.observe(_a([1, 2, 3, 4, 5, 6, 7]))
-    # Later growth is recorded normally.
-    assert cache.table.followers((6,)) == [((7,), 1)]
-    # The positions before the window are never back-filled.
-    assert cache.table.followers((1,)) == []
 
 
 # -- RejectedCache ---------------------------------------------------------------------------
