@@ -144,6 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add(rb, "--tokenizer", type=Path, default=None, help="tokenizer of the traces' namespace (its vocabulary)")
     _add(rb, "--steps", type=int, default=2000)
     _add(rb, "--batch", type=int, default=32)
+    rb.add_argument("--during-rebuild", action="store_true", help="measure again while indexes rebuild back to back")
 
     bl = sub.add_parser("bench-load", help="decoder processes stepping batches of real traces against the service")
     bl.add_argument("traces", type=Path, help="requests come from these conversations")
@@ -155,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add(bl, "--step-ms", type=float, default=0.0, help="the target's verification time per step (0: back to back)")
     _add(bl, "--deadline-ms", type=float, default=50.0, help="client deadline; past it the fallback drafts")
     _add(bl, "--budget", type=int, default=64)
+    _add(bl, "--passes", type=int, default=1, help="times each decoder replays its share of the requests (0: no end)")
     bl.add_argument("--watch-pid", type=int, action="append", default=[], help="sample this process's memory and CPU")
 
     b = sub.add_parser("bench-index", help="rebuild time, lookup latency and bytes per token at a buffer size")
@@ -383,7 +385,10 @@ def cmd_bench_rpc(a: argparse.Namespace) -> int:
     vocab = warm.load_tokenizer(a.tokenizer)[1] if a.tokenizer is not None else None
     namespace = replay_bench.namespace_of(conversations, vocab)
     replay_bench.ensure_namespace(a.target, namespace)
-    print(json.dumps(run_rpc_bench(a.target, namespace.name, conversations, steps=a.steps, batch=a.batch), indent=2))
+    result = run_rpc_bench(
+        a.target, namespace.name, conversations, steps=a.steps, batch=a.batch, during_rebuild=a.during_rebuild
+    )
+    print(json.dumps(result, indent=2))
     return 0
 
 
@@ -409,6 +414,7 @@ def cmd_bench_load(a: argparse.Namespace) -> int:
         deadline_s=a.deadline_ms / 1e3,
         params=DraftParams(budget=a.budget),
         watch_pids=tuple(a.watch_pid),
+        passes=a.passes,
     )
     print(json.dumps(run_load(config), indent=2))
     return 0

@@ -42,14 +42,15 @@ class LoadConfig:
     deadline_s: float = 0.05  # past it a step is answered by the local fallback
     params: DraftParams = field(default_factory=DraftParams)
     watch_pids: tuple[int, ...] = ()
+    passes: int = 1  # times each decoder goes through its share of the requests (0: no end)
 
     def __post_init__(self) -> None:
         if not self.targets:
             raise ValueError("at least one target is needed")
         if self.decoders < 1 or self.batch < 1 or self.seconds <= 0:
             raise ValueError("decoders and batch must be >= 1 and seconds > 0")
-        if self.step_interval_s < 0 or self.deadline_s <= 0:
-            raise ValueError("step_interval_s must be >= 0 and deadline_s > 0")
+        if self.step_interval_s < 0 or self.deadline_s <= 0 or self.passes < 0:
+            raise ValueError("step_interval_s and passes must be >= 0 and deadline_s > 0")
 
 
 @dataclass
@@ -62,11 +63,12 @@ class DecoderResult:
     tokens: int = 0  # tokens produced (accepted drafts + bonus)
     sequence_steps: int = 0
     requests: int = 0
+    seconds: float = 0.0  # from the first step to the last
     latencies: list[float] = field(default_factory=list)
 
 
-def requests_of(conversations: list[Conversation]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """``(prompt, output)`` for every output segment, cycling over the conversations forever."""
+def requests_of(conversations: list[Conversation], passes: int = 0) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """``(prompt, output)`` for every output segment, ``passes`` times over (0: forever)."""
     pairs = []
     for conv in conversations:
         parts: list[np.ndarray] = []
@@ -76,8 +78,10 @@ def requests_of(conversations: list[Conversation]) -> Iterator[tuple[np.ndarray,
             parts.append(seg.tokens)
     if not pairs:
         raise ValueError("the traces hold no output segments with a prompt")
-    while True:
+    done = 0
+    while passes == 0 or done < passes:
         yield from pairs
+        done += 1
 
 
 @dataclass
@@ -91,16 +95,17 @@ class _Slot:
 def run_decoder(config: LoadConfig, index: int) -> DecoderResult:
     """One decoder: ``batch`` sequences stepped until ``seconds`` have passed."""
     conversations = [c for i, c in enumerate(iter_traces(config.traces)) if i % config.decoders == index]
-    source = requests_of(conversations or list(iter_traces(config.traces)))
+    source = requests_of(conversations or list(iter_traces(config.traces)), config.passes)
     target = config.targets[index % len(config.targets)]
     client = DraftClient(
         ClientConfig(target=target, namespace=config.namespace, params=config.params, deadline_s=config.deadline_s)
     )
     result = DecoderResult()
-    slots = [_open(client, source) for _ in range(config.batch)]
+    slots = [slot for slot in (_open(client, source) for _ in range(config.batch)) if slot is not None]
     result.requests = len(slots)
-    stop = time.monotonic() + config.seconds
-    while time.monotonic() < stop:
+    first = time.monotonic()
+    stop = first + config.seconds
+    while slots and time.monotonic() < stop:
         began = time.perf_counter()
         before = client.stats.fallback
         trees = client.draft([s.session for s in slots], [s.pending for s in slots])
@@ -108,28 +113,37 @@ def run_decoder(config: LoadConfig, index: int) -> DecoderResult:
         result.steps += 1
         result.fallbacks += client.stats.fallback - before
         result.sequence_drafts += len(slots) - (client.stats.fallback - before)
-        for i, (slot, tree) in enumerate(zip(slots, trees, strict=True)):
+        still: list[_Slot] = []
+        for slot, tree in zip(slots, trees, strict=True):
             n = len(tree.accept(slot.output[slot.pos :])) + 1
             slot.pending = slot.output[slot.pos : slot.pos + n].tolist()
             slot.pos += n
             result.tokens += len(slot.pending)
             result.sequence_steps += 1
-            if slot.pos >= slot.output.size:
-                client.add_tokens([slot.session], [slot.pending])
-                client.close([slot.session])
-                slots[i] = _open(client, source)
+            if slot.pos < slot.output.size:
+                still.append(slot)
+                continue
+            client.add_tokens([slot.session], [slot.pending])
+            client.close([slot.session])
+            following = _open(client, source)
+            if following is not None:
+                still.append(following)
                 result.requests += 1
+        slots = still
         if config.step_interval_s:
             time.sleep(max(0.0, began + config.step_interval_s - time.perf_counter()))
+    result.seconds = time.monotonic() - first
     client.close([s.session for s in slots], commit=False)
     client.shutdown()
     return result
 
 
-def _open(client: DraftClient, source: Iterator[tuple[np.ndarray, np.ndarray]]) -> _Slot:
-    prompt, output = next(source)
-    (session,) = client.open([prompt])
-    return _Slot(session, output)
+def _open(client: DraftClient, source: Iterator[tuple[np.ndarray, np.ndarray]]) -> _Slot | None:
+    request = next(source, None)
+    if request is None:
+        return None
+    (session,) = client.open([request[0]])
+    return _Slot(session, request[1])
 
 
 def _worker(config: LoadConfig, index: int, results: mp.Queue) -> None:
@@ -192,6 +206,7 @@ def summarise(
 ) -> dict:
     lat = np.array([x for r in results for x in r.latencies]) * 1e3
     steps = sum(r.steps for r in results)
+    stepping = max((r.seconds for r in results), default=config.seconds) or config.seconds
     out: dict = {
         "decoders": config.decoders,
         "batch": config.batch,
@@ -201,8 +216,8 @@ def summarise(
         "steps": steps,
         "step_ms_p50": round(float(np.percentile(lat, 50)), 3) if lat.size else None,
         "step_ms_p99": round(float(np.percentile(lat, 99)), 3) if lat.size else None,
-        "sequence_drafts_per_s": round(sum(r.sequence_drafts for r in results) / config.seconds, 1),
-        "server_drafts_per_s": round(server_drafts / config.seconds, 1),
+        "sequence_drafts_per_s": round(sum(r.sequence_drafts for r in results) / stepping, 1),
+        "server_drafts_per_s": round(server_drafts / stepping, 1),
         "fallback_share": round(sum(r.fallbacks for r in results) / max(1, steps * config.batch), 4),
         "mat": round(sum(r.tokens for r in results) / max(1, sum(r.sequence_steps for r in results)), 3),
         "requests": sum(r.requests for r in results),

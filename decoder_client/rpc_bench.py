@@ -42,8 +42,51 @@ def _percentiles(samples: list[float]) -> dict[str, float]:
     return {"p50_ms": round(float(np.percentile(arr, 50)), 3), "p99_ms": round(float(np.percentile(arr, 99)), 3)}
 
 
-def run_rpc_bench(target: str, namespace: str, conversations: list[Conversation], *, steps: int, batch: int) -> dict:
-    """Interleave echo and stream-draft calls (so both see the same machine state)."""
+def run_rpc_bench(
+    target: str,
+    namespace: str,
+    conversations: list[Conversation],
+    *,
+    steps: int,
+    batch: int,
+    during_rebuild: bool = False,
+) -> dict:
+    """Interleave echo and stream-draft calls (so both see the same machine state). With
+    ``during_rebuild`` the same measurement runs again while another client asks the service to
+    rebuild its indexes back to back, and the report compares the two."""
+    idle = _measure(target, namespace, conversations, steps=steps, batch=batch)
+    if not during_rebuild:
+        return idle
+    stop = threading.Event()
+    rebuilds: list[float] = []
+    worker = threading.Thread(target=_rebuild_loop, args=(target, namespace, stop, rebuilds), daemon=True)
+    worker.start()
+    try:
+        busy = _measure(target, namespace, conversations, steps=steps, batch=batch)
+    finally:
+        stop.set()
+        worker.join()
+    key = "draft_stream_batch1"
+    return {
+        "idle": idle,
+        "during_rebuild": busy,
+        "rebuilds": len(rebuilds),
+        "rebuild_s_median": round(float(np.median(rebuilds)), 3) if rebuilds else None,
+        "draft_p99_rebuild_over_idle": round(busy[key]["p99_ms"] / idle[key]["p99_ms"], 3),
+        "echo_p99_rebuild_over_idle": round(busy["echo_unary"]["p99_ms"] / idle["echo_unary"]["p99_ms"], 3),
+    }
+
+
+def _rebuild_loop(target: str, namespace: str, stop: threading.Event, seconds: list[float]) -> None:
+    with grpc.insecure_channel(target) as channel:
+        admin = pb_grpc.AdminStub(channel)
+        while not stop.is_set():
+            start = time.perf_counter()
+            admin.Rebuild(pb.RebuildRequest(namespace=namespace), timeout=600)
+            seconds.append(time.perf_counter() - start)
+
+
+def _measure(target: str, namespace: str, conversations: list[Conversation], *, steps: int, batch: int) -> dict:
     channel = grpc.insecure_channel(target)
     stub = pb_grpc.DraftCacheStub(channel)
     prompts = [np.concatenate([s.tokens for s in c.segments]) for c in conversations]

@@ -12,6 +12,7 @@ import pytest
 
 from cache_service.config import ServiceConfig
 from decoder_client.load_bench import DecoderResult, LoadConfig, requests_of, run_load, summarise
+from decoder_client.rpc_bench import run_rpc_bench
 from decoder_client.traces import Conversation, Segment
 from tests.service.conftest import start_service, stop_service
 
@@ -22,6 +23,7 @@ def _conv(*segments: tuple[str, list[int]]) -> Conversation:
 
 def test_requests_cycle_over_output_segments_with_their_context() -> None:
     conv = _conv(("input", [1, 2]), ("output", [3, 4]), ("input", [5]), ("output", [6, 7]))
+    assert len(list(requests_of([conv], passes=2))) == 4  # two passes over two requests
     source = requests_of([conv])
     first, second, again = next(source), next(source), next(source)
     # Each output is a request whose prompt is everything before it.
@@ -40,6 +42,7 @@ def test_summary_counts_and_percentiles() -> None:
     config = LoadConfig(targets=("x",), namespace="ns", traces=Path("t"), decoders=2, batch=4, seconds=2.0)
     a = DecoderResult(steps=2, sequence_drafts=7, fallbacks=1, tokens=16, sequence_steps=8, latencies=[0.001, 0.003])
     b = DecoderResult(steps=1, sequence_drafts=4, fallbacks=0, tokens=4, sequence_steps=4, latencies=[0.002])
+    a.seconds = b.seconds = 2.0
     out = summarise(config, [a, b], [], server_drafts=11, elapsed=2.5)
     assert out["steps"] == 3
     assert out["step_ms_p50"] == pytest.approx(2.0)
@@ -73,6 +76,7 @@ def test_load_run_against_a_live_service(tmp_path: Path) -> None:
             seconds=2.0,
             deadline_s=1.0,
             watch_pids=(os.getpid(),),
+            passes=0,
         )
         out = run_load(config)
     finally:
@@ -84,3 +88,19 @@ def test_load_run_against_a_live_service(tmp_path: Path) -> None:
     assert out["mat"] > 1.5
     assert out["requests"] > 6  # finished requests were replaced by new ones
     assert str(os.getpid()) in out["processes"]
+
+
+def test_rpc_bench_idle_and_during_rebuilds() -> None:
+    running = start_service(ServiceConfig())
+    try:
+        running.service.create_namespace("ns", 64)
+        drafter = running.service.namespace("ns")
+        drafter.memory.commit(np.arange(64, dtype=np.int32) % 50)  # something to rebuild
+        conv = _conv(("input", list(range(40)) * 3), ("output", list(range(40))))
+        out = run_rpc_bench(running.target, "ns", [conv], steps=20, batch=2, during_rebuild=True)
+    finally:
+        stop_service(running)
+    # Both phases measured the same calls; rebuilds really ran during the second.
+    assert out["idle"]["draft_stream_batch2"]["p50_ms"] > 0
+    assert out["during_rebuild"]["draft_stream_batch1"]["p99_ms"] > 0
+    assert out["rebuilds"] >= 1 and out["draft_p99_rebuild_over_idle"] > 0
