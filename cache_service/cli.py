@@ -84,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add(r, "--limit", type=int, default=None, help="replay only the first N conversations")
     _add(r, "--vocab-size", type=int, default=None, help="default: the tokenizer's, else the traces' max id + 1")
     _add(r, "--baselines", default="", help="comma list: prompt-lookup,suffix-decoding")
+    _add(r, "--lookahead", type=int, default=0, help="pre-speculation: outcomes drafted ahead per step")
     _add(r, "--suffix-factor", type=float, default=8.0)
     _add(r, "--suffix-min-prob", type=float, default=0.01)
     _add(r, "--prior", type=Path, default=None, help="a prior file written by 'draftcache warm'")
@@ -157,6 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add(bl, "--deadline-ms", type=float, default=50.0, help="client deadline; past it the fallback drafts")
     _add(bl, "--budget", type=int, default=64)
     _add(bl, "--passes", type=int, default=1, help="times each decoder replays its share of the requests (0: no end)")
+    _add(bl, "--lookahead", type=int, default=0, help="pre-speculation: outcomes drafted ahead per step")
     bl.add_argument("--watch-pid", type=int, action="append", default=[], help="sample this process's memory and CPU")
 
     b = sub.add_parser("bench-index", help="rebuild time, lookup latency and bytes per token at a buffer size")
@@ -311,6 +313,7 @@ def cmd_replay(a: argparse.Namespace) -> int:
         baselines=tuple(b for b in str(a.baselines).split(",") if b),
         suffix_factor=a.suffix_factor,
         suffix_min_prob=a.suffix_min_prob,
+        lookahead=a.lookahead,
     )
     conversations = read_traces(a.traces, limit=a.limit)
     if not conversations:
@@ -415,6 +418,7 @@ def cmd_bench_load(a: argparse.Namespace) -> int:
         params=DraftParams(budget=a.budget),
         watch_pids=tuple(a.watch_pid),
         passes=a.passes,
+        lookahead=a.lookahead,
     )
     print(json.dumps(run_load(config), indent=2))
     return 0

@@ -6,8 +6,9 @@ import numpy as np
 from draftcache.v1 import draftcache_pb2 as pb
 
 from cache_service.errors import InvalidArgument
-from cache_service.service import CloseItem, FeedbackItem, NamespaceStats, OpenItem
+from cache_service.service import CloseItem, DraftItem, FeedbackItem, NamespaceStats, OpenItem
 from indexer.drafter import DraftParams
+from indexer.prespeculation import Prefetched
 from indexer.tree_builder import DraftTree
 
 
@@ -35,8 +36,19 @@ def open_items(req: pb.OpenSessionsRequest, default: DraftParams) -> list[OpenIt
     ]
 
 
-def draft_items(req: pb.DraftRequest) -> list[tuple[str, np.ndarray]]:
-    return [(item.session_id, tokens(item.new_tokens)) for item in req.items]
+def draft_items(req: pb.DraftRequest) -> list[DraftItem]:
+    return [DraftItem(item.session_id, tokens(item.new_tokens), item.lookahead) for item in req.items]
+
+
+def draft_response(results: list[tuple[DraftTree, Prefetched]]) -> pb.DraftResponse:
+    """Trees, and what was drafted ahead when any item asked for it."""
+    resp = pb.DraftResponse(trees=[tree(t) for t, _ in results])
+    if any(ahead for _, ahead in results):
+        resp.prefetched.extend(
+            pb.Prefetched(items=[pb.Prefetch(accepted=list(path), tree=tree(t)) for path, t in ahead.items()])
+            for _, ahead in results
+        )
+    return resp
 
 
 def feedback_items(req: pb.FeedbackRequest) -> list[FeedbackItem]:

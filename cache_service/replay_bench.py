@@ -34,6 +34,7 @@ class ReplayConfig:
     suffix_factor: float = 8.0
     suffix_min_prob: float = 0.01
     include_engine: bool = True  # off when draftcache is replayed through a remote service
+    lookahead: int = 0  # pre-speculation: outcomes drafted ahead per step
 
     def __post_init__(self) -> None:
         unknown = set(self.baselines) - set(BASELINES)
@@ -57,7 +58,8 @@ def namespace_of(conversations: list[Conversation], vocab_size: int | None) -> N
 def drafters(namespace: Namespace, config: ReplayConfig, prior: StaticPrior | None) -> list[ReplayDrafter]:
     out: list[ReplayDrafter] = []
     if config.include_engine:
-        out.append(EngineDrafter(NamespaceDrafter(namespace, config.drafter, prior=prior), config.params))
+        engine = NamespaceDrafter(namespace, config.drafter, prior=prior)
+        out.append(EngineDrafter(engine, config.params, lookahead=config.lookahead))
     if "prompt-lookup" in config.baselines:
         out.append(PromptLookupDrafter())
     if "suffix-decoding" in config.baselines:
@@ -117,6 +119,12 @@ def report(results: list[ReplayStats], trace: Path, *, as_json: bool) -> str:
             f"{r['drafter']:<{width}}{r['mat']:>7.3f}{r['drafted_per_step']:>11.1f}"
             f"{r['draft_us_p50']:>9.0f}{r['draft_us_p99']:>9.0f}"
         )
+    for r in rows:
+        if "prespeculation_hit_rate" in r:
+            lines.append(
+                f"{r['drafter']}: trees drafted ahead for {r['prespeculation_hit_rate']:.1%} of steps "
+                f"(drafting ahead p50 {r['draft_ahead_us_p50']:.0f} us, p99 {r['draft_ahead_us_p99']:.0f} us)"
+            )
     lines.append("")
     lines.append("MAT by category: " + " | ".join(r["drafter"] for r in rows))
     for c in cats:

@@ -20,7 +20,8 @@ from cache_service.config import ServiceConfig
 from cache_service.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
 from cache_service.sessions import SessionEntry, SessionTable, new_session_id
 from cache_service.storage.keys import check_name
-from indexer.drafter import DraftParams, NamespaceDrafter
+from indexer.drafter import MAX_LOOKAHEAD, DraftParams, NamespaceDrafter
+from indexer.prespeculation import Prefetched
 from indexer.prior import StaticPrior
 from indexer.session import SessionSnapshot
 from indexer.tokens import Namespace, as_tokens
@@ -34,6 +35,13 @@ class OpenItem:
     namespace: str
     prompt: np.ndarray | list[int]
     params: DraftParams | None = None
+
+
+@dataclass(frozen=True)
+class DraftItem:
+    session_id: str
+    new_tokens: np.ndarray | list[int]
+    lookahead: int = 0  # outcomes to draft ahead for (pre-speculation)
 
 
 @dataclass(frozen=True)
@@ -207,18 +215,32 @@ class DraftService:
 
     def draft(self, items: Sequence[tuple[str, np.ndarray | list[int]]]) -> list[DraftTree]:
         """For each ``(session_id, new_tokens)``: append the tokens, then draft."""
+        return [tree for tree, _ in self.draft_ahead([DraftItem(sid, new) for sid, new in items])]
+
+    def draft_ahead(self, items: Sequence[DraftItem]) -> list[tuple[DraftTree, Prefetched]]:
+        """Like :meth:`draft`; each item's ``lookahead`` also drafts ahead for that many likely
+        outcomes of verifying its tree. New tokens that match an outcome drafted ahead continue
+        with the tree the decoder already holds (the subtree the outcome selects)."""
         self._check_batch(len(items))
-        resolved = [(self._entry(sid), tokens) for sid, tokens in items]
-        checked = [(entry, self._new_tokens(entry, tokens)) for entry, tokens in resolved]
-        trees = []
-        for entry, new in checked:
+        for item in items:
+            if not 0 <= item.lookahead <= MAX_LOOKAHEAD:
+                raise InvalidArgument(f"lookahead must be in [0, {MAX_LOOKAHEAD}], got {item.lookahead}")
+        resolved = [(self._entry(item.session_id), item) for item in items]
+        checked = [(entry, self._new_tokens(entry, item.new_tokens), item.lookahead) for entry, item in resolved]
+        out = []
+        for entry, new, lookahead in checked:
+            drafter, session = entry.drafter, entry.session
             if new.size:
-                entry.drafter.accept(entry.session, new)
-            trees.append(entry.drafter.draft(entry.session, entry.params))
+                drafter.accept(session, new)
+            tree = session.last_tree if new.size and session.last_tree is not None else None
+            if tree is None:
+                tree = drafter.draft(session, entry.params)
+            ahead = drafter.prespeculate(session, lookahead, entry.params) if lookahead else {}
+            out.append((tree, ahead))
             self.sessions.touch(entry)
             self._dirty.add(entry.sid)
-        self._drafts += len(trees)
-        return trees
+        self._drafts += len(out)
+        return out
 
     def feedback(self, items: list[FeedbackItem]) -> None:
         self._check_batch(len(items))

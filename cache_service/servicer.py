@@ -24,8 +24,7 @@ class DraftCacheServicer(pb_grpc.DraftCacheServicer):
         return pb.OpenSessionsResponse(session_ids=self._service.open(items))
 
     async def Draft(self, request: pb.DraftRequest, context: grpc.aio.ServicerContext) -> pb.DraftResponse:
-        trees = self._service.draft(convert.draft_items(request))
-        return pb.DraftResponse(trees=[convert.tree(t) for t in trees])
+        return convert.draft_response(self._service.draft_ahead(convert.draft_items(request)))
 
     async def Feedback(self, request: pb.FeedbackRequest, context: grpc.aio.ServicerContext) -> pb.FeedbackResponse:
         self._service.feedback(convert.feedback_items(request))

@@ -14,9 +14,17 @@ class EngineDrafter:
     """draftcache's engine, in-process."""
 
     def __init__(
-        self, engine: NamespaceDrafter, params: DraftParams, *, rebuild: bool = True, name: str = "draftcache"
+        self,
+        engine: NamespaceDrafter,
+        params: DraftParams,
+        *,
+        rebuild: bool = True,
+        name: str = "draftcache",
+        lookahead: int = 0,
     ) -> None:
         self.name = name
+        self.lookahead = lookahead  # outcomes drafted ahead per step (0: no pre-speculation)
+        self.last_was_ahead = False
         self._engine = engine
         self._params = params
         self._rebuild = rebuild
@@ -31,7 +39,19 @@ class EngineDrafter:
         return self._session
 
     def propose(self) -> DraftTree:
-        return self._engine.draft(self._active(), self._params)
+        session = self._active()
+        # After an outcome that was drafted ahead, the session already holds the next tree.
+        ahead = self.lookahead > 0 and session.last_tree is not None
+        self.last_was_ahead = ahead
+        if ahead:
+            assert session.last_tree is not None
+            return session.last_tree
+        return self._engine.draft(session, self._params)
+
+    def draft_ahead(self) -> None:
+        """Pre-speculation, run while the target would verify the proposed tree."""
+        if self.lookahead:
+            self._engine.prespeculate(self._active(), self.lookahead, self._params)
 
     def advance(self, tokens: np.ndarray) -> None:
         self._engine.accept(self._active(), tokens)

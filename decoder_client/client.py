@@ -10,6 +10,7 @@ context the next time the service answers.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -21,7 +22,8 @@ import numpy as np
 from draftcache.v1 import draftcache_pb2 as pb
 from draftcache.v1 import draftcache_pb2_grpc as pb_grpc
 
-from indexer.drafter import DraftParams
+from indexer.drafter import MAX_LOOKAHEAD, DraftParams
+from indexer.prespeculation import Prefetched, select
 from indexer.prompt_lookup import prompt_lookup
 from indexer.tree_builder import DraftTree
 
@@ -48,10 +50,13 @@ class ClientConfig:
     deadline_s: float = 0.005  # per draft call; past it the fallback answers
     control_timeout_s: float = 1.0  # open / close calls
     retry_after_s: float = 0.5  # after a failure, skip the service this long
+    lookahead: int = 0  # pre-speculation: outcomes drafted ahead per step (0: off)
 
     def __post_init__(self) -> None:
         if self.deadline_s <= 0 or self.control_timeout_s <= 0 or self.retry_after_s < 0:
             raise ValueError("deadlines must be > 0 and retry_after_s >= 0")
+        if not 0 <= self.lookahead <= MAX_LOOKAHEAD:
+            raise ValueError(f"lookahead must be in [0, {MAX_LOOKAHEAD}], got {self.lookahead}")
 
 
 @dataclass
@@ -62,6 +67,7 @@ class ClientSession:
     prompt_len: int
     server_id: str = ""  # "" while the service has no valid copy
     pending: list[int] = field(default_factory=list)  # produced since the last successful call
+    prefetched: Prefetched = field(default_factory=dict)  # trees drafted ahead for the next outcome
 
 
 @dataclass
@@ -70,6 +76,8 @@ class ClientStats:
     fallback: int = 0  # trees the local drafter made
     failures: int = 0  # calls that failed or missed their deadline
     reopened: int = 0
+    ahead_hits: int = 0  # trees that were drafted ahead (no wait)
+    ahead_misses: int = 0  # outcomes nothing had been drafted ahead for
 
 
 class _Core:
@@ -88,10 +96,12 @@ class _Core:
     def available(self) -> bool:
         return time.monotonic() >= self.down_until
 
-    def failed(self, exc: grpc.RpcError) -> None:
+    def failed(self, exc: grpc.RpcError | None) -> None:
+        """A call failed (``None``: it missed its deadline in the background)."""
         self.stats.failures += 1
         self.down_until = time.monotonic() + self.config.retry_after_s
-        logger.debug("draftcache call failed (%s); local drafts for %.1f s", exc.code(), self.config.retry_after_s)
+        why = "deadline" if exc is None else exc.code()
+        logger.debug("draftcache call failed (%s); local drafts for %.1f s", why, self.config.retry_after_s)
 
     def add_tokens(self, sessions: Sequence[ClientSession], new_tokens: Sequence[Sequence[int]]) -> None:
         for s, new in zip(sessions, new_tokens, strict=True):
@@ -119,7 +129,43 @@ class _Core:
         remote = [s for s in sessions if s.server_id]
         if not remote or not self.available():
             return None
-        return pb.DraftRequest(items=[pb.DraftItem(session_id=s.server_id, new_tokens=s.pending) for s in remote])
+        k = self.config.lookahead
+        return pb.DraftRequest(
+            items=[pb.DraftItem(session_id=s.server_id, new_tokens=s.pending, lookahead=k) for s in remote]
+        )
+
+    def split_ahead(
+        self, sessions: Sequence[ClientSession], new_tokens: Sequence[Sequence[int]]
+    ) -> tuple[dict[int, DraftTree], list[ClientSession]]:
+        """Trees already drafted ahead for what each session just produced, by session, and the
+        sessions that still need a draft call."""
+        ready: dict[int, DraftTree] = {}
+        rest = []
+        for s, new in zip(sessions, new_tokens, strict=True):
+            tree = select(s.prefetched, new) if s.server_id and s.prefetched and len(new) else None
+            s.prefetched = {}
+            if tree is None:
+                if self.config.lookahead and s.server_id and len(new):
+                    self.stats.ahead_misses += 1
+                rest.append(s)
+            else:
+                self.stats.ahead_hits += 1
+                self.stats.remote += 1
+                ready[id(s)] = tree
+        return ready, rest
+
+    def answered(self, sessions: Sequence[ClientSession], resp: pb.DraftResponse | None) -> None:
+        """Book a draft call's outcome: tokens delivered and trees drafted ahead, or the
+        sessions' server copies in doubt."""
+        remote = [s for s in sessions if s.server_id]
+        if resp is None:
+            for s in remote:
+                s.server_id = ""  # it may have missed tokens: re-open with the full context later
+            return
+        ahead = list(resp.prefetched) or [None] * len(remote)
+        for s, more in zip(remote, ahead, strict=True):
+            s.pending = []
+            s.prefetched = {} if more is None else {tuple(p.accepted): tree_from_proto(p.tree) for p in more.items}
 
     def trees(self, sessions: Sequence[ClientSession], resp: pb.DraftResponse | None) -> list[DraftTree]:
         """Remote trees where the service answered, local ones everywhere else."""
@@ -127,12 +173,9 @@ class _Core:
         got: dict[int, DraftTree] = {}
         if resp is not None:
             for s, msg in zip(remote, resp.trees, strict=True):
-                s.pending = []
                 got[id(s)] = tree_from_proto(msg)
             self.stats.remote += len(remote)
-        else:
-            for s in remote:
-                s.server_id = ""  # it may have missed tokens: re-open with the full context later
+        self.answered(sessions, resp)
         out = []
         for s in sessions:
             tree = got.get(id(s))
@@ -166,6 +209,7 @@ class DraftClient:
         # Reconnect quickly after an outage: the fallback covers the gap, not a long backoff.
         self._channel = grpc.insecure_channel(config.target, options=RECONNECT_OPTIONS)
         self._stub = pb_grpc.DraftCacheStub(self._channel)
+        self._inflight: tuple[list[ClientSession], grpc.Future] | None = None
 
     @property
     def config(self) -> ClientConfig:
@@ -181,12 +225,41 @@ class DraftClient:
         return sessions
 
     def draft(self, sessions: Sequence[ClientSession], new_tokens: Sequence[Sequence[int]]) -> list[DraftTree]:
-        """Append each session's new tokens, then one tree per session (remote or fallback)."""
+        """Append each session's new tokens, then one tree per session (remote or fallback).
+
+        With ``lookahead``, a session whose outcome was drafted ahead gets that tree at once;
+        the call that delivers its tokens and drafts ahead for its next outcome runs in the
+        background (while the target verifies) and is settled at the next call.
+        """
+        self._settle()
         self._core.add_tokens(sessions, new_tokens)
         self._open(sessions)
-        req = self._core.draft_request(sessions)
+        ready, rest = self._core.split_ahead(sessions, new_tokens)
+        req = self._core.draft_request(rest)
         resp = self._call(self._stub.Draft, req, self.config.deadline_s) if req is not None else None
-        return self._core.trees(sessions, resp)
+        fresh = dict(zip(map(id, rest), self._core.trees(rest, resp), strict=True))
+        ahead = [s for s in sessions if id(s) in ready]
+        req = self._core.draft_request(ahead)
+        if req is not None:
+            self._inflight = (ahead, self._stub.Draft.future(req, timeout=self.config.control_timeout_s))
+        return [ready[id(s)] if id(s) in ready else fresh[id(s)] for s in sessions]
+
+    def _settle(self) -> None:
+        """Wait (at most the deadline) for the background call of the previous step."""
+        if self._inflight is None:
+            return
+        sessions, future = self._inflight
+        self._inflight = None
+        try:
+            resp = future.result(timeout=self.config.deadline_s)
+        except grpc.FutureTimeoutError:
+            future.cancel()
+            self._core.failed(None)
+            resp = None
+        except grpc.RpcError as exc:
+            self._core.failed(exc)
+            resp = None
+        self._core.answered(sessions, resp)
 
     def add_tokens(self, sessions: Sequence[ClientSession], new_tokens: Sequence[Sequence[int]]) -> None:
         """Record tokens produced without asking for a draft (a request's last step): they go
@@ -195,6 +268,7 @@ class DraftClient:
 
     def close(self, sessions: Sequence[ClientSession], *, commit: bool = True) -> None:
         """End the requests; with ``commit`` the service adds them to its lifetime memory."""
+        self._settle()
         tail, close = self._core.close_requests(sessions, commit)
         if tail is not None:  # the last step's tokens belong to the requests
             self._call(self._stub.Feedback, tail, self.config.control_timeout_s)
@@ -202,6 +276,7 @@ class DraftClient:
             self._call(self._stub.CloseSessions, close, self.config.control_timeout_s)
 
     def shutdown(self) -> None:
+        self._settle()
         self._channel.close()
 
     def _open(self, sessions: Sequence[ClientSession]) -> None:
@@ -225,6 +300,7 @@ class AsyncDraftClient:
         self._core = _Core(config, fallback)
         self._channel = grpc.aio.insecure_channel(config.target, options=RECONNECT_OPTIONS)
         self._stub = pb_grpc.DraftCacheStub(self._channel)
+        self._inflight: tuple[list[ClientSession], asyncio.Future] | None = None
 
     @property
     def stats(self) -> ClientStats:
@@ -236,13 +312,37 @@ class AsyncDraftClient:
         return sessions
 
     async def draft(self, sessions: Sequence[ClientSession], new_tokens: Sequence[Sequence[int]]) -> list[DraftTree]:
+        """See :meth:`DraftClient.draft`."""
+        await self._settle()
         self._core.add_tokens(sessions, new_tokens)
         await self._open(sessions)
-        req = self._core.draft_request(sessions)
+        ready, rest = self._core.split_ahead(sessions, new_tokens)
+        req = self._core.draft_request(rest)
         resp = await self._call(self._stub.Draft, req, self._core.config.deadline_s) if req is not None else None
-        return self._core.trees(sessions, resp)
+        fresh = dict(zip(map(id, rest), self._core.trees(rest, resp), strict=True))
+        ahead = [s for s in sessions if id(s) in ready]
+        req = self._core.draft_request(ahead)
+        if req is not None:
+            call = self._stub.Draft(req, timeout=self._core.config.control_timeout_s)
+            self._inflight = (ahead, asyncio.ensure_future(call))
+        return [ready[id(s)] if id(s) in ready else fresh[id(s)] for s in sessions]
+
+    async def _settle(self) -> None:
+        if self._inflight is None:
+            return
+        sessions, task = self._inflight
+        self._inflight = None
+        resp = None
+        try:
+            resp = await asyncio.wait_for(task, timeout=self._core.config.deadline_s)
+        except TimeoutError:  # wait_for cancelled the call
+            self._core.failed(None)
+        except grpc.RpcError as exc:
+            self._core.failed(exc)
+        self._core.answered(sessions, resp)
 
     async def close(self, sessions: Sequence[ClientSession], *, commit: bool = True) -> None:
+        await self._settle()
         tail, close = self._core.close_requests(sessions, commit)
         if tail is not None:
             await self._call(self._stub.Feedback, tail, self._core.config.control_timeout_s)
@@ -250,6 +350,7 @@ class AsyncDraftClient:
             await self._call(self._stub.CloseSessions, close, self._core.config.control_timeout_s)
 
     async def shutdown(self) -> None:
+        await self._settle()
         await self._channel.close()
 
     async def _open(self, sessions: Sequence[ClientSession]) -> None:

@@ -43,6 +43,7 @@ class LoadConfig:
     params: DraftParams = field(default_factory=DraftParams)
     watch_pids: tuple[int, ...] = ()
     passes: int = 1  # times each decoder goes through its share of the requests (0: no end)
+    lookahead: int = 0  # pre-speculation: outcomes drafted ahead per step
 
     def __post_init__(self) -> None:
         if not self.targets:
@@ -64,6 +65,8 @@ class DecoderResult:
     sequence_steps: int = 0
     requests: int = 0
     seconds: float = 0.0  # from the first step to the last
+    ahead_hits: int = 0  # sequence steps whose tree had been drafted ahead
+    ahead_misses: int = 0
     latencies: list[float] = field(default_factory=list)
 
 
@@ -98,7 +101,13 @@ def run_decoder(config: LoadConfig, index: int) -> DecoderResult:
     source = requests_of(conversations or list(iter_traces(config.traces)), config.passes)
     target = config.targets[index % len(config.targets)]
     client = DraftClient(
-        ClientConfig(target=target, namespace=config.namespace, params=config.params, deadline_s=config.deadline_s)
+        ClientConfig(
+            target=target,
+            namespace=config.namespace,
+            params=config.params,
+            deadline_s=config.deadline_s,
+            lookahead=config.lookahead,
+        )
     )
     result = DecoderResult()
     slots = [slot for slot in (_open(client, source) for _ in range(config.batch)) if slot is not None]
@@ -135,6 +144,7 @@ def run_decoder(config: LoadConfig, index: int) -> DecoderResult:
     result.seconds = time.monotonic() - first
     client.close([s.session for s in slots], commit=False)
     client.shutdown()
+    result.ahead_hits, result.ahead_misses = client.stats.ahead_hits, client.stats.ahead_misses
     return result
 
 
@@ -222,6 +232,10 @@ def summarise(
         "mat": round(sum(r.tokens for r in results) / max(1, sum(r.sequence_steps for r in results)), 3),
         "requests": sum(r.requests for r in results),
     }
+    hits, misses = sum(r.ahead_hits for r in results), sum(r.ahead_misses for r in results)
+    if config.lookahead:
+        out["lookahead"] = config.lookahead
+        out["prespeculation_hit_rate"] = round(hits / max(1, hits + misses), 4)
     if samples and config.watch_pids:
         out["processes"] = _process_report(samples, config.watch_pids)
     return out

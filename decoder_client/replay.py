@@ -13,7 +13,7 @@ import time
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
@@ -35,6 +35,18 @@ class ReplayDrafter(Protocol):
     def finish(self, commit_from: int) -> None: ...
 
 
+@runtime_checkable
+class DraftsAhead(Protocol):
+    """A drafter that pre-speculates: it drafts ahead for the likely outcomes of the tree it
+    proposed while the target verifies it (``draft_ahead``), and says whether the tree it just
+    proposed had been drafted ahead (``last_was_ahead``)."""
+
+    lookahead: int  # 0: it does not
+    last_was_ahead: bool
+
+    def draft_ahead(self) -> None: ...
+
+
 @dataclass
 class ReplayStats:
     name: str
@@ -45,6 +57,8 @@ class ReplayStats:
     by_category: dict[str, list[int]] = field(default_factory=lambda: defaultdict(lambda: [0, 0]))
     accepted_by_tier: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     latencies_us: list[float] = field(default_factory=list)
+    ahead_us: list[float] = field(default_factory=list)  # drafting ahead, hidden behind verification
+    ahead_hits: int = 0  # steps whose tree was drafted ahead
 
     @property
     def mat(self) -> float:
@@ -63,6 +77,17 @@ class ReplayStats:
             "draft_us_p99": round(float(np.percentile(lat, 99)), 1),
             "mat_by_category": {c: round(t / max(s, 1), 4) for c, (t, s) in sorted(self.by_category.items())},
             "accepted_by_tier": dict(sorted(self.accepted_by_tier.items())),
+            **self._ahead_summary(),
+        }
+
+    def _ahead_summary(self) -> dict:
+        if not self.ahead_us:
+            return {}
+        ahead = np.array(self.ahead_us)
+        return {
+            "prespeculation_hit_rate": round(self.ahead_hits / max(self.steps - self.requests, 1), 4),
+            "draft_ahead_us_p50": round(float(np.percentile(ahead, 50)), 1),
+            "draft_ahead_us_p99": round(float(np.percentile(ahead, 99)), 1),
         }
 
 
@@ -91,6 +116,11 @@ def _request(drafter: ReplayDrafter, prompt: np.ndarray, target: np.ndarray, sta
         t0 = time.perf_counter()
         tree = drafter.propose()
         stats.latencies_us.append((time.perf_counter() - t0) * 1e6)
+        if isinstance(drafter, DraftsAhead) and drafter.lookahead > 0:  # done while the target verifies
+            stats.ahead_hits += int(drafter.last_was_ahead)
+            t0 = time.perf_counter()
+            drafter.draft_ahead()
+            stats.ahead_us.append((time.perf_counter() - t0) * 1e6)
         path = tree.accept(target[pos:])
         for node in path:
             stats.accepted_by_tier[Tier(int(tree.sources[node])).name] += 1

@@ -18,6 +18,7 @@ import numpy as np
 from indexer import kernels
 from indexer.calibration import Calibrator
 from indexer.lifetime_index import LifetimeConfig, LifetimeMemory, prompt_key
+from indexer.prespeculation import Prefetched, select, stopping_points
 from indexer.prior import StaticPrior
 from indexer.session import Guess, Session, SessionSnapshot
 from indexer.session_cache import LruTableConfig
@@ -27,6 +28,7 @@ from indexer.tree_builder import Candidates, DraftTree, Tier, merge_candidates
 
 MAX_BUDGET = 1024
 MAX_DEPTH = 128
+MAX_LOOKAHEAD = 16  # outcomes drafted ahead per step
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,6 +67,22 @@ def _offset(offset: int, accepted: int) -> int:
     if not 0 <= offset < accepted:
         raise ValueError(f"rejected branch offset must be in [0, {accepted}), got {offset}")
     return offset
+
+
+def _without_first(c: Candidates, exclude: frozenset[int]) -> Candidates:
+    """``c`` without the rows starting with an excluded token."""
+    if not exclude or c.rows.size == 0:
+        return c
+    keep = ~np.isin(c.rows[:, 0], np.fromiter(exclude, dtype=np.int32, count=len(exclude)))
+    if keep.all():
+        return c
+    return Candidates(
+        c.tier,
+        c.rows[keep],
+        weights=None if c.weights is None else c.weights[keep],
+        probs=None if c.probs is None else c.probs[keep],
+        confidence=c.confidence,
+    )
 
 
 def _prior(tier: Tier, n: int) -> float:
@@ -145,7 +163,7 @@ class NamespaceDrafter:
             depth_reserve=params.depth_reserve,
         )
         lengths = {c.tier: n for c, n in found}
-        session.last_tree = tree
+        session.last_tree, session.prefetched = tree, {}
         session.guesses = {t: Guess(lengths[t], tok, p * _prior(t, lengths[t])) for t, (tok, p) in firsts.items()}
         session.hints = lengths
         return tree
@@ -166,6 +184,7 @@ class NamespaceDrafter:
         new = as_tokens(tokens, vocab, what="accepted tokens")
         if new.size == 0:
             return
+        ahead = select(session.prefetched, new) if session.prefetched else None
         if rejected is None:
             branches = self._rejected_branches(session, new)
         else:
@@ -177,8 +196,39 @@ class NamespaceDrafter:
             for depth, branch in branches:
                 session.rejected.record(tail[: before.size + depth], branch)
         session.context.extend(new)
-        session.last_tree, session.guesses = None, {}
+        # A tree drafted ahead for this outcome is what the decoder verifies next.
+        session.last_tree, session.guesses, session.prefetched = ahead, {}, {}
         session.hints = {t: n + int(new.size) for t, n in session.hints.items()}
+
+    def prespeculate(self, session: Session, k: int, params: DraftParams) -> Prefetched:
+        """Trees drafted ahead for the ``k`` likeliest outcomes of verifying the session's last
+        tree (see :mod:`indexer.prespeculation`); the next :meth:`accept` goes on with the one
+        the outcome selects. Session state is left as it was, apart from remembering them."""
+        if not 0 <= k <= MAX_LOOKAHEAD:
+            raise ValueError(f"lookahead must be in [0, {MAX_LOOKAHEAD}], got {k}")
+        tree = session.last_tree
+        ahead: Prefetched = {}
+        if tree is not None and k > 0:
+            for path, children in stopping_points(tree, k):
+                ahead[path] = self._draft_after(session, np.array(path, dtype=np.int32), children, params)
+        session.prefetched = ahead
+        return ahead
+
+    def _draft_after(self, s: Session, path: np.ndarray, exclude: frozenset[int], params: DraftParams) -> DraftTree:
+        """The tree for the context extended by ``path``, without root children in ``exclude``
+        (one level deeper: the bonus token becomes the root)."""
+        depth = min(params.max_depth + 1, MAX_DEPTH)
+        before = len(s.context)
+        s.context.extend(path)
+        try:
+            found = self._candidates(s, depth)
+        finally:
+            s.context.truncate(before)
+        parts = [_without_first(c, exclude) for c, _ in found]
+        tree, _ = merge_candidates(
+            parts, budget=params.budget, max_depth=depth, min_score=params.min_score, depth_reserve=params.depth_reserve
+        )
+        return tree
 
     def close(self, session: Session, *, commit: bool = True, commit_from: int = 0) -> None:
         """Finish a request; with ``commit`` its tokens from ``commit_from`` join the lifetime

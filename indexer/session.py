@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from indexer.context_index import ContextIndex
+from indexer.prespeculation import Prefetched
 from indexer.session_cache import RejectedCache
 from indexer.tree_builder import DraftTree, Tier
 
@@ -52,6 +53,7 @@ class Session:
         self.rejected = RejectedCache(config.rejected)
         self.exact = exact
         self.last_tree: DraftTree | None = None
+        self.prefetched: Prefetched = {}  # trees drafted ahead for outcomes of last_tree
         self.guesses: dict[Tier, Guess] = {}
         self.hints: dict[Tier, int] = {}  # last match length per tier, a starting point
 

@@ -159,3 +159,71 @@ def test_async_client_drafts_and_falls_back() -> None:
     # The service continued the document; after it stopped, prompt lookup did the same.
     assert remote == TEXT[2:5] and local == TEXT[3:6]
     assert (n_remote, n_fallback) == (1, 1)
+
+
+def _repeat_target() -> tuple[list[int], np.ndarray]:
+    # The document four times over, each copy with a different new token after it: drafts
+    # follow the copies and fail on the new token; the bonus is what the cache saw before.
+    prompt = [*TEXT, 90, *TEXT, 91]
+    target = np.array([*TEXT, 90, *TEXT, 91, *TEXT, 90, *TEXT, 91], dtype=np.int32)
+    return prompt, target
+
+
+def test_prespeculation_serves_trees_drafted_ahead_with_the_same_tokens() -> None:
+    running = start_service(ServiceConfig())
+    _ns(running.target)
+    prompt, target = _repeat_target()
+    results = {}
+    try:
+        for lookahead in (0, 4):
+            client = DraftClient(
+                ClientConfig(target=running.target, namespace="toy", deadline_s=1.0, lookahead=lookahead)
+            )
+            (session,) = client.open([prompt])
+            out: list[int] = []
+            new: list[int] = []
+            while len(out) < target.size:
+                (tree,) = client.draft([session], [new])
+                accepted = len(tree.accept(target[len(out) :]))
+                new = target[len(out) : len(out) + accepted + 1].tolist()
+                out.extend(new)
+            client.close([session], commit=False)
+            client.shutdown()
+            results[lookahead] = (out, client.stats)
+    finally:
+        stop_service(running)
+    plain, ahead = results[0][1], results[4][1]
+    # Same tokens either way; some trees were drafted ahead; nothing fell back.
+    assert results[0][0] == results[4][0] == target.tolist()
+    assert ahead.ahead_hits > 0 and ahead.fallback == 0 and ahead.failures == 0
+    assert plain.ahead_hits == plain.ahead_misses == 0
+    # Every step is either a hit or a miss after the first.
+    assert ahead.ahead_hits + ahead.ahead_misses == ahead.remote - 1
+
+
+def test_async_client_prespeculates() -> None:
+    from decoder_client.client import AsyncDraftClient
+
+    running = start_service(ServiceConfig())
+    _ns(running.target)
+    prompt, target = _repeat_target()
+
+    async def scenario() -> tuple[list[int], int]:
+        client = AsyncDraftClient(ClientConfig(target=running.target, namespace="toy", deadline_s=1.0, lookahead=4))
+        (session,) = await client.open([prompt])
+        out: list[int] = []
+        new: list[int] = []
+        while len(out) < target.size:
+            (tree,) = await client.draft([session], [new])
+            accepted = len(tree.accept(target[len(out) :]))
+            new = target[len(out) : len(out) + accepted + 1].tolist()
+            out.extend(new)
+        await client.close([session], commit=False)
+        await client.shutdown()
+        return out, client.stats.ahead_hits
+
+    try:
+        out, hits = asyncio.run(scenario())
+    finally:
+        stop_service(running)
+    assert out == target.tolist() and hits > 0

@@ -53,12 +53,14 @@ class OpenSessionsResponse(_message.Message):
     def __init__(self, session_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class DraftItem(_message.Message):
-    __slots__ = ("session_id", "new_tokens")
+    __slots__ = ("session_id", "new_tokens", "lookahead")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOOKAHEAD_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     new_tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: _Optional[str] = ..., new_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    lookahead: int
+    def __init__(self, session_id: _Optional[str] = ..., new_tokens: _Optional[_Iterable[int]] = ..., lookahead: _Optional[int] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
     __slots__ = ("items",)
@@ -66,11 +68,27 @@ class DraftRequest(_message.Message):
     items: _containers.RepeatedCompositeFieldContainer[DraftItem]
     def __init__(self, items: _Optional[_Iterable[_Union[DraftItem, _Mapping]]] = ...) -> None: ...
 
+class Prefetch(_message.Message):
+    __slots__ = ("accepted", "tree")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    TREE_FIELD_NUMBER: _ClassVar[int]
+    accepted: _containers.RepeatedScalarFieldContainer[int]
+    tree: Tree
+    def __init__(self, accepted: _Optional[_Iterable[int]] = ..., tree: _Optional[_Union[Tree, _Mapping]] = ...) -> None: ...
+
+class Prefetched(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[Prefetch]
+    def __init__(self, items: _Optional[_Iterable[_Union[Prefetch, _Mapping]]] = ...) -> None: ...
+
 class DraftResponse(_message.Message):
-    __slots__ = ("trees",)
+    __slots__ = ("trees", "prefetched")
     TREES_FIELD_NUMBER: _ClassVar[int]
+    PREFETCHED_FIELD_NUMBER: _ClassVar[int]
     trees: _containers.RepeatedCompositeFieldContainer[Tree]
-    def __init__(self, trees: _Optional[_Iterable[_Union[Tree, _Mapping]]] = ...) -> None: ...
+    prefetched: _containers.RepeatedCompositeFieldContainer[Prefetched]
+    def __init__(self, trees: _Optional[_Iterable[_Union[Tree, _Mapping]]] = ..., prefetched: _Optional[_Iterable[_Union[Prefetched, _Mapping]]] = ...) -> None: ...
 
 class RejectedBranch(_message.Message):
     __slots__ = ("offset", "tokens")

@@ -1,0 +1,93 @@
+"""Pre-speculation: drafting the next tree before verification of the current one ends.
+
+Saguaro's idea applied to a drafting cache. Verifying a tree ends at some node ``v`` (possibly
+the root): the target accepts the path to ``v`` and adds a bonus token ``b``, which under greedy
+decoding is never one of ``v``'s children (a matching child would have been accepted). So while
+the target verifies, the cache drafts one tree for each of the likeliest stopping points, at the
+context extended by the path to ``v``, leaving out ``v``'s children. When verification reports
+``path + [b]`` and that tree has a root child ``b``, the subtree under it is the next draft tree,
+ready at once: one tree per stopping point covers every bonus token it proposes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from indexer.tree_builder import DraftTree
+
+Prefetched = dict[tuple[int, ...], DraftTree]  # accepted draft tokens -> tree drafted after them
+
+
+def stopping_points(tree: DraftTree, k: int) -> list[tuple[tuple[int, ...], frozenset[int]]]:
+    """The ``k`` likeliest places verification of ``tree`` ends, best first, as ``(accepted
+    draft tokens, tokens of that node's children)``.
+
+    A node's score estimates the chance that it is accepted, so verification ends exactly at
+    ``v`` with about ``score(v) - sum(score(children))`` (the root's score being 1).
+
+    >>> t = DraftTree(np.array([5, 6, 9], np.int32), np.array([-1, 0, -1], np.int32),
+    ...               np.zeros(3, np.uint8), np.array([0.8, 0.3, 0.1], np.float32))
+    >>> [(path, sorted(kids)) for path, kids in stopping_points(t, 2)]  # 5 then stop: .5
+    [((5,), [6]), ((5, 6), [])]
+    """
+    if k <= 0:
+        return []
+    n = len(tree)
+    parents = tree.parents.tolist()
+    tokens = tree.tokens.tolist()
+    score = [1.0, *tree.scores.astype(np.float64).tolist()]  # slot 0 is the root
+    ends = score.copy()
+    children: list[set[int]] = [set() for _ in range(n + 1)]
+    for i, p in enumerate(parents):
+        ends[p + 1] -= score[i + 1]
+        children[p + 1].add(tokens[i])
+    order = sorted(range(n + 1), key=lambda slot: (-ends[slot], slot))[:k]
+    out = []
+    for slot in order:
+        path: list[int] = []
+        node = slot - 1
+        while node >= 0:
+            path.append(tokens[node])
+            node = parents[node]
+        out.append((tuple(reversed(path)), frozenset(children[slot])))
+    return out
+
+
+def subtree(tree: DraftTree, token: int) -> DraftTree | None:
+    """What ``tree`` drafted after its root child ``token``, re-rooted (``None`` if no such
+    child).
+
+    >>> t = DraftTree(np.array([5, 6, 7, 8], np.int32), np.array([-1, 0, 0, 1], np.int32),
+    ...               np.zeros(4, np.uint8), np.ones(4, np.float32))
+    >>> s = subtree(t, 5)
+    >>> s.tokens.tolist(), s.parents.tolist()
+    ([6, 7, 8], [-1, -1, 0])
+    """
+    parents = tree.parents
+    roots = np.flatnonzero((parents == -1) & (tree.tokens == token))
+    if roots.size == 0:
+        return None
+    keep = np.zeros(len(tree), dtype=bool)
+    inside = np.zeros(len(tree), dtype=bool)
+    inside[roots[0]] = True
+    for i, p in enumerate(parents.tolist()):  # parents precede children
+        if p >= 0 and inside[p]:
+            inside[i] = keep[i] = True
+    idx = np.flatnonzero(keep)
+    remap = np.full(len(tree), -1, dtype=np.int32)
+    remap[idx] = np.arange(idx.size, dtype=np.int32)
+    old = parents[idx]
+    new_parents = np.where(old == roots[0], -1, remap[np.maximum(old, 0)]).astype(np.int32)
+    return DraftTree(tree.tokens[idx], new_parents, tree.sources[idx], tree.scores[idx])
+
+
+def select(prefetched: Prefetched, produced: np.ndarray | Sequence[int]) -> DraftTree | None:
+    """The tree drafted ahead for what verification ``produced`` (accepted draft tokens plus
+    the bonus token), or ``None`` when no stopping point drafted for it."""
+    produced = list(np.asarray(produced).tolist())
+    if not produced:
+        return None
+    tree = prefetched.get(tuple(produced[:-1]))
+    return None if tree is None else subtree(tree, produced[-1])

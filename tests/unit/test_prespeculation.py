@@ -1,0 +1,120 @@
+import numpy as np
+import pytest
+
+from indexer.drafter import DrafterConfig, DraftParams, NamespaceDrafter
+from indexer.prespeculation import select, stopping_points, subtree
+from indexer.tokens import Namespace
+from indexer.tree_builder import DraftTree
+
+
+def _a(ids):
+    return np.array(ids, dtype=np.int32)
+
+
+def _tree(tokens, parents, scores):
+    n = len(tokens)
+    return DraftTree(_a(tokens), _a(parents), np.zeros(n, np.uint8), np.array(scores, np.float32))
+
+
+# 5 -> 6 -> 7 and 5 -> 8, plus a second root child 9.
+T = _tree([5, 6, 7, 8, 9], [-1, 0, 1, 0, -1], [0.9, 0.5, 0.4, 0.15, 0.05])
+
+
+def test_stopping_points_ranked_by_chance_of_ending_there():
+    # Ending exactly at a node: its score minus its children's. Root: 1 - .9 - .05 = .05;
+    # 5: .9 - .5 - .15 = .25; 6: .5 - .4 = .1; 7: .4; 8: .15; 9: .05.
+    got = stopping_points(T, 3)
+    assert [path for path, _ in got] == [(5, 6, 7), (5,), (5, 8)]
+    # Each comes with the tokens of that node's children (the bonus token is none of them).
+    assert [sorted(kids) for _, kids in got] == [[], [6, 8], []]
+
+
+def test_stopping_points_include_the_root_and_respect_k():
+    empty = _tree([], [], [])
+    # An empty tree can only end at the root, which has no children.
+    assert stopping_points(empty, 4) == [((), frozenset())]
+    assert stopping_points(T, 0) == []
+    # Ties go to the earlier node (the root before 9, both .05).
+    assert [p for p, _ in stopping_points(T, 6)][-2:] == [(), (9,)]
+
+
+def test_subtree_rerooted_under_a_root_child():
+    s = subtree(T, 5)
+    assert s is not None
+    # Everything below 5, with 6 and 8 now at the root and 7 under 6.
+    assert s.tokens.tolist() == [6, 7, 8] and s.parents.tolist() == [-1, 0, -1]
+    assert s.scores.tolist() == pytest.approx([0.5, 0.4, 0.15])
+    # A leaf child yields an empty tree; a token that is not a root child yields nothing.
+    leaf = subtree(T, 9)
+    assert leaf is not None and len(leaf) == 0
+    assert subtree(T, 6) is None
+
+
+def test_select_needs_both_the_accepted_path_and_the_bonus():
+    ahead = {(5,): T, (): _tree([1], [-1], [0.5])}
+    # Accepted "5", bonus 5: the tree drafted after "5", under its root child 5.
+    hit = select(ahead, [5, 5])
+    assert hit is not None and hit.tokens.tolist() == [6, 7, 8]
+    # Nothing accepted, bonus 1: a leaf, so an empty tree (still a hit: no wait).
+    assert select(ahead, [1]) is not None
+    # A bonus the tree did not draft, an accepted path nothing was drafted for, no tokens: misses.
+    assert select(ahead, [5, 3]) is None
+    assert select(ahead, [7, 5]) is None
+    assert select(ahead, []) is None
+
+
+# -- the drafter -------------------------------------------------------------------------------
+
+NS = Namespace(name="t", vocab_size=100)
+PARAMS = DraftParams(budget=16, max_depth=8)
+
+
+def test_drafting_ahead_leaves_the_session_as_it_was():
+    d = NamespaceDrafter(NS, DrafterConfig())
+    s = d.open(_a([1, 2, 3, 4, 1, 2, 3, 5, 1, 2]))
+    tree = d.draft(s, PARAMS)
+    before = (s.context.tokens.copy(), dict(s.hints), s.last_tree)
+    ahead = d.prespeculate(s, 3, PARAMS)
+    assert ahead and len(ahead) <= 3
+    # Same context, hints and current tree; only the trees drafted ahead are remembered.
+    assert s.context.tokens.tolist() == before[0].tolist() and s.hints == before[1]
+    assert s.last_tree is tree and s.prefetched is ahead
+
+
+def test_tree_drafted_ahead_excludes_the_stopping_nodes_children():
+    d = NamespaceDrafter(NS, DrafterConfig())
+    s = d.open(_a([1, 2, 3, 4, 1, 2, 3, 5, 1, 2]))
+    tree = d.draft(s, PARAMS)
+    d.prespeculate(s, 4, PARAMS)
+    assert any(kids for _, kids in stopping_points(tree, 4))  # the exclusion is exercised
+    for path, kids in stopping_points(tree, 4):
+        ahead = s.prefetched[path]
+        roots = set(ahead.tokens[ahead.parents == -1].tolist())
+        assert not roots & kids
+
+
+def test_accept_goes_on_with_the_tree_drafted_ahead():
+    d = NamespaceDrafter(NS, DrafterConfig())
+    s = d.open(_a([7, 8, 9, 7, 8, 9, 7, 8, 9, 7]))
+    d.draft(s, PARAMS)  # "8 9 7 8 ..." from the repetition
+    d.prespeculate(s, 4, PARAMS)
+    (path, _), *_ = stopping_points(s.last_tree, 1)
+    ahead = s.prefetched[path]
+    bonus = int(ahead.tokens[ahead.parents == -1][0])
+    d.accept(s, _a([*path, bonus]))
+    # The next tree is the subtree under the bonus token of the tree drafted ahead.
+    assert s.last_tree is not None
+    assert s.last_tree.tokens.tolist() == subtree(ahead, bonus).tokens.tolist()
+    # An outcome nothing was drafted ahead for leaves no current tree (a fresh draft follows).
+    d.draft(s, PARAMS)
+    d.prespeculate(s, 1, PARAMS)
+    d.accept(s, _a([99, 98]))
+    assert s.last_tree is None and s.prefetched == {}
+
+
+def test_lookahead_out_of_range():
+    d = NamespaceDrafter(NS, DrafterConfig())
+    s = d.open(_a([1, 2, 1]))
+    d.draft(s, PARAMS)
+    with pytest.raises(ValueError, match="lookahead"):
+        d.prespeculate(s, 17, PARAMS)
