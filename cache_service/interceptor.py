@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -41,8 +42,15 @@ async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: 
     await context.abort(code, str(exc))
 
 
+Observer = Callable[[str, str, float], None]  # (method, status code name, seconds)
+
+
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """Maps exceptions escaping a handler to status codes; INTERNAL ones are logged with traceback."""
+    """Maps exceptions escaping a handler to status codes; INTERNAL ones are logged with
+    traceback. With ``observe``, every call's outcome and duration are reported to it."""
+
+    def __init__(self, observe: Observer | None = None) -> None:
+        self._observe = observe
 
     async def intercept_service(
         self,
@@ -57,12 +65,18 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             inner = handler.unary_unary
 
             async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                began, code = time.perf_counter(), "OK"
                 try:
                     return await inner(request, context)
                 except (errors.DraftCacheError, ValueError, Exception) as exc:
                     if isinstance(exc, grpc.aio.AbortError):
+                        code = "ABORTED_BY_HANDLER"
                         raise
+                    code = status_for(exc).name
                     await _abort(context, exc, method)
+                finally:
+                    if self._observe is not None:
+                        self._observe(method, code, time.perf_counter() - began)
 
             return grpc.unary_unary_rpc_method_handler(unary, handler.request_deserializer, handler.response_serializer)
         if handler.stream_stream is not None:

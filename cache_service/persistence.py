@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from dataclasses import asdict
 from typing import Any
@@ -33,7 +34,7 @@ class RedisPersistence:
 
     def __init__(self, store: RedisStore, *, max_pending: int) -> None:
         self.store = store
-        self._pending: deque[tuple[str, np.ndarray]] = deque()
+        self._pending: deque[tuple[str, np.ndarray, float]] = deque()  # with the time queued
         self._max_pending = max_pending
         self._own: set[str] = set()  # ids of entries this process appended
         self._last: dict[str, str] = {}  # per namespace: the last log entry applied
@@ -44,6 +45,11 @@ class RedisPersistence:
     @property
     def pending(self) -> int:
         return len(self._pending)
+
+    def oldest_pending_age_s(self) -> float:
+        """How long the oldest unwritten commit has waited (0 when none is waiting)."""
+        with self._lock:
+            return time.monotonic() - self._pending[0][2] if self._pending else 0.0
 
     # -- Persistence ---------------------------------------------------------------------------
 
@@ -59,7 +65,7 @@ class RedisPersistence:
         with self._lock:
             if len(self._pending) >= self._max_pending:
                 raise Unavailable(f"{len(self._pending)} commits are waiting for storage; try again later")
-            self._pending.append((namespace, tokens))
+            self._pending.append((namespace, tokens, time.monotonic()))
         with self._sync_lock:
             try:
                 self._flush()
@@ -142,7 +148,7 @@ class RedisPersistence:
 
     def _flush(self) -> None:
         while self._pending:
-            ns, tokens = self._pending[0]
+            ns, tokens, _ = self._pending[0]
             ids = self.store.append_requests(ns, [tokens])
             with self._lock:
                 self._own.update(ids)

@@ -11,7 +11,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from cache_service.config import ServerConfig
-from cache_service.interceptor import ErrorInterceptor
+from cache_service.interceptor import ErrorInterceptor, Observer
 from cache_service.service import DraftService
 from cache_service.servicer import AdminServicer, DraftCacheServicer
 
@@ -43,15 +43,16 @@ class Server:
         logger.info("server on port %d stopped", self.port)
 
 
-async def create_server(config: ServerConfig, service: DraftService) -> Server:
-    """Build, bind and start the server; health starts NOT_SERVING until the caller says so."""
+async def create_server(config: ServerConfig, service: DraftService, observe: Observer | None = None) -> Server:
+    """Build, bind and start the server; health starts NOT_SERVING until the caller says so.
+    ``observe`` receives every call's method, status and duration (metrics)."""
     options = [
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.so_reuseport", 1),
     ]
-    server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=options)
-    pb_grpc.add_DraftCacheServicer_to_server(DraftCacheServicer(service), server)
+    server = grpc.aio.server(interceptors=[ErrorInterceptor(observe)], options=options)
+    pb_grpc.add_DraftCacheServicer_to_server(DraftCacheServicer(service, observe), server)
     pb_grpc.add_AdminServicer_to_server(AdminServicer(service), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -10,12 +11,14 @@ from draftcache.v1 import draftcache_pb2 as pb
 from draftcache.v1 import draftcache_pb2_grpc as pb_grpc
 
 from cache_service import convert
+from cache_service.interceptor import Observer
 from cache_service.service import DraftService
 
 
 class DraftCacheServicer(pb_grpc.DraftCacheServicer):
-    def __init__(self, service: DraftService) -> None:
+    def __init__(self, service: DraftService, observe: Observer | None = None) -> None:
         self._service = service
+        self._observe = observe  # stream messages are timed one by one (the call is long-lived)
 
     async def OpenSessions(
         self, request: pb.OpenSessionsRequest, context: grpc.aio.ServicerContext
@@ -46,16 +49,20 @@ class DraftCacheServicer(pb_grpc.DraftCacheServicer):
     ) -> AsyncIterator[pb.StreamResponse]:
         async for req in request_iterator:
             kind = req.WhichOneof("body")
+            began = time.perf_counter()
             if kind == "draft":
-                yield pb.StreamResponse(request_id=req.request_id, draft=await self.Draft(req.draft, context))
+                resp = pb.StreamResponse(request_id=req.request_id, draft=await self.Draft(req.draft, context))
             elif kind == "open":
-                yield pb.StreamResponse(request_id=req.request_id, open=await self.OpenSessions(req.open, context))
+                resp = pb.StreamResponse(request_id=req.request_id, open=await self.OpenSessions(req.open, context))
             elif kind == "feedback":
-                yield pb.StreamResponse(request_id=req.request_id, feedback=await self.Feedback(req.feedback, context))
+                resp = pb.StreamResponse(request_id=req.request_id, feedback=await self.Feedback(req.feedback, context))
             elif kind == "close":
-                yield pb.StreamResponse(request_id=req.request_id, close=await self.CloseSessions(req.close, context))
+                resp = pb.StreamResponse(request_id=req.request_id, close=await self.CloseSessions(req.close, context))
             else:
                 raise ValueError("stream message without a body")
+            if self._observe is not None:
+                self._observe(f"Stream.{kind}", "OK", time.perf_counter() - began)
+            yield resp
 
 
 class AdminServicer(pb_grpc.AdminServicer):

@@ -122,6 +122,18 @@ class DrafterConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
+@dataclass
+class DraftCounters:
+    """What a namespace's drafts earned, for monitoring (monotonic counts)."""
+
+    steps: int = 0  # verification outcomes seen (accepted tokens reported after a tree)
+    drafted: int = 0  # tree nodes proposed
+    # accepted draft tokens by tier (every tier present, so readers never see the dict grow)
+    accepted: dict[str, int] = field(default_factory=lambda: {t.name: 0 for t in Tier})
+    ahead_hits: int = 0  # outcomes a tree had been drafted ahead for
+    ahead_misses: int = 0  # outcomes of a pre-speculated step that nothing was drafted for
+
+
 class NamespaceDrafter:
     """All drafting state of one namespace.
 
@@ -137,6 +149,7 @@ class NamespaceDrafter:
         self.memory = LifetimeMemory(config.lifetime)
         self.prior = prior
         self.calibrator = Calibrator(config.calibration_buckets)
+        self.counters = DraftCounters()
         self._lock = threading.Lock()
         kernels.warm_up()  # compile or load the compiled loops now, not on the first draft
 
@@ -185,6 +198,7 @@ class NamespaceDrafter:
         if new.size == 0:
             return
         ahead = select(session.prefetched, new) if session.prefetched else None
+        self._count(session, new, ahead is not None)
         if rejected is None:
             branches = self._rejected_branches(session, new)
         else:
@@ -325,6 +339,20 @@ class NamespaceDrafter:
         rest = s.exact[done.size : done.size + depth]
         n = max(1, int(done.size) + 1)
         return Candidates(Tier.EXACT, rest[None, :], weights=np.ones(1), confidence=self._conf(Tier.EXACT, n)), n
+
+    def _count(self, s: Session, new: np.ndarray, ahead: bool) -> None:
+        tree = s.last_tree
+        if tree is None:
+            return
+        c = self.counters
+        c.steps += 1
+        c.drafted += len(tree)
+        if s.prefetched:
+            c.ahead_hits += ahead
+            c.ahead_misses += not ahead
+        path = kernels.accepted_path(tree.tokens, tree.parents, new)
+        for src in tree.sources[path].tolist():
+            c.accepted[Tier(src).name] += 1
 
     def _calibrate(self, s: Session, actual: int) -> None:
         with self._lock:

@@ -1,0 +1,138 @@
+"""Prometheus metrics: request latency by method and status, rebuild durations, and the
+service's state read at scrape time (sessions, buffer fill, accepted tokens by tier and
+namespace, pre-speculation hits, write-back lag).
+
+Everything lives in one registry per service (not the process-global one), so several servers
+in one process (tests) keep their figures apart.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from cache_service.service import DraftService
+
+# Draft calls take tens of microseconds to tens of milliseconds.
+LATENCY_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0, 5.0)
+REBUILD_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class WriteBack(Protocol):
+    """What storage reports about writes it has not made yet."""
+
+    @property
+    def pending(self) -> int: ...
+
+    def oldest_pending_age_s(self) -> float: ...
+
+
+@dataclass
+class Metrics:
+    """The service's metrics; ``observe_rpc`` and ``observe_rebuild`` are called as things happen."""
+
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+
+    def __post_init__(self) -> None:
+        self.rpc_seconds = Histogram(
+            "draftcache_rpc_seconds",
+            "Server-side handling time of each call, by method and status code.",
+            ("method", "code"),
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.rebuild_seconds = Histogram(
+            "draftcache_rebuild_seconds",
+            "Lifetime index rebuilds (suffix array + n-gram table), by namespace.",
+            ("namespace",),
+            buckets=REBUILD_BUCKETS,
+            registry=self.registry,
+        )
+
+    def observe_rpc(self, method: str, code: str, seconds: float) -> None:
+        self.rpc_seconds.labels(method.rsplit("/", 1)[-1], code).observe(seconds)
+
+    def observe_rebuild(self, namespace: str, seconds: float) -> None:
+        self.rebuild_seconds.labels(namespace).observe(seconds)
+
+    def watch(
+        self,
+        service: DraftService,
+        write_back: WriteBack | None = None,
+        *,
+        session_saves: Callable[[], float] | None = None,
+    ) -> None:
+        """Report ``service``'s state at every scrape."""
+        self.registry.register(ServiceCollector(service, write_back, session_saves))
+
+    def serve(self, port: int, host: str = "0.0.0.0") -> int:
+        """Expose ``/metrics`` over HTTP; returns the bound port (``port=0`` picks one)."""
+        server, _ = start_http_server(port, addr=host, registry=self.registry)
+        return int(server.server_port)
+
+
+class ServiceCollector(Collector):
+    """Gauges and counters computed from the service when scraped."""
+
+    def __init__(
+        self, service: DraftService, write_back: WriteBack | None, session_saves: Callable[[], float] | None
+    ) -> None:
+        self._service = service
+        self._write_back = write_back
+        self._session_saves = session_saves
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._service
+        sessions = GaugeMetricFamily("draftcache_sessions", "Open sessions, by namespace.", labels=["namespace"])
+        buffered = GaugeMetricFamily("draftcache_buffer_tokens", "Tokens in the lifetime buffer.", labels=["namespace"])
+        fill = GaugeMetricFamily("draftcache_buffer_fill_ratio", "Lifetime buffer fill (0-1).", labels=["namespace"])
+        delta = GaugeMetricFamily(
+            "draftcache_delta_tokens", "Tokens committed since the last rebuild.", labels=["namespace"]
+        )
+        steps = CounterMetricFamily("draftcache_steps", "Verification outcomes reported.", labels=["namespace"])
+        drafted = CounterMetricFamily("draftcache_drafted_tokens", "Draft tree nodes proposed.", labels=["namespace"])
+        accepted = CounterMetricFamily(
+            "draftcache_accepted_tokens", "Accepted draft tokens, by tier.", labels=["namespace", "tier"]
+        )
+        ahead = CounterMetricFamily(
+            "draftcache_prespeculation",
+            "Outcomes of pre-speculated steps: hit (a tree was drafted ahead) or miss.",
+            labels=["namespace", "result"],
+        )
+        counts = s.sessions.count_by_namespace()
+        for name in s.namespace_names():
+            d = s.namespace(name)
+            memory, c = d.memory, d.counters
+            sessions.add_metric([name], counts.get(name, 0))
+            buffered.add_metric([name], memory.buffer.size)
+            fill.add_metric([name], memory.buffer.size / memory.buffer.capacity)
+            delta.add_metric([name], memory.delta_tokens())
+            steps.add_metric([name], c.steps)
+            drafted.add_metric([name], c.drafted)
+            for tier, n in c.accepted.items():
+                accepted.add_metric([name, tier], n)
+            ahead.add_metric([name, "hit"], c.ahead_hits)
+            ahead.add_metric([name, "miss"], c.ahead_misses)
+        yield from (sessions, buffered, fill, delta, steps, drafted, accepted, ahead)
+        yield CounterMetricFamily("draftcache_drafts", "Draft trees served.", value=s.drafts)
+        if self._write_back is not None:
+            yield GaugeMetricFamily(
+                "draftcache_writeback_pending", "Commits waiting for storage.", value=self._write_back.pending
+            )
+            yield GaugeMetricFamily(
+                "draftcache_writeback_lag_seconds",
+                "Age of the oldest commit waiting for storage (0: none waiting).",
+                value=self._write_back.oldest_pending_age_s(),
+            )
+        if self._session_saves is not None:
+            yield GaugeMetricFamily(
+                "draftcache_session_save_age_seconds",
+                "Time since session state was last written to storage.",
+                value=max(0.0, time.monotonic() - self._session_saves()),
+            )

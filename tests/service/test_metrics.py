@@ -1,0 +1,106 @@
+"""The Prometheus endpoint of a real server, scraped over HTTP after real calls."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import urllib.request
+from collections.abc import Iterator
+
+import grpc
+import numpy as np
+import pytest
+from draftcache.v1 import draftcache_pb2 as pb
+from draftcache.v1 import draftcache_pb2_grpc as pb_grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from cache_service.config import ServerConfig, ServiceConfig
+from cache_service.metrics import Metrics
+from cache_service.server import create_server
+from cache_service.service import DraftService
+
+
+class _Queue:
+    """Write-back state to report (what storage would say)."""
+
+    pending = 3
+
+    def oldest_pending_age_s(self) -> float:
+        return 1.5
+
+
+@pytest.fixture
+def served() -> Iterator[tuple[pb_grpc.DraftCacheStub, int, DraftService]]:
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    service = DraftService(ServiceConfig())
+    metrics = Metrics()
+    metrics.watch(service, _Queue(), session_saves=lambda: 0.0)
+    server = asyncio.run_coroutine_threadsafe(
+        create_server(ServerConfig(port=0), service, metrics.observe_rpc), loop
+    ).result(30)
+    asyncio.run_coroutine_threadsafe(server.set_serving(True), loop).result(5)
+    http_port = metrics.serve(0, "127.0.0.1")
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+    yield pb_grpc.DraftCacheStub(channel), http_port, service
+    channel.close()
+    asyncio.run_coroutine_threadsafe(server.stop(0.5), loop).result(10)
+    loop.call_soon_threadsafe(loop.stop)
+
+
+def _scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return out
+
+
+def test_calls_tiers_and_state_are_reported(served) -> None:  # type: ignore[no-untyped-def]
+    stub, port, service = served
+    service.create_namespace("ns", 64)
+    text = [5, 6, 7, 8, 9, 10, 11, 12]
+    (sid,) = stub.OpenSessions(
+        pb.OpenSessionsRequest(sessions=[pb.OpenSession(namespace="ns", prompt=text + text[:2])])
+    ).session_ids
+    tree = stub.Draft(pb.DraftRequest(items=[pb.DraftItem(session_id=sid)])).trees[0]
+    assert list(tree.tokens[:3]) == [7, 8, 9]  # the context tier continues the copy
+    stub.Draft(pb.DraftRequest(items=[pb.DraftItem(session_id=sid, new_tokens=[7, 8, 9, 60])]))
+    with pytest.raises(grpc.RpcError):
+        stub.Draft(pb.DraftRequest(items=[pb.DraftItem(session_id="nope")]))
+    m = _scrape(port)
+    # Two good draft calls and one NOT_FOUND, timed by method and status.
+    assert m[("draftcache_rpc_seconds_count", (("code", "OK"), ("method", "Draft")))] == 2
+    assert m[("draftcache_rpc_seconds_count", (("code", "NOT_FOUND"), ("method", "Draft")))] == 1
+    # The outcome after the first tree: three of its tokens accepted, from the context tier.
+    assert m[("draftcache_steps_total", (("namespace", "ns"),))] == 1
+    assert m[("draftcache_accepted_tokens_total", (("namespace", "ns"), ("tier", "CONTEXT")))] == 3
+    assert m[("draftcache_sessions", (("namespace", "ns"),))] == 1
+    assert m[("draftcache_drafts_total", ())] == 2
+    # Storage's write-back queue as the service reports it.
+    assert m[("draftcache_writeback_pending", ())] == 3
+    assert m[("draftcache_writeback_lag_seconds", ())] == 1.5
+    assert m[("draftcache_buffer_fill_ratio", (("namespace", "ns"),))] == 0.0
+
+
+def test_rebuilds_and_stream_messages_are_timed(served) -> None:  # type: ignore[no-untyped-def]
+    stub, port, service = served
+    service.create_namespace("ns", 64)
+    drafter = service.namespace("ns")
+    drafter.memory.commit(np.arange(40, dtype=np.int32))
+    metrics = Metrics()
+    metrics.observe_rebuild("ns", drafter.memory.rebuild().build_seconds)
+    assert metrics.rebuild_seconds.labels("ns")._sum.get() >= 0  # observed once
+    requests = iter(
+        [
+            pb.StreamRequest(
+                request_id=1, open=pb.OpenSessionsRequest(sessions=[pb.OpenSession(namespace="ns", prompt=[1, 2, 3])])
+            )
+        ]
+    )
+    (resp,) = list(stub.Stream(requests))
+    assert resp.open.session_ids
+    m = _scrape(port)
+    assert m[("draftcache_rpc_seconds_count", (("code", "OK"), ("method", "Stream.open")))] == 1
+    assert m[("draftcache_buffer_tokens", (("namespace", "ns"),))] == 41  # 40 tokens and a separator
