@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from cache_service import errors
 from cache_service.storage import errors as storage_errors
@@ -45,6 +46,22 @@ async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: 
 Observer = Callable[[str, str, float], None]  # (method, status code name, seconds)
 
 
+class MalformedRequest(ValueError):
+    """Bytes that do not parse as the method's request message."""
+
+
+def _parsed(parse: Callable[[Any], Any], raw: Any) -> Any:
+    try:
+        return parse(raw)
+    except DecodeError as exc:
+        raise MalformedRequest(f"malformed request: {exc}") from exc
+
+
+async def _parsed_stream(parse: Callable[[Any], Any], raw: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    async for item in raw:
+        yield _parsed(parse, item)
+
+
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """Maps exceptions escaping a handler to status codes; INTERNAL ones are logged with
     traceback. With ``observe``, every call's outcome and duration are reported to it."""
@@ -61,13 +78,14 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return handler
         method = details.method
+        parse = handler.request_deserializer or (lambda raw: raw)
         if handler.unary_unary is not None:
             inner = handler.unary_unary
 
-            async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            async def unary(raw: Any, context: grpc.aio.ServicerContext) -> Any:
                 began, code = time.perf_counter(), "OK"
                 try:
-                    return await inner(request, context)
+                    return await inner(_parsed(parse, raw), context)
                 except (errors.DraftCacheError, ValueError, Exception) as exc:
                     if isinstance(exc, grpc.aio.AbortError):
                         code = "ABORTED_BY_HANDLER"
@@ -78,20 +96,19 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                     if self._observe is not None:
                         self._observe(method, code, time.perf_counter() - began)
 
-            return grpc.unary_unary_rpc_method_handler(unary, handler.request_deserializer, handler.response_serializer)
+            # Requests arrive as bytes and are parsed inside, so corrupt ones are refused clearly.
+            return grpc.unary_unary_rpc_method_handler(unary, None, handler.response_serializer)
         if handler.stream_stream is not None:
             inner_stream = handler.stream_stream
 
             async def stream(requests: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
                 try:
-                    async for response in inner_stream(requests, context):
+                    async for response in inner_stream(_parsed_stream(parse, requests), context):
                         yield response
                 except Exception as exc:
                     if isinstance(exc, grpc.aio.AbortError):
                         raise
                     await _abort(context, exc, method)
 
-            return grpc.stream_stream_rpc_method_handler(
-                stream, handler.request_deserializer, handler.response_serializer
-            )
+            return grpc.stream_stream_rpc_method_handler(stream, None, handler.response_serializer)
         return handler
