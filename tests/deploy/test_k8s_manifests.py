@@ -1,0 +1,193 @@
+"""deploy/k8s: every manifest against the Kubernetes JSON schemas (kubernetes-validate, strict:
+unknown fields are errors), the kustomizations rendered by kustomize (kubectl's, when installed),
+and what the manifests promise each other (labels, ports, probes, the Redis URL)."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+from deploy_files import (
+    GRPC_PORT,
+    K8S,
+    REDIS_PORT,
+    dockerfile_env,
+    final_stage,
+    k8s_base,
+    k8s_resources,
+    kustomizations,
+    load_docs,
+    tool,
+)
+
+# The oldest version with GA gRPC probes, and the newest the validator ships.
+VERSIONS = ("1.27.0", kubernetes_validate.utils.latest_version())
+SERVER_LABELS = {"app.kubernetes.io/name": "draftcache", "app.kubernetes.io/component": "server"}
+
+
+def validate(doc: dict[str, Any], version: str) -> None:
+    """Strict schema validation; a kind without a schema is an error too (the CLI only warns)."""
+    kubernetes_validate.validate(doc, version, strict=True)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize(
+    "path,doc",
+    [pytest.param(p, d, id=f"{p.relative_to(K8S)}:{d['kind']}") for p, d in k8s_resources()],
+)
+def test_manifest_matches_the_kubernetes_schema(path: Path, doc: dict[str, Any], version: str) -> None:
+    validate(doc, version)
+
+
+def test_the_validator_rejects_broken_manifests() -> None:
+    deployment = k8s_base("Deployment", "draftcache")
+    typo = copy.deepcopy(deployment)
+    container = typo["spec"]["template"]["spec"]["containers"][0]
+    container["readinessProbe"]["grpcc"] = container["readinessProbe"].pop("grpc")  # unknown field
+    named_port = copy.deepcopy(deployment)
+    # gRPC probes take a number; a port name is a schema error (unlike httpGet/tcpSocket).
+    named_port["spec"]["template"]["spec"]["containers"][0]["livenessProbe"]["grpc"]["port"] = "grpc"
+    wrong_type = copy.deepcopy(deployment)
+    wrong_type["spec"]["replicas"] = "two"
+    for broken in (typo, named_port, wrong_type):
+        with pytest.raises(kubernetes_validate.ValidationError):
+            validate(broken, VERSIONS[-1])
+    with pytest.raises(kubernetes_validate.utils.SchemaNotFoundError):
+        validate({**deployment, "apiVersion": "apps/v1beta9"}, VERSIONS[-1])
+
+
+def test_manifests_are_namespace_agnostic() -> None:
+    for path, doc in k8s_resources():
+        assert "namespace" not in doc["metadata"], path
+    for k in kustomizations():
+        assert "namespace" not in load_docs(k)[0], k
+
+
+def test_every_manifest_is_in_a_kustomization() -> None:
+    listed = set()
+    for k in kustomizations():
+        for entry in load_docs(k)[0].get("resources", []):
+            target = (k.parent / entry).resolve()
+            assert target.exists(), f"{k}: {entry} does not exist"
+            listed.add(target)
+    # Examples are documentation, not resources (the overlay's Secret is the operator's).
+    unlisted = {p for p, _ in k8s_resources() if p.resolve() not in listed and not p.name.endswith(".example.yaml")}
+    assert not unlisted
+
+
+def kustomize(directory: Path) -> list[dict[str, Any]]:
+    kubectl = tool("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl (with its built-in kustomize) is not installed")
+    out = subprocess.run([kubectl, "kustomize", str(directory)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def by_kind(docs: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
+    return {(d["kind"], d["metadata"]["name"]): d for d in docs}
+
+
+def test_the_default_kustomization_renders_the_service_and_its_redis() -> None:
+    docs = kustomize(K8S)
+    for doc in docs:
+        validate(doc, VERSIONS[-1])
+    assert set(by_kind(docs)) == {
+        ("ConfigMap", "draftcache"),
+        ("Deployment", "draftcache"),
+        ("Service", "draftcache"),
+        ("Service", "draftcache-headless"),
+        ("PodDisruptionBudget", "draftcache"),
+        ("Service", "draftcache-redis"),
+        ("StatefulSet", "draftcache-redis"),
+        ("NetworkPolicy", "draftcache-redis"),
+    }
+
+
+def test_the_external_redis_overlay_takes_the_url_from_a_secret() -> None:
+    docs = by_kind(kustomize(K8S / "overlays" / "external-redis"))
+    for doc in docs.values():
+        validate(doc, VERSIONS[-1])
+    assert not [key for key in docs if "redis" in key[1]], "the in-cluster Redis is removed"
+    assert "DRAFTCACHE_REDIS_URL" not in docs[("ConfigMap", "draftcache")]["data"]
+    container = docs[("Deployment", "draftcache")]["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e for e in container["env"]}
+    ref = env["DRAFTCACHE_REDIS_URL"]["valueFrom"]["secretKeyRef"]
+    example = load_docs(K8S / "overlays" / "external-redis" / "secret.example.yaml")[0]
+    assert ref["name"] == example["metadata"]["name"] and ref["key"] in example["stringData"]
+
+
+def server_container() -> dict[str, Any]:
+    containers = k8s_base("Deployment", "draftcache")["spec"]["template"]["spec"]["containers"]
+    assert len(containers) == 1
+    return containers[0]
+
+
+def test_deployment_runs_two_replicas_with_grpc_health_probes() -> None:
+    deployment = k8s_base("Deployment", "draftcache")
+    assert deployment["spec"]["replicas"] == 2
+    assert deployment["spec"]["selector"]["matchLabels"] == SERVER_LABELS
+    assert deployment["spec"]["template"]["metadata"]["labels"] == SERVER_LABELS
+    c = server_container()
+    assert c["args"] == ["serve"]
+    assert {"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"} in c["ports"]
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        # The native probe calls grpc.health.v1.Health/Check; "" (the default) is the whole server.
+        assert c[probe]["grpc"] == {"port": GRPC_PORT}, probe
+    for kind in ("requests", "limits"):
+        assert {"cpu", "memory"} <= set(c["resources"][kind]), kind
+
+
+def test_deployment_runs_as_the_image_user_on_a_read_only_root() -> None:
+    pod = k8s_base("Deployment", "draftcache")["spec"]["template"]["spec"]
+    user = next(c.value[0] for c in final_stage() if c.cmd.upper() == "USER")
+    assert f"{pod['securityContext']['runAsUser']}:{pod['securityContext']['runAsGroup']}" == user
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    c = server_container()
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    assert c["securityContext"]["capabilities"]["drop"] == ["ALL"]
+    # What the image writes must land on a mounted volume: the numba cache, HOME / --data-dir.
+    mounts = [Path(m["mountPath"]) for m in c["volumeMounts"]]
+    env = dockerfile_env()
+    for var in ("NUMBA_CACHE_DIR", "HOME", "DRAFTCACHE_DATA_DIR"):
+        path = Path(env[var])
+        assert any(path == m or m in path.parents for m in mounts), var
+
+
+def test_services_select_the_replicas_on_the_grpc_port() -> None:
+    plain, headless = k8s_base("Service", "draftcache"), k8s_base("Service", "draftcache-headless")
+    assert plain["spec"]["type"] == "ClusterIP"
+    assert headless["spec"]["clusterIP"] == "None"
+    ports = {p["name"]: p["containerPort"] for p in server_container()["ports"]}
+    for service in (plain, headless):
+        assert service["spec"]["selector"] == SERVER_LABELS
+        (port,) = service["spec"]["ports"]
+        assert port["port"] == GRPC_PORT and ports[port["targetPort"]] == GRPC_PORT
+
+
+def test_disruption_budget_keeps_a_replica() -> None:
+    pdb = k8s_base("PodDisruptionBudget", "draftcache")
+    assert pdb["spec"]["selector"]["matchLabels"] == SERVER_LABELS
+    assert 1 <= pdb["spec"]["minAvailable"] < k8s_base("Deployment", "draftcache")["spec"]["replicas"]
+
+
+def test_redis_is_persistent_and_reachable_at_the_configured_url() -> None:
+    redis = k8s_base("StatefulSet", "draftcache-redis")
+    service = k8s_base("Service", "draftcache-redis")
+    assert redis["spec"]["serviceName"] == service["metadata"]["name"]
+    pod = redis["spec"]["template"]
+    assert service["spec"]["selector"] == pod["metadata"]["labels"] == redis["spec"]["selector"]["matchLabels"]
+    (container,) = pod["spec"]["containers"]
+    args = container["args"]
+    assert args[args.index("--appendonly") + 1] == "yes"
+    (claim,) = redis["spec"]["volumeClaimTemplates"]
+    mount = next(m for m in container["volumeMounts"] if m["name"] == claim["metadata"]["name"])
+    assert args[args.index("--dir") + 1] == mount["mountPath"]
+    assert service["spec"]["ports"][0]["port"] == REDIS_PORT
+    url = k8s_base("ConfigMap", "draftcache")["data"]["DRAFTCACHE_REDIS_URL"]
+    assert url == f"redis://{service['metadata']['name']}:{REDIS_PORT}/0"
