@@ -1,0 +1,148 @@
+"""What the deployment artefacts promise each other and the code: every YAML file parses, every
+DRAFTCACHE_* setting they give ``draftcache serve`` is one of its flags with a value it accepts,
+one gRPC port everywhere, and the real ``draftcache serve`` starts, reports SERVING on the
+grpc.health.v1 service and stops cleanly on each artefact's own settings."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from deploy_files import (
+    DEPLOY,
+    GRPC_PORT,
+    HEALTHCHECK,
+    K8S,
+    UNIT_ENV,
+    compose,
+    docker_commands,
+    dockerfile_env,
+    draftcache_vars,
+    k8s_base,
+    load_docs,
+    option_of,
+    read_env_file,
+    unit_directives,
+    yaml_files,
+)
+
+from cache_service.embedded_redis import free_port
+
+
+@pytest.mark.parametrize("path", yaml_files(), ids=lambda p: str(p.relative_to(DEPLOY)))
+def test_yaml_parses(path: Path) -> None:
+    docs = load_docs(path)
+    assert docs and all(isinstance(d, dict) for d in docs)
+
+
+def test_a_yaml_error_is_caught() -> None:
+    with pytest.raises(yaml.YAMLError):
+        yaml.safe_load("data:\n  DRAFTCACHE_PORT: [50051\n")
+
+
+def overlay_env_names() -> dict[str, str]:
+    patch = load_docs(K8S / "overlays" / "external-redis" / "redis-url-from-secret.yaml")[0]
+    env = patch["spec"]["template"]["spec"]["containers"][0]["env"]
+    return {e["name"]: "redis://from-a-secret:6379/0" for e in env}
+
+
+def unit_environment() -> dict[str, str]:
+    items = [item for s, k, v in unit_directives() if k == "Environment" for item in v.split()]
+    return dict(item.split("=", 1) for item in items)
+
+
+def serve_settings() -> dict[str, dict[str, str]]:
+    """Every place that hands ``draftcache serve`` DRAFTCACHE_* settings, by name."""
+    services = compose()["services"]
+    return {
+        "Dockerfile ENV": draftcache_vars(dockerfile_env()),
+        "compose draftcache-1": draftcache_vars(services["draftcache-1"]["environment"]),
+        "compose draftcache-2": draftcache_vars(services["draftcache-2"]["environment"]),
+        "k8s ConfigMap": draftcache_vars(k8s_base("ConfigMap", "draftcache")["data"]),
+        "k8s external-redis overlay": draftcache_vars(overlay_env_names()),
+        "systemd env file": draftcache_vars(read_env_file(UNIT_ENV)),
+        "systemd unit Environment=": draftcache_vars(unit_environment()),
+    }
+
+
+@pytest.mark.parametrize("source", list(serve_settings()))
+def test_settings_are_serve_flags_with_accepted_values(source: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from cache_service.cli import build_parser
+
+    settings = serve_settings()[source]
+    assert settings, f"{source} sets nothing"
+    for var in [v for v in os.environ if v.startswith("DRAFTCACHE_")]:
+        monkeypatch.delenv(var)
+    explicit = ["serve"]
+    for var, value in settings.items():
+        option = option_of(var, "serve")
+        assert option is not None, f"{source}: {var} is not a flag of draftcache serve"
+        explicit += [option, str(value)]
+    from_flags = build_parser().parse_args(explicit)  # a value of the wrong type exits here
+    for var, value in settings.items():
+        monkeypatch.setenv(var, str(value))
+    assert build_parser().parse_args(["serve"]) == from_flags, "the variables act as the flags do"
+
+
+def test_a_variable_that_is_no_flag_is_caught() -> None:
+    assert option_of("DRAFTCACHE_REBUILD_INTERVAL", "serve") == "--rebuild-interval"
+    assert option_of("DRAFTCACHE_BUDGET", "serve") is None  # a replay/bench flag, not serve's
+
+
+def test_one_grpc_port_everywhere() -> None:
+    services = compose()["services"]
+    deployment = k8s_base("Deployment", "draftcache")["spec"]["template"]["spec"]["containers"][0]
+    claims: dict[str, Any] = {
+        "Dockerfile EXPOSE": next(c.value[0] for c in docker_commands() if c.cmd.upper() == "EXPOSE"),
+        "Dockerfile ENV": dockerfile_env()["DRAFTCACHE_PORT"],
+        "k8s ConfigMap": k8s_base("ConfigMap", "draftcache")["data"]["DRAFTCACHE_PORT"],
+        "k8s containerPort": deployment["ports"][0]["containerPort"],
+        "k8s Service": k8s_base("Service", "draftcache")["spec"]["ports"][0]["port"],
+        "k8s headless Service": k8s_base("Service", "draftcache-headless")["spec"]["ports"][0]["port"],
+        "systemd env file": read_env_file(UNIT_ENV)["DRAFTCACHE_PORT"],
+    }
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        claims[f"k8s {probe}"] = deployment[probe]["grpc"]["port"]
+    for name in ("draftcache-1", "draftcache-2"):
+        claims[f"compose {name} env"] = services[name]["environment"]["DRAFTCACHE_PORT"]
+        claims[f"compose {name} container port"] = services[name]["ports"][0].rsplit(":", 1)[1]
+    assert {k: int(v) for k, v in claims.items()} == dict.fromkeys(claims, GRPC_PORT)
+
+
+def real_serve_env(settings: dict[str, str], tmp_path: Path) -> dict[str, str]:
+    """An artefact's settings on this machine: loopback, a free port, the embedded Redis in a
+    scratch folder instead of the deployment's Redis."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DRAFTCACHE_")}
+    env.update(settings)
+    env.pop("DRAFTCACHE_REDIS_URL", None)
+    env.update(DRAFTCACHE_HOST="127.0.0.1", DRAFTCACHE_PORT=str(free_port()), DRAFTCACHE_DATA_DIR=str(tmp_path))
+    return env
+
+
+@pytest.mark.parametrize("source", ["k8s ConfigMap", "compose draftcache-1", "systemd env file"])
+def test_serve_starts_healthy_and_stops_on_the_artefact_settings(source: str, tmp_path: Path) -> None:
+    env = real_serve_env(serve_settings()[source], tmp_path)
+    cmd = [sys.executable, "-m", "cache_service.cli", "serve"]  # no flags: all from the environment
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            check = subprocess.run([sys.executable, str(HEALTHCHECK)], env=env, capture_output=True, text=True)
+            if check.returncode == 0:
+                break
+            assert proc.poll() is None, proc.communicate()[0]
+            assert time.monotonic() < deadline, check.stdout
+            time.sleep(0.2)
+        assert check.stdout.strip() == f"127.0.0.1:{env['DRAFTCACHE_PORT']} (server): SERVING"
+        proc.terminate()  # SIGTERM, as docker stop, the kubelet and systemd send it
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
