@@ -52,6 +52,10 @@ class ServerConfig:
     max_message_bytes: int = 64 << 20
     grace_s: float = 5.0  # drain time on shutdown
     workers: int = 4  # threads for blocking work (commits, storage)
+    tokens_file: Path | None = None  # bearer tokens (cache_service.auth); None: no authentication
+    tls_cert_file: Path | None = None  # PEM certificate chain; with the key, serve TLS
+    tls_key_file: Path | None = None
+    tls_client_ca_file: Path | None = None  # require client certificates signed by this CA (mTLS)
 
     def __post_init__(self) -> None:
         _range("port", self.port, 0, 65535)
@@ -59,6 +63,10 @@ class ServerConfig:
         _range("workers", self.workers, 1, 256)
         if self.grace_s < 0:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("TLS needs both a certificate and a key file")
+        if self.tls_client_ca_file is not None and self.tls_cert_file is None:
+            raise ValueError("client certificates (mTLS) need the server's own TLS certificate and key")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -30,3 +30,11 @@ class Unavailable(DraftCacheError):
 
 class FailedPrecondition(DraftCacheError):
     """The system is not in a state to serve this (e.g. an unknown newer storage schema)."""
+
+
+class Unauthenticated(DraftCacheError):
+    """No credentials, or credentials nobody issued."""
+
+
+class PermissionDenied(DraftCacheError):
+    """Known caller, but not allowed this call or this namespace."""

@@ -24,6 +24,8 @@ _CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (errors.ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (errors.Unavailable, grpc.StatusCode.UNAVAILABLE),
     (errors.FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
+    (errors.Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
+    (errors.PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),  # InvalidArgument and the indexer's checks
 ]
 

@@ -10,6 +10,7 @@ from draftcache.v1 import draftcache_pb2_grpc as pb_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from cache_service.auth import AuthInterceptor, TokenTable
 from cache_service.config import ServerConfig
 from cache_service.interceptor import ErrorInterceptor, Observer
 from cache_service.service import DraftService
@@ -43,6 +44,15 @@ class Server:
         logger.info("server on port %d stopped", self.port)
 
 
+def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
+    """TLS (and with a client CA, mutual TLS) from the configured PEM files; None: plaintext."""
+    if config.tls_cert_file is None or config.tls_key_file is None:
+        return None
+    pair = (config.tls_key_file.read_bytes(), config.tls_cert_file.read_bytes())
+    ca = config.tls_client_ca_file.read_bytes() if config.tls_client_ca_file is not None else None
+    return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=ca is not None)
+
+
 async def create_server(config: ServerConfig, service: DraftService, observe: Observer | None = None) -> Server:
     """Build, bind and start the server; health starts NOT_SERVING until the caller says so.
     ``observe`` receives every call's method, status and duration (metrics)."""
@@ -51,13 +61,18 @@ async def create_server(config: ServerConfig, service: DraftService, observe: Ob
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.so_reuseport", 1),
     ]
-    server = grpc.aio.server(interceptors=[ErrorInterceptor(observe)], options=options)
+    interceptors: list[grpc.aio.ServerInterceptor] = [ErrorInterceptor(observe)]
+    if config.tokens_file is not None:
+        interceptors.append(AuthInterceptor(TokenTable.load(config.tokens_file)))
+    server = grpc.aio.server(interceptors=interceptors, options=options)
     pb_grpc.add_DraftCacheServicer_to_server(DraftCacheServicer(service, observe), server)
     pb_grpc.add_AdminServicer_to_server(AdminServicer(service), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((*SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    address = f"{config.host}:{config.port}"
+    credentials = server_credentials(config)
+    port = server.add_insecure_port(address) if credentials is None else server.add_secure_port(address, credentials)
     if port == 0:
         raise OSError(f"could not bind {config.host}:{config.port}")
     await server.start()

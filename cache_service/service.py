@@ -16,8 +16,9 @@ from typing import Protocol
 
 import numpy as np
 
+from cache_service.auth import Principal
 from cache_service.config import ServiceConfig
-from cache_service.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
+from cache_service.errors import AlreadyExists, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
 from cache_service.sessions import SessionEntry, SessionTable, new_session_id
 from cache_service.storage.keys import check_name
 from indexer.drafter import MAX_LOOKAHEAD, DraftParams, NamespaceDrafter
@@ -112,7 +113,11 @@ class DraftService:
 
     # -- namespaces --------------------------------------------------------------------------
 
-    def create_namespace(self, name: str, vocab_size: int, *, persist: bool = True) -> NamespaceDrafter:
+    def create_namespace(
+        self, name: str, vocab_size: int, *, persist: bool = True, principal: Principal | None = None
+    ) -> NamespaceDrafter:
+        if principal is not None:
+            principal.check_namespace(name)
         try:
             check_name(name, what="namespace")
             namespace = Namespace(name=name, vocab_size=vocab_size)
@@ -150,8 +155,11 @@ class DraftService:
     def prior_version(self, name: str) -> int:
         return self._prior_versions.get(name, 0)
 
-    def stats(self, name: str = "") -> list[NamespaceStats]:
-        names = [name] if name else self.namespace_names()
+    def stats(self, name: str = "", *, principal: Principal | None = None) -> list[NamespaceStats]:
+        """Per namespace; a caller limited to some namespaces sees only those."""
+        if name and principal is not None:
+            principal.check_namespace(name)
+        names = [name] if name else [n for n in self.namespace_names() if principal is None or principal.may_use(n)]
         sessions = self.sessions.count_by_namespace()
         out = []
         for n in names:
@@ -179,26 +187,35 @@ class DraftService:
     def pending_writes(self) -> int:
         return 0 if self._persistence is None else self._persistence.pending
 
-    def rebuild(self, name: str = "") -> list[NamespaceStats]:
+    def rebuild(self, name: str = "", *, principal: Principal | None = None) -> list[NamespaceStats]:
         """Reload published priors and rebuild lifetime indexes now (the scheduler does this on
         its own, off the request path)."""
+        if principal is not None and principal.namespaces is not None:
+            if not name:
+                raise PermissionDenied(f"tenant {principal.tenant!r} may rebuild only its own namespaces, by name")
+            principal.check_namespace(name)
         if self._persistence is not None:
             self._persistence.reload_priors(self)
         for n in [name] if name else self.namespace_names():
             self.namespace(n).memory.rebuild()
-        return self.stats(name)
+        return self.stats(name, principal=principal)
 
     # -- sessions ----------------------------------------------------------------------------
 
-    def open(self, items: list[OpenItem]) -> list[str]:
+    def open(self, items: list[OpenItem], *, principal: Principal | None = None) -> list[str]:
         self._check_batch(len(items))
         prepared = []
         for item in items:
+            if principal is not None:
+                principal.check_namespace(item.namespace)
             drafter = self.namespace(item.namespace)
             prompt = _tokens(item.prompt, drafter, "prompt")
             if prompt.size > self.config.max_prompt_tokens:
                 raise ResourceExhausted(f"prompt of {prompt.size} tokens exceeds {self.config.max_prompt_tokens}")
             prepared.append((item, drafter, prompt))
+        if principal is not None:
+            self._check_tenant(principal, len(prepared), sum(p.size for _, _, p in prepared))
+        tenant = "" if principal is None else principal.tenant
         ids = []
         for item, drafter, prompt in prepared:
             entry = SessionEntry(
@@ -207,17 +224,22 @@ class DraftService:
                 drafter=drafter,
                 session=drafter.open(prompt),
                 params=item.params or self.config.default_params,
+                tenant=tenant,
             )
             self.sessions.add(entry)
             self._dirty.add(entry.sid)
             ids.append(entry.sid)
         return ids
 
-    def draft(self, items: Sequence[tuple[str, np.ndarray | list[int]]]) -> list[DraftTree]:
+    def draft(
+        self, items: Sequence[tuple[str, np.ndarray | list[int]]], *, principal: Principal | None = None
+    ) -> list[DraftTree]:
         """For each ``(session_id, new_tokens)``: append the tokens, then draft."""
-        return [tree for tree, _ in self.draft_ahead([DraftItem(sid, new) for sid, new in items])]
+        return [tree for tree, _ in self.draft_ahead([DraftItem(sid, new) for sid, new in items], principal=principal)]
 
-    def draft_ahead(self, items: Sequence[DraftItem]) -> list[tuple[DraftTree, Prefetched]]:
+    def draft_ahead(
+        self, items: Sequence[DraftItem], *, principal: Principal | None = None
+    ) -> list[tuple[DraftTree, Prefetched]]:
         """Like :meth:`draft`; each item's ``lookahead`` also drafts ahead for that many likely
         outcomes of verifying its tree. New tokens that match an outcome drafted ahead continue
         with the tree the decoder already holds (the subtree the outcome selects)."""
@@ -225,7 +247,7 @@ class DraftService:
         for item in items:
             if not 0 <= item.lookahead <= MAX_LOOKAHEAD:
                 raise InvalidArgument(f"lookahead must be in [0, {MAX_LOOKAHEAD}], got {item.lookahead}")
-        resolved = [(self._entry(item.session_id), item) for item in items]
+        resolved = [(self._entry(item.session_id, principal), item) for item in items]
         checked = [(entry, self._new_tokens(entry, item.new_tokens), item.lookahead) for entry, item in resolved]
         out = []
         for entry, new, lookahead in checked:
@@ -242,11 +264,11 @@ class DraftService:
         self._drafts += len(out)
         return out
 
-    def feedback(self, items: list[FeedbackItem]) -> None:
+    def feedback(self, items: list[FeedbackItem], *, principal: Principal | None = None) -> None:
         self._check_batch(len(items))
         checked = []
         for item in items:
-            entry = self._entry(item.session_id)
+            entry = self._entry(item.session_id, principal)
             new = self._new_tokens(entry, item.accepted)
             rejected = None
             if item.rejected is not None:
@@ -260,11 +282,11 @@ class DraftService:
             self.sessions.touch(entry)
             self._dirty.add(entry.sid)
 
-    def close(self, items: list[CloseItem]) -> list[Callable[[], None]]:
+    def close(self, items: list[CloseItem], *, principal: Principal | None = None) -> list[Callable[[], None]]:
         """End sessions now; return the commits still to run (off the request loop: a commit
-        rebuilds the small delta index, milliseconds of work)."""
+        indexes the request, milliseconds of work)."""
         self._check_batch(len(items))
-        entries = [(self._entry(item.session_id), item) for item in items]
+        entries = [(self._entry(item.session_id, principal), item) for item in items]
         for entry, item in entries:
             if not 0 <= item.commit_from <= len(entry.session.context):
                 raise InvalidArgument(f"commit_from {item.commit_from} is outside the session's context")
@@ -282,16 +304,25 @@ class DraftService:
         if self._persistence is not None:
             self._persistence.request_committed(entry.namespace, entry.session.context.tokens[commit_from:].copy())
 
-    def _entry(self, sid: str) -> SessionEntry:
-        """A live session, or one continued from storage (opened on another replica)."""
+    def _entry(self, sid: str, principal: Principal | None = None) -> SessionEntry:
+        """A live session, or one continued from storage (opened on another replica). A session
+        in a namespace the caller may not use is reported as unknown: its existence is not
+        disclosed."""
         try:
-            return self.sessions.get(sid)
+            entry = self.sessions.get(sid)
         except NotFound:
             stored = self._persistence.load_session(sid) if self._persistence is not None else None
             if stored is None:
                 raise
+        else:
+            if principal is not None and not principal.may_use(entry.namespace):
+                raise NotFound(f"unknown or expired session {sid!r}")
+            return entry
+        if principal is not None and not principal.may_use(stored.namespace):
+            raise NotFound(f"unknown or expired session {sid!r}")
         drafter = self.namespace(stored.namespace)
-        entry = SessionEntry(sid, stored.namespace, drafter, drafter.resume(stored.snapshot), stored.params)
+        tenant = "" if principal is None else principal.tenant
+        entry = SessionEntry(sid, stored.namespace, drafter, drafter.resume(stored.snapshot), stored.params, tenant)
         self.sessions.add(entry)
         logger.info("session %s continued from storage", sid)
         return entry
@@ -317,6 +348,23 @@ class DraftService:
         self._closed.update(closed)
 
     # -- checks ------------------------------------------------------------------------------
+
+    def _check_tenant(self, principal: Principal, sessions: int, tokens: int) -> None:
+        """The tenant's own limits (sessions, context tokens held) with ``sessions`` more."""
+        limits = principal.limits
+        if not limits.max_sessions and not limits.max_session_tokens:
+            return
+        self.sessions.expire()
+        held, held_tokens = self.sessions.tenant_usage(principal.tenant)
+        if limits.max_sessions and held + sessions > limits.max_sessions:
+            raise ResourceExhausted(
+                f"tenant {principal.tenant!r} holds {held} sessions; its limit is {limits.max_sessions}"
+            )
+        if limits.max_session_tokens and held_tokens + tokens > limits.max_session_tokens:
+            raise ResourceExhausted(
+                f"tenant {principal.tenant!r} sessions hold {held_tokens} tokens; its limit is "
+                f"{limits.max_session_tokens}"
+            )
 
     def _check_batch(self, size: int) -> None:
         if size > self.config.max_batch:

@@ -10,7 +10,7 @@ import grpc
 from draftcache.v1 import draftcache_pb2 as pb
 from draftcache.v1 import draftcache_pb2_grpc as pb_grpc
 
-from cache_service import convert
+from cache_service import auth, convert
 from cache_service.interceptor import Observer
 from cache_service.service import DraftService
 
@@ -24,19 +24,20 @@ class DraftCacheServicer(pb_grpc.DraftCacheServicer):
         self, request: pb.OpenSessionsRequest, context: grpc.aio.ServicerContext
     ) -> pb.OpenSessionsResponse:
         items = convert.open_items(request, self._service.config.default_params)
-        return pb.OpenSessionsResponse(session_ids=self._service.open(items))
+        return pb.OpenSessionsResponse(session_ids=self._service.open(items, principal=auth.current()))
 
     async def Draft(self, request: pb.DraftRequest, context: grpc.aio.ServicerContext) -> pb.DraftResponse:
-        return convert.draft_response(self._service.draft_ahead(convert.draft_items(request)))
+        results = self._service.draft_ahead(convert.draft_items(request), principal=auth.current())
+        return convert.draft_response(results)
 
     async def Feedback(self, request: pb.FeedbackRequest, context: grpc.aio.ServicerContext) -> pb.FeedbackResponse:
-        self._service.feedback(convert.feedback_items(request))
+        self._service.feedback(convert.feedback_items(request), principal=auth.current())
         return pb.FeedbackResponse()
 
     async def CloseSessions(
         self, request: pb.CloseSessionsRequest, context: grpc.aio.ServicerContext
     ) -> pb.CloseSessionsResponse:
-        jobs = self._service.close(convert.close_items(request))
+        jobs = self._service.close(convert.close_items(request), principal=auth.current())
         for job in jobs:  # commits run off the event loop; the reply waits so they are visible
             await asyncio.to_thread(job)
         return pb.CloseSessionsResponse()
@@ -72,23 +73,27 @@ class AdminServicer(pb_grpc.AdminServicer):
     async def CreateNamespace(
         self, request: pb.CreateNamespaceRequest, context: grpc.aio.ServicerContext
     ) -> pb.CreateNamespaceResponse:
-        self._service.create_namespace(request.name, request.vocab_size)
-        (stats,) = self._service.stats(request.name)
+        principal = auth.current()
+        self._service.create_namespace(request.name, request.vocab_size, principal=principal)
+        (stats,) = self._service.stats(request.name, principal=principal)
         return pb.CreateNamespaceResponse(namespace=convert.namespace_info(stats))
 
     async def Namespaces(
         self, request: pb.NamespacesRequest, context: grpc.aio.ServicerContext
     ) -> pb.NamespacesResponse:
-        return pb.NamespacesResponse(namespaces=[convert.namespace_info(s) for s in self._service.stats()])
+        stats = self._service.stats(principal=auth.current())
+        return pb.NamespacesResponse(namespaces=[convert.namespace_info(s) for s in stats])
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
+        stats = self._service.stats(request.namespace, principal=auth.current())
         return pb.StatsResponse(
-            namespaces=[convert.namespace_info(s) for s in self._service.stats(request.namespace)],
-            sessions=len(self._service.sessions),
+            namespaces=[convert.namespace_info(s) for s in stats],
+            sessions=sum(s.sessions for s in stats),
             drafts=self._service.drafts,
             pending_writes=self._service.pending_writes,
         )
 
     async def Rebuild(self, request: pb.RebuildRequest, context: grpc.aio.ServicerContext) -> pb.RebuildResponse:
-        stats = await asyncio.to_thread(self._service.rebuild, request.namespace)
+        principal = auth.current()
+        stats = await asyncio.to_thread(self._service.rebuild, request.namespace, principal=principal)
         return pb.RebuildResponse(namespaces=[convert.namespace_info(s) for s in stats])

@@ -20,6 +20,7 @@ class SessionEntry:
     drafter: NamespaceDrafter
     session: Session
     params: DraftParams
+    tenant: str = ""  # who opened it ("" when callers are not authenticated)
     last_used: float = field(default_factory=time.monotonic)
 
 
@@ -77,6 +78,11 @@ class SessionTable:
             del self._entries[sid]
             gone.append(sid)
         return gone
+
+    def tenant_usage(self, tenant: str) -> tuple[int, int]:
+        """Sessions a tenant holds and the context tokens in them."""
+        mine = [e for e in self._entries.values() if e.tenant == tenant]
+        return len(mine), sum(len(e.session.context) for e in mine)
 
     def count_by_namespace(self) -> dict[str, int]:
         out: dict[str, int] = {}

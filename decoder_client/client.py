@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -51,12 +52,33 @@ class ClientConfig:
     control_timeout_s: float = 1.0  # open / close calls
     retry_after_s: float = 0.5  # after a failure, skip the service this long
     lookahead: int = 0  # pre-speculation: outcomes drafted ahead per step (0: off)
+    token: str = ""  # bearer token, when the service authenticates callers
+    tls_root_cert_file: str = ""  # PEM CA of the service's certificate: use TLS
+    tls_cert_file: str = ""  # this client's certificate and key, for mutual TLS
+    tls_key_file: str = ""
 
     def __post_init__(self) -> None:
         if self.deadline_s <= 0 or self.control_timeout_s <= 0 or self.retry_after_s < 0:
             raise ValueError("deadlines must be > 0 and retry_after_s >= 0")
         if not 0 <= self.lookahead <= MAX_LOOKAHEAD:
             raise ValueError(f"lookahead must be in [0, {MAX_LOOKAHEAD}], got {self.lookahead}")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ValueError("a client certificate needs its key (and the other way round)")
+        if self.tls_cert_file and not self.tls_root_cert_file:
+            raise ValueError("mutual TLS needs tls_root_cert_file too")
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {self.token}"),) if self.token else ()
+
+    def credentials(self) -> grpc.ChannelCredentials | None:
+        """TLS credentials from the configured PEM files; None: plaintext."""
+        if not self.tls_root_cert_file:
+            return None
+        read = lambda path: Path(path).read_bytes() if path else None  # noqa: E731
+        return grpc.ssl_channel_credentials(
+            read(self.tls_root_cert_file), read(self.tls_key_file), read(self.tls_cert_file)
+        )
 
 
 @dataclass
@@ -207,7 +229,12 @@ class DraftClient:
     def __init__(self, config: ClientConfig, fallback: Fallback = prompt_lookup_fallback) -> None:
         self._core = _Core(config, fallback)
         # Reconnect quickly after an outage: the fallback covers the gap, not a long backoff.
-        self._channel = grpc.insecure_channel(config.target, options=RECONNECT_OPTIONS)
+        creds = config.credentials()
+        self._channel = (
+            grpc.insecure_channel(config.target, options=RECONNECT_OPTIONS)
+            if creds is None
+            else grpc.secure_channel(config.target, creds, options=RECONNECT_OPTIONS)
+        )
         self._stub = pb_grpc.DraftCacheStub(self._channel)
         self._inflight: tuple[list[ClientSession], grpc.Future] | None = None
 
@@ -241,7 +268,8 @@ class DraftClient:
         ahead = [s for s in sessions if id(s) in ready]
         req = self._core.draft_request(ahead)
         if req is not None:
-            self._inflight = (ahead, self._stub.Draft.future(req, timeout=self.config.control_timeout_s))
+            future = self._stub.Draft.future(req, timeout=self.config.control_timeout_s, metadata=self.config.metadata)
+            self._inflight = (ahead, future)
         return [ready[id(s)] if id(s) in ready else fresh[id(s)] for s in sessions]
 
     def _settle(self) -> None:
@@ -287,7 +315,7 @@ class DraftClient:
 
     def _call(self, method: Callable, request: object, timeout: float) -> Any:
         try:
-            return method(request, timeout=timeout)
+            return method(request, timeout=timeout, metadata=self.config.metadata)
         except grpc.RpcError as exc:
             self._core.failed(exc)
             return None
@@ -298,7 +326,12 @@ class AsyncDraftClient:
 
     def __init__(self, config: ClientConfig, fallback: Fallback = prompt_lookup_fallback) -> None:
         self._core = _Core(config, fallback)
-        self._channel = grpc.aio.insecure_channel(config.target, options=RECONNECT_OPTIONS)
+        creds = config.credentials()
+        self._channel = (
+            grpc.aio.insecure_channel(config.target, options=RECONNECT_OPTIONS)
+            if creds is None
+            else grpc.aio.secure_channel(config.target, creds, options=RECONNECT_OPTIONS)
+        )
         self._stub = pb_grpc.DraftCacheStub(self._channel)
         self._inflight: tuple[list[ClientSession], asyncio.Future] | None = None
 
@@ -323,7 +356,9 @@ class AsyncDraftClient:
         ahead = [s for s in sessions if id(s) in ready]
         req = self._core.draft_request(ahead)
         if req is not None:
-            call = self._stub.Draft(req, timeout=self._core.config.control_timeout_s)
+            call = self._stub.Draft(
+                req, timeout=self._core.config.control_timeout_s, metadata=self._core.config.metadata
+            )
             self._inflight = (ahead, asyncio.ensure_future(call))
         return [ready[id(s)] if id(s) in ready else fresh[id(s)] for s in sessions]
 
@@ -362,7 +397,7 @@ class AsyncDraftClient:
 
     async def _call(self, method: Callable, request: object, timeout: float) -> Any:
         try:
-            return await method(request, timeout=timeout)
+            return await method(request, timeout=timeout, metadata=self._core.config.metadata)
         except grpc.RpcError as exc:  # grpc.aio.AioRpcError is one
             self._core.failed(exc)
             return None
