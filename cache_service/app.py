@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import time
 from dataclasses import dataclass, field
 
 import redis
@@ -16,6 +17,7 @@ from redis.retry import Retry
 import migrations
 from cache_service.config import EmbeddedRedisConfig, ServerConfig, ServiceConfig
 from cache_service.embedded_redis import EmbeddedRedis
+from cache_service.metrics import Metrics
 from cache_service.persistence import RedisPersistence
 from cache_service.server import create_server
 from cache_service.service import DraftService, StoredSession
@@ -35,6 +37,8 @@ class AppConfig:
     store: StoreConfig = field(default_factory=StoreConfig)
     redis_url: str | None = None  # None: spawn the embedded server
     embedded: EmbeddedRedisConfig = field(default_factory=EmbeddedRedisConfig)
+    metrics_port: int | None = None  # Prometheus /metrics on this port (0: any free one); None: off
+    metrics_host: str = "0.0.0.0"
 
 
 def connect(url: str) -> redis.Redis:
@@ -63,6 +67,8 @@ class App:
         self.config = config
         self.embedded: EmbeddedRedis | None = None
         self.scheduler = BackgroundScheduler(job_defaults={"coalesce": True, "max_instances": 1})
+        self.metrics = Metrics()
+        self.sessions_saved = time.monotonic()  # last successful session write-back
         self.url = config.redis_url or ""
 
     async def start(self) -> int:
@@ -80,7 +86,11 @@ class App:
         self.service = DraftService(self.config.service, self.persistence)
         await asyncio.to_thread(self.persistence.restore, self.service)
         self._schedule()
-        self.server = await create_server(self.config.server, self.service)
+        self.server = await create_server(self.config.server, self.service, self.metrics.observe_rpc)
+        if self.config.metrics_port is not None:
+            self.metrics.watch(self.service, self.persistence, session_saves=lambda: self.sessions_saved)
+            port = self.metrics.serve(self.config.metrics_port, self.config.metrics_host)
+            logger.info("metrics on http://%s:%d/metrics", self.config.metrics_host, port)
         await self.server.set_serving(True)  # indexes are loaded: ready
         return self.server.port
 
@@ -100,6 +110,7 @@ class App:
         if changed or closed:
             try:
                 self.persistence.save_sessions(changed, closed, self.config.service.session_ttl_s)
+                self.sessions_saved = time.monotonic()
             except StorageError as exc:
                 logger.warning("session write-back deferred: %s", exc)
                 asyncio.run_coroutine_threadsafe(self._requeue(changed, closed), self._loop).result(timeout=30)
@@ -116,6 +127,7 @@ class App:
             memory = self.service.namespace(name).memory
             if memory.delta_tokens() > 0:
                 built = memory.rebuild()
+                self.metrics.observe_rebuild(name, built.build_seconds)
                 logger.info("rebuilt %s: %d tokens in %.2f s", name, built.suffix.size, built.build_seconds)
 
     def _rebuild_large_deltas(self) -> None:
@@ -124,6 +136,7 @@ class App:
             memory = self.service.namespace(name).memory
             if memory.needs_rebuild():
                 built = memory.rebuild()
+                self.metrics.observe_rebuild(name, built.build_seconds)
                 logger.info("rebuilt %s early: %d tokens in %.2f s", name, built.suffix.size, built.build_seconds)
 
     async def stop(self) -> None:

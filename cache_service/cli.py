@@ -70,9 +70,36 @@ def _prior_config(a: argparse.Namespace) -> PriorConfig:
     return PriorConfig(orders=orders, follower_len=a.follower_len, top_k=a.top_k, max_leaders=a.max_leaders)
 
 
+TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per record (time, level, logger, message, exception), for log pipelines.
+
+    >>> import json
+    >>> rec = logging.LogRecord("draftcache", logging.INFO, "", 0, "rebuilt %s", ("ns",), None)
+    >>> json.loads(JsonFormatter().format(rec))["message"]
+    'rebuilt ns'
+    """
+
+    def format(self, record: logging.LogRecord) -> str:
+        import json
+
+        out = {
+            "time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S"),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            out["exception"] = self.formatException(record.exc_info)
+        return json.dumps(out)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="draftcache", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true")
+    _add(parser, "--log-format", default="text", choices=("text", "json"), help="json: one object per line")
     sub = parser.add_subparsers(dest="command", required=True)
 
     r = sub.add_parser("replay", help="replay traces and report MAT (tokens per verification step)")
@@ -112,6 +139,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add(sv, "--session-ttl", type=float, default=3600.0, help="idle seconds before a session expires")
     _add(sv, "--max-batch", type=int, default=256)
     _add(sv, "--max-sessions", type=int, default=100_000)
+    _add(sv, "--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
+    _add(sv, "--metrics-host", default="0.0.0.0")
+    _add(sv, "--tokens-file", type=Path, default=None, help="bearer tokens of tenants (JSON); default: no auth")
+    _add(sv, "--tls-cert", type=Path, default=None, help="PEM certificate chain: serve TLS")
+    _add(sv, "--tls-key", type=Path, default=None)
+    _add(sv, "--tls-client-ca", type=Path, default=None, help="require client certificates from this CA (mTLS)")
 
     m = sub.add_parser("migrate", help="bring the Redis key schema up to date")
     _storage_args(m)
@@ -235,9 +268,18 @@ def cmd_serve(a: argparse.Namespace) -> int:
             max_batch=a.max_batch,
             max_sessions=a.max_sessions,
         ),
-        server=ServerConfig(host=a.host, port=a.port),
+        server=ServerConfig(
+            host=a.host,
+            port=a.port,
+            tokens_file=a.tokens_file,
+            tls_cert_file=a.tls_cert,
+            tls_key_file=a.tls_key,
+            tls_client_ca_file=a.tls_client_ca,
+        ),
         redis_url=a.redis_url,
         embedded=EmbeddedRedisConfig(data_dir=a.data_dir / "redis"),
+        metrics_port=a.metrics_port,
+        metrics_host=a.metrics_host,
     )
     asyncio.run(serve(config))
     return 0
@@ -443,11 +485,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # Long-lived tables are never garbage: keep the cyclic collector off them and rare.
     gc.set_threshold(50_000, 50, 100)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if args.log_format == "json" else logging.Formatter(TEXT_FORMAT))
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, handlers=[handler])
     # One line per job run, or per run skipped while the previous one works, is noise.
     logging.getLogger("apscheduler").setLevel(logging.ERROR)
     try:

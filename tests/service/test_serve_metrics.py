@@ -1,0 +1,62 @@
+"""``draftcache serve`` with metrics and JSON logs: the real process, scraped over HTTP."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+from draftcache.v1 import draftcache_pb2 as pb
+from draftcache.v1 import draftcache_pb2_grpc as pb_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from cache_service.embedded_redis import free_port
+
+
+def _healthy(target: str, proc: subprocess.Popen[bytes], timeout_s: float = 60) -> None:
+    health = health_pb2_grpc.HealthStub(grpc.insecure_channel(target))
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1:
+                return
+        except grpc.RpcError:
+            pass
+        assert proc.poll() is None, "serve exited"
+        time.sleep(0.1)
+    raise AssertionError("serve did not become healthy")
+
+
+def test_serve_exports_metrics_and_logs_json(tmp_path: Path) -> None:
+    port, metrics_port = free_port(), free_port()
+    cmd = [sys.executable, "-m", "cache_service.cli", "--log-format", "json", "serve", "--port", str(port)]
+    cmd += ["--data-dir", str(tmp_path), "--metrics-port", str(metrics_port), "--metrics-host", "127.0.0.1"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        target = f"127.0.0.1:{port}"
+        _healthy(target, proc)
+        with grpc.insecure_channel(target) as ch:
+            pb_grpc.AdminStub(ch).CreateNamespace(pb.CreateNamespaceRequest(name="toy", vocab_size=50))
+            stub = pb_grpc.DraftCacheStub(ch)
+            req = pb.OpenSessionsRequest(sessions=[pb.OpenSession(namespace="toy", prompt=[1, 2, 3, 1, 2])])
+            sid = stub.OpenSessions(req).session_ids[0]
+            stub.Draft(pb.DraftRequest(items=[pb.DraftItem(session_id=sid)]))
+        text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+        assert 'draftcache_rpc_seconds_count{code="OK",method="Draft"} 1.0' in text
+        assert 'draftcache_sessions{namespace="toy"} 1.0' in text
+        assert "draftcache_writeback_lag_seconds 0.0" in text
+        assert "draftcache_session_save_age_seconds" in text
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    # Every log line is one JSON object.
+    lines = [line for line in err.decode().splitlines() if line.strip()]
+    records = [json.loads(line) for line in lines]
+    assert any("listening" in r["message"] for r in records)
+    assert all({"time", "level", "logger", "message"} <= set(r) for r in records)
+    assert proc.returncode == 0
