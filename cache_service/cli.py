@@ -17,7 +17,7 @@ from pathlib import Path
 
 import grpc
 
-from cache_service import index_bench, replay_bench, warm
+from cache_service import index_bench, logs, replay_bench, warm
 from cache_service.errors import DraftCacheError
 from cache_service.storage.errors import StorageError
 from decoder_client.traces import read_traces
@@ -70,32 +70,6 @@ def _prior_config(a: argparse.Namespace) -> PriorConfig:
     return PriorConfig(orders=orders, follower_len=a.follower_len, top_k=a.top_k, max_leaders=a.max_leaders)
 
 
-TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-
-
-class JsonFormatter(logging.Formatter):
-    """One JSON object per record (time, level, logger, message, exception), for log pipelines.
-
-    >>> import json
-    >>> rec = logging.LogRecord("draftcache", logging.INFO, "", 0, "rebuilt %s", ("ns",), None)
-    >>> json.loads(JsonFormatter().format(rec))["message"]
-    'rebuilt ns'
-    """
-
-    def format(self, record: logging.LogRecord) -> str:
-        import json
-
-        out = {
-            "time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S"),
-            "level": record.levelname,
-            "logger": record.name,
-            "message": record.getMessage(),
-        }
-        if record.exc_info:
-            out["exception"] = self.formatException(record.exc_info)
-        return json.dumps(out)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="draftcache", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -139,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add(sv, "--session-ttl", type=float, default=3600.0, help="idle seconds before a session expires")
     _add(sv, "--max-batch", type=int, default=256)
     _add(sv, "--max-sessions", type=int, default=100_000)
+    _add(sv, "--processes", type=int, default=1, help="server processes sharing the port (one per core)")
     _add(sv, "--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
     _add(sv, "--metrics-host", default="0.0.0.0")
     _add(sv, "--tokens-file", type=Path, default=None, help="bearer tokens of tenants (JSON); default: no auth")
@@ -281,7 +256,12 @@ def cmd_serve(a: argparse.Namespace) -> int:
         metrics_port=a.metrics_port,
         metrics_host=a.metrics_host,
     )
-    asyncio.run(serve(config))
+    if a.processes > 1:
+        from cache_service.workers import serve_processes
+
+        serve_processes(config, a.processes, log_format=a.log_format, verbose=a.verbose)
+    else:
+        asyncio.run(serve(config))
     return 0
 
 
@@ -485,11 +465,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # Long-lived tables are never garbage: keep the cyclic collector off them and rare.
     gc.set_threshold(50_000, 50, 100)
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter() if args.log_format == "json" else logging.Formatter(TEXT_FORMAT))
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, handlers=[handler])
-    # One line per job run, or per run skipped while the previous one works, is noise.
-    logging.getLogger("apscheduler").setLevel(logging.ERROR)
+    logs.configure(args.log_format, args.verbose)
     try:
         return COMMANDS[args.command](args)
     except (ValueError, OSError, DraftCacheError, StorageError) as exc:  # one clear line, no traceback

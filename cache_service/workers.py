@@ -1,0 +1,81 @@
+"""Several server processes on one port, one per core: ``draftcache serve --processes N``.
+
+Python serves one core per process, so a host runs several. They share the port (the kernel
+spreads connections over them, ``SO_REUSEPORT``) and one Redis: each follows the same lifetime
+log, and a session opened in one continues in another from its stored copy. The supervisor
+starts the embedded Redis when no URL is given, restarts a worker that dies, and on SIGTERM or
+SIGINT stops them all gracefully.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import signal
+import threading
+from dataclasses import replace
+from multiprocessing.process import BaseProcess
+
+from cache_service import logs
+from cache_service.app import AppConfig
+from cache_service.embedded_redis import EmbeddedRedis
+
+logger = logging.getLogger(__name__)
+
+RESTART_PAUSE_S = 1.0  # between a worker's death and its replacement
+
+
+def worker_config(config: AppConfig, index: int, redis_url: str) -> AppConfig:
+    """Worker ``index``'s configuration: the shared Redis, its own metrics port if any."""
+    metrics = None if config.metrics_port is None else config.metrics_port + index
+    return replace(config, redis_url=redis_url, metrics_port=metrics)
+
+
+def _run(config: AppConfig, log_format: str, verbose: bool) -> None:
+    import asyncio
+
+    from cache_service.app import serve
+
+    logs.configure(log_format, verbose)
+    asyncio.run(serve(config))
+
+
+def serve_processes(config: AppConfig, processes: int, *, log_format: str = "text", verbose: bool = False) -> None:
+    """Run ``processes`` workers until SIGTERM or SIGINT."""
+    if processes < 1:
+        raise ValueError(f"processes must be >= 1, got {processes}")
+    if config.server.port == 0 and processes > 1:
+        raise ValueError("several processes need a fixed port to share")
+    embedded = None
+    url = config.redis_url
+    if not url:
+        embedded = EmbeddedRedis(config.embedded).start()
+        url = embedded.url
+        (config.embedded.data_dir / "url").write_text(url)
+    ctx = mp.get_context("spawn")
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+
+    def start(i: int) -> BaseProcess:
+        proc = ctx.Process(target=_run, args=(worker_config(config, i, url), log_format, verbose), name=f"worker-{i}")
+        proc.start()
+        logger.info("worker %d started (pid %s)", i, proc.pid)
+        return proc
+
+    workers = [start(i) for i in range(processes)]
+    try:
+        while not stop.wait(RESTART_PAUSE_S):
+            for i, proc in enumerate(workers):
+                if not proc.is_alive():
+                    logger.warning("worker %d (pid %s) exited with %s; restarting", i, proc.pid, proc.exitcode)
+                    workers[i] = start(i)
+    finally:
+        for proc in workers:
+            proc.terminate()  # SIGTERM: each drains and stops on its own
+        for proc in workers:
+            proc.join(config.server.grace_s + 30)
+            if proc.is_alive():
+                proc.kill()
+        if embedded is not None:
+            embedded.stop()

@@ -1,0 +1,95 @@
+"""``draftcache serve --processes 2``: two workers on one port and one Redis, supervised."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+from draftcache.v1 import draftcache_pb2 as pb
+from draftcache.v1 import draftcache_pb2_grpc as pb_grpc
+
+from cache_service.embedded_redis import free_port
+from tests.service.test_serve_metrics import _healthy
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(stat[1]) == pid:
+                out.append(int(entry.name))
+    return out
+
+
+def _workers(pid: int) -> list[int]:
+    """The supervisor's worker processes (not its Redis or multiprocessing's helpers)."""
+    out = []
+    for child in _children(pid):
+        try:
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"spawn_main" in cmdline:
+            out.append(child)
+    return out
+
+
+def _drafts(metrics_port: int) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith("draftcache_drafts_total"))
+
+
+def _draft_on_new_connections(target: str, n: int) -> None:
+    for _ in range(n):  # a new channel is a new connection: the kernel picks a worker for it
+        with grpc.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)]) as ch:
+            stub = pb_grpc.DraftCacheStub(ch)
+            req = pb.OpenSessionsRequest(sessions=[pb.OpenSession(namespace="toy", prompt=[1, 2, 3, 1, 2])])
+            sid = stub.OpenSessions(req, wait_for_ready=True, timeout=30).session_ids[0]
+            tree = stub.Draft(pb.DraftRequest(items=[pb.DraftItem(session_id=sid)]), timeout=30).trees[0]
+            assert tree.tokens[0] == 3
+
+
+def test_two_workers_share_the_port_and_a_dead_one_is_replaced(tmp_path: Path) -> None:
+    port, metrics = free_port(), free_port()
+    while metrics + 1 == port:
+        metrics = free_port()
+    cmd = [sys.executable, "-m", "cache_service.cli", "serve", "--processes", "2", "--port", str(port)]
+    cmd += ["--data-dir", str(tmp_path), "--metrics-port", str(metrics), "--metrics-host", "127.0.0.1"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    target = f"127.0.0.1:{port}"
+    try:
+        _healthy(target, proc)
+        with grpc.insecure_channel(target) as ch:
+            pb_grpc.AdminStub(ch).CreateNamespace(pb.CreateNamespaceRequest(name="toy", vocab_size=50))
+        time.sleep(3)  # the other worker discovers the namespace through Redis
+        _draft_on_new_connections(target, 16)
+        # Both workers served some of the 16 connections (each reports its own drafts).
+        per_worker = [_drafts(metrics), _drafts(metrics + 1)]
+        assert sum(per_worker) == 16 and min(per_worker) > 0, per_worker
+        # A worker killed outright is replaced; the port keeps serving meanwhile.
+        workers = _workers(proc.pid)
+        assert len(workers) == 2
+        os.kill(workers[0], signal.SIGKILL)
+        _draft_on_new_connections(target, 4)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            now = _workers(proc.pid)
+            if len(now) == 2 and workers[0] not in now:
+                break
+            time.sleep(0.2)
+        else:
+            raise AssertionError("the dead worker was not replaced")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=90)
+    assert proc.returncode == 0
