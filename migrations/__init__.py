@@ -1,7 +1,8 @@
 """Redis key-schema versions: an ordered list of idempotent migrations and their runner.
 
->>> import redis, migrations
->>> print(migrations.run_migrate(redis.Redis(), dry_run=True))  # doctest: +SKIP
+>>> import migrations
+>>> from cache_service.storage.connect import connect
+>>> print(migrations.run_migrate(connect("redis://127.0.0.1:6379/0"), dry_run=True))  # doctest: +SKIP
 schema v0, code v2; would apply:
   v1: initial key layout
   v2: token counters for lifetime logs (cap by tokens)
@@ -9,8 +10,7 @@ schema v0, code v2; would apply:
 
 from __future__ import annotations
 
-import redis
-
+from cache_service.storage.clients import StorageClient
 from cache_service.storage.errors import guarded
 from migrations.base import Migration
 from migrations.runner import LATEST, MIGRATIONS, apply, check, migration_lock, plan, stored_version
@@ -29,7 +29,7 @@ __all__ = [
 
 
 @guarded
-def run_migrate(client: redis.Redis, *, dry_run: bool) -> str:
+def run_migrate(client: StorageClient, *, dry_run: bool) -> str:
     """Bring the schema to :data:`LATEST` (or only say what that would take); a report.
 
     Raises ``SchemaMismatch`` for a newer stored schema, ``MigrationInProgress`` if another

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import redis
+from cache_service.storage.clients import StorageClient
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -21,7 +21,7 @@ class Migration:
 
     version: int
     description: str
-    apply: Callable[[redis.Redis], None]
+    apply: Callable[[StorageClient], None]
 
     def __post_init__(self) -> None:
         if self.version < 1:

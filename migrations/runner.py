@@ -12,9 +12,8 @@ import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
-import redis
-
 from cache_service.storage import keys
+from cache_service.storage.clients import StorageClient
 from cache_service.storage.errors import MigrationInProgress, SchemaMismatch, StorageCorrupt, guarded
 from migrations import v001_initial, v002_log_token_counts
 from migrations.base import Migration
@@ -44,7 +43,7 @@ def _check_sequence(migrations: Sequence[Migration]) -> None:
 
 
 @guarded
-def stored_version(client: redis.Redis) -> int:
+def stored_version(client: StorageClient) -> int:
     """The schema version recorded in Redis; 0 for a database draftcache never touched."""
     raw = client.get(keys.SCHEMA_VERSION)
     if raw is None:
@@ -69,10 +68,10 @@ def _refuse_newer(stored: int, migrations: Sequence[Migration]) -> None:
 
 
 @guarded
-def plan(client: redis.Redis, migrations: Sequence[Migration] = MIGRATIONS) -> list[Migration]:
+def plan(client: StorageClient, migrations: Sequence[Migration] = MIGRATIONS) -> list[Migration]:
     """The migrations ``apply`` would run, in order (a dry run: writes nothing).
 
-    >>> [str(m) for m in plan(redis.Redis())]  # doctest: +SKIP
+    >>> [str(m) for m in plan(connect("redis://127.0.0.1:6379/0"))]  # doctest: +SKIP
     ['v1: initial key layout', 'v2: token counters for lifetime logs (cap by tokens)']
     """
     _check_sequence(migrations)
@@ -82,7 +81,7 @@ def plan(client: redis.Redis, migrations: Sequence[Migration] = MIGRATIONS) -> l
 
 
 @contextmanager
-def migration_lock(client: redis.Redis, ttl_ms: int = LOCK_TTL_MS) -> Iterator[str]:
+def migration_lock(client: StorageClient, ttl_ms: int = LOCK_TTL_MS) -> Iterator[str]:
     """Hold the migration lock; yields this holder's token. Raises :class:`MigrationInProgress`."""
     token = uuid.uuid4().hex
     if not client.set(keys.MIGRATION_LOCK, token, nx=True, px=ttl_ms):
@@ -95,7 +94,7 @@ def migration_lock(client: redis.Redis, ttl_ms: int = LOCK_TTL_MS) -> Iterator[s
 
 @guarded
 def apply(
-    client: redis.Redis, migrations: Sequence[Migration] = MIGRATIONS, *, lock_ttl_ms: int = LOCK_TTL_MS
+    client: StorageClient, migrations: Sequence[Migration] = MIGRATIONS, *, lock_ttl_ms: int = LOCK_TTL_MS
 ) -> list[Migration]:
     """Run every pending migration in order; returns those applied (``[]`` when up to date).
 
@@ -116,7 +115,7 @@ def apply(
 
 
 @guarded
-def check(client: redis.Redis, migrations: Sequence[Migration] = MIGRATIONS) -> int:
+def check(client: StorageClient, migrations: Sequence[Migration] = MIGRATIONS) -> int:
     """Return the stored schema version if this build serves it, else raise :class:`SchemaMismatch`.
 
     A newer stored version means an older build must not write to it; an older one means

@@ -6,12 +6,11 @@ priors, session keys. Nothing needs creating: recording version 1 is the whole s
 
 from __future__ import annotations
 
-import redis
-
+from cache_service.storage.clients import StorageClient
 from migrations.base import Migration
 
 
-def apply(client: redis.Redis) -> None:
+def apply(client: StorageClient) -> None:
     """Nothing to create: every v1 key is made on first write."""
 
 

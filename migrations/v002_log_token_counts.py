@@ -9,9 +9,8 @@ written under v1 by summing its entries. Re-running it recomputes the same sums.
 
 from __future__ import annotations
 
-import redis
-
 from cache_service.storage import keys
+from cache_service.storage.clients import StorageClient
 from migrations.base import Migration
 
 # KEYS[1] stream, KEYS[2] counter. One script per log, so no append lands between sum and set.
@@ -35,7 +34,7 @@ return total
 """
 
 
-def apply(client: redis.Redis) -> None:
+def apply(client: StorageClient) -> None:
     recount = client.register_script(_RECOUNT_LUA)
     for key in client.scan_iter(match=keys.LOG_PATTERN, count=1000, _type="stream"):
         ns = keys.tag_of(key)

@@ -59,8 +59,11 @@ class MigrationInProgress(StorageError):
     """Another process holds the migration lock (or this one lost it)."""
 
 
-def translate(exc: rexc.RedisError) -> StorageError | None:
+def translate(exc: rexc.RedisError | rexc.RedisClusterException) -> StorageError | None:
     """The domain error for a redis-py exception, or ``None`` when it is a bug to re-raise.
+
+    A cluster client also raises ``RedisClusterException`` (not a ``RedisError``): when no
+    node owns a slot, or when no seed node answered while it (re)learned the slots.
 
     >>> type(translate(rexc.TimeoutError("slow"))).__name__
     'StorageUnavailable'
@@ -69,6 +72,10 @@ def translate(exc: rexc.RedisError) -> StorageError | None:
     """
     if isinstance(exc, _UNAVAILABLE):
         return StorageUnavailable(f"redis unavailable: {exc}")
+    if isinstance(exc, rexc.SlotNotCoveredError) or (
+        isinstance(exc, rexc.RedisClusterException) and isinstance(exc.__cause__, _UNAVAILABLE)
+    ):
+        return StorageUnavailable(f"redis cluster unavailable: {exc}")
     if isinstance(exc, rexc.ResponseError) and str(exc).startswith(("WRONGTYPE", "CORRUPT")):
         return StorageCorrupt(str(exc))
     return None
@@ -81,7 +88,7 @@ def guarded(fn: Callable[P, R]) -> Callable[P, R]:
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
         try:
             return fn(*args, **kwargs)
-        except rexc.RedisError as exc:
+        except (rexc.RedisError, rexc.RedisClusterException) as exc:
             mapped = translate(exc)
             if mapped is None:
                 raise

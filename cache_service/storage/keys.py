@@ -4,7 +4,7 @@ Layout (``v1`` is the key-layout generation; the *schema* version that migration
 separate integer under :data:`SCHEMA_VERSION`)::
 
     draftcache:schema_version                          string  integer, see migrations/
-    draftcache:migration_lock                          string  SET NX PX token while migrating
+    {draftcache:schema_version}:migration_lock         string  SET NX PX token while migrating
     draftcache:v1:namespaces                           hash    namespace name -> vocab_size
     draftcache:v1:ns:{<ns>}:log                        stream  lifetime log, one entry per request
     draftcache:v1:ns:{<ns>}:log:tokens                 string  tokens currently in the log
@@ -19,6 +19,9 @@ separate integer under :data:`SCHEMA_VERSION`)::
 
 The ``{...}`` hash tags put all of one namespace's keys, and all of one session's keys, in one
 Redis Cluster slot, so the multi-key transactions and scripts over them are legal on a cluster.
+The migration lock is tagged with the whole schema-version key name (a key without a tag hashes
+whole), so the script that records a step under the lock touches one slot too. The namespace
+registry is only ever used on its own.
 A tenant-scoped namespace is simply named ``<tenant>/<namespace>``.
 """
 
@@ -31,7 +34,9 @@ LAYOUT = "v1"
 _BASE = f"{PREFIX}:{LAYOUT}"
 
 SCHEMA_VERSION = f"{PREFIX}:schema_version"
-MIGRATION_LOCK = f"{PREFIX}:migration_lock"
+# Same slot as SCHEMA_VERSION. (Builds before Redis Cluster support locked draftcache:migration_lock:
+# do not run `draftcache migrate` from an old and a new build at the same moment.)
+MIGRATION_LOCK = f"{{{SCHEMA_VERSION}}}:migration_lock"
 NAMESPACES = f"{_BASE}:namespaces"
 
 MAX_NAME_LEN = 128

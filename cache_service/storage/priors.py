@@ -19,6 +19,7 @@ import redis
 from redis.typing import EncodableT, FieldT
 
 from cache_service.storage import codec, keys
+from cache_service.storage.clients import StorageClient, transaction
 from cache_service.storage.errors import StorageCorrupt, StorageUnavailable
 
 _READ_ATTEMPTS = 3  # a version may be dropped under a reader only by two publishes in a row
@@ -75,7 +76,7 @@ def _version(raw: bytes | str | None, key: str) -> int | None:
         raise StorageCorrupt(f"{key} holds {raw!r}, not a version number") from exc
 
 
-def current_version(client: redis.Redis, ns: str) -> int | None:
+def current_version(client: StorageClient, ns: str) -> int | None:
     key = keys.prior_current(ns)
     return _version(client.get(key), key)
 
@@ -84,25 +85,25 @@ def _version_keys(ns: str, version: int, parts: int) -> list[str]:
     return [keys.prior_meta(ns, version)] + [keys.prior_part(ns, version, i) for i in range(parts)]
 
 
-def stage(client: redis.Redis, ns: str, blob: bytes, *, part_size: int, ttl_s: int) -> tuple[int, PriorMeta]:
+def stage(client: StorageClient, ns: str, blob: bytes, *, part_size: int, ttl_s: int) -> tuple[int, PriorMeta]:
     """Write ``blob`` under a fresh version number, every key expiring after ``ttl_s``."""
     version = int(client.incr(keys.prior_seq(ns)))
     view = memoryview(blob)
     meta = PriorMeta.describe(view, part_size=part_size)
     for i in range(meta.parts):
         client.set(keys.prior_part(ns, version, i), view[i * part_size : (i + 1) * part_size], ex=ttl_s)
-    with client.pipeline(transaction=True) as pipe:
+    with transaction(client, keys.prior_meta(ns, version)) as pipe:
         pipe.hset(keys.prior_meta(ns, version), mapping=meta.fields())
         pipe.expire(keys.prior_meta(ns, version), ttl_s)
         pipe.execute()
     return version, meta
 
 
-def publish(client: redis.Redis, ns: str, version: int, parts: int) -> None:
+def publish(client: StorageClient, ns: str, version: int, parts: int) -> None:
     """Make a staged version permanent and current; drop the version two publishes old."""
     cur_key, prev_key = keys.prior_current(ns), keys.prior_previous(ns)
     staged = _version_keys(ns, version, parts)
-    with client.pipeline(transaction=True) as pipe:
+    with transaction(client, cur_key) as pipe:
         while True:
             try:
                 pipe.watch(cur_key, prev_key, *staged)  # a staged key expiring now aborts the switch
@@ -123,7 +124,7 @@ def publish(client: redis.Redis, ns: str, version: int, parts: int) -> None:
         drop_version(client, ns, previous)
 
 
-def drop_version(client: redis.Redis, ns: str, version: int) -> None:
+def drop_version(client: StorageClient, ns: str, version: int) -> None:
     meta = codec.as_fields(client.hgetall(keys.prior_meta(ns, version)), what=f"prior {version} of {ns!r}")
     raw_parts = meta.get(b"parts", b"0")
     parts = int(raw_parts) if raw_parts.isdigit() else 0  # unreadable metadata: drop what we can name
@@ -131,10 +132,10 @@ def drop_version(client: redis.Redis, ns: str, version: int) -> None:
     client.unlink(*[keys.prior_part(ns, version, i) for i in range(parts)], keys.prior_meta(ns, version))
 
 
-def rollback(client: redis.Redis, ns: str) -> int | None:
+def rollback(client: StorageClient, ns: str) -> int | None:
     """Swap ``current`` and ``previous``; the new current version, or ``None`` if no previous."""
     cur_key, prev_key = keys.prior_current(ns), keys.prior_previous(ns)
-    with client.pipeline(transaction=True) as pipe:
+    with transaction(client, cur_key) as pipe:
         while True:
             try:
                 pipe.watch(cur_key, prev_key)
@@ -151,7 +152,7 @@ def rollback(client: redis.Redis, ns: str) -> int | None:
                 continue
 
 
-def _read_version(client: redis.Redis, ns: str, version: int) -> bytearray | None:
+def _read_version(client: StorageClient, ns: str, version: int) -> bytearray | None:
     """The verified blob of ``version``, or ``None`` if it (or a part) is gone."""
     where = f"prior {version} of namespace {ns!r}"
     raw_meta = codec.as_fields(client.hgetall(keys.prior_meta(ns, version)), what=where)
@@ -173,7 +174,7 @@ def _read_version(client: redis.Redis, ns: str, version: int) -> bytearray | Non
     return blob
 
 
-def read_current(client: redis.Redis, ns: str) -> tuple[int, bytearray] | None:
+def read_current(client: StorageClient, ns: str) -> tuple[int, bytearray] | None:
     for _ in range(_READ_ATTEMPTS):
         version = current_version(client, ns)
         if version is None:

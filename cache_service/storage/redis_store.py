@@ -1,7 +1,8 @@
 """``RedisStore``: everything draftcache keeps in Redis, behind one small API.
 
-The store takes a ready ``redis.Redis`` client (built at the entry point, with
-``decode_responses=False``, socket timeouts and a bounded retry policy) and raises only
+The store takes a ready client (built at the entry point by
+:func:`cache_service.storage.connect.connect`: one Redis, a Sentinel master or a Redis Cluster,
+with ``decode_responses=False``, socket timeouts and a bounded retry policy) and raises only
 :mod:`cache_service.storage.errors` types for Redis trouble. It assumes the key schema is
 current: entry points run ``migrations.check(client)`` before serving.
 """
@@ -12,9 +13,9 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
-import redis
 
 from cache_service.storage import codec, keys, priors, sessions, stream_log
+from cache_service.storage.clients import StorageClient
 from cache_service.storage.codec import SessionState, TableItems
 from cache_service.storage.errors import NamespaceConflict, StorageCorrupt, guarded
 from cache_service.storage.sessions import StoredSession
@@ -51,16 +52,16 @@ class StoreConfig:
 
 
 class RedisStore:
-    """Lifetime logs, priors, the namespace registry and session copies in one Redis.
+    """Lifetime logs, priors, the namespace registry and session copies in one Redis (or cluster).
 
-    >>> store = RedisStore(redis.Redis.from_url("redis://127.0.0.1:6379/0"))  # doctest: +SKIP
+    >>> store = RedisStore(connect("redis://127.0.0.1:6379/0"))  # doctest: +SKIP
     >>> store.append_requests("llama2", [np.array([5, 6, 7], np.int32)])  # doctest: +SKIP
     ['1718000000000-0']
     >>> [e.tokens.tolist() for e in store.read_log("llama2")]  # doctest: +SKIP
     [[5, 6, 7]]
     """
 
-    def __init__(self, client: redis.Redis, config: StoreConfig | None = None) -> None:
+    def __init__(self, client: StorageClient, config: StoreConfig | None = None) -> None:
         settings = client.get_connection_kwargs() if hasattr(client, "get_connection_kwargs") else {}
         if settings.get("decode_responses"):
             raise ValueError("RedisStore needs a client with decode_responses=False (it stores raw bytes)")

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import redis
-
 from cache_service.storage import codec, keys
+from cache_service.storage.clients import StorageClient, transaction
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -30,7 +29,7 @@ def ttl_ms(ttl_s: float) -> int:
 
 
 def save(
-    client: redis.Redis,
+    client: StorageClient,
     sid: str,
     state: codec.SessionState,
     dyn: codec.TableItems,
@@ -41,7 +40,7 @@ def save(
     fields = codec.encode_state(state)
     dyn_blob, rej_blob = codec.encode_table(dyn), codec.encode_table(rej)
     ms = ttl_ms(ttl_s)
-    with client.pipeline(transaction=True) as pipe:
+    with transaction(client, state_key) as pipe:
         pipe.delete(state_key)  # no fields survive from an older format
         pipe.hset(state_key, mapping={k: v for k, v in fields.items()})
         pipe.pexpire(state_key, ms)
@@ -50,9 +49,9 @@ def save(
         pipe.execute()
 
 
-def load(client: redis.Redis, sid: str) -> StoredSession | None:
+def load(client: StorageClient, sid: str) -> StoredSession | None:
     state_key, dyn_key, rej_key = keys.session_keys(sid)
-    with client.pipeline(transaction=True) as pipe:
+    with transaction(client, state_key) as pipe:
         pipe.hgetall(state_key)
         pipe.get(dyn_key)
         pipe.get(rej_key)
@@ -69,19 +68,19 @@ def load(client: redis.Redis, sid: str) -> StoredSession | None:
     )
 
 
-def touch(client: redis.Redis, sid: str, ttl_s: float) -> bool:
+def touch(client: StorageClient, sid: str, ttl_s: float) -> bool:
     ms = ttl_ms(ttl_s)
-    with client.pipeline(transaction=True) as pipe:
+    with transaction(client, keys.session_state(sid)) as pipe:
         for key in keys.session_keys(sid):
             pipe.pexpire(key, ms)
         found = pipe.execute()
     return bool(found[0])
 
 
-def delete(client: redis.Redis, sid: str) -> bool:
+def delete(client: StorageClient, sid: str) -> bool:
     return bool(client.delete(*keys.session_keys(sid)))
 
 
-def ids(client: redis.Redis, match: str, batch: int) -> list[str]:
+def ids(client: StorageClient, match: str, batch: int) -> list[str]:
     pattern = keys.session_state_pattern(match)
     return sorted({keys.tag_of(key) for key in client.scan_iter(match=pattern, count=batch)})

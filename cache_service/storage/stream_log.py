@@ -12,10 +12,10 @@ import re
 from typing import NamedTuple
 
 import numpy as np
-import redis
 from redis.commands.core import Script
 
 from cache_service.storage import codec, keys
+from cache_service.storage.clients import StorageClient, transaction
 from cache_service.storage.errors import StorageCorrupt
 
 # KEYS[1] stream, KEYS[2] token counter; ARGV[1] cap, then (tokens, n) per request.
@@ -102,13 +102,13 @@ def _entry(raw_id: object, raw_fields: object) -> LogEntry:
     return LogEntry(entry_id, tokens)
 
 
-def read(client: redis.Redis, ns: str, after_id: str, count: int) -> list[LogEntry]:
+def read(client: StorageClient, ns: str, after_id: str, count: int) -> list[LogEntry]:
     """Up to ``count`` entries with ids strictly after ``after_id``, oldest first."""
     rows = client.xrange(keys.log(ns), min="(" + check_stream_id(after_id), max="+", count=count)
     return [_entry(i, f) for i, f in rows or []]
 
 
-def follow(client: redis.Redis, ns: str, last_id: str, block_ms: int | None, count: int) -> list[LogEntry]:
+def follow(client: StorageClient, ns: str, last_id: str, block_ms: int | None, count: int) -> list[LogEntry]:
     """Entries after ``last_id`` (or ``"$"``: only new ones), waiting up to ``block_ms``."""
     if last_id != "$":
         check_stream_id(last_id)
@@ -128,9 +128,9 @@ def _reply_entries(reply: object) -> list[list[tuple[object, object]]]:
     return [entries for _, entries in reply]
 
 
-def size(client: redis.Redis, ns: str) -> tuple[int, int]:
+def size(client: StorageClient, ns: str) -> tuple[int, int]:
     """``(entries, tokens)`` currently in the log."""
-    with client.pipeline(transaction=True) as pipe:
+    with transaction(client, keys.log(ns)) as pipe:
         pipe.xlen(keys.log(ns))
         pipe.get(keys.log_tokens(ns))
         entries, tokens = pipe.execute()

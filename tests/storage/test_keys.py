@@ -24,6 +24,8 @@ def test_a_namespace_and_a_session_each_live_in_one_cluster_slot() -> None:
     ns_keys += [keys.prior_seq("n"), keys.prior_meta("n", 7), keys.prior_part("n", 7, 3)]
     assert len({key_slot(k.encode()) for k in ns_keys}) == 1
     assert len({key_slot(k.encode()) for k in keys.session_keys("abc-123")}) == 1
+    # The script that records a migration step under the lock touches both.
+    assert key_slot(keys.MIGRATION_LOCK.encode()) == key_slot(keys.SCHEMA_VERSION.encode())
 
 
 @pytest.mark.parametrize("bad", ["", "a{b", "a}b", "a b", "a*", "a?", "a[1]", "-lead", "x" * 129, "tab\t", "é"])
