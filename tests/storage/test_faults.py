@@ -1,4 +1,8 @@
-"""A Redis that dies: calls fail fast as StorageUnavailable; an AOF restart brings data back."""
+"""A Redis that dies: calls fail fast as StorageUnavailable; an AOF restart brings data back.
+
+One server only, by nature (it kills and restarts that server); a cluster master that dies and
+returns is in test_cluster.py.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from cache_service.storage import RedisStore, SessionState, StorageUnavailable, errors
-from tests.storage.conftest import RedisServer
+from tests.storage.servers import RedisServer
 
 
 def _fast_failing_client(url: str) -> redis.Redis:

@@ -6,16 +6,16 @@ import threading
 
 import numpy as np
 import pytest
-import redis
 
 from cache_service.storage import RedisStore, StorageCorrupt, keys
+from cache_service.storage.clients import StorageClient
 
 
 def _req(*tokens: int) -> np.ndarray:
     return np.array(tokens, dtype=np.int32)
 
 
-def _stored_tokens(client: redis.Redis, ns: str) -> int:
+def _stored_tokens(client: StorageClient, ns: str) -> int:
     """The truth, recomputed from the entries themselves."""
     return sum(int(fields[b"n"]) for _, fields in client.xrange(keys.log(ns)))
 
@@ -30,7 +30,7 @@ def test_append_then_read_round_trips(store: RedisStore) -> None:
     assert store.read_log("other") == []  # namespaces never mix
 
 
-def test_stream_fields_are_n_and_little_endian_tokens(store: RedisStore, client: redis.Redis) -> None:
+def test_stream_fields_are_n_and_little_endian_tokens(store: RedisStore, client: StorageClient) -> None:
     [entry_id] = store.append_requests("ns", [_req(1, 256)])
     [(raw_id, fields)] = client.xrange(keys.log("ns"))
     assert raw_id.decode() == entry_id
@@ -46,7 +46,7 @@ def test_read_pages_after_an_id(store: RedisStore) -> None:
     assert store.read_log("ns", after_id=ids[-1]) == []
 
 
-def test_token_cap_is_exact_and_keeps_the_newest(store: RedisStore, client: redis.Redis) -> None:
+def test_token_cap_is_exact_and_keeps_the_newest(store: RedisStore, client: StorageClient) -> None:
     for i in range(4):
         store.append_requests("ns", [_req(*[i] * 30)], max_tokens=100)
     # 120 tokens appended: the oldest whole request goes, three remain.
@@ -64,7 +64,7 @@ def test_a_request_longer_than_the_cap_keeps_its_tail(store: RedisStore) -> None
     assert store.log_size("ns") == (1, 5)
 
 
-def test_one_batch_larger_than_the_cap_trims_within_itself(store: RedisStore, client: redis.Redis) -> None:
+def test_one_batch_larger_than_the_cap_trims_within_itself(store: RedisStore, client: StorageClient) -> None:
     batch = [_req(*[7] * n) for n in range(1, 101)]  # 5,050 tokens against the store's cap of 1,000
     store.append_requests("ns", batch)
     sizes = [e.tokens.size for e in store.read_log("ns", count=10_000)]
@@ -88,7 +88,7 @@ def test_follow_returns_new_entries_and_times_out_empty(store: RedisStore) -> No
         store.follow("ns", first, block_ms=0)  # would block forever
 
 
-def test_concurrent_appends_keep_the_counter_exact(store: RedisStore, client: redis.Redis) -> None:
+def test_concurrent_appends_keep_the_counter_exact(store: RedisStore, client: StorageClient) -> None:
     def writer(seed: int) -> None:
         rng = np.random.default_rng(seed)
         for _ in range(100):
@@ -117,14 +117,14 @@ def test_invalid_requests_are_refused_before_writing(store: RedisStore) -> None:
     assert store.append_requests("ns", []) == []
 
 
-def test_a_log_without_its_counter_is_refused(store: RedisStore, client: redis.Redis) -> None:
+def test_a_log_without_its_counter_is_refused(store: RedisStore, client: StorageClient) -> None:
     client.xadd(keys.log("ns"), {"n": 1, "tokens": b"\x01\x00\x00\x00"})  # written by a v1 replica
     with pytest.raises(StorageCorrupt, match="migrate"):
         store.append_requests("ns", [_req(2)])
     assert client.xlen(keys.log("ns")) == 1  # nothing half-written
 
 
-def test_corrupt_entries_are_reported(store: RedisStore, client: redis.Redis) -> None:
+def test_corrupt_entries_are_reported(store: RedisStore, client: StorageClient) -> None:
     client.xadd(keys.log("ns"), {"n": 2, "tokens": b"\x01\x00\x00\x00"})
     with pytest.raises(StorageCorrupt, match="n=2"):
         store.read_log("ns")

@@ -6,19 +6,19 @@ import threading
 
 import numpy as np
 import pytest
-import redis
 
 import migrations
 from cache_service.storage import MigrationInProgress, RedisStore, SchemaMismatch, keys
+from cache_service.storage.clients import StorageClient
 
 
-def _v1_log(client: redis.Redis, ns: str, requests: list[list[int]]) -> None:
+def _v1_log(client: StorageClient, ns: str, requests: list[list[int]]) -> None:
     """A log as v1 replicas wrote it: entries, no token counter."""
     for tokens in requests:
         client.xadd(keys.log(ns), {"n": len(tokens), "tokens": np.array(tokens, "<i4").tobytes()})
 
 
-def test_fresh_database_plans_everything_and_applies_to_latest(client: redis.Redis) -> None:
+def test_fresh_database_plans_everything_and_applies_to_latest(client: StorageClient) -> None:
     assert [m.version for m in migrations.plan(client)] == [1, 2]
     with pytest.raises(SchemaMismatch) as info:
         migrations.check(client)
@@ -31,7 +31,7 @@ def test_fresh_database_plans_everything_and_applies_to_latest(client: redis.Red
     assert client.get(keys.MIGRATION_LOCK) is None  # released
 
 
-def test_v1_data_is_converted_and_preserved(client: redis.Redis, store: RedisStore) -> None:
+def test_v1_data_is_converted_and_preserved(client: StorageClient, store: RedisStore) -> None:
     client.set(keys.SCHEMA_VERSION, 1)
     _v1_log(client, "a", [[1, 2, 3], [4], []])
     _v1_log(client, "acme/b", [[5] * 10])
@@ -46,14 +46,14 @@ def test_v1_data_is_converted_and_preserved(client: redis.Redis, store: RedisSto
     assert store.log_size("a") == (4, 6)
 
 
-def test_rerunning_v2_recomputes_the_same_counts(client: redis.Redis, store: RedisStore) -> None:
+def test_rerunning_v2_recomputes_the_same_counts(client: StorageClient, store: RedisStore) -> None:
     migrations.apply(client)
     store.append_requests("a", [np.arange(5, dtype=np.int32)])
     migrations.MIGRATIONS[1].apply(client)  # as after a crash before the version was recorded
     assert store.log_size("a") == (1, 5)
 
 
-def test_a_newer_schema_is_refused(client: redis.Redis) -> None:
+def test_a_newer_schema_is_refused(client: StorageClient) -> None:
     client.set(keys.SCHEMA_VERSION, 99)
     for call in (migrations.check, migrations.plan, migrations.apply):
         with pytest.raises(SchemaMismatch, match="newer") as info:
@@ -64,7 +64,7 @@ def test_a_newer_schema_is_refused(client: redis.Redis) -> None:
     assert client.get(keys.SCHEMA_VERSION) == b"99"
 
 
-def test_dry_run_changes_nothing(client: redis.Redis) -> None:
+def test_dry_run_changes_nothing(client: StorageClient) -> None:
     _v1_log(client, "a", [[1, 2]])
     client.set(keys.SCHEMA_VERSION, 1)
     snapshot = {k: client.dump(k) for k in client.scan_iter()}
@@ -76,22 +76,22 @@ def test_dry_run_changes_nothing(client: redis.Redis) -> None:
     assert {k: client.dump(k) for k in client.scan_iter()} == snapshot
 
 
-def test_run_migrate_reports(client: redis.Redis) -> None:
+def test_run_migrate_reports(client: StorageClient) -> None:
     report = migrations.run_migrate(client, dry_run=False)
     assert report.splitlines()[0] == "schema v0, code v2; applied:"
     assert report.splitlines()[-1] == "schema now v2"
     assert migrations.run_migrate(client, dry_run=False) == "schema v2, code v2; up to date"
 
 
-def test_one_migrator_at_a_time(client: redis.Redis) -> None:
+def test_one_migrator_at_a_time(client: StorageClient) -> None:
     with migrations.migration_lock(client), pytest.raises(MigrationInProgress):
         migrations.apply(client)
     assert client.get(keys.SCHEMA_VERSION) is None
     assert [m.version for m in migrations.apply(client)] == [1, 2]
 
 
-def test_a_migrator_that_lost_its_lock_records_nothing(client: redis.Redis) -> None:
-    def steal(c: redis.Redis) -> None:
+def test_a_migrator_that_lost_its_lock_records_nothing(client: StorageClient) -> None:
+    def steal(c: StorageClient) -> None:
         c.set(keys.MIGRATION_LOCK, "someone else")  # our lease ran out and another took over
 
     rogue = migrations.Migration(version=1, description="slow step", apply=steal)
@@ -101,11 +101,11 @@ def test_a_migrator_that_lost_its_lock_records_nothing(client: redis.Redis) -> N
     assert client.get(keys.MIGRATION_LOCK) == b"someone else"  # not released by the loser
 
 
-def test_racing_migrators_apply_each_step_once(client: redis.Redis) -> None:
+def test_racing_migrators_apply_each_step_once(client: StorageClient) -> None:
     calls: list[int] = []
     gate = threading.Event()
 
-    def step(c: redis.Redis) -> None:
+    def step(c: StorageClient) -> None:
         calls.append(1)
         gate.wait(2)
 

@@ -6,14 +6,14 @@ import os
 
 import numpy as np
 import pytest
-import redis
 
 from cache_service.storage import RedisStore, StorageCorrupt, StorageUnavailable, StoreConfig, keys, priors
+from cache_service.storage.clients import StorageClient
 from cache_service.storage.redis_store import MiB
 from indexer.prior import PriorConfig, StaticPrior
 
 
-def _prior_keys(client: redis.Redis, ns: str, version: int) -> list[bytes]:
+def _prior_keys(client: StorageClient, ns: str, version: int) -> list[bytes]:
     return sorted(client.scan_iter(match=f"draftcache:v1:ns:{{{ns}}}:prior:{version}:*", count=1000))
 
 
@@ -23,7 +23,7 @@ def test_missing_prior_is_none(store: RedisStore) -> None:
     assert store.rollback_prior("ns") is None
 
 
-def test_large_blob_is_chunked_and_verified(store: RedisStore, client: redis.Redis) -> None:
+def test_large_blob_is_chunked_and_verified(store: RedisStore, client: StorageClient) -> None:
     blob = os.urandom(20 * MiB + 12345)  # parts of 1 MiB (the fixture's config): 21 parts
     version = store.put_prior("ns", blob)
     assert store.prior_version("ns") == version
@@ -46,7 +46,7 @@ def test_a_real_static_prior_round_trips(store: RedisStore) -> None:
     assert loaded.lookup(context).rows.tolist() == prior.lookup(context).rows.tolist()  # type: ignore[union-attr]
 
 
-def test_versions_switch_keep_one_previous_and_roll_back(store: RedisStore, client: redis.Redis) -> None:
+def test_versions_switch_keep_one_previous_and_roll_back(store: RedisStore, client: StorageClient) -> None:
     v1, v2, v3 = (store.put_prior("ns", bytes([i]) * 100) for i in range(1, 4))
     assert v1 < v2 < v3 and store.prior_version("ns") == v3
     assert _prior_keys(client, "ns", v1) == []  # two publishes old: deleted
@@ -59,7 +59,7 @@ def test_versions_switch_keep_one_previous_and_roll_back(store: RedisStore, clie
     assert store.prior_version("ns") == v3
 
 
-def test_corrupt_or_missing_parts_are_reported(store: RedisStore, client: redis.Redis) -> None:
+def test_corrupt_or_missing_parts_are_reported(store: RedisStore, client: StorageClient) -> None:
     version = store.put_prior("ns", os.urandom(3 * MiB))
     part = keys.prior_part("ns", version, 1)
     original = client.get(part)
@@ -81,7 +81,7 @@ def test_corrupt_or_missing_parts_are_reported(store: RedisStore, client: redis.
         store.prior_version("ns")
 
 
-def test_staged_parts_expire_and_an_expired_upload_is_not_published(store: RedisStore, client: redis.Redis) -> None:
+def test_staged_parts_expire_and_an_expired_upload_is_not_published(store: RedisStore, client: StorageClient) -> None:
     old = store.put_prior("ns", b"old")
     version, meta = priors.stage(client, "ns", b"new" * 1000, part_size=1 << 10, ttl_s=60)
     staged = _prior_keys(client, "ns", version)
@@ -101,7 +101,7 @@ def test_empty_blob_and_bad_config_are_refused(store: RedisStore) -> None:
 
 
 @pytest.mark.slow
-def test_a_200_mb_prior_with_default_64_mb_parts(client: redis.Redis) -> None:
+def test_a_200_mb_prior_with_default_64_mb_parts(client: StorageClient) -> None:
     store = RedisStore(client, StoreConfig())
     blob = np.random.default_rng(0).integers(0, 256, 200 * MiB, dtype=np.uint8).tobytes()
     version = store.put_prior("big", blob)

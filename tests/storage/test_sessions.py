@@ -6,9 +6,9 @@ import time
 
 import numpy as np
 import pytest
-import redis
 
 from cache_service.storage import RedisStore, SessionState, StorageCorrupt, keys
+from cache_service.storage.clients import StorageClient
 from indexer.session_cache import LruTable, LruTableConfig, RejectedCache
 
 
@@ -38,7 +38,7 @@ def test_save_load_round_trip(store: RedisStore) -> None:
     assert store.load_session("s-2") is None
 
 
-def test_every_key_gets_the_ttl_and_save_or_touch_refresh_it(store: RedisStore, client: redis.Redis) -> None:
+def test_every_key_gets_the_ttl_and_save_or_touch_refresh_it(store: RedisStore, client: StorageClient) -> None:
     state, dyn, rej = _session()
     store.save_session("s", state, dyn.items(), rej.table.items(), ttl_s=30)
     ttls = [client.pttl(k) for k in keys.session_keys("s")]
@@ -74,7 +74,7 @@ def test_delete_and_scan_listing(store: RedisStore) -> None:
     assert store.load_session("other-1") is None
 
 
-def test_a_missing_table_loads_empty_and_garbage_is_corrupt(store: RedisStore, client: redis.Redis) -> None:
+def test_a_missing_table_loads_empty_and_garbage_is_corrupt(store: RedisStore, client: StorageClient) -> None:
     state, dyn, rej = _session()
     store.save_session("s", state, dyn.items(), rej.table.items(), ttl_s=60)
     client.delete(keys.session_rej("s"))

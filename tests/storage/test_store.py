@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import redis
 
 from cache_service.storage import NamespaceConflict, RedisStore, SessionState, StorageCorrupt, StoreConfig, keys
+from cache_service.storage.clients import StorageClient
+from cache_service.storage.connect import connect
 
 
 def test_register_and_list_namespaces(store: RedisStore) -> None:
@@ -28,7 +29,7 @@ def test_a_namespace_keeps_its_vocabulary(store: RedisStore) -> None:
     assert store.namespaces() == {"n": 100}
 
 
-def test_a_mangled_registry_is_corrupt(store: RedisStore, client: redis.Redis) -> None:
+def test_a_mangled_registry_is_corrupt(store: RedisStore, client: StorageClient) -> None:
     client.hset(keys.NAMESPACES, "n", "many")
     with pytest.raises(StorageCorrupt):
         store.namespaces()
@@ -38,9 +39,9 @@ def test_ping_measures_a_round_trip(store: RedisStore) -> None:
     assert 0 < store.ping() < 1
 
 
-def test_a_decoding_client_is_refused(redis_url: str) -> None:
+def test_a_decoding_client_is_refused(backend_url: str) -> None:
     with pytest.raises(ValueError, match="decode_responses"):
-        RedisStore(redis.Redis.from_url(redis_url, decode_responses=True))
+        RedisStore(connect(backend_url, decode_responses=True))
 
 
 @pytest.mark.parametrize(
@@ -51,8 +52,8 @@ def test_config_is_validated(kwargs: dict[str, int]) -> None:
         StoreConfig(**kwargs)
 
 
-def test_a_resp3_client_reads_the_same(redis_url: str, store: RedisStore) -> None:
-    resp3 = RedisStore(redis.Redis.from_url(redis_url, protocol=3))
+def test_a_resp3_client_reads_the_same(backend_url: str, store: RedisStore) -> None:
+    resp3 = RedisStore(connect(backend_url, protocol=3))
     ids = resp3.append_requests("n", [np.array([1, 2], np.int32)])
     assert [e.id for e in store.read_log("n")] == ids
     assert [e.tokens.tolist() for e in resp3.follow("n", "0", block_ms=10)] == [[1, 2]]
