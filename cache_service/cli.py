@@ -49,7 +49,13 @@ def _prior_args(p: argparse.ArgumentParser) -> None:
 
 
 def _storage_args(p: argparse.ArgumentParser) -> None:
-    _add(p, "--redis-url", default=None, help="Redis (or Redis Cluster/Sentinel) URL; default: the embedded one")
+    _add(
+        p,
+        "--redis-url",
+        default=None,
+        help="storage: redis://[user:pass@]host:port/db, rediss:// (TLS, ?ssl_ca_certs=...), "
+        "redis+cluster://host:port,host:port, redis+sentinel://host:port/service[/db]; default: the embedded one",
+    )
     _add(p, "--data-dir", type=Path, default=Path("data"), help="where the embedded Redis keeps its files")
 
 
