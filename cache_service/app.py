@@ -8,6 +8,7 @@ import logging
 import signal
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import redis
 from apscheduler.schedulers.background import BackgroundScheduler
@@ -39,6 +40,7 @@ class AppConfig:
     embedded: EmbeddedRedisConfig = field(default_factory=EmbeddedRedisConfig)
     metrics_port: int | None = None  # Prometheus /metrics on this port (0: any free one); None: off
     metrics_host: str = "0.0.0.0"
+    prior_dir: Path | None = None  # priors saved and memory-mapped here (shared by processes)
 
 
 def connect(url: str) -> redis.Redis:
@@ -81,7 +83,9 @@ class App:
         client = connect(self.url)
         logger.info("storage schema v%d at %s", await asyncio.to_thread(prepare_schema, client), self.url)
         self.persistence = RedisPersistence(
-            RedisStore(client, self.config.store), max_pending=self.config.service.max_pending_writes
+            RedisStore(client, self.config.store),
+            max_pending=self.config.service.max_pending_writes,
+            prior_dir=self.config.prior_dir,
         )
         self.service = DraftService(self.config.service, self.persistence)
         await asyncio.to_thread(self.persistence.restore, self.service)

@@ -13,10 +13,12 @@ import threading
 import time
 from collections import deque
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from cache_service import prior_files
 from cache_service.errors import Unavailable
 from cache_service.service import DraftService, StoredSession
 from cache_service.storage.codec import SessionState
@@ -32,8 +34,9 @@ logger = logging.getLogger(__name__)
 class RedisPersistence:
     """The service's :class:`~cache_service.service.Persistence` on a :class:`RedisStore`."""
 
-    def __init__(self, store: RedisStore, *, max_pending: int) -> None:
+    def __init__(self, store: RedisStore, *, max_pending: int, prior_dir: Path | None = None) -> None:
         self.store = store
+        self._prior_dir = prior_dir  # priors saved here once and memory-mapped (shared by processes)
         self._pending: deque[tuple[str, np.ndarray, float]] = deque()  # with the time queued
         self._max_pending = max_pending
         self._own: set[str] = set()  # ids of entries this process appended
@@ -183,12 +186,29 @@ class RedisPersistence:
                     logger.warning("prior reload for %s deferred: %s", name, exc)
 
     def _load_prior(self, service: DraftService, name: str) -> None:
+        if self._prior_dir is not None:
+            version = self.store.prior_version(name)
+            if version is not None and prior_files.folder_for(self._prior_dir, name, version).exists():
+                self._set_mapped(service, name, version)
+                return
         found = self.store.get_prior(name)
         if found is None:
             return
         version, blob = found
-        service.set_prior(name, StaticPrior.from_bytes(bytes(blob)), version)
+        prior = StaticPrior.from_bytes(bytes(blob))
+        if self._prior_dir is None:
+            service.set_prior(name, prior, version)
+        else:
+            prior_files.save(prior, prior_files.folder_for(self._prior_dir, name, version))
+            del prior, blob
+            self._set_mapped(service, name, version)
         logger.info("namespace %s: static prior version %d loaded", name, version)
+
+    def _set_mapped(self, service: DraftService, name: str, version: int) -> None:
+        prior = prior_files.load(prior_files.folder_for(self._prior_dir or Path(), name, version))
+        prior.lookup(np.zeros(8, dtype=np.int32))  # compile the read-only variant now, not on a request
+        service.set_prior(name, prior, version)
+        logger.info("namespace %s: static prior version %d mapped from %s", name, version, self._prior_dir)
 
 
 def _items(table: Any) -> TableItems:

@@ -102,6 +102,28 @@ class StaticPrior:
         table = self.tables[int(self._owner[i])]
         return PriorHit(table.config.leader_len, *table.entry(int(self._slot[i])))
 
+    def index_arrays(self) -> dict[str, np.ndarray]:
+        """The cross-table leader index (derived from the tables; kept to skip rebuilding it)."""
+        return {"keys": self._keys, "owner": self._owner, "slot": self._slot}
+
+    @classmethod
+    def from_parts(
+        cls, tables: tuple[NgramTable, ...], source_tokens: int, index: dict[str, np.ndarray]
+    ) -> StaticPrior:
+        """A prior over given tables and :meth:`index_arrays` without copying them (so they may
+        be memory-mapped); ``ValueError`` when they disagree."""
+        keys, owner, slot = index["keys"], index["owner"], index["slot"]
+        if list(tables) != sorted(tables, key=lambda t: -t.config.leader_len):
+            raise ValueError("prior tables must be ordered longest leader first")
+        if not keys.size == owner.size == slot.size == sum(t.leaders for t in tables):
+            raise ValueError("the leader index does not match the tables")
+        prior = cls.__new__(cls)
+        for name, value in (("tables", tables), ("source_tokens", source_tokens), ("_keys", keys),
+                            ("_owner", owner), ("_slot", slot)):  # fmt: skip
+            object.__setattr__(prior, name, value)
+        object.__setattr__(prior, "_orders", np.array([t.config.leader_len for t in tables], np.int64))
+        return prior
+
     def to_bytes(self) -> bytes:
         buf = io.BytesIO()
         blobs = {f"t{i}": np.frombuffer(t.to_bytes(), dtype=np.uint8) for i, t in enumerate(self.tables)}

@@ -11,10 +11,14 @@ import urllib.request
 from pathlib import Path
 
 import grpc
+import numpy as np
 from draftcache.v1 import draftcache_pb2 as pb
 from draftcache.v1 import draftcache_pb2_grpc as pb_grpc
 
+from cache_service.app import connect
 from cache_service.embedded_redis import free_port
+from cache_service.storage.redis_store import RedisStore
+from indexer.prior import PriorConfig, StaticPrior
 from tests.service.test_serve_metrics import _healthy
 
 
@@ -42,6 +46,13 @@ def _workers(pid: int) -> list[int]:
         if b"spawn_main" in cmdline:
             out.append(child)
     return out
+
+
+def _maps(pid: int, folder: Path) -> bool:
+    try:
+        return str(folder) in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
 
 
 def _drafts(metrics_port: int) -> float:
@@ -76,6 +87,15 @@ def test_two_workers_share_the_port_and_a_dead_one_is_replaced(tmp_path: Path) -
         # Both workers served some of the 16 connections (each reports its own drafts).
         per_worker = [_drafts(metrics), _drafts(metrics + 1)]
         assert sum(per_worker) == 16 and min(per_worker) > 0, per_worker
+        # A published prior is saved once and mapped by both workers (its pages shared).
+        store = RedisStore(connect((tmp_path / "redis" / "url").read_text()))
+        prior = StaticPrior.build(np.array([40, 41, 42, 43] * 3, dtype=np.int32), PriorConfig(orders=(1, 2)))
+        version = store.put_prior("toy", prior.to_bytes())
+        folder = tmp_path / "priors" / "toy" / f"v{version}"
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not all(_maps(pid, folder) for pid in _workers(proc.pid)):
+            time.sleep(0.2)
+        assert folder.is_dir() and all(_maps(pid, folder) for pid in _workers(proc.pid))
         # A worker killed outright is replaced; the port keeps serving meanwhile.
         workers = _workers(proc.pid)
         assert len(workers) == 2

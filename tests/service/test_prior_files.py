@@ -1,0 +1,56 @@
+"""Priors saved as folders of arrays and memory-mapped: same lookups, atomic, shared."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cache_service import prior_files
+from indexer.prior import PriorConfig, StaticPrior
+
+
+def _prior() -> StaticPrior:
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 30, 3000).astype(np.int32)
+    return StaticPrior.build(tokens, PriorConfig(orders=(1, 2, 3), follower_len=4))
+
+
+def test_mapped_prior_answers_like_the_original(tmp_path: Path) -> None:
+    prior = _prior()
+    folder = prior_files.folder_for(tmp_path, "acme/llama 2", 3)
+    assert folder.parent.name == "acme%2fllama%202" and folder.name == "v3"  # a safe name per namespace
+    prior_files.save(prior, folder)
+    mapped = prior_files.load(folder)
+    assert isinstance(mapped.tables[0].arrays()["followers"], np.memmap)
+    rng = np.random.default_rng(1)
+    for _ in range(300):
+        ctx = rng.integers(0, 30, 6).astype(np.int32)
+        a, b = prior.lookup(ctx), mapped.lookup(ctx)
+        assert (a is None) == (b is None)
+        if a is not None and b is not None:
+            assert (a.order, a.rows.tolist(), a.probs.tolist()) == (b.order, b.rows.tolist(), b.probs.tolist())
+    assert mapped.source_tokens == prior.source_tokens and mapped.nbytes == prior.nbytes
+
+
+def test_saving_is_all_or_nothing_and_a_second_save_is_a_no_op(tmp_path: Path) -> None:
+    folder = tmp_path / "ns" / "v1"
+    prior_files.save(_prior(), folder)
+    before = sorted(p.name for p in folder.iterdir())
+    prior_files.save(_prior(), folder)  # another process publishing the same version
+    assert sorted(p.name for p in folder.iterdir()) == before
+    assert not [p for p in folder.parent.iterdir() if p.name.startswith(".")]  # no temporary left
+
+
+def test_incomplete_or_foreign_folders_are_refused(tmp_path: Path) -> None:
+    folder = tmp_path / "v1"
+    prior_files.save(_prior(), folder)
+    (folder / "t0_followers.npy").unlink()
+    with pytest.raises(ValueError, match="not a saved prior"):
+        prior_files.load(folder)
+    other = tmp_path / "v2"
+    prior_files.save(_prior(), other)
+    np.save(other / "index_keys.npy", np.zeros(3, np.uint64))  # an index that disagrees
+    with pytest.raises(ValueError, match="leader index"):
+        prior_files.load(other)
