@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import redis
+from redis.sentinel import MasterNotFoundError
 
 import migrations
 from cache_service.app import prepare_schema
@@ -98,7 +99,14 @@ def test_the_store_follows_a_failover(deployment: Deployment) -> None:
 
     _until(failover, "Sentinel to accept the failover")
     promoted = ("127.0.0.1", deployment.replica.port)
-    _until(lambda: client.connection_pool.get_master_address() == promoted, "the replica's promotion")
+
+    def master_address() -> tuple[str, int] | None:
+        try:
+            return client.connection_pool.get_master_address()
+        except MasterNotFoundError:  # some Sentinels report no master while the failover runs
+            return None
+
+    _until(lambda: master_address() == promoted, "the replica's promotion")
     # The connection to the dead master is dropped; the next command finds the new one.
     more = store.append_requests("n", [np.array([4], np.int32)])
     assert [e.id for e in store.read_log("n")] == ids + more
