@@ -10,10 +10,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import redis
 from apscheduler.schedulers.background import BackgroundScheduler
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 import migrations
 from cache_service.config import EmbeddedRedisConfig, ServerConfig, ServiceConfig
@@ -22,6 +19,8 @@ from cache_service.metrics import Metrics
 from cache_service.persistence import RedisPersistence
 from cache_service.server import create_server
 from cache_service.service import DraftService, StoredSession
+from cache_service.storage.clients import StorageClient
+from cache_service.storage.connect import connect
 from cache_service.storage.errors import StorageError
 from cache_service.storage.redis_store import RedisStore, StoreConfig
 
@@ -43,19 +42,7 @@ class AppConfig:
     prior_dir: Path | None = None  # priors saved and memory-mapped here (shared by processes)
 
 
-def connect(url: str) -> redis.Redis:
-    """A client for the store: raw bytes, one quick retry, timeouts long enough for a 64 MB
-    prior part, short enough that a dead server fails a sync job quickly."""
-    return redis.Redis.from_url(
-        url,
-        decode_responses=False,
-        socket_timeout=30.0,
-        socket_connect_timeout=2.0,
-        retry=Retry(NoBackoff(), 1),
-    )
-
-
-def prepare_schema(client: redis.Redis) -> int:
+def prepare_schema(client: StorageClient) -> int:
     """Initialise an empty Redis; refuse an older (not migrated) or unknown newer schema."""
     if migrations.stored_version(client) == 0:
         migrations.apply(client)
