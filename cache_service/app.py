@@ -20,8 +20,8 @@ from cache_service.persistence import RedisPersistence
 from cache_service.server import create_server
 from cache_service.service import DraftService, StoredSession
 from cache_service.storage.clients import StorageClient
-from cache_service.storage.connect import connect
-from cache_service.storage.errors import StorageError
+from cache_service.storage.connect import connect, redact
+from cache_service.storage.errors import MigrationInProgress, StorageError
 from cache_service.storage.redis_store import RedisStore, StoreConfig
 
 logger = logging.getLogger(__name__)
@@ -42,10 +42,20 @@ class AppConfig:
     prior_dir: Path | None = None  # priors saved and memory-mapped here (shared by processes)
 
 
-def prepare_schema(client: StorageClient) -> int:
-    """Initialise an empty Redis; refuse an older (not migrated) or unknown newer schema."""
-    if migrations.stored_version(client) == 0:
-        migrations.apply(client)
+def prepare_schema(client: StorageClient, *, wait_s: float = 60.0) -> int:
+    """Initialise an empty Redis; refuse an older (not migrated) or unknown newer schema.
+
+    Replicas starting together on a fresh Redis race to initialise it: the ones that find
+    another holding the migration lock wait for it (up to ``wait_s``) and check its result.
+    """
+    deadline = time.monotonic() + wait_s
+    while migrations.stored_version(client) == 0:
+        try:
+            migrations.apply(client)
+        except MigrationInProgress:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
     return migrations.check(client)
 
 
@@ -68,7 +78,7 @@ class App:
             self.url = self.embedded.url
             (self.config.embedded.data_dir / "url").write_text(self.url)
         client = connect(self.url)
-        logger.info("storage schema v%d at %s", await asyncio.to_thread(prepare_schema, client), self.url)
+        logger.info("storage schema v%d at %s", await asyncio.to_thread(prepare_schema, client), redact(self.url))
         self.persistence = RedisPersistence(
             RedisStore(client, self.config.store),
             max_pending=self.config.service.max_pending_writes,
@@ -145,7 +155,7 @@ async def serve(config: AppConfig) -> None:
     """Run until SIGINT or SIGTERM."""
     app = App(config)
     port = await app.start()
-    print(f"draftcache serving on {config.server.host}:{port} (storage {app.url})", flush=True)
+    print(f"draftcache serving on {config.server.host}:{port} (storage {redact(app.url)})", flush=True)
     done = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

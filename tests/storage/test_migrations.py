@@ -125,3 +125,23 @@ def test_racing_migrators_apply_each_step_once(client: StorageClient) -> None:
     for t in threads:
         t.join(5)
     assert sorted(outcomes) == ["applied 1", "locked out"] and calls == [1]
+
+
+def test_replicas_starting_together_all_get_the_schema(client: StorageClient) -> None:
+    # Four servers start at once on a fresh Redis: one migrates, the others wait for it.
+    from cache_service.app import prepare_schema
+
+    results: list[object] = []
+
+    def start() -> None:
+        try:
+            results.append(prepare_schema(client))
+        except Exception as exc:  # a server that could not start
+            results.append(exc)
+
+    threads = [threading.Thread(target=start) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [migrations.LATEST] * 4
