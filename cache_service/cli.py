@@ -173,6 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add(bl, "--budget", type=int, default=64)
     _add(bl, "--passes", type=int, default=1, help="times each decoder replays its share of the requests (0: no end)")
     _add(bl, "--lookahead", type=int, default=0, help="pre-speculation: outcomes drafted ahead per step")
+    _add(bl, "--timeline", type=float, default=0.0, help="also report each window of this many seconds")
     bl.add_argument("--watch-pid", type=int, action="append", default=[], help="sample this process's memory and CPU")
 
     b = sub.add_parser("bench-index", help="rebuild time, lookup latency and bytes per token at a buffer size")
@@ -447,6 +448,7 @@ def cmd_bench_load(a: argparse.Namespace) -> int:
         watch_pids=tuple(a.watch_pid),
         passes=a.passes,
         lookahead=a.lookahead,
+        timeline_s=a.timeline,
     )
     print(json.dumps(run_load(config), indent=2))
     return 0

@@ -44,6 +44,7 @@ class LoadConfig:
     watch_pids: tuple[int, ...] = ()
     passes: int = 1  # times each decoder goes through its share of the requests (0: no end)
     lookahead: int = 0  # pre-speculation: outcomes drafted ahead per step
+    timeline_s: float = 0.0  # also report each window of this many seconds (0: the whole run only)
 
     def __post_init__(self) -> None:
         if not self.targets:
@@ -68,6 +69,7 @@ class DecoderResult:
     ahead_hits: int = 0  # sequence steps whose tree had been drafted ahead
     ahead_misses: int = 0
     latencies: list[float] = field(default_factory=list)
+    started: list[float] = field(default_factory=list)  # each step's start, seconds into the run
 
 
 def requests_of(conversations: list[Conversation], passes: int = 0) -> Iterator[tuple[np.ndarray, np.ndarray]]:
@@ -119,6 +121,7 @@ def run_decoder(config: LoadConfig, index: int) -> DecoderResult:
         before = client.stats.fallback
         trees = client.draft([s.session for s in slots], [s.pending for s in slots])
         result.latencies.append(time.perf_counter() - began)
+        result.started.append(time.monotonic() - first)
         result.steps += 1
         result.fallbacks += client.stats.fallback - before
         result.sequence_drafts += len(slots) - (client.stats.fallback - before)
@@ -238,7 +241,33 @@ def summarise(
         out["prespeculation_hit_rate"] = round(hits / max(1, hits + misses), 4)
     if samples and config.watch_pids:
         out["processes"] = _process_report(samples, config.watch_pids)
+    if config.timeline_s > 0:
+        out["timeline"] = _timeline(config, results, samples)
     return out
+
+
+def _timeline(
+    config: LoadConfig, results: list[DecoderResult], samples: list[tuple[float, dict[int, tuple[float, float]]]]
+) -> list[dict]:
+    """Per window: step latency p50/p99, sequence drafts/s, fallback-free share, and the
+    watched processes' largest resident size (does memory plateau, does p99 stay put)."""
+    starts = np.array([t for r in results for t in r.started])
+    lat = np.array([x for r in results for x in r.latencies]) * 1e3
+    rows = []
+    edge = 0.0
+    while edge < (starts.max() if starts.size else 0.0):
+        inside = (starts >= edge) & (starts < edge + config.timeline_s)
+        row: dict = {"from_s": edge, "steps": int(inside.sum())}
+        if inside.any():
+            row["step_ms_p50"] = round(float(np.percentile(lat[inside], 50)), 3)
+            row["step_ms_p99"] = round(float(np.percentile(lat[inside], 99)), 3)
+            row["sequence_steps_per_s"] = round(float(inside.sum()) * config.batch / config.timeline_s, 1)
+        for pid in config.watch_pids:
+            rss = [s[pid][0] for t, s in samples if edge <= t < edge + config.timeline_s and pid in s]
+            row[f"rss_mib_{pid}"] = round(max(rss), 1) if rss else None
+        rows.append(row)
+        edge += config.timeline_s
+    return rows
 
 
 def _process_report(samples: list[tuple[float, dict[int, tuple[float, float]]]], pids: tuple[int, ...]) -> dict:

@@ -104,3 +104,25 @@ def test_rpc_bench_idle_and_during_rebuilds() -> None:
     assert out["idle"]["draft_stream_batch2"]["p50_ms"] > 0
     assert out["during_rebuild"]["draft_stream_batch1"]["p99_ms"] > 0
     assert out["rebuilds"] >= 1 and out["draft_p99_rebuild_over_idle"] > 0
+
+
+def test_timeline_reports_each_window() -> None:
+    config = LoadConfig(targets=("x",), namespace="ns", traces=Path("t"), batch=2, seconds=4.0, timeline_s=2.0)
+    # Steps at 0.5 s and 1 s (fast) then at 2.5 s and 3 s (slow).
+    r = DecoderResult(steps=4, sequence_drafts=8, latencies=[0.001, 0.001, 0.004, 0.004], started=[0.5, 1.0, 2.5, 3.0])
+    r.seconds = 4.0
+    rows = summarise(config, [r], [(1.0, {7: (100.0, 1.0)}), (3.0, {7: (120.0, 2.0)})], server_drafts=8, elapsed=4)[
+        "timeline"
+    ]
+    assert [row["from_s"] for row in rows] == [0.0, 2.0]
+    assert [row["step_ms_p50"] for row in rows] == [1.0, 4.0]
+    assert [row["sequence_steps_per_s"] for row in rows] == [2.0, 2.0]  # 2 steps x batch 2 per 2 s
+
+
+def test_timeline_needs_watched_pids_for_memory() -> None:
+    config = LoadConfig(
+        targets=("x",), namespace="ns", traces=Path("t"), batch=1, seconds=2.0, timeline_s=1.0, watch_pids=(7,)
+    )
+    r = DecoderResult(steps=1, sequence_drafts=1, latencies=[0.001], started=[1.5])
+    rows = summarise(config, [r], [(1.2, {7: (50.0, 0.5)})], server_drafts=1, elapsed=2)["timeline"]
+    assert rows[1]["rss_mib_7"] == 50.0 and rows[0]["rss_mib_7"] is None
