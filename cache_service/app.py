@@ -28,6 +28,7 @@ logger = logging.getLogger(__name__)
 
 PRIOR_POLL_S = 2.0
 DELTA_CHECK_S = 1.0  # how often a delta past its limit is looked for
+EARLY_REBUILD_GAP_S = 5.0  # least time between early rebuilds of one namespace
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,6 +69,7 @@ class App:
         self.scheduler = BackgroundScheduler(job_defaults={"coalesce": True, "max_instances": 1})
         self.metrics = Metrics()
         self.sessions_saved = time.monotonic()  # last successful session write-back
+        self._last_rebuild: dict[str, float] = {}  # per namespace, when its last rebuild ended
         self.url = config.redis_url or ""
 
     async def start(self) -> int:
@@ -128,15 +130,22 @@ class App:
             memory = self.service.namespace(name).memory
             if memory.delta_tokens() > 0:
                 built = memory.rebuild()
+                self._last_rebuild[name] = time.monotonic()
                 self.metrics.observe_rebuild(name, built.build_seconds)
                 logger.info("rebuilt %s: %d tokens in %.2f s", name, built.suffix.size, built.build_seconds)
 
     def _rebuild_large_deltas(self) -> None:
-        """Rebuild early a namespace whose delta outgrew its limit (a burst of requests)."""
+        """Rebuild early a namespace whose delta outgrew its limit (a burst of requests), but
+        leave at least twice the last build's time (and a few seconds) between builds: under
+        sustained heavy traffic rebuilds take at most a third of a core."""
+        now = time.monotonic()
         for name in self.service.namespace_names():
             memory = self.service.namespace(name).memory
-            if memory.needs_rebuild():
+            built = memory.indexes
+            gap = max(EARLY_REBUILD_GAP_S, 2 * built.build_seconds) if built is not None else 0.0
+            if memory.needs_rebuild() and now - self._last_rebuild.get(name, 0.0) >= gap:
                 built = memory.rebuild()
+                self._last_rebuild[name] = time.monotonic()
                 self.metrics.observe_rebuild(name, built.build_seconds)
                 logger.info("rebuilt %s early: %d tokens in %.2f s", name, built.suffix.size, built.build_seconds)
 

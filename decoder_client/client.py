@@ -110,6 +110,7 @@ class _Core:
         self.stats = ClientStats()
         self.fallback = fallback
         self.down_until = 0.0
+        self.abandoned: list[str] = []  # server sessions given up on (closed when the service answers)
         p = config.params
         self.params = pb.DraftParams(
             budget=p.budget, max_depth=p.max_depth, min_score=p.min_score, depth_reserve=p.depth_reserve
@@ -182,6 +183,7 @@ class _Core:
         remote = [s for s in sessions if s.server_id]
         if resp is None:
             for s in remote:
+                self.abandoned.append(s.server_id)
                 s.server_id = ""  # it may have missed tokens: re-open with the full context later
             return
         ahead = list(resp.prefetched) or [None] * len(remote)
@@ -206,6 +208,13 @@ class _Core:
                 tree = self.fallback(s.context, self.config.params.budget)
             out.append(tree)
         return out
+
+    def abandoned_request(self) -> pb.CloseSessionsRequest | None:
+        """Close (without commit) the server sessions replaced by re-opened ones."""
+        if not self.abandoned or not self.available():
+            return None
+        ids, self.abandoned = self.abandoned, []
+        return pb.CloseSessionsRequest(sessions=[pb.CloseSession(session_id=sid, commit=False) for sid in ids])
 
     def close_requests(
         self, sessions: Sequence[ClientSession], commit: bool
@@ -312,6 +321,13 @@ class DraftClient:
         resp = self._call(self._stub.OpenSessions, req, self.config.control_timeout_s) if req is not None else None
         if resp is not None:
             self._core.opened(sessions, resp)
+            self._close_abandoned()
+
+    def _close_abandoned(self) -> None:
+        """Best effort, in the background: an unknown id (the server restarted) is fine too."""
+        req = self._core.abandoned_request()
+        if req is not None:
+            self._stub.CloseSessions.future(req, timeout=self.config.control_timeout_s, metadata=self.config.metadata)
 
     def _call(self, method: Callable, request: object, timeout: float) -> Any:
         try:
@@ -334,6 +350,7 @@ class AsyncDraftClient:
         )
         self._stub = pb_grpc.DraftCacheStub(self._channel)
         self._inflight: tuple[list[ClientSession], asyncio.Future] | None = None
+        self._background: set[asyncio.Future] = set()
 
     @property
     def stats(self) -> ClientStats:
@@ -394,6 +411,14 @@ class AsyncDraftClient:
             resp = await self._call(self._stub.OpenSessions, req, self._core.config.control_timeout_s)
             if resp is not None:
                 self._core.opened(sessions, resp)
+                abandoned = self._core.abandoned_request()
+                if abandoned is not None:  # best effort, not awaited
+                    cfg = self._core.config
+                    call = self._stub.CloseSessions(abandoned, timeout=cfg.control_timeout_s, metadata=cfg.metadata)
+                    task = asyncio.ensure_future(call)
+                    task.add_done_callback(lambda t: t.cancelled() or t.exception())  # failures are fine
+                    self._background.add(task)
+                    self._background = {t for t in self._background if not t.done()}
 
     async def _call(self, method: Callable, request: object, timeout: float) -> Any:
         try:

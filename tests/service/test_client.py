@@ -227,3 +227,27 @@ def test_async_client_prespeculates() -> None:
     finally:
         stop_service(running)
     assert out == target.tolist() and hits > 0
+
+
+def test_sessions_given_up_after_a_missed_deadline_are_closed_on_the_server(running) -> None:  # type: ignore[no-untyped-def]
+    _ns(running.target)
+    # Drafting takes 30 ms, the deadline is 10 ms: every draft falls back and the session is
+    # re-opened (the server may have missed tokens).
+    draft_ahead = running.service.draft_ahead
+
+    def slow(*args, **kwargs):  # type: ignore[no-untyped-def]
+        time.sleep(0.03)
+        return draft_ahead(*args, **kwargs)
+
+    running.service.draft_ahead = slow
+    client = DraftClient(ClientConfig(target=running.target, namespace="toy", deadline_s=0.01, retry_after_s=0))
+    (session,) = client.open([PROMPT])
+    for token in TEXT[:10]:
+        client.draft([session], [[token]])
+    assert client.stats.fallback == 10 and client.stats.reopened >= 5
+    # The server holds the live copy only (plus at most one still being replaced), not one per miss.
+    deadline = time.monotonic() + 5
+    while len(running.service.sessions) > 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(running.service.sessions) <= 2
+    client.shutdown()
