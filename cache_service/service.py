@@ -300,9 +300,9 @@ class DraftService:
         return jobs
 
     def _commit(self, entry: SessionEntry, commit_from: int) -> None:
-        entry.drafter.close(entry.session, commit=True, commit_from=commit_from)
-        if self._persistence is not None:
-            self._persistence.request_committed(entry.namespace, entry.session.context.tokens[commit_from:].copy())
+        added = entry.drafter.close(entry.session, commit=True, commit_from=commit_from)
+        if self._persistence is not None and added is not None:
+            self._persistence.request_committed(entry.namespace, added)
 
     def _entry(self, sid: str, principal: Principal | None = None) -> SessionEntry:
         """A live session, or one continued from storage (opened on another replica). A session

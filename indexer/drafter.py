@@ -29,6 +29,7 @@ from indexer.tree_builder import Candidates, DraftTree, Tier, merge_candidates
 MAX_BUDGET = 1024
 MAX_DEPTH = 128
 MAX_LOOKAHEAD = 16  # outcomes drafted ahead per step
+MIN_SKIP = 256  # a known leading part shorter than this is committed again (not worth a cut)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -244,16 +245,23 @@ class NamespaceDrafter:
         )
         return tree
 
-    def close(self, session: Session, *, commit: bool = True, commit_from: int = 0) -> None:
+    def close(self, session: Session, *, commit: bool = True, commit_from: int = 0) -> np.ndarray | None:
         """Finish a request; with ``commit`` its tokens from ``commit_from`` join the lifetime
-        buffer and its prompt -> output pair the exact-prompt cache."""
+        buffer and its prompt -> output pair the exact-prompt cache. A long leading part the
+        memory already holds (the earlier turns a multi-turn request repeats) is not added
+        again, past an overlap of ``max_match`` tokens that keeps the junction searchable.
+        Returns the tokens added."""
         if not commit:
-            return
+            return None
         tokens = session.context.tokens
         if not 0 <= commit_from <= tokens.size:
             raise ValueError(f"commit_from must be in [0, {tokens.size}], got {commit_from}")
+        known = self.memory.known_prefix(tokens) - self.config.max_match
+        start = max(commit_from, known if known >= MIN_SKIP else 0)
         prompt = tokens[: session.prompt_len]
-        self.memory.commit(tokens[commit_from:].copy(), prompt=prompt, response=session.generated)
+        added = tokens[start:].copy()
+        self.memory.commit(added, prompt=prompt, response=session.generated)
+        return added
 
     # -- tiers -------------------------------------------------------------------------------
 

@@ -70,6 +70,11 @@ def build_indexes(tokens: np.ndarray, table_config: NgramTableConfig, version: i
     return LifetimeIndexes(suffix, table, version, time.perf_counter() - start)
 
 
+def _occurs(index: SuffixIndex, pattern: np.ndarray) -> bool:
+    first, last = index.match_range(pattern)
+    return last > first
+
+
 def prompt_key(prompt: np.ndarray) -> bytes:
     return hashlib.blake2b(prompt.tobytes(), digest_size=16).digest()
 
@@ -159,6 +164,29 @@ class LifetimeMemory:
         out = [] if self._indexes is None else [self._indexes.suffix]
         out.extend(run for _, run in self._runs)
         return out
+
+    def known_prefix(self, tokens: np.ndarray) -> int:
+        """The longest ``n`` such that ``tokens[:n]`` occurs, contiguous, in one index: how much
+        of a request the memory already holds (a multi-turn request repeats the turns before)."""
+        best = 0
+        for index in self.suffix_indexes():
+            lo, hi = best, int(tokens.size)  # tokens[:lo] is known to occur somewhere; find more
+            if lo == hi or not _occurs(index, tokens[: lo + 1]):
+                continue
+            lo += 1
+            step = 1
+            while lo + step <= hi and _occurs(index, tokens[: lo + step]):  # gallop, then bisect
+                lo += step
+                step *= 2
+            hi = min(hi, lo + step - 1)
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if _occurs(index, tokens[:mid]):
+                    lo = mid
+                else:
+                    hi = mid - 1
+            best = max(best, lo)
+        return best
 
     def delta_tokens(self) -> int:
         return self.buffer.appended - self._delta_from

@@ -376,3 +376,23 @@ def test_close_rejects_commit_from_outside_the_context():
         d.close(s, commit=True, commit_from=4)
     # Nothing was committed by the failed call.
     assert d.memory.buffer.size == 0
+
+
+def test_commit_skips_the_turns_memory_already_holds():
+    from indexer.drafter import MIN_SKIP
+
+    d = _drafter()
+    cfg = d.config
+    rng = np.random.default_rng(0)
+    turn1 = rng.integers(0, 100, 600).astype(np.int32)
+    d.close(d.open(turn1), commit=True)
+    # The next turn repeats the first and adds 50 tokens: only those (and an overlap) are added.
+    turn2 = np.concatenate((turn1, rng.integers(0, 100, 50).astype(np.int32)))
+    added = d.close(d.open(turn2), commit=True)
+    assert added is not None and added.size == 50 + cfg.max_match
+    assert added.tolist() == turn2[-(50 + cfg.max_match) :].tolist()
+    # A short known part is not worth cutting: the whole request is added.
+    short = np.concatenate((turn1[: MIN_SKIP // 2], _a([1, 2, 3])))
+    assert d.close(d.open(short), commit=True).size == short.size
+    # Without commit nothing is added.
+    assert d.close(d.open(turn2), commit=False) is None

@@ -195,3 +195,29 @@ def test_delta_runs_stay_logarithmic():
     for pair in ([6, 4], [0, 0], [1, 1]):
         expected = sum(1 for j in range(len(text) - 1) if text[j : j + 2] == pair)
         assert expected >= 1 and _occurrences(mem, pair) == expected
+
+
+def _brute_known_prefix(requests, tokens):
+    """Longest n with tokens[:n] inside one committed request (requests never span each other)."""
+    best = 0
+    for req in requests:
+        for n in range(len(tokens), best, -1):
+            if any(req[i : i + n] == tokens[:n] for i in range(len(req) - n + 1)):
+                best = n
+                break
+    return best
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    requests=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=12), min_size=1, max_size=6),
+    tokens=st.lists(st.integers(0, 3), max_size=16),
+    rebuild_after=st.integers(0, 6),
+)
+def test_known_prefix_matches_brute_force(requests, tokens, rebuild_after):
+    mem = _mem(capacity_tokens=4096)
+    for i, req in enumerate(requests):
+        mem.commit(_a(req))
+        if i + 1 == rebuild_after:
+            mem.rebuild()
+    assert mem.known_prefix(_a(tokens)) == _brute_known_prefix(requests, tokens)
