@@ -121,3 +121,46 @@ def test_sessions_command_lists_stored_sessions(data: Path, capsys: pytest.Captu
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
+
+
+def test_decoding_rides_through_a_killed_service(data: Path) -> None:
+    from decoder_client.client import ClientConfig, DraftClient
+
+    port = free_port()
+    proc = _serve(data, port)
+    target = f"127.0.0.1:{port}"
+    pb_grpc.AdminStub(grpc.insecure_channel(target)).CreateNamespace(
+        pb.CreateNamespaceRequest(name="toy", vocab_size=100)
+    )
+    text = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
+    prompt = [*text, 1]
+    output = [t for k in range(2, 12) for t in (*text, k)]  # ten copies, each ended by a new token
+    client = DraftClient(ClientConfig(target=target, namespace="toy", deadline_s=0.05, retry_after_s=0.2))
+    (session,) = client.open([prompt])
+    produced: list[int] = []
+    new: list[int] = []
+    step = 0
+    while len(produced) < len(output):
+        if step == 3:  # mid-generation: the service dies without any shutdown
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(10)
+        if step == 5:  # and comes back on the same data folder
+            proc = _serve(data, port)
+        (tree,) = client.draft([session], [new])
+        path = [int(tree.tokens[i]) for i in tree.accept(np.array(output[len(produced) :], dtype=np.int32))]
+        new = output[len(produced) : len(produced) + len(path) + 1]
+        produced += new
+        step += 1
+        time.sleep(0.05)  # the target's verification
+    try:
+        # Generation completed exactly; local drafts covered the outage; the service was used
+        # again once it was back (the session re-opened with its full context).
+        assert produced == output
+        assert client.stats.fallback > 0 and client.stats.reopened >= 1
+        remote_before = client.stats.remote
+        client.draft([session], [[]])
+        assert client.stats.remote == remote_before + 1
+        client.shutdown()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
