@@ -11,6 +11,7 @@ context the next time the service answers.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -141,12 +142,17 @@ class _Core:
             sessions=[pb.OpenSession(namespace=ns, prompt=s.context.tolist(), params=self.params) for s in todo]
         )
 
-    def opened(self, sessions: Sequence[ClientSession], resp: pb.OpenSessionsResponse) -> None:
+    def opened(
+        self, sessions: Sequence[ClientSession], resp: pb.OpenSessionsResponse, sizes: Sequence[int] | None = None
+    ) -> None:
+        """Book the server ids of an open request made for ``sessions`` (those without one);
+        ``sizes``: their context sizes when it was sent (tokens added since are pending)."""
         todo = [s for s in sessions if not s.server_id]
-        for s, sid in zip(todo, resp.session_ids, strict=True):
-            if s.prompt_len != s.context.size:
+        sizes = [s.context.size for s in todo] if sizes is None else sizes
+        for s, sid, size in zip(todo, resp.session_ids, sizes, strict=True):
+            if s.prompt_len != size:
                 self.stats.reopened += 1
-            s.server_id, s.pending = sid, []
+            s.server_id, s.pending = sid, s.context[size:].tolist()
 
     def draft_request(self, sessions: Sequence[ClientSession]) -> pb.DraftRequest | None:
         remote = [s for s in sessions if s.server_id]
@@ -246,6 +252,7 @@ class DraftClient:
         )
         self._stub = pb_grpc.DraftCacheStub(self._channel)
         self._inflight: tuple[list[ClientSession], grpc.Future] | None = None
+        self._opening: tuple[list[ClientSession], list[int], grpc.Future] | None = None
 
     @property
     def config(self) -> ClientConfig:
@@ -267,12 +274,14 @@ class DraftClient:
         the call that delivers its tokens and drafts ahead for its next outcome runs in the
         background (while the target verifies) and is settled at the next call.
         """
-        self._settle()
+        end = time.monotonic() + self.config.deadline_s
+        self._settle(end)
         self._core.add_tokens(sessions, new_tokens)
-        self._open(sessions)
+        self._reopen(sessions)
         ready, rest = self._core.split_ahead(sessions, new_tokens)
         req = self._core.draft_request(rest)
-        resp = self._call(self._stub.Draft, req, self.config.deadline_s) if req is not None else None
+        left = end - time.monotonic()
+        resp = self._call(self._stub.Draft, req, left) if req is not None and left > 0 else None
         fresh = dict(zip(map(id, rest), self._core.trees(rest, resp), strict=True))
         ahead = [s for s in sessions if id(s) in ready]
         req = self._core.draft_request(ahead)
@@ -281,14 +290,16 @@ class DraftClient:
             self._inflight = (ahead, future)
         return [ready[id(s)] if id(s) in ready else fresh[id(s)] for s in sessions]
 
-    def _settle(self) -> None:
-        """Wait (at most the deadline) for the background call of the previous step."""
+    def _settle(self, end: float | None = None) -> None:
+        """Wait (at most until ``end``, or the deadline) for the background call of the
+        previous step."""
         if self._inflight is None:
             return
         sessions, future = self._inflight
         self._inflight = None
+        wait = self.config.deadline_s if end is None else max(0.0, end - time.monotonic())
         try:
-            resp = future.result(timeout=self.config.deadline_s)
+            resp = future.result(timeout=wait)
         except grpc.FutureTimeoutError:
             future.cancel()
             self._core.failed(None)
@@ -306,6 +317,10 @@ class DraftClient:
     def close(self, sessions: Sequence[ClientSession], *, commit: bool = True) -> None:
         """End the requests; with ``commit`` the service adds them to its lifetime memory."""
         self._settle()
+        if self._opening is not None:  # let a re-open in flight land, so its copy is closed too
+            with contextlib.suppress(grpc.RpcError, grpc.FutureTimeoutError):
+                self._opening[2].result(timeout=self.config.control_timeout_s)
+            self._reopen([])
         tail, close = self._core.close_requests(sessions, commit)
         if tail is not None:  # the last step's tokens belong to the requests
             self._call(self._stub.Feedback, tail, self.config.control_timeout_s)
@@ -322,6 +337,28 @@ class DraftClient:
         if resp is not None:
             self._core.opened(sessions, resp)
             self._close_abandoned()
+
+    def _reopen(self, sessions: Sequence[ClientSession]) -> None:
+        """Sessions without a server copy (the service failed or restarted) are re-opened with
+        their full context in the background, never inside a draft call's deadline (a long
+        context takes a while to send and index): they draft locally until it is done."""
+        if self._opening is not None:
+            todo, sizes, future = self._opening
+            if not future.done():
+                return
+            self._opening = None
+            try:
+                self._core.opened(todo, future.result(), sizes)
+                self._close_abandoned()
+            except grpc.RpcError as exc:
+                self._core.failed(exc)
+        todo = [s for s in sessions if not s.server_id]
+        req = self._core.open_request(todo)
+        if req is not None:
+            future = self._stub.OpenSessions.future(
+                req, timeout=self.config.control_timeout_s, metadata=self.config.metadata
+            )
+            self._opening = (todo, [s.context.size for s in todo], future)
 
     def _close_abandoned(self) -> None:
         """Best effort, in the background: an unknown id (the server restarted) is fine too."""
@@ -350,6 +387,7 @@ class AsyncDraftClient:
         )
         self._stub = pb_grpc.DraftCacheStub(self._channel)
         self._inflight: tuple[list[ClientSession], asyncio.Future] | None = None
+        self._opening: tuple[list[ClientSession], list[int], asyncio.Future] | None = None
         self._background: set[asyncio.Future] = set()
 
     @property
@@ -363,12 +401,14 @@ class AsyncDraftClient:
 
     async def draft(self, sessions: Sequence[ClientSession], new_tokens: Sequence[Sequence[int]]) -> list[DraftTree]:
         """See :meth:`DraftClient.draft`."""
-        await self._settle()
+        end = time.monotonic() + self._core.config.deadline_s
+        await self._settle(end)
         self._core.add_tokens(sessions, new_tokens)
-        await self._open(sessions)
+        self._reopen(sessions)
         ready, rest = self._core.split_ahead(sessions, new_tokens)
         req = self._core.draft_request(rest)
-        resp = await self._call(self._stub.Draft, req, self._core.config.deadline_s) if req is not None else None
+        left = end - time.monotonic()
+        resp = await self._call(self._stub.Draft, req, left) if req is not None and left > 0 else None
         fresh = dict(zip(map(id, rest), self._core.trees(rest, resp), strict=True))
         ahead = [s for s in sessions if id(s) in ready]
         req = self._core.draft_request(ahead)
@@ -379,14 +419,15 @@ class AsyncDraftClient:
             self._inflight = (ahead, asyncio.ensure_future(call))
         return [ready[id(s)] if id(s) in ready else fresh[id(s)] for s in sessions]
 
-    async def _settle(self) -> None:
+    async def _settle(self, end: float | None = None) -> None:
         if self._inflight is None:
             return
         sessions, task = self._inflight
         self._inflight = None
         resp = None
+        wait = self._core.config.deadline_s if end is None else max(0.0, end - time.monotonic())
         try:
-            resp = await asyncio.wait_for(task, timeout=self._core.config.deadline_s)
+            resp = await asyncio.wait_for(task, timeout=wait)
         except TimeoutError:  # wait_for cancelled the call
             self._core.failed(None)
         except grpc.RpcError as exc:
@@ -395,6 +436,10 @@ class AsyncDraftClient:
 
     async def close(self, sessions: Sequence[ClientSession], *, commit: bool = True) -> None:
         await self._settle()
+        if self._opening is not None:  # let a re-open in flight land, so its copy is closed too
+            with contextlib.suppress(grpc.RpcError, TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._opening[2]), self._core.config.control_timeout_s)
+            self._reopen([])
         tail, close = self._core.close_requests(sessions, commit)
         if tail is not None:
             await self._call(self._stub.Feedback, tail, self._core.config.control_timeout_s)
@@ -405,20 +450,43 @@ class AsyncDraftClient:
         await self._settle()
         await self._channel.close()
 
+    def _reopen(self, sessions: Sequence[ClientSession]) -> None:
+        """See :meth:`DraftClient._reopen`."""
+        if self._opening is not None:
+            todo, sizes, task = self._opening
+            if not task.done():
+                return
+            self._opening = None
+            exc = task.exception()
+            if exc is None:
+                self._core.opened(todo, task.result(), sizes)
+                self._close_abandoned()
+            elif isinstance(exc, grpc.RpcError):
+                self._core.failed(exc)
+        todo = [s for s in sessions if not s.server_id]
+        req = self._core.open_request(todo)
+        if req is not None:
+            cfg = self._core.config
+            call = self._stub.OpenSessions(req, timeout=cfg.control_timeout_s, metadata=cfg.metadata)
+            self._opening = (todo, [s.context.size for s in todo], asyncio.ensure_future(call))
+
     async def _open(self, sessions: Sequence[ClientSession]) -> None:
         req = self._core.open_request(sessions)
         if req is not None:
             resp = await self._call(self._stub.OpenSessions, req, self._core.config.control_timeout_s)
             if resp is not None:
                 self._core.opened(sessions, resp)
-                abandoned = self._core.abandoned_request()
-                if abandoned is not None:  # best effort, not awaited
-                    cfg = self._core.config
-                    call = self._stub.CloseSessions(abandoned, timeout=cfg.control_timeout_s, metadata=cfg.metadata)
-                    task = asyncio.ensure_future(call)
-                    task.add_done_callback(lambda t: t.cancelled() or t.exception())  # failures are fine
-                    self._background.add(task)
-                    self._background = {t for t in self._background if not t.done()}
+                self._close_abandoned()
+
+    def _close_abandoned(self) -> None:
+        """Best effort, not awaited: an unknown id (the server restarted) is fine too."""
+        abandoned = self._core.abandoned_request()
+        if abandoned is not None:
+            cfg = self._core.config
+            call = self._stub.CloseSessions(abandoned, timeout=cfg.control_timeout_s, metadata=cfg.metadata)
+            task = asyncio.ensure_future(call)
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())  # failures are fine
+            self._background = {t for t in self._background if not t.done()} | {task}
 
     async def _call(self, method: Callable, request: object, timeout: float) -> Any:
         try:

@@ -244,7 +244,8 @@ def test_sessions_given_up_after_a_missed_deadline_are_closed_on_the_server(runn
     (session,) = client.open([PROMPT])
     for token in TEXT[:10]:
         client.draft([session], [[token]])
-    assert client.stats.fallback == 10 and client.stats.reopened >= 5
+        time.sleep(0.05)  # the target verifies; meanwhile the session is re-opened in the background
+    assert client.stats.fallback == 10 and client.stats.reopened >= 3
     # The server holds the live copy only (plus at most one still being replaced), not one per miss.
     deadline = time.monotonic() + 5
     while len(running.service.sessions) > 2 and time.monotonic() < deadline:
