@@ -328,7 +328,15 @@ class DraftClient:
             self._call(self._stub.CloseSessions, close, self.config.control_timeout_s)
 
     def shutdown(self) -> None:
+        """Settle calls in flight, close the server copies given up on, close the channel."""
         self._settle()
+        if self._opening is not None:
+            with contextlib.suppress(grpc.RpcError, grpc.FutureTimeoutError):
+                self._opening[2].result(timeout=self.config.control_timeout_s)
+            self._reopen([])
+        req = self._core.abandoned_request()
+        if req is not None:
+            self._call(self._stub.CloseSessions, req, self.config.control_timeout_s)
         self._channel.close()
 
     def _open(self, sessions: Sequence[ClientSession]) -> None:
@@ -447,7 +455,15 @@ class AsyncDraftClient:
             await self._call(self._stub.CloseSessions, close, self._core.config.control_timeout_s)
 
     async def shutdown(self) -> None:
+        """See :meth:`DraftClient.shutdown`."""
         await self._settle()
+        if self._opening is not None:
+            with contextlib.suppress(grpc.RpcError, TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._opening[2]), self._core.config.control_timeout_s)
+            self._reopen([])
+        req = self._core.abandoned_request()
+        if req is not None:
+            await self._call(self._stub.CloseSessions, req, self._core.config.control_timeout_s)
         await self._channel.close()
 
     def _reopen(self, sessions: Sequence[ClientSession]) -> None:

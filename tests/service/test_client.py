@@ -246,9 +246,6 @@ def test_sessions_given_up_after_a_missed_deadline_are_closed_on_the_server(runn
         client.draft([session], [[token]])
         time.sleep(0.05)  # the target verifies; meanwhile the session is re-opened in the background
     assert client.stats.fallback == 10 and client.stats.reopened >= 3
-    # The server holds the live copy only (plus at most one still being replaced), not one per miss.
-    deadline = time.monotonic() + 5
-    while len(running.service.sessions) > 2 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert len(running.service.sessions) <= 2
+    # Once the calls in flight land, the server holds the live copy only, not one per miss.
     client.shutdown()
+    assert len(running.service.sessions) == 1
