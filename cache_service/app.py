@@ -19,6 +19,7 @@ from cache_service.metrics import Metrics
 from cache_service.persistence import RedisPersistence
 from cache_service.server import create_server
 from cache_service.service import DraftService, StoredSession
+from cache_service.storage import keys
 from cache_service.storage.clients import StorageClient
 from cache_service.storage.connect import connect, redact
 from cache_service.storage.errors import MigrationInProgress, StorageError
@@ -50,14 +51,17 @@ def prepare_schema(client: StorageClient, *, wait_s: float = 60.0) -> int:
     another holding the migration lock wait for it (up to ``wait_s``) and check its result.
     """
     deadline = time.monotonic() + wait_s
-    while migrations.stored_version(client) == 0:
+    while True:
         try:
-            migrations.apply(client)
+            if migrations.stored_version(client) == 0:
+                migrations.apply(client)
+            elif client.exists(keys.MIGRATION_LOCK):  # someone is migrating: wait for the result
+                raise MigrationInProgress("a migration is running")
+            return migrations.check(client)
         except MigrationInProgress:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.2)
-    return migrations.check(client)
 
 
 class App:
