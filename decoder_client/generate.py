@@ -13,7 +13,7 @@ import torch
 
 from decoder_client import cost_model
 from decoder_client.client import ClientConfig, ClientSession, DraftClient
-from decoder_client.cost_model import CostCurve
+from decoder_client.cost_model import AcceptanceModel, CalibrationConfig, CostCurve
 from decoder_client.reference_decoder import ReferenceDecoder
 from indexer.drafter import DrafterConfig, DraftParams, NamespaceDrafter, Session
 from indexer.tokens import Namespace
@@ -35,10 +35,11 @@ class TierCounter:
 
 
 class InProcessDrafter:
-    """The engine in-process as a reference-decoder drafter (context in, tree out)."""
+    """The engine in-process as a reference-decoder drafter (context in, tree out), for one
+    request; pass ``engine`` to share one engine's memory between requests."""
 
-    def __init__(self, vocab_size: int, params: DraftParams) -> None:
-        self._engine = NamespaceDrafter(Namespace(name="local", vocab_size=vocab_size), DrafterConfig())
+    def __init__(self, vocab_size: int, params: DraftParams, engine: NamespaceDrafter | None = None) -> None:
+        self._engine = engine or NamespaceDrafter(Namespace(name="local", vocab_size=vocab_size), DrafterConfig())
         self._params = params
         self._session: Session | None = None
         self.tiers = TierCounter()
@@ -53,6 +54,12 @@ class InProcessDrafter:
         tree = self._engine.draft(self._session, self._params)
         self.tiers.observe(new, tree)
         return tree
+
+    def close(self, *, commit: bool = True) -> None:
+        """End the request; with ``commit`` its tokens join the engine's lifetime memory."""
+        if self._session is not None:
+            self._engine.close(self._session, commit=commit)
+            self._session = None
 
 
 class ServiceDrafter:
@@ -84,14 +91,14 @@ def run_generate(
 ) -> dict:
     """Vanilla greedy, transformers' prompt lookup and draftcache on the same prompt. With
     ``cost_aware`` the device's verification cost curve is measured first and every tree is cut
-    to its most profitable prefix."""
+    to its most profitable prefix, valued by acceptance probabilities learned as decoding goes."""
     messages = [{"role": "user", "content": prompt}]
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     input_ids = ids["input_ids"]
     verify = drafter
     if cost_aware:
         curve = CostCurve.measure(model, context=max(int(input_ids.shape[1]), 64))
-        verify = cost_model.cost_aware(drafter, curve)
+        verify = cost_model.cost_aware(drafter, curve, AcceptanceModel(CalibrationConfig()))
     eos = tokenizer.eos_token_id
     results: dict[str, Any] = {}
     with torch.inference_mode():
