@@ -176,6 +176,23 @@ def build_parser() -> argparse.ArgumentParser:
     _add(bl, "--timeline", type=float, default=0.0, help="also report each window of this many seconds")
     bl.add_argument("--watch-pid", type=int, action="append", default=[], help="sample this process's memory and CPU")
 
+    bg = sub.add_parser("bench-generate", help="tokens/s of real decoding: greedy vs prompt lookup vs draftcache")
+    data = Path("../shared/data")
+    _add(bg, "--model", type=Path, default=None, help="local Hugging Face model folder (default: SmolLM2-135M)")
+    _add(bg, "--tokenizer", type=Path, default=data / "tokenizers/smollm2")
+    _add(bg, "--spec-bench", type=Path, default=data / "traces/spec_bench_vicuna7b.jsonl.gz")
+    _add(bg, "--llama-tokenizer", type=Path, default=data / "tokenizers/llama2-spm", help="the Spec-Bench ids'")
+    _add(bg, "--agentic-traces", type=Path, default=data / "traces/swe_agent_dev.jsonl.gz")
+    _add(bg, "--per-category", type=int, default=3, help="Spec-Bench prompts per task group")
+    _add(bg, "--max-new-tokens", type=int, default=128)
+    _add(bg, "--agentic-families", type=int, default=3, help="agent tasks, each asked --agentic-repeats times")
+    _add(bg, "--agentic-repeats", type=int, default=3)
+    _add(bg, "--rounds", type=int, default=2, help="runs of every method on every prompt; the fastest counts")
+    _add(bg, "--agentic-prompt-tokens", type=int, default=512, help="an agent task's user turn is cut to this")
+    _add(bg, "--budget", type=int, default=64, help="most draft tokens per tree before cutting")
+    _add(bg, "--prior", type=Path, default=Path("data/prior-smollm2.npz"), help="static prior, used if present")
+    bg.add_argument("--json", action="store_true")
+
     b = sub.add_parser("bench-index", help="rebuild time, lookup latency and bytes per token at a buffer size")
     _add(b, "--corpus", type=Path, required=_env("corpus") is None, help="real text to fill the buffer with")
     _add(b, "--format", default="sharegpt", choices=warm.FORMATS)
@@ -408,6 +425,29 @@ def cmd_generate(a: argparse.Namespace) -> int:
     return 0 if result["identical"] else 1
 
 
+def cmd_bench_generate(a: argparse.Namespace) -> int:
+    from decoder_client.generate_bench import BenchConfig, report, run_bench
+    from decoder_client.models import load_model
+
+    config = BenchConfig(
+        spec_bench=a.spec_bench,
+        agentic=a.agentic_traces,
+        llama_tokenizer=a.llama_tokenizer,
+        per_category=a.per_category,
+        max_new_tokens=a.max_new_tokens,
+        agentic_families=a.agentic_families,
+        agentic_repeats=a.agentic_repeats,
+        rounds=a.rounds,
+        agentic_prompt_tokens=a.agentic_prompt_tokens,
+        budget=a.budget,
+    )
+    prior = StaticPrior.from_bytes(a.prior.read_bytes()) if a.prior is not None and a.prior.is_file() else None
+    model, tokenizer = load_model(a.model, a.tokenizer)
+    result = run_bench(model, tokenizer, config, prior)
+    print(report(result, as_json=a.json))
+    return 0 if result["lossless"] else 1
+
+
 def cmd_bench_rpc(a: argparse.Namespace) -> int:
     import json
 
@@ -465,6 +505,7 @@ COMMANDS = {
     "bench-index": cmd_bench_index,
     "bench-rpc": cmd_bench_rpc,
     "bench-load": cmd_bench_load,
+    "bench-generate": cmd_bench_generate,
     "generate": cmd_generate,
 }
 

@@ -1,0 +1,121 @@
+"""``draftcache bench-generate``: prompts from the real traces, the report, and a tiny real run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from decoder_client.generate_bench import (
+    AGENTIC,
+    LOOKUP,
+    OURS,
+    VANILLA,
+    BenchConfig,
+    Measured,
+    Outcome,
+    Prompt,
+    agentic_prompts,
+    bench,
+    chatml_turns,
+    encode,
+    pick,
+    report,
+    spec_bench_prompts,
+    summarize,
+    vicuna_question,
+)
+
+
+def _measured(category: str, seconds: tuple[float, float, float], *, differ: bool = False) -> Measured:
+    tokens = [1, 2, 3, 4]
+    runs = {
+        VANILLA: Outcome(tokens, seconds[0]),
+        LOOKUP: Outcome(tokens, seconds[1]),
+        OURS: Outcome([9, 9, 9, 9] if differ else tokens, seconds[2], steps=2),
+    }
+    return Measured(Prompt(category, f"{category}/{seconds}", (("user", "q"),)), 10, runs)
+
+
+def test_prompt_helpers() -> None:
+    assert vicuna_question("A chat. USER: Translate: Hallo ASSISTANT:") == "Translate: Hallo"
+    with pytest.raises(ValueError):
+        vicuna_question("no template here")
+    # Held-out picks never overlap the measured ones.
+    assert set(pick(list(range(20)), 4)).isdisjoint(pick(list(range(20)), 4, held_out=True))
+    text = "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU\nV<|im_end|>\n<|im_start|>assistant\n"
+    assert chatml_turns(text) == [("system", "S"), ("user", "U\nV")]
+
+
+def test_summary_ratios_medians_and_losslessness() -> None:
+    results = [
+        _measured("qa", (2.0, 2.0, 1.0)),  # ours twice as fast
+        _measured("qa", (1.0, 2.0, 1.0)),
+        _measured(AGENTIC, (4.0, 2.0, 1.0), differ=True),
+    ]
+    summary = summarize(results)
+    assert list(summary) == ["qa", "spec_bench", AGENTIC]  # groups, Spec-Bench overall, agentic last
+    qa = summary["qa"]
+    assert qa["tokens_per_s"] == {VANILLA: 2.67, LOOKUP: 2.0, OURS: 4.0}  # 8 tokens in 3, 4 and 2 s
+    assert qa["ratio"] == {LOOKUP: 0.75, OURS: 1.5}  # total vanilla time / total time
+    assert qa["median_ratio"] == {LOOKUP: 0.75, OURS: 1.5}  # medians of (1.0, 0.5) and (2.0, 1.0)
+    assert qa["mat"] == 2.0 and qa["lossless"]
+    assert not summary[AGENTIC]["lossless"]
+
+
+def test_report_flags_differing_outputs() -> None:
+    results = [_measured("qa", (2.0, 2.0, 1.0)), _measured("rag", (1.0, 1.0, 1.0), differ=True)]
+    result = {
+        "summary": summarize(results),
+        "lossless": False,
+        "differing": ["rag/x"],
+        "prompt_lookup_num_tokens": {"spec_bench": 3},
+        "cost_curve_ms": {1: 60.0},
+        "accepted_by_tier": {},
+        "prior": False,
+    }
+    text = report(result)
+    assert "OUTPUTS DIFFER on rag/x" in text
+    assert "qa" in text and "spec_bench" in text
+
+
+def test_prompts_from_the_real_traces(shared_data: Path, smollm2) -> None:  # type: ignore[no-untyped-def]
+    _, tokenizer = smollm2
+    spec = spec_bench_prompts(
+        shared_data / "traces/spec_bench_vicuna7b.jsonl.gz", shared_data / "tokenizers/llama2-spm", 2
+    )
+    # Six Spec-Bench groups (MT-bench's eight categories form one), two each, as plain questions.
+    assert len(spec) == 12 and len({p.category for p in spec}) == 6
+    assert all("USER:" not in p.messages[0][1] for p in spec)
+    agentic = agentic_prompts(shared_data / "traces/swe_agent_dev.jsonl.gz", tokenizer, 2, 3, 64)
+    # Two tasks asked three times in rounds, each repeat a small variation of the same turn.
+    assert [p.name.split("#")[1] for p in agentic] == ["1", "1", "2", "2", "3", "3"]
+    first, again = agentic[0], agentic[2]
+    assert first.messages[0] == again.messages[0] and first.messages[1] != again.messages[1]
+    assert len(tokenizer.encode(first.messages[1][1], add_special_tokens=False)) <= 64 + 8
+
+
+def test_tiny_run_is_lossless(shared_data: Path, smollm2) -> None:  # type: ignore[no-untyped-def]
+    model, tokenizer = smollm2
+    config = BenchConfig(
+        spec_bench=shared_data / "traces/spec_bench_vicuna7b.jsonl.gz",
+        agentic=shared_data / "traces/swe_agent_dev.jsonl.gz",
+        llama_tokenizer=shared_data / "tokenizers/llama2-spm",
+        max_new_tokens=12,
+        pld_candidates=(3,),
+        tuning_tokens=4,
+        curve_context=32,
+        curve_repeats=1,
+    )
+    repeat = Prompt("qa", "echo", (("user", "Repeat exactly: alpha beta gamma delta alpha beta gamma delta"),))
+    other = Prompt("translation", "de", (("user", "Translate German to English: Guten Morgen"),))
+    prompts = [(p, encode(tokenizer, p)) for p in (repeat, other)]
+    result = bench(model, tokenizer, prompts, prompts[:1], config)
+    # The same tokens from greedy, transformers' prompt lookup and draftcache on every prompt.
+    assert result["lossless"] and result["differing"] == []
+    assert list(result["summary"]) == ["qa", "translation", "spec_bench"]
+    row = result["summary"]["spec_bench"]
+    assert row["prompts"] == 2 and row["tokens"] > 0 and row["mat"] >= 1.0
+    assert set(row["tokens_per_s"]) == {VANILLA, LOOKUP, OURS} and set(row["ratio"]) == {LOOKUP, OURS}
+    assert result["prompt_lookup_num_tokens"] == {"spec_bench": 3}
+    assert [d["name"] for d in result["prompts"]] == ["echo", "de"] and all(d["identical"] for d in result["prompts"])
