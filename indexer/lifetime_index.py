@@ -165,9 +165,21 @@ class LifetimeMemory:
         out.extend(run for _, run in self._runs)
         return out
 
-    def known_prefix(self, tokens: np.ndarray) -> int:
-        """The longest ``n`` such that ``tokens[:n]`` occurs, contiguous, in one index: how much
-        of a request the memory already holds (a multi-turn request repeats the turns before)."""
+    def known_prefix(self, tokens: np.ndarray, min_piece: int = 16) -> int:
+        """How much of a request's beginning the memory already holds, possibly in pieces: the
+        turns a multi-turn request repeats were committed one by one (each only its new part),
+        so the prefix is followed from piece to piece while each continues for ``min_piece``
+        tokens or more."""
+        pos = 0
+        while pos < tokens.size:
+            n = self._longest_prefix(tokens[pos:])
+            if n < min(min_piece, tokens.size - pos):
+                break
+            pos += n
+        return pos
+
+    def _longest_prefix(self, tokens: np.ndarray) -> int:
+        """The longest ``n`` such that ``tokens[:n]`` occurs, contiguous, in one index."""
         best = 0
         for index in self.suffix_indexes():
             lo, hi = best, int(tokens.size)  # tokens[:lo] is known to occur somewhere; find more

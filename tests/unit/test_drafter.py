@@ -396,3 +396,15 @@ def test_commit_skips_the_turns_memory_already_holds():
     assert d.close(d.open(short), commit=True).size == short.size
     # Without commit nothing is added.
     assert d.close(d.open(turn2), commit=False) is None
+
+
+def test_commit_follows_turns_committed_piece_by_piece():
+    d = _drafter()
+    cfg = d.config
+    rng = np.random.default_rng(1)
+    context = rng.integers(0, 100, 400).astype(np.int32)
+    d.close(d.open(context), commit=True)
+    for _ in range(4):  # each turn repeats all before and adds 60 tokens; only those are added
+        context = np.concatenate((context, rng.integers(0, 100, 60).astype(np.int32)))
+        added = d.close(d.open(context), commit=True)
+        assert added is not None and added.size == 60 + cfg.max_match

@@ -197,7 +197,7 @@ def test_delta_runs_stay_logarithmic():
         assert expected >= 1 and _occurrences(mem, pair) == expected
 
 
-def _brute_known_prefix(requests, tokens):
+def _brute_longest_prefix(requests, tokens):
     """Longest n with tokens[:n] inside one committed request (requests never span each other)."""
     best = 0
     for req in requests:
@@ -206,6 +206,17 @@ def _brute_known_prefix(requests, tokens):
                 best = n
                 break
     return best
+
+
+def _brute_known_prefix(requests, tokens, min_piece):
+    """Followed from piece to piece while each continues for min_piece tokens (or to the end)."""
+    pos = 0
+    while pos < len(tokens):
+        n = _brute_longest_prefix(requests, tokens[pos:])
+        if n < min(min_piece, len(tokens) - pos):
+            break
+        pos += n
+    return pos
 
 
 @settings(max_examples=100, deadline=None)
@@ -220,4 +231,5 @@ def test_known_prefix_matches_brute_force(requests, tokens, rebuild_after):
         mem.commit(_a(req))
         if i + 1 == rebuild_after:
             mem.rebuild()
-    assert mem.known_prefix(_a(tokens)) == _brute_known_prefix(requests, tokens)
+    for min_piece in (1, 3):
+        assert mem.known_prefix(_a(tokens), min_piece) == _brute_known_prefix(requests, tokens, min_piece)
