@@ -24,6 +24,9 @@ class ServiceConfig:
     max_prompt_tokens: int = 1 << 20
     max_new_tokens: int = 4096  # tokens one session may add in one call
     max_sessions: int = 100_000
+    # Context tokens all sessions may hold in memory; past it the least recently used sessions
+    # already written to storage leave memory (storage still continues them).
+    max_session_tokens: int = 64 << 20
     session_ttl_s: float = 3600.0  # idle sessions expire (memory and storage)
     rebuild_interval_s: float = 30.0
     follow_interval_s: float = 0.2  # how often the lifetime log is polled for other replicas' commits
@@ -35,6 +38,7 @@ class ServiceConfig:
         _range("max_prompt_tokens", self.max_prompt_tokens, 1, 1 << 26)
         _range("max_new_tokens", self.max_new_tokens, 1, 1 << 20)
         _range("max_sessions", self.max_sessions, 1, 1 << 30)
+        _range("max_session_tokens", self.max_session_tokens, 1, 1 << 40)
         _range("max_pending_writes", self.max_pending_writes, 1, 1 << 30)
         for name in ("session_ttl_s", "rebuild_interval_s", "follow_interval_s", "flush_interval_s"):
             if not getattr(self, name) > 0:

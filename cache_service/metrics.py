@@ -121,6 +121,12 @@ class ServiceCollector(Collector):
             ahead.add_metric([name, "miss"], c.ahead_misses)
         yield from (sessions, buffered, fill, delta, steps, drafted, accepted, ahead)
         yield CounterMetricFamily("draftcache_drafts", "Draft trees served.", value=s.drafts)
+        yield GaugeMetricFamily(
+            "draftcache_session_tokens", "Context tokens held by sessions in memory.", value=s.sessions.tokens
+        )
+        yield CounterMetricFamily(
+            "draftcache_sessions_evicted", "Sessions that left memory for room.", value=s.sessions.evicted
+        )
         if self._write_back is not None:
             yield GaugeMetricFamily(
                 "draftcache_writeback_pending", "Commits waiting for storage.", value=self._write_back.pending

@@ -215,6 +215,7 @@ class DraftService:
             prepared.append((item, drafter, prompt))
         if principal is not None:
             self._check_tenant(principal, len(prepared), sum(p.size for _, _, p in prepared))
+        self._make_room(sum(p.size for _, _, p in prepared))
         tenant = "" if principal is None else principal.tenant
         ids = []
         for item, drafter, prompt in prepared:
@@ -254,6 +255,7 @@ class DraftService:
             drafter, session = entry.drafter, entry.session
             if new.size:
                 drafter.accept(session, new)
+                self.sessions.grow(entry, int(new.size))
             tree = session.last_tree if new.size and session.last_tree is not None else None
             if tree is None:
                 tree = drafter.draft(session, entry.params)
@@ -279,6 +281,7 @@ class DraftService:
         for entry, new, rejected in checked:
             if new.size:
                 entry.drafter.accept(entry.session, new, rejected)
+                self.sessions.grow(entry, int(new.size))
             self.sessions.touch(entry)
             self._dirty.add(entry.sid)
 
@@ -323,6 +326,7 @@ class DraftService:
         drafter = self.namespace(stored.namespace)
         tenant = "" if principal is None else principal.tenant
         entry = SessionEntry(sid, stored.namespace, drafter, drafter.resume(stored.snapshot), stored.params, tenant)
+        self._make_room(len(entry.session.context))
         self.sessions.add(entry)
         logger.info("session %s continued from storage", sid)
         return entry
@@ -348,6 +352,22 @@ class DraftService:
         self._closed.update(closed)
 
     # -- checks ------------------------------------------------------------------------------
+
+    def _make_room(self, tokens: int) -> None:
+        """Keep sessions' context tokens in memory under the limit: the least recently used
+        sessions that storage already holds leave memory (a later call continues them from
+        storage); without storage, idle ones are dropped (their clients re-open them)."""
+        limit = self.config.max_session_tokens
+        if tokens > limit:
+            raise ResourceExhausted(f"{tokens} prompt tokens exceed the session memory of {limit} tokens")
+        if self.sessions.tokens + tokens <= limit:
+            return
+        self.sessions.expire()
+        saved = self._persistence is not None
+        if not self.sessions.make_room(tokens, limit, lambda sid: not saved or sid not in self._dirty):
+            raise ResourceExhausted(
+                f"sessions hold {self.sessions.tokens} tokens; {tokens} more exceed {limit} (none can leave memory yet)"
+            )
 
     def _check_tenant(self, principal: Principal, sessions: int, tokens: int) -> None:
         """The tenant's own limits (sessions, context tokens held) with ``sessions`` more."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import secrets
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cache_service.errors import NotFound, ResourceExhausted
@@ -22,6 +23,7 @@ class SessionEntry:
     params: DraftParams
     tenant: str = ""  # who opened it ("" when callers are not authenticated)
     last_used: float = field(default_factory=time.monotonic)
+    counted: int = 0  # context tokens this entry adds to the table's total
 
 
 def new_session_id() -> str:
@@ -43,6 +45,8 @@ class SessionTable:
         self._entries: OrderedDict[str, SessionEntry] = OrderedDict()
         self._max = max_sessions
         self._ttl = ttl_s
+        self.tokens = 0  # context tokens held by all sessions
+        self.evicted = 0  # sessions made to leave memory for room
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -52,6 +56,26 @@ class SessionTable:
         if len(self._entries) >= self._max:
             raise ResourceExhausted(f"session limit reached ({self._max}); close or let sessions expire")
         self._entries[entry.sid] = entry
+        self.grow(entry, len(entry.session.context))
+
+    def grow(self, entry: SessionEntry, tokens: int) -> None:
+        entry.counted += tokens
+        self.tokens += tokens
+
+    def make_room(self, tokens: int, limit: int, evictable: Callable[[str], bool]) -> bool:
+        """Evict least recently used sessions that ``evictable`` allows until ``tokens`` more
+        fit under ``limit``; whether they now fit."""
+        for sid in [sid for sid in self._entries if evictable(sid)]:
+            if self.tokens + tokens <= limit:
+                break
+            self._drop(sid)
+            self.evicted += 1
+        return self.tokens + tokens <= limit
+
+    def _drop(self, sid: str) -> SessionEntry:
+        entry = self._entries.pop(sid)
+        self.tokens -= entry.counted
+        return entry
 
     def get(self, sid: str) -> SessionEntry:
         entry = self._entries.get(sid)
@@ -64,9 +88,8 @@ class SessionTable:
         self._entries.move_to_end(entry.sid)
 
     def pop(self, sid: str) -> SessionEntry:
-        entry = self.get(sid)
-        del self._entries[sid]
-        return entry
+        self.get(sid)
+        return self._drop(sid)
 
     def expire(self) -> list[str]:
         """Drop sessions idle past the TTL; their ids."""
@@ -75,7 +98,7 @@ class SessionTable:
             sid, entry = next(iter(self._entries.items()))
             if now - entry.last_used <= self._ttl:
                 break
-            del self._entries[sid]
+            self._drop(sid)
             gone.append(sid)
         return gone
 

@@ -136,3 +136,26 @@ def test_admin_stats_and_rebuild(running: Running) -> None:
     assert info.buffered_tokens == 4 and info.index_tokens == 4 and info.requests == 1
     stats = running.admin.Stats(pb.StatsRequest())
     assert stats.sessions == 0 and [n.name for n in stats.namespaces] == ["toy"]
+
+
+def test_session_memory_is_bounded_by_evicting_the_least_recently_used() -> None:
+    from cache_service.config import ServiceConfig
+    from tests.service.conftest import start_service, stop_service
+
+    running = start_service(ServiceConfig(max_session_tokens=100))
+    try:
+        _ns(running)
+        first = _open(running, [1] * 40)
+        second = _open(running, [2] * 40)
+        _draft(running, first, [3])  # first is now the more recently used (41 tokens)
+        third = _open(running, [4] * 30)  # 41 + 40 + 30 > 100: the least recently used leaves
+        assert running.service.sessions.tokens <= 100 and running.service.sessions.evicted == 1
+        assert _code(lambda: _draft(running, second, [])) == grpc.StatusCode.NOT_FOUND
+        assert _draft(running, first, []) is not None and _draft(running, third, []) is not None
+        # A prompt larger than all session memory is refused outright.
+        assert _code(lambda: _open(running, [5] * 101)) == grpc.StatusCode.RESOURCE_EXHAUSTED
+        # Closing frees its tokens.
+        running.stub.CloseSessions(pb.CloseSessionsRequest(sessions=[pb.CloseSession(session_id=first)]))
+        assert running.service.sessions.tokens == 30
+    finally:
+        stop_service(running)

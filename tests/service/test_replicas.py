@@ -22,10 +22,15 @@ from cache_service.storage.redis_store import RedisStore
 
 
 class Replica:
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, max_session_tokens: int = 1 << 20) -> None:
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
-        fast = ServiceConfig(follow_interval_s=0.05, flush_interval_s=0.05, rebuild_interval_s=3600)
+        fast = ServiceConfig(
+            follow_interval_s=0.05,
+            flush_interval_s=0.05,
+            rebuild_interval_s=3600,
+            max_session_tokens=max_session_tokens,
+        )
         self.app = App(AppConfig(service=fast, server=ServerConfig(port=0), redis_url=url))
         port = asyncio.run_coroutine_threadsafe(self.app.start(), self.loop).result(60)
         self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
@@ -161,3 +166,22 @@ def test_a_session_split_across_replicas_drafts_as_well_as_unsplit(
     # has not seen the first halves), so trees may differ in rare ties: MAT within 1%.
     print(f"MAT unsplit {mat_unsplit:.4f}, split across replicas {mat_split:.4f}")
     assert abs(mat_split - mat_unsplit) <= 0.01 * mat_unsplit, (mat_unsplit, mat_split)
+
+
+def test_sessions_that_leave_memory_continue_from_storage(replicas: tuple[Replica, Replica]) -> None:
+    a, _ = replicas
+    small = Replica(a.app.url, max_session_tokens=50)
+    try:
+        small.admin.CreateNamespace(pb.CreateNamespaceRequest(name="toy", vocab_size=100))
+        old = _open(small, [1, 2, 3, 4, 1, 2, *([9] * 20)])
+        _draft(small, old, [1, 2])  # context ... 9 1 2: "1 2" was followed by "3 4"
+        _eventually(lambda: _stored_context_is(small.app.persistence.store, old, 28))
+        time.sleep(0.2)  # written behind: it may leave memory now
+        _open(small, [7] * 30)  # 28 + 30 > 50: the older session leaves memory
+        assert small.app.service.sessions.evicted == 1
+        time.sleep(0.2)  # the new one is written behind too, so it can make room in turn
+        # The old one continues from storage, context whole: "1 2" -> "3 4".
+        tree = small.stub.Draft(pb.DraftRequest(items=[pb.DraftItem(session_id=old)])).trees[0]
+        assert tree.tokens[0] == 3 and any(t == 4 and p == 0 for t, p in zip(tree.tokens, tree.parents, strict=True))
+    finally:
+        small.stop()
