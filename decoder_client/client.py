@@ -101,6 +101,7 @@ class ClientStats:
     reopened: int = 0
     ahead_hits: int = 0  # trees that were drafted ahead (no wait)
     ahead_misses: int = 0  # outcomes nothing had been drafted ahead for
+    lost_opens: int = 0  # opens given up on (deadline): the service may hold copies until they expire
 
 
 class _Core:
@@ -253,6 +254,7 @@ class DraftClient:
         self._stub = pb_grpc.DraftCacheStub(self._channel)
         self._inflight: tuple[list[ClientSession], grpc.Future] | None = None
         self._opening: tuple[list[ClientSession], list[int], grpc.Future] | None = None
+        self._background: list[grpc.Future] = []  # calls nobody waits for (kept alive until done)
 
     @property
     def config(self) -> ClientConfig:
@@ -337,14 +339,24 @@ class DraftClient:
         req = self._core.abandoned_request()
         if req is not None:
             self._call(self._stub.CloseSessions, req, self.config.control_timeout_s)
+        for future in self._background:
+            with contextlib.suppress(grpc.RpcError, grpc.FutureTimeoutError, grpc.FutureCancelledError):
+                future.result(timeout=self.config.control_timeout_s)
         self._channel.close()
 
     def _open(self, sessions: Sequence[ClientSession]) -> None:
         req = self._core.open_request(sessions)
-        resp = self._call(self._stub.OpenSessions, req, self.config.control_timeout_s) if req is not None else None
-        if resp is not None:
-            self._core.opened(sessions, resp)
-            self._close_abandoned()
+        if req is None:
+            return
+        try:
+            resp = self._stub.OpenSessions(req, timeout=self.config.control_timeout_s, metadata=self.config.metadata)
+        except grpc.RpcError as exc:
+            self._core.failed(exc)
+            if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
+                self._core.stats.lost_opens += len(req.sessions)
+            return
+        self._core.opened(sessions, resp)
+        self._close_abandoned()
 
     def _reopen(self, sessions: Sequence[ClientSession]) -> None:
         """Sessions without a server copy (the service failed or restarted) are re-opened with
@@ -360,6 +372,8 @@ class DraftClient:
                 self._close_abandoned()
             except grpc.RpcError as exc:
                 self._core.failed(exc)
+                if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
+                    self._core.stats.lost_opens += len(todo)
         todo = [s for s in sessions if not s.server_id]
         req = self._core.open_request(todo)
         if req is not None:
@@ -369,10 +383,13 @@ class DraftClient:
             self._opening = (todo, [s.context.size for s in todo], future)
 
     def _close_abandoned(self) -> None:
-        """Best effort, in the background: an unknown id (the server restarted) is fine too."""
+        """Best effort, in the background: an unknown id (the server restarted) is fine too.
+        The future is kept until done: gRPC cancels a call whose future is garbage-collected."""
         req = self._core.abandoned_request()
         if req is not None:
-            self._stub.CloseSessions.future(req, timeout=self.config.control_timeout_s, metadata=self.config.metadata)
+            cfg = self.config
+            future = self._stub.CloseSessions.future(req, timeout=cfg.control_timeout_s, metadata=cfg.metadata)
+            self._background = [f for f in self._background if not f.done()] + [future]
 
     def _call(self, method: Callable, request: object, timeout: float) -> Any:
         try:
@@ -464,6 +481,8 @@ class AsyncDraftClient:
         req = self._core.abandoned_request()
         if req is not None:
             await self._call(self._stub.CloseSessions, req, self._core.config.control_timeout_s)
+        if self._background:
+            await asyncio.wait(self._background, timeout=self._core.config.control_timeout_s)
         await self._channel.close()
 
     def _reopen(self, sessions: Sequence[ClientSession]) -> None:
