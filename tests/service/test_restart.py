@@ -155,11 +155,13 @@ def test_decoding_rides_through_a_killed_service(data: Path) -> None:
     try:
         # Generation completed exactly; local drafts covered the outage; the service was used
         # again once it was back (the session re-opened with its full context).
-        assert produced == output
-        assert client.stats.fallback > 0 and client.stats.reopened >= 1
-        remote_before = client.stats.remote
-        client.draft([session], [[]])
-        assert client.stats.remote == remote_before + 1
+        assert produced == output and client.stats.fallback > 0
+        # The session is re-opened in the background; within a few steps the service drafts again.
+        remote_before, deadline = client.stats.remote, time.monotonic() + 20
+        while client.stats.remote == remote_before and time.monotonic() < deadline:
+            client.draft([session], [[]])
+            time.sleep(0.05)
+        assert client.stats.remote > remote_before and client.stats.reopened >= 1
         client.shutdown()
     finally:
         proc.send_signal(signal.SIGTERM)
