@@ -19,6 +19,7 @@ from cache_service.metrics import Metrics
 from cache_service.persistence import RedisPersistence
 from cache_service.server import create_server
 from cache_service.service import DraftService, StoredSession
+from cache_service.shared_indexes import SharedIndexes
 from cache_service.storage import keys
 from cache_service.storage.clients import StorageClient
 from cache_service.storage.connect import connect, redact
@@ -42,6 +43,7 @@ class AppConfig:
     metrics_port: int | None = None  # Prometheus /metrics on this port (0: any free one); None: off
     metrics_host: str = "0.0.0.0"
     prior_dir: Path | None = None  # priors saved and memory-mapped here (shared by processes)
+    lifetime_dir: Path | None = None  # lifetime indexes built once and memory-mapped here (shared by processes)
 
 
 def prepare_schema(client: StorageClient, *, wait_s: float = 60.0) -> int:
@@ -85,12 +87,16 @@ class App:
             (self.config.embedded.data_dir / "url").write_text(self.url)
         client = connect(self.url)
         logger.info("storage schema v%d at %s", await asyncio.to_thread(prepare_schema, client), redact(self.url))
+        store = RedisStore(client, self.config.store)
+        lifetime_dir = self.config.lifetime_dir
+        lifetime = self.config.service.drafter.lifetime
         self.persistence = RedisPersistence(
-            RedisStore(client, self.config.store),
+            store,
             max_pending=self.config.service.max_pending_writes,
             prior_dir=self.config.prior_dir,
+            shared=None if lifetime_dir is None else SharedIndexes(store, lifetime_dir, lifetime),
         )
-        self.service = DraftService(self.config.service, self.persistence)
+        self.service = DraftService(self.config.service, self.persistence, shared_lifetime=lifetime_dir is not None)
         await asyncio.to_thread(self.persistence.restore, self.service)
         self._schedule()
         self.server = await create_server(self.config.server, self.service, self.metrics.observe_rpc)
@@ -132,26 +138,34 @@ class App:
         """Rebuild the namespaces that have new requests since their last index."""
         for name in self.service.namespace_names():
             memory = self.service.namespace(name).memory
-            if memory.delta_tokens() > 0:
-                built = memory.rebuild()
-                self._last_rebuild[name] = time.monotonic()
-                self.metrics.observe_rebuild(name, built.build_seconds)
-                logger.info("rebuilt %s: %d tokens in %.2f s", name, built.suffix.size, built.build_seconds)
+            if memory.delta_tokens() > 0 or self.persistence.shared is not None:  # shared: new in the log?
+                self._rebuild_one(name, "")
 
     def _rebuild_large_deltas(self) -> None:
         """Rebuild early a namespace whose delta outgrew its limit (a burst of requests), but
         leave at least twice the last build's time (and a few seconds) between builds: under
-        sustained heavy traffic rebuilds take at most a third of a core."""
+        sustained heavy traffic rebuilds take at most a third of a core. With shared indexes,
+        also serve any generation another process published."""
+        self.persistence.adopt_published(self.service)
         now = time.monotonic()
         for name in self.service.namespace_names():
             memory = self.service.namespace(name).memory
             built = memory.indexes
             gap = max(EARLY_REBUILD_GAP_S, 2 * built.build_seconds) if built is not None else 0.0
             if memory.needs_rebuild() and now - self._last_rebuild.get(name, 0.0) >= gap:
-                built = memory.rebuild()
-                self._last_rebuild[name] = time.monotonic()
-                self.metrics.observe_rebuild(name, built.build_seconds)
-                logger.info("rebuilt %s early: %d tokens in %.2f s", name, built.suffix.size, built.build_seconds)
+                self._rebuild_one(name, " early")
+
+    def _rebuild_one(self, name: str, why: str) -> None:
+        try:
+            built = self.persistence.rebuild(self.service, name)
+        except StorageError as exc:  # shared indexes are built from the log in storage
+            logger.warning("rebuild of %s deferred: %s", name, exc)
+            return
+        finally:
+            self._last_rebuild[name] = time.monotonic()
+        if built is not None:  # this process built it (shared indexes: another may have)
+            self.metrics.observe_rebuild(name, built.build_seconds)
+            logger.info("rebuilt %s%s: %d tokens in %.2f s", name, why, built.suffix.size, built.build_seconds)
 
     async def stop(self) -> None:
         """NOT_SERVING, drain in-flight calls, stop jobs, flush queued commits, stop Redis."""

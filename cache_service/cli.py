@@ -16,6 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import grpc
+import numpy as np
 
 from cache_service import index_bench, logs, replay_bench, warm
 from cache_service.errors import DraftCacheError
@@ -108,6 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add(w, "--corpus", type=Path, required=_env("corpus") is None)
     _add(w, "--format", default="sharegpt", choices=warm.FORMATS)
     _add(w, "--out", type=Path, default=None, help="write a prior file instead of publishing to Redis")
+    w.add_argument(
+        "--lifetime",
+        action="store_true",
+        help="append the corpus documents to the namespace's lifetime log (as finished requests) instead",
+    )
     _storage_args(w)
     _prior_args(w)
 
@@ -203,22 +209,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _warm_prior(
-    corpus: Path, fmt: str, tokenizer: Path, config: PriorConfig, *, vocab_size: int | None = None
-) -> StaticPrior:
+def _tokenize(corpus: Path, fmt: str, tokenizer: Path, vocab_size: int | None = None) -> tuple[np.ndarray, int]:
+    """The corpus's documents as one array (each followed by a separator), and the vocabulary."""
     from tqdm import tqdm
 
     encode, vocab = warm.load_tokenizer(tokenizer)
     if vocab_size is not None and vocab_size != vocab:
         raise warm.CorpusError(f"tokenizer {tokenizer} has {vocab} ids but the namespace has {vocab_size}")
-    start = time.perf_counter()
     with tqdm(desc=f"tokenizing {corpus.name}", unit=" docs", file=sys.stderr, disable=None) as bar:
 
         def progress(docs: int, tokens: int) -> None:
             bar.update(docs - bar.n)
             bar.set_postfix(tokens=f"{tokens / 1e6:.1f}M")
 
-        tokens = warm.tokenize_corpus(warm.read_corpus(corpus, fmt), encode, vocab, progress=progress)
+        return warm.tokenize_corpus(warm.read_corpus(corpus, fmt), encode, vocab, progress=progress), vocab
+
+
+def _warm_prior(
+    corpus: Path, fmt: str, tokenizer: Path, config: PriorConfig, *, vocab_size: int | None = None
+) -> StaticPrior:
+    start = time.perf_counter()
+    tokens, _ = _tokenize(corpus, fmt, tokenizer, vocab_size)
     prior = warm.build_prior(tokens, config)
     logger.info(
         "prior: %d corpus tokens -> %.1f MB of tables in %.1f s",
@@ -238,6 +249,8 @@ def _write_atomic(path: Path, blob: bytes) -> None:
 
 
 def cmd_warm(a: argparse.Namespace) -> int:
+    if a.lifetime:
+        return _warm_lifetime(a)
     prior = _warm_prior(a.corpus, a.format, a.tokenizer, _prior_config(a))
     blob = prior.to_bytes()
     if a.out is not None:
@@ -251,6 +264,25 @@ def cmd_warm(a: argparse.Namespace) -> int:
         store.register_namespace(a.namespace, warm.load_tokenizer(a.tokenizer)[1])
         where = f"Redis, version {store.put_prior(a.namespace, blob)}"
     print(f"namespace {a.namespace}: prior of {prior.source_tokens} tokens, {prior.nbytes / 1e6:.1f} MB -> {where}")
+    return 0
+
+
+def _warm_lifetime(a: argparse.Namespace) -> int:
+    """Append a corpus's documents to a namespace's lifetime log, as if each were a finished
+    request: replicas following the log draft from them (the log keeps its token cap)."""
+    from cache_service.app import connect
+    from cache_service.storage.redis_store import RedisStore
+
+    if a.out is not None:
+        raise warm.CorpusError("--lifetime appends to the log in Redis; it writes no file (drop --out)")
+    tokens, vocab = _tokenize(a.corpus, a.format, a.tokenizer)
+    store = RedisStore(connect(_redis_url(a)))
+    store.register_namespace(a.namespace, vocab)
+    docs = index_bench.split_documents(tokens)
+    for start in range(0, len(docs), 256):
+        store.append_requests(a.namespace, docs[start : start + 256])
+    entries, held = store.log_size(a.namespace)
+    print(f"namespace {a.namespace}: {len(docs)} documents appended; the log holds {entries} requests, {held} tokens")
     return 0
 
 

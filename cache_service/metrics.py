@@ -110,8 +110,8 @@ class ServiceCollector(Collector):
             d = s.namespace(name)
             memory, c = d.memory, d.counters
             sessions.add_metric([name], counts.get(name, 0))
-            buffered.add_metric([name], memory.buffer.size)
-            fill.add_metric([name], memory.buffer.size / memory.buffer.capacity)
+            buffered.add_metric([name], memory.buffered_tokens)
+            fill.add_metric([name], memory.buffered_tokens / memory.capacity)
             delta.add_metric([name], memory.delta_tokens())
             steps.add_metric([name], c.steps)
             drafted.add_metric([name], c.drafted)

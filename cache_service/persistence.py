@@ -3,7 +3,9 @@
 Commits are written behind (a bounded queue drained by the sync job), so closing a request never
 waits on Redis; while Redis is down they stay queued and are flushed when it returns. The same
 job follows the lifetime log for requests other replicas committed, skipping its own entries,
-and reloads a namespace's static prior when a new version is published.
+and reloads a namespace's static prior when a new version is published. With
+:class:`~cache_service.shared_indexes.SharedIndexes` the processes of a host share one build of
+the lifetime indexes, and each keeps only the requests past the shared generation.
 """
 
 from __future__ import annotations
@@ -21,10 +23,13 @@ import numpy as np
 from cache_service import prior_files
 from cache_service.errors import Unavailable
 from cache_service.service import DraftService, StoredSession
+from cache_service.shared_indexes import SharedIndexes
 from cache_service.storage.codec import SessionState
 from cache_service.storage.errors import StorageError, StorageUnavailable
 from cache_service.storage.redis_store import RedisStore
+from cache_service.storage.stream_log import position, stream_id
 from indexer.drafter import DraftParams
+from indexer.lifetime_index import LifetimeIndexes, LogId
 from indexer.prior import StaticPrior
 from indexer.session import SessionSnapshot, TableItems
 
@@ -34,9 +39,18 @@ logger = logging.getLogger(__name__)
 class RedisPersistence:
     """The service's :class:`~cache_service.service.Persistence` on a :class:`RedisStore`."""
 
-    def __init__(self, store: RedisStore, *, max_pending: int, prior_dir: Path | None = None) -> None:
+    def __init__(
+        self,
+        store: RedisStore,
+        *,
+        max_pending: int,
+        prior_dir: Path | None = None,
+        shared: SharedIndexes | None = None,
+    ) -> None:
         self.store = store
         self._prior_dir = prior_dir  # priors saved here once and memory-mapped (shared by processes)
+        self.shared = shared  # lifetime indexes built once per host and mapped (shared by processes)
+        self._service: DraftService | None = None
         self._pending: deque[tuple[str, np.ndarray, float]] = deque()  # with the time queued
         self._max_pending = max_pending
         self._own: set[str] = set()  # ids of entries this process appended
@@ -107,28 +121,70 @@ class RedisPersistence:
 
     def restore(self, service: DraftService) -> None:
         """Namespaces, lifetime logs and priors from storage into a fresh service."""
+        self._service = service
         for name, vocab in sorted(self.store.namespaces().items()):
             drafter = service.create_namespace(name, vocab, persist=False)
-            requests = self._read_all(name)
-            drafter.memory.commit_many(requests)
-            if requests:
+            after = "0"
+            if self.shared is not None:  # map the host's generation; build one first if there is none
+                self.shared.publish(name, wait=True, only_if_missing=True)
+                gen = self.shared.adopt(name, drafter.memory)
+                after = "0" if gen is None else stream_id(gen.through)
+            requests, ids = self._read_all(name, after)
+            drafter.memory.commit_many(requests, ids)
+            if requests and self.shared is None:
                 drafter.memory.rebuild()
             self._load_prior(service, name)
             logger.info(
-                "restored namespace %s: %d requests, %d tokens", name, len(requests), drafter.memory.buffer.size
+                "restored namespace %s: %d requests, %d tokens", name, len(requests), drafter.memory.buffered_tokens
             )
 
-    def _read_all(self, ns: str) -> list[np.ndarray]:
+    def _read_all(self, ns: str, after: str) -> tuple[list[np.ndarray], list[LogId]]:
         out: list[np.ndarray] = []
-        last = "0"
+        ids: list[LogId] = []
+        last = after
         while True:
             entries = self.store.read_log(ns, after_id=last)
             if not entries:
                 break
             out.extend(np.array(e.tokens, dtype=np.int32) for e in entries)
+            ids.extend(position(e.id) for e in entries)
             last = entries[-1].id
         self._last[ns] = last
-        return out
+        return out, ids
+
+    # -- lifetime indexes ----------------------------------------------------------------------
+
+    def rebuild(self, service: DraftService, name: str) -> LifetimeIndexes | None:
+        """Rebuild a namespace's lifetime indexes; returns what this process built. With shared
+        indexes, the process holding the build lock builds and publishes and the others map
+        the result (each then serves the newest generation)."""
+        memory = service.namespace(name).memory
+        if self.shared is None:
+            return memory.rebuild()
+        built = self.shared.publish(name)
+        self._adopt(service, name)
+        return built
+
+    def adopt_published(self, service: DraftService) -> None:
+        """Serve generations other processes published (shared indexes only)."""
+        if self.shared is None:
+            return
+        for name in service.namespace_names():
+            try:
+                self._adopt(service, name)
+            except StorageError as exc:
+                logger.warning("lifetime generation check for %s deferred: %s", name, exc)
+
+    def _adopt(self, service: DraftService, name: str) -> None:
+        assert self.shared is not None
+        gen = self.shared.adopt(name, service.namespace(name).memory)
+        if gen is None:
+            return
+        with self._sync_lock:  # entries the generation covers need not be read from the log again
+            if position(self._last.get(name, "0")) < gen.through:
+                self._last[name] = stream_id(gen.through)
+                with self._lock:
+                    self._own = {i for i in self._own if position(i) > gen.through}
 
     def sync(self, service: DraftService) -> None:
         """Flush queued commits, then apply other replicas' new ones. Storage errors are logged
@@ -156,19 +212,23 @@ class RedisPersistence:
             with self._lock:
                 self._own.update(ids)
                 self._pending.popleft()
+            if self.shared is not None and self._service is not None:  # where it falls in the log
+                self._service.namespace(ns).memory.mark_logged(tokens, position(ids[0]))
 
     def _follow(self, service: DraftService, ns: str) -> None:
         entries = self.store.read_log(ns, after_id=self._last.get(ns, "0"))
         if not entries:
             return
-        theirs = []
+        covered = None if self.shared is None else self.shared.adopted(ns)
+        theirs, ids = [], []
         for entry in entries:
             if entry.id in self._own:
                 self._own.discard(entry.id)
-            else:
+            elif covered is None or position(entry.id) > covered:
                 theirs.append(np.array(entry.tokens, dtype=np.int32))
+                ids.append(position(entry.id))
         if theirs:
-            service.namespace(ns).memory.commit_many(theirs)
+            service.namespace(ns).memory.commit_many(theirs, ids)
         self._last[ns] = entries[-1].id
 
     def reload_priors(self, service: DraftService) -> None:

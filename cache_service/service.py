@@ -22,6 +22,7 @@ from cache_service.errors import AlreadyExists, InvalidArgument, NotFound, Permi
 from cache_service.sessions import SessionEntry, SessionTable, new_session_id
 from cache_service.storage.keys import check_name
 from indexer.drafter import MAX_LOOKAHEAD, DraftParams, NamespaceDrafter
+from indexer.lifetime_index import LifetimeIndexes
 from indexer.prespeculation import Prefetched
 from indexer.prior import StaticPrior
 from indexer.session import SessionSnapshot
@@ -96,13 +97,20 @@ class Persistence(Protocol):
 
     def reload_priors(self, service: DraftService) -> None: ...
 
+    def rebuild(self, service: DraftService, name: str) -> LifetimeIndexes | None: ...
+
 
 class DraftService:
     """Batched drafting over many namespaces and sessions."""
 
-    def __init__(self, config: ServiceConfig, persistence: Persistence | None = None) -> None:
+    def __init__(
+        self, config: ServiceConfig, persistence: Persistence | None = None, *, shared_lifetime: bool = False
+    ) -> None:
         self.config = config
         self._persistence = persistence
+        if shared_lifetime and persistence is None:
+            raise ValueError("shared lifetime indexes come through persistence")
+        self._own_ring = not shared_lifetime  # shared: lifetime indexes are adopted, not built here
         self._namespaces: dict[str, NamespaceDrafter] = {}
         self._prior_versions: dict[str, int] = {}
         self.sessions = SessionTable(max_sessions=config.max_sessions, ttl_s=config.session_ttl_s)
@@ -131,7 +139,7 @@ class DraftService:
                         f"namespace {name!r} exists with vocab_size {existing.namespace.vocab_size}, not {vocab_size}"
                     )
                 return existing
-            drafter = NamespaceDrafter(namespace, self.config.drafter)
+            drafter = NamespaceDrafter(namespace, self.config.drafter, own_ring=self._own_ring)
             self._namespaces[name] = drafter
         if persist and self._persistence is not None:
             self._persistence.namespace_created(name, vocab_size)
@@ -169,8 +177,8 @@ class DraftService:
                 NamespaceStats(
                     name=n,
                     vocab_size=d.namespace.vocab_size,
-                    buffered_tokens=d.memory.buffer.size,
-                    requests=d.memory.buffer.requests,
+                    buffered_tokens=d.memory.buffered_tokens,
+                    requests=d.memory.requests,
                     index_tokens=0 if built is None else built.suffix.size,
                     last_rebuild_seconds=0.0 if built is None else built.build_seconds,
                     prior_version=self._prior_versions.get(n, 0),
@@ -197,7 +205,10 @@ class DraftService:
         if self._persistence is not None:
             self._persistence.reload_priors(self)
         for n in [name] if name else self.namespace_names():
-            self.namespace(n).memory.rebuild()
+            if self._persistence is not None:
+                self._persistence.rebuild(self, n)
+            else:
+                self.namespace(n).memory.rebuild()
         return self.stats(name, principal=principal)
 
     # -- sessions ----------------------------------------------------------------------------

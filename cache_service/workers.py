@@ -4,8 +4,9 @@ Python serves one core per process, so a host runs several. They share the port 
 spreads connections over them, ``SO_REUSEPORT``) and one Redis: each follows the same lifetime
 log, and a session opened in one continues in another from its stored copy. The supervisor
 starts the embedded Redis when no URL is given, restarts a worker that dies, and on SIGTERM or
-SIGINT stops them all gracefully. Static priors, the largest thing a process holds, are saved
-once per version into a shared folder and memory-mapped by every worker.
+SIGINT stops them all gracefully. Static priors and lifetime indexes, the largest things a
+process holds, are written once into shared folders and memory-mapped by every worker (one
+worker at a time builds the lifetime indexes: :mod:`cache_service.shared_indexes`).
 """
 
 from __future__ import annotations
@@ -28,10 +29,11 @@ RESTART_PAUSE_S = 1.0  # between a worker's death and its replacement
 
 def worker_config(config: AppConfig, index: int, redis_url: str) -> AppConfig:
     """Worker ``index``'s configuration: the shared Redis, its own metrics port if any, and one
-    folder of memory-mapped priors for all."""
+    folder each of memory-mapped priors and lifetime indexes for all."""
     metrics = None if config.metrics_port is None else config.metrics_port + index
     prior_dir = config.prior_dir or config.embedded.data_dir.parent / "priors"
-    return replace(config, redis_url=redis_url, metrics_port=metrics, prior_dir=prior_dir)
+    lifetime_dir = config.lifetime_dir or config.embedded.data_dir.parent / "lifetime"
+    return replace(config, redis_url=redis_url, metrics_port=metrics, prior_dir=prior_dir, lifetime_dir=lifetime_dir)
 
 
 def _run(config: AppConfig, log_format: str, verbose: bool) -> None:

@@ -144,10 +144,12 @@ class NamespaceDrafter:
     [7, 8]
     """
 
-    def __init__(self, namespace: Namespace, config: DrafterConfig, prior: StaticPrior | None = None) -> None:
+    def __init__(
+        self, namespace: Namespace, config: DrafterConfig, prior: StaticPrior | None = None, *, own_ring: bool = True
+    ) -> None:
         self.namespace = namespace
         self.config = config
-        self.memory = LifetimeMemory(config.lifetime)
+        self.memory = LifetimeMemory(config.lifetime, ring=own_ring)  # own_ring=False: indexes adopted
         self.prior = prior
         self.calibrator = Calibrator(config.calibration_buckets)
         self.counters = DraftCounters()

@@ -9,6 +9,13 @@ back, so there are O(log delta) of them and each token is re-indexed O(log delta
 
 Rebuilds read a snapshot and swap the finished indexes in with one reference assignment, so
 readers never see a half-built index and never wait for a rebuild.
+
+Several processes can share one set of indexes instead of each building its own: a memory made
+with ``ring=False`` keeps no buffer and never rebuilds; it adopts indexes built elsewhere over a
+prefix of a shared log (everything up to a log position) and keeps as its delta only what that
+prefix does not cover. Requests carry their log position once it is known (:meth:`mark_logged`
+for a process's own commits), so coverage is decided by position, not by arrival order, which
+differs from process to process.
 """
 
 from __future__ import annotations
@@ -70,6 +77,34 @@ def build_indexes(tokens: np.ndarray, table_config: NgramTableConfig, version: i
     return LifetimeIndexes(suffix, table, version, time.perf_counter() - start)
 
 
+LogId = tuple[int, int]  # a position in the shared log, ordered as the log orders its entries
+
+
+def next_generation(previous: np.ndarray | None, requests: list[np.ndarray], capacity: int) -> np.ndarray:
+    """The tokens a new generation indexes: the previous generation's tokens (ending with a
+    separator), then each new request followed by a separator, cut to the last ``capacity``
+    tokens as the ring buffer would hold them.
+
+    >>> S = int(SEPARATOR)
+    >>> next_generation(None, [np.array([1, 2], np.int32)], 8).tolist() == [1, 2, S]
+    True
+    >>> next_generation(np.array([1, 2, S], np.int32), [np.array([3, 4, 5], np.int32)], 5).tolist() == [S, 3, 4, 5, S]
+    True
+    """
+    if capacity < 2:
+        raise ValueError(f"capacity must be >= 2, got {capacity}")
+    sep = np.array([SEPARATOR], dtype=np.int32)
+    parts = [] if previous is None or previous.size == 0 else [np.asarray(previous, dtype=np.int32)]
+    if parts and parts[0][-1] != SEPARATOR:
+        raise ValueError("a generation's tokens end with a separator")
+    for tokens in requests:
+        parts.extend((np.asarray(tokens[-(capacity - 1) :], dtype=np.int32), sep))
+    if not parts:
+        return np.zeros(0, dtype=np.int32)
+    joined = np.concatenate(parts)
+    return joined[-capacity:].copy() if joined.size > capacity else joined
+
+
 def _occurs(index: SuffixIndex, pattern: np.ndarray) -> bool:
     first, last = index.match_range(pattern)
     return last > first
@@ -86,15 +121,19 @@ class LifetimeMemory:
     >>> mem.commit(np.array([1, 2, 3, 4], dtype=np.int32))
     >>> [idx.longest_match(np.array([9, 2, 3], dtype=np.int32), max_len=4)[0] for idx in mem.suffix_indexes()]
     [2]
+
+    ``ring=False``: no buffer of its own; the main indexes come from :meth:`adopt`.
     """
 
-    def __init__(self, config: LifetimeConfig) -> None:
+    def __init__(self, config: LifetimeConfig, *, ring: bool = True) -> None:
         self.config = config
-        self.buffer = LifetimeBuffer(config.capacity_tokens)
+        self.buffer: LifetimeBuffer | None = LifetimeBuffer(config.capacity_tokens) if ring else None
         self._indexes: LifetimeIndexes | None = None
         self._runs: list[tuple[list[np.ndarray], SuffixIndex]] = []  # oldest first
         self._delta_tokens: list[np.ndarray] = []
+        self._delta_ids: list[LogId | None] = []  # each delta piece's log position, once known
         self._delta_from = 0  # buffer.appended covered by the main indexes
+        self._requests = 0
         self._exact: OrderedDict[bytes, np.ndarray] = OrderedDict()
         self._lock = threading.Lock()
         self._rebuild_lock = threading.Lock()
@@ -103,29 +142,83 @@ class LifetimeMemory:
     def indexes(self) -> LifetimeIndexes | None:
         return self._indexes
 
+    @property
+    def capacity(self) -> int:
+        return self.config.capacity_tokens
+
+    @property
+    def requests(self) -> int:
+        """Requests added to this memory since it was made."""
+        return self._requests
+
+    @property
+    def buffered_tokens(self) -> int:
+        """Tokens the memory holds (separators included), at most ``capacity``."""
+        if self.buffer is not None:
+            return self.buffer.size
+        main = 0 if self._indexes is None else self._indexes.suffix.size
+        return min(self.capacity, main + self.delta_tokens())
+
     def commit(
         self, tokens: np.ndarray, *, prompt: np.ndarray | None = None, response: np.ndarray | None = None
     ) -> None:
         """Add one finished request's tokens; remember ``prompt -> response`` for exact hits."""
         with self._lock:
-            self._add_run([self._append(tokens)])
+            self._add_run([self._append(tokens, None)])
             if prompt is not None and response is not None:
                 self._remember(prompt, response)
 
-    def commit_many(self, requests: list[np.ndarray]) -> None:
-        """Bulk-add finished requests (a restore or a load): one delta rebuild, not one each."""
+    def commit_many(self, requests: list[np.ndarray], log_ids: list[LogId] | None = None) -> None:
+        """Bulk-add finished requests (a restore or a load): one delta rebuild, not one each.
+        ``log_ids``: their positions in the shared log, when they came from it."""
+        if log_ids is not None and len(log_ids) != len(requests):
+            raise ValueError("one log id per request")
         with self._lock:
             if requests:
-                self._add_run([self._append(tokens) for tokens in requests])
+                ids = log_ids if log_ids is not None else [None] * len(requests)
+                self._add_run([self._append(tokens, i) for tokens, i in zip(requests, ids, strict=True)])
 
-    def _append(self, tokens: np.ndarray) -> np.ndarray:
-        """Into the ring; returns the request as the delta holds it (with its separator). The
-        ring keeps at most capacity - 1 tokens of one request (plus its separator); the delta
-        mirrors exactly what the ring holds so a rebuild trims it exactly."""
-        kept = tokens[-(self.buffer.capacity - 1) :] if tokens.size >= self.buffer.capacity else tokens
-        self.buffer.append(kept)
+    def mark_logged(self, tokens: np.ndarray, log_id: LogId) -> bool:
+        """Record the log position of a request this process committed (the newest one with
+        these tokens and no position yet). False when no such request is in the delta."""
+        kept = self._kept(tokens)
+        with self._lock:
+            for i in range(len(self._delta_tokens) - 1, -1, -1):
+                piece = self._delta_tokens[i]
+                if self._delta_ids[i] is None and piece.size == kept.size + 1 and np.array_equal(piece[:-1], kept):
+                    self._delta_ids[i] = log_id
+                    return True
+        return False
+
+    def adopt(self, indexes: LifetimeIndexes, through: LogId) -> None:
+        """Serve ``indexes`` (built elsewhere over the shared log up to ``through``) as the main
+        indexes; the delta keeps only requests after ``through`` or not yet logged."""
+        if self.buffer is not None:
+            raise RuntimeError("a memory with its own ring buffer rebuilds its indexes itself")
+        with self._lock:
+            pairs = zip(self._delta_tokens, self._delta_ids, strict=True)
+            kept = [(p, i) for p, i in pairs if i is None or i > through]
+            self._delta_tokens = [p for p, _ in kept]
+            self._delta_ids = [i for _, i in kept]
+            self._indexes = indexes
+            self._refresh_delta()
+
+    def _kept(self, tokens: np.ndarray) -> np.ndarray:
+        """What the memory keeps of one request: at most capacity - 1 tokens (its tail)."""
+        cap = self.capacity
+        return tokens[-(cap - 1) :] if tokens.size >= cap else tokens
+
+    def _append(self, tokens: np.ndarray, log_id: LogId | None) -> np.ndarray:
+        """Into the ring (if any); returns the request as the delta holds it (with its
+        separator). The ring keeps at most capacity - 1 tokens of one request (plus its
+        separator); the delta mirrors exactly what the ring holds so a rebuild trims it exactly."""
+        kept = self._kept(tokens)
+        if self.buffer is not None:
+            self.buffer.append(kept)
         piece = np.concatenate((kept, np.array([SEPARATOR], dtype=np.int32)))
         self._delta_tokens.append(piece)
+        self._delta_ids.append(log_id)
+        self._requests += 1
         return piece
 
     def _add_run(self, pieces: list[np.ndarray]) -> None:
@@ -135,15 +228,21 @@ class LifetimeMemory:
             joined = older[0] + newer[0]
             runs.append((joined, SuffixIndex(np.concatenate(joined))))
         self._runs = runs
-        if sum(run.size for _, run in runs) > self.buffer.capacity:
+        if sum(run.size for _, run in runs) > self.capacity:
             self._refresh_delta()  # the ring overwrote part of the delta: only a tiny ring does
 
     def _refresh_delta(self) -> None:
-        """One run over the whole delta, cut to what the ring still holds."""
+        """One run over the whole delta, cut to what the ring still holds (without a ring, the
+        oldest requests past the capacity leave the delta)."""
+        if self.buffer is None:
+            total = sum(p.size for p in self._delta_tokens)
+            while len(self._delta_tokens) > 1 and total - self._delta_tokens[0].size >= self.capacity:
+                total -= self._delta_tokens.pop(0).size
+                self._delta_ids.pop(0)
         if not self._delta_tokens:
             self._runs = []
             return
-        joined = np.concatenate(self._delta_tokens)[-self.buffer.capacity :]
+        joined = np.concatenate(self._delta_tokens)[-self.capacity :]
         self._runs = [([joined], SuffixIndex(joined))]
 
     def _remember(self, prompt: np.ndarray, response: np.ndarray) -> None:
@@ -201,6 +300,8 @@ class LifetimeMemory:
         return best
 
     def delta_tokens(self) -> int:
+        if self.buffer is None:
+            return sum(p.size for p in self._delta_tokens)
         return self.buffer.appended - self._delta_from
 
     def needs_rebuild(self) -> bool:
@@ -208,6 +309,8 @@ class LifetimeMemory:
 
     def rebuild(self) -> LifetimeIndexes:
         """Snapshot the buffer, build, swap. Concurrent callers coalesce into one build."""
+        if self.buffer is None:
+            raise RuntimeError("this memory's indexes are built elsewhere and adopted")
         with self._rebuild_lock:
             with self._lock:
                 snapshot, version = self.buffer.snapshot(), self.buffer.appended
@@ -226,6 +329,7 @@ class LifetimeMemory:
             if head.size <= covered:
                 covered -= head.size
                 self._delta_tokens.pop(0)
+                self._delta_ids.pop(0)
             else:
                 self._delta_tokens[0] = head[covered:]
                 covered = 0

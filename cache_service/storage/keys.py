@@ -8,6 +8,7 @@ separate integer under :data:`SCHEMA_VERSION`)::
     draftcache:v1:namespaces                           hash    namespace name -> vocab_size
     draftcache:v1:ns:{<ns>}:log                        stream  lifetime log, one entry per request
     draftcache:v1:ns:{<ns>}:log:tokens                 string  tokens currently in the log
+    draftcache:v1:ns:{<ns>}:log:identity               string  random id of this log (SET NX)
     draftcache:v1:ns:{<ns>}:prior:seq                  string  last prior version handed out
     draftcache:v1:ns:{<ns>}:prior:current              string  version replicas serve
     draftcache:v1:ns:{<ns>}:prior:previous             string  version kept for rollback
@@ -85,6 +86,12 @@ def log(ns: str) -> str:
 def log_tokens(ns: str) -> str:
     """Running total of the tokens held by :func:`log` (kept exact by the append script)."""
     return f"{_ns(ns)}:log:tokens"
+
+
+def log_identity(ns: str) -> str:
+    """A random id set once per log: files indexing a log's positions name the log they index,
+    so positions of a different (say flushed and refilled) log are never taken for them."""
+    return f"{_ns(ns)}:log:identity"
 
 
 LOG_PATTERN = f"{_BASE}:ns:{{*}}:log"  # SCAN pattern matching every namespace's log stream

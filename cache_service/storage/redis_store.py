@@ -10,6 +10,7 @@ current: entry points run ``migrations.check(client)`` before serving.
 from __future__ import annotations
 
 import time
+import uuid
 from dataclasses import dataclass
 
 import numpy as np
@@ -144,6 +145,16 @@ class RedisStore:
         if block_ms is not None and block_ms < 1:
             raise ValueError(f"block_ms must be >= 1 or None, got {block_ms}")
         return stream_log.follow(self.client, ns, last_id, block_ms, count or self.config.read_batch)
+
+    @guarded
+    def log_identity(self, ns: str) -> str:
+        """The namespace log's random identity, created on first use."""
+        key = keys.log_identity(ns)
+        self.client.set(key, uuid.uuid4().hex, nx=True)
+        raw = self.client.get(key)
+        if not isinstance(raw, bytes):
+            raise StorageCorrupt(f"{key} is missing right after it was set")
+        return raw.decode()
 
     @guarded
     def log_size(self, ns: str) -> tuple[int, int]:

@@ -79,6 +79,21 @@ def check_stream_id(stream_id: str) -> str:
     return stream_id
 
 
+def position(stream_id: str) -> tuple[int, int]:
+    """A stream id as an ordered pair (ids order by milliseconds, then sequence).
+
+    >>> position("1700000000000-3") < position("1700000000000-12")
+    True
+    """
+    ms, _, seq = check_stream_id(stream_id).partition("-")
+    return int(ms), int(seq or 0)
+
+
+def stream_id(pos: tuple[int, int]) -> str:
+    """The inverse of :func:`position`."""
+    return f"{pos[0]}-{pos[1]}"
+
+
 def append(script: Script, ns: str, requests: list[np.ndarray], max_tokens: int) -> list[str]:
     """Append requests (keeping the last ``max_tokens`` of an oversized one) and trim."""
     args: list[bytes | int] = [max_tokens]

@@ -107,6 +107,29 @@ def test_warm_writes_a_loadable_prior(
     assert any(t.leaders > 0 for t in prior.tables)
 
 
+def test_warm_lifetime_appends_documents_to_the_log(
+    tmp_path: Path, llama_tokenizer: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from cache_service.config import EmbeddedRedisConfig
+    from cache_service.embedded_redis import EmbeddedRedis
+    from cache_service.storage.connect import connect
+    from cache_service.storage.redis_store import RedisStore
+
+    server = EmbeddedRedis(EmbeddedRedisConfig(data_dir=tmp_path / "redis", appendonly=False)).start()
+    try:
+        corpus = _sharegpt(tmp_path / "c.json.gz", ["The quick brown fox.", "Jumps over the lazy dog."])
+        args = ["warm", "--namespace", "llama2", "--tokenizer", str(llama_tokenizer), "--corpus", str(corpus)]
+        assert main([*args, "--lifetime", "--redis-url", server.url]) == 0
+        store = RedisStore(connect(server.url))
+        entries = store.read_log("llama2")
+        assert [e.tokens.size for e in entries] == [6, 7]  # one request per answer, in order
+        assert store.namespaces()["llama2"] == 32000
+        assert "2 documents appended" in capsys.readouterr().out
+        assert main([*args, "--lifetime", "--redis-url", server.url, "--out", str(tmp_path / "x")]) == 2
+    finally:
+        server.stop()
+
+
 @pytest.mark.parametrize(
     ("name", "payload", "fmt"),
     [

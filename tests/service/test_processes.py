@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -96,6 +97,22 @@ def test_two_workers_share_the_port_and_a_dead_one_is_replaced(tmp_path: Path) -
         while time.monotonic() < deadline and not all(_maps(pid, folder) for pid in _workers(proc.pid)):
             time.sleep(0.2)
         assert folder.is_dir() and all(_maps(pid, folder) for pid in _workers(proc.pid))
+        # Lifetime indexes: one worker builds a generation from the log, both map it.
+        with grpc.insecure_channel(target) as ch:
+            stub = pb_grpc.DraftCacheStub(ch)
+            opened = stub.OpenSessions(
+                pb.OpenSessionsRequest(sessions=[pb.OpenSession(namespace="toy", prompt=[7, 8, 9])])
+            )
+            close = pb.CloseSession(session_id=opened.session_ids[0], commit=True)
+            stub.CloseSessions(pb.CloseSessionsRequest(sessions=[close]))
+            pb_grpc.AdminStub(ch).Rebuild(pb.RebuildRequest(namespace="toy"))
+        current = tmp_path / "lifetime" / "toy" / "current.json"
+        assert current.is_file()
+        generation = current.parent / json.loads(current.read_text())["folder"]
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not all(_maps(pid, generation) for pid in _workers(proc.pid)):
+            time.sleep(0.2)
+        assert all(_maps(pid, generation) for pid in _workers(proc.pid))
         # A worker killed outright is replaced; the port keeps serving meanwhile.
         workers = _workers(proc.pid)
         assert len(workers) == 2

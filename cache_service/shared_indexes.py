@@ -1,0 +1,121 @@
+"""Lifetime indexes built once per host and mapped by every server process (``serve
+--processes N``), instead of each process building and holding its own copy.
+
+Each process follows the same lifetime log. A generation is built from the log itself, not from
+any process's memory: the previous generation's tokens plus the log entries after the position it
+covers, so every generation covers exactly the log up to a position. Whichever process holds the
+namespace's build lock builds it; the others skip, and every process adopts the newest generation
+(:meth:`LifetimeMemory.adopt <indexer.lifetime_index.LifetimeMemory.adopt>`), keeping in memory
+only the requests past that position. If the builder dies, the lock is free for the next one.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from cache_service import lifetime_files
+from cache_service.lifetime_files import Generation
+from cache_service.storage.redis_store import RedisStore
+from cache_service.storage.stream_log import position, stream_id
+from indexer.lifetime_index import (
+    LifetimeConfig,
+    LifetimeIndexes,
+    LifetimeMemory,
+    LogId,
+    build_indexes,
+    next_generation,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class SharedIndexes:
+    """One host's folder of published generations, for all namespaces."""
+
+    def __init__(self, store: RedisStore, root: Path, config: LifetimeConfig) -> None:
+        self.store = store
+        self.root = root
+        self.config = config
+        self._adopted: dict[str, Generation] = {}
+        self._identity: dict[str, str] = {}  # per namespace, the log's identity as last read
+        self._lock = threading.Lock()
+
+    def adopted(self, ns: str) -> LogId | None:
+        """The log position the namespace's adopted generation covers up to."""
+        gen = self._adopted.get(ns)
+        return None if gen is None else gen.through
+
+    def published(self, ns: str) -> Generation | None:
+        """The namespace's current generation if it indexes this log; damaged or foreign
+        files count as none."""
+        try:
+            gen = lifetime_files.current(lifetime_files.namespace_dir(self.root, ns))
+        except ValueError as exc:
+            logger.warning("ignoring lifetime files of %s: %s", ns, exc)
+            return None
+        if gen is not None and gen.log != self._identity.get(ns):
+            self._identity[ns] = self.store.log_identity(ns)  # read again only when it differs
+            if gen.log != self._identity[ns]:
+                logger.info("ignoring lifetime files of %s: they index another log", ns)
+                return None
+        return gen
+
+    def publish(self, ns: str, *, wait: bool = False, only_if_missing: bool = False) -> LifetimeIndexes | None:
+        """Build and publish a generation covering the log's new entries, if this process gets
+        the build lock (``wait``: wait for it) and there is anything new (``only_if_missing``:
+        only when nothing valid is published yet). Returns what this process built."""
+        ns_dir = lifetime_files.namespace_dir(self.root, ns)
+        with lifetime_files.build_lock(ns_dir, wait=wait) as mine:
+            if not mine:
+                return None
+            previous = self.published(ns)
+            if previous is not None and only_if_missing:
+                return None
+            start = time.perf_counter()
+            log = self._identity[ns] = self.store.log_identity(ns)
+            after = "0" if previous is None else stream_id(previous.through)
+            requests, last = self._read(ns, after)
+            if previous is not None and not requests:
+                return None
+            through = position(last) if last is not None else (0, 0)
+            before = None if previous is None else previous.indexes.suffix.tokens
+            tokens = next_generation(before, requests, self.config.capacity_tokens)
+            version = (0 if previous is None else previous.indexes.version) + int(sum(r.size + 1 for r in requests))
+            built = build_indexes(tokens, self.config.table, version)
+            built = LifetimeIndexes(built.suffix, built.table, version, time.perf_counter() - start)
+            folder = lifetime_files.save(built, log=log, through=through, ns_dir=ns_dir)
+            keep = {folder} | ({previous.folder} if previous is not None else set())
+            lifetime_files.prune(ns_dir, keep)
+            seconds = built.build_seconds
+            logger.info("published %s generation %s: %d tokens in %.2f s", ns, folder.name, tokens.size, seconds)
+            return built
+
+    def _read(self, ns: str, after: str) -> tuple[list[np.ndarray], str | None]:
+        out: list[np.ndarray] = []
+        last = None
+        while True:
+            entries = self.store.read_log(ns, after_id=after)
+            if not entries:
+                return out, last
+            out.extend(np.asarray(e.tokens, dtype=np.int32) for e in entries)
+            after = last = entries[-1].id
+
+    def adopt(self, ns: str, memory: LifetimeMemory) -> Generation | None:
+        """Serve the namespace's newest published generation if it is newer than the one served;
+        returns it when adopted."""
+        gen = self.published(ns)
+        with self._lock:
+            held = self._adopted.get(ns)
+            if gen is None or (held is not None and gen.through <= held.through and gen.folder == held.folder):
+                return None
+            gen.indexes.suffix.longest_match(np.zeros(4, dtype=np.int32), max_len=4)  # compile read-only kernels now
+            gen.indexes.table.lookup(np.zeros(self.config.table.leader_len, dtype=np.int32))
+            memory.adopt(gen.indexes, gen.through)
+            self._adopted[ns] = gen
+        logger.info("%s serves lifetime generation %s (%d tokens)", ns, gen.folder.name, gen.indexes.suffix.size)
+        return gen

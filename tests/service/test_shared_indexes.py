@@ -1,0 +1,189 @@
+"""Lifetime indexes built once per host and memory-mapped by every process, on a real Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from draftcache.v1 import draftcache_pb2 as pb
+from draftcache.v1 import draftcache_pb2_grpc as pb_grpc
+
+from cache_service import lifetime_files
+from cache_service.app import App, AppConfig
+from cache_service.config import EmbeddedRedisConfig, ServerConfig, ServiceConfig
+from cache_service.embedded_redis import EmbeddedRedis
+from cache_service.shared_indexes import SharedIndexes
+from cache_service.storage.connect import connect
+from cache_service.storage.redis_store import RedisStore
+from cache_service.storage.stream_log import position
+from indexer.lifetime_index import LifetimeConfig, LifetimeMemory, next_generation
+
+
+@pytest.fixture
+def redis_url(tmp_path: Path) -> Iterator[str]:
+    server = EmbeddedRedis(EmbeddedRedisConfig(data_dir=tmp_path / "redis", appendonly=False)).start()
+    yield server.url
+    server.stop()
+
+
+@pytest.fixture
+def store(redis_url: str) -> RedisStore:
+    s = RedisStore(connect(redis_url))
+    s.register_namespace("toy", 100)
+    return s
+
+
+def _req(*tokens: int) -> np.ndarray:
+    return np.array(tokens, dtype=np.int32)
+
+
+def _folders(root: Path) -> list[str]:
+    return sorted(p.name for p in lifetime_files.namespace_dir(root, "toy").iterdir() if p.name.startswith("g"))
+
+
+def test_generations_follow_the_log_and_are_mapped_read_only(store: RedisStore, tmp_path: Path) -> None:
+    config = LifetimeConfig(capacity_tokens=1000)
+    shared = SharedIndexes(store, tmp_path / "lifetime", config)
+    store.append_requests("toy", [_req(1, 2, 3), _req(4, 5)])
+    built = shared.publish("toy")
+    assert built is not None
+    assert shared.publish("toy") is None  # nothing new in the log
+    store.append_requests("toy", [_req(6, 7, 8)])
+    assert shared.publish("toy") is not None
+    gen = shared.published("toy")
+    assert gen is not None
+    every = [e.tokens for e in store.read_log("toy")]
+    assert gen.indexes.suffix.tokens.tolist() == next_generation(None, every, 1000).tolist()
+    assert gen.through == position(store.read_log("toy")[-1].id)
+    tokens = gen.indexes.suffix.tokens
+    assert isinstance(tokens.base, np.memmap) or isinstance(tokens, np.memmap)
+    assert not tokens.flags.writeable
+    assert len(_folders(tmp_path / "lifetime")) == 2  # the current generation and the one before
+
+    memory = LifetimeMemory(config, ring=False)
+    memory.commit(_req(6, 7, 8))  # a local commit the generation already covers, once placed
+    memory.mark_logged(_req(6, 7, 8), gen.through)
+    assert shared.adopt("toy", memory) is not None
+    assert shared.adopt("toy", memory) is None  # already serving it
+    assert memory.delta_tokens() == 0
+    assert memory.indexes is not None and memory.indexes.suffix.size == gen.indexes.suffix.size
+
+
+def test_damaged_or_foreign_files_are_ignored_and_replaced(store: RedisStore, tmp_path: Path) -> None:
+    root = tmp_path / "lifetime"
+    shared = SharedIndexes(store, root, LifetimeConfig(capacity_tokens=1000))
+    store.append_requests("toy", [_req(1, 2, 3)])
+    shared.publish("toy")
+    gen = shared.published("toy")
+    assert gen is not None
+    (gen.folder / "sa.npy").write_bytes(b"not an array")
+    assert shared.published("toy") is None
+    assert shared.publish("toy", only_if_missing=True) is not None  # built again from the whole log
+    again = shared.published("toy")
+    assert again is not None and again.indexes.suffix.tokens.tolist()[:3] == [1, 2, 3]
+    # A different log (the Redis was emptied and refilled) makes the files foreign.
+    store.client.flushall()
+    store.register_namespace("toy", 100)
+    store.append_requests("toy", [_req(9, 9, 9)])
+    assert shared.published("toy") is None
+    assert shared.publish("toy", only_if_missing=True) is not None
+    fresh = shared.published("toy")
+    assert fresh is not None and fresh.indexes.suffix.tokens.tolist()[:3] == [9, 9, 9]
+
+
+def test_one_builder_at_a_time(store: RedisStore, tmp_path: Path) -> None:
+    root = tmp_path / "lifetime"
+    shared = SharedIndexes(store, root, LifetimeConfig(capacity_tokens=1000))
+    store.append_requests("toy", [_req(1, 2, 3)])
+    ns_dir = lifetime_files.namespace_dir(root, "toy")
+    ns_dir.mkdir(parents=True)
+    with open(ns_dir / lifetime_files.LOCK, "a+b") as held:  # another process is building
+        fcntl.flock(held, fcntl.LOCK_EX)
+        assert shared.publish("toy") is None
+        assert shared.published("toy") is None
+    assert shared.publish("toy") is not None
+
+
+class Worker:
+    """One server process's App (in this process), sharing Redis and the lifetime folder."""
+
+    def __init__(self, url: str, lifetime_dir: Path) -> None:
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        fast = ServiceConfig(follow_interval_s=0.05, flush_interval_s=0.05, rebuild_interval_s=3600)
+        config = AppConfig(service=fast, server=ServerConfig(port=0), redis_url=url, lifetime_dir=lifetime_dir)
+        self.app = App(config)
+        port = asyncio.run_coroutine_threadsafe(self.app.start(), self.loop).result(60)
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        self.stub = pb_grpc.DraftCacheStub(self.channel)
+        self.admin = pb_grpc.AdminStub(self.channel)
+
+    def stop(self) -> None:
+        self.channel.close()
+        asyncio.run_coroutine_threadsafe(self.app.stop(), self.loop).result(60)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+    def draft(self, prompt: list[int]) -> list[int]:
+        sid = self.stub.OpenSessions(pb.OpenSessionsRequest(sessions=[pb.OpenSession(namespace="toy", prompt=prompt)]))
+        item = pb.DraftItem(session_id=sid.session_ids[0])
+        return list(self.stub.Draft(pb.DraftRequest(items=[item])).trees[0].tokens)
+
+    def commit(self, prompt: list[int]) -> None:
+        sid = self.stub.OpenSessions(pb.OpenSessionsRequest(sessions=[pb.OpenSession(namespace="toy", prompt=prompt)]))
+        close = pb.CloseSession(session_id=sid.session_ids[0], commit=True)
+        self.stub.CloseSessions(pb.CloseSessionsRequest(sessions=[close]))
+
+
+def _eventually(check: Callable[[], bool], timeout_s: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.02)
+
+
+def test_workers_share_one_build_and_a_restarted_one_maps_it(redis_url: str, tmp_path: Path) -> None:
+    root = tmp_path / "lifetime"
+    a, b = Worker(redis_url, root), Worker(redis_url, root)
+    try:
+        a.admin.CreateNamespace(pb.CreateNamespaceRequest(name="toy", vocab_size=100))
+        _eventually(lambda: "toy" in b.app.service.namespace_names())
+        a.commit([10, 11, 12, 13, 14])
+        b.commit([20, 21, 22, 23, 24])
+        # Each sees the other's request through the log, before any generation exists.
+        _eventually(lambda: a.draft([9, 20, 21])[:2] == [22, 23] and b.draft([9, 10, 11])[:2] == [12, 13])
+        a.admin.Rebuild(pb.RebuildRequest(namespace="toy"))
+        built = a.app.persistence.shared
+        assert built is not None and built.adopted("toy") is not None
+        # b maps a's generation (no build of its own) and its delta empties.
+        _eventually(lambda: b.app.persistence.shared.adopted("toy") == built.adopted("toy"))  # type: ignore[union-attr]
+        assert len(_folders(root)) == 1
+        mem_b = b.app.service.namespace("toy").memory
+        assert mem_b.delta_tokens() == 0 and mem_b.buffer is None
+        gen_tokens = mem_b.indexes.suffix.tokens  # type: ignore[union-attr]
+        assert isinstance(gen_tokens.base, np.memmap) or isinstance(gen_tokens, np.memmap)
+        assert b.draft([9, 10, 11])[:2] == [12, 13] and b.draft([9, 20, 21])[:2] == [22, 23]
+        # A request after the generation lives in each delta until the next one.
+        b.commit([30, 31, 32, 33])
+        _eventually(lambda: a.draft([9, 30, 31])[:2] == [32, 33])
+        assert mem_b.delta_tokens() == 5
+        b.admin.Rebuild(pb.RebuildRequest(namespace="toy"))  # b builds this time
+        _eventually(lambda: a.app.service.namespace("toy").memory.delta_tokens() == 0)
+        assert len(_folders(root)) == 2
+        stats = a.admin.Stats(pb.StatsRequest(namespace="toy")).namespaces[0]
+        assert stats.index_tokens == mem_b.indexes.suffix.size  # type: ignore[union-attr]
+
+        b.stop()
+        b = Worker(redis_url, root)  # restarted: maps the published generation, builds nothing
+        assert len(_folders(root)) == 2
+        assert b.app.service.namespace("toy").memory.delta_tokens() == 0
+        assert b.draft([9, 30, 31])[:2] == [32, 33] and b.draft([9, 10, 11])[:2] == [12, 13]
+    finally:
+        a.stop()
+        b.stop()
