@@ -80,9 +80,9 @@ def save(indexes: LifetimeIndexes, *, log: str, through: LogId, ns_dir: Path) ->
     return folder
 
 
-def current(ns_dir: Path) -> Generation | None:
-    """The current generation, mapped; ``None`` when none was published. ``ValueError`` when
-    the pointer or the folder it names is damaged (or was replaced while being read)."""
+def current_name(ns_dir: Path) -> str | None:
+    """The current generation's folder name (``None`` when none was published); ``ValueError``
+    when the pointer is damaged."""
     try:
         name = json.loads((ns_dir / CURRENT).read_text())["folder"]
     except FileNotFoundError:
@@ -91,7 +91,14 @@ def current(ns_dir: Path) -> Generation | None:
         raise ValueError(f"{ns_dir / CURRENT}: not a generation pointer: {exc}") from exc
     if not isinstance(name, str) or "/" in name or not name.startswith("g"):
         raise ValueError(f"{ns_dir / CURRENT}: bad folder name {name!r}")
-    return load(ns_dir / name)
+    return name
+
+
+def current(ns_dir: Path) -> Generation | None:
+    """The current generation, mapped; ``None`` when none was published. ``ValueError`` when
+    the pointer or the folder it names is damaged (or was replaced while being read)."""
+    name = current_name(ns_dir)
+    return None if name is None else load(ns_dir / name)
 
 
 def load(folder: Path) -> Generation:

@@ -73,11 +73,11 @@ class SharedIndexes:
         with lifetime_files.build_lock(ns_dir, wait=wait) as mine:
             if not mine:
                 return None
+            log = self._identity[ns] = self.store.log_identity(ns)  # read afresh before building
             previous = self.published(ns)
             if previous is not None and only_if_missing:
                 return None
             start = time.perf_counter()
-            log = self._identity[ns] = self.store.log_identity(ns)
             after = "0" if previous is None else stream_id(previous.through)
             requests, last = self._read(ns, after)
             if previous is not None and not requests:
@@ -106,12 +106,19 @@ class SharedIndexes:
             after = last = entries[-1].id
 
     def adopt(self, ns: str, memory: LifetimeMemory) -> Generation | None:
-        """Serve the namespace's newest published generation if it is newer than the one served;
-        returns it when adopted."""
+        """Serve the namespace's newest published generation if it is not the one served;
+        returns it when adopted. Checking costs one small file read."""
+        held = self._adopted.get(ns)
+        try:
+            name = lifetime_files.current_name(lifetime_files.namespace_dir(self.root, ns))
+        except ValueError:
+            name = None  # damaged: published() below says why
+        if held is not None and held.folder.name == name:
+            return None
         gen = self.published(ns)
         with self._lock:
             held = self._adopted.get(ns)
-            if gen is None or (held is not None and gen.through <= held.through and gen.folder == held.folder):
+            if gen is None or (held is not None and held.folder == gen.folder):
                 return None
             gen.indexes.suffix.longest_match(np.zeros(4, dtype=np.int32), max_len=4)  # compile read-only kernels now
             gen.indexes.table.lookup(np.zeros(self.config.table.leader_len, dtype=np.int32))

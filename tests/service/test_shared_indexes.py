@@ -92,9 +92,10 @@ def test_damaged_or_foreign_files_are_ignored_and_replaced(store: RedisStore, tm
     store.client.flushall()
     store.register_namespace("toy", 100)
     store.append_requests("toy", [_req(9, 9, 9)])
-    assert shared.published("toy") is None
-    assert shared.publish("toy", only_if_missing=True) is not None
-    fresh = shared.published("toy")
+    restarted = SharedIndexes(store, root, LifetimeConfig(capacity_tokens=1000))
+    assert restarted.published("toy") is None
+    assert shared.publish("toy", only_if_missing=True) is not None  # the builder reads the identity afresh
+    fresh = restarted.published("toy")
     assert fresh is not None and fresh.indexes.suffix.tokens.tolist()[:3] == [9, 9, 9]
 
 

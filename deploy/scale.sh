@@ -1,0 +1,118 @@
+#!/usr/bin/env bash
+# Scale-out on one host: memory per server process and drafting throughput, 1 -> N processes.
+#
+#   bash deploy/scale.sh [max_processes=2] [seconds=30] [corpus=../shared/data/corpora/sharegpt_v3_17671.json.gz]
+#
+# Redis runs on loopback and the llama2 namespace's lifetime log is filled from a corpus
+# (`draftcache warm --lifetime`). Then, for N = 1 .. max_processes:
+#   shared:      `draftcache serve --processes N`: one worker builds the lifetime indexes from the
+#                log, every worker maps them;
+#   independent: N plain `draftcache serve` processes on one Redis, each building its own copy
+#                (the layout before shared indexes), measured for N >= 2 as the baseline.
+# Each layout's processes are measured once serving (RSS; PSS, which splits shared pages between
+# the processes mapping them; USS, the pages only that process holds), then `draftcache
+# bench-load` drives them (2 decoder processes, batch 32, back to back) for the given seconds.
+# The JSON lines land in scale/report.jsonl, the processes' logs beside them.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+MAX=${1:-2}
+SECONDS_EACH=${2:-30}
+CORPUS=${3:-../shared/data/corpora/sharegpt_v3_17671.json.gz}
+TOKENIZER=${TOKENIZER:-../shared/data/tokenizers/llama2-spm}
+TRACES=${TRACES:-../shared/data/traces/spec_bench_vicuna7b.jsonl.gz}
+OUT=${OUT:-scale}
+BIN=${DRAFTCACHE:-draftcache}
+rm -rf "$OUT"; mkdir -p "$OUT/redis"
+port() { python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+REDIS_PORT=$(port)
+REDIS_BIN=$(python -c 'from cache_service.embedded_redis import find_server_binary; print(find_server_binary())')
+URL="redis://127.0.0.1:$REDIS_PORT/0"
+"$REDIS_BIN" --bind 127.0.0.1 --port "$REDIS_PORT" --dir "$OUT/redis" --save "" >"$OUT/redis.log" 2>&1 &
+REDIS_PID=$!
+PIDS=()
+cleanup() { kill "${PIDS[@]}" "$REDIS_PID" 2>/dev/null || true; wait 2>/dev/null || true; }
+trap cleanup EXIT
+for _ in $(seq 100); do python -c "import redis; redis.Redis.from_url('$URL').ping()" 2>/dev/null && break; sleep 0.1; done
+
+"$BIN" warm --lifetime --namespace llama2 --tokenizer "$TOKENIZER" --corpus "$CORPUS" --redis-url "$URL"
+
+wait_healthy() {  # $1: port
+  python - "$1" <<'EOF'
+import sys, time, grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(f"127.0.0.1:{sys.argv[1]}"))
+for _ in range(3000):
+    try:
+        if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1:
+            sys.exit(0)
+    except grpc.RpcError:
+        pass
+    time.sleep(0.1)
+sys.exit("service did not become healthy")
+EOF
+}
+memory() {  # $1: layout, $2: N, then the serving pids: one JSON line
+  python - "$@" <<'EOF'
+import json, sys
+from pathlib import Path
+layout, n, pids = sys.argv[1], int(sys.argv[2]), [int(p) for p in sys.argv[3:]]
+rows = []
+for pid in pids:
+    kb = {}
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:]:
+        key, value = line.split(":", 1)
+        kb[key] = int(value.split()[0])
+    uss = kb["Private_Clean"] + kb["Private_Dirty"]
+    rows.append({"pid": pid, "rss_mb": kb["Rss"] // 1024, "pss_mb": kb["Pss"] // 1024, "uss_mb": uss // 1024})
+print(json.dumps({"layout": layout, "processes": n, "memory": rows, "pss_total_mb": sum(r["pss_mb"] for r in rows)}))
+EOF
+}
+workers_of() {  # the supervisor's worker processes
+  python - "$1" <<'EOF'
+import sys
+from pathlib import Path
+sup = int(sys.argv[1])
+for e in Path("/proc").iterdir():
+    if e.name.isdigit():
+        try:
+            ppid = int((e / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmd = (e / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if ppid == sup and b"spawn_main" in cmd:
+            print(e.name)
+EOF
+}
+load() {  # $1: label, then targets
+  local label=$1; shift
+  local args=()
+  for t in "$@"; do args+=(--target "$t"); done
+  "$BIN" bench-load "$TRACES" --tokenizer "$TOKENIZER" "${args[@]}" --decoders 2 --batch 32 \
+    --seconds "$SECONDS_EACH" --passes 0 >"$OUT/load-$label.json"
+  python -c "import json, sys; r = json.load(open('$OUT/load-$label.json')); print(json.dumps({'load': '$label', 'sequence_drafts_per_s': r['sequence_drafts_per_s'], 'fallback_share': r['fallback_share'], 'step_ms_p50': r.get('step_ms_p50'), 'step_ms_p99': r.get('step_ms_p99')}))"
+}
+
+for N in $(seq 1 "$MAX"); do
+  P=$(port)
+  "$BIN" serve --processes "$N" --port "$P" --redis-url "$URL" --data-dir "$OUT/shared-$N" >"$OUT/shared-$N.log" 2>&1 &
+  SUP=$!; PIDS+=("$SUP")
+  wait_healthy "$P"
+  sleep 5  # every worker healthy and mapping the generation
+  mapfile -t W < <(if [ "$N" -gt 1 ]; then workers_of "$SUP"; else echo "$SUP"; fi)
+  LAYOUT=$([ "$N" -gt 1 ] && echo shared || echo one)  # one process serves alone, nothing to share
+  memory "$LAYOUT" "$N" "${W[@]}" | tee -a "$OUT/report.jsonl"
+  load "$LAYOUT-$N" "127.0.0.1:$P" | tee -a "$OUT/report.jsonl"
+  kill "$SUP"; wait "$SUP" || true
+  if [ "$N" -gt 1 ]; then
+    TARGETS=(); SOLO=()
+    for i in $(seq 1 "$N"); do
+      Q=$(port)
+      "$BIN" serve --port "$Q" --redis-url "$URL" >"$OUT/independent-$N-$i.log" 2>&1 &
+      SOLO+=($!); PIDS+=($!); TARGETS+=("127.0.0.1:$Q")
+    done
+    for t in "${TARGETS[@]}"; do wait_healthy "${t##*:}"; done
+    memory independent "$N" "${SOLO[@]}" | tee -a "$OUT/report.jsonl"
+    load "independent-$N" "${TARGETS[@]}" | tee -a "$OUT/report.jsonl"
+    kill "${SOLO[@]}"; wait "${SOLO[@]}" || true
+  fi
+done
