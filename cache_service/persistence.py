@@ -154,14 +154,15 @@ class RedisPersistence:
 
     # -- lifetime indexes ----------------------------------------------------------------------
 
-    def rebuild(self, service: DraftService, name: str) -> LifetimeIndexes | None:
+    def rebuild(self, service: DraftService, name: str, *, wait: bool = False) -> LifetimeIndexes | None:
         """Rebuild a namespace's lifetime indexes; returns what this process built. With shared
         indexes, the process holding the build lock builds and publishes and the others map
-        the result (each then serves the newest generation)."""
+        the result (each then serves the newest generation); ``wait``: wait for a build under
+        way in another process, then build what it did not cover."""
         memory = service.namespace(name).memory
         if self.shared is None:
             return memory.rebuild()
-        built = self.shared.publish(name)
+        built = self.shared.publish(name, wait=wait)
         self._adopt(service, name)
         return built
 

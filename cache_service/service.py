@@ -97,7 +97,7 @@ class Persistence(Protocol):
 
     def reload_priors(self, service: DraftService) -> None: ...
 
-    def rebuild(self, service: DraftService, name: str) -> LifetimeIndexes | None: ...
+    def rebuild(self, service: DraftService, name: str, *, wait: bool = False) -> LifetimeIndexes | None: ...
 
 
 class DraftService:
@@ -206,7 +206,7 @@ class DraftService:
             self._persistence.reload_priors(self)
         for n in [name] if name else self.namespace_names():
             if self._persistence is not None:
-                self._persistence.rebuild(self, n)
+                self._persistence.rebuild(self, n, wait=True)  # asked for now: after a build under way
             else:
                 self.namespace(n).memory.rebuild()
         return self.stats(name, principal=principal)

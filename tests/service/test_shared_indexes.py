@@ -109,6 +109,13 @@ def test_one_builder_at_a_time(store: RedisStore, tmp_path: Path) -> None:
         fcntl.flock(held, fcntl.LOCK_EX)
         assert shared.publish("toy") is None
         assert shared.published("toy") is None
+        timer = threading.Timer(0.3, lambda: fcntl.flock(held, fcntl.LOCK_UN))
+        timer.start()
+        began = time.monotonic()
+        assert shared.publish("toy", wait=True) is not None  # an admin rebuild waits its turn
+        assert time.monotonic() - began >= 0.25
+        timer.join()
+    store.append_requests("toy", [_req(4, 5, 6)])
     assert shared.publish("toy") is not None
 
 
