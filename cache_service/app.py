@@ -15,6 +15,7 @@ from apscheduler.schedulers.background import BackgroundScheduler
 import migrations
 from cache_service.config import EmbeddedRedisConfig, ServerConfig, ServiceConfig
 from cache_service.embedded_redis import EmbeddedRedis
+from cache_service.malloc import release_free_memory
 from cache_service.metrics import Metrics
 from cache_service.persistence import RedisPersistence
 from cache_service.server import create_server
@@ -98,6 +99,7 @@ class App:
         )
         self.service = DraftService(self.config.service, self.persistence, shared_lifetime=lifetime_dir is not None)
         await asyncio.to_thread(self.persistence.restore, self.service)
+        release_free_memory()  # the log read back and the builds done to restore it
         self._schedule()
         self.server = await create_server(self.config.server, self.service, self.metrics.observe_rpc)
         if self.config.metrics_port is not None:
@@ -163,6 +165,7 @@ class App:
             return
         finally:
             self._last_rebuild[name] = time.monotonic()
+            release_free_memory()  # what the build allocated and freed
         if built is not None:  # this process built it (shared indexes: another may have)
             self.metrics.observe_rebuild(name, built.build_seconds)
             logger.info("rebuilt %s%s: %d tokens in %.2f s", name, why, built.suffix.size, built.build_seconds)

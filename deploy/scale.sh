@@ -11,7 +11,8 @@
 #                (the layout before shared indexes), measured for N >= 2 as the baseline.
 # Each layout's processes are measured once serving (RSS; PSS, which splits shared pages between
 # the processes mapping them; USS, the pages only that process holds), then `draftcache
-# bench-load` drives them (2 decoder processes, batch 32, back to back) for the given seconds.
+# bench-load` drives them (2 decoder processes, batch 32, back to back, finished requests
+# committed, so rebuilds run as under real traffic) for the given seconds, sampling the servers' CPU.
 # The JSON lines land in scale/report.jsonl, the processes' logs beside them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -83,13 +84,21 @@ for e in Path("/proc").iterdir():
             print(e.name)
 EOF
 }
-load() {  # $1: label, then targets
-  local label=$1; shift
+load() {  # $1: label, $2: serving pids (comma-separated), then targets
+  local label=$1 pids=$2; shift 2
   local args=()
   for t in "$@"; do args+=(--target "$t"); done
+  for p in ${pids//,/ }; do args+=(--watch-pid "$p"); done
+  # A long deadline: this measures what the servers deliver, not the clients' fallback.
   "$BIN" bench-load "$TRACES" --tokenizer "$TOKENIZER" "${args[@]}" --decoders 2 --batch 32 \
-    --seconds "$SECONDS_EACH" --passes 0 >"$OUT/load-$label.json"
-  python -c "import json, sys; r = json.load(open('$OUT/load-$label.json')); print(json.dumps({'load': '$label', 'sequence_drafts_per_s': r['sequence_drafts_per_s'], 'fallback_share': r['fallback_share'], 'step_ms_p50': r.get('step_ms_p50'), 'step_ms_p99': r.get('step_ms_p99')}))"
+    --deadline-ms 1000 --seconds "$SECONDS_EACH" --passes 0 >"$OUT/load-$label.json"
+  python - "$OUT/load-$label.json" "$label" <<'EOF'
+import json, sys
+r = json.load(open(sys.argv[1]))
+keys = ("sequence_drafts_per_s", "fallback_share", "step_ms_p50", "step_ms_p99", "mat")
+cpu = {pid: p["cpu_cores_used"] for pid, p in r.get("processes", {}).items()}
+print(json.dumps({"load": sys.argv[2], **{k: r[k] for k in keys}, "server_cpu_cores": cpu}))
+EOF
 }
 
 for N in $(seq 1 "$MAX"); do
@@ -101,7 +110,7 @@ for N in $(seq 1 "$MAX"); do
   mapfile -t W < <(if [ "$N" -gt 1 ]; then workers_of "$SUP"; else echo "$SUP"; fi)
   LAYOUT=$([ "$N" -gt 1 ] && echo shared || echo one)  # one process serves alone, nothing to share
   memory "$LAYOUT" "$N" "${W[@]}" | tee -a "$OUT/report.jsonl"
-  load "$LAYOUT-$N" "127.0.0.1:$P" | tee -a "$OUT/report.jsonl"
+  load "$LAYOUT-$N" "$(IFS=,; echo "${W[*]}")" "127.0.0.1:$P" | tee -a "$OUT/report.jsonl"
   kill "$SUP"; wait "$SUP" || true
   if [ "$N" -gt 1 ]; then
     TARGETS=(); SOLO=()
@@ -112,7 +121,7 @@ for N in $(seq 1 "$MAX"); do
     done
     for t in "${TARGETS[@]}"; do wait_healthy "${t##*:}"; done
     memory independent "$N" "${SOLO[@]}" | tee -a "$OUT/report.jsonl"
-    load "independent-$N" "${TARGETS[@]}" | tee -a "$OUT/report.jsonl"
+    load "independent-$N" "$(IFS=,; echo "${SOLO[*]}")" "${TARGETS[@]}" | tee -a "$OUT/report.jsonl"
     kill "${SOLO[@]}"; wait "${SOLO[@]}" || true
   fi
 done

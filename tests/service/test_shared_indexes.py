@@ -195,3 +195,11 @@ def test_workers_share_one_build_and_a_restarted_one_maps_it(redis_url: str, tmp
     finally:
         a.stop()
         b.stop()
+
+
+def test_freed_heap_goes_back_to_the_os_after_a_build() -> None:
+    import platform
+
+    from cache_service.malloc import release_free_memory
+
+    assert release_free_memory() == (platform.libc_ver()[0] == "glibc")
