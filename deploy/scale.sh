@@ -11,7 +11,7 @@
 #                (the layout before shared indexes), measured for N >= 2 as the baseline.
 # Each layout's processes are measured once serving (RSS; PSS, which splits shared pages between
 # the processes mapping them; USS, the pages only that process holds), then `draftcache
-# bench-load` drives them (2 decoder processes, batch 32, back to back, finished requests
+# bench-load` drives them (4 decoder processes, batch 32, back to back, finished requests
 # committed, so rebuilds run as under real traffic) for the given seconds, sampling the servers' CPU.
 # The JSON lines land in scale/report.jsonl, the processes' logs beside them.
 set -euo pipefail
@@ -36,6 +36,19 @@ trap cleanup EXIT
 for _ in $(seq 100); do python -c "import redis; redis.Redis.from_url('$URL').ping()" 2>/dev/null && break; sleep 0.1; done
 
 "$BIN" warm --lifetime --namespace llama2 --tokenizer "$TOKENIZER" --corpus "$CORPUS" --redis-url "$URL"
+# Every layout starts from the same log: the load commits requests, which a later layout would
+# otherwise find in its memory (longer drafts, a different workload).
+keep_log() {  # $1: save | restore
+  python - "$URL" "$1" <<'EOF'
+import sys, redis
+from cache_service.storage import keys
+r = redis.Redis.from_url(sys.argv[1])
+for key in (keys.log("llama2"), keys.log_tokens("llama2")):
+    src, dst = (key, key + ":saved") if sys.argv[2] == "save" else (key + ":saved", key)
+    r.copy(src, dst, replace=True)
+EOF
+}
+keep_log save
 
 wait_healthy() {  # $1: port
   python - "$1" <<'EOF'
@@ -50,6 +63,19 @@ for _ in range(3000):
         pass
     time.sleep(0.1)
 sys.exit("service did not become healthy")
+EOF
+}
+wait_listeners() {  # $1: port, $2: how many processes must be listening on it (SO_REUSEPORT)
+  python - "$1" "$2" <<'EOF'
+import sys, time
+from pathlib import Path
+port, want = int(sys.argv[1]), int(sys.argv[2])
+for _ in range(3000):
+    rows = [line.split() for f in ("/proc/net/tcp", "/proc/net/tcp6") for line in Path(f).read_text().splitlines()[1:]]
+    if sum(1 for r in rows if r[3] == "0A" and int(r[1].rsplit(":", 1)[1], 16) == port) >= want:
+        sys.exit(0)
+    time.sleep(0.1)
+sys.exit("not every worker listens")
 EOF
 }
 memory() {  # $1: layout, $2: N, then the serving pids: one JSON line
@@ -90,7 +116,7 @@ load() {  # $1: label, $2: serving pids (comma-separated), then targets
   for t in "$@"; do args+=(--target "$t"); done
   for p in ${pids//,/ }; do args+=(--watch-pid "$p"); done
   # A long deadline: this measures what the servers deliver, not the clients' fallback.
-  "$BIN" bench-load "$TRACES" --tokenizer "$TOKENIZER" "${args[@]}" --decoders 2 --batch 32 \
+  "$BIN" bench-load "$TRACES" --tokenizer "$TOKENIZER" "${args[@]}" --decoders 4 --batch 32 \
     --deadline-ms 1000 --seconds "$SECONDS_EACH" --passes 0 >"$OUT/load-$label.json"
   python - "$OUT/load-$label.json" "$label" <<'EOF'
 import json, sys
@@ -102,17 +128,19 @@ EOF
 }
 
 for N in $(seq 1 "$MAX"); do
+  keep_log restore
   P=$(port)
   "$BIN" serve --processes "$N" --port "$P" --redis-url "$URL" --data-dir "$OUT/shared-$N" >"$OUT/shared-$N.log" 2>&1 &
   SUP=$!; PIDS+=("$SUP")
   wait_healthy "$P"
-  sleep 5  # every worker healthy and mapping the generation
+  wait_listeners "$P" "$N"  # each worker listens once it has restored (mapped the indexes)
   mapfile -t W < <(if [ "$N" -gt 1 ]; then workers_of "$SUP"; else echo "$SUP"; fi)
   LAYOUT=$([ "$N" -gt 1 ] && echo shared || echo one)  # one process serves alone, nothing to share
   memory "$LAYOUT" "$N" "${W[@]}" | tee -a "$OUT/report.jsonl"
   load "$LAYOUT-$N" "$(IFS=,; echo "${W[*]}")" "127.0.0.1:$P" | tee -a "$OUT/report.jsonl"
   kill "$SUP"; wait "$SUP" || true
   if [ "$N" -gt 1 ]; then
+    keep_log restore
     TARGETS=(); SOLO=()
     for i in $(seq 1 "$N"); do
       Q=$(port)
