@@ -27,6 +27,7 @@ from cache_service.shared_indexes import SharedIndexes
 from cache_service.storage.codec import SessionState
 from cache_service.storage.errors import StorageError, StorageUnavailable
 from cache_service.storage.redis_store import RedisStore
+from cache_service.storage.sessions import SessionWrite
 from cache_service.storage.stream_log import position, stream_id
 from indexer.drafter import DraftParams
 from indexer.lifetime_index import LifetimeIndexes, LogId
@@ -34,6 +35,8 @@ from indexer.prior import StaticPrior
 from indexer.session import SessionSnapshot, TableItems
 
 logger = logging.getLogger(__name__)
+
+SAVE_BATCH = 256  # sessions written per pipelined round trip
 
 
 class RedisPersistence:
@@ -107,13 +110,16 @@ class RedisPersistence:
 
     def save_sessions(self, changed: list[tuple[str, StoredSession]], closed: list[str], ttl_s: float) -> None:
         """Write session copies (state and both tables, one transaction each) and drop closed ones."""
+        writes: list[SessionWrite] = []
         for sid, stored in changed:
             snap = stored.snapshot
             params = asdict(stored.params)
             state = SessionState(
                 namespace=stored.namespace, context=snap.context, prompt_len=snap.prompt_len, params=params
             )
-            self.store.save_session(sid, state, [], snap.rejected, ttl_s)  # dynamic: rebuilt from tokens
+            writes.append((sid, state, [], snap.rejected))  # dynamic: rebuilt from tokens
+        for start in range(0, len(writes), SAVE_BATCH):  # pipelined, a bounded batch per round trip
+            self.store.save_sessions(writes[start : start + SAVE_BATCH], ttl_s)
         for sid in closed:
             self.store.delete_session(sid)
 

@@ -69,6 +69,7 @@ class RedisStore:
         self.client = client
         self.config = config or StoreConfig()
         self._append = client.register_script(stream_log.APPEND_LUA)
+        self._save_sessions = client.register_script(sessions.SAVE_LUA)
 
     @guarded
     def ping(self) -> float:
@@ -205,6 +206,13 @@ class RedisStore:
         Every key of the session gets a fresh ``ttl_s``-second expiry.
         """
         sessions.save(self.client, sid, state, dyn, rej, ttl_s)
+
+    @guarded
+    def save_sessions(self, writes: list[sessions.SessionWrite], ttl_s: float) -> None:
+        """:meth:`save_session` for many sessions in one round trip (per node on a cluster),
+        each session's keys written atomically."""
+        if writes:
+            sessions.save_many(self.client, self._save_sessions, writes, ttl_s)
 
     @guarded
     def load_session(self, sid: str) -> StoredSession | None:

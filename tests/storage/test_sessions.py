@@ -86,3 +86,25 @@ def test_a_missing_table_loads_empty_and_garbage_is_corrupt(store: RedisStore, c
     client.hset(keys.session_state("s"), "fmt", "99")
     with pytest.raises(StorageCorrupt):
         store.load_session("s")
+
+
+def test_many_sessions_in_one_round_trip_read_back_as_saved_one_by_one(
+    store: RedisStore, client: StorageClient
+) -> None:
+    state, dyn, rej = _session()
+    store.save_session("old", state, dyn.items(), rej.table.items(), ttl_s=60)
+    client.hset(keys.session_state("old"), "stray", "x")  # a field an older save left behind
+    shorter = SessionState(namespace="acme/llama2", context=state.context[:5], prompt_len=3, params={"budget": 8})
+    writes = [(f"b-{i:03d}", state, dyn.items(), rej.table.items()) for i in range(40)]
+    writes.append(("old", shorter, [], rej.table.items()))
+    store.save_sessions(writes, ttl_s=45)
+    store.save_sessions([], ttl_s=45)  # nothing to write: no call
+    for sid, st, d, r in writes:
+        got = store.load_session(sid)
+        assert got is not None
+        assert got.state.context.tolist() == st.context.tolist() and got.state.prompt_len == st.prompt_len
+        assert dict(got.state.params) == dict(st.params) and got.dyn == d and got.rej == r
+        assert all(40_000 < client.pttl(k) <= 45_000 for k in keys.session_keys(sid))
+    assert client.hget(keys.session_state("old"), "stray") is None  # each session replaced whole
+    with pytest.raises(ValueError):
+        store.save_sessions(writes[:1], ttl_s=0)
