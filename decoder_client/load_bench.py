@@ -68,6 +68,8 @@ class DecoderResult:
     seconds: float = 0.0  # from the first step to the last
     ahead_hits: int = 0  # sequence steps whose tree had been drafted ahead
     ahead_misses: int = 0
+    failures: int = 0  # client calls that failed or missed their deadline (each skips the service a while)
+    lost_opens: int = 0
     latencies: list[float] = field(default_factory=list)
     started: list[float] = field(default_factory=list)  # each step's start, seconds into the run
 
@@ -148,6 +150,7 @@ def run_decoder(config: LoadConfig, index: int) -> DecoderResult:
     client.close([s.session for s in slots], commit=False)
     client.shutdown()
     result.ahead_hits, result.ahead_misses = client.stats.ahead_hits, client.stats.ahead_misses
+    result.failures, result.lost_opens = client.stats.failures, client.stats.lost_opens
     return result
 
 
@@ -234,6 +237,8 @@ def summarise(
         "fallback_share": round(sum(r.fallbacks for r in results) / max(1, steps * config.batch), 4),
         "mat": round(sum(r.tokens for r in results) / max(1, sum(r.sequence_steps for r in results)), 3),
         "requests": sum(r.requests for r in results),
+        "client_failures": sum(r.failures for r in results),
+        "lost_opens": sum(r.lost_opens for r in results),
     }
     hits, misses = sum(r.ahead_hits for r in results), sum(r.ahead_misses for r in results)
     if config.lookahead:

@@ -82,6 +82,7 @@ def test_load_run_against_a_live_service(tmp_path: Path) -> None:
     finally:
         stop_service(running)
     assert out["steps"] > 0 and out["fallback_share"] == 0.0
+    assert out["client_failures"] == out["lost_opens"] == 0  # a healthy service: no call missed
     # Every tree the decoders counted was served (and counted) by the service.
     assert out["server_drafts_per_s"] == out["sequence_drafts_per_s"] > 0
     # Outputs repeat their prompts, so drafts are accepted: more than one token per step.
