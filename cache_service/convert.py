@@ -31,7 +31,9 @@ def params(msg: pb.DraftParams, default: DraftParams) -> DraftParams:
 
 def open_items(req: pb.OpenSessionsRequest, default: DraftParams) -> list[OpenItem]:
     return [
-        OpenItem(s.namespace, tokens(s.prompt), params(s.params, default) if s.HasField("params") else None)
+        OpenItem(
+            s.namespace, tokens(s.prompt), params(s.params, default) if s.HasField("params") else None, s.session_id
+        )
         for s in req.sessions
     ]
 
@@ -63,7 +65,7 @@ def feedback_items(req: pb.FeedbackRequest) -> list[FeedbackItem]:
 
 
 def close_items(req: pb.CloseSessionsRequest) -> list[CloseItem]:
-    return [CloseItem(s.session_id, s.commit, s.commit_from) for s in req.sessions]
+    return [CloseItem(s.session_id, s.commit, s.commit_from, s.missing_ok) for s in req.sessions]
 
 
 def tree(t: DraftTree) -> pb.Tree:

@@ -20,7 +20,7 @@ from cache_service.auth import Principal
 from cache_service.config import ServiceConfig
 from cache_service.errors import AlreadyExists, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
 from cache_service.sessions import SessionEntry, SessionTable, new_session_id
-from cache_service.storage.keys import check_name
+from cache_service.storage.keys import MAX_NAME_LEN, check_name
 from indexer.drafter import MAX_LOOKAHEAD, DraftParams, NamespaceDrafter
 from indexer.lifetime_index import LifetimeIndexes
 from indexer.prespeculation import Prefetched
@@ -31,12 +31,15 @@ from indexer.tree_builder import DraftTree
 
 logger = logging.getLogger(__name__)
 
+MIN_CLIENT_ID = 16  # characters of a client-chosen session id: long enough not to collide by chance
+
 
 @dataclass(frozen=True)
 class OpenItem:
     namespace: str
     prompt: np.ndarray | list[int]
     params: DraftParams | None = None
+    session_id: str = ""  # chosen by the client (empty: the service picks one)
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,7 @@ class CloseItem:
     session_id: str
     commit: bool = True
     commit_from: int = 0
+    missing_ok: bool = False  # an unknown session is skipped instead of NOT_FOUND
 
 
 @dataclass(frozen=True)
@@ -214,27 +218,39 @@ class DraftService:
     # -- sessions ----------------------------------------------------------------------------
 
     def open(self, items: list[OpenItem], *, principal: Principal | None = None) -> list[str]:
+        """New sessions; an item whose client-chosen id names a live session of the same
+        namespace and tenant gets that session back (a repeated open is answered, not doubled)."""
         self._check_batch(len(items))
-        prepared = []
+        tenant = "" if principal is None else principal.tenant
+        chosen = [item.session_id for item in items if item.session_id]
+        if len(set(chosen)) != len(chosen):
+            raise InvalidArgument("session ids chosen in one call must differ")
+        prepared: list[tuple[OpenItem, NamespaceDrafter, np.ndarray | None]] = []
         for item in items:
             if principal is not None:
                 principal.check_namespace(item.namespace)
             drafter = self.namespace(item.namespace)
+            if item.session_id and self._reopened(item, tenant):
+                prepared.append((item, drafter, None))
+                continue
             prompt = _tokens(item.prompt, drafter, "prompt")
             if prompt.size > self.config.max_prompt_tokens:
                 raise ResourceExhausted(f"prompt of {prompt.size} tokens exceeds {self.config.max_prompt_tokens}")
             prepared.append((item, drafter, prompt))
+        fresh = [(item, drafter, p) for item, drafter, p in prepared if p is not None]
         if principal is not None:
-            self._check_tenant(principal, len(prepared), sum(p.size for _, _, p in prepared))
-        self._make_room(sum(p.size for _, _, p in prepared))
-        tenant = "" if principal is None else principal.tenant
+            self._check_tenant(principal, len(fresh), sum(p.size for _, _, p in fresh))
+        self._make_room(sum(p.size for _, _, p in fresh))
         ids = []
-        for item, drafter, prompt in prepared:
+        for item, drafter, checked in prepared:
+            if checked is None:
+                ids.append(item.session_id)
+                continue
             entry = SessionEntry(
-                sid=new_session_id(),
+                sid=item.session_id or new_session_id(),
                 namespace=item.namespace,
                 drafter=drafter,
-                session=drafter.open(prompt),
+                session=drafter.open(checked),
                 params=item.params or self.config.default_params,
                 tenant=tenant,
             )
@@ -242,6 +258,24 @@ class DraftService:
             self._dirty.add(entry.sid)
             ids.append(entry.sid)
         return ids
+
+    def _reopened(self, item: OpenItem, tenant: str) -> bool:
+        """Whether a client-chosen id names a live session this open repeats; ``AlreadyExists``
+        when it names someone else's."""
+        sid = item.session_id
+        if not MIN_CLIENT_ID <= len(sid) <= MAX_NAME_LEN:
+            raise InvalidArgument(f"a client-chosen session id needs {MIN_CLIENT_ID}-{MAX_NAME_LEN} characters")
+        try:
+            check_name(sid, what="session id")
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from exc
+        try:
+            entry = self.sessions.get(sid)
+        except NotFound:
+            return False
+        if entry.namespace != item.namespace or entry.tenant != tenant:
+            raise AlreadyExists("that session id is taken")
+        return True
 
     def draft(
         self, items: Sequence[tuple[str, np.ndarray | list[int]]], *, principal: Principal | None = None
@@ -300,7 +334,13 @@ class DraftService:
         """End sessions now; return the commits still to run (off the request loop: a commit
         indexes the request, milliseconds of work)."""
         self._check_batch(len(items))
-        entries = [(self._entry(item.session_id, principal), item) for item in items]
+        entries = []
+        for item in items:
+            try:
+                entries.append((self._entry(item.session_id, principal), item))
+            except NotFound:
+                if not item.missing_ok:
+                    raise
         for entry, item in entries:
             if not 0 <= item.commit_from <= len(entry.session.context):
                 raise InvalidArgument(f"commit_from {item.commit_from} is outside the session's context")

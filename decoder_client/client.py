@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from secrets import token_hex
 from typing import Any
 
 import grpc
@@ -139,9 +140,20 @@ class _Core:
         if not todo or not self.available():
             return None
         ns = self.config.namespace
-        return pb.OpenSessionsRequest(
-            sessions=[pb.OpenSession(namespace=ns, prompt=s.context.tolist(), params=self.params) for s in todo]
+        return pb.OpenSessionsRequest(  # ids chosen here: an open given up on can still be closed
+            sessions=[
+                pb.OpenSession(namespace=ns, prompt=s.context.tolist(), params=self.params, session_id=token_hex(16))
+                for s in todo
+            ]
         )
+
+    def open_failed(self, req: pb.OpenSessionsRequest, exc: grpc.RpcError) -> None:
+        """An open call failed: the service may still have made the sessions (a missed deadline
+        above all), so they are closed, if they exist, once it answers again."""
+        self.failed(exc)
+        if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
+            self.stats.lost_opens += len(req.sessions)
+        self.abandoned.extend(s.session_id for s in req.sessions)
 
     def opened(
         self, sessions: Sequence[ClientSession], resp: pb.OpenSessionsResponse, sizes: Sequence[int] | None = None
@@ -221,7 +233,9 @@ class _Core:
         if not self.abandoned or not self.available():
             return None
         ids, self.abandoned = self.abandoned, []
-        return pb.CloseSessionsRequest(sessions=[pb.CloseSession(session_id=sid, commit=False) for sid in ids])
+        return pb.CloseSessionsRequest(
+            sessions=[pb.CloseSession(session_id=sid, commit=False, missing_ok=True) for sid in ids]
+        )
 
     def close_requests(
         self, sessions: Sequence[ClientSession], commit: bool
@@ -253,7 +267,7 @@ class DraftClient:
         )
         self._stub = pb_grpc.DraftCacheStub(self._channel)
         self._inflight: tuple[list[ClientSession], grpc.Future] | None = None
-        self._opening: tuple[list[ClientSession], list[int], grpc.Future] | None = None
+        self._opening: tuple[list[ClientSession], list[int], pb.OpenSessionsRequest, grpc.Future] | None = None
         self._background: list[grpc.Future] = []  # calls nobody waits for (kept alive until done)
 
     @property
@@ -321,7 +335,7 @@ class DraftClient:
         self._settle()
         if self._opening is not None:  # let a re-open in flight land, so its copy is closed too
             with contextlib.suppress(grpc.RpcError, grpc.FutureTimeoutError):
-                self._opening[2].result(timeout=self.config.control_timeout_s)
+                self._opening[3].result(timeout=self.config.control_timeout_s)
             self._reopen([])
         tail, close = self._core.close_requests(sessions, commit)
         if tail is not None:  # the last step's tokens belong to the requests
@@ -334,7 +348,7 @@ class DraftClient:
         self._settle()
         if self._opening is not None:
             with contextlib.suppress(grpc.RpcError, grpc.FutureTimeoutError):
-                self._opening[2].result(timeout=self.config.control_timeout_s)
+                self._opening[3].result(timeout=self.config.control_timeout_s)
             self._reopen([])
         req = self._core.abandoned_request()
         if req is not None:
@@ -351,9 +365,7 @@ class DraftClient:
         try:
             resp = self._stub.OpenSessions(req, timeout=self.config.control_timeout_s, metadata=self.config.metadata)
         except grpc.RpcError as exc:
-            self._core.failed(exc)
-            if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
-                self._core.stats.lost_opens += len(req.sessions)
+            self._core.open_failed(req, exc)
             return
         self._core.opened(sessions, resp)
         self._close_abandoned()
@@ -363,7 +375,7 @@ class DraftClient:
         their full context in the background, never inside a draft call's deadline (a long
         context takes a while to send and index): they draft locally until it is done."""
         if self._opening is not None:
-            todo, sizes, future = self._opening
+            todo, sizes, req, future = self._opening
             if not future.done():
                 return
             self._opening = None
@@ -371,16 +383,14 @@ class DraftClient:
                 self._core.opened(todo, future.result(), sizes)
                 self._close_abandoned()
             except grpc.RpcError as exc:
-                self._core.failed(exc)
-                if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
-                    self._core.stats.lost_opens += len(todo)
+                self._core.open_failed(req, exc)
         todo = [s for s in sessions if not s.server_id]
         req = self._core.open_request(todo)
         if req is not None:
             future = self._stub.OpenSessions.future(
                 req, timeout=self.config.control_timeout_s, metadata=self.config.metadata
             )
-            self._opening = (todo, [s.context.size for s in todo], future)
+            self._opening = (todo, [s.context.size for s in todo], req, future)
 
     def _close_abandoned(self) -> None:
         """Best effort, in the background: an unknown id (the server restarted) is fine too.
@@ -412,7 +422,7 @@ class AsyncDraftClient:
         )
         self._stub = pb_grpc.DraftCacheStub(self._channel)
         self._inflight: tuple[list[ClientSession], asyncio.Future] | None = None
-        self._opening: tuple[list[ClientSession], list[int], asyncio.Future] | None = None
+        self._opening: tuple[list[ClientSession], list[int], pb.OpenSessionsRequest, asyncio.Future] | None = None
         self._background: set[asyncio.Future] = set()
 
     @property
@@ -463,7 +473,7 @@ class AsyncDraftClient:
         await self._settle()
         if self._opening is not None:  # let a re-open in flight land, so its copy is closed too
             with contextlib.suppress(grpc.RpcError, TimeoutError):
-                await asyncio.wait_for(asyncio.shield(self._opening[2]), self._core.config.control_timeout_s)
+                await asyncio.wait_for(asyncio.shield(self._opening[3]), self._core.config.control_timeout_s)
             self._reopen([])
         tail, close = self._core.close_requests(sessions, commit)
         if tail is not None:
@@ -476,7 +486,7 @@ class AsyncDraftClient:
         await self._settle()
         if self._opening is not None:
             with contextlib.suppress(grpc.RpcError, TimeoutError):
-                await asyncio.wait_for(asyncio.shield(self._opening[2]), self._core.config.control_timeout_s)
+                await asyncio.wait_for(asyncio.shield(self._opening[3]), self._core.config.control_timeout_s)
             self._reopen([])
         req = self._core.abandoned_request()
         if req is not None:
@@ -488,7 +498,7 @@ class AsyncDraftClient:
     def _reopen(self, sessions: Sequence[ClientSession]) -> None:
         """See :meth:`DraftClient._reopen`."""
         if self._opening is not None:
-            todo, sizes, task = self._opening
+            todo, sizes, req, task = self._opening
             if not task.done():
                 return
             self._opening = None
@@ -497,21 +507,25 @@ class AsyncDraftClient:
                 self._core.opened(todo, task.result(), sizes)
                 self._close_abandoned()
             elif isinstance(exc, grpc.RpcError):
-                self._core.failed(exc)
+                self._core.open_failed(req, exc)
         todo = [s for s in sessions if not s.server_id]
         req = self._core.open_request(todo)
         if req is not None:
             cfg = self._core.config
             call = self._stub.OpenSessions(req, timeout=cfg.control_timeout_s, metadata=cfg.metadata)
-            self._opening = (todo, [s.context.size for s in todo], asyncio.ensure_future(call))
+            self._opening = (todo, [s.context.size for s in todo], req, asyncio.ensure_future(call))
 
     async def _open(self, sessions: Sequence[ClientSession]) -> None:
         req = self._core.open_request(sessions)
         if req is not None:
-            resp = await self._call(self._stub.OpenSessions, req, self._core.config.control_timeout_s)
-            if resp is not None:
-                self._core.opened(sessions, resp)
-                self._close_abandoned()
+            cfg = self._core.config
+            try:
+                resp = await self._stub.OpenSessions(req, timeout=cfg.control_timeout_s, metadata=cfg.metadata)
+            except grpc.RpcError as exc:  # grpc.aio.AioRpcError is one
+                self._core.open_failed(req, exc)
+                return
+            self._core.opened(sessions, resp)
+            self._close_abandoned()
 
     def _close_abandoned(self) -> None:
         """Best effort, not awaited: an unknown id (the server restarted) is fine too."""

@@ -246,7 +246,8 @@ def test_sessions_given_up_after_a_missed_deadline_are_closed_on_the_server(runn
         client.draft([session], [[token]])
         time.sleep(0.05)  # the target verifies; meanwhile the session is re-opened in the background
     assert client.stats.fallback == 10 and client.stats.reopened >= 3
-    # Once the calls in flight land, the server holds the live copy only, not one per miss
-    # (plus any copy of an open the client gave up on: a loaded machine can delay one past 1 s).
+    # Once the calls in flight land, the server holds the live copy only, not one per miss;
+    # copies of opens the client gave up on (a loaded machine can delay one past 1 s) are
+    # closed by the ids the client chose for them.
     client.shutdown()
-    assert len(running.service.sessions) == 1 + client.stats.lost_opens
+    assert len(running.service.sessions) == 1

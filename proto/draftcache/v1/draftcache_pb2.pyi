@@ -31,14 +31,16 @@ class Tree(_message.Message):
     def __init__(self, tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., sources: _Optional[bytes] = ..., scores: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class OpenSession(_message.Message):
-    __slots__ = ("namespace", "prompt", "params")
+    __slots__ = ("namespace", "prompt", "params", "session_id")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     prompt: _containers.RepeatedScalarFieldContainer[int]
     params: DraftParams
-    def __init__(self, namespace: _Optional[str] = ..., prompt: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[DraftParams, _Mapping]] = ...) -> None: ...
+    session_id: str
+    def __init__(self, namespace: _Optional[str] = ..., prompt: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[DraftParams, _Mapping]] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class OpenSessionsRequest(_message.Message):
     __slots__ = ("sessions",)
@@ -119,14 +121,16 @@ class FeedbackResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class CloseSession(_message.Message):
-    __slots__ = ("session_id", "commit", "commit_from")
+    __slots__ = ("session_id", "commit", "commit_from", "missing_ok")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FROM_FIELD_NUMBER: _ClassVar[int]
+    MISSING_OK_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     commit: bool
     commit_from: int
-    def __init__(self, session_id: _Optional[str] = ..., commit: _Optional[bool] = ..., commit_from: _Optional[int] = ...) -> None: ...
+    missing_ok: bool
+    def __init__(self, session_id: _Optional[str] = ..., commit: _Optional[bool] = ..., commit_from: _Optional[int] = ..., missing_ok: _Optional[bool] = ...) -> None: ...
 
 class CloseSessionsRequest(_message.Message):
     __slots__ = ("sessions",)
