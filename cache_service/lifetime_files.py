@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cache_service.prior_files import folder_for
+from cache_service.prior_files import safe_name
 from indexer.lifetime_index import LifetimeIndexes, LogId
 from indexer.ngram_table import NgramTable, NgramTableConfig
 from indexer.suffix_array import SuffixIndex
@@ -46,7 +46,7 @@ class Generation:
 
 def namespace_dir(root: Path, namespace: str) -> Path:
     """Where a namespace's generations live under ``root``."""
-    return folder_for(root, namespace, 0).parent
+    return root / safe_name(namespace)
 
 
 def save(indexes: LifetimeIndexes, *, log: str, through: LogId, ns_dir: Path) -> Path:

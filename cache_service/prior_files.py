@@ -21,10 +21,18 @@ from indexer.prior import StaticPrior
 META = "prior.json"
 
 
+def safe_name(namespace: str) -> str:
+    """A namespace as one file name (``/`` and other characters escaped).
+
+    >>> safe_name("acme/llama2")
+    'acme%2fllama2'
+    """
+    return re.sub(r"[^A-Za-z0-9_.-]", lambda m: f"%{ord(m.group()):02x}", namespace)
+
+
 def folder_for(root: Path, namespace: str, version: int) -> Path:
-    """Where a namespace's prior version lives under ``root`` (a safe name per namespace)."""
-    safe = re.sub(r"[^A-Za-z0-9_.-]", lambda m: f"%{ord(m.group()):02x}", namespace)
-    return root / safe / f"v{version}"
+    """Where a namespace's prior version lives under ``root``."""
+    return root / safe_name(namespace) / f"v{version}"
 
 
 def save(prior: StaticPrior, folder: Path) -> None:

@@ -50,20 +50,9 @@ EOF
 }
 keep_log save
 
-wait_healthy() {  # $1: port
-  python - "$1" <<'EOF'
-import sys, time, grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(f"127.0.0.1:{sys.argv[1]}"))
-for _ in range(3000):
-    try:
-        if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1:
-            sys.exit(0)
-    except grpc.RpcError:
-        pass
-    time.sleep(0.1)
-sys.exit("service did not become healthy")
-EOF
+wait_healthy() {  # $1: port; deploy/healthcheck.py exits 0 once the service answers SERVING
+  for _ in $(seq 600); do python deploy/healthcheck.py "127.0.0.1:$1" >/dev/null 2>&1 && return; sleep 0.5; done
+  echo "service did not become healthy" >&2; exit 1
 }
 wait_listeners() {  # $1: port, $2: how many processes must be listening on it (SO_REUSEPORT)
   python - "$1" "$2" <<'EOF'

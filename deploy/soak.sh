@@ -34,20 +34,9 @@ start_replica() {  # $1: port, $2: log
   "$BIN" serve --port "$1" --redis-url "$URL" >>"$2" 2>&1 &
   echo $!
 }
-wait_healthy() {
-  python - "$1" <<'EOF'
-import sys, time, grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(f"127.0.0.1:{sys.argv[1]}"))
-for _ in range(600):
-    try:
-        if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1:
-            sys.exit(0)
-    except grpc.RpcError:
-        pass
-    time.sleep(0.1)
-sys.exit("replica did not become healthy")
-EOF
+wait_healthy() {  # $1: port; deploy/healthcheck.py exits 0 once the service answers SERVING
+  for _ in $(seq 120); do python deploy/healthcheck.py "127.0.0.1:$1" >/dev/null 2>&1 && return; sleep 0.5; done
+  echo "replica did not become healthy" >&2; exit 1
 }
 cleanup() {  # the fault loop restarts processes in a subshell: their pids are in files
   kill "$R1" "$(cat "$OUT/replica2.pid")" "$(cat "$OUT/redis.pid")" 2>/dev/null || true

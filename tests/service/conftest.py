@@ -6,11 +6,13 @@ import asyncio
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import pytest
 from draftcache.v1 import draftcache_pb2_grpc as pb_grpc
 
+from cache_service.app import App, AppConfig
 from cache_service.config import ServerConfig, ServiceConfig
 from cache_service.server import Server, create_server
 from cache_service.service import DraftService
@@ -49,6 +51,33 @@ def stop_service(running: Running) -> None:
     running.channel.close()
     asyncio.run_coroutine_threadsafe(running.server.stop(0.5), running.loop).result(10)
     running.loop.call_soon_threadsafe(running.loop.stop)
+
+
+class Replica:
+    """A whole service (``App``: storage, schedules, gRPC) in this process, on a free port, with
+    fast write-back and following and no scheduled rebuilds; ``lifetime_dir`` shares lifetime
+    indexes with the other replicas given the same folder."""
+
+    def __init__(self, url: str, max_session_tokens: int = 1 << 20, lifetime_dir: Path | None = None) -> None:
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        fast = ServiceConfig(
+            follow_interval_s=0.05,
+            flush_interval_s=0.05,
+            rebuild_interval_s=3600,
+            max_session_tokens=max_session_tokens,
+        )
+        config = AppConfig(service=fast, server=ServerConfig(port=0), redis_url=url, lifetime_dir=lifetime_dir)
+        self.app = App(config)
+        port = asyncio.run_coroutine_threadsafe(self.app.start(), self.loop).result(60)
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        self.stub = pb_grpc.DraftCacheStub(self.channel)
+        self.admin = pb_grpc.AdminStub(self.channel)
+
+    def stop(self) -> None:
+        self.channel.close()
+        asyncio.run_coroutine_threadsafe(self.app.stop(), self.loop).result(60)
+        self.loop.call_soon_threadsafe(self.loop.stop)
 
 
 @pytest.fixture

@@ -3,44 +3,18 @@ commits the other drafts from."""
 
 from __future__ import annotations
 
-import asyncio
-import threading
 import time
 from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
 
-import grpc
 import pytest
 from draftcache.v1 import draftcache_pb2 as pb
-from draftcache.v1 import draftcache_pb2_grpc as pb_grpc
 
-from cache_service.app import App, AppConfig
-from cache_service.config import EmbeddedRedisConfig, ServerConfig, ServiceConfig
+from cache_service.config import EmbeddedRedisConfig
 from cache_service.embedded_redis import EmbeddedRedis
 from cache_service.storage.redis_store import RedisStore
-
-
-class Replica:
-    def __init__(self, url: str, max_session_tokens: int = 1 << 20) -> None:
-        self.loop = asyncio.new_event_loop()
-        threading.Thread(target=self.loop.run_forever, daemon=True).start()
-        fast = ServiceConfig(
-            follow_interval_s=0.05,
-            flush_interval_s=0.05,
-            rebuild_interval_s=3600,
-            max_session_tokens=max_session_tokens,
-        )
-        self.app = App(AppConfig(service=fast, server=ServerConfig(port=0), redis_url=url))
-        port = asyncio.run_coroutine_threadsafe(self.app.start(), self.loop).result(60)
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-        self.stub = pb_grpc.DraftCacheStub(self.channel)
-        self.admin = pb_grpc.AdminStub(self.channel)
-
-    def stop(self) -> None:
-        self.channel.close()
-        asyncio.run_coroutine_threadsafe(self.app.stop(), self.loop).result(60)
-        self.loop.call_soon_threadsafe(self.loop.stop)
+from tests.service.conftest import Replica
 
 
 @pytest.fixture

@@ -2,28 +2,25 @@
 
 from __future__ import annotations
 
-import asyncio
 import fcntl
 import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import grpc
 import numpy as np
 import pytest
 from draftcache.v1 import draftcache_pb2 as pb
-from draftcache.v1 import draftcache_pb2_grpc as pb_grpc
 
 from cache_service import lifetime_files
-from cache_service.app import App, AppConfig
-from cache_service.config import EmbeddedRedisConfig, ServerConfig, ServiceConfig
+from cache_service.config import EmbeddedRedisConfig
 from cache_service.embedded_redis import EmbeddedRedis
 from cache_service.shared_indexes import SharedIndexes
 from cache_service.storage.connect import connect
 from cache_service.storage.redis_store import RedisStore
 from cache_service.storage.stream_log import position
 from indexer.lifetime_index import LifetimeConfig, LifetimeMemory, next_generation
+from tests.service.conftest import Replica
 
 
 @pytest.fixture
@@ -119,24 +116,11 @@ def test_one_builder_at_a_time(store: RedisStore, tmp_path: Path) -> None:
     assert shared.publish("toy") is not None
 
 
-class Worker:
+class Worker(Replica):
     """One server process's App (in this process), sharing Redis and the lifetime folder."""
 
     def __init__(self, url: str, lifetime_dir: Path) -> None:
-        self.loop = asyncio.new_event_loop()
-        threading.Thread(target=self.loop.run_forever, daemon=True).start()
-        fast = ServiceConfig(follow_interval_s=0.05, flush_interval_s=0.05, rebuild_interval_s=3600)
-        config = AppConfig(service=fast, server=ServerConfig(port=0), redis_url=url, lifetime_dir=lifetime_dir)
-        self.app = App(config)
-        port = asyncio.run_coroutine_threadsafe(self.app.start(), self.loop).result(60)
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-        self.stub = pb_grpc.DraftCacheStub(self.channel)
-        self.admin = pb_grpc.AdminStub(self.channel)
-
-    def stop(self) -> None:
-        self.channel.close()
-        asyncio.run_coroutine_threadsafe(self.app.stop(), self.loop).result(60)
-        self.loop.call_soon_threadsafe(self.loop.stop)
+        super().__init__(url, lifetime_dir=lifetime_dir)
 
     def draft(self, prompt: list[int]) -> list[int]:
         sid = self.stub.OpenSessions(pb.OpenSessionsRequest(sessions=[pb.OpenSession(namespace="toy", prompt=prompt)]))
