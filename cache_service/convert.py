@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 from draftcache.v1 import draftcache_pb2 as pb
 
+from cache_service import wire
 from cache_service.errors import InvalidArgument
 from cache_service.service import CloseItem, DraftItem, FeedbackItem, NamespaceStats, OpenItem
 from indexer.drafter import DraftParams
@@ -43,8 +44,9 @@ def draft_items(req: pb.DraftRequest) -> list[DraftItem]:
 
 
 def draft_response(results: list[tuple[DraftTree, Prefetched]]) -> pb.DraftResponse:
-    """Trees, and what was drafted ahead when any item asked for it."""
-    resp = pb.DraftResponse(trees=[tree(t) for t, _ in results])
+    """Trees, and what was drafted ahead when any item asked for it. The trees are written
+    straight in wire format (see :mod:`cache_service.wire`) and parsed once."""
+    resp = pb.DraftResponse.FromString(wire.encode_trees([t for t, _ in results]))
     if any(ahead for _, ahead in results):
         resp.prefetched.extend(
             pb.Prefetched(items=[pb.Prefetch(accepted=list(path), tree=tree(t)) for path, t in ahead.items()])

@@ -10,7 +10,7 @@ import grpc
 from draftcache.v1 import draftcache_pb2 as pb
 from draftcache.v1 import draftcache_pb2_grpc as pb_grpc
 
-from cache_service import auth, convert
+from cache_service import auth, convert, wire
 from cache_service.interceptor import Observer
 from cache_service.service import DraftService
 
@@ -19,6 +19,7 @@ class DraftCacheServicer(pb_grpc.DraftCacheServicer):
     def __init__(self, service: DraftService, observe: Observer | None = None) -> None:
         self._service = service
         self._observe = observe  # stream messages are timed one by one (the call is long-lived)
+        wire.warm_up()  # the response encoder is compiled now, not on the first draft
 
     async def OpenSessions(
         self, request: pb.OpenSessionsRequest, context: grpc.aio.ServicerContext

@@ -85,66 +85,70 @@ def merge_tree(
 
     Returns ``(tokens, parents, sources, scores, first_token, first_value)``, the last two per
     tier: its best first-level token (-1 if none) and that token's value.
+
+    Rows are sorted once; level by level, the rows under one node are then a consecutive run,
+    so each node's per-tier values are summed in one small buffer while its run is walked and
+    the node is scored as soon as the run ends (no node x tier matrix).
     """
     r_count, depth = rows.shape
     order = _row_order(rows)
-    ids = np.full((depth, r_count), -1, dtype=np.int64)
-    differs = np.zeros(r_count, dtype=np.bool_)
+    differs = np.zeros(r_count, dtype=np.bool_)  # row i differs from row i-1 at this level or above
+    prev = np.full(r_count, -1, dtype=np.int64)  # node of each sorted row one level up
+    cur = np.full(r_count, -1, dtype=np.int64)
     cap = r_count * depth
     token = np.empty(cap, dtype=np.int32)
     parent = np.empty(cap, dtype=np.int64)
+    score = np.empty(cap)
+    source = np.empty(cap, dtype=np.uint8)
+    child_lo = np.empty(cap + 1, dtype=np.int64)  # slot 0 is the root; children are consecutive ids
+    child_hi = np.empty(cap + 1, dtype=np.int64)
+    acc = np.zeros(n_tiers)
+    first_tok = np.full(n_tiers, -1, dtype=np.int64)
+    first_val = np.zeros(n_tiers)
     n = 0
     n_first = 0
     for d in range(depth):
+        open_node = False
+        alive = False
         for i in range(r_count):
             row = order[i]
             t = rows[row, d]
             if i > 0 and rows[order[i - 1], d] != t:
                 differs[i] = True
             if t < 0:
+                cur[i] = -1
                 continue
-            if i == 0 or differs[i] or ids[d, i - 1] < 0:
+            alive = True
+            if i == 0 or differs[i] or cur[i - 1] < 0:
+                if open_node:
+                    _close_node(n - 1, acc, score, source, d == 0, token, first_tok, first_val)
+                p = prev[i] if d > 0 else -1
                 token[n] = t
-                parent[n] = ids[d - 1, i] if d > 0 else -1
+                parent[n] = p
+                child_lo[n + 1] = cap
+                child_hi[n + 1] = 0
+                if p >= 0:
+                    if n < child_lo[p + 1]:
+                        child_lo[p + 1] = n
+                    child_hi[p + 1] = n + 1
                 n += 1
-            ids[d, i] = n - 1
-        if d == 0:
-            n_first = n
-    per = np.zeros((max(n, 1), n_tiers))
-    for d in range(depth):
-        for i in range(r_count):
-            node = ids[d, i]
-            if node < 0:
-                continue
-            row = order[i]
-            t = tiers[row]
+                open_node = True
+            cur[i] = n - 1
+            k = tiers[row]
             v = vals[row, d]
             if is_max[row]:
-                if v > per[node, t]:
-                    per[node, t] = v
+                if v > acc[k]:
+                    acc[k] = v
             else:
-                per[node, t] += v
-    score = np.empty(n)
-    source = np.zeros(n, dtype=np.uint8)
-    for node in range(n):
-        total = 0.0
-        best_t = 0
-        for t in range(n_tiers):
-            total += per[node, t]
-            if per[node, t] > per[node, best_t]:
-                best_t = t
-        score[node] = min(total, 1.0)
-        source[node] = best_t
-    # Children of a node are consecutive ids (depth-major numbering over sorted rows).
-    child_lo = np.full(n + 1, n, dtype=np.int64)  # slot 0 is the root
-    child_hi = np.zeros(n + 1, dtype=np.int64)
+                acc[k] += v
+        if open_node:
+            _close_node(n - 1, acc, score, source, d == 0, token, first_tok, first_val)
+        if d == 0:
+            n_first = n
+        prev, cur = cur, prev
+        if not alive:
+            break
     child_lo[0], child_hi[0] = 0, n_first
-    for d in range(depth - 1):
-        for i in range(r_count):
-            node, child = ids[d, i], ids[d + 1, i]
-            if node >= 0 and child >= 0:
-                child_lo[node + 1] = min(child_lo[node + 1], child)
-                child_hi[node + 1] = max(child_hi[node + 1], child + 1)
     chosen = np.zeros(n, dtype=np.bool_)
     taken = 0
     # Depth reserve: the greedy best chain (ties to the lower id) goes in first.
@@ -161,7 +165,7 @@ def merge_tree(
         node = best
     # Then the best remaining scores (ties to the lower id). Scores never grow from parent to
     # child and a parent's id is lower, so the kept set stays a tree with every parent kept.
-    for node in _best(score, chosen, min_score, budget - taken):
+    for node in _best(score[:n], chosen, min_score, budget - taken):
         chosen[node] = True
         taken += 1
     remap = np.full(n, -1, dtype=np.int64)
@@ -178,14 +182,36 @@ def merge_tree(
             out_src[k] = source[node]
             out_score[k] = score[node]
             k += 1
-    first_tok = np.full(n_tiers, -1, dtype=np.int64)
-    first_val = np.zeros(n_tiers)
-    for node in range(n_first):
-        for t in range(n_tiers):
-            if per[node, t] > first_val[t]:
-                first_val[t] = per[node, t]
-                first_tok[t] = token[node]
     return out_tok, out_par, out_src, out_score, first_tok, first_val
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _close_node(
+    node: int,
+    acc: np.ndarray,
+    score: np.ndarray,
+    source: np.ndarray,
+    first_level: bool,
+    token: np.ndarray,
+    first_tok: np.ndarray,
+    first_val: np.ndarray,
+) -> None:
+    """Score a finished node from its per-tier values (strongest tier as source, ties to the
+    lower tier) and clear the buffer; a first-level node also competes for each tier's best
+    first token."""
+    total = 0.0
+    best_t = 0
+    for t in range(acc.size):
+        total += acc[t]
+        if acc[t] > acc[best_t]:
+            best_t = t
+    score[node] = min(total, 1.0)
+    source[node] = best_t
+    for t in range(acc.size):
+        if first_level and acc[t] > first_val[t]:
+            first_val[t] = acc[t]
+            first_tok[t] = token[node]
+        acc[t] = 0.0
 
 
 @njit(cache=True, nogil=True)

@@ -379,6 +379,40 @@ def test_depth_reserve_keeps_greedy_best_chain(parts, budget, depth_reserve):
     assert len(tree) <= budget
 
 
+def _score_reference(parts, max_depth):
+    """Per token path: (score, source) from a plain dict trie, the definition the kernel follows."""
+    per: dict[tuple[int, ...], dict[int, float]] = {}
+    for c in parts:
+        total = float(c.weights.sum()) if c.weights is not None else 0.0
+        for r, row in enumerate(c.rows.tolist()):
+            toks = [t for t in row[:max_depth] if t >= 0]
+            for d in range(len(toks)):
+                cell = per.setdefault(tuple(toks[: d + 1]), {})
+                if c.probs is not None:
+                    cell[int(c.tier)] = max(cell.get(int(c.tier), 0.0), float(c.probs[r, d]) * c.confidence)
+                elif total > 0:
+                    cell[int(c.tier)] = cell.get(int(c.tier), 0.0) + float(c.weights[r]) * c.confidence / total
+    out = {}
+    for path, cell in per.items():
+        score = min(sum(cell.values()), 1.0)
+        if score > 0:
+            best = max(cell.values())
+            out[path] = (score, min(t for t, v in cell.items() if v == best))
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(parts=candidate_sets(), max_depth=st.integers(1, 7))
+def test_node_scores_and_sources_match_a_plain_trie(parts, max_depth):
+    tree = build_tree(parts, budget=10_000, max_depth=max_depth)
+    expected = _score_reference(parts, max_depth)
+    got = {p: (float(s), int(src)) for p, s, src in zip(_paths(tree), tree.scores, tree.sources, strict=True)}
+    assert got.keys() == expected.keys()
+    for path, (score, source) in expected.items():
+        assert got[path][0] == pytest.approx(score, rel=1e-5, abs=1e-6)
+        assert got[path][1] == source
+
+
 def _stack_reference(parts, depth):
     """Every part's rows in one -1 padded block with per-cell values, built with plain numpy."""
     total = sum(c.rows.shape[0] for c in parts)

@@ -1,0 +1,129 @@
+"""A batch of draft trees in protobuf wire format, written by one compiled loop.
+
+Building ``pb.Tree`` messages field by field costs about 8 us per tree (four Python lists, then
+the message); a decode step of 32 sequences spends a quarter of a millisecond on it. The wire
+format of ``repeated Tree trees = 1`` is simple enough to write directly: per tree a
+length-delimited submessage holding packed varints (tokens, parents), the sources as bytes and
+the scores as packed little-endian float32. The bytes are exactly what protobuf itself writes
+for the same message (a test compares them), so they parse back into ``pb.DraftResponse``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+from numba import njit
+
+from indexer.tree_builder import DraftTree
+
+_TAG_TREES = 0x0A  # DraftResponse.trees: field 1, length-delimited
+_TAG_TOKENS = 0x0A  # Tree.tokens: field 1, packed
+_TAG_PARENTS = 0x12  # Tree.parents: field 2, packed
+_TAG_SOURCES = 0x1A  # Tree.sources: field 3, bytes
+_TAG_SCORES = 0x22  # Tree.scores: field 4, packed float
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _varint_size(v: int) -> int:
+    """Bytes of a varint; a negative int32 is sign-extended to 64 bits (10 bytes)."""
+    if v < 0:
+        return 10
+    n = 1
+    while v >= 0x80:
+        v >>= 7
+        n += 1
+    return n
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _put_varint(buf: np.ndarray, at: int, v: int) -> int:
+    """Write ``v`` (at least -2**31) at ``at``; returns the next position."""
+    u = np.uint64(v) if v >= 0 else np.uint64(v + 0x100000000) | np.uint64(0xFFFFFFFF00000000)
+    while u >= np.uint64(0x80):
+        buf[at] = np.uint8((u & np.uint64(0x7F)) | np.uint64(0x80))
+        u >>= np.uint64(7)
+        at += 1
+    buf[at] = np.uint8(u)
+    return at + 1
+
+
+@njit(cache=True, nogil=True)
+def _packed_size(values: np.ndarray, lo: int, hi: int) -> int:
+    n = 0
+    for i in range(lo, hi):
+        n += _varint_size(values[i])
+    return n
+
+
+@njit(cache=True, nogil=True)
+def encode_tree_batch(
+    tokens: np.ndarray, parents: np.ndarray, sources: np.ndarray, score_bytes: np.ndarray, sizes: np.ndarray
+) -> np.ndarray:
+    """``repeated Tree`` (field 1) for trees stored back to back: ``sizes[k]`` nodes each, with
+    ``score_bytes`` the float32 scores viewed as bytes."""
+    count = sizes.size
+    tok_len = np.empty(count, dtype=np.int64)
+    par_len = np.empty(count, dtype=np.int64)
+    body = np.empty(count, dtype=np.int64)
+    total = 0
+    at = 0
+    for k in range(count):
+        n = sizes[k]
+        tok_len[k] = _packed_size(tokens, at, at + n)
+        par_len[k] = _packed_size(parents, at, at + n)
+        b = 0
+        if n:  # proto3 leaves empty fields out
+            b += 1 + _varint_size(tok_len[k]) + tok_len[k]
+            b += 1 + _varint_size(par_len[k]) + par_len[k]
+            b += 1 + _varint_size(n) + n
+            b += 1 + _varint_size(4 * n) + 4 * n
+        body[k] = b
+        total += 1 + _varint_size(b) + b
+        at += n
+    buf = np.empty(total, dtype=np.uint8)
+    w = 0
+    at = 0
+    for k in range(count):
+        n = sizes[k]
+        buf[w] = _TAG_TREES
+        w = _put_varint(buf, w + 1, body[k])
+        if n:
+            buf[w] = _TAG_TOKENS
+            w = _put_varint(buf, w + 1, tok_len[k])
+            for i in range(at, at + n):
+                w = _put_varint(buf, w, tokens[i])
+            buf[w] = _TAG_PARENTS
+            w = _put_varint(buf, w + 1, par_len[k])
+            for i in range(at, at + n):
+                w = _put_varint(buf, w, parents[i])
+            buf[w] = _TAG_SOURCES
+            w = _put_varint(buf, w + 1, n)
+            for i in range(at, at + n):
+                buf[w] = sources[i]
+                w += 1
+            buf[w] = _TAG_SCORES
+            w = _put_varint(buf, w + 1, 4 * n)
+            for i in range(4 * at, 4 * (at + n)):
+                buf[w] = score_bytes[i]
+                w += 1
+        at += n
+    return buf
+
+
+def encode_trees(trees: Sequence[DraftTree]) -> bytes:
+    """The trees as ``DraftResponse.trees`` on the wire (any message whose field 1 is
+    ``repeated Tree`` parses them)."""
+    if not trees:
+        return b""
+    sizes = np.fromiter((len(t) for t in trees), dtype=np.int64, count=len(trees))
+    tokens = np.concatenate([t.tokens for t in trees]).astype(np.int32, copy=False)
+    parents = np.concatenate([t.parents for t in trees]).astype(np.int32, copy=False)
+    sources = np.concatenate([t.sources for t in trees]).astype(np.uint8, copy=False)
+    scores = np.concatenate([t.scores for t in trees]).astype("<f4", copy=False)
+    return encode_tree_batch(tokens, parents, sources, scores.view(np.uint8), sizes).tobytes()
+
+
+def warm_up() -> None:
+    """Compile (or load from cache) the encoder now, not on a first request."""
+    encode_trees([DraftTree.chain(np.array([1, 2], dtype=np.int32)), DraftTree.empty()])

@@ -1,0 +1,62 @@
+"""The compiled tree encoder writes exactly the bytes protobuf writes for the same trees."""
+
+from __future__ import annotations
+
+import numpy as np
+from draftcache.v1 import draftcache_pb2 as pb
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cache_service import convert
+from cache_service.wire import encode_trees
+from indexer.tree_builder import DraftTree
+
+INT32 = st.integers(-(2**31), 2**31 - 1)
+
+
+@st.composite
+def trees(draw):
+    n = draw(st.integers(0, 40))
+    ints = st.lists(INT32, min_size=n, max_size=n)
+    tokens = np.array(draw(ints), dtype=np.int32)
+    parents = np.array(draw(ints), dtype=np.int32)
+    sources = np.array(draw(st.lists(st.integers(0, 255), min_size=n, max_size=n)), dtype=np.uint8)
+    scores = np.array(draw(st.lists(st.floats(width=32, allow_nan=False), min_size=n, max_size=n)), dtype=np.float32)
+    return DraftTree(tokens, parents, sources, scores)
+
+
+def _reference(batch: list[DraftTree]) -> bytes:
+    return pb.DraftResponse(trees=[convert.tree(t) for t in batch]).SerializeToString()
+
+
+@settings(max_examples=300, deadline=None)
+@given(batch=st.lists(trees(), max_size=12))
+def test_bytes_equal_protobufs_own(batch):
+    # Any int32 (negative ids take ten bytes), empty trees (an empty submessage), any float bits.
+    assert encode_trees(batch) == _reference(batch)
+
+
+def test_varint_boundaries():
+    edges = [0, 1, 127, 128, 16383, 16384, 2**21 - 1, 2**21, 2**28, 2**31 - 1, -1, -128, -(2**31)]
+    tree = DraftTree(
+        np.array(edges, dtype=np.int32),
+        np.array(edges[::-1], dtype=np.int32),
+        np.arange(len(edges), dtype=np.uint8),
+        np.linspace(0, 1, len(edges), dtype=np.float32),
+    )
+    assert encode_trees([tree, DraftTree.empty(), tree]) == _reference([tree, DraftTree.empty(), tree])
+
+
+def test_draft_response_parses_back_to_the_same_trees():
+    a = DraftTree.chain(np.array([5, 6, 7], dtype=np.int32))
+    b = DraftTree(
+        np.array([9, 4], dtype=np.int32),
+        np.array([-1, -1], dtype=np.int32),
+        np.array([3, 1], dtype=np.uint8),
+        np.array([0.5, 0.25], dtype=np.float32),
+    )
+    resp = convert.draft_response([(a, {}), (DraftTree.empty(), {}), (b, {})])
+    assert [list(t.tokens) for t in resp.trees] == [[5, 6, 7], [], [9, 4]]
+    assert [list(t.parents) for t in resp.trees] == [[-1, 0, 1], [], [-1, -1]]
+    assert resp.trees[2].sources == b"\x03\x01" and list(resp.trees[2].scores) == [0.5, 0.25]
+    assert len(resp.prefetched) == 0
