@@ -26,6 +26,7 @@ from indexer.suffix_array import SuffixIndex
 from indexer.tokens import Namespace, as_tokens
 from indexer.tree_builder import Candidates, DraftTree, Tier, merge_candidates
 
+_TIER_NAMES = [t.name for t in Tier]  # by value: counting by name without building enums
 MAX_BUDGET = 1024
 MAX_DEPTH = 128
 MAX_LOOKAHEAD = 16  # outcomes drafted ahead per step
@@ -170,11 +171,12 @@ class NamespaceDrafter:
 
     def draft(self, session: Session, params: DraftParams) -> DraftTree:
         """The draft tree for the session's current context."""
-        found = self._candidates(session, params.max_depth)
+        depth = min(params.max_depth, max(params.budget, 1))  # a path never holds more nodes than the tree
+        found = self._candidates(session, depth)
         tree, firsts = merge_candidates(
             [c for c, _ in found],
             budget=params.budget,
-            max_depth=params.max_depth,
+            max_depth=depth,
             min_score=params.min_score,
             depth_reserve=params.depth_reserve,
         )
@@ -201,9 +203,11 @@ class NamespaceDrafter:
         if new.size == 0:
             return
         ahead = select(session.prefetched, new) if session.prefetched else None
-        self._count(session, new, ahead is not None)
+        tree = session.last_tree
+        path = kernels.accepted_path(tree.tokens, tree.parents, new) if tree is not None and len(tree) else None
+        self._count(session, path, ahead is not None)
         if rejected is None:
-            branches = self._rejected_branches(session, new)
+            branches = self._rejected_branches(session, new, path)
         else:
             branches = [(_offset(off, new.size), as_tokens(b, vocab, what="rejected branch")) for off, b in rejected]
         self._calibrate(session, int(new[0]))
@@ -234,7 +238,7 @@ class NamespaceDrafter:
     def _draft_after(self, s: Session, path: np.ndarray, exclude: frozenset[int], params: DraftParams) -> DraftTree:
         """The tree for the context extended by ``path``, without root children in ``exclude``
         (one level deeper: the bonus token becomes the root)."""
-        depth = min(params.max_depth + 1, MAX_DEPTH)
+        depth = min(params.max_depth + 1, MAX_DEPTH, max(params.budget, 1))  # the bonus token is the root
         before = len(s.context)
         s.context.extend(path)
         try:
@@ -350,7 +354,8 @@ class NamespaceDrafter:
         n = max(1, int(done.size) + 1)
         return Candidates(Tier.EXACT, rest[None, :], weights=np.ones(1), confidence=self._conf(Tier.EXACT, n)), n
 
-    def _count(self, s: Session, new: np.ndarray, ahead: bool) -> None:
+    def _count(self, s: Session, path: np.ndarray | None, ahead: bool) -> None:
+        """Count the outcome of verifying the session's last tree (``path``: the accepted nodes)."""
         tree = s.last_tree
         if tree is None:
             return
@@ -360,9 +365,9 @@ class NamespaceDrafter:
         if s.prefetched:
             c.ahead_hits += ahead
             c.ahead_misses += not ahead
-        path = kernels.accepted_path(tree.tokens, tree.parents, new)
-        for src in tree.sources[path].tolist():
-            c.accepted[Tier(src).name] += 1
+        if path is not None and path.size:
+            for src in tree.sources[path].tolist():
+                c.accepted[_TIER_NAMES[src]] += 1
 
     def _calibrate(self, s: Session, actual: int) -> None:
         with self._lock:
@@ -370,13 +375,15 @@ class NamespaceDrafter:
                 self.calibrator.update(tier, g.n, predicted=g.predicted, hit=g.token == actual)
 
     @staticmethod
-    def _rejected_branches(s: Session, new: np.ndarray, limit: int = 4) -> list[tuple[int, np.ndarray]]:
-        """``(depth, tokens)`` for the best ``limit`` branches that left the accepted path where
-        verification stopped, each extended by its best-scoring descendants."""
+    def _rejected_branches(
+        s: Session, new: np.ndarray, path: np.ndarray | None, limit: int = 4
+    ) -> list[tuple[int, np.ndarray]]:
+        """``(depth, tokens)`` for the best ``limit`` branches that left the accepted ``path``
+        (nodes of the session's last tree) where verification stopped, each extended by its
+        best-scoring descendants."""
         tree = s.last_tree
-        if tree is None or len(tree) == 0:
+        if tree is None or path is None:
             return []
-        path = kernels.accepted_path(tree.tokens, tree.parents, new)
         if path.size >= new.size:  # nothing was rejected: verification ended inside the tree
             return []
         stop = int(path[-1]) if path.size else -1

@@ -155,9 +155,8 @@ class SuffixIndex:
         count = last - first
         if count <= 0 or depth <= 0:
             return np.zeros((0, max(depth, 0)), dtype=np.int32), np.zeros(0, dtype=np.float64)
-        starts = kernels.sample_starts(self._sa, first, last, samples) + offset
-        rows = kernels.gather_rows(self._tokens, starts, depth, int(SEPARATOR))
-        return rows, np.full(starts.size, count / starts.size)
+        rows = kernels.sample_rows(self._tokens, self._sa, first, last, offset, depth, samples, int(SEPARATOR))
+        return rows, np.full(rows.shape[0], count / rows.shape[0])
 
     def sample_starts(self, first: int, last: int, samples: int) -> np.ndarray:
         """Suffix start positions of up to ``samples`` evenly spaced SA rows in ``[first, last)``."""

@@ -32,13 +32,19 @@ class Tier(enum.IntEnum):
     EXACT = 6  # the previous response to an identical prompt
 
 
-@dataclass(frozen=True)
+_N_TIERS = len(Tier)
+
+
+@dataclass(slots=True)
 class Candidates:
     """One tier's proposals: ``rows`` (R, D) int32 padded with -1, scaled by ``confidence``.
 
     Either ``weights`` (R,): occurrence counts, a node's probability being the weight share of
     the tier's rows through it; or ``probs`` (R, D): per-prefix probabilities computed upstream
     (frozen tables), a node taking the best of its rows.
+
+    Treated as a value once made (several per draft, so plain slots rather than a frozen
+    dataclass, whose ``__init__`` costs several times more).
     """
 
     tier: Tier
@@ -132,25 +138,25 @@ def merge_candidates(
     parts = [c for c in candidates if c.rows.size]
     if budget == 0 or max_depth == 0 or not parts:
         return DraftTree.empty(), {}
+    # Per part (rows, width, per-cell values, tier): one small array instead of four.
+    meta = np.array([(*c.rows.shape, c.probs is not None, c.tier) for c in parts], dtype=np.int64)
     tokens, parents, sources, scores, first_tok, first_val = kernels.merge_parts(
         np.concatenate([c.rows.ravel() for c in parts]).astype(np.int32, copy=False),
-        np.array([c.rows.shape[0] for c in parts], dtype=np.int64),
-        np.array([c.rows.shape[1] for c in parts], dtype=np.int64),
         np.concatenate([_values(c).ravel() for c in parts]).astype(np.float64, copy=False),
-        np.array([c.probs is not None for c in parts], dtype=np.bool_),
-        np.array([int(c.tier) for c in parts], dtype=np.int64),
+        meta,
         np.array([c.confidence for c in parts], dtype=np.float64),
         max_depth,
-        len(Tier),
+        _N_TIERS,
         budget,
         float(min_score),
         depth_reserve,
     )
-    firsts = {
-        c.tier: (int(first_tok[c.tier]), float(first_val[c.tier]) / c.confidence)
-        for c in parts
-        if first_tok[c.tier] >= 0 and c.confidence > 0
-    }
+    firsts = {}
+    first_tokens, first_values = first_tok.tolist(), first_val.tolist()
+    for c in parts:
+        tok = first_tokens[c.tier]
+        if tok >= 0 and c.confidence > 0:
+            firsts[c.tier] = (tok, first_values[c.tier] / c.confidence)
     return DraftTree(tokens, parents, sources, scores), firsts
 
 

@@ -16,6 +16,7 @@ from indexer.kernels.search import (
     match_range,
     prompt_lookup_start,
     recent_followers,
+    sample_rows,
     sample_starts,
     tail_matches,
 )
@@ -46,6 +47,7 @@ __all__ = [
     "prompt_lookup_start",
     "recent_followers",
     "rejected_branches",
+    "sample_rows",
     "sample_starts",
     "tail_matches",
     "top_per_group",
@@ -61,12 +63,12 @@ def warm_up() -> None:
     tail_matches(np.array([1, 2, 1], dtype=np.int32), 0, 4)
     prompt_lookup_start(np.array([1, 2, 1], dtype=np.int32), 1, 3)
     recent_followers(toks, sa[:1], 2, 0, 1, 1, 2)
+    sample_rows(toks, sa, 0, 2, 1, 2, 2, 2147483647)
     find_leader(np.array([1, 2], dtype=np.int32), 2, np.zeros(1, dtype=np.uint64))
     hash_rows(np.zeros((1, 2), dtype=np.int32))
     rows = np.array([[1, 2], [1, -1]], dtype=np.int32)
     merge_tree(rows, np.ones((2, 2)), np.zeros(2, dtype=np.bool_), np.zeros(2, dtype=np.int64), 7, 4, 0.0, 1)
-    ints, flags = np.ones(1, dtype=np.int64), np.ones(1, dtype=np.bool_)
-    merge_parts(rows.ravel(), ints * 2, ints * 2, np.ones(4), flags, ints, np.ones(1), 2, 7, 4, 0.0, 1)
+    merge_parts(rows.ravel(), np.ones(4), np.array([[2, 2, 1, 1]], dtype=np.int64), np.ones(1), 2, 7, 4, 0.0, 1)
     one = np.array([1], dtype=np.int32)
     accepted_path(one, np.array([-1], dtype=np.int32), one)
     rejected_branches(one, np.array([-1], dtype=np.int32), np.ones(1, dtype=np.float32), -1, 2)

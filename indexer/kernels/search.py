@@ -109,6 +109,14 @@ def sample_starts(sa: np.ndarray, first: int, last: int, samples: int) -> np.nda
     return out
 
 
+@njit(cache=True, nogil=True)
+def sample_rows(
+    tokens: np.ndarray, sa: np.ndarray, first: int, last: int, offset: int, depth: int, samples: int, stop: int
+) -> np.ndarray:
+    """:func:`sample_starts` (each moved ``offset`` on) then :func:`gather_rows`, in one call."""
+    return gather_rows(tokens, sample_starts(sa, first, last, samples) + offset, depth, stop)
+
+
 # -- own context ----------------------------------------------------------------------------------
 
 

@@ -216,35 +216,29 @@ def _close_node(
 
 @njit(cache=True, nogil=True)
 def stack_parts(
-    rows_flat: np.ndarray,
-    counts: np.ndarray,
-    widths: np.ndarray,
-    vals_flat: np.ndarray,
-    per_cell: np.ndarray,
-    part_tiers: np.ndarray,
-    confidence: np.ndarray,
-    depth: int,
+    rows_flat: np.ndarray, vals_flat: np.ndarray, meta: np.ndarray, confidence: np.ndarray, depth: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Every tier's rows in one (R, depth) block, -1 padded, with each cell's value.
 
-    Part ``p`` holds ``counts[p]`` rows of ``widths[p]`` tokens, flattened in ``rows_flat``.
-    With ``per_cell[p]`` its values are per-prefix probabilities (``counts * widths`` of them in
-    ``vals_flat``), scaled by the confidence, and a node takes its best row; otherwise they are
-    row weights (``counts`` of them), a node taking the weight share of its rows.
+    Part ``p`` is ``meta[p] = (rows, width, per_cell, tier)``: that many rows of ``width``
+    tokens, flattened in ``rows_flat``. With ``per_cell`` its values are per-prefix
+    probabilities (``rows * width`` of them in ``vals_flat``), scaled by the confidence, and a
+    node takes its best row; otherwise they are row weights (``rows`` of them), a node taking
+    the weight share of its rows.
     """
     total = 0
-    for p in range(counts.size):
-        total += counts[p]
+    for p in range(meta.shape[0]):
+        total += meta[p, 0]
     rows = np.full((total, depth), -1, dtype=np.int32)
     vals = np.zeros((total, depth))
     is_max = np.zeros(total, dtype=np.bool_)
     tiers = np.empty(total, dtype=np.int64)
     at, ro, vo = 0, 0, 0
-    for p in range(counts.size):
-        k, w = counts[p], widths[p]
+    for p in range(meta.shape[0]):
+        k, w, per_cell = meta[p, 0], meta[p, 1], meta[p, 2] != 0
         keep = min(w, depth)
         scale = confidence[p]
-        if not per_cell[p]:
+        if not per_cell:
             weight = 0.0
             for r in range(k):
                 weight += vals_flat[vo + r]
@@ -252,27 +246,24 @@ def stack_parts(
         for r in range(k):
             for d in range(keep):
                 rows[at + r, d] = rows_flat[ro + r * w + d]
-            if per_cell[p]:
+            if per_cell:
                 for d in range(keep):
                     vals[at + r, d] = vals_flat[vo + r * w + d] * scale
                 is_max[at + r] = True
             else:
                 vals[at + r, :] = vals_flat[vo + r] * scale
-            tiers[at + r] = part_tiers[p]
+            tiers[at + r] = meta[p, 3]
         at += k
         ro += k * w
-        vo += k * w if per_cell[p] else k
+        vo += k * w if per_cell else k
     return rows, vals, is_max, tiers
 
 
 @njit(cache=True, nogil=True)
 def merge_parts(
     rows_flat: np.ndarray,
-    counts: np.ndarray,
-    widths: np.ndarray,
     vals_flat: np.ndarray,
-    per_cell: np.ndarray,
-    part_tiers: np.ndarray,
+    meta: np.ndarray,
     confidence: np.ndarray,
     depth: int,
     n_tiers: int,
@@ -281,9 +272,7 @@ def merge_parts(
     depth_reserve: int,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """:func:`stack_parts` then :func:`merge_tree`, in one call."""
-    rows, vals, is_max, tiers = stack_parts(
-        rows_flat, counts, widths, vals_flat, per_cell, part_tiers, confidence, depth
-    )
+    rows, vals, is_max, tiers = stack_parts(rows_flat, vals_flat, meta, confidence, depth)
     return merge_tree(rows, vals, is_max, tiers, n_tiers, budget, min_score, depth_reserve)
 
 
