@@ -93,6 +93,7 @@ def merge_tree(
     r_count, depth = rows.shape
     order = _row_order(rows)
     differs = np.zeros(r_count, dtype=np.bool_)  # row i differs from row i-1 at this level or above
+    stopped = np.zeros(r_count, dtype=np.bool_)  # sorted row i leads only to nodes never kept
     prev = np.full(r_count, -1, dtype=np.int64)  # node of each sorted row one level up
     cur = np.full(r_count, -1, dtype=np.int64)
     cap = r_count * depth
@@ -105,23 +106,29 @@ def merge_tree(
     acc = np.zeros(n_tiers)
     first_tok = np.full(n_tiers, -1, dtype=np.int64)
     first_val = np.zeros(n_tiers)
+    top = np.empty(max(budget, 1))  # min-heap of the best `budget` scores so far
+    top_size = 0
+    chain = -1  # the reserved chain's deepest node (-1: the root)
+    chain_len = 0
+    chain_open = min(depth_reserve, budget) > 0
     n = 0
     n_first = 0
     for d in range(depth):
         open_node = False
         alive = False
+        level_start = n
         for i in range(r_count):
             row = order[i]
             t = rows[row, d]
             if i > 0 and rows[order[i - 1], d] != t:
                 differs[i] = True
-            if t < 0:
+            if t < 0 or stopped[i]:
                 cur[i] = -1
                 continue
             alive = True
             if i == 0 or differs[i] or cur[i - 1] < 0:
                 if open_node:
-                    _close_node(n - 1, acc, score, source, d == 0, token, first_tok, first_val)
+                    _close_node(n - 1, acc, score, source, parent, d == 0, token, first_tok, first_val)
                 p = prev[i] if d > 0 else -1
                 token[n] = t
                 parent[n] = p
@@ -142,13 +149,44 @@ def merge_tree(
             else:
                 acc[k] += v
         if open_node:
-            _close_node(n - 1, acc, score, source, d == 0, token, first_tok, first_val)
+            _close_node(n - 1, acc, score, source, parent, d == 0, token, first_tok, first_val)
         if d == 0:
             n_first = n
-        prev, cur = cur, prev
+            child_lo[0], child_hi[0] = 0, n_first
         if not alive:
             break
-    child_lo[0], child_hi[0] = 0, n_first
+        # Pruning. Scores never grow from parent to child, so a node scoring below the
+        # `budget`-th best score seen so far (or not above min_score) can be neither kept nor
+        # lead to a kept node: its rows stop here. So can one that only ties the `budget`-th
+        # best of the levels above, as ties go to lower ids. The reserved chain's node is
+        # exempt, as the chain follows the best child wherever it leads.
+        above = top[0] if 0 < budget == top_size else -np.inf
+        for node in range(level_start, n):
+            v = score[node]
+            if top_size < budget:
+                top[top_size] = v
+                top_size += 1
+                _sift_up(top, top_size - 1)
+            elif v > top[0]:
+                top[0] = v
+                _sift_down(top, top_size)
+        if chain_open:
+            best = -1
+            for c in range(child_lo[chain + 1], child_hi[chain + 1]):
+                if score[c] > min_score and (best < 0 or score[c] > score[best]):
+                    best = c
+            if best < 0:
+                chain_open = False
+            else:
+                chain = best
+                chain_len += 1
+                chain_open = chain_len < min(depth_reserve, budget)
+        floor = top[0] if 0 < budget == top_size else -np.inf
+        for i in range(r_count):
+            node = cur[i]
+            if node >= 0 and node != chain and (score[node] <= max(min_score, above) or score[node] < floor):
+                stopped[i] = True
+        prev, cur = cur, prev
     chosen = np.zeros(n, dtype=np.bool_)
     taken = 0
     # Depth reserve: the greedy best chain (ties to the lower id) goes in first.
@@ -191,6 +229,7 @@ def _close_node(
     acc: np.ndarray,
     score: np.ndarray,
     source: np.ndarray,
+    parent: np.ndarray,
     first_level: bool,
     token: np.ndarray,
     first_tok: np.ndarray,
@@ -198,20 +237,49 @@ def _close_node(
 ) -> None:
     """Score a finished node from its per-tier values (strongest tier as source, ties to the
     lower tier) and clear the buffer; a first-level node also competes for each tier's best
-    first token."""
+    first token. A score never exceeds the parent's (rows whose prefix probabilities grow are
+    held to their prefix's), which keeps every kept node's parent kept."""
     total = 0.0
     best_t = 0
     for t in range(acc.size):
         total += acc[t]
         if acc[t] > acc[best_t]:
             best_t = t
-    score[node] = min(total, 1.0)
+    total = min(total, 1.0)
+    p = parent[node]
+    if p >= 0 and total > score[p]:
+        total = score[p]
+    score[node] = total
     source[node] = best_t
     for t in range(acc.size):
         if first_level and acc[t] > first_val[t]:
             first_val[t] = acc[t]
             first_tok[t] = token[node]
         acc[t] = 0.0
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _sift_up(heap: np.ndarray, i: int) -> None:
+    while i > 0:
+        up = (i - 1) >> 1
+        if heap[up] <= heap[i]:
+            break
+        heap[up], heap[i] = heap[i], heap[up]
+        i = up
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _sift_down(heap: np.ndarray, size: int) -> None:
+    i = 0
+    while True:
+        low = i
+        for c in (2 * i + 1, 2 * i + 2):
+            if c < size and heap[c] < heap[low]:
+                low = c
+        if low == i:
+            break
+        heap[low], heap[i] = heap[i], heap[low]
+        i = low
 
 
 @njit(cache=True, nogil=True)
