@@ -19,7 +19,7 @@ from cache_service.malloc import release_free_memory
 from cache_service.metrics import Metrics
 from cache_service.persistence import RedisPersistence
 from cache_service.server import create_server
-from cache_service.service import DraftService, StoredSession
+from cache_service.service import DraftService, SessionChange
 from cache_service.shared_indexes import SharedIndexes
 from cache_service.storage import keys
 from cache_service.storage.clients import StorageClient
@@ -119,21 +119,25 @@ class App:
         self.scheduler.start()
 
     def _save_sessions(self) -> None:
-        """Snapshot changed sessions on the serving loop, write them from this job's thread."""
+        """Take changed sessions on the serving loop, write them from this job's thread."""
         future = asyncio.run_coroutine_threadsafe(self._take_changes(), self._loop)
         changed, closed = future.result(timeout=30)
         if changed or closed:
             try:
-                self.persistence.save_sessions(changed, closed, self.config.service.session_ttl_s)
+                missed = self.persistence.save_sessions(changed, closed, self.config.service.session_ttl_s)
                 self.sessions_saved = time.monotonic()
             except StorageError as exc:
                 logger.warning("session write-back deferred: %s", exc)
-                asyncio.run_coroutine_threadsafe(self._requeue(changed, closed), self._loop).result(timeout=30)
+                missed = [sid for sid, _ in changed]
+            else:
+                closed = []
+            if missed or closed:
+                asyncio.run_coroutine_threadsafe(self._requeue(missed, closed), self._loop).result(timeout=30)
 
-    async def _requeue(self, changed: list[tuple[str, StoredSession]], closed: list[str]) -> None:
-        self.service.requeue(changed, closed)
+    async def _requeue(self, sids: list[str], closed: list[str]) -> None:
+        self.service.requeue(sids, closed)
 
-    async def _take_changes(self) -> tuple[list[tuple[str, StoredSession]], list[str]]:
+    async def _take_changes(self) -> tuple[list[tuple[str, SessionChange]], list[str]]:
         return self.service.take_changes()
 
     def _rebuild(self) -> None:
@@ -174,8 +178,13 @@ class App:
         """NOT_SERVING, drain in-flight calls, stop jobs, flush queued commits, stop Redis."""
         await self.server.stop(self.config.server.grace_s)
         self.scheduler.shutdown(wait=True)
-        changed, closed = self.service.take_changes()
-        await asyncio.to_thread(self.persistence.save_sessions, changed, closed, self.config.service.session_ttl_s)
+        ttl = self.config.service.session_ttl_s
+        changed, closed = self.service.take_changes(final=True)
+        missed = await asyncio.to_thread(self.persistence.save_sessions, changed, closed, ttl)
+        if missed:  # appends storage could not take: once more, whole
+            self.service.requeue(missed)
+            changed, _ = self.service.take_changes(final=True)
+            await asyncio.to_thread(self.persistence.save_sessions, changed, [], ttl)
         await asyncio.to_thread(self.persistence.sync, self.service)
         if self.embedded is not None:
             await asyncio.to_thread(self.embedded.stop)

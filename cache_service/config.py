@@ -30,7 +30,11 @@ class ServiceConfig:
     session_ttl_s: float = 3600.0  # idle sessions expire (memory and storage)
     rebuild_interval_s: float = 30.0
     follow_interval_s: float = 0.2  # how often the lifetime log is polled for other replicas' commits
-    flush_interval_s: float = 0.5  # write-behind period for session state
+    flush_interval_s: float = 0.5  # write-behind period for session state (new tokens are appended)
+    # A session's rejected table (a cache: losing its last changes costs draft quality only) is
+    # rewritten at most this often (0: with every write-back), and always before the session may
+    # leave memory and when the service stops.
+    table_flush_interval_s: float = 5.0
     max_pending_writes: int = 100_000  # buffered write-backs while storage is down
 
     def __post_init__(self) -> None:
@@ -43,6 +47,8 @@ class ServiceConfig:
         for name in ("session_ttl_s", "rebuild_interval_s", "follow_interval_s", "flush_interval_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not self.table_flush_interval_s >= 0:
+            raise ValueError(f"table_flush_interval_s must be >= 0, got {self.table_flush_interval_s}")
         if self.default_params.budget > MAX_BUDGET:
             raise ValueError(f"default budget must be <= {MAX_BUDGET}")
 

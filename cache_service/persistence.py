@@ -22,12 +22,12 @@ import numpy as np
 
 from cache_service import prior_files
 from cache_service.errors import Unavailable
-from cache_service.service import DraftService, StoredSession
+from cache_service.service import DraftService, SessionChange, SessionDelta, StoredSession
 from cache_service.shared_indexes import SharedIndexes
 from cache_service.storage.codec import SessionState
 from cache_service.storage.errors import StorageError, StorageUnavailable
 from cache_service.storage.redis_store import RedisStore
-from cache_service.storage.sessions import SessionWrite
+from cache_service.storage.sessions import SessionAppend, SessionWrite
 from cache_service.storage.stream_log import position, stream_id
 from indexer.drafter import DraftParams
 from indexer.lifetime_index import LifetimeIndexes, LogId
@@ -108,20 +108,33 @@ class RedisPersistence:
         )
         return StoredSession(state.namespace, snapshot, DraftParams(**params))
 
-    def save_sessions(self, changed: list[tuple[str, StoredSession]], closed: list[str], ttl_s: float) -> None:
-        """Write session copies (state and both tables, one transaction each) and drop closed ones."""
+    def save_sessions(self, changed: list[tuple[str, SessionChange]], closed: list[str], ttl_s: float) -> list[str]:
+        """Write session changes and drop closed sessions. A whole session is one transaction
+        (state and both tables); a :class:`SessionDelta` appends its tokens (and replaces the
+        rejected table when given) only where storage holds exactly the context it extends.
+        Returns the sessions where it did not (expired or lost meanwhile): write them whole."""
         writes: list[SessionWrite] = []
-        for sid, stored in changed:
-            snap = stored.snapshot
-            params = asdict(stored.params)
+        appends: list[SessionAppend] = []
+        for sid, change in changed:
+            if isinstance(change, SessionDelta):
+                appends.append((sid, change.held, change.tokens, change.rejected))
+                continue
+            snap = change.snapshot
+            params = asdict(change.params)
             state = SessionState(
-                namespace=stored.namespace, context=snap.context, prompt_len=snap.prompt_len, params=params
+                namespace=change.namespace, context=snap.context, prompt_len=snap.prompt_len, params=params
             )
             writes.append((sid, state, [], snap.rejected))  # dynamic: rebuilt from tokens
         for start in range(0, len(writes), SAVE_BATCH):  # pipelined, a bounded batch per round trip
             self.store.save_sessions(writes[start : start + SAVE_BATCH], ttl_s)
+        missed: list[str] = []
+        for start in range(0, len(appends), SAVE_BATCH):
+            batch = appends[start : start + SAVE_BATCH]
+            applied = self.store.append_sessions(batch, ttl_s)
+            missed.extend(sid for (sid, *_), ok in zip(batch, applied, strict=True) if not ok)
         for sid in closed:
             self.store.delete_session(sid)
+        return missed
 
     # -- start-up and the periodic sync --------------------------------------------------------
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Protocol
@@ -25,7 +26,7 @@ from indexer.drafter import MAX_LOOKAHEAD, DraftParams, NamespaceDrafter
 from indexer.lifetime_index import LifetimeIndexes
 from indexer.prespeculation import Prefetched
 from indexer.prior import StaticPrior
-from indexer.session import SessionSnapshot
+from indexer.session import SessionSnapshot, TableItems
 from indexer.tokens import Namespace, as_tokens
 from indexer.tree_builder import DraftTree
 
@@ -83,6 +84,19 @@ class StoredSession:
     namespace: str
     snapshot: SessionSnapshot
     params: DraftParams
+
+
+@dataclass(frozen=True)
+class SessionDelta:
+    """What a session gained since storage last took it: ``tokens`` to append after the
+    ``held`` context tokens storage has, and its whole rejected table when that is due."""
+
+    held: int
+    tokens: np.ndarray
+    rejected: TableItems | None = None
+
+
+SessionChange = StoredSession | SessionDelta
 
 
 class Persistence(Protocol):
@@ -377,29 +391,61 @@ class DraftService:
         drafter = self.namespace(stored.namespace)
         tenant = "" if principal is None else principal.tenant
         entry = SessionEntry(sid, stored.namespace, drafter, drafter.resume(stored.snapshot), stored.params, tenant)
+        entry.stored_tokens = len(entry.session.context)  # storage holds what it was continued from
+        entry.stored_table, entry.table_saved_at = entry.session.rejected.table.version, time.monotonic()
         self._make_room(len(entry.session.context))
         self.sessions.add(entry)
         logger.info("session %s continued from storage", sid)
         return entry
 
-    def take_changes(self) -> tuple[list[tuple[str, StoredSession]], list[str]]:
-        """Snapshots of sessions changed since the last call, and ids closed since; call on the
-        thread that serves requests (a snapshot must not race a draft)."""
-        changed = []
+    def take_changes(self, *, final: bool = False) -> tuple[list[tuple[str, SessionChange]], list[str]]:
+        """Changes of sessions since storage last took them, and ids closed since; call on the
+        thread that serves requests (a snapshot must not race a draft).
+
+        A session storage does not hold yet (or holds a different context of) is taken whole;
+        one it holds gives only its new tokens, plus its rejected table when that changed and
+        ``table_flush_interval_s`` passed since it was last written (always when ``final``). A
+        table change not due yet keeps the session pending (it does not leave memory either).
+        """
+        now = time.monotonic()
+        changed: list[tuple[str, SessionChange]] = []
+        pending: set[str] = set()
         for sid in self._dirty:
             try:
                 entry = self.sessions.get(sid)
             except NotFound:
                 continue  # expired meanwhile
-            changed.append((sid, StoredSession(entry.namespace, entry.session.snapshot(), entry.params)))
+            session = entry.session
+            size = len(session.context)
+            table = session.rejected.table
+            table_changed = table.version != entry.stored_table
+            table_due = table_changed and (final or now - entry.table_saved_at >= self.config.table_flush_interval_s)
+            if not 0 < entry.stored_tokens <= size:
+                changed.append((sid, StoredSession(entry.namespace, session.snapshot(), entry.params)))
+                table_changed = table_due = True
+            elif size > entry.stored_tokens or table_due:
+                new = session.context.tokens[entry.stored_tokens :].copy()
+                changed.append((sid, SessionDelta(entry.stored_tokens, new, table.items() if table_due else None)))
+            entry.stored_tokens = size
+            if table_due:
+                entry.stored_table, entry.table_saved_at = table.version, now
+            elif table_changed:
+                pending.add(sid)
         closed = list(self._closed)
-        self._dirty.clear()
+        self._dirty = pending
         self._closed.clear()
         return changed, closed
 
-    def requeue(self, changed: list[tuple[str, StoredSession]], closed: list[str]) -> None:
-        """Put back changes storage could not take (on the serving thread, like take_changes)."""
-        self._dirty.update(sid for sid, _ in changed)
+    def requeue(self, sids: Iterable[str], closed: Iterable[str] = ()) -> None:
+        """Put back changes storage could not take (on the serving thread, like take_changes):
+        the sessions are written whole next time, as what storage holds of them is unknown."""
+        for sid in sids:
+            try:
+                entry = self.sessions.get(sid)
+            except NotFound:
+                continue
+            entry.stored_tokens, entry.stored_table = 0, -1
+            self._dirty.add(sid)
         self._closed.update(closed)
 
     # -- checks ------------------------------------------------------------------------------

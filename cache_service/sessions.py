@@ -24,6 +24,11 @@ class SessionEntry:
     tenant: str = ""  # who opened it ("" when callers are not authenticated)
     last_used: float = field(default_factory=time.monotonic)
     counted: int = 0  # context tokens this entry adds to the table's total
+    # What storage holds of the session, as far as the last write-back went: context tokens
+    # (0: nothing, the next write is whole), and the rejected table's version and when.
+    stored_tokens: int = 0
+    stored_table: int = -1
+    table_saved_at: float = 0.0
 
 
 def new_session_id() -> str:

@@ -43,11 +43,13 @@ class LruTable:
     def __init__(self, config: LruTableConfig) -> None:
         self.config = config
         self._table: OrderedDict[Leader, OrderedDict[Follower, int]] = OrderedDict()
+        self.version = 0  # changes with every add (what was saved is told apart from what was not)
 
     def __len__(self) -> int:
         return len(self._table)
 
     def add(self, leader: Leader, follower: Follower, count: int = 1) -> None:
+        self.version += 1
         followers = self._table.get(leader)
         if followers is None:
             followers = self._table[leader] = OrderedDict()

@@ -70,6 +70,7 @@ class RedisStore:
         self.config = config or StoreConfig()
         self._append = client.register_script(stream_log.APPEND_LUA)
         self._save_sessions = client.register_script(sessions.SAVE_LUA)
+        self._append_sessions = client.register_script(sessions.APPEND_LUA)
 
     @guarded
     def ping(self) -> float:
@@ -213,6 +214,12 @@ class RedisStore:
         each session's keys written atomically."""
         if writes:
             sessions.save_many(self.client, self._save_sessions, writes, ttl_s)
+
+    @guarded
+    def append_sessions(self, appends: list[sessions.SessionAppend], ttl_s: float) -> list[bool]:
+        """Per session, append its new tokens (and replace its rejected table when given) if
+        storage holds exactly the context it last saved; which of them applied."""
+        return sessions.append_many(self.client, self._append_sessions, appends, ttl_s) if appends else []
 
     @guarded
     def load_session(self, sid: str) -> StoredSession | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 from redis.cluster import RedisCluster
 from redis.commands.core import Script
 
@@ -23,7 +24,31 @@ redis.call('SET', KEYS[3], ARGV[3], 'PX', ARGV[1])
 return 1
 """
 
+# KEYS: state, dyn, rej (one slot); ARGV[1] expiry ms, [2] bytes of context storage should hold,
+# [3] tokens to append, [4] "1" when [5] (a rejected-table blob) replaces the stored table.
+# Appends only onto exactly the context the writer last saved; 0 (nothing written) when the
+# session is gone or its context differs, and the writer saves the whole session instead.
+APPEND_LUA = """
+local ctx = redis.call('HGET', KEYS[1], 'context')
+if not ctx or string.len(ctx) ~= tonumber(ARGV[2]) then
+  return 0
+end
+if string.len(ARGV[3]) > 0 then
+  redis.call('HSET', KEYS[1], 'context', ctx .. ARGV[3])
+end
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+redis.call('PEXPIRE', KEYS[2], ARGV[1])
+if ARGV[4] == '1' then
+  redis.call('SET', KEYS[3], ARGV[5], 'PX', ARGV[1])
+else
+  redis.call('PEXPIRE', KEYS[3], ARGV[1])
+end
+return 1
+"""
+
 SessionWrite = tuple[str, codec.SessionState, codec.TableItems, codec.TableItems]
+# (session id, context tokens storage holds, tokens to append, new rejected table or None)
+SessionAppend = tuple[str, int, np.ndarray, codec.TableItems | None]
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -82,6 +107,28 @@ def save_many(client: StorageClient, script: Script, writes: Sequence[SessionWri
         args: list[str | bytes | int] = [ms, codec.encode_table(dyn), codec.encode_table(rej), *fields]
         script(keys=list(keys.session_keys(sid)), args=args, client=pipe)
     pipe.execute()
+
+
+def append_many(client: StorageClient, script: Script, appends: Sequence[SessionAppend], ttl_s: float) -> list[bool]:
+    """Add what each session gained since its last save: tokens onto its stored context (only
+    where storage holds exactly ``held`` tokens of it) and, when given, its new rejected table;
+    every key's expiry is refreshed. One pipelined round trip (on a cluster, one call per
+    session). Per session, whether it applied; one that did not needs a whole :func:`save`."""
+    ms = ttl_ms(ttl_s)
+
+    def args(held: int, tokens: np.ndarray, rej: codec.TableItems | None) -> list[str | bytes | int]:
+        table = codec.encode_table(rej) if rej is not None else b""
+        return [ms, 4 * held, codec.tokens_to_bytes(tokens), "1" if rej is not None else "0", table]
+
+    if isinstance(client, RedisCluster):
+        return [
+            bool(script(keys=list(keys.session_keys(sid)), args=args(held, tokens, rej)))
+            for sid, held, tokens, rej in appends
+        ]
+    pipe = client.pipeline(transaction=False)
+    for sid, held, tokens, rej in appends:
+        script(keys=list(keys.session_keys(sid)), args=args(held, tokens, rej), client=pipe)
+    return [bool(r) for r in pipe.execute()]
 
 
 def load(client: StorageClient, sid: str) -> StoredSession | None:

@@ -108,3 +108,35 @@ def test_many_sessions_in_one_round_trip_read_back_as_saved_one_by_one(
     assert client.hget(keys.session_state("old"), "stray") is None  # each session replaced whole
     with pytest.raises(ValueError):
         store.save_sessions(writes[:1], ttl_s=0)
+
+
+def test_appends_extend_exactly_the_context_storage_holds(store: RedisStore, client: StorageClient) -> None:
+    state, dyn, rej = _session()
+    for sid in ("a", "b", "c"):
+        store.save_session(sid, state, dyn.items(), rej.table.items(), ttl_s=30)
+    n = state.context.size
+    grown = RejectedCache(LruTableConfig(leader_len=2, follower_len=3))
+    grown.record(np.array([1, 2], np.int32), np.array([7, 7], np.int32))
+    applied = store.append_sessions(
+        [
+            ("a", n, np.array([40, 41], np.int32), None),  # tokens only: the table stays
+            ("b", n, np.array([], np.int32), grown.table.items()),  # the table only
+            ("c", n - 1, np.array([50], np.int32), None),  # storage holds more than the writer thinks
+            ("gone", 0, np.array([60], np.int32), None),  # nothing stored (expired, or storage lost it)
+            ("a", n + 2, np.array([42], np.int32), None),  # a second append in the same round trip
+        ],
+        ttl_s=300,
+    )
+    assert applied == [True, True, False, False, True]
+    a, b, c = (store.load_session(s) for s in ("a", "b", "c"))
+    assert a is not None and a.state.context.tolist() == [*state.context.tolist(), 40, 41, 42]
+    assert a.rej == rej.table.items() and a.dyn == dyn.items() and a.state.prompt_len == 10
+    assert b is not None and b.state.context.tolist() == state.context.tolist() and b.rej == grown.table.items()
+    assert c is not None and c.state.context.tolist() == state.context.tolist()  # untouched
+    assert store.load_session("gone") is None and client.exists(*keys.session_keys("gone")) == 0
+    # Every key of an appended session has the new expiry; the refused one kept its old one.
+    assert all(295_000 < client.pttl(k) <= 300_000 for s in ("a", "b") for k in keys.session_keys(s))
+    assert all(client.pttl(k) <= 30_000 for k in keys.session_keys("c"))
+    assert store.append_sessions([], ttl_s=30) == []
+    with pytest.raises(ValueError):
+        store.append_sessions([("a", n + 3, np.array([1], np.int32), None)], ttl_s=0)

@@ -1,0 +1,117 @@
+"""Session write-back: a session storage holds is sent as what it gained (new tokens, and its
+rejected table when due), not whole; anything storage did not take is written whole next time.
+The domain side is checked on a plain DraftService; the round trip on a real Redis."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cache_service.config import EmbeddedRedisConfig, ServiceConfig
+from cache_service.embedded_redis import EmbeddedRedis
+from cache_service.persistence import RedisPersistence
+from cache_service.service import DraftItem, DraftService, OpenItem, SessionDelta, StoredSession
+from cache_service.storage.connect import connect
+from cache_service.storage.redis_store import RedisStore
+
+PROMPT = [1, 2, 3, 4, 1, 2, 3, 5, 1, 2]
+
+
+def _service(**kw: float) -> DraftService:
+    svc = DraftService(ServiceConfig(**kw))  # type: ignore[arg-type]
+    svc.create_namespace("toy", 100)
+    return svc
+
+
+def _step(svc: DraftService, sid: str, new: list[int]) -> None:
+    svc.draft_ahead([DraftItem(sid, np.array(new, dtype=np.int32))])
+
+
+def test_whole_first_then_only_the_new_tokens() -> None:
+    svc = _service(table_flush_interval_s=3600)
+    (sid,) = svc.open([OpenItem("toy", PROMPT)])
+    changed, closed = svc.take_changes()
+    assert closed == [] and [s for s, _ in changed] == [sid]
+    assert isinstance(changed[0][1], StoredSession) and changed[0][1].snapshot.context.tolist() == PROMPT
+    assert svc.take_changes() == ([], [])  # nothing new
+    _step(svc, sid, [])
+    _step(svc, sid, [7, 8])  # new tokens: appended after the 10 storage holds
+    ((_, delta),) = svc.take_changes()[0]
+    assert isinstance(delta, SessionDelta) and delta.held == 10 and delta.tokens.tolist() == [7, 8]
+    _step(svc, sid, [9])
+    ((_, delta),) = svc.take_changes()[0]
+    assert isinstance(delta, SessionDelta) and delta.held == 12 and delta.tokens.tolist() == [9]
+
+
+def test_a_changed_table_waits_for_its_interval_and_keeps_the_session_pending() -> None:
+    svc = _service(table_flush_interval_s=0.3)
+    (sid,) = svc.open([OpenItem("toy", PROMPT)])
+    svc.take_changes()
+    _step(svc, sid, [])  # a tree to verify
+    _step(svc, sid, [6])  # its branches were rejected: the table changed
+    ((_, delta),) = svc.take_changes()[0]
+    assert isinstance(delta, SessionDelta) and delta.tokens.tolist() == [6] and delta.rejected is None
+    # Not due yet: nothing to write, but the session stays pending (and in memory).
+    assert svc.take_changes() == ([], [])
+    assert sid in svc._dirty
+    time.sleep(0.35)
+    ((_, delta),) = svc.take_changes()[0]
+    assert isinstance(delta, SessionDelta) and delta.tokens.size == 0
+    assert delta.rejected == svc.sessions.get(sid).session.rejected.table.items() and delta.rejected
+    assert svc.take_changes() == ([], []) and sid not in svc._dirty
+
+
+def test_final_takes_every_table_and_requeue_rewrites_whole() -> None:
+    svc = _service(table_flush_interval_s=3600)
+    (sid,) = svc.open([OpenItem("toy", PROMPT)])
+    svc.take_changes()
+    _step(svc, sid, [])
+    _step(svc, sid, [6])
+    svc.take_changes()
+    ((_, delta),) = svc.take_changes(final=True)[0]  # stopping: the pending table goes now
+    assert isinstance(delta, SessionDelta) and delta.rejected
+    svc.requeue([sid])  # storage did not take it: whole next time, whatever it held
+    ((_, whole),) = svc.take_changes()[0]
+    assert isinstance(whole, StoredSession) and whole.snapshot.context.tolist() == [*PROMPT, 6]
+    svc.requeue(["unknown-session"])  # an id that is gone meanwhile is skipped
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[RedisStore]:
+    server = EmbeddedRedis(EmbeddedRedisConfig(data_dir=tmp_path, appendonly=False)).start()
+    yield RedisStore(connect(server.url))
+    server.stop()
+
+
+def test_round_trip_and_recovery_from_lost_storage(store: RedisStore) -> None:
+    svc = _service(table_flush_interval_s=0.0)
+    persistence = RedisPersistence(store, max_pending=100)
+    (sid,) = svc.open([OpenItem("toy", PROMPT)])
+
+    def flush() -> list[str]:
+        changed, closed = svc.take_changes()
+        missed = persistence.save_sessions(changed, closed, ttl_s=60)
+        svc.requeue(missed)
+        return missed
+
+    assert flush() == []
+    for new in ([], [6], [7, 8], [9]):
+        _step(svc, sid, new)
+        assert flush() == []
+    live = svc.sessions.get(sid).session
+    got = store.load_session(sid)
+    assert got is not None and got.state.context.tolist() == [*PROMPT, 6, 7, 8, 9] == live.context.tokens.tolist()
+    assert got.rej == live.rejected.table.items() and got.rej
+    # Storage loses everything (a restart without persistence): the next append is refused and
+    # the session is written whole on the following flush.
+    store.client.flushdb()
+    _step(svc, sid, [10])
+    assert flush() == [sid]
+    assert flush() == []
+    got = store.load_session(sid)
+    assert got is not None and got.state.context.tolist() == [*PROMPT, 6, 7, 8, 9, 10]
+    assert got.rej == svc.sessions.get(sid).session.rejected.table.items()
