@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 from draftcache.v1 import draftcache_pb2 as pb
 
@@ -12,9 +14,16 @@ from indexer.drafter import DraftParams
 from indexer.prespeculation import Prefetched
 from indexer.tree_builder import DraftTree
 
+_FEW = 32  # up to this many tokens, element by element beats a buffer copy
 
-def tokens(field: object) -> np.ndarray:
-    """A repeated int32 field as an int32 array (protobuf already bounds the values)."""
+
+def tokens(field: Sequence[int]) -> np.ndarray:
+    """A repeated int32 field as an int32 array (protobuf already bounds the values). A decode
+    step's few tokens are read one by one (0.4 us, against 2.5 us for ``np.array``'s fixed cost);
+    a prompt goes through ``np.array``, which copies the field's buffer at once."""
+    n = len(field)
+    if n <= _FEW:
+        return np.fromiter(field, dtype=np.int32, count=n)
     return np.array(field, dtype=np.int32)
 
 
