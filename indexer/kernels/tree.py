@@ -88,14 +88,13 @@ def merge_tree(
 
     Rows are sorted once; level by level, the rows under one node are then a consecutive run,
     so each node's per-tier values are summed in one small buffer while its run is walked and
-    the node is scored as soon as the run ends (no node x tier matrix).
+    the node is scored as soon as the run ends (no node x tier matrix). Only rows still
+    growing are walked: ended rows and those under pruned nodes leave the list.
     """
     r_count, depth = rows.shape
-    order = _row_order(rows)
-    differs = np.zeros(r_count, dtype=np.bool_)  # row i differs from row i-1 at this level or above
-    stopped = np.zeros(r_count, dtype=np.bool_)  # sorted row i leads only to nodes never kept
-    prev = np.full(r_count, -1, dtype=np.int64)  # node of each sorted row one level up
-    cur = np.full(r_count, -1, dtype=np.int64)
+    active = _row_order(rows)  # rows still growing, in sorted order
+    n_active = r_count
+    node_of = np.full(r_count, -1, dtype=np.int64)  # per row: its node at the level last built
     cap = r_count * depth
     token = np.empty(cap, dtype=np.int32)
     parent = np.empty(cap, dtype=np.int64)
@@ -114,22 +113,19 @@ def merge_tree(
     n = 0
     n_first = 0
     for d in range(depth):
-        open_node = False
-        alive = False
         level_start = n
-        for i in range(r_count):
-            row = order[i]
+        kept = 0
+        last_parent, last_token = -2, -2
+        for a in range(n_active):
+            row = active[a]
             t = rows[row, d]
-            if i > 0 and rows[order[i - 1], d] != t:
-                differs[i] = True
-            if t < 0 or stopped[i]:
-                cur[i] = -1
+            if t < 0:  # the row ended
                 continue
-            alive = True
-            if i == 0 or differs[i] or cur[i - 1] < 0:
-                if open_node:
+            p = node_of[row] if d > 0 else -1
+            # Sorted rows under one parent with one token form one node: a new run starts one.
+            if p != last_parent or t != last_token:
+                if n > level_start:
                     _close_node(n - 1, acc, score, source, parent, d == 0, token, first_tok, first_val)
-                p = prev[i] if d > 0 else -1
                 token[n] = t
                 parent[n] = p
                 child_lo[n + 1] = cap
@@ -139,8 +135,10 @@ def merge_tree(
                         child_lo[p + 1] = n
                     child_hi[p + 1] = n + 1
                 n += 1
-                open_node = True
-            cur[i] = n - 1
+                last_parent, last_token = p, t
+            node_of[row] = n - 1
+            active[kept] = row
+            kept += 1
             k = tiers[row]
             v = vals[row, d]
             if is_max[row]:
@@ -148,12 +146,12 @@ def merge_tree(
                     acc[k] = v
             else:
                 acc[k] += v
-        if open_node:
+        if n > level_start:
             _close_node(n - 1, acc, score, source, parent, d == 0, token, first_tok, first_val)
         if d == 0:
             n_first = n
             child_lo[0], child_hi[0] = 0, n_first
-        if not alive:
+        if kept == 0:
             break
         # Pruning. Scores never grow from parent to child, so a node scoring below the
         # `budget`-th best score seen so far (or not above min_score) can be neither kept nor
@@ -182,11 +180,13 @@ def merge_tree(
                 chain_len += 1
                 chain_open = chain_len < min(depth_reserve, budget)
         floor = top[0] if 0 < budget == top_size else -np.inf
-        for i in range(r_count):
-            node = cur[i]
-            if node >= 0 and node != chain and (score[node] <= max(min_score, above) or score[node] < floor):
-                stopped[i] = True
-        prev, cur = cur, prev
+        n_active = 0
+        for a in range(kept):
+            row = active[a]
+            node = node_of[row]
+            if node == chain or not (score[node] <= max(min_score, above) or score[node] < floor):
+                active[n_active] = row
+                n_active += 1
     chosen = np.zeros(n, dtype=np.bool_)
     taken = 0
     # Depth reserve: the greedy best chain (ties to the lower id) goes in first.
