@@ -313,7 +313,7 @@ class DraftService:
         for entry, new, lookahead in checked:
             drafter, session = entry.drafter, entry.session
             if new.size:
-                drafter.accept(session, new)
+                drafter.accept_checked(session, new)  # checked above, with the whole batch
                 self.sessions.grow(entry, int(new.size))
             tree = session.last_tree if new.size and session.last_tree is not None else None
             if tree is None:
@@ -339,7 +339,7 @@ class DraftService:
             checked.append((entry, new, rejected))
         for entry, new, rejected in checked:
             if new.size:
-                entry.drafter.accept(entry.session, new, rejected)
+                entry.drafter.accept_checked(entry.session, new, rejected)
                 self.sessions.grow(entry, int(new.size))
             self.sessions.touch(entry)
             self._dirty.add(entry.sid)

@@ -200,22 +200,29 @@ class NamespaceDrafter:
         """
         vocab = self.namespace.vocab_size
         new = as_tokens(tokens, vocab, what="accepted tokens")
+        checked = None
+        if rejected is not None:
+            checked = [(_offset(off, new.size), as_tokens(b, vocab, what="rejected branch")) for off, b in rejected]
+        self.accept_checked(session, new, checked)
+
+    def accept_checked(
+        self, session: Session, new: np.ndarray, rejected: Sequence[tuple[int, np.ndarray]] | None = None
+    ) -> None:
+        """:meth:`accept` for tokens (and branches, their offsets in range) already checked
+        against the namespace: a contiguous int32 array with every id in the vocabulary."""
         if new.size == 0:
             return
         ahead = select(session.prefetched, new) if session.prefetched else None
         tree = session.last_tree
         path = kernels.accepted_path(tree.tokens, tree.parents, new) if tree is not None and len(tree) else None
         self._count(session, path, ahead is not None)
-        if rejected is None:
-            branches = self._rejected_branches(session, new, path)
-        else:
-            branches = [(_offset(off, new.size), as_tokens(b, vocab, what="rejected branch")) for off, b in rejected]
+        branches = self._rejected_branches(session, new, path) if rejected is None else rejected
         self._calibrate(session, int(new[0]))
         if branches:  # each keyed by the context tail where it branched off
-            before = session.context.tokens[-self.config.rejected.leader_len :]
-            tail = np.concatenate((before, new))
+            before = session.context.tokens[-self.config.rejected.leader_len :].tolist()
+            tail = before + new.tolist()
             for depth, branch in branches:
-                session.rejected.record(tail[: before.size + depth], branch)
+                session.rejected.record_at(tail, len(before) + depth, branch)
         session.context.extend(new)
         # A tree drafted ahead for this outcome is what the decoder verifies next.
         session.last_tree, session.guesses, session.prefetched = ahead, {}, {}
