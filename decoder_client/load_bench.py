@@ -9,7 +9,8 @@ stands for the target model's verification time between two draft calls; 0 steps
 (the service's saturation throughput). Replicas are taken round robin by decoder.
 
 The parent process collects every step's client-visible latency and, for processes on this
-host (``watch_pids``), samples resident memory and CPU time once a second.
+host (``watch_pids``, the servers), samples resident memory and CPU time once a second, and
+reports the server CPU one sequence-draft costs.
 """
 
 from __future__ import annotations
@@ -246,6 +247,13 @@ def summarise(
         out["prespeculation_hit_rate"] = round(hits / max(1, hits + misses), 4)
     if samples and config.watch_pids:
         out["processes"] = _process_report(samples, config.watch_pids)
+        # The watched processes are the servers: the CPU a sequence-draft costs them, and so
+        # how many one fully used core serves (what a server process can reach with a core
+        # to itself, however the machine is shared during the run).
+        cores = sum(p["cpu_cores_used"] for p in out["processes"].values())
+        if cores > 0 and out["server_drafts_per_s"] > 0:
+            out["server_cpu_us_per_draft"] = round(cores * 1e6 / out["server_drafts_per_s"], 1)
+            out["drafts_per_server_core_s"] = round(out["server_drafts_per_s"] / cores, 1)
     if config.timeline_s > 0:
         out["timeline"] = _timeline(config, results, samples)
     return out

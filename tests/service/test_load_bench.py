@@ -120,6 +120,19 @@ def test_timeline_reports_each_window() -> None:
     assert [row["sequence_steps_per_s"] for row in rows] == [2.0, 2.0]  # 2 steps x batch 2 per 2 s
 
 
+def test_server_cpu_per_draft_from_watched_processes() -> None:
+    config = LoadConfig(targets=("x",), namespace="ns", traces=Path("t"), batch=2, seconds=4.0, watch_pids=(7, 8))
+    r = DecoderResult(steps=4, sequence_drafts=8, latencies=[0.001] * 4, started=[0.5, 1.0, 2.5, 3.0])
+    r.seconds = 4.0
+    # Over 2 s, process 7 used 1 CPU second and process 8 0.5: 0.75 cores for 2 drafts/s.
+    samples = [(1.0, {7: (100.0, 1.0), 8: (50.0, 2.0)}), (3.0, {7: (100.0, 2.0), 8: (50.0, 2.5)})]
+    out = summarise(config, [r], samples, server_drafts=8, elapsed=4)
+    assert out["processes"]["7"]["cpu_cores_used"] == 0.5 and out["processes"]["8"]["cpu_cores_used"] == 0.25
+    assert out["server_cpu_us_per_draft"] == pytest.approx(375_000)
+    assert out["drafts_per_server_core_s"] == pytest.approx(2 / 0.75, abs=0.1)
+    assert "server_cpu_us_per_draft" not in summarise(config, [r], [], server_drafts=8, elapsed=4)
+
+
 def test_timeline_needs_watched_pids_for_memory() -> None:
     config = LoadConfig(
         targets=("x",), namespace="ns", traces=Path("t"), batch=1, seconds=2.0, timeline_s=1.0, watch_pids=(7,)
