@@ -4,7 +4,8 @@ service, the way inference replicas use it.
 Each decoder process embeds a :class:`DraftClient` and keeps ``batch`` requests in flight, taken
 from a trace file in turn: one batched draft call per step, the accepted length judged against
 the recorded continuation (exact for greedy decoding), the produced tokens sent with the next
-call, a finished request closed (committed) and replaced by the next one. ``step_interval_s``
+call; the requests that finish in a step are closed (committed) together and replaced by the
+next ones, opened in one call. ``step_interval_s``
 stands for the target model's verification time between two draft calls; 0 steps back to back
 (the service's saturation throughput). Replicas are taken round robin by decoder.
 
@@ -115,7 +116,7 @@ def run_decoder(config: LoadConfig, index: int) -> DecoderResult:
         )
     )
     result = DecoderResult()
-    slots = [slot for slot in (_open(client, source) for _ in range(config.batch)) if slot is not None]
+    slots = _open_many(client, source, config.batch)
     result.requests = len(slots)
     first = time.monotonic()
     stop = first + config.seconds
@@ -129,21 +130,20 @@ def run_decoder(config: LoadConfig, index: int) -> DecoderResult:
         result.fallbacks += client.stats.fallback - before
         result.sequence_drafts += len(slots) - (client.stats.fallback - before)
         still: list[_Slot] = []
+        done: list[_Slot] = []
         for slot, tree in zip(slots, trees, strict=True):
             n = len(tree.accept(slot.output[slot.pos :])) + 1
             slot.pending = slot.output[slot.pos : slot.pos + n].tolist()
             slot.pos += n
             result.tokens += len(slot.pending)
             result.sequence_steps += 1
-            if slot.pos < slot.output.size:
-                still.append(slot)
-                continue
-            client.add_tokens([slot.session], [slot.pending])
-            client.close([slot.session])
-            following = _open(client, source)
-            if following is not None:
-                still.append(following)
-                result.requests += 1
+            (still if slot.pos < slot.output.size else done).append(slot)
+        if done:  # requests that finished this step end together, and their successors open together
+            client.add_tokens([d.session for d in done], [d.pending for d in done])
+            client.close([d.session for d in done])
+            following = _open_many(client, source, len(done))
+            still.extend(following)
+            result.requests += len(following)
         slots = still
         if config.step_interval_s:
             time.sleep(max(0.0, began + config.step_interval_s - time.perf_counter()))
@@ -155,12 +155,13 @@ def run_decoder(config: LoadConfig, index: int) -> DecoderResult:
     return result
 
 
-def _open(client: DraftClient, source: Iterator[tuple[np.ndarray, np.ndarray]]) -> _Slot | None:
-    request = next(source, None)
-    if request is None:
-        return None
-    (session,) = client.open([request[0]])
-    return _Slot(session, request[1])
+def _open_many(client: DraftClient, source: Iterator[tuple[np.ndarray, np.ndarray]], count: int) -> list[_Slot]:
+    """Up to ``count`` next requests, opened in one call."""
+    requests = [r for r in (next(source, None) for _ in range(count)) if r is not None]
+    if not requests:
+        return []
+    sessions = client.open([prompt for prompt, _ in requests])
+    return [_Slot(session, output) for session, (_, output) in zip(sessions, requests, strict=True)]
 
 
 def _worker(config: LoadConfig, index: int, results: mp.Queue) -> None:
