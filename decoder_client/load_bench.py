@@ -5,9 +5,9 @@ Each decoder process embeds a :class:`DraftClient` and keeps ``batch`` requests 
 from a trace file in turn: one batched draft call per step, the accepted length judged against
 the recorded continuation (exact for greedy decoding), the produced tokens sent with the next
 call; the requests that finish in a step are closed (committed) together and replaced by the
-next ones, opened in one call. ``step_interval_s``
-stands for the target model's verification time between two draft calls; 0 steps back to back
-(the service's saturation throughput). Replicas are taken round robin by decoder.
+next ones, opened in one call. ``step_interval_s`` stands for the target model's verification
+time between two draft calls; 0 steps back to back (the service's saturation throughput).
+Replicas are taken round robin by decoder.
 
 The parent process collects every step's client-visible latency and, for processes on this
 host (``watch_pids``, the servers), samples resident memory and CPU time once a second, and
