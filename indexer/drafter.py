@@ -329,7 +329,8 @@ class NamespaceDrafter:
         best = 0
         hits: list[tuple[SuffixIndex, int, int]] = []
         for index in self.memory.suffix_indexes():
-            n, first, last = index.longest_match(ctx, self.config.max_match, hint=hint)
+            # Only a match as long as the best so far matters: later indexes search less.
+            n, first, last = index.longest_match(ctx, self.config.max_match, min_len=max(best, 1), hint=hint)
             if n > best:
                 best, hits = n, []
             if n and n == best:
