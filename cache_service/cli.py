@@ -180,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add(bl, "--passes", type=int, default=1, help="times each decoder replays its share of the requests (0: no end)")
     _add(bl, "--lookahead", type=int, default=0, help="pre-speculation: outcomes drafted ahead per step")
     _add(bl, "--timeline", type=float, default=0.0, help="also report each window of this many seconds")
+    bl.add_argument("--unary", action="store_true", help="one unary call per draft instead of the stream")
     bl.add_argument("--watch-pid", type=int, action="append", default=[], help="sample this process's memory and CPU")
 
     bg = sub.add_parser("bench-generate", help="tokens/s of real decoding: greedy vs prompt lookup vs draftcache")
@@ -521,6 +522,7 @@ def cmd_bench_load(a: argparse.Namespace) -> int:
         passes=a.passes,
         lookahead=a.lookahead,
         timeline_s=a.timeline,
+        stream=not a.unary,
     )
     print(json.dumps(run_load(config), indent=2))
     return 0

@@ -6,13 +6,22 @@ the service is slow or down, the client answers from a local fallback drafter (p
 over the session's own context) instead, so decoding never waits on the cache. A session whose
 server copy may have missed tokens (a call that failed midway) is re-opened with its full
 context the next time the service answers.
+
+Draft calls travel on one long-lived bidirectional stream per client (``stream=True``, the
+default): a message on an open stream costs the service about half of what a unary call does.
+Opens, feedback and closes stay unary calls with their own timeout, so a long prompt being
+indexed or a commit never holds up the drafts queued behind it on the stream.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import itertools
 import logging
+import queue
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -54,6 +63,7 @@ class ClientConfig:
     control_timeout_s: float = 1.0  # open / close calls
     retry_after_s: float = 0.5  # after a failure, skip the service this long
     lookahead: int = 0  # pre-speculation: outcomes drafted ahead per step (0: off)
+    stream: bool = True  # draft calls on one bidirectional stream (False: one unary call each)
     token: str = ""  # bearer token, when the service authenticates callers
     tls_root_cert_file: str = ""  # PEM CA of the service's certificate: use TLS
     tls_cert_file: str = ""  # this client's certificate and key, for mutual TLS
@@ -248,6 +258,146 @@ class _Core:
         return (pb.FeedbackRequest(items=tail) if tail else None), (close if live else None)
 
 
+class _StreamEnded(grpc.RpcError):
+    """The service ended a draft stream without a status (it is replaced at the next call)."""
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return "draft stream ended"
+
+
+class _StreamFuture:
+    """One draft's reply on a :class:`_DraftStream`, with a unary call future's interface:
+    ``result`` raises ``grpc.FutureTimeoutError`` past its timeout and the stream's status if
+    the stream broke; ``cancel`` forgets the request (a late reply is dropped)."""
+
+    def __init__(self, stream: _DraftStream, request_id: int) -> None:
+        self._stream = stream
+        self._id = request_id
+        self.future: concurrent.futures.Future[pb.DraftResponse] = concurrent.futures.Future()
+
+    def result(self, timeout: float | None = None) -> pb.DraftResponse:
+        try:
+            return self.future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise grpc.FutureTimeoutError() from None
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def cancel(self) -> bool:
+        self._stream.forget(self._id)
+        return True
+
+
+class _DraftStream:
+    """Draft requests on one bidirectional stream. A reader thread matches replies to requests
+    by id; when the stream breaks, every request in flight fails with its status and
+    ``error`` tells the owner to start another."""
+
+    def __init__(self, stub: pb_grpc.DraftCacheStub, metadata: tuple[tuple[str, str], ...]) -> None:
+        self._out: queue.SimpleQueue[pb.StreamRequest | None] = queue.SimpleQueue()
+        self._waiting: dict[int, concurrent.futures.Future[pb.DraftResponse]] = {}
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self.error: grpc.RpcError | None = None
+        self._call = stub.Stream(iter(self._out.get, None), metadata=metadata)
+        self._reader = threading.Thread(target=self._read, name="draftcache-stream", daemon=True)
+        self._reader.start()
+
+    def draft(self, request: pb.DraftRequest) -> _StreamFuture:
+        reply = _StreamFuture(self, next(self._ids))
+        with self._lock:
+            if self.error is not None:
+                reply.future.set_exception(self.error)
+                return reply
+            self._waiting[reply._id] = reply.future
+        self._out.put(pb.StreamRequest(request_id=reply._id, draft=request))
+        return reply
+
+    def forget(self, request_id: int) -> None:
+        with self._lock:
+            self._waiting.pop(request_id, None)
+
+    def _read(self) -> None:
+        error: grpc.RpcError = _StreamEnded()
+        try:
+            for msg in self._call:
+                with self._lock:
+                    future = self._waiting.pop(msg.request_id, None)
+                if future is not None:
+                    future.set_result(msg.draft)
+        except grpc.RpcError as exc:
+            error = exc
+        with self._lock:
+            self.error = error
+            waiting, self._waiting = self._waiting, {}
+        for future in waiting.values():
+            future.set_exception(error)
+
+    def close(self, timeout: float) -> None:
+        """Half-close (the service answers what it holds, then ends the stream), then cancel."""
+        self._out.put(None)
+        self._reader.join(timeout)
+        self._call.cancel()
+
+
+class _AsyncDraftStream:
+    """The asyncio twin of :class:`_DraftStream`: a reader task matches replies to requests."""
+
+    def __init__(self, stub: pb_grpc.DraftCacheStub, metadata: tuple[tuple[str, str], ...]) -> None:
+        self._call = stub.Stream(metadata=metadata)
+        self._waiting: dict[int, asyncio.Future[pb.DraftResponse]] = {}
+        self._ids = itertools.count(1)
+        self.error: grpc.RpcError | None = None
+        self._reader = asyncio.ensure_future(self._read())
+
+    async def draft(self, request: pb.DraftRequest) -> asyncio.Future[pb.DraftResponse]:
+        """The reply's future (a request given up on needs nothing more: its late reply is
+        dropped)."""
+        reply: asyncio.Future[pb.DraftResponse] = asyncio.get_running_loop().create_future()
+        if self.error is not None:
+            reply.set_exception(self.error)
+            return reply
+        request_id = next(self._ids)
+        self._waiting[request_id] = reply
+        try:
+            await self._call.write(pb.StreamRequest(request_id=request_id, draft=request))
+        except (grpc.RpcError, asyncio.InvalidStateError) as exc:  # the stream is over
+            self._broken(exc if isinstance(exc, grpc.RpcError) else _StreamEnded())
+        return reply
+
+    async def _read(self) -> None:
+        error: grpc.RpcError = _StreamEnded()
+        try:
+            while (msg := await self._call.read()) is not grpc.aio.EOF:
+                reply = self._waiting.pop(msg.request_id, None)
+                if reply is not None and not reply.done():
+                    reply.set_result(msg.draft)
+        except grpc.RpcError as exc:
+            error = exc
+        except asyncio.CancelledError:
+            pass
+        self._broken(error)
+
+    def _broken(self, error: grpc.RpcError) -> None:
+        self.error = self.error or error
+        waiting, self._waiting = self._waiting, {}
+        for reply in waiting.values():
+            if not reply.done():
+                reply.set_exception(self.error)
+
+    async def close(self, timeout: float) -> None:
+        with contextlib.suppress(grpc.RpcError, asyncio.InvalidStateError):
+            await self._call.done_writing()
+        with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+            await asyncio.wait_for(asyncio.shield(self._reader), timeout)
+        self._call.cancel()
+        self._reader.cancel()
+
+
 class DraftClient:
     """Sync client; see the module docstring.
 
@@ -266,9 +416,10 @@ class DraftClient:
             else grpc.secure_channel(config.target, creds, options=RECONNECT_OPTIONS)
         )
         self._stub = pb_grpc.DraftCacheStub(self._channel)
-        self._inflight: tuple[list[ClientSession], grpc.Future] | None = None
+        self._inflight: tuple[list[ClientSession], grpc.Future | _StreamFuture] | None = None
         self._opening: tuple[list[ClientSession], list[int], pb.OpenSessionsRequest, grpc.Future] | None = None
         self._background: list[grpc.Future] = []  # calls nobody waits for (kept alive until done)
+        self._stream: _DraftStream | None = None
 
     @property
     def config(self) -> ClientConfig:
@@ -297,14 +448,37 @@ class DraftClient:
         ready, rest = self._core.split_ahead(sessions, new_tokens)
         req = self._core.draft_request(rest)
         left = end - time.monotonic()
-        resp = self._call(self._stub.Draft, req, left) if req is not None and left > 0 else None
+        resp = self._draft(req, left) if req is not None and left > 0 else None
         fresh = dict(zip(map(id, rest), self._core.trees(rest, resp), strict=True))
         ahead = [s for s in sessions if id(s) in ready]
         req = self._core.draft_request(ahead)
         if req is not None:
-            future = self._stub.Draft.future(req, timeout=self.config.control_timeout_s, metadata=self.config.metadata)
-            self._inflight = (ahead, future)
+            self._inflight = (ahead, self._draft_future(req, self.config.control_timeout_s))
         return [ready[id(s)] if id(s) in ready else fresh[id(s)] for s in sessions]
+
+    def _draft(self, req: pb.DraftRequest, timeout: float) -> pb.DraftResponse | None:
+        """The service's reply within ``timeout``, or None (the call failed or was late)."""
+        if not self.config.stream:
+            return self._call(self._stub.Draft, req, timeout)
+        reply = self._draft_future(req, timeout)
+        try:
+            return reply.result(timeout)
+        except grpc.FutureTimeoutError:
+            reply.cancel()
+            self._core.failed(None)
+        except grpc.RpcError as exc:
+            self._core.failed(exc)
+        return None
+
+    def _draft_future(self, req: pb.DraftRequest, timeout: float) -> grpc.Future | _StreamFuture:
+        """A draft call under way, on the stream (started again if it broke) or unary."""
+        if not self.config.stream:
+            return self._stub.Draft.future(req, timeout=timeout, metadata=self.config.metadata)
+        if self._stream is None or self._stream.error is not None:
+            if self._stream is not None:
+                self._stream.close(0)
+            self._stream = _DraftStream(self._stub, self.config.metadata)
+        return self._stream.draft(req)
 
     def _settle(self, end: float | None = None) -> None:
         """Wait (at most until ``end``, or the deadline) for the background call of the
@@ -356,6 +530,9 @@ class DraftClient:
         for future in self._background:
             with contextlib.suppress(grpc.RpcError, grpc.FutureTimeoutError, grpc.FutureCancelledError):
                 future.result(timeout=self.config.control_timeout_s)
+        if self._stream is not None:
+            self._stream.close(self.config.control_timeout_s)
+            self._stream = None
         self._channel.close()
 
     def _open(self, sessions: Sequence[ClientSession]) -> None:
@@ -424,6 +601,7 @@ class AsyncDraftClient:
         self._inflight: tuple[list[ClientSession], asyncio.Future] | None = None
         self._opening: tuple[list[ClientSession], list[int], pb.OpenSessionsRequest, asyncio.Future] | None = None
         self._background: set[asyncio.Future] = set()
+        self._stream: _AsyncDraftStream | None = None
 
     @property
     def stats(self) -> ClientStats:
@@ -443,16 +621,36 @@ class AsyncDraftClient:
         ready, rest = self._core.split_ahead(sessions, new_tokens)
         req = self._core.draft_request(rest)
         left = end - time.monotonic()
-        resp = await self._call(self._stub.Draft, req, left) if req is not None and left > 0 else None
+        resp = await self._draft(req, left) if req is not None and left > 0 else None
         fresh = dict(zip(map(id, rest), self._core.trees(rest, resp), strict=True))
         ahead = [s for s in sessions if id(s) in ready]
         req = self._core.draft_request(ahead)
         if req is not None:
-            call = self._stub.Draft(
-                req, timeout=self._core.config.control_timeout_s, metadata=self._core.config.metadata
-            )
-            self._inflight = (ahead, asyncio.ensure_future(call))
+            self._inflight = (ahead, await self._draft_future(req, self._core.config.control_timeout_s))
         return [ready[id(s)] if id(s) in ready else fresh[id(s)] for s in sessions]
+
+    async def _draft(self, req: pb.DraftRequest, timeout: float) -> pb.DraftResponse | None:
+        """See :meth:`DraftClient._draft`."""
+        if not self._core.config.stream:
+            return await self._call(self._stub.Draft, req, timeout)
+        try:
+            return await asyncio.wait_for(await self._draft_future(req, timeout), timeout)
+        except TimeoutError:  # wait_for cancelled the reply: a late one is dropped
+            self._core.failed(None)
+        except grpc.RpcError as exc:
+            self._core.failed(exc)
+        return None
+
+    async def _draft_future(self, req: pb.DraftRequest, timeout: float) -> asyncio.Future:
+        """See :meth:`DraftClient._draft_future`."""
+        cfg = self._core.config
+        if not cfg.stream:
+            return asyncio.ensure_future(self._stub.Draft(req, timeout=timeout, metadata=cfg.metadata))
+        if self._stream is None or self._stream.error is not None:
+            if self._stream is not None:
+                await self._stream.close(0)
+            self._stream = _AsyncDraftStream(self._stub, cfg.metadata)
+        return await self._stream.draft(req)
 
     async def _settle(self, end: float | None = None) -> None:
         if self._inflight is None:
@@ -493,6 +691,9 @@ class AsyncDraftClient:
             await self._call(self._stub.CloseSessions, req, self._core.config.control_timeout_s)
         if self._background:
             await asyncio.wait(self._background, timeout=self._core.config.control_timeout_s)
+        if self._stream is not None:
+            await self._stream.close(self._core.config.control_timeout_s)
+            self._stream = None
         await self._channel.close()
 
     def _reopen(self, sessions: Sequence[ClientSession]) -> None:

@@ -47,6 +47,7 @@ class LoadConfig:
     passes: int = 1  # times each decoder goes through its share of the requests (0: no end)
     lookahead: int = 0  # pre-speculation: outcomes drafted ahead per step
     timeline_s: float = 0.0  # also report each window of this many seconds (0: the whole run only)
+    stream: bool = True  # draft calls on the client's bidirectional stream (False: unary calls)
 
     def __post_init__(self) -> None:
         if not self.targets:
@@ -113,6 +114,7 @@ def run_decoder(config: LoadConfig, index: int) -> DecoderResult:
             params=config.params,
             deadline_s=config.deadline_s,
             lookahead=config.lookahead,
+            stream=config.stream,
         )
     )
     result = DecoderResult()
@@ -227,6 +229,7 @@ def summarise(
     stepping = max((r.seconds for r in results), default=config.seconds) or config.seconds
     out: dict = {
         "decoders": config.decoders,
+        "transport": "stream" if config.stream else "unary",
         "batch": config.batch,
         "replicas": len(config.targets),
         "step_interval_ms": config.step_interval_s * 1e3,

@@ -9,6 +9,7 @@ import time
 
 import grpc
 import numpy as np
+import pytest
 from draftcache.v1 import draftcache_pb2 as pb
 from draftcache.v1 import draftcache_pb2_grpc as pb_grpc
 
@@ -48,11 +49,13 @@ def _ns(target: str) -> None:
         pb_grpc.AdminStub(ch).CreateNamespace(request, wait_for_ready=True, timeout=10)
 
 
-def test_remote_drafts_and_fallback_when_the_service_stops() -> None:
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "unary"])
+def test_remote_drafts_and_fallback_when_the_service_stops(stream: bool) -> None:
     port = free_port()
     running = start_service(ServiceConfig(), port=port)
     _ns(running.target)
-    client = DraftClient(ClientConfig(target=running.target, namespace="toy", deadline_s=0.05, retry_after_s=0.2))
+    config = ClientConfig(target=running.target, namespace="toy", deadline_s=0.05, retry_after_s=0.2, stream=stream)
+    client = DraftClient(config)
     stopped = {}
 
     def stop_midway(step: int) -> None:
@@ -81,29 +84,50 @@ def test_remote_drafts_and_fallback_when_the_service_stops() -> None:
 
 
 class _SlowServicer(pb_grpc.DraftCacheServicer):
+    """Answers every draft after ``delays`` (one per call, the last one repeated), with a
+    one-node tree naming the stream request it answers."""
+
+    def __init__(self, delays: list[float]) -> None:
+        self.delays = delays
+
     async def OpenSessions(self, request, context):  # type: ignore[no-untyped-def]
         return pb.OpenSessionsResponse(session_ids=["s"] * len(request.sessions))
 
-    async def Draft(self, request, context):  # type: ignore[no-untyped-def]
-        await asyncio.sleep(0.2)  # far past any draft deadline
-        return pb.DraftResponse(trees=[pb.Tree() for _ in request.items])
+    async def CloseSessions(self, request, context):  # type: ignore[no-untyped-def]
+        return pb.CloseSessionsResponse()
+
+    async def Draft(self, request, context, request_id: int = 0):  # type: ignore[no-untyped-def]
+        await asyncio.sleep(self.delays.pop(0) if len(self.delays) > 1 else self.delays[0])
+        return pb.DraftResponse(trees=[pb.Tree(tokens=[request_id], parents=[-1]) for _ in request.items])
+
+    async def Stream(self, request_iterator, context):  # type: ignore[no-untyped-def]
+        async for req in request_iterator:
+            draft = await self.Draft(req.draft, context, req.request_id)
+            yield pb.StreamResponse(request_id=req.request_id, draft=draft)
 
 
-def test_deadline_holds_against_a_slow_service() -> None:
+def _slow_server(delays: list[float]) -> tuple[asyncio.AbstractEventLoop, grpc.aio.Server, int]:
+    """A server of ``_SlowServicer(delays)`` on its own loop; ``delays`` stays the servicer's."""
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
 
     async def start() -> tuple[grpc.aio.Server, int]:
         server = grpc.aio.server()
-        pb_grpc.add_DraftCacheServicer_to_server(_SlowServicer(), server)
+        pb_grpc.add_DraftCacheServicer_to_server(_SlowServicer(delays), server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         return server, port
 
     server, port = asyncio.run_coroutine_threadsafe(start(), loop).result(10)
+    return loop, server, port
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "unary"])
+def test_deadline_holds_against_a_slow_service(stream: bool) -> None:
+    loop, server, port = _slow_server([0.2])  # far past any draft deadline
     deadline = 0.01
     client = DraftClient(
-        ClientConfig(target=f"127.0.0.1:{port}", namespace="toy", deadline_s=deadline, retry_after_s=0)
+        ClientConfig(target=f"127.0.0.1:{port}", namespace="toy", deadline_s=deadline, retry_after_s=0, stream=stream)
     )
     (session,) = client.open([PROMPT])
     waits = []
@@ -121,6 +145,44 @@ def test_deadline_holds_against_a_slow_service() -> None:
     loop.call_soon_threadsafe(loop.stop)
 
 
+def test_a_late_reply_on_the_stream_is_dropped_not_taken_for_the_next() -> None:
+    from decoder_client.client import AsyncDraftClient
+
+    # The first draft is answered after 150 ms, past the 50 ms deadline; the next ones at once.
+    delays = [0.15, 0.0]
+    loop, server, port = _slow_server(delays)
+    config = ClientConfig(target=f"127.0.0.1:{port}", namespace="toy", deadline_s=0.05, retry_after_s=0)
+    try:
+        client = DraftClient(config)
+        (session,) = client.open([PROMPT])
+        client.draft([session], [[]])
+        time.sleep(0.2)  # the late reply arrives meanwhile
+        client.draft([session], [[]])  # re-opened in the background: local
+        time.sleep(0.05)
+        (third,) = client.draft([session], [[]])
+        # Request 1 fell back; request 2 had no server copy; request 3's tree is its own reply.
+        assert client.stats.fallback == 2 and client.stats.remote == 1
+        assert third.tokens.tolist() == [2]  # the stream's second request: the first was dropped
+        client.shutdown()
+
+        async def scenario() -> list[int]:
+            delays[:] = [0.15, 0.0]
+            aclient = AsyncDraftClient(config)
+            (session,) = await aclient.open([PROMPT])
+            await aclient.draft([session], [[]])
+            await asyncio.sleep(0.2)
+            await aclient.draft([session], [[]])
+            await asyncio.sleep(0.05)
+            (tree,) = await aclient.draft([session], [[]])
+            await aclient.shutdown()
+            return tree.tokens.tolist()
+
+        assert asyncio.run(scenario()) == [2]
+    finally:
+        asyncio.run_coroutine_threadsafe(server.stop(0), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+
+
 def test_chain_proposer_over_the_service(running) -> None:  # type: ignore[no-untyped-def]
     from decoder_client.adapters import ChainProposer
 
@@ -132,14 +194,16 @@ def test_chain_proposer_over_the_service(running) -> None:  # type: ignore[no-un
     proposer.finish("r1")
 
 
-def test_async_client_drafts_and_falls_back() -> None:
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "unary"])
+def test_async_client_drafts_and_falls_back(stream: bool) -> None:
     from decoder_client.client import AsyncDraftClient
 
     running = start_service(ServiceConfig())
     _ns(running.target)
 
     async def scenario() -> tuple[list[int], list[int], int, int]:
-        client = AsyncDraftClient(ClientConfig(target=running.target, namespace="toy", deadline_s=0.5))
+        config = ClientConfig(target=running.target, namespace="toy", deadline_s=0.5, stream=stream)
+        client = AsyncDraftClient(config)
         (session,) = await client.open([PROMPT + TEXT[:2]])
         (remote_tree,) = await client.draft([session], [[]])
         stop_service(running)  # gone: the next call must not wait for it
