@@ -10,11 +10,11 @@ the lifetime indexes, and each keeps only the requests past the shared generatio
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
 from collections import deque
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +36,9 @@ from indexer.session import SessionSnapshot, TableItems
 
 logger = logging.getLogger(__name__)
 
+
 SAVE_BATCH = 256  # sessions written per pipelined round trip
+FLUSH_BATCH = 256  # queued commits appended to the log per call
 
 
 class RedisPersistence:
@@ -79,13 +81,14 @@ class RedisPersistence:
         except StorageUnavailable as exc:
             raise Unavailable(f"storage unavailable: {exc}") from exc
 
-    def request_committed(self, namespace: str, tokens: np.ndarray) -> None:
-        """Queue a commit and try to write it now, so it is durable when the caller is answered;
-        if storage is down it stays queued for the sync job."""
+    def requests_committed(self, namespace: str, requests: list[np.ndarray]) -> None:
+        """Queue commits and try to write them now, so they are durable when the caller is
+        answered; if storage is down they stay queued for the sync job."""
         with self._lock:
-            if len(self._pending) >= self._max_pending:
+            if len(self._pending) + len(requests) > self._max_pending:
                 raise Unavailable(f"{len(self._pending)} commits are waiting for storage; try again later")
-            self._pending.append((namespace, tokens, time.monotonic()))
+            now = time.monotonic()
+            self._pending.extend((namespace, tokens, now) for tokens in requests)
         with self._sync_lock:
             try:
                 self._flush()
@@ -120,7 +123,7 @@ class RedisPersistence:
                 appends.append((sid, change.held, change.tokens, change.rejected))
                 continue
             snap = change.snapshot
-            params = asdict(change.params)
+            params = dict(vars(change.params))  # flat: asdict's deep copy costs more
             state = SessionState(
                 namespace=change.namespace, context=snap.context, prompt_len=snap.prompt_len, params=params
             )
@@ -226,14 +229,25 @@ class RedisPersistence:
                 service.create_namespace(name, vocab, persist=False)
 
     def _flush(self) -> None:
+        """Write queued commits in order, each run of one namespace's in one append."""
         while self._pending:
-            ns, tokens, _ = self._pending[0]
-            ids = self.store.append_requests(ns, [tokens])
+            with self._lock:
+                ns = self._pending[0][0]
+                run = []
+                for pending in itertools.islice(self._pending, FLUSH_BATCH):
+                    if pending[0] != ns:
+                        break
+                    run.append(pending)
+            requests = [tokens for _, tokens, _ in run]
+            ids = self.store.append_requests(ns, requests)
             with self._lock:
                 self._own.update(ids)
-                self._pending.popleft()
-            if self.shared is not None and self._service is not None:  # where it falls in the log
-                self._service.namespace(ns).memory.mark_logged(tokens, position(ids[0]))
+                for _ in run:
+                    self._pending.popleft()
+            if self.shared is not None and self._service is not None:  # where they fall in the log
+                memory = self._service.namespace(ns).memory
+                for tokens, log_id in zip(requests, ids, strict=True):
+                    memory.mark_logged(tokens, position(log_id))
 
     def _follow(self, service: DraftService, ns: str) -> None:
         entries = self.store.read_log(ns, after_id=self._last.get(ns, "0"))

@@ -111,7 +111,7 @@ class Persistence(Protocol):
 
     def namespace_created(self, name: str, vocab_size: int) -> None: ...
 
-    def request_committed(self, namespace: str, tokens: np.ndarray) -> None: ...
+    def requests_committed(self, namespace: str, requests: list[np.ndarray]) -> None: ...
 
     def reload_priors(self, service: DraftService) -> None: ...
 
@@ -358,19 +358,20 @@ class DraftService:
         for entry, item in entries:
             if not 0 <= item.commit_from <= len(entry.session.context):
                 raise InvalidArgument(f"commit_from {item.commit_from} is outside the session's context")
-        jobs: list[Callable[[], None]] = []
+        commits: dict[str, list[tuple[SessionEntry, int]]] = {}
         for entry, item in entries:
             self.sessions.pop(entry.sid)
             self._dirty.discard(entry.sid)
             self._closed.add(entry.sid)
             if item.commit:
-                jobs.append(partial(self._commit, entry, item.commit_from))
-        return jobs
+                commits.setdefault(entry.namespace, []).append((entry, item.commit_from))
+        return [partial(self._commit, namespace, group) for namespace, group in commits.items()]
 
-    def _commit(self, entry: SessionEntry, commit_from: int) -> None:
-        added = entry.drafter.close(entry.session, commit=True, commit_from=commit_from)
-        if self._persistence is not None and added is not None:
-            self._persistence.request_committed(entry.namespace, added)
+    def _commit(self, namespace: str, group: list[tuple[SessionEntry, int]]) -> None:
+        """One namespace's commits of a close call, together: one index run, one log append."""
+        added = self.namespace(namespace).close_many([(entry.session, start) for entry, start in group])
+        if self._persistence is not None and added:
+            self._persistence.requests_committed(namespace, added)
 
     def _entry(self, sid: str, principal: Principal | None = None) -> SessionEntry:
         """A live session, or one continued from storage (opened on another replica). A session

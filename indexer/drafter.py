@@ -264,16 +264,21 @@ class NamespaceDrafter:
         memory already holds (the earlier turns a multi-turn request repeats) is not added
         again, past an overlap of ``max_match`` tokens that keeps the junction searchable.
         Returns the tokens added."""
-        if not commit:
-            return None
-        tokens = session.context.tokens
-        if not 0 <= commit_from <= tokens.size:
-            raise ValueError(f"commit_from must be in [0, {tokens.size}], got {commit_from}")
-        known = self.memory.known_prefix(tokens) - self.config.max_match
-        start = max(commit_from, known if known >= MIN_SKIP else 0)
-        prompt = tokens[: session.prompt_len]
-        added = tokens[start:].copy()
-        self.memory.commit(added, prompt=prompt, response=session.generated)
+        return self.close_many([(session, commit_from)])[0] if commit else None
+
+    def close_many(self, closing: Sequence[tuple[Session, int]]) -> list[np.ndarray]:
+        """:meth:`close` with commit for several requests ``(session, commit_from)`` at once,
+        indexed together (one run of the lifetime memory's delta, not one each)."""
+        added, exact = [], []
+        for session, commit_from in closing:
+            tokens = session.context.tokens
+            if not 0 <= commit_from <= tokens.size:
+                raise ValueError(f"commit_from must be in [0, {tokens.size}], got {commit_from}")
+            known = self.memory.known_prefix(tokens) - self.config.max_match
+            start = max(commit_from, known if known >= MIN_SKIP else 0)
+            added.append(tokens[start:].copy())
+            exact.append((tokens[: session.prompt_len], session.generated))
+        self.memory.commit_many(added, exact=exact)
         return added
 
     # -- tiers -------------------------------------------------------------------------------

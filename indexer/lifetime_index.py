@@ -24,6 +24,7 @@ import hashlib
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -168,15 +169,26 @@ class LifetimeMemory:
             if prompt is not None and response is not None:
                 self._remember(prompt, response)
 
-    def commit_many(self, requests: list[np.ndarray], log_ids: list[LogId] | None = None) -> None:
-        """Bulk-add finished requests (a restore or a load): one delta rebuild, not one each.
-        ``log_ids``: their positions in the shared log, when they came from it."""
+    def commit_many(
+        self,
+        requests: list[np.ndarray],
+        log_ids: list[LogId] | None = None,
+        *,
+        exact: Sequence[tuple[np.ndarray, np.ndarray]] | None = None,
+    ) -> None:
+        """Bulk-add finished requests (several closing at once, a restore, a load): one delta
+        run, not one each. ``log_ids``: their positions in the shared log, when they came from
+        it; ``exact``: each one's ``(prompt, response)`` for exact hits, as in :meth:`commit`."""
         if log_ids is not None and len(log_ids) != len(requests):
             raise ValueError("one log id per request")
+        if exact is not None and len(exact) != len(requests):
+            raise ValueError("one (prompt, response) pair per request")
         with self._lock:
             if requests:
                 ids = log_ids if log_ids is not None else [None] * len(requests)
                 self._add_run([self._append(tokens, i) for tokens, i in zip(requests, ids, strict=True)])
+            for prompt, response in exact or ():
+                self._remember(prompt, response)
 
     def mark_logged(self, tokens: np.ndarray, log_id: LogId) -> bool:
         """Record the log position of a request this process committed (the newest one with

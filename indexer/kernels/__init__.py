@@ -60,6 +60,8 @@ def warm_up() -> None:
     toks = np.array([1, 2, 1, 2, 2147483647], dtype=np.int32)
     sa = np.array([0, 2, 1, 3, 4], dtype=np.int32)
     longest_match(toks, sa, np.array([1, 2], dtype=np.int32), 4, 1, 0)
+    match_range(toks, sa, np.array([1], dtype=np.int32), 0, 5)
+    sample_starts(sa, 0, 2, 2)
     tail_matches(np.array([1, 2, 1], dtype=np.int32), 0, 4)
     prompt_lookup_start(np.array([1, 2, 1], dtype=np.int32), 1, 3)
     recent_followers(toks, sa[:1], 2, 0, 1, 1, 2)

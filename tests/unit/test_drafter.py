@@ -3,6 +3,7 @@ import pytest
 
 from indexer.calibration import Calibrator
 from indexer.drafter import DrafterConfig, DraftParams, NamespaceDrafter
+from indexer.lifetime_index import prompt_key
 from indexer.prior import PriorConfig, StaticPrior
 from indexer.tokens import SEPARATOR, Namespace
 from indexer.tree_builder import Tier
@@ -408,3 +409,24 @@ def test_commit_follows_turns_committed_piece_by_piece():
         context = np.concatenate((context, rng.integers(0, 100, 60).astype(np.int32)))
         added = d.close(d.open(context), commit=True)
         assert added is not None and added.size == 60 + cfg.max_match
+
+
+def test_close_many_commits_what_closing_one_by_one_does():
+    one, many = _drafter(), _drafter()
+    turns = [([10, 11, 12], [20, 21]), ([30, 31], [32, 33, 34]), ([10, 11, 12], [22])]
+    sessions = {}
+    for d in (one, many):
+        sessions[id(d)] = []
+        for prompt, response in turns:
+            s = d.open(prompt)
+            d.accept(s, response)
+            sessions[id(d)].append(s)
+    for s in sessions[id(one)]:
+        one.close(s, commit=True)
+    added = many.close_many([(s, 0) for s in sessions[id(many)]])
+    # The same tokens join the buffer, and the exact-prompt cache keeps the last response.
+    assert [a.tolist() for a in added] == [p + r for p, r in turns]
+    assert one.memory.buffer.snapshot().tolist() == many.memory.buffer.snapshot().tolist()
+    for d in (one, many):
+        assert d.memory.exact_response(prompt_key(_a([10, 11, 12]))).tolist() == [22]
+        assert d.memory.exact_response(prompt_key(_a([30, 31]))).tolist() == [32, 33, 34]

@@ -1,0 +1,100 @@
+"""Commits: the requests one close call commits join the lifetime memory together (one index
+run) and the shared log in one append, in order, each with its exact prompt -> response entry.
+On a real Redis."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cache_service.config import EmbeddedRedisConfig, ServiceConfig
+from cache_service.embedded_redis import EmbeddedRedis
+from cache_service.errors import Unavailable
+from cache_service.persistence import RedisPersistence
+from cache_service.service import CloseItem, DraftItem, DraftService, OpenItem
+from cache_service.storage.connect import connect
+from cache_service.storage.redis_store import RedisStore
+from indexer import lifetime_index
+from indexer.lifetime_index import prompt_key
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[RedisStore]:
+    server = EmbeddedRedis(EmbeddedRedisConfig(data_dir=tmp_path, appendonly=False)).start()
+    yield RedisStore(connect(server.url))
+    server.stop()
+
+
+def _log(store: RedisStore, ns: str) -> list[list[int]]:
+    return [list(entry.tokens) for entry in store.read_log(ns)]
+
+
+def test_one_close_call_commits_its_requests_together(store: RedisStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    persistence = RedisPersistence(store, max_pending=100)
+    svc = DraftService(ServiceConfig(), persistence)
+    svc.create_namespace("a", 100)
+    svc.create_namespace("b", 100)
+    prompts = {"a": [[1, 2, 3], [4, 5, 6], [7, 8, 9]], "b": [[10, 11, 12]]}
+    sids = {ns: svc.open([OpenItem(ns, p) for p in ps]) for ns, ps in prompts.items()}
+    for ids in sids.values():
+        svc.draft_ahead([DraftItem(sid, np.array([40 + i, 50], dtype=np.int32)) for i, sid in enumerate(ids)])
+    built: list[int] = []
+
+    class Counted(lifetime_index.SuffixIndex):
+        def __init__(self, tokens: np.ndarray) -> None:
+            built.append(tokens.size)
+            super().__init__(tokens)
+
+    monkeypatch.setattr(lifetime_index, "SuffixIndex", Counted)
+    # Sessions of two namespaces close in one call: one commit job per namespace.
+    jobs = svc.close([CloseItem(sid) for ids in sids.values() for sid in ids])
+    assert len(jobs) == 2
+    for job in jobs:
+        job()
+    memory = svc.namespace("a").memory
+    # One suffix array per namespace, over all of its requests (one by one, "a" alone takes 5:
+    # a run per request and two merges).
+    assert sorted(built) == [6, 18] and memory.requests == 3
+    # Each request is in the log in close order, and each prompt maps to its own response.
+    assert _log(store, "a") == [[*p, 40 + i, 50] for i, p in enumerate(prompts["a"])]
+    assert _log(store, "b") == [[10, 11, 12, 40, 50]]
+    for i, p in enumerate(prompts["a"]):
+        got = memory.exact_response(prompt_key(np.array(p, dtype=np.int32)))
+        assert got is not None and got.tolist() == [40 + i, 50]
+    assert persistence.pending == 0
+
+
+def test_commits_queued_while_storage_is_down_are_written_in_order(tmp_path: Path) -> None:
+    server = EmbeddedRedis(EmbeddedRedisConfig(data_dir=tmp_path, appendonly=True)).start()
+    store = RedisStore(connect(server.url))
+    persistence = RedisPersistence(store, max_pending=5)
+    requests = [np.array([i, i + 1], dtype=np.int32) for i in range(4)]
+    server.stop()  # storage goes away: commits queue up in order
+    persistence.requests_committed("a", requests[:2])
+    persistence.requests_committed("b", requests[2:3])
+    persistence.requests_committed("a", requests[3:])
+    assert persistence.pending == 4
+    # The queue is bounded: past max_pending a commit is refused, not dropped silently.
+    with pytest.raises(Unavailable, match="waiting for storage"):
+        persistence.requests_committed("a", requests[:2])
+    server = EmbeddedRedis(EmbeddedRedisConfig(data_dir=tmp_path, appendonly=True, port=server.port)).start()
+    calls: list[tuple[str, int]] = []
+    append = store.append_requests
+
+    def counted(ns: str, batch: list[np.ndarray], **kw: int) -> list[str]:
+        calls.append((ns, len(batch)))
+        return append(ns, batch, **kw)
+
+    store.append_requests = counted  # type: ignore[method-assign]
+    try:
+        persistence.requests_committed("b", [np.array([9], dtype=np.int32)])
+        # Runs of one namespace go in one append each, in queue order.
+        assert calls == [("a", 2), ("b", 1), ("a", 1), ("b", 1)]
+        assert _log(store, "a") == [[0, 1], [1, 2], [3, 4]]
+        assert _log(store, "b") == [[2, 3], [9]]
+        assert persistence.pending == 0
+    finally:
+        server.stop()
