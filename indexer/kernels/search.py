@@ -25,26 +25,58 @@ def _compare(tokens: np.ndarray, start: int, pattern: np.ndarray) -> int:
 
 
 @njit(cache=True, nogil=True)
-def match_range(tokens: np.ndarray, sa: np.ndarray, pattern: np.ndarray, lo: int, hi: int) -> tuple[int, int]:
-    """SA rows in ``[lo, hi)`` whose suffixes start with ``pattern``, as ``(first, last)``."""
-    end = hi
+def _lower_bound(tokens: np.ndarray, sa: np.ndarray, pattern: np.ndarray, lo: int, hi: int) -> int:
+    """The first SA row in ``[lo, hi)`` whose suffix is not smaller than ``pattern``."""
     while lo < hi:
         mid = (lo + hi) >> 1
         if _compare(tokens, sa[mid], pattern) < 0:
             lo = mid + 1
         else:
             hi = mid
-    if lo >= end or _compare(tokens, sa[lo], pattern) != 0:
-        return lo, lo
-    first = lo
-    hi = end
+    return lo
+
+
+@njit(cache=True, nogil=True)
+def _range_end(tokens: np.ndarray, sa: np.ndarray, pattern: np.ndarray, first: int, hi: int) -> int:
+    """Given that row ``first`` starts with ``pattern``, the first row in ``(first, hi]`` that does
+    not. Gallops from ``first``, then bisects: most ranges are short, so this reads a few rows
+    near ``first`` instead of bisecting the whole array again."""
+    lo = first + 1  # rows before lo match
+    step = 1
+    while True:
+        probe = first + step
+        if probe >= hi:
+            break
+        if _compare(tokens, sa[probe], pattern) != 0:
+            hi = probe
+            break
+        lo = probe + 1
+        step <<= 1
     while lo < hi:
         mid = (lo + hi) >> 1
-        if _compare(tokens, sa[mid], pattern) <= 0:
+        if _compare(tokens, sa[mid], pattern) == 0:
             lo = mid + 1
         else:
             hi = mid
-    return first, lo
+    return lo
+
+
+@njit(cache=True, nogil=True)
+def _first_row(tokens: np.ndarray, sa: np.ndarray, pattern: np.ndarray, size: int) -> int:
+    """The first SA row whose suffix starts with ``pattern``, or -1 when none does."""
+    row = _lower_bound(tokens, sa, pattern, 0, size)
+    if row < size and _compare(tokens, sa[row], pattern) == 0:
+        return row
+    return -1
+
+
+@njit(cache=True, nogil=True)
+def match_range(tokens: np.ndarray, sa: np.ndarray, pattern: np.ndarray, lo: int, hi: int) -> tuple[int, int]:
+    """SA rows in ``[lo, hi)`` whose suffixes start with ``pattern``, as ``(first, last)``."""
+    first = _lower_bound(tokens, sa, pattern, lo, hi)
+    if first >= hi or _compare(tokens, sa[first], pattern) != 0:
+        return first, first
+    return first, _range_end(tokens, sa, pattern, first, hi)
 
 
 @njit(cache=True, nogil=True)
@@ -54,33 +86,37 @@ def longest_match(
     """Longest ``n`` in ``[min_len, max_len]`` whose last-``n`` context tokens occur: ``(n, first, last)``.
 
     Matching is monotone in ``n``, so a binary search over ``n`` works; ``hint`` is probed first
-    (with ``hint + 1``), which settles the common case of a match that simply continued.
+    (with ``hint + 1``), which settles the common case of a match that simply continued. A probe
+    only finds the first row; the range's end is found once, for the answer.
     """
     hi_n = min(max_len, context.size)
     size = sa.size
-    best_n, best_f, best_l = 0, 0, 0
     if hi_n < min_len or size == 0:
-        return best_n, best_f, best_l
+        return 0, 0, 0
+    best_n, best_f = 0, -1
     lo_n = min_len - 1
     if min_len <= hint <= hi_n:
-        f, last = match_range(tokens, sa, context[context.size - hint :], 0, size)
-        if f == last:
+        f = _first_row(tokens, sa, context[context.size - hint :], size)
+        if f < 0:
             hi_n = hint - 1
         else:
-            lo_n, best_n, best_f, best_l = hint, hint, f, last
+            lo_n, best_n, best_f = hint, hint, f
             if hint < hi_n:
-                f, last = match_range(tokens, sa, context[context.size - hint - 1 :], 0, size)
-                if f == last:
-                    return best_n, best_f, best_l
-                lo_n, best_n, best_f, best_l = hint + 1, hint + 1, f, last
+                f = _first_row(tokens, sa, context[context.size - hint - 1 :], size)
+                if f < 0:
+                    hi_n = hint
+                else:
+                    lo_n, best_n, best_f = hint + 1, hint + 1, f
     while lo_n < hi_n:
         mid = (lo_n + hi_n + 1) >> 1
-        f, last = match_range(tokens, sa, context[context.size - mid :], 0, size)
-        if f < last:
-            lo_n, best_n, best_f, best_l = mid, mid, f, last
+        f = _first_row(tokens, sa, context[context.size - mid :], size)
+        if f >= 0:
+            lo_n, best_n, best_f = mid, mid, f
         else:
             hi_n = mid - 1
-    return best_n, best_f, best_l
+    if best_n == 0:
+        return 0, 0, 0
+    return best_n, best_f, _range_end(tokens, sa, context[context.size - best_n :], best_f, size)
 
 
 @njit(cache=True, nogil=True)
