@@ -349,10 +349,16 @@ class NamespaceDrafter:
             if hit is not None:
                 conf = self._conf(Tier.LIFETIME_NGRAM, ll)
                 return [(Candidates(Tier.LIFETIME_NGRAM, hit[0], probs=hit[1], confidence=conf), ll)]
-        parts = [index.continuations(first, last, best, depth, self.config.samples) for index, first, last in hits]
-        if len(parts) == 1:
-            rows, weights = parts[0]
-        else:
+        samples = self.config.samples
+        if len(hits) == 1:
+            index, first, last = hits[0]
+            rows, weights = index.continuations(first, last, best, depth, samples)
+        else:  # the samples are shared by the indexes holding the match, by how often each does
+            total = sum(last - first for _, first, last in hits)
+            parts = [
+                index.continuations(first, last, best, depth, -(-samples * (last - first) // total))
+                for index, first, last in hits
+            ]
             rows = np.vstack([p[0] for p in parts])
             weights = np.concatenate([p[1] for p in parts])
         return [(self._weighted(Tier.LIFETIME_SA, best, rows, weights), best)]

@@ -430,3 +430,21 @@ def test_close_many_commits_what_closing_one_by_one_does():
     for d in (one, many):
         assert d.memory.exact_response(prompt_key(_a([10, 11, 12]))).tolist() == [22]
         assert d.memory.exact_response(prompt_key(_a([30, 31]))).tolist() == [32, 33, 34]
+
+
+def test_lifetime_samples_are_shared_by_the_delta_runs_holding_the_match():
+    # The same match in requests committed apart (separate delta runs) and together (one run):
+    # as many continuation rows either way, standing for the same number of occurrences.
+    requests = [[50 + i, 30, 31, 32, 33, 60 + i % 3] for i in range(40)]
+    apart, together = _drafter(), _drafter()
+    apart.memory.commit_many([_a(r) for r in requests[:30]])
+    apart.memory.commit_many([_a(r) for r in requests[30:]])  # too small to merge into the first
+    together.memory.commit_many([_a(r) for r in requests])
+    assert len(apart.memory.suffix_indexes()) == 2 and len(together.memory.suffix_indexes()) == 1
+    ctx = _a([1, 30, 31, 32, 33])
+    samples = DrafterConfig().samples
+    for d in (apart, together):
+        ((cands, n),) = d._lifetime(ctx, depth=4, hint=0)
+        assert n == 4 and cands.tier == Tier.LIFETIME_SA
+        assert samples <= cands.rows.shape[0] <= samples + 1  # 40 occurrences, 32 samples
+        assert cands.weights.sum() == pytest.approx(40)
