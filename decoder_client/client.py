@@ -7,10 +7,10 @@ over the session's own context) instead, so decoding never waits on the cache. A
 server copy may have missed tokens (a call that failed midway) is re-opened with its full
 context the next time the service answers.
 
-Draft calls travel on one long-lived bidirectional stream per client (``stream=True``, the
+Calls travel on two long-lived bidirectional streams per client (``stream=True``, the
 default): a message on an open stream costs the service about half of what a unary call does.
-Opens, feedback and closes stay unary calls with their own timeout, so a long prompt being
-indexed or a commit never holds up the drafts queued behind it on the stream.
+Drafts have one to themselves; opens, feedback and closes share the other, so a long prompt
+being indexed or a commit never holds up a draft queued behind it.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ class ClientConfig:
     control_timeout_s: float = 1.0  # open / close calls
     retry_after_s: float = 0.5  # after a failure, skip the service this long
     lookahead: int = 0  # pre-speculation: outcomes drafted ahead per step (0: off)
-    stream: bool = True  # draft calls on one bidirectional stream (False: one unary call each)
+    stream: bool = True  # calls on two bidirectional streams (False: one unary call each)
     token: str = ""  # bearer token, when the service authenticates callers
     tls_root_cert_file: str = ""  # PEM CA of the service's certificate: use TLS
     tls_cert_file: str = ""  # this client's certificate and key, for mutual TLS
@@ -258,48 +258,73 @@ class _Core:
         return (pb.FeedbackRequest(items=tail) if tail else None), (close if live else None)
 
 
+_UNARY = {"open": "OpenSessions", "draft": "Draft", "feedback": "Feedback", "close": "CloseSessions"}
+
+
+def _lane(kind: str) -> str:
+    """Drafts have a stream to themselves; opens, feedback and closes share the other."""
+    return "draft" if kind == "draft" else "control"
+
+
 class _StreamEnded(grpc.RpcError):
-    """The service ended a draft stream without a status (it is replaced at the next call)."""
+    """The service ended a stream without a status (it is replaced at the next call)."""
 
     def code(self) -> grpc.StatusCode:
         return grpc.StatusCode.UNAVAILABLE
 
     def details(self) -> str:
-        return "draft stream ended"
+        return "stream ended"
+
+
+class _Late(grpc.RpcError):
+    """A request on a stream past its deadline: what a unary call reports as DEADLINE_EXCEEDED."""
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+
+    def details(self) -> str:
+        return "deadline exceeded"
 
 
 class _StreamFuture:
-    """One draft's reply on a :class:`_DraftStream`, with a unary call future's interface:
-    ``result`` raises ``grpc.FutureTimeoutError`` past its timeout and the stream's status if
-    the stream broke; ``cancel`` forgets the request (a late reply is dropped)."""
+    """One request's reply on a :class:`_Stream`, with a unary call future's interface:
+    ``result(timeout)`` raises ``grpc.FutureTimeoutError`` past ``timeout``, DEADLINE_EXCEEDED
+    past the request's own deadline and the stream's status if the stream broke; ``done`` is
+    true from the deadline on; ``cancel`` forgets the request (a late reply is dropped)."""
 
-    def __init__(self, stream: _DraftStream, request_id: int) -> None:
+    def __init__(self, stream: _Stream, request_id: int, kind: str, deadline: float) -> None:
         self._stream = stream
-        self._id = request_id
-        self.future: concurrent.futures.Future[pb.DraftResponse] = concurrent.futures.Future()
+        self.request_id = request_id
+        self.kind = kind
+        self._deadline = deadline
+        self.future: concurrent.futures.Future[Any] = concurrent.futures.Future()
 
-    def result(self, timeout: float | None = None) -> pb.DraftResponse:
+    def result(self, timeout: float | None = None) -> Any:
+        left = self._deadline - time.monotonic()
         try:
-            return self.future.result(timeout)
+            return self.future.result(max(0.0, left if timeout is None else min(timeout, left)))
         except concurrent.futures.TimeoutError:
-            raise grpc.FutureTimeoutError() from None
+            if timeout is not None and timeout < left:
+                raise grpc.FutureTimeoutError() from None
+            self.cancel()
+            raise _Late() from None
 
     def done(self) -> bool:
-        return self.future.done()
+        return self.future.done() or time.monotonic() >= self._deadline
 
     def cancel(self) -> bool:
-        self._stream.forget(self._id)
+        self._stream.forget(self.request_id)
         return True
 
 
-class _DraftStream:
-    """Draft requests on one bidirectional stream. A reader thread matches replies to requests
-    by id; when the stream breaks, every request in flight fails with its status and
-    ``error`` tells the owner to start another."""
+class _Stream:
+    """Requests on one bidirectional stream, answered in order by the service. A reader thread
+    matches replies to requests by id; when the stream breaks, every request in flight fails
+    with its status and ``error`` tells the owner to start another."""
 
     def __init__(self, stub: pb_grpc.DraftCacheStub, metadata: tuple[tuple[str, str], ...]) -> None:
         self._out: queue.SimpleQueue[pb.StreamRequest | None] = queue.SimpleQueue()
-        self._waiting: dict[int, concurrent.futures.Future[pb.DraftResponse]] = {}
+        self._waiting: dict[int, _StreamFuture] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self.error: grpc.RpcError | None = None
@@ -307,14 +332,14 @@ class _DraftStream:
         self._reader = threading.Thread(target=self._read, name="draftcache-stream", daemon=True)
         self._reader.start()
 
-    def draft(self, request: pb.DraftRequest) -> _StreamFuture:
-        reply = _StreamFuture(self, next(self._ids))
+    def call(self, kind: str, request: Any, timeout: float) -> _StreamFuture:
+        reply = _StreamFuture(self, next(self._ids), kind, time.monotonic() + timeout)
         with self._lock:
             if self.error is not None:
                 reply.future.set_exception(self.error)
                 return reply
-            self._waiting[reply._id] = reply.future
-        self._out.put(pb.StreamRequest(request_id=reply._id, draft=request))
+            self._waiting[reply.request_id] = reply
+        self._out.put(pb.StreamRequest(request_id=reply.request_id, **{kind: request}))
         return reply
 
     def forget(self, request_id: int) -> None:
@@ -326,16 +351,16 @@ class _DraftStream:
         try:
             for msg in self._call:
                 with self._lock:
-                    future = self._waiting.pop(msg.request_id, None)
-                if future is not None:
-                    future.set_result(msg.draft)
+                    reply = self._waiting.pop(msg.request_id, None)
+                if reply is not None:
+                    reply.future.set_result(getattr(msg, reply.kind))
         except grpc.RpcError as exc:
             error = exc
         with self._lock:
             self.error = error
             waiting, self._waiting = self._waiting, {}
-        for future in waiting.values():
-            future.set_exception(error)
+        for reply in waiting.values():
+            reply.future.set_exception(error)
 
     def close(self, timeout: float) -> None:
         """Half-close (the service answers what it holds, then ends the stream), then cancel."""
@@ -344,38 +369,45 @@ class _DraftStream:
         self._call.cancel()
 
 
-class _AsyncDraftStream:
-    """The asyncio twin of :class:`_DraftStream`: a reader task matches replies to requests."""
+class _AsyncStream:
+    """The asyncio twin of :class:`_Stream`: a writer task sends requests in order, a reader
+    task matches replies to them."""
 
     def __init__(self, stub: pb_grpc.DraftCacheStub, metadata: tuple[tuple[str, str], ...]) -> None:
         self._call = stub.Stream(metadata=metadata)
-        self._waiting: dict[int, asyncio.Future[pb.DraftResponse]] = {}
+        self._out: asyncio.Queue[pb.StreamRequest | None] = asyncio.Queue()
+        self._waiting: dict[int, tuple[asyncio.Future[Any], str]] = {}
         self._ids = itertools.count(1)
         self.error: grpc.RpcError | None = None
         self._reader = asyncio.ensure_future(self._read())
+        self._writer = asyncio.ensure_future(self._write())
 
-    async def draft(self, request: pb.DraftRequest) -> asyncio.Future[pb.DraftResponse]:
-        """The reply's future (a request given up on needs nothing more: its late reply is
-        dropped)."""
-        reply: asyncio.Future[pb.DraftResponse] = asyncio.get_running_loop().create_future()
+    def call(self, kind: str, request: Any) -> asyncio.Future[Any]:
+        """The reply's future (a request given up on needs nothing more: a late reply is dropped)."""
+        reply: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         if self.error is not None:
             reply.set_exception(self.error)
             return reply
         request_id = next(self._ids)
-        self._waiting[request_id] = reply
+        self._waiting[request_id] = (reply, kind)
+        self._out.put_nowait(pb.StreamRequest(request_id=request_id, **{kind: request}))
+        return reply
+
+    async def _write(self) -> None:
         try:
-            await self._call.write(pb.StreamRequest(request_id=request_id, draft=request))
+            while (msg := await self._out.get()) is not None:
+                await self._call.write(msg)
+            await self._call.done_writing()
         except (grpc.RpcError, asyncio.InvalidStateError) as exc:  # the stream is over
             self._broken(exc if isinstance(exc, grpc.RpcError) else _StreamEnded())
-        return reply
 
     async def _read(self) -> None:
         error: grpc.RpcError = _StreamEnded()
         try:
             while (msg := await self._call.read()) is not grpc.aio.EOF:
-                reply = self._waiting.pop(msg.request_id, None)
+                reply, kind = self._waiting.pop(msg.request_id, (None, ""))
                 if reply is not None and not reply.done():
-                    reply.set_result(msg.draft)
+                    reply.set_result(getattr(msg, kind))
         except grpc.RpcError as exc:
             error = exc
         except asyncio.CancelledError:
@@ -385,17 +417,29 @@ class _AsyncDraftStream:
     def _broken(self, error: grpc.RpcError) -> None:
         self.error = self.error or error
         waiting, self._waiting = self._waiting, {}
-        for reply in waiting.values():
+        for reply, _ in waiting.values():
             if not reply.done():
                 reply.set_exception(self.error)
 
     async def close(self, timeout: float) -> None:
-        with contextlib.suppress(grpc.RpcError, asyncio.InvalidStateError):
-            await self._call.done_writing()
+        """Half-close once the queued requests are sent, wait for the answers, then cancel."""
+        self._out.put_nowait(None)
         with contextlib.suppress(TimeoutError, asyncio.CancelledError):
             await asyncio.wait_for(asyncio.shield(self._reader), timeout)
+        self.cancel()
+
+    def cancel(self) -> None:
         self._call.cancel()
         self._reader.cancel()
+        self._writer.cancel()
+
+
+async def _within(reply: asyncio.Future[Any], timeout: float) -> Any:
+    """A stream reply, or DEADLINE_EXCEEDED past ``timeout`` (as a unary call would)."""
+    try:
+        return await asyncio.wait_for(reply, timeout)
+    except TimeoutError:
+        raise _Late() from None
 
 
 class DraftClient:
@@ -416,10 +460,12 @@ class DraftClient:
             else grpc.secure_channel(config.target, creds, options=RECONNECT_OPTIONS)
         )
         self._stub = pb_grpc.DraftCacheStub(self._channel)
+        self._streams: dict[str, _Stream] = {}  # by lane
         self._inflight: tuple[list[ClientSession], grpc.Future | _StreamFuture] | None = None
-        self._opening: tuple[list[ClientSession], list[int], pb.OpenSessionsRequest, grpc.Future] | None = None
-        self._background: list[grpc.Future] = []  # calls nobody waits for (kept alive until done)
-        self._stream: _DraftStream | None = None
+        self._opening: (
+            tuple[list[ClientSession], list[int], pb.OpenSessionsRequest, grpc.Future | _StreamFuture] | None
+        ) = None
+        self._background: list[grpc.Future | _StreamFuture] = []  # calls nobody waits for (kept until done)
 
     @property
     def config(self) -> ClientConfig:
@@ -448,37 +494,13 @@ class DraftClient:
         ready, rest = self._core.split_ahead(sessions, new_tokens)
         req = self._core.draft_request(rest)
         left = end - time.monotonic()
-        resp = self._draft(req, left) if req is not None and left > 0 else None
+        resp = self._call("draft", req, left) if req is not None and left > 0 else None
         fresh = dict(zip(map(id, rest), self._core.trees(rest, resp), strict=True))
         ahead = [s for s in sessions if id(s) in ready]
         req = self._core.draft_request(ahead)
         if req is not None:
-            self._inflight = (ahead, self._draft_future(req, self.config.control_timeout_s))
+            self._inflight = (ahead, self._future("draft", req, self.config.control_timeout_s))
         return [ready[id(s)] if id(s) in ready else fresh[id(s)] for s in sessions]
-
-    def _draft(self, req: pb.DraftRequest, timeout: float) -> pb.DraftResponse | None:
-        """The service's reply within ``timeout``, or None (the call failed or was late)."""
-        if not self.config.stream:
-            return self._call(self._stub.Draft, req, timeout)
-        reply = self._draft_future(req, timeout)
-        try:
-            return reply.result(timeout)
-        except grpc.FutureTimeoutError:
-            reply.cancel()
-            self._core.failed(None)
-        except grpc.RpcError as exc:
-            self._core.failed(exc)
-        return None
-
-    def _draft_future(self, req: pb.DraftRequest, timeout: float) -> grpc.Future | _StreamFuture:
-        """A draft call under way, on the stream (started again if it broke) or unary."""
-        if not self.config.stream:
-            return self._stub.Draft.future(req, timeout=timeout, metadata=self.config.metadata)
-        if self._stream is None or self._stream.error is not None:
-            if self._stream is not None:
-                self._stream.close(0)
-            self._stream = _DraftStream(self._stub, self.config.metadata)
-        return self._stream.draft(req)
 
     def _settle(self, end: float | None = None) -> None:
         """Wait (at most until ``end``, or the deadline) for the background call of the
@@ -507,40 +529,41 @@ class DraftClient:
     def close(self, sessions: Sequence[ClientSession], *, commit: bool = True) -> None:
         """End the requests; with ``commit`` the service adds them to its lifetime memory."""
         self._settle()
-        if self._opening is not None:  # let a re-open in flight land, so its copy is closed too
-            with contextlib.suppress(grpc.RpcError, grpc.FutureTimeoutError):
-                self._opening[3].result(timeout=self.config.control_timeout_s)
-            self._reopen([])
+        self._land_reopen()
         tail, close = self._core.close_requests(sessions, commit)
         if tail is not None:  # the last step's tokens belong to the requests
-            self._call(self._stub.Feedback, tail, self.config.control_timeout_s)
+            self._call("feedback", tail, self.config.control_timeout_s)
         if close is not None:
-            self._call(self._stub.CloseSessions, close, self.config.control_timeout_s)
+            self._call("close", close, self.config.control_timeout_s)
 
     def shutdown(self) -> None:
         """Settle calls in flight, close the server copies given up on, close the channel."""
         self._settle()
+        self._land_reopen()
+        req = self._core.abandoned_request()
+        if req is not None:
+            self._call("close", req, self.config.control_timeout_s)
+        for future in self._background:
+            with contextlib.suppress(grpc.RpcError, grpc.FutureTimeoutError, grpc.FutureCancelledError):
+                future.result(timeout=self.config.control_timeout_s)
+        for stream in self._streams.values():
+            stream.close(self.config.control_timeout_s)
+        self._streams.clear()
+        self._channel.close()
+
+    def _land_reopen(self) -> None:
+        """Let a re-open in flight land, so its copy is closed too."""
         if self._opening is not None:
             with contextlib.suppress(grpc.RpcError, grpc.FutureTimeoutError):
                 self._opening[3].result(timeout=self.config.control_timeout_s)
             self._reopen([])
-        req = self._core.abandoned_request()
-        if req is not None:
-            self._call(self._stub.CloseSessions, req, self.config.control_timeout_s)
-        for future in self._background:
-            with contextlib.suppress(grpc.RpcError, grpc.FutureTimeoutError, grpc.FutureCancelledError):
-                future.result(timeout=self.config.control_timeout_s)
-        if self._stream is not None:
-            self._stream.close(self.config.control_timeout_s)
-            self._stream = None
-        self._channel.close()
 
     def _open(self, sessions: Sequence[ClientSession]) -> None:
         req = self._core.open_request(sessions)
         if req is None:
             return
         try:
-            resp = self._stub.OpenSessions(req, timeout=self.config.control_timeout_s, metadata=self.config.metadata)
+            resp = self._request("open", req, self.config.control_timeout_s)
         except grpc.RpcError as exc:
             self._core.open_failed(req, exc)
             return
@@ -564,9 +587,7 @@ class DraftClient:
         todo = [s for s in sessions if not s.server_id]
         req = self._core.open_request(todo)
         if req is not None:
-            future = self._stub.OpenSessions.future(
-                req, timeout=self.config.control_timeout_s, metadata=self.config.metadata
-            )
+            future = self._future("open", req, self.config.control_timeout_s)
             self._opening = (todo, [s.context.size for s in todo], req, future)
 
     def _close_abandoned(self) -> None:
@@ -574,13 +595,35 @@ class DraftClient:
         The future is kept until done: gRPC cancels a call whose future is garbage-collected."""
         req = self._core.abandoned_request()
         if req is not None:
-            cfg = self.config
-            future = self._stub.CloseSessions.future(req, timeout=cfg.control_timeout_s, metadata=cfg.metadata)
+            future = self._future("close", req, self.config.control_timeout_s)
             self._background = [f for f in self._background if not f.done()] + [future]
 
-    def _call(self, method: Callable, request: object, timeout: float) -> Any:
+    def _stream(self, kind: str) -> _Stream:
+        """The live stream of ``kind``'s lane (another one when it broke)."""
+        lane = _lane(kind)
+        stream = self._streams.get(lane)
+        if stream is None or stream.error is not None:
+            if stream is not None:
+                stream.close(0)
+            stream = self._streams[lane] = _Stream(self._stub, self.config.metadata)
+        return stream
+
+    def _future(self, kind: str, req: Any, timeout: float) -> grpc.Future | _StreamFuture:
+        """A call under way: on its lane's stream, or unary."""
+        if self.config.stream:
+            return self._stream(kind).call(kind, req, timeout)
+        return getattr(self._stub, _UNARY[kind]).future(req, timeout=timeout, metadata=self.config.metadata)
+
+    def _request(self, kind: str, req: Any, timeout: float) -> Any:
+        """The reply within ``timeout``; raises the call's ``grpc.RpcError``."""
+        if self.config.stream:
+            return self._stream(kind).call(kind, req, timeout).result()
+        return getattr(self._stub, _UNARY[kind])(req, timeout=timeout, metadata=self.config.metadata)
+
+    def _call(self, kind: str, req: Any, timeout: float) -> Any:
+        """:meth:`_request`, or None when it failed (the service is then skipped a while)."""
         try:
-            return method(request, timeout=timeout, metadata=self.config.metadata)
+            return self._request(kind, req, timeout)
         except grpc.RpcError as exc:
             self._core.failed(exc)
             return None
@@ -598,10 +641,10 @@ class AsyncDraftClient:
             else grpc.aio.secure_channel(config.target, creds, options=RECONNECT_OPTIONS)
         )
         self._stub = pb_grpc.DraftCacheStub(self._channel)
+        self._streams: dict[str, _AsyncStream] = {}  # by lane
         self._inflight: tuple[list[ClientSession], asyncio.Future] | None = None
         self._opening: tuple[list[ClientSession], list[int], pb.OpenSessionsRequest, asyncio.Future] | None = None
         self._background: set[asyncio.Future] = set()
-        self._stream: _AsyncDraftStream | None = None
 
     @property
     def stats(self) -> ClientStats:
@@ -621,36 +664,13 @@ class AsyncDraftClient:
         ready, rest = self._core.split_ahead(sessions, new_tokens)
         req = self._core.draft_request(rest)
         left = end - time.monotonic()
-        resp = await self._draft(req, left) if req is not None and left > 0 else None
+        resp = await self._call("draft", req, left) if req is not None and left > 0 else None
         fresh = dict(zip(map(id, rest), self._core.trees(rest, resp), strict=True))
         ahead = [s for s in sessions if id(s) in ready]
         req = self._core.draft_request(ahead)
         if req is not None:
-            self._inflight = (ahead, await self._draft_future(req, self._core.config.control_timeout_s))
+            self._inflight = (ahead, self._future("draft", req, self._core.config.control_timeout_s))
         return [ready[id(s)] if id(s) in ready else fresh[id(s)] for s in sessions]
-
-    async def _draft(self, req: pb.DraftRequest, timeout: float) -> pb.DraftResponse | None:
-        """See :meth:`DraftClient._draft`."""
-        if not self._core.config.stream:
-            return await self._call(self._stub.Draft, req, timeout)
-        try:
-            return await asyncio.wait_for(await self._draft_future(req, timeout), timeout)
-        except TimeoutError:  # wait_for cancelled the reply: a late one is dropped
-            self._core.failed(None)
-        except grpc.RpcError as exc:
-            self._core.failed(exc)
-        return None
-
-    async def _draft_future(self, req: pb.DraftRequest, timeout: float) -> asyncio.Future:
-        """See :meth:`DraftClient._draft_future`."""
-        cfg = self._core.config
-        if not cfg.stream:
-            return asyncio.ensure_future(self._stub.Draft(req, timeout=timeout, metadata=cfg.metadata))
-        if self._stream is None or self._stream.error is not None:
-            if self._stream is not None:
-                await self._stream.close(0)
-            self._stream = _AsyncDraftStream(self._stub, cfg.metadata)
-        return await self._stream.draft(req)
 
     async def _settle(self, end: float | None = None) -> None:
         if self._inflight is None:
@@ -669,32 +689,32 @@ class AsyncDraftClient:
 
     async def close(self, sessions: Sequence[ClientSession], *, commit: bool = True) -> None:
         await self._settle()
-        if self._opening is not None:  # let a re-open in flight land, so its copy is closed too
-            with contextlib.suppress(grpc.RpcError, TimeoutError):
-                await asyncio.wait_for(asyncio.shield(self._opening[3]), self._core.config.control_timeout_s)
-            self._reopen([])
+        await self._land_reopen()
         tail, close = self._core.close_requests(sessions, commit)
         if tail is not None:
-            await self._call(self._stub.Feedback, tail, self._core.config.control_timeout_s)
+            await self._call("feedback", tail, self._core.config.control_timeout_s)
         if close is not None:
-            await self._call(self._stub.CloseSessions, close, self._core.config.control_timeout_s)
+            await self._call("close", close, self._core.config.control_timeout_s)
 
     async def shutdown(self) -> None:
         """See :meth:`DraftClient.shutdown`."""
         await self._settle()
-        if self._opening is not None:
+        await self._land_reopen()
+        req = self._core.abandoned_request()
+        if req is not None:
+            await self._call("close", req, self._core.config.control_timeout_s)
+        if self._background:
+            await asyncio.wait(self._background, timeout=self._core.config.control_timeout_s)
+        for stream in self._streams.values():
+            await stream.close(self._core.config.control_timeout_s)
+        self._streams.clear()
+        await self._channel.close()
+
+    async def _land_reopen(self) -> None:
+        if self._opening is not None:  # let a re-open in flight land, so its copy is closed too
             with contextlib.suppress(grpc.RpcError, TimeoutError):
                 await asyncio.wait_for(asyncio.shield(self._opening[3]), self._core.config.control_timeout_s)
             self._reopen([])
-        req = self._core.abandoned_request()
-        if req is not None:
-            await self._call(self._stub.CloseSessions, req, self._core.config.control_timeout_s)
-        if self._background:
-            await asyncio.wait(self._background, timeout=self._core.config.control_timeout_s)
-        if self._stream is not None:
-            await self._stream.close(self._core.config.control_timeout_s)
-            self._stream = None
-        await self._channel.close()
 
     def _reopen(self, sessions: Sequence[ClientSession]) -> None:
         """See :meth:`DraftClient._reopen`."""
@@ -712,16 +732,14 @@ class AsyncDraftClient:
         todo = [s for s in sessions if not s.server_id]
         req = self._core.open_request(todo)
         if req is not None:
-            cfg = self._core.config
-            call = self._stub.OpenSessions(req, timeout=cfg.control_timeout_s, metadata=cfg.metadata)
-            self._opening = (todo, [s.context.size for s in todo], req, asyncio.ensure_future(call))
+            task = self._future("open", req, self._core.config.control_timeout_s)
+            self._opening = (todo, [s.context.size for s in todo], req, task)
 
     async def _open(self, sessions: Sequence[ClientSession]) -> None:
         req = self._core.open_request(sessions)
         if req is not None:
-            cfg = self._core.config
             try:
-                resp = await self._stub.OpenSessions(req, timeout=cfg.control_timeout_s, metadata=cfg.metadata)
+                resp = await self._request("open", req, self._core.config.control_timeout_s)
             except grpc.RpcError as exc:  # grpc.aio.AioRpcError is one
                 self._core.open_failed(req, exc)
                 return
@@ -732,15 +750,36 @@ class AsyncDraftClient:
         """Best effort, not awaited: an unknown id (the server restarted) is fine too."""
         abandoned = self._core.abandoned_request()
         if abandoned is not None:
-            cfg = self._core.config
-            call = self._stub.CloseSessions(abandoned, timeout=cfg.control_timeout_s, metadata=cfg.metadata)
-            task = asyncio.ensure_future(call)
+            task = self._future("close", abandoned, self._core.config.control_timeout_s)
             task.add_done_callback(lambda t: t.cancelled() or t.exception())  # failures are fine
             self._background = {t for t in self._background if not t.done()} | {task}
 
-    async def _call(self, method: Callable, request: object, timeout: float) -> Any:
+    def _stream(self, kind: str) -> _AsyncStream:
+        """See :meth:`DraftClient._stream`."""
+        lane = _lane(kind)
+        stream = self._streams.get(lane)
+        if stream is None or stream.error is not None:
+            if stream is not None:
+                stream.cancel()
+            stream = self._streams[lane] = _AsyncStream(self._stub, self._core.config.metadata)
+        return stream
+
+    def _future(self, kind: str, req: Any, timeout: float) -> asyncio.Future:
+        """A call under way (a task that raises the call's ``grpc.RpcError``)."""
+        cfg = self._core.config
+        if cfg.stream:
+            return asyncio.ensure_future(_within(self._stream(kind).call(kind, req), timeout))
+        return asyncio.ensure_future(getattr(self._stub, _UNARY[kind])(req, timeout=timeout, metadata=cfg.metadata))
+
+    async def _request(self, kind: str, req: Any, timeout: float) -> Any:
+        cfg = self._core.config
+        if cfg.stream:
+            return await _within(self._stream(kind).call(kind, req), timeout)
+        return await getattr(self._stub, _UNARY[kind])(req, timeout=timeout, metadata=cfg.metadata)
+
+    async def _call(self, kind: str, req: Any, timeout: float) -> Any:
         try:
-            return await method(request, timeout=timeout, metadata=self._core.config.metadata)
+            return await self._request(kind, req, timeout)
         except grpc.RpcError as exc:  # grpc.aio.AioRpcError is one
             self._core.failed(exc)
             return None

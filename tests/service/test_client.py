@@ -102,8 +102,14 @@ class _SlowServicer(pb_grpc.DraftCacheServicer):
 
     async def Stream(self, request_iterator, context):  # type: ignore[no-untyped-def]
         async for req in request_iterator:
-            draft = await self.Draft(req.draft, context, req.request_id)
-            yield pb.StreamResponse(request_id=req.request_id, draft=draft)
+            kind = req.WhichOneof("body")
+            if kind == "draft":
+                reply = await self.Draft(req.draft, context, req.request_id)
+            else:
+                reply = await getattr(self, {"open": "OpenSessions", "close": "CloseSessions"}[kind])(
+                    getattr(req, kind), context
+                )
+            yield pb.StreamResponse(request_id=req.request_id, **{kind: reply})
 
 
 def _slow_server(delays: list[float]) -> tuple[asyncio.AbstractEventLoop, grpc.aio.Server, int]:
@@ -315,3 +321,33 @@ def test_sessions_given_up_after_a_missed_deadline_are_closed_on_the_server(runn
     # closed by the ids the client chose for them.
     client.shutdown()
     assert len(running.service.sessions) == 1
+
+
+def test_a_slow_commit_does_not_hold_up_drafts(running) -> None:  # type: ignore[no-untyped-def]
+    from decoder_client.client import AsyncDraftClient
+
+    _ns(running.target)
+    commit = running.service._commit
+
+    def slow(*args, **kwargs):  # type: ignore[no-untyped-def]
+        time.sleep(0.5)  # in the service's commit thread: the close's reply waits for it
+        return commit(*args, **kwargs)
+
+    running.service._commit = slow
+
+    async def scenario() -> tuple[float, bool, int, int]:
+        client = AsyncDraftClient(ClientConfig(target=running.target, namespace="toy", deadline_s=0.2))
+        finished, live = await client.open([PROMPT, PROMPT])
+        closing = asyncio.ensure_future(client.close([finished]))
+        await asyncio.sleep(0.05)  # the close is in the service, committing
+        t0 = time.perf_counter()
+        await client.draft([live], [[]])
+        waited = time.perf_counter() - t0
+        still_closing = not closing.done()
+        await closing
+        await client.shutdown()
+        return waited, still_closing, client.stats.remote, client.stats.fallback
+
+    waited, still_closing, remote, fallback = asyncio.run(scenario())
+    # Drafts have a stream of their own: the service drafted while the commit was running.
+    assert still_closing and (remote, fallback) == (1, 0) and waited < 0.2
