@@ -135,8 +135,8 @@ class RedisPersistence:
             batch = appends[start : start + SAVE_BATCH]
             applied = self.store.append_sessions(batch, ttl_s)
             missed.extend(sid for (sid, *_), ok in zip(batch, applied, strict=True) if not ok)
-        for sid in closed:
-            self.store.delete_session(sid)
+        for start in range(0, len(closed), SAVE_BATCH):
+            self.store.delete_sessions(closed[start : start + SAVE_BATCH])
         return missed
 
     # -- start-up and the periodic sync --------------------------------------------------------

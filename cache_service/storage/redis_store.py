@@ -240,6 +240,11 @@ class RedisStore:
         return sessions.delete(self.client, sid)
 
     @guarded
+    def delete_sessions(self, sids: list[str]) -> list[bool]:
+        """:meth:`delete_session` for many sessions in one round trip (per session on a cluster)."""
+        return sessions.delete_many(self.client, sids) if sids else []
+
+    @guarded
     def session_ids(self, match: str = "*") -> list[str]:
         """Sorted ids of stored sessions whose id matches the glob ``match`` (via SCAN)."""
         return sessions.ids(self.client, match, self.config.read_batch)

@@ -163,6 +163,17 @@ def delete(client: StorageClient, sid: str) -> bool:
     return bool(client.delete(*keys.session_keys(sid)))
 
 
+def delete_many(client: StorageClient, sids: Sequence[str]) -> list[bool]:
+    """:func:`delete` for many sessions in one pipelined round trip (on a cluster, one call per
+    session: its keys share a slot). Per session, whether there was anything to delete."""
+    if isinstance(client, RedisCluster):
+        return [delete(client, sid) for sid in sids]
+    pipe = client.pipeline(transaction=False)
+    for sid in sids:
+        pipe.delete(*keys.session_keys(sid))
+    return [bool(n) for n in pipe.execute()]
+
+
 def ids(client: StorageClient, match: str, batch: int) -> list[str]:
     pattern = keys.session_state_pattern(match)
     return sorted({keys.tag_of(key) for key in client.scan_iter(match=pattern, count=batch)})

@@ -72,6 +72,10 @@ def test_delete_and_scan_listing(store: RedisStore) -> None:
     assert not store.delete_session("other-1")
     assert store.session_ids("other-*") == []
     assert store.load_session("other-1") is None
+    # Many at once (one round trip; per session on a cluster): the missing one is reported.
+    assert store.delete_sessions(["sess-000", "other-1", "sess-249"]) == [True, False, True]
+    assert store.session_ids() == sids[1:249]
+    assert store.delete_sessions([]) == []
 
 
 def test_a_missing_table_loads_empty_and_garbage_is_corrupt(store: RedisStore, client: StorageClient) -> None:
