@@ -27,10 +27,17 @@ class Server:
     ``port`` is the bound port (``ServerConfig(port=0)`` picks a free one).
     """
 
-    def __init__(self, server: grpc.aio.Server, port: int, health_servicer: health.aio.HealthServicer) -> None:
+    def __init__(
+        self,
+        server: grpc.aio.Server,
+        port: int,
+        health_servicer: health.aio.HealthServicer,
+        drafts: DraftCacheServicer | None = None,
+    ) -> None:
         self.grpc = server
         self.port = port
         self.health = health_servicer
+        self.drafts = drafts
 
     async def set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -38,8 +45,11 @@ class Server:
             await self.health.set(name, status)
 
     async def stop(self, grace_s: float) -> None:
-        """Report NOT_SERVING, let in-flight calls drain for ``grace_s``, then stop."""
+        """Report NOT_SERVING, end the streams (each after the message it is answering), let
+        in-flight calls drain for ``grace_s``, then stop."""
         await self.set_serving(False)
+        if self.drafts is not None:
+            self.drafts.drain()
         await self.grpc.stop(grace_s)
         logger.info("server on port %d stopped", self.port)
 
@@ -65,7 +75,8 @@ async def create_server(config: ServerConfig, service: DraftService, observe: Ob
     if config.tokens_file is not None:
         interceptors.append(AuthInterceptor(TokenTable.load(config.tokens_file)))
     server = grpc.aio.server(interceptors=interceptors, options=options)
-    pb_grpc.add_DraftCacheServicer_to_server(DraftCacheServicer(service, observe), server)
+    drafts = DraftCacheServicer(service, observe)
+    pb_grpc.add_DraftCacheServicer_to_server(drafts, server)
     pb_grpc.add_AdminServicer_to_server(AdminServicer(service), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -76,7 +87,7 @@ async def create_server(config: ServerConfig, service: DraftService, observe: Ob
     if port == 0:
         raise OSError(f"could not bind {config.host}:{config.port}")
     await server.start()
-    started = Server(server, port, health_servicer)
+    started = Server(server, port, health_servicer, drafts)
     await started.set_serving(False)
     logger.info("draftcache listening on %s:%d", config.host, port)
     return started

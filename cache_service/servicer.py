@@ -19,7 +19,18 @@ class DraftCacheServicer(pb_grpc.DraftCacheServicer):
     def __init__(self, service: DraftService, observe: Observer | None = None) -> None:
         self._service = service
         self._observe = observe  # stream messages are timed one by one (the call is long-lived)
+        self._streams: dict[asyncio.Task, bool] = {}  # open streams: is each waiting for a message
+        self._draining = False
         wire.warm_up()  # the response encoder is compiled now, not on the first draft
+
+    def drain(self) -> None:
+        """Shutting down: end every stream, those waiting for a message now, the others once
+        their message is answered; the client starts another stream elsewhere or falls back.
+        Without this, a stream held open by an idle client would last the whole grace period."""
+        self._draining = True
+        for task, waiting in self._streams.items():
+            if waiting:
+                task.cancel()
 
     async def OpenSessions(
         self, request: pb.OpenSessionsRequest, context: grpc.aio.ServicerContext
@@ -49,22 +60,40 @@ class DraftCacheServicer(pb_grpc.DraftCacheServicer):
     async def Stream(
         self, request_iterator: AsyncIterator[pb.StreamRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.StreamResponse]:
-        async for req in request_iterator:
-            kind = req.WhichOneof("body")
-            began = time.perf_counter()
-            if kind == "draft":
-                resp = pb.StreamResponse(request_id=req.request_id, draft=await self.Draft(req.draft, context))
-            elif kind == "open":
-                resp = pb.StreamResponse(request_id=req.request_id, open=await self.OpenSessions(req.open, context))
-            elif kind == "feedback":
-                resp = pb.StreamResponse(request_id=req.request_id, feedback=await self.Feedback(req.feedback, context))
-            elif kind == "close":
-                resp = pb.StreamResponse(request_id=req.request_id, close=await self.CloseSessions(req.close, context))
-            else:
-                raise ValueError("stream message without a body")
-            if self._observe is not None:
-                self._observe(f"Stream.{kind}", "OK", time.perf_counter() - began)
-            yield resp
+        task = asyncio.current_task()
+        if task is None or self._draining:
+            return
+        self._streams[task] = True
+        try:
+            async for req in request_iterator:
+                self._streams[task] = False
+                kind = req.WhichOneof("body")
+                began = time.perf_counter()
+                if kind == "draft":
+                    resp = pb.StreamResponse(request_id=req.request_id, draft=await self.Draft(req.draft, context))
+                elif kind == "open":
+                    resp = pb.StreamResponse(request_id=req.request_id, open=await self.OpenSessions(req.open, context))
+                elif kind == "feedback":
+                    feedback = await self.Feedback(req.feedback, context)
+                    resp = pb.StreamResponse(request_id=req.request_id, feedback=feedback)
+                elif kind == "close":
+                    close = await self.CloseSessions(req.close, context)
+                    resp = pb.StreamResponse(request_id=req.request_id, close=close)
+                else:
+                    raise ValueError("stream message without a body")
+                if self._observe is not None:
+                    self._observe(f"Stream.{kind}", "OK", time.perf_counter() - began)
+                yield resp
+                if self._draining:
+                    return
+                self._streams[task] = True
+        except asyncio.CancelledError:
+            if not self._draining:
+                raise
+            # drain() interrupted the wait for a message: end the stream with OK (a cancelled
+            # handler would leave the call open until the grace period ends)
+        finally:
+            self._streams.pop(task, None)
 
 
 class AdminServicer(pb_grpc.AdminServicer):

@@ -351,3 +351,49 @@ def test_a_slow_commit_does_not_hold_up_drafts(running) -> None:  # type: ignore
     waited, still_closing, remote, fallback = asyncio.run(scenario())
     # Drafts have a stream of their own: the service drafted while the commit was running.
     assert still_closing and (remote, fallback) == (1, 0) and waited < 0.2
+
+
+def test_stopping_ends_idle_streams_without_waiting_out_the_grace_period() -> None:
+    running = start_service(ServiceConfig())
+    _ns(running.target)
+    client = DraftClient(ClientConfig(target=running.target, namespace="toy", deadline_s=1.0, retry_after_s=0))
+    (session,) = client.open([PROMPT])
+    client.draft([session], [[]])  # both streams are open now, and idle
+    t0 = time.perf_counter()
+    asyncio.run_coroutine_threadsafe(running.server.stop(5.0), running.loop).result(10)
+    stopped_in = time.perf_counter() - t0
+    running.channel.close()
+    running.loop.call_soon_threadsafe(running.loop.stop)
+    # The streams ended at once: the stop did not wait out its 5 s grace for them.
+    assert stopped_in < 2.0
+    client.draft([session], [[1]])  # the service is gone: the local drafter answers
+    assert client.stats.remote == 1 and client.stats.fallback == 1
+    client.shutdown()
+
+
+def test_stopping_answers_the_draft_in_progress_then_ends_its_stream() -> None:
+    running = start_service(ServiceConfig())
+    _ns(running.target)
+    draft_ahead = running.service.draft_ahead
+
+    def slow(*args, **kwargs):  # type: ignore[no-untyped-def]
+        time.sleep(0.3)
+        return draft_ahead(*args, **kwargs)
+
+    client = DraftClient(ClientConfig(target=running.target, namespace="toy", deadline_s=2.0))
+    (session,) = client.open([PROMPT])
+    client.draft([session], [[]])
+    running.service.draft_ahead = slow  # type: ignore[method-assign]
+    drafting = threading.Thread(target=client.draft, args=([session], [[TEXT[0]]]))
+    drafting.start()
+    time.sleep(0.1)  # the draft is being answered
+    t0 = time.perf_counter()
+    asyncio.run_coroutine_threadsafe(running.server.stop(5.0), running.loop).result(10)
+    stopped_in = time.perf_counter() - t0
+    drafting.join()
+    running.channel.close()
+    running.loop.call_soon_threadsafe(running.loop.stop)
+    # The draft in progress was answered by the service; then every stream ended.
+    assert client.stats.remote == 2 and client.stats.fallback == 0
+    assert stopped_in < 2.0
+    client.shutdown()
