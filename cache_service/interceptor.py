@@ -37,12 +37,17 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
-async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: str) -> None:
+def status_of(exc: BaseException, method: str) -> tuple[grpc.StatusCode, str]:
+    """The code and message a call that raised ``exc`` ends with; INTERNAL ones are logged."""
     code = status_for(exc)
     if code is grpc.StatusCode.INTERNAL:
         logger.exception("internal error in %s", method, exc_info=exc)
-        await context.abort(code, f"internal error ({type(exc).__name__})")
-    await context.abort(code, str(exc))
+        return code, f"internal error ({type(exc).__name__})"
+    return code, str(exc)
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: str) -> None:
+    await context.abort(*status_of(exc, method))
 
 
 Observer = Callable[[str, str, float], None]  # (method, status code name, seconds)

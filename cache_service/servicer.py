@@ -11,7 +11,8 @@ from draftcache.v1 import draftcache_pb2 as pb
 from draftcache.v1 import draftcache_pb2_grpc as pb_grpc
 
 from cache_service import auth, convert, wire
-from cache_service.interceptor import Observer
+from cache_service.errors import InvalidArgument
+from cache_service.interceptor import Observer, status_of
 from cache_service.service import DraftService
 
 
@@ -57,6 +58,21 @@ class DraftCacheServicer(pb_grpc.DraftCacheServicer):
     async def Echo(self, request: pb.EchoRequest, context: grpc.aio.ServicerContext) -> pb.EchoResponse:
         return pb.EchoResponse(payload=request.payload)
 
+    async def _one(
+        self, req: pb.StreamRequest, kind: str | None, context: grpc.aio.ServicerContext
+    ) -> pb.StreamResponse:
+        """One stream request's answer."""
+        rid = req.request_id
+        if kind == "draft":
+            return pb.StreamResponse(request_id=rid, draft=await self.Draft(req.draft, context))
+        if kind == "open":
+            return pb.StreamResponse(request_id=rid, open=await self.OpenSessions(req.open, context))
+        if kind == "feedback":
+            return pb.StreamResponse(request_id=rid, feedback=await self.Feedback(req.feedback, context))
+        if kind == "close":
+            return pb.StreamResponse(request_id=rid, close=await self.CloseSessions(req.close, context))
+        raise InvalidArgument("stream message without a body")
+
     async def Stream(
         self, request_iterator: AsyncIterator[pb.StreamRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.StreamResponse]:
@@ -68,21 +84,16 @@ class DraftCacheServicer(pb_grpc.DraftCacheServicer):
             async for req in request_iterator:
                 self._streams[task] = False
                 kind = req.WhichOneof("body")
-                began = time.perf_counter()
-                if kind == "draft":
-                    resp = pb.StreamResponse(request_id=req.request_id, draft=await self.Draft(req.draft, context))
-                elif kind == "open":
-                    resp = pb.StreamResponse(request_id=req.request_id, open=await self.OpenSessions(req.open, context))
-                elif kind == "feedback":
-                    feedback = await self.Feedback(req.feedback, context)
-                    resp = pb.StreamResponse(request_id=req.request_id, feedback=feedback)
-                elif kind == "close":
-                    close = await self.CloseSessions(req.close, context)
-                    resp = pb.StreamResponse(request_id=req.request_id, close=close)
-                else:
-                    raise ValueError("stream message without a body")
+                began, code = time.perf_counter(), grpc.StatusCode.OK
+                try:
+                    resp = await self._one(req, kind, context)
+                except Exception as exc:  # this request fails; the stream goes on
+                    code, message = status_of(exc, f"Stream.{kind}")
+                    resp = pb.StreamResponse(
+                        request_id=req.request_id, error=pb.StreamError(code=code.value[0], message=message)
+                    )
                 if self._observe is not None:
-                    self._observe(f"Stream.{kind}", "OK", time.perf_counter() - began)
+                    self._observe(f"Stream.{kind}", code.name, time.perf_counter() - began)
                 yield resp
                 if self._draining:
                     return

@@ -276,6 +276,31 @@ class _StreamEnded(grpc.RpcError):
         return "stream ended"
 
 
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+class _Failed(grpc.RpcError):
+    """A request the service answered on a stream with an error status (the stream goes on)."""
+
+    def __init__(self, error: pb.StreamError) -> None:
+        super().__init__(error.message)
+        self._code = _CODES.get(error.code, grpc.StatusCode.UNKNOWN)
+        self._details = error.message
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+def _reply(msg: pb.StreamResponse, kind: str) -> Any:
+    """The body a stream reply carries for a request of ``kind``; raises its error status."""
+    if msg.WhichOneof("body") == "error":
+        raise _Failed(msg.error)
+    return getattr(msg, kind)
+
+
 class _Late(grpc.RpcError):
     """A request on a stream past its deadline: what a unary call reports as DEADLINE_EXCEEDED."""
 
@@ -353,7 +378,10 @@ class _Stream:
                 with self._lock:
                     reply = self._waiting.pop(msg.request_id, None)
                 if reply is not None:
-                    reply.future.set_result(getattr(msg, reply.kind))
+                    try:
+                        reply.future.set_result(_reply(msg, reply.kind))
+                    except _Failed as exc:
+                        reply.future.set_exception(exc)
         except grpc.RpcError as exc:
             error = exc
         with self._lock:
@@ -407,7 +435,10 @@ class _AsyncStream:
             while (msg := await self._call.read()) is not grpc.aio.EOF:
                 reply, kind = self._waiting.pop(msg.request_id, (None, ""))
                 if reply is not None and not reply.done():
-                    reply.set_result(getattr(msg, kind))
+                    try:
+                        reply.set_result(_reply(msg, kind))
+                    except _Failed as exc:
+                        reply.set_exception(exc)
         except grpc.RpcError as exc:
             error = exc
         except asyncio.CancelledError:

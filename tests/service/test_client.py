@@ -397,3 +397,16 @@ def test_stopping_answers_the_draft_in_progress_then_ends_its_stream() -> None:
     assert client.stats.remote == 2 and client.stats.fallback == 0
     assert stopped_in < 2.0
     client.shutdown()
+
+
+def test_a_refused_request_leaves_the_stream_open(running) -> None:  # type: ignore[no-untyped-def]
+    _ns(running.target)  # vocabulary of 128
+    client = DraftClient(ClientConfig(target=running.target, namespace="toy", retry_after_s=0))
+    (lost,) = client.open([[*PROMPT, 500]])  # INVALID_ARGUMENT, answered on the control stream
+    assert not lost.server_id and client.stats.failures == 1
+    control = client._streams["control"]
+    assert control.error is None  # the stream goes on
+    (session,) = client.open([PROMPT])
+    assert session.server_id and client._streams["control"] is control
+    client.close([session])
+    client.shutdown()

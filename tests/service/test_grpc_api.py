@@ -73,6 +73,29 @@ def test_stream_answers_in_order(running: Running) -> None:
     assert out[0].draft.trees[0].tokens[0] == 3
 
 
+def test_a_failed_request_on_the_stream_is_answered_with_its_status_and_the_stream_goes_on(
+    running: Running,
+) -> None:
+    _ns(running)
+    sid = _open(running, [1, 2, 3, 1, 2])
+
+    def requests():  # type: ignore[no-untyped-def]
+        yield pb.StreamRequest(request_id=1, draft=pb.DraftRequest(items=[pb.DraftItem(session_id="nope")]))
+        yield pb.StreamRequest(request_id=2)  # no body
+        bad = pb.DraftItem(session_id=sid, new_tokens=[10**6])  # outside the vocabulary
+        yield pb.StreamRequest(request_id=3, draft=pb.DraftRequest(items=[bad]))
+        yield pb.StreamRequest(request_id=4, draft=pb.DraftRequest(items=[pb.DraftItem(session_id=sid)]))
+
+    out = list(running.stub.Stream(requests()))
+    assert [r.request_id for r in out] == [1, 2, 3, 4]
+    assert [r.WhichOneof("body") for r in out] == ["error", "error", "error", "draft"]
+    codes = [grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.INVALID_ARGUMENT]
+    assert [r.error.code for r in out[:3]] == [c.value[0] for c in codes]
+    assert "nope" in out[0].error.message
+    # The refused step changed nothing: the session still continues "1 2" with 3.
+    assert out[3].draft.trees[0].tokens[0] == 3
+
+
 def test_echo(running: Running) -> None:
     assert running.stub.Echo(pb.EchoRequest(payload=b"x" * 100)).payload == b"x" * 100
 

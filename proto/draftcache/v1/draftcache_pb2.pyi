@@ -156,19 +156,29 @@ class StreamRequest(_message.Message):
     close: CloseSessionsRequest
     def __init__(self, request_id: _Optional[int] = ..., open: _Optional[_Union[OpenSessionsRequest, _Mapping]] = ..., draft: _Optional[_Union[DraftRequest, _Mapping]] = ..., feedback: _Optional[_Union[FeedbackRequest, _Mapping]] = ..., close: _Optional[_Union[CloseSessionsRequest, _Mapping]] = ...) -> None: ...
 
+class StreamError(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
 class StreamResponse(_message.Message):
-    __slots__ = ("request_id", "open", "draft", "feedback", "close")
+    __slots__ = ("request_id", "open", "draft", "feedback", "close", "error")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     OPEN_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FIELD_NUMBER: _ClassVar[int]
     FEEDBACK_FIELD_NUMBER: _ClassVar[int]
     CLOSE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     open: OpenSessionsResponse
     draft: DraftResponse
     feedback: FeedbackResponse
     close: CloseSessionsResponse
-    def __init__(self, request_id: _Optional[int] = ..., open: _Optional[_Union[OpenSessionsResponse, _Mapping]] = ..., draft: _Optional[_Union[DraftResponse, _Mapping]] = ..., feedback: _Optional[_Union[FeedbackResponse, _Mapping]] = ..., close: _Optional[_Union[CloseSessionsResponse, _Mapping]] = ...) -> None: ...
+    error: StreamError
+    def __init__(self, request_id: _Optional[int] = ..., open: _Optional[_Union[OpenSessionsResponse, _Mapping]] = ..., draft: _Optional[_Union[DraftResponse, _Mapping]] = ..., feedback: _Optional[_Union[FeedbackResponse, _Mapping]] = ..., close: _Optional[_Union[CloseSessionsResponse, _Mapping]] = ..., error: _Optional[_Union[StreamError, _Mapping]] = ...) -> None: ...
 
 class EchoRequest(_message.Message):
     __slots__ = ("payload",)
