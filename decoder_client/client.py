@@ -206,29 +206,51 @@ class _Core:
                 ready[id(s)] = tree
         return ready, rest
 
+    def in_doubt(self, sessions: Sequence[ClientSession]) -> None:
+        """Their server copies may have missed tokens: they are closed, and the sessions
+        re-opened with their full context later."""
+        for s in sessions:
+            if s.server_id:
+                self.abandoned.append(s.server_id)
+                s.server_id = ""
+
+    def delivered(self, sessions: Sequence[ClientSession]) -> list[tuple[ClientSession, str]]:
+        """A draft call that missed its deadline on a stream still reaches the service, which
+        answers in order: its tokens join the server copies before anything sent after it, so
+        the sessions keep them. Returns them with their server ids, to put in doubt should the
+        call fail after all."""
+        out = []
+        for s in sessions:
+            if s.server_id:
+                s.pending, s.prefetched = [], {}
+                out.append((s, s.server_id))
+        return out
+
     def answered(self, sessions: Sequence[ClientSession], resp: pb.DraftResponse | None) -> None:
         """Book a draft call's outcome: tokens delivered and trees drafted ahead, or the
         sessions' server copies in doubt."""
         remote = [s for s in sessions if s.server_id]
         if resp is None:
-            for s in remote:
-                self.abandoned.append(s.server_id)
-                s.server_id = ""  # it may have missed tokens: re-open with the full context later
+            self.in_doubt(remote)
             return
         ahead = list(resp.prefetched) or [None] * len(remote)
         for s, more in zip(remote, ahead, strict=True):
             s.pending = []
             s.prefetched = {} if more is None else {tuple(p.accepted): tree_from_proto(p.tree) for p in more.items}
 
-    def trees(self, sessions: Sequence[ClientSession], resp: pb.DraftResponse | None) -> list[DraftTree]:
-        """Remote trees where the service answered, local ones everywhere else."""
+    def trees(
+        self, sessions: Sequence[ClientSession], resp: pb.DraftResponse | None, *, book: bool = True
+    ) -> list[DraftTree]:
+        """Remote trees where the service answered, local ones everywhere else; ``book``: the
+        call's outcome too (see :meth:`answered`)."""
         remote = [s for s in sessions if s.server_id]
         got: dict[int, DraftTree] = {}
         if resp is not None:
             for s, msg in zip(remote, resp.trees, strict=True):
                 got[id(s)] = tree_from_proto(msg)
             self.stats.remote += len(remote)
-        self.answered(sessions, resp)
+        if book:
+            self.answered(sessions, resp)
         out = []
         for s in sessions:
             tree = got.get(id(s))
@@ -497,6 +519,7 @@ class DraftClient:
             tuple[list[ClientSession], list[int], pb.OpenSessionsRequest, grpc.Future | _StreamFuture] | None
         ) = None
         self._background: list[grpc.Future | _StreamFuture] = []  # calls nobody waits for (kept until done)
+        self._late: list[tuple[list[tuple[ClientSession, str]], _StreamFuture]] = []  # see _Core.delivered
 
     @property
     def config(self) -> ClientConfig:
@@ -520,13 +543,16 @@ class DraftClient:
         """
         end = time.monotonic() + self.config.deadline_s
         self._settle(end)
+        self._check_late()
         self._core.add_tokens(sessions, new_tokens)
         self._reopen(sessions)
         ready, rest = self._core.split_ahead(sessions, new_tokens)
         req = self._core.draft_request(rest)
         left = end - time.monotonic()
-        resp = self._call("draft", req, left) if req is not None and left > 0 else None
-        fresh = dict(zip(map(id, rest), self._core.trees(rest, resp), strict=True))
+        resp, late = self._draft(req, left) if req is not None and left > 0 else (None, None)
+        if late is not None:
+            self._late.append((self._core.delivered(rest), late))
+        fresh = dict(zip(map(id, rest), self._core.trees(rest, resp, book=late is None), strict=True))
         ahead = [s for s in sessions if id(s) in ready]
         req = self._core.draft_request(ahead)
         if req is not None:
@@ -544,13 +570,46 @@ class DraftClient:
         try:
             resp = future.result(timeout=wait)
         except grpc.FutureTimeoutError:
-            future.cancel()
             self._core.failed(None)
+            if isinstance(future, _StreamFuture):  # it still counts, once answered
+                self._late.append((self._core.delivered(sessions), future))
+                return
+            future.cancel()
             resp = None
         except grpc.RpcError as exc:
             self._core.failed(exc)
             resp = None
         self._core.answered(sessions, resp)
+
+    def _draft(self, req: pb.DraftRequest, left: float) -> tuple[pb.DraftResponse | None, _StreamFuture | None]:
+        """The reply within ``left``, or None; on a stream, a call that missed ``left`` is
+        returned too: the service still applies it (see :meth:`_Core.delivered`)."""
+        if not self.config.stream:
+            return self._call("draft", req, left), None
+        reply = self._stream("draft").call("draft", req, self.config.control_timeout_s)
+        try:
+            return reply.result(timeout=left), None
+        except grpc.FutureTimeoutError:
+            self._core.failed(None)
+            return None, reply
+        except grpc.RpcError as exc:
+            self._core.failed(exc)
+            return None, None
+
+    def _check_late(self, wait_for: Sequence[ClientSession] | None = ()) -> None:
+        """Book the late draft calls that ended: the sessions of one that failed (or got no
+        answer in time) are put in doubt. Those of ``wait_for`` (None: all) are waited for."""
+        waiting = None if wait_for is None else {id(s) for s in wait_for}
+        keep = []
+        for pairs, future in self._late:
+            if waiting is not None and not future.done() and not any(id(s) in waiting for s, _ in pairs):
+                keep.append((pairs, future))
+                continue
+            try:
+                future.result()  # at most until its deadline
+            except grpc.RpcError:
+                self._core.in_doubt([s for s, sid in pairs if s.server_id == sid])
+        self._late = keep
 
     def add_tokens(self, sessions: Sequence[ClientSession], new_tokens: Sequence[Sequence[int]]) -> None:
         """Record tokens produced without asking for a draft (a request's last step): they go
@@ -560,6 +619,7 @@ class DraftClient:
     def close(self, sessions: Sequence[ClientSession], *, commit: bool = True) -> None:
         """End the requests; with ``commit`` the service adds them to its lifetime memory."""
         self._settle()
+        self._check_late(sessions)  # their tokens must be in before the close (another stream)
         self._land_reopen()
         tail, close = self._core.close_requests(sessions, commit)
         if tail is not None:  # the last step's tokens belong to the requests
@@ -570,6 +630,7 @@ class DraftClient:
     def shutdown(self) -> None:
         """Settle calls in flight, close the server copies given up on, close the channel."""
         self._settle()
+        self._check_late(None)
         self._land_reopen()
         req = self._core.abandoned_request()
         if req is not None:
@@ -676,6 +737,7 @@ class AsyncDraftClient:
         self._inflight: tuple[list[ClientSession], asyncio.Future] | None = None
         self._opening: tuple[list[ClientSession], list[int], pb.OpenSessionsRequest, asyncio.Future] | None = None
         self._background: set[asyncio.Future] = set()
+        self._late: list[tuple[list[tuple[ClientSession, str]], asyncio.Future]] = []
 
     @property
     def stats(self) -> ClientStats:
@@ -690,13 +752,16 @@ class AsyncDraftClient:
         """See :meth:`DraftClient.draft`."""
         end = time.monotonic() + self._core.config.deadline_s
         await self._settle(end)
+        await self._check_late()
         self._core.add_tokens(sessions, new_tokens)
         self._reopen(sessions)
         ready, rest = self._core.split_ahead(sessions, new_tokens)
         req = self._core.draft_request(rest)
         left = end - time.monotonic()
-        resp = await self._call("draft", req, left) if req is not None and left > 0 else None
-        fresh = dict(zip(map(id, rest), self._core.trees(rest, resp), strict=True))
+        resp, late = await self._draft(req, left) if req is not None and left > 0 else (None, None)
+        if late is not None:
+            self._late.append((self._core.delivered(rest), late))
+        fresh = dict(zip(map(id, rest), self._core.trees(rest, resp, book=late is None), strict=True))
         ahead = [s for s in sessions if id(s) in ready]
         req = self._core.draft_request(ahead)
         if req is not None:
@@ -711,15 +776,48 @@ class AsyncDraftClient:
         resp = None
         wait = self._core.config.deadline_s if end is None else max(0.0, end - time.monotonic())
         try:
-            resp = await asyncio.wait_for(task, timeout=wait)
-        except TimeoutError:  # wait_for cancelled the call
+            resp = await asyncio.wait_for(asyncio.shield(task), timeout=wait)
+        except TimeoutError:
             self._core.failed(None)
+            if self._core.config.stream:  # it still counts, once answered
+                self._late.append((self._core.delivered(sessions), task))
+                return
+            task.cancel()
         except grpc.RpcError as exc:
             self._core.failed(exc)
         self._core.answered(sessions, resp)
 
+    async def _draft(self, req: pb.DraftRequest, left: float) -> tuple[pb.DraftResponse | None, asyncio.Future | None]:
+        """See :meth:`DraftClient._draft`."""
+        cfg = self._core.config
+        if not cfg.stream:
+            return await self._call("draft", req, left), None
+        task = self._future("draft", req, cfg.control_timeout_s)
+        try:
+            return await asyncio.wait_for(asyncio.shield(task), left), None
+        except TimeoutError:
+            self._core.failed(None)
+            return None, task
+        except grpc.RpcError as exc:
+            self._core.failed(exc)
+            return None, None
+
+    async def _check_late(self, wait_for: Sequence[ClientSession] | None = ()) -> None:
+        """See :meth:`DraftClient._check_late`."""
+        waiting = None if wait_for is None else {id(s) for s in wait_for}
+        keep = []
+        for pairs, task in self._late:
+            if waiting is not None and not task.done() and not any(id(s) in waiting for s, _ in pairs):
+                keep.append((pairs, task))
+                continue
+            await asyncio.wait({task})  # at most until its deadline
+            if task.cancelled() or task.exception() is not None:
+                self._core.in_doubt([s for s, sid in pairs if s.server_id == sid])
+        self._late = keep
+
     async def close(self, sessions: Sequence[ClientSession], *, commit: bool = True) -> None:
         await self._settle()
+        await self._check_late(sessions)
         await self._land_reopen()
         tail, close = self._core.close_requests(sessions, commit)
         if tail is not None:
@@ -730,6 +828,7 @@ class AsyncDraftClient:
     async def shutdown(self) -> None:
         """See :meth:`DraftClient.shutdown`."""
         await self._settle()
+        await self._check_late(None)
         await self._land_reopen()
         req = self._core.abandoned_request()
         if req is not None:

@@ -85,13 +85,17 @@ def test_remote_drafts_and_fallback_when_the_service_stops(stream: bool) -> None
 
 class _SlowServicer(pb_grpc.DraftCacheServicer):
     """Answers every draft after ``delays`` (one per call, the last one repeated), with a
-    one-node tree naming the stream request it answers."""
+    one-node tree naming the stream request it answers; stream requests whose id is in
+    ``fail`` are answered with NOT_FOUND instead. Counts opens."""
 
-    def __init__(self, delays: list[float]) -> None:
+    def __init__(self, delays: list[float], fail: set[int] | None = None) -> None:
         self.delays = delays
+        self.fail = fail if fail is not None else set()
+        self.opens = 0
 
     async def OpenSessions(self, request, context):  # type: ignore[no-untyped-def]
-        return pb.OpenSessionsResponse(session_ids=["s"] * len(request.sessions))
+        self.opens += 1
+        return pb.OpenSessionsResponse(session_ids=[f"s{self.opens}"] * len(request.sessions))
 
     async def CloseSessions(self, request, context):  # type: ignore[no-untyped-def]
         return pb.CloseSessionsResponse()
@@ -105,6 +109,10 @@ class _SlowServicer(pb_grpc.DraftCacheServicer):
             kind = req.WhichOneof("body")
             if kind == "draft":
                 reply = await self.Draft(req.draft, context, req.request_id)
+                if req.request_id in self.fail:
+                    error = pb.StreamError(code=grpc.StatusCode.NOT_FOUND.value[0], message="gone")
+                    yield pb.StreamResponse(request_id=req.request_id, error=error)
+                    continue
             else:
                 reply = await getattr(self, {"open": "OpenSessions", "close": "CloseSessions"}[kind])(
                     getattr(req, kind), context
@@ -112,25 +120,28 @@ class _SlowServicer(pb_grpc.DraftCacheServicer):
             yield pb.StreamResponse(request_id=req.request_id, **{kind: reply})
 
 
-def _slow_server(delays: list[float]) -> tuple[asyncio.AbstractEventLoop, grpc.aio.Server, int]:
-    """A server of ``_SlowServicer(delays)`` on its own loop; ``delays`` stays the servicer's."""
+def _slow_server(
+    delays: list[float], fail: set[int] | None = None
+) -> tuple[asyncio.AbstractEventLoop, grpc.aio.Server, int, _SlowServicer]:
+    """A server of ``_SlowServicer(delays, fail)`` on its own loop."""
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
+    servicer = _SlowServicer(delays, fail)
 
     async def start() -> tuple[grpc.aio.Server, int]:
         server = grpc.aio.server()
-        pb_grpc.add_DraftCacheServicer_to_server(_SlowServicer(delays), server)
+        pb_grpc.add_DraftCacheServicer_to_server(servicer, server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         return server, port
 
     server, port = asyncio.run_coroutine_threadsafe(start(), loop).result(10)
-    return loop, server, port
+    return loop, server, port, servicer
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "unary"])
 def test_deadline_holds_against_a_slow_service(stream: bool) -> None:
-    loop, server, port = _slow_server([0.2])  # far past any draft deadline
+    loop, server, port, _ = _slow_server([0.2])  # far past any draft deadline
     deadline = 0.01
     client = DraftClient(
         ClientConfig(target=f"127.0.0.1:{port}", namespace="toy", deadline_s=deadline, retry_after_s=0, stream=stream)
@@ -151,42 +162,50 @@ def test_deadline_holds_against_a_slow_service(stream: bool) -> None:
     loop.call_soon_threadsafe(loop.stop)
 
 
-def test_a_late_reply_on_the_stream_is_dropped_not_taken_for_the_next() -> None:
+def test_a_late_draft_on_the_stream_still_counts_unless_it_fails() -> None:
     from decoder_client.client import AsyncDraftClient
 
-    # The first draft is answered after 150 ms, past the 50 ms deadline; the next ones at once.
-    delays = [0.15, 0.0]
-    loop, server, port = _slow_server(delays)
-    config = ClientConfig(target=f"127.0.0.1:{port}", namespace="toy", deadline_s=0.05, retry_after_s=0)
-    try:
-        client = DraftClient(config)
-        (session,) = client.open([PROMPT])
-        client.draft([session], [[]])
-        time.sleep(0.2)  # the late reply arrives meanwhile
-        client.draft([session], [[]])  # re-opened in the background: local
-        time.sleep(0.05)
-        (third,) = client.draft([session], [[]])
-        # Request 1 fell back; request 2 had no server copy; request 3's tree is its own reply.
-        assert client.stats.fallback == 2 and client.stats.remote == 1
-        assert third.tokens.tolist() == [2]  # the stream's second request: the first was dropped
-        client.shutdown()
+    # Stream request 1 is answered after 150 ms, past the 50 ms deadline; later ones at once.
+    # The service applies a late request in order, so the session keeps its server copy: no
+    # re-open, and the next tree is the next request's own (the late reply is dropped).
+    for fail in (set(), {1}):
+        loop, server, port, servicer = _slow_server([0.15, 0.0], fail)
+        config = ClientConfig(target=f"127.0.0.1:{port}", namespace="toy", deadline_s=0.05, retry_after_s=0)
+        try:
+            client = DraftClient(config)
+            (session,) = client.open([PROMPT])
+            client.draft([session], [[]])  # late: the local drafter answers
+            time.sleep(0.2)  # the late reply arrives meanwhile
+            (second,) = client.draft([session], [[]])
+            time.sleep(0.05)
+            (third,) = client.draft([session], [[]])
+            client.shutdown()
+            if not fail:
+                assert client.stats.fallback == 1 and servicer.opens == 1
+                assert second.tokens.tolist() == [2] and third.tokens.tolist() == [3]
+            else:  # the late request failed: its session is re-opened, drafting locally meanwhile
+                assert client.stats.fallback == 2 and servicer.opens == 2
+                assert third.tokens.tolist() == [2]
 
-        async def scenario() -> list[int]:
-            delays[:] = [0.15, 0.0]
-            aclient = AsyncDraftClient(config)
-            (session,) = await aclient.open([PROMPT])
-            await aclient.draft([session], [[]])
-            await asyncio.sleep(0.2)
-            await aclient.draft([session], [[]])
-            await asyncio.sleep(0.05)
-            (tree,) = await aclient.draft([session], [[]])
-            await aclient.shutdown()
-            return tree.tokens.tolist()
+            async def scenario(servicer: _SlowServicer = servicer, config: ClientConfig = config) -> list[int]:
+                servicer.delays[:] = [0.15, 0.0]
+                aclient = AsyncDraftClient(config)
+                (session,) = await aclient.open([PROMPT])
+                await aclient.draft([session], [[]])
+                await asyncio.sleep(0.2)
+                await aclient.draft([session], [[]])
+                await asyncio.sleep(0.05)
+                (tree,) = await aclient.draft([session], [[]])
+                await aclient.shutdown()
+                return tree.tokens.tolist()
 
-        assert asyncio.run(scenario()) == [2]
-    finally:
-        asyncio.run_coroutine_threadsafe(server.stop(0), loop).result(10)
-        loop.call_soon_threadsafe(loop.stop)
+            opens = servicer.opens
+            # A new client: new streams, numbered from 1 again.
+            assert asyncio.run(scenario()) == ([3] if not fail else [2])
+            assert servicer.opens == opens + (1 if not fail else 2)
+        finally:
+            asyncio.run_coroutine_threadsafe(server.stop(0), loop).result(10)
+            loop.call_soon_threadsafe(loop.stop)
 
 
 def test_chain_proposer_over_the_service(running) -> None:  # type: ignore[no-untyped-def]
@@ -299,10 +318,10 @@ def test_async_client_prespeculates() -> None:
     assert out == target.tolist() and hits > 0
 
 
-def test_sessions_given_up_after_a_missed_deadline_are_closed_on_the_server(running) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "unary"])
+def test_a_missed_deadline_keeps_or_replaces_the_server_copy(running, stream: bool) -> None:  # type: ignore[no-untyped-def]
     _ns(running.target)
-    # Drafting takes 30 ms, the deadline is 10 ms: every draft falls back and the session is
-    # re-opened (the server may have missed tokens).
+    # Drafting takes 30 ms, the deadline is 10 ms: every draft falls back.
     draft_ahead = running.service.draft_ahead
 
     def slow(*args, **kwargs):  # type: ignore[no-untyped-def]
@@ -310,12 +329,22 @@ def test_sessions_given_up_after_a_missed_deadline_are_closed_on_the_server(runn
         return draft_ahead(*args, **kwargs)
 
     running.service.draft_ahead = slow
-    client = DraftClient(ClientConfig(target=running.target, namespace="toy", deadline_s=0.01, retry_after_s=0))
+    config = ClientConfig(target=running.target, namespace="toy", deadline_s=0.01, retry_after_s=0, stream=stream)
+    client = DraftClient(config)
     (session,) = client.open([PROMPT])
     for token in TEXT[:10]:
         client.draft([session], [[token]])
-        time.sleep(0.05)  # the target verifies; meanwhile the session is re-opened in the background
-    assert client.stats.fallback == 10 and client.stats.reopened >= 3
+        time.sleep(0.05)  # the target verifies; meanwhile a late call lands or a re-open runs
+    assert client.stats.fallback == 10
+    if stream:
+        # A late call on the stream still reaches the service in order: the session kept its
+        # copy, which holds every token, and nothing was re-opened.
+        assert client.stats.reopened == 0
+        live = running.service.sessions.get(session.server_id).session
+        assert live.context.tokens.tolist() == [*PROMPT, *TEXT[:10]]
+    else:
+        # A late unary call may or may not have landed: the session is re-opened.
+        assert client.stats.reopened >= 3
     # Once the calls in flight land, the server holds the live copy only, not one per miss;
     # copies of opens the client gave up on (a loaded machine can delay one past 1 s) are
     # closed by the ids the client chose for them.
