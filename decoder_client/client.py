@@ -260,9 +260,10 @@ class _Core:
             out.append(tree)
         return out
 
-    def abandoned_request(self) -> pb.CloseSessionsRequest | None:
-        """Close (without commit) the server sessions replaced by re-opened ones."""
-        if not self.abandoned or not self.available():
+    def abandoned_request(self, *, now: bool = False) -> pb.CloseSessionsRequest | None:
+        """Close (without commit) the server sessions given up on, once the service is used
+        again (``now``: anyway, the client is shutting down)."""
+        if not self.abandoned or not (now or self.available()):
             return None
         ids, self.abandoned = self.abandoned, []
         return pb.CloseSessionsRequest(
@@ -272,7 +273,10 @@ class _Core:
     def close_requests(
         self, sessions: Sequence[ClientSession], commit: bool
     ) -> tuple[pb.FeedbackRequest | None, pb.CloseSessionsRequest | None]:
-        live = [s for s in sessions if s.server_id] if self.available() else []
+        live = [s for s in sessions if s.server_id]
+        if not self.available():  # the service is being skipped: close them once it is used again
+            self.in_doubt(live)
+            return None, None
         tail = [pb.FeedbackItem(session_id=s.server_id, accepted=s.pending) for s in live if s.pending]
         for s in live:
             s.pending = []
@@ -624,15 +628,15 @@ class DraftClient:
         tail, close = self._core.close_requests(sessions, commit)
         if tail is not None:  # the last step's tokens belong to the requests
             self._call("feedback", tail, self.config.control_timeout_s)
-        if close is not None:
-            self._call("close", close, self.config.control_timeout_s)
+        if close is not None and self._call("close", close, self.config.control_timeout_s) is None:
+            self._core.abandoned.extend(c.session_id for c in close.sessions)  # closed later
 
     def shutdown(self) -> None:
         """Settle calls in flight, close the server copies given up on, close the channel."""
         self._settle()
         self._check_late(None)
         self._land_reopen()
-        req = self._core.abandoned_request()
+        req = self._core.abandoned_request(now=True)
         if req is not None:
             self._call("close", req, self.config.control_timeout_s)
         for future in self._background:
@@ -822,15 +826,15 @@ class AsyncDraftClient:
         tail, close = self._core.close_requests(sessions, commit)
         if tail is not None:
             await self._call("feedback", tail, self._core.config.control_timeout_s)
-        if close is not None:
-            await self._call("close", close, self._core.config.control_timeout_s)
+        if close is not None and await self._call("close", close, self._core.config.control_timeout_s) is None:
+            self._core.abandoned.extend(c.session_id for c in close.sessions)  # closed later
 
     async def shutdown(self) -> None:
         """See :meth:`DraftClient.shutdown`."""
         await self._settle()
         await self._check_late(None)
         await self._land_reopen()
-        req = self._core.abandoned_request()
+        req = self._core.abandoned_request(now=True)
         if req is not None:
             await self._call("close", req, self._core.config.control_timeout_s)
         if self._background:

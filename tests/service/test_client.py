@@ -439,3 +439,23 @@ def test_a_refused_request_leaves_the_stream_open(running) -> None:  # type: ign
     assert session.server_id and client._streams["control"] is control
     client.close([session])
     client.shutdown()
+
+
+def test_sessions_closed_while_the_service_is_skipped_are_closed_at_shutdown(running) -> None:  # type: ignore[no-untyped-def]
+    _ns(running.target)
+    draft_ahead = running.service.draft_ahead
+
+    def slow(*args, **kwargs):  # type: ignore[no-untyped-def]
+        time.sleep(0.05)
+        return draft_ahead(*args, **kwargs)
+
+    running.service.draft_ahead = slow
+    # A missed deadline makes the client skip the service for 60 s.
+    client = DraftClient(ClientConfig(target=running.target, namespace="toy", deadline_s=0.01, retry_after_s=60))
+    sessions = client.open([PROMPT, PROMPT])
+    client.draft(sessions, [[], []])
+    assert client.stats.failures == 1 and len(running.service.sessions) == 2
+    client.close(sessions)  # skipped now: the copies are closed once the service is used again...
+    assert len(running.service.sessions) == 2
+    client.shutdown()  # ...or, at the latest, when the client shuts down
+    assert len(running.service.sessions) == 0
