@@ -358,6 +358,7 @@ class _StreamFuture:
             if timeout is not None and timeout < left:
                 raise grpc.FutureTimeoutError() from None
             self.cancel()
+            self._stream.stall()
             raise _Late() from None
 
     def done(self) -> bool:
@@ -396,6 +397,14 @@ class _Stream:
     def forget(self, request_id: int) -> None:
         with self._lock:
             self._waiting.pop(request_id, None)
+
+    def stall(self) -> None:
+        """A request got no answer by its deadline: the service answers in order, so the
+        stream is stuck (a dead connection, or a backlog) and is replaced; what is in flight
+        on it fails."""
+        with self._lock:
+            self.error = self.error or _Late()
+        self._call.cancel()
 
     def _read(self) -> None:
         error: grpc.RpcError = _StreamEnded()
@@ -490,12 +499,19 @@ class _AsyncStream:
         self._reader.cancel()
         self._writer.cancel()
 
+    def stall(self) -> None:
+        """See :meth:`_Stream.stall`."""
+        self._broken(_Late())
+        self.cancel()
 
-async def _within(reply: asyncio.Future[Any], timeout: float) -> Any:
-    """A stream reply, or DEADLINE_EXCEEDED past ``timeout`` (as a unary call would)."""
+
+async def _within(stream: _AsyncStream, reply: asyncio.Future[Any], timeout: float) -> Any:
+    """A stream reply, or DEADLINE_EXCEEDED past ``timeout`` (as a unary call would; the
+    stream is then replaced, see :meth:`_Stream.stall`)."""
     try:
         return await asyncio.wait_for(reply, timeout)
     except TimeoutError:
+        stream.stall()
         raise _Late() from None
 
 
@@ -902,13 +918,15 @@ class AsyncDraftClient:
         """A call under way (a task that raises the call's ``grpc.RpcError``)."""
         cfg = self._core.config
         if cfg.stream:
-            return asyncio.ensure_future(_within(self._stream(kind).call(kind, req), timeout))
+            stream = self._stream(kind)
+            return asyncio.ensure_future(_within(stream, stream.call(kind, req), timeout))
         return asyncio.ensure_future(getattr(self._stub, _UNARY[kind])(req, timeout=timeout, metadata=cfg.metadata))
 
     async def _request(self, kind: str, req: Any, timeout: float) -> Any:
         cfg = self._core.config
         if cfg.stream:
-            return await _within(self._stream(kind).call(kind, req), timeout)
+            stream = self._stream(kind)
+            return await _within(stream, stream.call(kind, req), timeout)
         return await getattr(self._stub, _UNARY[kind])(req, timeout=timeout, metadata=cfg.metadata)
 
     async def _call(self, kind: str, req: Any, timeout: float) -> Any:

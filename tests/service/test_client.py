@@ -318,6 +318,47 @@ def test_async_client_prespeculates() -> None:
     assert out == target.tolist() and hits > 0
 
 
+def test_a_stream_that_stops_answering_is_replaced() -> None:
+    # The first draft's answer would take 10 s: the stream (answered in order) is stuck behind
+    # it. Once that call is past the control timeout the client gives the stream up, re-opens
+    # the session it was drafting for, and drafts on a new stream.
+    loop, server, port, servicer = _slow_server([10.0, 0.0])
+    config = ClientConfig(
+        target=f"127.0.0.1:{port}", namespace="toy", deadline_s=0.05, control_timeout_s=0.3, retry_after_s=0
+    )
+    try:
+        client = DraftClient(config)
+        (session,) = client.open([PROMPT])
+        client.draft([session], [[]])  # late
+        stuck = client._streams["draft"]
+        time.sleep(0.4)
+        client.draft([session], [[]])  # the late call got no answer: the session is re-opened
+        time.sleep(0.1)
+        (tree,) = client.draft([session], [[]])
+        assert client._streams["draft"] is not stuck and stuck.error is not None
+        assert tree.tokens.tolist() == [1] and client.stats.remote == 1 and servicer.opens == 2
+        client.shutdown()
+
+        async def scenario() -> tuple[list[int], int]:
+            from decoder_client.client import AsyncDraftClient
+
+            servicer.delays[:] = [10.0, 0.0]
+            aclient = AsyncDraftClient(config)
+            (session,) = await aclient.open([PROMPT])
+            await aclient.draft([session], [[]])
+            await asyncio.sleep(0.4)
+            await aclient.draft([session], [[]])
+            await asyncio.sleep(0.1)
+            (tree,) = await aclient.draft([session], [[]])
+            await aclient.shutdown()
+            return tree.tokens.tolist(), aclient.stats.remote
+
+        assert asyncio.run(scenario()) == ([1], 1)
+    finally:
+        asyncio.run_coroutine_threadsafe(server.stop(0), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+
+
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "unary"])
 def test_a_missed_deadline_keeps_or_replaces_the_server_copy(running, stream: bool) -> None:  # type: ignore[no-untyped-def]
     _ns(running.target)
