@@ -500,3 +500,18 @@ def test_sessions_closed_while_the_service_is_skipped_are_closed_at_shutdown(run
     assert len(running.service.sessions) == 2
     client.shutdown()  # ...or, at the latest, when the client shuts down
     assert len(running.service.sessions) == 0
+
+    async def scenario() -> int:  # the same with the asyncio client
+        from decoder_client.client import AsyncDraftClient
+
+        aclient = AsyncDraftClient(
+            ClientConfig(target=running.target, namespace="toy", deadline_s=0.01, retry_after_s=60)
+        )
+        sessions = await aclient.open([PROMPT, PROMPT])
+        await aclient.draft(sessions, [[], []])
+        await aclient.close(sessions)
+        held = len(running.service.sessions)
+        await aclient.shutdown()
+        return held
+
+    assert asyncio.run(scenario()) == 2 and len(running.service.sessions) == 0
