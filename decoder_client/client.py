@@ -115,6 +115,9 @@ class ClientStats:
     lost_opens: int = 0  # opens given up on (deadline): the service may hold copies until they expire
 
 
+_LateCall = tuple[list[tuple[ClientSession, str]], Any]  # (sessions with their server ids, the call)
+
+
 class _Core:
     """The client's bookkeeping without I/O, shared by the sync and the asyncio client."""
 
@@ -124,6 +127,7 @@ class _Core:
         self.fallback = fallback
         self.down_until = 0.0
         self.abandoned: list[str] = []  # server sessions given up on (closed when the service answers)
+        self.late: list[_LateCall] = []  # see :meth:`missed`
         p = config.params
         self.params = pb.DraftParams(
             budget=p.budget, max_depth=p.max_depth, min_score=p.min_score, depth_reserve=p.depth_reserve
@@ -214,17 +218,33 @@ class _Core:
                 self.abandoned.append(s.server_id)
                 s.server_id = ""
 
-    def delivered(self, sessions: Sequence[ClientSession]) -> list[tuple[ClientSession, str]]:
-        """A draft call that missed its deadline on a stream still reaches the service, which
+    def missed(self, sessions: Sequence[ClientSession], call: Any) -> None:
+        """A draft ``call`` missed its deadline on a stream. It still reaches the service, which
         answers in order: its tokens join the server copies before anything sent after it, so
-        the sessions keep them. Returns them with their server ids, to put in doubt should the
-        call fail after all."""
-        out = []
+        the sessions keep them. The call is kept, with their server ids, to put them in doubt
+        should it fail after all (:meth:`due`, :meth:`late_failed`)."""
+        pairs = []
         for s in sessions:
             if s.server_id:
                 s.pending, s.prefetched = [], {}
-                out.append((s, s.server_id))
-        return out
+                pairs.append((s, s.server_id))
+        self.late.append((pairs, call))
+
+    def due(self, wait_for: Sequence[ClientSession] | None) -> list[_LateCall]:
+        """The late calls to book now: those that ended, and those of ``wait_for`` (None: all),
+        which the caller waits for; the others stay."""
+        waiting = None if wait_for is None else {id(s) for s in wait_for}
+        due: list[_LateCall] = []
+        keep: list[_LateCall] = []
+        for pairs, call in self.late:
+            now = waiting is None or call.done() or any(id(s) in waiting for s, _ in pairs)
+            (due if now else keep).append((pairs, call))
+        self.late = keep
+        return due
+
+    def late_failed(self, pairs: Sequence[tuple[ClientSession, str]]) -> None:
+        """A late call failed after all: the sessions still on the copies it went to are in doubt."""
+        self.in_doubt([s for s, sid in pairs if s.server_id == sid])
 
     def answered(self, sessions: Sequence[ClientSession], resp: pb.DraftResponse | None) -> None:
         """Book a draft call's outcome: tokens delivered and trees drafted ahead, or the
@@ -539,7 +559,6 @@ class DraftClient:
             tuple[list[ClientSession], list[int], pb.OpenSessionsRequest, grpc.Future | _StreamFuture] | None
         ) = None
         self._background: list[grpc.Future | _StreamFuture] = []  # calls nobody waits for (kept until done)
-        self._late: list[tuple[list[tuple[ClientSession, str]], _StreamFuture]] = []  # see _Core.delivered
 
     @property
     def config(self) -> ClientConfig:
@@ -571,7 +590,7 @@ class DraftClient:
         left = end - time.monotonic()
         resp, late = self._draft(req, left) if req is not None and left > 0 else (None, None)
         if late is not None:
-            self._late.append((self._core.delivered(rest), late))
+            self._core.missed(rest, late)
         fresh = dict(zip(map(id, rest), self._core.trees(rest, resp, book=late is None), strict=True))
         ahead = [s for s in sessions if id(s) in ready]
         req = self._core.draft_request(ahead)
@@ -592,7 +611,7 @@ class DraftClient:
         except grpc.FutureTimeoutError:
             self._core.failed(None)
             if isinstance(future, _StreamFuture):  # it still counts, once answered
-                self._late.append((self._core.delivered(sessions), future))
+                self._core.missed(sessions, future)
                 return
             future.cancel()
             resp = None
@@ -603,7 +622,7 @@ class DraftClient:
 
     def _draft(self, req: pb.DraftRequest, left: float) -> tuple[pb.DraftResponse | None, _StreamFuture | None]:
         """The reply within ``left``, or None; on a stream, a call that missed ``left`` is
-        returned too: the service still applies it (see :meth:`_Core.delivered`)."""
+        returned too: the service still applies it (see :meth:`_Core.missed`)."""
         if not self.config.stream:
             return self._call("draft", req, left), None
         reply = self._stream("draft").call("draft", req, self.config.control_timeout_s)
@@ -619,17 +638,11 @@ class DraftClient:
     def _check_late(self, wait_for: Sequence[ClientSession] | None = ()) -> None:
         """Book the late draft calls that ended: the sessions of one that failed (or got no
         answer in time) are put in doubt. Those of ``wait_for`` (None: all) are waited for."""
-        waiting = None if wait_for is None else {id(s) for s in wait_for}
-        keep = []
-        for pairs, future in self._late:
-            if waiting is not None and not future.done() and not any(id(s) in waiting for s, _ in pairs):
-                keep.append((pairs, future))
-                continue
+        for pairs, future in self._core.due(wait_for):
             try:
                 future.result()  # at most until its deadline
             except grpc.RpcError:
-                self._core.in_doubt([s for s, sid in pairs if s.server_id == sid])
-        self._late = keep
+                self._core.late_failed(pairs)
 
     def add_tokens(self, sessions: Sequence[ClientSession], new_tokens: Sequence[Sequence[int]]) -> None:
         """Record tokens produced without asking for a draft (a request's last step): they go
@@ -757,7 +770,6 @@ class AsyncDraftClient:
         self._inflight: tuple[list[ClientSession], asyncio.Future] | None = None
         self._opening: tuple[list[ClientSession], list[int], pb.OpenSessionsRequest, asyncio.Future] | None = None
         self._background: set[asyncio.Future] = set()
-        self._late: list[tuple[list[tuple[ClientSession, str]], asyncio.Future]] = []
 
     @property
     def stats(self) -> ClientStats:
@@ -780,7 +792,7 @@ class AsyncDraftClient:
         left = end - time.monotonic()
         resp, late = await self._draft(req, left) if req is not None and left > 0 else (None, None)
         if late is not None:
-            self._late.append((self._core.delivered(rest), late))
+            self._core.missed(rest, late)
         fresh = dict(zip(map(id, rest), self._core.trees(rest, resp, book=late is None), strict=True))
         ahead = [s for s in sessions if id(s) in ready]
         req = self._core.draft_request(ahead)
@@ -800,7 +812,7 @@ class AsyncDraftClient:
         except TimeoutError:
             self._core.failed(None)
             if self._core.config.stream:  # it still counts, once answered
-                self._late.append((self._core.delivered(sessions), task))
+                self._core.missed(sessions, task)
                 return
             task.cancel()
         except grpc.RpcError as exc:
@@ -824,16 +836,10 @@ class AsyncDraftClient:
 
     async def _check_late(self, wait_for: Sequence[ClientSession] | None = ()) -> None:
         """See :meth:`DraftClient._check_late`."""
-        waiting = None if wait_for is None else {id(s) for s in wait_for}
-        keep = []
-        for pairs, task in self._late:
-            if waiting is not None and not task.done() and not any(id(s) in waiting for s, _ in pairs):
-                keep.append((pairs, task))
-                continue
+        for pairs, task in self._core.due(wait_for):
             await asyncio.wait({task})  # at most until its deadline
             if task.cancelled() or task.exception() is not None:
-                self._core.in_doubt([s for s, sid in pairs if s.server_id == sid])
-        self._late = keep
+                self._core.late_failed(pairs)
 
     async def close(self, sessions: Sequence[ClientSession], *, commit: bool = True) -> None:
         await self._settle()
