@@ -164,10 +164,8 @@ class LifetimeMemory:
         self, tokens: np.ndarray, *, prompt: np.ndarray | None = None, response: np.ndarray | None = None
     ) -> None:
         """Add one finished request's tokens; remember ``prompt -> response`` for exact hits."""
-        with self._lock:
-            self._add_run([self._append(tokens, None)])
-            if prompt is not None and response is not None:
-                self._remember(prompt, response)
+        exact = [(prompt, response)] if prompt is not None and response is not None else None
+        self.commit_many([tokens], exact=exact)
 
     def commit_many(
         self,
