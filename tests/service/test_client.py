@@ -4,8 +4,10 @@ is slow or gone, and re-opened sessions when it returns."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 
 import grpc
 import numpy as np
@@ -15,7 +17,7 @@ from draftcache.v1 import draftcache_pb2_grpc as pb_grpc
 
 from cache_service.config import ServiceConfig
 from cache_service.embedded_redis import free_port
-from decoder_client.client import ClientConfig, DraftClient
+from decoder_client.client import ClientConfig, ClientStats, DraftClient
 from tests.service.conftest import start_service, stop_service
 
 # A "document" the target copies around new tokens: prompt lookup and the service both draft
@@ -120,10 +122,9 @@ class _SlowServicer(pb_grpc.DraftCacheServicer):
             yield pb.StreamResponse(request_id=req.request_id, **{kind: reply})
 
 
-def _slow_server(
-    delays: list[float], fail: set[int] | None = None
-) -> tuple[asyncio.AbstractEventLoop, grpc.aio.Server, int, _SlowServicer]:
-    """A server of ``_SlowServicer(delays, fail)`` on its own loop."""
+@contextlib.contextmanager
+def _slow_server(delays: list[float], fail: set[int] | None = None) -> Iterator[tuple[int, _SlowServicer]]:
+    """A server of ``_SlowServicer(delays, fail)`` on its own loop: its port and servicer."""
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
     servicer = _SlowServicer(delays, fail)
@@ -136,42 +137,58 @@ def _slow_server(
         return server, port
 
     server, port = asyncio.run_coroutine_threadsafe(start(), loop).result(10)
-    return loop, server, port, servicer
+    try:
+        yield port, servicer
+    finally:
+        asyncio.run_coroutine_threadsafe(server.stop(0), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+
+
+async def _three_drafts_async(config: ClientConfig, pauses: tuple[float, float]) -> tuple[list[int], ClientStats]:
+    """With the asyncio client, one session: draft, pause, draft, pause, draft. The last tree's
+    tokens and the client's counts."""
+    from decoder_client.client import AsyncDraftClient
+
+    client = AsyncDraftClient(config)
+    (session,) = await client.open([PROMPT])
+    await client.draft([session], [[]])
+    await asyncio.sleep(pauses[0])
+    await client.draft([session], [[]])
+    await asyncio.sleep(pauses[1])
+    (tree,) = await client.draft([session], [[]])
+    await client.shutdown()
+    return tree.tokens.tolist(), client.stats
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "unary"])
 def test_deadline_holds_against_a_slow_service(stream: bool) -> None:
-    loop, server, port, _ = _slow_server([0.2])  # far past any draft deadline
     deadline = 0.01
-    client = DraftClient(
-        ClientConfig(target=f"127.0.0.1:{port}", namespace="toy", deadline_s=deadline, retry_after_s=0, stream=stream)
-    )
-    (session,) = client.open([PROMPT])
-    waits = []
-    for _ in range(10):
-        t0 = time.perf_counter()
-        (tree,) = client.draft([session], [[]])
-        waits.append(time.perf_counter() - t0)
-        # The local drafter answered: prompt lookup continues "1 2 3" nowhere, but it always answers.
-        assert tree is not None
-    # Every call returned within the deadline plus scheduling slack, never after the 200 ms reply.
-    assert max(waits) < deadline + 0.05
-    assert client.stats.fallback == 10 and client.stats.remote == 0
-    client.shutdown()
-    asyncio.run_coroutine_threadsafe(server.stop(0), loop).result(10)
-    loop.call_soon_threadsafe(loop.stop)
+    with _slow_server([0.2]) as (port, _):  # far past any draft deadline
+        config = ClientConfig(
+            target=f"127.0.0.1:{port}", namespace="toy", deadline_s=deadline, retry_after_s=0, stream=stream
+        )
+        client = DraftClient(config)
+        (session,) = client.open([PROMPT])
+        waits = []
+        for _ in range(10):
+            t0 = time.perf_counter()
+            (tree,) = client.draft([session], [[]])
+            waits.append(time.perf_counter() - t0)
+            # The local drafter answered: prompt lookup continues "1 2 3" nowhere, but it always answers.
+            assert tree is not None
+        # Every call returned within the deadline plus scheduling slack, never after the 200 ms reply.
+        assert max(waits) < deadline + 0.05
+        assert client.stats.fallback == 10 and client.stats.remote == 0
+        client.shutdown()
 
 
 def test_a_late_draft_on_the_stream_still_counts_unless_it_fails() -> None:
-    from decoder_client.client import AsyncDraftClient
-
     # Stream request 1 is answered after 150 ms, past the 50 ms deadline; later ones at once.
     # The service applies a late request in order, so the session keeps its server copy: no
     # re-open, and the next tree is the next request's own (the late reply is dropped).
     for fail in (set(), {1}):
-        loop, server, port, servicer = _slow_server([0.15, 0.0], fail)
-        config = ClientConfig(target=f"127.0.0.1:{port}", namespace="toy", deadline_s=0.05, retry_after_s=0)
-        try:
+        with _slow_server([0.15, 0.0], fail) as (port, servicer):
+            config = ClientConfig(target=f"127.0.0.1:{port}", namespace="toy", deadline_s=0.05, retry_after_s=0)
             client = DraftClient(config)
             (session,) = client.open([PROMPT])
             client.draft([session], [[]])  # late: the local drafter answers
@@ -187,25 +204,12 @@ def test_a_late_draft_on_the_stream_still_counts_unless_it_fails() -> None:
                 assert client.stats.fallback == 2 and servicer.opens == 2
                 assert third.tokens.tolist() == [2]
 
-            async def scenario(servicer: _SlowServicer = servicer, config: ClientConfig = config) -> list[int]:
-                servicer.delays[:] = [0.15, 0.0]
-                aclient = AsyncDraftClient(config)
-                (session,) = await aclient.open([PROMPT])
-                await aclient.draft([session], [[]])
-                await asyncio.sleep(0.2)
-                await aclient.draft([session], [[]])
-                await asyncio.sleep(0.05)
-                (tree,) = await aclient.draft([session], [[]])
-                await aclient.shutdown()
-                return tree.tokens.tolist()
-
+            servicer.delays[:] = [0.15, 0.0]
             opens = servicer.opens
             # A new client: new streams, numbered from 1 again.
-            assert asyncio.run(scenario()) == ([3] if not fail else [2])
+            tokens, _ = asyncio.run(_three_drafts_async(config, (0.2, 0.05)))
+            assert tokens == ([3] if not fail else [2])
             assert servicer.opens == opens + (1 if not fail else 2)
-        finally:
-            asyncio.run_coroutine_threadsafe(server.stop(0), loop).result(10)
-            loop.call_soon_threadsafe(loop.stop)
 
 
 def test_chain_proposer_over_the_service(running) -> None:  # type: ignore[no-untyped-def]
@@ -322,11 +326,10 @@ def test_a_stream_that_stops_answering_is_replaced() -> None:
     # The first draft's answer would take 10 s: the stream (answered in order) is stuck behind
     # it. Once that call is past the control timeout the client gives the stream up, re-opens
     # the session it was drafting for, and drafts on a new stream.
-    loop, server, port, servicer = _slow_server([10.0, 0.0])
-    config = ClientConfig(
-        target=f"127.0.0.1:{port}", namespace="toy", deadline_s=0.05, control_timeout_s=0.3, retry_after_s=0
-    )
-    try:
+    with _slow_server([10.0, 0.0]) as (port, servicer):
+        config = ClientConfig(
+            target=f"127.0.0.1:{port}", namespace="toy", deadline_s=0.05, control_timeout_s=0.3, retry_after_s=0
+        )
         client = DraftClient(config)
         (session,) = client.open([PROMPT])
         client.draft([session], [[]])  # late
@@ -339,24 +342,9 @@ def test_a_stream_that_stops_answering_is_replaced() -> None:
         assert tree.tokens.tolist() == [1] and client.stats.remote == 1 and servicer.opens == 2
         client.shutdown()
 
-        async def scenario() -> tuple[list[int], int]:
-            from decoder_client.client import AsyncDraftClient
-
-            servicer.delays[:] = [10.0, 0.0]
-            aclient = AsyncDraftClient(config)
-            (session,) = await aclient.open([PROMPT])
-            await aclient.draft([session], [[]])
-            await asyncio.sleep(0.4)
-            await aclient.draft([session], [[]])
-            await asyncio.sleep(0.1)
-            (tree,) = await aclient.draft([session], [[]])
-            await aclient.shutdown()
-            return tree.tokens.tolist(), aclient.stats.remote
-
-        assert asyncio.run(scenario()) == ([1], 1)
-    finally:
-        asyncio.run_coroutine_threadsafe(server.stop(0), loop).result(10)
-        loop.call_soon_threadsafe(loop.stop)
+        servicer.delays[:] = [10.0, 0.0]
+        tokens, stats = asyncio.run(_three_drafts_async(config, (0.4, 0.1)))
+        assert tokens == [1] and stats.remote == 1
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "unary"])
