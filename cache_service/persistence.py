@@ -36,7 +36,6 @@ from indexer.session import SessionSnapshot, TableItems
 
 logger = logging.getLogger(__name__)
 
-
 SAVE_BATCH = 256  # sessions written per pipelined round trip
 FLUSH_BATCH = 256  # queued commits appended to the log per call
 

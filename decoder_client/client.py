@@ -290,6 +290,11 @@ class _Core:
             sessions=[pb.CloseSession(session_id=sid, commit=False, missing_ok=True) for sid in ids]
         )
 
+    def close_failed(self, req: pb.CloseSessionsRequest) -> None:
+        """A close call failed: its sessions are closed (without commit) once the service is
+        used again, or at shutdown."""
+        self.abandoned.extend(c.session_id for c in req.sessions)
+
     def close_requests(
         self, sessions: Sequence[ClientSession], commit: bool
     ) -> tuple[pb.FeedbackRequest | None, pb.CloseSessionsRequest | None]:
@@ -658,7 +663,7 @@ class DraftClient:
         if tail is not None:  # the last step's tokens belong to the requests
             self._call("feedback", tail, self.config.control_timeout_s)
         if close is not None and self._call("close", close, self.config.control_timeout_s) is None:
-            self._core.abandoned.extend(c.session_id for c in close.sessions)  # closed later
+            self._core.close_failed(close)
 
     def shutdown(self) -> None:
         """Settle calls in flight, close the server copies given up on, close the channel."""
@@ -849,7 +854,7 @@ class AsyncDraftClient:
         if tail is not None:
             await self._call("feedback", tail, self._core.config.control_timeout_s)
         if close is not None and await self._call("close", close, self._core.config.control_timeout_s) is None:
-            self._core.abandoned.extend(c.session_id for c in close.sessions)  # closed later
+            self._core.close_failed(close)
 
     async def shutdown(self) -> None:
         """See :meth:`DraftClient.shutdown`."""
