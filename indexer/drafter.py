@@ -22,7 +22,6 @@ from indexer.prespeculation import Prefetched, select, stopping_points
 from indexer.prior import StaticPrior
 from indexer.session import Guess, Session, SessionSnapshot
 from indexer.session_cache import LruTableConfig
-from indexer.suffix_array import SuffixIndex
 from indexer.tokens import Namespace, as_tokens
 from indexer.tree_builder import Candidates, DraftTree, Tier, merge_candidates
 
@@ -331,16 +330,11 @@ class NamespaceDrafter:
     def _lifetime(self, ctx: np.ndarray, depth: int, hint: int) -> list[tuple[Candidates, int]]:
         """The longest match over the main and delta suffix indexes; a match no longer than the
         frozen table's leaders is answered by the table's exact top followers instead."""
-        best = 0
-        hits: list[tuple[SuffixIndex, int, int]] = []
-        for index in self.memory.suffix_indexes():
-            # Only a match as long as the best so far matters: later indexes search less.
-            n, first, last = index.longest_match(ctx, self.config.max_match, min_len=max(best, 1), hint=hint)
-            if n > best:
-                best, hits = n, []
-            if n and n == best:
-                hits.append((index, first, last))
-        if not hits:
+        cfg = self.config
+        best, rows, weights = self.memory.continuations(
+            ctx, max_len=cfg.max_match, depth=depth, samples=cfg.samples, hint=hint
+        )
+        if best == 0:
             return []
         indexes = self.memory.indexes
         if indexes is not None and best <= indexes.table.config.leader_len:
@@ -349,18 +343,6 @@ class NamespaceDrafter:
             if hit is not None:
                 conf = self._conf(Tier.LIFETIME_NGRAM, ll)
                 return [(Candidates(Tier.LIFETIME_NGRAM, hit[0], probs=hit[1], confidence=conf), ll)]
-        samples = self.config.samples
-        if len(hits) == 1:
-            index, first, last = hits[0]
-            rows, weights = index.continuations(first, last, best, depth, samples)
-        else:  # the samples are shared by the indexes holding the match, by how often each does
-            total = sum(last - first for _, first, last in hits)
-            parts = [
-                index.continuations(first, last, best, depth, -(-samples * (last - first) // total))
-                for index, first, last in hits
-            ]
-            rows = np.vstack([p[0] for p in parts])
-            weights = np.concatenate([p[1] for p in parts])
         return [(self._weighted(Tier.LIFETIME_SA, best, rows, weights), best)]
 
     def _exact(self, s: Session, depth: int) -> tuple[Candidates, int] | None:

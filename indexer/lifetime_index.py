@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from indexer import kernels
 from indexer.lifetime_buffer import LifetimeBuffer
 from indexer.ngram_table import NgramTable, NgramTableConfig, lcp_array, with_final_separator
 from indexer.suffix_array import SuffixIndex, build_suffix_array
@@ -78,6 +79,27 @@ def build_indexes(tokens: np.ndarray, table_config: NgramTableConfig, version: i
     return LifetimeIndexes(suffix, table, version, time.perf_counter() - start)
 
 
+@dataclass(frozen=True)
+class StackedRuns:
+    """Suffix indexes laid end to end (index ``i``: tokens and suffix array rows
+    ``[offsets[i], offsets[i + 1])``), so one compiled search covers them all."""
+
+    tokens: np.ndarray
+    suffix_array: np.ndarray
+    offsets: np.ndarray
+
+    @classmethod
+    def of(cls, indexes: Sequence[SuffixIndex]) -> StackedRuns:
+        offsets = np.zeros(len(indexes) + 1, dtype=np.int64)
+        np.cumsum([i.size for i in indexes], out=offsets[1:])
+        if not indexes:
+            return cls(np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int32), offsets)
+        return cls(
+            np.concatenate([i.tokens for i in indexes]), np.concatenate([i.suffix_array for i in indexes]), offsets
+        )
+
+
+_NO_INDEX = StackedRuns.of([])
 LogId = tuple[int, int]  # a position in the shared log, ordered as the log orders its entries
 
 
@@ -131,6 +153,7 @@ class LifetimeMemory:
         self.buffer: LifetimeBuffer | None = LifetimeBuffer(config.capacity_tokens) if ring else None
         self._indexes: LifetimeIndexes | None = None
         self._runs: list[tuple[list[np.ndarray], SuffixIndex]] = []  # oldest first
+        self._stacked = _NO_INDEX  # the runs' indexes end to end, for drafting
         self._delta_tokens: list[np.ndarray] = []
         self._delta_ids: list[LogId | None] = []  # each delta piece's log position, once known
         self._delta_from = 0  # buffer.appended covered by the main indexes
@@ -237,9 +260,12 @@ class LifetimeMemory:
             newer, older = runs.pop(), runs.pop()
             joined = older[0] + newer[0]
             runs.append((joined, SuffixIndex(np.concatenate(joined))))
-        self._runs = runs
+        self._set_runs(runs)
         if sum(run.size for _, run in runs) > self.capacity:
             self._refresh_delta()  # the ring overwrote part of the delta: only a tiny ring does
+
+    def _set_runs(self, runs: list[tuple[list[np.ndarray], SuffixIndex]]) -> None:
+        self._runs, self._stacked = runs, StackedRuns.of([run for _, run in runs])
 
     def _refresh_delta(self) -> None:
         """One run over the whole delta, cut to what the ring still holds (without a ring, the
@@ -250,10 +276,10 @@ class LifetimeMemory:
                 total -= self._delta_tokens.pop(0).size
                 self._delta_ids.pop(0)
         if not self._delta_tokens:
-            self._runs = []
+            self._set_runs([])
             return
         joined = np.concatenate(self._delta_tokens)[-self.capacity :]
-        self._runs = [([joined], SuffixIndex(joined))]
+        self._set_runs([([joined], SuffixIndex(joined))])
 
     def _remember(self, prompt: np.ndarray, response: np.ndarray) -> None:
         if self.config.exact_entries == 0 or response.size == 0:
@@ -273,6 +299,30 @@ class LifetimeMemory:
         out = [] if self._indexes is None else [self._indexes.suffix]
         out.extend(run for _, run in self._runs)
         return out
+
+    def continuations(
+        self, context: np.ndarray, *, max_len: int, depth: int, samples: int, hint: int = 0
+    ) -> tuple[int, np.ndarray, np.ndarray]:
+        """The longest match of the context's suffix over every index (``n``, 0 if none) and up
+        to about ``samples`` continuations of ``depth`` tokens after it, as ``(n, rows,
+        weights)``: a row stands for ``weight`` occurrences. The indexes holding the match share
+        the samples by how often each does. ``hint`` (the previous match plus the tokens
+        accepted since) only saves work."""
+        indexes, runs = self._indexes, self._stacked
+        main = _NO_INDEX if indexes is None else indexes.suffix
+        return kernels.stacked_continuations(
+            main.tokens,
+            main.suffix_array,
+            runs.tokens,
+            runs.suffix_array,
+            runs.offsets,
+            context,
+            max_len,
+            hint,
+            depth,
+            samples,
+            int(SEPARATOR),
+        )
 
     def known_prefix(self, tokens: np.ndarray, min_piece: int = 16) -> int:
         """How much of a request's beginning the memory already holds, possibly in pieces: the

@@ -18,6 +18,7 @@ from indexer.kernels.search import (
     recent_followers,
     sample_rows,
     sample_starts,
+    stacked_continuations,
     tail_matches,
 )
 from indexer.kernels.tables import (
@@ -49,6 +50,7 @@ __all__ = [
     "rejected_branches",
     "sample_rows",
     "sample_starts",
+    "stacked_continuations",
     "tail_matches",
     "top_per_group",
     "warm_up",
@@ -66,6 +68,8 @@ def warm_up() -> None:
     prompt_lookup_start(np.array([1, 2, 1], dtype=np.int32), 1, 3)
     recent_followers(toks, sa[:1], 2, 0, 1, 1, 2)
     sample_rows(toks, sa, 0, 2, 1, 2, 2, 2147483647)
+    offsets = np.array([0, 5], dtype=np.int64)
+    stacked_continuations(toks, sa, toks, sa, offsets, np.array([1, 2], dtype=np.int32), 4, 0, 2, 2, 2147483647)
     find_leader(np.array([1, 2], dtype=np.int32), 2, np.zeros(1, dtype=np.uint64))
     hash_rows(np.zeros((1, 2), dtype=np.int32))
     rows = np.array([[1, 2], [1, -1]], dtype=np.int32)

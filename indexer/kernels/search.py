@@ -153,6 +153,77 @@ def sample_rows(
     return gather_rows(tokens, sample_starts(sa, first, last, samples) + offset, depth, stop)
 
 
+@njit(cache=True, nogil=True)
+def _part(tokens: np.ndarray, offsets: np.ndarray, i: int) -> np.ndarray:
+    return tokens[offsets[i] : offsets[i + 1]]
+
+
+@njit(cache=True, nogil=True)
+def stacked_continuations(
+    main_tokens: np.ndarray,
+    main_sa: np.ndarray,
+    run_tokens: np.ndarray,
+    run_sa: np.ndarray,
+    offsets: np.ndarray,
+    context: np.ndarray,
+    max_len: int,
+    hint: int,
+    depth: int,
+    samples: int,
+    stop: int,
+) -> tuple[int, np.ndarray, np.ndarray]:
+    """The longest match of the context's suffix over a main index and delta runs stacked end
+    to end (run ``i``: tokens and SA ``[offsets[i], offsets[i + 1])``), and the continuations
+    after it: ``(n, rows, weights)``, ``n == 0`` when nothing matches.
+
+    Each index holding the longest match gets a share of the ``samples`` by how often it
+    holds it, rounded up; a row stands for ``count / rows`` occurrences of its index. Later
+    indexes are searched only for matches at least as long as the best so far.
+    """
+    n_idx = offsets.size  # the main index, then offsets.size - 1 runs
+    lens = np.zeros(n_idx, dtype=np.int64)
+    firsts = np.zeros(n_idx, dtype=np.int64)
+    lasts = np.zeros(n_idx, dtype=np.int64)
+    best = 0
+    for i in range(n_idx):
+        if i == 0:
+            n, f, last = longest_match(main_tokens, main_sa, context, max_len, max(best, 1), hint)
+        else:
+            tok, sa = _part(run_tokens, offsets, i - 1), _part(run_sa, offsets, i - 1)
+            n, f, last = longest_match(tok, sa, context, max_len, max(best, 1), hint)
+        lens[i], firsts[i], lasts[i] = n, f, last
+        if n > best:
+            best = n
+    if best == 0:
+        return 0, np.zeros((0, depth), dtype=np.int32), np.zeros(0)
+    total = 0
+    for i in range(n_idx):
+        if lens[i] == best:
+            total += lasts[i] - firsts[i]
+    takes = np.zeros(n_idx, dtype=np.int64)
+    for i in range(n_idx):
+        if lens[i] == best:
+            count = lasts[i] - firsts[i]
+            takes[i] = min(count, -(-samples * count // total))
+    rows = np.full((takes.sum(), depth), -1, dtype=np.int32)
+    weights = np.empty(rows.shape[0])
+    at = 0
+    for i in range(n_idx):
+        k = takes[i]
+        if k == 0:
+            continue
+        if i == 0:
+            tok, sa = main_tokens, main_sa
+        else:
+            tok, sa = _part(run_tokens, offsets, i - 1), _part(run_sa, offsets, i - 1)
+        count = lasts[i] - firsts[i]
+        starts = sample_starts(sa, firsts[i], lasts[i], k) + best
+        rows[at : at + k] = gather_rows(tok, starts, depth, stop)
+        weights[at : at + k] = count / k
+        at += k
+    return best, rows, weights
+
+
 # -- own context ----------------------------------------------------------------------------------
 
 

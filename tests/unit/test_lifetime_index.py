@@ -233,3 +233,64 @@ def test_known_prefix_matches_brute_force(requests, tokens, rebuild_after):
             mem.rebuild()
     for min_piece in (1, 3):
         assert mem.known_prefix(_a(tokens), min_piece) == _brute_known_prefix(requests, tokens, min_piece)
+
+
+def _continuations_one_by_one(mem, ctx, max_len, depth, samples):
+    """Reference: each index searched on its own (later ones only for matches at least as
+    long), the samples shared by the indexes holding the longest match, by their counts."""
+    best, hits = 0, []
+    for index in mem.suffix_indexes():
+        n, first, last = index.longest_match(ctx, max_len, min_len=max(best, 1))
+        if n > best:
+            best, hits = n, []
+        if n and n == best:
+            hits.append((index, first, last))
+    if not hits:
+        return 0, np.zeros((0, depth), dtype=np.int32), np.zeros(0)
+    total = sum(last - first for _, first, last in hits)
+    parts = [idx.continuations(f, la, best, depth, -(-samples * (la - f) // total)) for idx, f, la in hits]
+    return best, np.vstack([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    requests=st.lists(st.lists(st.integers(0, 4), min_size=1, max_size=30), min_size=1, max_size=12),
+    rebuild_after=st.integers(0, 12),
+    ctx=st.lists(st.integers(0, 4), min_size=1, max_size=12),
+    samples=st.integers(1, 6),
+    depth=st.integers(1, 5),
+    hint=st.integers(0, 12),
+)
+def test_continuations_over_all_indexes_match_searching_each(requests, rebuild_after, ctx, samples, depth, hint):
+    # One compiled search over the main index and the delta runs gives what searching each
+    # index in turn gives: the same match length, rows and weights, in index order.
+    mem = _mem(capacity_tokens=1 << 12)
+    for i, r in enumerate(requests):
+        mem.commit(_a(r))  # each commit a run of its own; runs merge as they double
+        if i + 1 == rebuild_after:
+            mem.rebuild()
+    c = _a(ctx)
+    n, rows, weights = mem.continuations(c, max_len=8, depth=depth, samples=samples, hint=hint)
+    ref_n, ref_rows, ref_weights = _continuations_one_by_one(mem, c, 8, depth, samples)
+    assert n == ref_n
+    assert rows.tolist() == ref_rows.tolist()
+    assert weights.tolist() == pytest.approx(ref_weights.tolist())
+    # Every row continues an occurrence the match really has: its weight counts occurrences.
+    assert (weights > 0).all() and rows.shape == (weights.size, depth)
+
+
+def test_indexes_holding_the_match_share_the_samples_by_count():
+    # "1 2" occurs 3 times in the main index and 3 times in the delta: 2 samples are shared
+    # one each, and each row stands for the 3 occurrences of its index.
+    mem = _mem(capacity_tokens=256)
+    mem.commit_many([_a([1, 2, 3])] * 3)
+    mem.rebuild()
+    mem.commit_many([_a([1, 2, 4])] * 3)
+    n, rows, weights = mem.continuations(_a([1, 2]), max_len=8, depth=2, samples=2)
+    assert n == 2
+    assert rows.tolist() == [[3, -1], [4, -1]]
+    assert weights.tolist() == [3.0, 3.0]
+    # A longer match in one index only: that index alone answers.
+    mem.commit(_a([0, 1, 2, 5]))
+    n, rows, weights = mem.continuations(_a([0, 1, 2]), max_len=8, depth=1, samples=4)
+    assert (n, rows.tolist(), weights.tolist()) == (3, [[5]], [1.0])
