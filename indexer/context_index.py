@@ -14,6 +14,7 @@ from indexer.suffix_array import SuffixIndex
 from indexer.tokens import SEPARATOR
 
 _MIN_INDEXED_PROMPT = 256  # shorter prompts are cheaper to scan than to index
+_EMPTY = np.zeros(0, dtype=np.int32)
 
 
 class ContextIndex:
@@ -59,26 +60,10 @@ class ContextIndex:
     def lookup(self, *, max_len: int, depth: int, samples: int, hint: int = 0) -> tuple[int, np.ndarray, np.ndarray]:
         """``(n, rows, weights)``: continuations after earlier occurrences of the longest
         matching suffix (length ``n``, 0 if none). Each row is ``depth`` tokens, -1 padded."""
-        ctx = self.tokens
-        n_sa, first, last = (0, 0, 0)
-        if self._sa is not None:
-            n_sa, first, last = self._sa.longest_match(ctx, max_len, hint=hint)
-        n_tail, ends = self._tail_matches(ctx, max_len)
-        n = max(n_sa, n_tail)
-        if n == 0:
-            return 0, np.zeros((0, depth), dtype=np.int32), np.zeros(0)
-        starts: list[np.ndarray] = []
-        weights: list[np.ndarray] = []
-        if n_sa == n and self._sa is not None:
-            starts.append(self._sa.sample_starts(first, last, samples) + n)
-            weights.append(np.full(starts[-1].size, (last - first) / starts[-1].size))
-        if n_tail == n:
-            recent = ends[-samples:] + 1  # the most recent occurrences stand for all of them
-            starts.append(recent)
-            weights.append(np.full(recent.size, ends.size / recent.size))
-        pos = np.concatenate(starts) if len(starts) > 1 else starts[0]
-        rows = kernels.gather_rows(ctx, pos, depth, int(SEPARATOR))
-        return n, rows, np.concatenate(weights) if len(weights) > 1 else weights[0]
+        sa_tokens, sa = (_EMPTY, _EMPTY) if self._sa is None else (self._sa.tokens, self._sa.suffix_array)
+        return kernels.context_continuations(
+            self.tokens, sa_tokens, sa, self._indexed, max_len, hint, depth, samples, int(SEPARATOR)
+        )
 
     def followers(
         self, *, leader_len: int, follower_len: int, keep: int, since: int = 0
@@ -95,8 +80,3 @@ class ContextIndex:
             starts = self._sa.suffix_array[first:last]
             tail_from = max(0, self._indexed - leader_len + 1)  # later starts are not all indexed
         return kernels.recent_followers(ctx, starts, tail_from, since, leader_len, follower_len, keep)
-
-    def _tail_matches(self, ctx: np.ndarray, max_len: int) -> tuple[int, np.ndarray]:
-        """Longest suffix match among occurrences ending after the indexed region (but before
-        the last token), with the end positions achieving it."""
-        return kernels.tail_matches(ctx, self._indexed, max_len)

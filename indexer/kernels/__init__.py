@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from indexer.kernels.search import (
+    context_continuations,
     gather_rows,
     longest_match,
     match_range,
@@ -34,6 +35,7 @@ from indexer.kernels.tree import accepted_path, merge_parts, merge_tree, rejecte
 
 __all__ = [
     "accepted_path",
+    "context_continuations",
     "find_leader",
     "find_longest_leader",
     "follower_lengths",
@@ -65,6 +67,7 @@ def warm_up() -> None:
     match_range(toks, sa, np.array([1], dtype=np.int32), 0, 5)
     sample_starts(sa, 0, 2, 2)
     tail_matches(np.array([1, 2, 1], dtype=np.int32), 0, 4)
+    context_continuations(toks, toks, sa, 4, 4, 0, 2, 2, 2147483647)
     prompt_lookup_start(np.array([1, 2, 1], dtype=np.int32), 1, 3)
     recent_followers(toks, sa[:1], 2, 0, 1, 1, 2)
     sample_rows(toks, sa, 0, 2, 1, 2, 2, 2147483647)

@@ -254,6 +254,44 @@ def tail_matches(ctx: np.ndarray, lo: int, max_len: int) -> tuple[int, np.ndarra
 
 
 @njit(cache=True, nogil=True)
+def context_continuations(
+    ctx: np.ndarray,
+    sa_tokens: np.ndarray,
+    sa: np.ndarray,
+    indexed: int,
+    max_len: int,
+    hint: int,
+    depth: int,
+    samples: int,
+    stop: int,
+) -> tuple[int, np.ndarray, np.ndarray]:
+    """Continuations after earlier occurrences of the context's longest repeated suffix:
+    ``(n, rows, weights)``, ``n == 0`` when none repeats.
+
+    Occurrences in the first ``indexed`` tokens come from their suffix array (``sa`` over
+    ``sa_tokens``; empty when nothing is indexed), the rest from :func:`tail_matches`. Where
+    both hold the longest match, both contribute: up to ``samples`` evenly spaced SA rows and
+    the ``samples`` most recent tail occurrences, each row standing for its share of its side.
+    """
+    n_sa, first, last = longest_match(sa_tokens, sa, ctx, max_len, 1, hint)
+    n_tail, ends = tail_matches(ctx, indexed, max_len)
+    n = max(n_sa, n_tail)
+    if n == 0:
+        return 0, np.zeros((0, depth), dtype=np.int32), np.zeros(0)
+    k_sa = min(last - first, samples) if n_sa == n else 0
+    k_tail = min(ends.size, samples) if n_tail == n else 0
+    starts = np.empty(k_sa + k_tail, dtype=np.int64)
+    weights = np.empty(k_sa + k_tail)
+    if k_sa:
+        starts[:k_sa] = sample_starts(sa, first, last, samples) + n
+        weights[:k_sa] = (last - first) / k_sa
+    if k_tail:
+        starts[k_sa:] = ends[ends.size - k_tail :] + 1  # the most recent occurrences stand for all
+        weights[k_sa:] = ends.size / k_tail
+    return n, gather_rows(ctx, starts, depth, stop), weights
+
+
+@njit(cache=True, nogil=True)
 def prompt_lookup_start(ctx: np.ndarray, min_n: int, max_n: int) -> int:
     """Where the tokens after the most recent earlier occurrence of the longest n-gram (``max_n``
     down to ``min_n``) ending the context start, or -1."""
