@@ -33,7 +33,8 @@ class ContextIndex:
         # The index covers the prompt minus its last token, so every indexed occurrence is
         # followed by at least one token and the context's own suffix never matches itself.
         self._indexed = self._len - 1 if self._len > _MIN_INDEXED_PROMPT else 0
-        self._sa = SuffixIndex(prompt[: self._indexed]) if self._indexed else None
+        sa = SuffixIndex(prompt[: self._indexed]) if self._indexed else None
+        self._sa = (_EMPTY, _EMPTY) if sa is None else (sa.tokens, sa.suffix_array)  # tokens, suffix array
 
     def __len__(self) -> int:
         return self._len
@@ -60,7 +61,7 @@ class ContextIndex:
     def lookup(self, *, max_len: int, depth: int, samples: int, hint: int = 0) -> tuple[int, np.ndarray, np.ndarray]:
         """``(n, rows, weights)``: continuations after earlier occurrences of the longest
         matching suffix (length ``n``, 0 if none). Each row is ``depth`` tokens, -1 padded."""
-        sa_tokens, sa = (_EMPTY, _EMPTY) if self._sa is None else (self._sa.tokens, self._sa.suffix_array)
+        sa_tokens, sa = self._sa
         return kernels.context_continuations(
             self.tokens, sa_tokens, sa, self._indexed, max_len, hint, depth, samples, int(SEPARATOR)
         )
@@ -72,11 +73,7 @@ class ContextIndex:
         continuations of the context's last ``leader_len`` tokens, among occurrences starting at
         ``since`` or later, with how often each followed (a session's dynamic table, computed
         when asked from the context itself)."""
-        ctx = self.tokens
-        tail_from = 0
-        starts = np.zeros(0, dtype=np.int32)
-        if self._sa is not None and ctx.size >= leader_len:
-            first, last = self._sa.match_range(ctx[-leader_len:])
-            starts = self._sa.suffix_array[first:last]
-            tail_from = max(0, self._indexed - leader_len + 1)  # later starts are not all indexed
-        return kernels.recent_followers(ctx, starts, tail_from, since, leader_len, follower_len, keep)
+        sa_tokens, sa = self._sa
+        return kernels.context_followers(
+            self.tokens, sa_tokens, sa, self._indexed, since, leader_len, follower_len, keep
+        )

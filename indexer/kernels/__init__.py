@@ -12,6 +12,7 @@ import numpy as np
 
 from indexer.kernels.search import (
     context_continuations,
+    context_followers,
     gather_rows,
     longest_match,
     match_range,
@@ -36,6 +37,7 @@ from indexer.kernels.tree import accepted_path, merge_parts, merge_tree, rejecte
 __all__ = [
     "accepted_path",
     "context_continuations",
+    "context_followers",
     "find_leader",
     "find_longest_leader",
     "follower_lengths",
@@ -68,6 +70,7 @@ def warm_up() -> None:
     sample_starts(sa, 0, 2, 2)
     tail_matches(np.array([1, 2, 1], dtype=np.int32), 0, 4)
     context_continuations(toks, toks, sa, 4, 4, 0, 2, 2, 2147483647)
+    context_followers(toks, toks, sa, 4, 0, 1, 1, 2)
     prompt_lookup_start(np.array([1, 2, 1], dtype=np.int32), 1, 3)
     recent_followers(toks, sa[:1], 2, 0, 1, 1, 2)
     sample_rows(toks, sa, 0, 2, 1, 2, 2, 2147483647)

@@ -224,6 +224,20 @@ def stacked_continuations(
     return best, rows, weights
 
 
+@njit(cache=True, nogil=True)
+def context_followers(
+    ctx: np.ndarray, sa_tokens: np.ndarray, sa: np.ndarray, indexed: int, since: int, ll: int, fl: int, keep: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`recent_followers` of the context's last ``ll`` tokens, the occurrences in its
+    first ``indexed`` tokens found with their suffix array (``sa`` over ``sa_tokens``; empty
+    when nothing is indexed) and the later ones by a scan."""
+    if sa.size == 0 or ctx.size < ll:
+        return recent_followers(ctx, sa[:0], 0, since, ll, fl, keep)
+    leader = ctx[ctx.size - ll :]
+    first, last = match_range(sa_tokens, sa, leader, 0, sa.size)
+    return recent_followers(ctx, sa[first:last], max(0, indexed - ll + 1), since, ll, fl, keep)
+
+
 # -- own context ----------------------------------------------------------------------------------
 
 
