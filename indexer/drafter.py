@@ -30,6 +30,7 @@ MAX_BUDGET = 1024
 MAX_DEPTH = 128
 MAX_LOOKAHEAD = 16  # outcomes drafted ahead per step
 MIN_SKIP = 256  # a known leading part shorter than this is committed again (not worth a cut)
+_REJECTED_BRANCHES = 4  # branches remembered where verification left a tree
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -213,9 +214,16 @@ class NamespaceDrafter:
             return
         ahead = select(session.prefetched, new) if session.prefetched else None
         tree = session.last_tree
-        path = kernels.accepted_path(tree.tokens, tree.parents, new) if tree is not None and len(tree) else None
+        path = None
+        branches: Sequence[tuple[int, np.ndarray]] = [] if rejected is None else rejected
+        if tree is not None and len(tree):
+            # By default the branches rejected are the best ones leaving the accepted path where
+            # verification stopped, each extended by its best-scoring descendants.
+            limit = _REJECTED_BRANCHES if rejected is None else 0
+            path, rows, lengths = kernels.verification_outcome(tree.tokens, tree.parents, tree.scores, new, limit)
+            if rejected is None:
+                branches = [(int(path.size), rows[j, :n]) for j, n in enumerate(lengths.tolist())]
         self._count(session, path, ahead is not None)
-        branches = self._rejected_branches(session, new, path) if rejected is None else rejected
         self._calibrate(session, int(new[0]))
         if branches:  # each keyed by the context tail where it branched off
             before = session.context.tokens[-self.config.rejected.leader_len :].tolist()
@@ -374,20 +382,3 @@ class NamespaceDrafter:
         with self._lock:
             for tier, g in s.guesses.items():
                 self.calibrator.update(tier, g.n, predicted=g.predicted, hit=g.token == actual)
-
-    @staticmethod
-    def _rejected_branches(
-        s: Session, new: np.ndarray, path: np.ndarray | None, limit: int = 4
-    ) -> list[tuple[int, np.ndarray]]:
-        """``(depth, tokens)`` for the best ``limit`` branches that left the accepted ``path``
-        (nodes of the session's last tree) where verification stopped, each extended by its
-        best-scoring descendants."""
-        tree = s.last_tree
-        if tree is None or path is None:
-            return []
-        if path.size >= new.size:  # nothing was rejected: verification ended inside the tree
-            return []
-        stop = int(path[-1]) if path.size else -1
-        rows, lengths = kernels.rejected_branches(tree.tokens, tree.parents, tree.scores, stop, limit)
-        depth = int(path.size)
-        return [(depth, rows[j, :n]) for j, n in enumerate(lengths.tolist())]

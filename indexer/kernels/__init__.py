@@ -32,7 +32,7 @@ from indexer.kernels.tables import (
     prefix_counts,
     top_per_group,
 )
-from indexer.kernels.tree import accepted_path, merge_parts, merge_tree, rejected_branches
+from indexer.kernels.tree import accepted_path, merge_parts, merge_tree, rejected_branches, verification_outcome
 
 __all__ = [
     "accepted_path",
@@ -57,6 +57,7 @@ __all__ = [
     "stacked_continuations",
     "tail_matches",
     "top_per_group",
+    "verification_outcome",
     "warm_up",
 ]
 
@@ -84,3 +85,4 @@ def warm_up() -> None:
     one = np.array([1], dtype=np.int32)
     accepted_path(one, np.array([-1], dtype=np.int32), one)
     rejected_branches(one, np.array([-1], dtype=np.int32), np.ones(1, dtype=np.float32), -1, 2)
+    verification_outcome(one, np.array([-1], dtype=np.int32), np.ones(1, dtype=np.float32), one, 2)

@@ -406,3 +406,17 @@ def rejected_branches(
             out[j, d] = tokens[node]
         lengths[j] = d + 1
     return out, lengths
+
+
+@njit(cache=True, nogil=True)
+def verification_outcome(
+    tokens: np.ndarray, parents: np.ndarray, scores: np.ndarray, produced: np.ndarray, limit: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """What verifying a tree produced: the accepted nodes (:func:`accepted_path`) and, when
+    verification left the tree (``produced`` goes on past the path), the ``limit`` best
+    branches it rejected there (:func:`rejected_branches`; none otherwise)."""
+    path = accepted_path(tokens, parents, produced)
+    if path.size >= produced.size or limit <= 0:
+        return path, np.zeros((0, 0), dtype=np.int32), np.zeros(0, dtype=np.int64)
+    rows, lengths = rejected_branches(tokens, parents, scores, path[-1] if path.size else -1, limit)
+    return path, rows, lengths

@@ -463,6 +463,26 @@ def test_rejected_branches_best_children_extended_by_best_descendants():
     assert kernels.rejected_branches(tokens, parents, scores, 3, 4)[0].shape == (0, 0)
 
 
+def test_verification_outcome_is_the_path_and_the_branches_left_where_it_stopped():
+    # Tree: 5 -> {7 -> 9, 8}. The target produced 5 then 6: the path is node 0 (5), and
+    # verification left the tree under it, rejecting 7 -> 9 and 8 (best first).
+    tokens = np.array([5, 7, 8, 9], dtype=np.int32)
+    parents = np.array([-1, 0, 0, 1], dtype=np.int32)
+    scores = np.array([0.9, 0.5, 0.4, 0.3], dtype=np.float32)
+    path, rows, lengths = kernels.verification_outcome(tokens, parents, scores, np.array([5, 6], np.int32), 4)
+    assert path.tolist() == [0]
+    assert rows.tolist() == [[7, 9], [8, -1]] and lengths.tolist() == [2, 1]
+    # Nothing matched: every root child was rejected.
+    path, rows, _ = kernels.verification_outcome(tokens, parents, scores, np.array([3], np.int32), 4)
+    assert path.tolist() == [] and rows.tolist() == [[5, 7, 9]]
+    # Verification ended inside the tree (every produced token on the path): nothing rejected.
+    path, rows, lengths = kernels.verification_outcome(tokens, parents, scores, np.array([5, 7], np.int32), 4)
+    assert path.tolist() == [0, 1] and rows.shape == (0, 0) and lengths.size == 0
+    # A limit of 0 asks for the path only.
+    path, rows, _ = kernels.verification_outcome(tokens, parents, scores, np.array([5, 6], np.int32), 0)
+    assert path.tolist() == [0] and rows.shape == (0, 0)
+
+
 def test_rejected_branch_ties_go_to_lower_node():
     # Equal scores: the lower id first, for both the branch order and the extension.
     tokens = np.array([4, 6, 1, 2], dtype=np.int32)
