@@ -183,6 +183,14 @@ def build_parser() -> argparse.ArgumentParser:
     bl.add_argument("--unary", action="store_true", help="one unary call per draft instead of the stream")
     bl.add_argument("--watch-pid", type=int, action="append", default=[], help="sample this process's memory and CPU")
 
+    bd = sub.add_parser("bench-draft", help="the draft path in process: time per sequence-draft, trees' digest")
+    bd.add_argument("traces", type=Path, help="requests come from these conversations")
+    _add(bd, "--tokenizer", type=Path, default=None, help="tokenizer of the traces' namespace (its vocabulary)")
+    _add(bd, "--batch", type=int, default=32)
+    _add(bd, "--steps", type=int, default=1200)
+    _add(bd, "--rebuild-every", type=int, default=300, help="steps between lifetime index rebuilds (0: never)")
+    _add(bd, "--budget", type=int, default=64)
+
     bg = sub.add_parser("bench-generate", help="tokens/s of real decoding: greedy vs prompt lookup vs draftcache")
     data = Path("../shared/data")
     _add(bg, "--model", type=Path, default=None, help="local Hugging Face model folder (default: SmolLM2-135M)")
@@ -497,6 +505,20 @@ def cmd_bench_rpc(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_draft(a: argparse.Namespace) -> int:
+    import json
+
+    from cache_service.draft_bench import DraftBenchConfig, run_draft_bench
+
+    conversations = read_traces(a.traces)
+    vocab = warm.load_tokenizer(a.tokenizer)[1] if a.tokenizer is not None else None
+    config = DraftBenchConfig(
+        batch=a.batch, steps=a.steps, rebuild_every=a.rebuild_every, params=DraftParams(budget=a.budget)
+    )
+    print(json.dumps(run_draft_bench(conversations, replay_bench.namespace_of(conversations, vocab), config), indent=2))
+    return 0
+
+
 def cmd_bench_load(a: argparse.Namespace) -> int:
     import json
 
@@ -539,6 +561,7 @@ COMMANDS = {
     "bench-index": cmd_bench_index,
     "bench-rpc": cmd_bench_rpc,
     "bench-load": cmd_bench_load,
+    "bench-draft": cmd_bench_draft,
     "bench-generate": cmd_bench_generate,
     "generate": cmd_generate,
 }

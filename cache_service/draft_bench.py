@@ -1,0 +1,99 @@
+"""The draft path on its own: the service's batched draft call, in process, stepping batches of
+real sequences the way bench-load's decoders do, with no transport, storage or other process
+sharing the CPU.
+
+Each step drafts for every sequence of the batch (sending the tokens produced since its last
+step), judges the accepted length against the recorded continuation, and replaces the requests
+that finished (closed with commit, so the lifetime memory fills as it would in service); the
+lifetime indexes are rebuilt every ``rebuild_every`` steps. Reports the time one sequence-draft
+takes (a batch call's time over its size) and a digest of every tree, so two builds can be
+compared side by side and checked to draft the same trees.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from cache_service.config import ServiceConfig
+from cache_service.service import CloseItem, DraftItem, DraftService, FeedbackItem, OpenItem
+from decoder_client.load_bench import requests_of
+from decoder_client.traces import Conversation
+from indexer.drafter import DraftParams
+from indexer.tokens import Namespace
+
+
+@dataclass(frozen=True, kw_only=True)
+class DraftBenchConfig:
+    batch: int = 32
+    steps: int = 1200
+    rebuild_every: int = 300  # steps between lifetime index rebuilds (0: never)
+    params: DraftParams = field(default_factory=DraftParams)
+
+    def __post_init__(self) -> None:
+        if self.batch < 1 or self.steps < 1 or self.rebuild_every < 0:
+            raise ValueError("batch and steps must be >= 1 and rebuild_every >= 0")
+
+
+@dataclass
+class _Slot:
+    sid: str
+    output: np.ndarray
+    pos: int = 0
+    pending: list[int] = field(default_factory=list)
+
+
+def run_draft_bench(conversations: list[Conversation], namespace: Namespace, config: DraftBenchConfig) -> dict:
+    """Step ``config.steps`` batches; per-sequence draft time (us), MAT and the trees' digest."""
+    service = DraftService(ServiceConfig(default_params=config.params))
+    service.create_namespace(namespace.name, namespace.vocab_size)
+    source = requests_of(conversations)  # every output segment once, then again (no end)
+
+    def open_many(count: int) -> list[_Slot]:
+        requests = [next(source) for _ in range(count)]
+        ids = service.open([OpenItem(namespace.name, prompt) for prompt, _ in requests])
+        return [_Slot(sid, output) for sid, (_, output) in zip(ids, requests, strict=True)]
+
+    slots = open_many(config.batch)
+    digest = hashlib.sha256()
+    per_sequence: list[float] = []
+    produced = sequence_steps = finished = 0
+    for step in range(config.steps):
+        items = [DraftItem(s.sid, np.array(s.pending, dtype=np.int32)) for s in slots]
+        began = time.perf_counter()
+        results = service.draft_ahead(items)
+        per_sequence.append((time.perf_counter() - began) / len(items))
+        still: list[_Slot] = []
+        done: list[_Slot] = []
+        for slot, (tree, _) in zip(slots, results, strict=True):
+            for part in (tree.tokens, tree.parents, tree.sources):
+                digest.update(part.tobytes())
+            n = len(tree.accept(slot.output[slot.pos :])) + 1
+            slot.pending = slot.output[slot.pos : slot.pos + n].tolist()
+            slot.pos += n
+            produced += n
+            sequence_steps += 1
+            (still if slot.pos < slot.output.size else done).append(slot)
+        if done:  # the last tokens go in, the requests commit, and the next ones open
+            service.feedback([FeedbackItem(d.sid, d.pending) for d in done])
+            for job in service.close([CloseItem(d.sid) for d in done]):
+                job()
+            finished += len(done)
+            still.extend(open_many(len(done)))
+        slots = still
+        if config.rebuild_every and (step + 1) % config.rebuild_every == 0:
+            service.namespace(namespace.name).memory.rebuild()
+    us = np.array(per_sequence) * 1e6
+    return {
+        "batch": config.batch,
+        "steps": config.steps,
+        "draft_us_per_sequence_p50": round(float(np.percentile(us, 50)), 1),
+        "draft_us_per_sequence_p99": round(float(np.percentile(us, 99)), 1),
+        "draft_us_per_sequence_mean": round(float(us.mean()), 1),
+        "mat": round(produced / max(1, sequence_steps), 4),
+        "requests_finished": finished,
+        "trees_sha256": digest.hexdigest()[:16],
+    }
