@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
@@ -28,7 +28,7 @@ from indexer.prespeculation import Prefetched
 from indexer.prior import StaticPrior
 from indexer.session import SessionSnapshot, TableItems
 from indexer.tokens import Namespace, as_tokens
-from indexer.tree_builder import DraftTree
+from indexer.tree_builder import DraftTree, MergeJob, Tier, merge_many
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +97,17 @@ class SessionDelta:
 
 
 SessionChange = StoredSession | SessionDelta
+
+
+class _DraftStep(NamedTuple):
+    """One draft item between its session's accept and its tree: the tree drafted ahead for
+    the outcome, or the merge job planned for it with the match length behind each tier."""
+
+    entry: SessionEntry
+    lookahead: int
+    tree: DraftTree | None
+    job: MergeJob | None
+    lengths: dict[Tier, int]
 
 
 class Persistence(Protocol):
@@ -309,20 +320,45 @@ class DraftService:
                 raise InvalidArgument(f"lookahead must be in [0, {MAX_LOOKAHEAD}], got {item.lookahead}")
         resolved = [(self._entry(item.session_id, principal), item) for item in items]
         checked = [(entry, self._new_tokens(entry, item.new_tokens), item.lookahead) for entry, item in resolved]
-        out = []
+        out: list[tuple[DraftTree, Prefetched]] = []
+        # Each session takes its new tokens and finds its candidates; the trees are then merged
+        # together, in one compiled call. A session named twice sees its first draft settled
+        # before its second item goes on, as if the items ran one by one.
+        steps: list[_DraftStep] = []
+        named: set[str] = set()
         for entry, new, lookahead in checked:
+            if entry.sid in named:
+                out.extend(self._settle(steps))
+                steps, named = [], set()
+            named.add(entry.sid)
             drafter, session = entry.drafter, entry.session
             if new.size:
                 drafter.accept_checked(session, new)  # checked above, with the whole batch
                 self.sessions.grow(entry, int(new.size))
-            tree = session.last_tree if new.size and session.last_tree is not None else None
+            if new.size and session.last_tree is not None:  # drafted ahead for this outcome
+                steps.append(_DraftStep(entry, lookahead, session.last_tree, None, {}))
+            else:
+                steps.append(_DraftStep(entry, lookahead, None, *drafter.plan(session, entry.params)))
+        out.extend(self._settle(steps))
+        self._drafts += len(out)
+        return out
+
+    def _settle(self, steps: list[_DraftStep]) -> list[tuple[DraftTree, Prefetched]]:
+        """Merge the planned trees of ``steps`` in one call, then give each session its tree
+        and draft ahead where asked."""
+        planned = [step for step in steps if step.job is not None]
+        merged = iter(merge_many([step.job for step in planned if step.job is not None]))
+        out = []
+        for step in steps:
+            entry, session = step.entry, step.entry.session
+            tree = step.tree
             if tree is None:
-                tree = drafter.draft(session, entry.params)
-            ahead = drafter.prespeculate(session, lookahead, entry.params) if lookahead else {}
+                tree, firsts = next(merged)
+                entry.drafter.settle(session, tree, firsts, step.lengths)
+            ahead = entry.drafter.prespeculate(session, step.lookahead, entry.params) if step.lookahead else {}
             out.append((tree, ahead))
             self.sessions.touch(entry)
             self._dirty.add(entry.sid)
-        self._drafts += len(out)
         return out
 
     def feedback(self, items: list[FeedbackItem], *, principal: Principal | None = None) -> None:

@@ -23,7 +23,7 @@ from indexer.prior import StaticPrior
 from indexer.session import Guess, Session, SessionSnapshot
 from indexer.session_cache import LruTableConfig
 from indexer.tokens import Namespace, as_tokens
-from indexer.tree_builder import Candidates, DraftTree, Tier, merge_candidates
+from indexer.tree_builder import Candidates, DraftTree, MergeJob, Tier, merge_many
 
 _TIER_NAMES = [t.name for t in Tier]  # by value: counting by name without building enums
 MAX_BUDGET = 1024
@@ -171,20 +171,28 @@ class NamespaceDrafter:
 
     def draft(self, session: Session, params: DraftParams) -> DraftTree:
         """The draft tree for the session's current context."""
+        job, lengths = self.plan(session, params)
+        tree, firsts = merge_many([job])[0]
+        self.settle(session, tree, firsts, lengths)
+        return tree
+
+    def plan(self, session: Session, params: DraftParams) -> tuple[MergeJob, dict[Tier, int]]:
+        """:meth:`draft` up to the merge: every tier's candidates as a job for
+        :func:`~indexer.tree_builder.merge_many` (so a batch's trees merge in one call), and
+        the match length behind each tier. :meth:`settle` takes the merged tree."""
         depth = min(params.max_depth, max(params.budget, 1))  # a path never holds more nodes than the tree
         found = self._candidates(session, depth)
-        tree, firsts = merge_candidates(
-            [c for c, _ in found],
-            budget=params.budget,
-            max_depth=depth,
-            min_score=params.min_score,
-            depth_reserve=params.depth_reserve,
-        )
-        lengths = {c.tier: n for c, n in found}
+        job = MergeJob([c for c, _ in found], params.budget, depth, params.min_score, params.depth_reserve)
+        return job, {c.tier: n for c, n in found}
+
+    def settle(
+        self, session: Session, tree: DraftTree, firsts: dict[Tier, tuple[int, float]], lengths: dict[Tier, int]
+    ) -> None:
+        """The session drafted ``tree`` (merged from its :meth:`plan`): remember it, and each
+        tier's first guess for calibration once the outcome is known."""
         session.last_tree, session.prefetched = tree, {}
         session.guesses = {t: Guess(lengths[t], tok, p * _prior(t, lengths[t])) for t, (tok, p) in firsts.items()}
         session.hints = lengths
-        return tree
 
     def accept(
         self,
@@ -260,10 +268,7 @@ class NamespaceDrafter:
         finally:
             s.context.truncate(before)
         parts = [_without_first(c, exclude) for c, _ in found]
-        tree, _ = merge_candidates(
-            parts, budget=params.budget, max_depth=depth, min_score=params.min_score, depth_reserve=params.depth_reserve
-        )
-        return tree
+        return merge_many([MergeJob(parts, params.budget, depth, params.min_score, params.depth_reserve)])[0][0]
 
     def close(self, session: Session, *, commit: bool = True, commit_from: int = 0) -> np.ndarray | None:
         """Finish a request; with ``commit`` its tokens from ``commit_from`` join the lifetime

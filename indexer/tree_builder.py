@@ -13,7 +13,9 @@ alternatives score higher, so one confident long path is never crowded out.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -133,31 +135,56 @@ def merge_candidates(
 ) -> tuple[DraftTree, dict[Tier, tuple[int, float]]]:
     """:func:`build_tree` plus, per tier, its most likely first token and that token's
     probability under the tier alone (what calibration compares with the outcome)."""
-    if budget < 0 or max_depth < 0:
-        raise ValueError(f"budget and max_depth must be >= 0, got {budget}, {max_depth}")
-    parts = [c for c in candidates if c.rows.size]
-    if budget == 0 or max_depth == 0 or not parts:
-        return DraftTree.empty(), {}
+    return merge_many([MergeJob(candidates, budget, max_depth, min_score, depth_reserve)])[0]
+
+
+class MergeJob(NamedTuple):
+    """One tree to merge: its tiers' candidates and limits (see :func:`build_tree`)."""
+
+    candidates: Sequence[Candidates]
+    budget: int
+    max_depth: int
+    min_score: float = 0.0
+    depth_reserve: int = 0
+
+
+def merge_many(jobs: Sequence[MergeJob]) -> list[tuple[DraftTree, dict[Tier, tuple[int, float]]]]:
+    """:func:`merge_candidates` for many trees in one compiled call (a batch's drafts)."""
+    parts: list[Candidates] = []
+    offsets = [0]
+    for job in jobs:
+        if job.budget < 0 or job.max_depth < 0:
+            raise ValueError(f"budget and max_depth must be >= 0, got {job.budget}, {job.max_depth}")
+        parts.extend(c for c in job.candidates if c.rows.size)
+        offsets.append(len(parts))
+    if not parts:
+        return [(DraftTree.empty(), {}) for _ in jobs]
     # Per part (rows, width, per-cell values, tier): one small array instead of four.
     meta = np.array([(*c.rows.shape, c.probs is not None, c.tier) for c in parts], dtype=np.int64)
-    tokens, parents, sources, scores, first_tok, first_val = kernels.merge_parts(
+    limits = np.array([(j.max_depth, j.budget, j.depth_reserve) for j in jobs], dtype=np.int64)
+    tokens, parents, sources, scores, bounds, first_tok, first_val = kernels.merge_batch(
         np.concatenate([c.rows.ravel() for c in parts]).astype(np.int32, copy=False),
         np.concatenate([_values(c).ravel() for c in parts]).astype(np.float64, copy=False),
         meta,
         np.array([c.confidence for c in parts], dtype=np.float64),
-        max_depth,
+        np.array(offsets, dtype=np.int64),
+        limits[:, 0],
+        limits[:, 1],
+        np.array([float(j.min_score) for j in jobs], dtype=np.float64),
+        limits[:, 2],
         _N_TIERS,
-        budget,
-        float(min_score),
-        depth_reserve,
     )
-    firsts = {}
-    first_tokens, first_values = first_tok.tolist(), first_val.tolist()
-    for c in parts:
-        tok = first_tokens[c.tier]
-        if tok >= 0 and c.confidence > 0:
-            firsts[c.tier] = (tok, first_values[c.tier] / c.confidence)
-    return DraftTree(tokens, parents, sources, scores), firsts
+    ends, first_tokens, first_values = bounds.tolist(), first_tok.tolist(), first_val.tolist()
+    out = []
+    for j in range(len(jobs)):
+        a, b = ends[j], ends[j + 1]
+        firsts = {}
+        for c in parts[offsets[j] : offsets[j + 1]]:
+            tok = first_tokens[j][c.tier]
+            if tok >= 0 and c.confidence > 0:
+                firsts[c.tier] = (tok, first_values[j][c.tier] / c.confidence)
+        out.append((DraftTree(tokens[a:b], parents[a:b], sources[a:b], scores[a:b]), firsts))
+    return out
 
 
 def _values(c: Candidates) -> np.ndarray:

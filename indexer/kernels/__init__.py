@@ -32,7 +32,13 @@ from indexer.kernels.tables import (
     prefix_counts,
     top_per_group,
 )
-from indexer.kernels.tree import accepted_path, merge_parts, merge_tree, rejected_branches, verification_outcome
+from indexer.kernels.tree import (
+    accepted_path,
+    merge_batch,
+    merge_tree,
+    rejected_branches,
+    verification_outcome,
+)
 
 __all__ = [
     "accepted_path",
@@ -46,7 +52,7 @@ __all__ = [
     "hash_tokens",
     "longest_match",
     "match_range",
-    "merge_parts",
+    "merge_batch",
     "merge_tree",
     "prefix_counts",
     "prompt_lookup_start",
@@ -81,7 +87,10 @@ def warm_up() -> None:
     hash_rows(np.zeros((1, 2), dtype=np.int32))
     rows = np.array([[1, 2], [1, -1]], dtype=np.int32)
     merge_tree(rows, np.ones((2, 2)), np.zeros(2, dtype=np.bool_), np.zeros(2, dtype=np.int64), 7, 4, 0.0, 1)
-    merge_parts(rows.ravel(), np.ones(4), np.array([[2, 2, 1, 1]], dtype=np.int64), np.ones(1), 2, 7, 4, 0.0, 1)
+    meta = np.array([[2, 2, 1, 1]], dtype=np.int64)
+    one_tree = np.array([0, 1], dtype=np.int64)
+    ints = np.array([2], dtype=np.int64)
+    merge_batch(rows.ravel(), np.ones(4), meta, np.ones(1), one_tree, ints, ints, np.zeros(1), ints, 7)
     one = np.array([1], dtype=np.int32)
     accepted_path(one, np.array([-1], dtype=np.int32), one)
     rejected_branches(one, np.array([-1], dtype=np.int32), np.ones(1, dtype=np.float32), -1, 2)

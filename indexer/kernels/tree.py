@@ -328,20 +328,65 @@ def stack_parts(
 
 
 @njit(cache=True, nogil=True)
-def merge_parts(
+def merge_batch(
     rows_flat: np.ndarray,
     vals_flat: np.ndarray,
     meta: np.ndarray,
     confidence: np.ndarray,
-    depth: int,
+    part_offsets: np.ndarray,
+    depth: np.ndarray,
+    budget: np.ndarray,
+    min_score: np.ndarray,
+    depth_reserve: np.ndarray,
     n_tiers: int,
-    budget: int,
-    min_score: float,
-    depth_reserve: int,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """:func:`stack_parts` then :func:`merge_tree`, in one call."""
-    rows, vals, is_max, tiers = stack_parts(rows_flat, vals_flat, meta, confidence, depth)
-    return merge_tree(rows, vals, is_max, tiers, n_tiers, budget, min_score, depth_reserve)
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`stack_parts` then :func:`merge_tree` for many trees in one call. Tree ``j`` merges parts
+    ``[part_offsets[j], part_offsets[j + 1])`` (laid out as :func:`stack_parts` reads them, one
+    tree's after another's) under its own ``depth``, ``budget``, ``min_score`` and
+    ``depth_reserve``.
+
+    Returns the trees end to end ``(tokens, parents, sources, scores, tree_offsets)`` (tree
+    ``j``: ``[tree_offsets[j], tree_offsets[j + 1])``, parents local to their tree) and each
+    tree's per-tier best first token and value, ``(first_token, first_value)`` of shape
+    ``(trees, n_tiers)``.
+    """
+    trees = part_offsets.size - 1
+    cap = 0
+    for j in range(trees):
+        cap += max(budget[j], 0)
+    tokens = np.empty(cap, dtype=np.int32)
+    parents = np.empty(cap, dtype=np.int32)
+    sources = np.empty(cap, dtype=np.uint8)
+    scores = np.empty(cap, dtype=np.float32)
+    offsets = np.zeros(trees + 1, dtype=np.int64)
+    first_tok = np.full((trees, n_tiers), -1, dtype=np.int64)
+    first_val = np.zeros((trees, n_tiers))
+    ro, vo, at = 0, 0, 0
+    for j in range(trees):
+        p0, p1 = part_offsets[j], part_offsets[j + 1]
+        cells, values = 0, 0
+        for p in range(p0, p1):
+            cells += meta[p, 0] * meta[p, 1]
+            values += meta[p, 0] * meta[p, 1] if meta[p, 2] != 0 else meta[p, 0]
+        if p1 > p0 and budget[j] > 0 and depth[j] > 0:
+            rows, vals, is_max, tiers = stack_parts(
+                rows_flat[ro : ro + cells], vals_flat[vo : vo + values], meta[p0:p1], confidence[p0:p1], depth[j]
+            )
+            tok, par, src, sc, ft, fv = merge_tree(
+                rows, vals, is_max, tiers, n_tiers, budget[j], min_score[j], depth_reserve[j]
+            )
+            k = tok.size
+            tokens[at : at + k] = tok
+            parents[at : at + k] = par
+            sources[at : at + k] = src
+            scores[at : at + k] = sc
+            first_tok[j] = ft
+            first_val[j] = fv
+            at += k
+        offsets[j + 1] = at
+        ro += cells
+        vo += values
+    return tokens[:at], parents[:at], sources[:at], scores[:at], offsets, first_tok, first_val
 
 
 @njit(cache=True, nogil=True)

@@ -4,7 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from indexer import kernels
-from indexer.tree_builder import Candidates, DraftTree, Tier, build_tree, merge_candidates
+from indexer.tree_builder import Candidates, DraftTree, MergeJob, Tier, build_tree, merge_candidates, merge_many
 
 
 def _rows(*rows):
@@ -436,7 +436,7 @@ def _stack_reference(parts, depth):
 
 @settings(max_examples=200, deadline=None)
 @given(parts=candidate_sets(), budget=st.integers(1, 12), max_depth=st.integers(1, 7))
-def test_merge_parts_equals_stacking_then_merging(parts, budget, max_depth):
+def test_merge_equals_stacking_then_merging(parts, budget, max_depth):
     # The one-call kernel (flattened parts) builds exactly the tree of stacking then merging.
     rows, vals, is_max, tiers = _stack_reference(parts, max_depth)
     expected = kernels.merge_tree(rows, vals, is_max, tiers, len(Tier), budget, 0.0, 2)
@@ -445,6 +445,42 @@ def test_merge_parts_equals_stacking_then_merging(parts, budget, max_depth):
     assert got.parents.tolist() == expected[1].tolist()
     assert got.sources.tolist() == expected[2].tolist()
     assert np.allclose(got.scores, expected[3])
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    jobs=st.lists(
+        st.tuples(
+            st.one_of(st.just([]), candidate_sets()),
+            st.integers(0, 12),
+            st.integers(0, 7),
+            st.sampled_from([0.0, 0.05, 0.3]),
+            st.integers(0, 3),
+        ),
+        min_size=1,
+        max_size=5,
+    )
+)
+def test_merge_many_gives_each_job_its_own_tree(jobs):
+    # A batch merged in one call: each tree is the one its own parts and limits make, whatever
+    # the other jobs hold (empty ones, zero budgets or depths included).
+    got = merge_many([MergeJob(parts, b, d, m, r) for parts, b, d, m, r in jobs])
+    assert len(got) == len(jobs)
+    for (tree, firsts), (parts, budget, depth, min_score, reserve) in zip(got, jobs, strict=True):
+        kept = [c for c in parts if c.rows.size]
+        if not kept or budget == 0 or depth == 0:
+            assert len(tree) == 0 and firsts == {}
+            continue
+        rows, vals, is_max, tiers = _stack_reference(kept, depth)
+        expected = kernels.merge_tree(rows, vals, is_max, tiers, len(Tier), budget, min_score, reserve)
+        assert tree.tokens.tolist() == expected[0].tolist()
+        assert tree.parents.tolist() == expected[1].tolist()
+        assert tree.sources.tolist() == expected[2].tolist()
+        assert np.allclose(tree.scores, expected[3])
+        for tier, (token, _) in firsts.items():
+            assert token == expected[4][tier]
+    with pytest.raises(ValueError):
+        merge_many([MergeJob([], -1, 2)])
 
 
 def test_rejected_branches_best_children_extended_by_best_descendants():
