@@ -351,9 +351,12 @@ def merge_batch(
     ``(trees, n_tiers)``.
     """
     trees = part_offsets.size - 1
-    cap = 0
+    cap = 0  # a tree holds at most its budget and at most one node per cell of its rows
     for j in range(trees):
-        cap += max(budget[j], 0)
+        cells = 0
+        for p in range(part_offsets[j], part_offsets[j + 1]):
+            cells += meta[p, 0] * meta[p, 1]
+        cap += max(0, min(budget[j], cells))
     tokens = np.empty(cap, dtype=np.int32)
     parents = np.empty(cap, dtype=np.int32)
     sources = np.empty(cap, dtype=np.uint8)
