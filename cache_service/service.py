@@ -346,8 +346,7 @@ class DraftService:
     def _settle(self, steps: list[_DraftStep]) -> list[tuple[DraftTree, Prefetched]]:
         """Merge the planned trees of ``steps`` in one call, then give each session its tree
         and draft ahead where asked."""
-        planned = [step for step in steps if step.job is not None]
-        merged = iter(merge_many([step.job for step in planned if step.job is not None]))
+        merged = iter(merge_many([step.job for step in steps if step.job is not None]))
         out = []
         for step in steps:
             entry, session = step.entry, step.entry.session
