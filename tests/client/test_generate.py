@@ -5,13 +5,14 @@ from __future__ import annotations
 from decoder_client.generate import InProcessDrafter, run_generate
 from indexer.drafter import DraftParams
 
+PROMPT = "Repeat exactly: alpha beta gamma delta. Then repeat it again: alpha beta gamma delta."
+
 
 def test_generate_is_lossless_and_counts_tiers(smollm2) -> None:  # type: ignore[no-untyped-def]
     model, tokenizer = smollm2
     drafter = InProcessDrafter(len(tokenizer), DraftParams(budget=16))
-    prompt = "Repeat exactly: alpha beta gamma delta. Then repeat it again: alpha beta gamma delta."
     # Whole trees verified: what is accepted does not hang on this machine's timings.
-    result = run_generate(model, tokenizer, prompt, drafter, max_new_tokens=24, cost_aware=False)
+    result = run_generate(model, tokenizer, PROMPT, drafter, max_new_tokens=24, cost_aware=False)
     # Same tokens from vanilla greedy, transformers' prompt lookup and draftcache's tree decoder.
     assert result["identical"]
     ours = result["draftcache"]
@@ -27,7 +28,6 @@ def test_generate_with_trees_cut_by_measured_cost_is_lossless(smollm2) -> None: 
     # measured, machine-dependent curve): however much is cut, the output is greedy's.
     model, tokenizer = smollm2
     drafter = InProcessDrafter(len(tokenizer), DraftParams(budget=16))
-    prompt = "Repeat exactly: alpha beta gamma delta. Then repeat it again: alpha beta gamma delta."
-    result = run_generate(model, tokenizer, prompt, drafter, max_new_tokens=24, cost_aware=True)
+    result = run_generate(model, tokenizer, PROMPT, drafter, max_new_tokens=24, cost_aware=True)
     assert result["identical"]
     assert result["draftcache"]["mat"] >= 1.0
