@@ -154,8 +154,19 @@ def sample_rows(
 
 
 @njit(cache=True, nogil=True)
-def _part(tokens: np.ndarray, offsets: np.ndarray, i: int) -> np.ndarray:
-    return tokens[offsets[i] : offsets[i + 1]]
+def _stacked_index(
+    main_tokens: np.ndarray,
+    main_sa: np.ndarray,
+    run_tokens: np.ndarray,
+    run_sa: np.ndarray,
+    offsets: np.ndarray,
+    i: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Index ``i`` of :func:`stacked_continuations` as ``(tokens, suffix array)``: the main
+    index, then run ``i - 1``."""
+    if i == 0:
+        return main_tokens, main_sa
+    return run_tokens[offsets[i - 1] : offsets[i]], run_sa[offsets[i - 1] : offsets[i]]
 
 
 @njit(cache=True, nogil=True)
@@ -186,11 +197,8 @@ def stacked_continuations(
     lasts = np.zeros(n_idx, dtype=np.int64)
     best = 0
     for i in range(n_idx):
-        if i == 0:
-            n, f, last = longest_match(main_tokens, main_sa, context, max_len, max(best, 1), hint)
-        else:
-            tok, sa = _part(run_tokens, offsets, i - 1), _part(run_sa, offsets, i - 1)
-            n, f, last = longest_match(tok, sa, context, max_len, max(best, 1), hint)
+        tok, sa = _stacked_index(main_tokens, main_sa, run_tokens, run_sa, offsets, i)
+        n, f, last = longest_match(tok, sa, context, max_len, max(best, 1), hint)
         lens[i], firsts[i], lasts[i] = n, f, last
         if n > best:
             best = n
@@ -212,30 +220,11 @@ def stacked_continuations(
         k = takes[i]
         if k == 0:
             continue
-        if i == 0:
-            tok, sa = main_tokens, main_sa
-        else:
-            tok, sa = _part(run_tokens, offsets, i - 1), _part(run_sa, offsets, i - 1)
-        count = lasts[i] - firsts[i]
-        starts = sample_starts(sa, firsts[i], lasts[i], k) + best
-        rows[at : at + k] = gather_rows(tok, starts, depth, stop)
-        weights[at : at + k] = count / k
+        tok, sa = _stacked_index(main_tokens, main_sa, run_tokens, run_sa, offsets, i)
+        rows[at : at + k] = sample_rows(tok, sa, firsts[i], lasts[i], best, depth, k, stop)
+        weights[at : at + k] = (lasts[i] - firsts[i]) / k
         at += k
     return best, rows, weights
-
-
-@njit(cache=True, nogil=True)
-def context_followers(
-    ctx: np.ndarray, sa_tokens: np.ndarray, sa: np.ndarray, indexed: int, since: int, ll: int, fl: int, keep: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`recent_followers` of the context's last ``ll`` tokens, the occurrences in its
-    first ``indexed`` tokens found with their suffix array (``sa`` over ``sa_tokens``; empty
-    when nothing is indexed) and the later ones by a scan."""
-    if sa.size == 0 or ctx.size < ll:
-        return recent_followers(ctx, sa[:0], 0, since, ll, fl, keep)
-    leader = ctx[ctx.size - ll :]
-    first, last = match_range(sa_tokens, sa, leader, 0, sa.size)
-    return recent_followers(ctx, sa[first:last], max(0, indexed - ll + 1), since, ll, fl, keep)
 
 
 # -- own context ----------------------------------------------------------------------------------
@@ -303,6 +292,20 @@ def context_continuations(
         starts[k_sa:] = ends[ends.size - k_tail :] + 1  # the most recent occurrences stand for all
         weights[k_sa:] = ends.size / k_tail
     return n, gather_rows(ctx, starts, depth, stop), weights
+
+
+@njit(cache=True, nogil=True)
+def context_followers(
+    ctx: np.ndarray, sa_tokens: np.ndarray, sa: np.ndarray, indexed: int, since: int, ll: int, fl: int, keep: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`recent_followers` of the context's last ``ll`` tokens, the occurrences in its
+    first ``indexed`` tokens found with their suffix array (``sa`` over ``sa_tokens``; empty
+    when nothing is indexed) and the later ones by a scan."""
+    if sa.size == 0 or ctx.size < ll:
+        return recent_followers(ctx, sa[:0], 0, since, ll, fl, keep)
+    leader = ctx[ctx.size - ll :]
+    first, last = match_range(sa_tokens, sa, leader, 0, sa.size)
+    return recent_followers(ctx, sa[first:last], max(0, indexed - ll + 1), since, ll, fl, keep)
 
 
 @njit(cache=True, nogil=True)
