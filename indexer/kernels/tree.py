@@ -351,12 +351,15 @@ def merge_batch(
     ``(trees, n_tiers)``.
     """
     trees = part_offsets.size - 1
+    cells = np.zeros(trees, dtype=np.int64)  # row cells per tree
+    values = np.zeros(trees, dtype=np.int64)  # values per tree (one per cell, or one per row)
+    for j in range(trees):
+        for p in range(part_offsets[j], part_offsets[j + 1]):
+            cells[j] += meta[p, 0] * meta[p, 1]
+            values[j] += meta[p, 0] * meta[p, 1] if meta[p, 2] != 0 else meta[p, 0]
     cap = 0  # a tree holds at most its budget and at most one node per cell of its rows
     for j in range(trees):
-        cells = 0
-        for p in range(part_offsets[j], part_offsets[j + 1]):
-            cells += meta[p, 0] * meta[p, 1]
-        cap += max(0, min(budget[j], cells))
+        cap += max(0, min(budget[j], cells[j]))
     tokens = np.empty(cap, dtype=np.int32)
     parents = np.empty(cap, dtype=np.int32)
     sources = np.empty(cap, dtype=np.uint8)
@@ -367,13 +370,9 @@ def merge_batch(
     ro, vo, at = 0, 0, 0
     for j in range(trees):
         p0, p1 = part_offsets[j], part_offsets[j + 1]
-        cells, values = 0, 0
-        for p in range(p0, p1):
-            cells += meta[p, 0] * meta[p, 1]
-            values += meta[p, 0] * meta[p, 1] if meta[p, 2] != 0 else meta[p, 0]
         if p1 > p0 and budget[j] > 0 and depth[j] > 0:
             rows, vals, is_max, tiers = stack_parts(
-                rows_flat[ro : ro + cells], vals_flat[vo : vo + values], meta[p0:p1], confidence[p0:p1], depth[j]
+                rows_flat[ro : ro + cells[j]], vals_flat[vo : vo + values[j]], meta[p0:p1], confidence[p0:p1], depth[j]
             )
             tok, par, src, sc, ft, fv = merge_tree(
                 rows, vals, is_max, tiers, n_tiers, budget[j], min_score[j], depth_reserve[j]
@@ -387,8 +386,8 @@ def merge_batch(
             first_val[j] = fv
             at += k
         offsets[j + 1] = at
-        ro += cells
-        vo += values
+        ro += cells[j]
+        vo += values[j]
     return tokens[:at], parents[:at], sources[:at], scores[:at], offsets, first_tok, first_val
 
 
