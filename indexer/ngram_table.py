@@ -21,11 +21,6 @@ from indexer import kernels
 from indexer.suffix_array import build_suffix_array
 from indexer.tokens import SEPARATOR
 
-try:
-    from pydivsufsort import kasai as _kasai
-except ImportError:  # pragma: no cover
-    _kasai = None
-
 
 @dataclass(frozen=True, kw_only=True)
 class NgramTableConfig:
@@ -67,30 +62,7 @@ def with_final_separator(tokens: np.ndarray) -> np.ndarray:
 
 def lcp_array(tokens: np.ndarray, sa: np.ndarray) -> np.ndarray:
     """``lcp[i]`` = common prefix length of suffixes ``sa[i-1]`` and ``sa[i]`` (``lcp[0] = 0``)."""
-    if sa.size == 0:
-        return np.zeros(0, dtype=np.int32)
-    if _kasai is not None:
-        nxt = np.asarray(_kasai(np.ascontiguousarray(tokens, dtype=np.int32), sa), dtype=np.int32)
-        return np.concatenate((np.zeros(1, dtype=np.int32), nxt[:-1]))
-    return _lcp_numpy(tokens, sa)
-
-
-def _lcp_numpy(tokens: np.ndarray, sa: np.ndarray) -> np.ndarray:  # pragma: no cover - fallback
-    rank = np.empty_like(sa)
-    rank[sa] = np.arange(sa.size, dtype=np.int32)
-    lcp = np.zeros(sa.size, dtype=np.int32)
-    h = 0
-    for i in range(sa.size):
-        r = int(rank[i])
-        if r == 0:
-            h = 0
-            continue
-        j = int(sa[r - 1])
-        while i + h < sa.size and j + h < sa.size and tokens[i + h] == tokens[j + h]:
-            h += 1
-        lcp[r] = h
-        h = max(h - 1, 0)
-    return lcp
+    return kernels.lcp(np.ascontiguousarray(tokens, dtype=np.int32), np.ascontiguousarray(sa, dtype=np.int32))
 
 
 class NgramTable:

@@ -8,92 +8,20 @@ so no match or continuation runs across requests or off the end.
 
 from __future__ import annotations
 
-import ctypes
-from collections.abc import Callable
-from pathlib import Path
-
 import numpy as np
 
 from indexer import kernels
 from indexer.tokens import SEPARATOR
 
-try:  # the kept library; numpy prefix doubling is the slow fallback
-    from pydivsufsort import divsufsort as _divsufsort
-except ImportError:  # pragma: no cover - exercised only where the wheel is missing
-    _divsufsort = None
-
-
-def _openmp_threads_setter() -> Callable[[int], None] | None:
-    """``omp_set_num_threads`` of the OpenMP runtime bundled with pydivsufsort, if any.
-
-    libdivsufsort sorts with OpenMP. Beside a busy serving thread, every parallel call pays
-    thread wake-ups and spin-waits (about 8 ms even for 500 tokens on two loaded cores, and the
-    spinning threads take CPU from the requests being served), so sorts run on one thread.
-    """
-    if _divsufsort is None:
-        return None
-    import pydivsufsort
-
-    libs = Path(pydivsufsort.__file__).parent.parent / "pydivsufsort.libs"
-    found = sorted(libs.glob("libgomp*.so*")) if libs.is_dir() else []
-    if not found:
-        return None
-    try:
-        return ctypes.CDLL(str(found[0])).omp_set_num_threads  # the already-loaded copy
-    except (OSError, AttributeError):  # pragma: no cover - an unusual build
-        return None
-
-
-_set_openmp_threads = _openmp_threads_setter()
-
 
 def build_suffix_array(tokens: np.ndarray) -> np.ndarray:
-    """Start positions of all suffixes of ``tokens`` in lexicographic (signed int32) order.
+    """Start positions of all suffixes of ``tokens`` in lexicographic (signed int32) order, a
+    suffix before any longer one it begins (:func:`indexer.kernels.suffix_array`).
 
     >>> build_suffix_array(np.array([3, 1, 2, 1, 2], dtype=np.int32)).tolist()
     [3, 1, 4, 2, 0]
     """
-    if tokens.size == 0:
-        return np.zeros(0, dtype=np.int32)
-    if _divsufsort is not None:
-        if _set_openmp_threads is not None:
-            _set_openmp_threads(1)  # per calling thread: builds run on several threads
-        return np.asarray(_divsufsort(_compact_separator(tokens)), dtype=np.int32)
-    return suffix_array_numpy(tokens)
-
-
-def _compact_separator(tokens: np.ndarray) -> np.ndarray:
-    """The same order with the separator (the largest int32) renumbered just above the largest
-    other token: divsufsort's time grows with the alphabet's top value, not its size."""
-    tokens = np.ascontiguousarray(tokens, dtype=np.int32)
-    is_sep = tokens == SEPARATOR
-    if not is_sep.any():
-        return tokens
-    top = int(tokens[~is_sep].max()) if not is_sep.all() else -1
-    return np.where(is_sep, np.int32(top + 1), tokens).astype(np.int32, copy=False)
-
-
-def suffix_array_numpy(tokens: np.ndarray) -> np.ndarray:
-    """Prefix-doubling construction, O(n log^2 n); the fallback when pydivsufsort is absent."""
-    n = tokens.size
-    if n == 0:
-        return np.zeros(0, dtype=np.int32)
-    rank = np.unique(tokens, return_inverse=True)[1].astype(np.int64) + 1
-    k = 1
-    while True:
-        second = np.zeros(n, dtype=np.int64)
-        second[: n - k] = rank[k:] if k < n else 0
-        order = np.lexsort((second, rank))
-        r, s = rank[order], second[order]
-        changed = np.empty(n, dtype=bool)
-        changed[0] = True
-        changed[1:] = (r[1:] != r[:-1]) | (s[1:] != s[:-1])
-        new_rank = np.empty(n, dtype=np.int64)
-        new_rank[order] = np.cumsum(changed)
-        rank = new_rank
-        if changed.all() or k >= n:
-            return order.astype(np.int32)
-        k *= 2
+    return kernels.suffix_array(np.ascontiguousarray(tokens, dtype=np.int32))
 
 
 class SuffixIndex:

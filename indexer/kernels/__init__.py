@@ -1,5 +1,5 @@
 """Compiled inner loops (numba, as vLLM's n-gram proposer does): suffix-array searches, the
-own-context scan and the draft-tree merge. Everything else stays in numpy.
+own-context scan, the draft-tree merge and suffix array construction. Everything else stays in numpy.
 
 Each kernel is plain Python over numpy arrays; ``NUMBA_DISABLE_JIT=1`` runs them uncompiled
 for debugging. Compiled code is cached beside the module, so only the first process on a machine
@@ -23,6 +23,7 @@ from indexer.kernels.search import (
     stacked_continuations,
     tail_matches,
 )
+from indexer.kernels.suffix_sort import lcp, suffix_array
 from indexer.kernels.tables import (
     find_leader,
     find_longest_leader,
@@ -50,6 +51,7 @@ __all__ = [
     "gather_rows",
     "hash_rows",
     "hash_tokens",
+    "lcp",
     "longest_match",
     "match_range",
     "merge_batch",
@@ -61,6 +63,7 @@ __all__ = [
     "sample_rows",
     "sample_starts",
     "stacked_continuations",
+    "suffix_array",
     "tail_matches",
     "top_per_group",
     "verification_outcome",
@@ -75,6 +78,7 @@ def warm_up() -> None:
     longest_match(toks, sa, np.array([1, 2], dtype=np.int32), 4, 1, 0)
     match_range(toks, sa, np.array([1], dtype=np.int32), 0, 5)
     sample_starts(sa, 0, 2, 2)
+    lcp(toks, suffix_array(toks))
     tail_matches(np.array([1, 2, 1], dtype=np.int32), 0, 4)
     context_continuations(toks, toks, sa, 4, 4, 0, 2, 2, 2147483647)
     context_followers(toks, toks, sa, 4, 0, 1, 1, 2)
