@@ -6,8 +6,9 @@ Each step drafts for every sequence of the batch (sending the tokens produced si
 step), judges the accepted length against the recorded continuation, and replaces the requests
 that finished (closed with commit, so the lifetime memory fills as it would in service); the
 lifetime indexes are rebuilt every ``rebuild_every`` steps. Reports the time one sequence-draft
-takes (a batch call's time over its size) and a digest of every tree, so two builds can be
-compared side by side and checked to draft the same trees.
+takes (a batch call's time over its size), the time finishing and opening requests adds per
+sequence-draft (indexing the finished ones included), the rebuilds' time, and a digest of every
+tree, so two builds can be compared side by side and checked to draft the same trees.
 """
 
 from __future__ import annotations
@@ -61,6 +62,8 @@ def run_draft_bench(conversations: list[Conversation], namespace: Namespace, con
     digest = hashlib.sha256()
     per_sequence: list[float] = []
     produced = sequence_steps = finished = 0
+    turnover = 0.0  # seconds spent finishing and opening requests
+    rebuilds: list[float] = []
     for step in range(config.steps):
         items = [DraftItem(s.sid, np.array(s.pending, dtype=np.int32)) for s in slots]
         began = time.perf_counter()
@@ -78,14 +81,18 @@ def run_draft_bench(conversations: list[Conversation], namespace: Namespace, con
             sequence_steps += 1
             (still if slot.pos < slot.output.size else done).append(slot)
         if done:  # the last tokens go in, the requests commit, and the next ones open
+            began = time.perf_counter()
             service.feedback([FeedbackItem(d.sid, d.pending) for d in done])
             for job in service.close([CloseItem(d.sid) for d in done]):
                 job()
             finished += len(done)
             still.extend(open_many(len(done)))
+            turnover += time.perf_counter() - began
         slots = still
         if config.rebuild_every and (step + 1) % config.rebuild_every == 0:
+            began = time.perf_counter()
             service.namespace(namespace.name).memory.rebuild()
+            rebuilds.append(time.perf_counter() - began)
     us = np.array(per_sequence) * 1e6
     return {
         "batch": config.batch,
@@ -93,6 +100,9 @@ def run_draft_bench(conversations: list[Conversation], namespace: Namespace, con
         "draft_us_per_sequence_p50": round(float(np.percentile(us, 50)), 1),
         "draft_us_per_sequence_p99": round(float(np.percentile(us, 99)), 1),
         "draft_us_per_sequence_mean": round(float(us.mean()), 1),
+        # opening, feeding back and committing requests, over every sequence-draft
+        "turnover_us_per_sequence": round(turnover * 1e6 / max(1, sequence_steps), 1),
+        "rebuild_ms_mean": round(float(np.mean(rebuilds)) * 1e3, 1) if rebuilds else 0.0,
         "mat": round(produced / max(1, sequence_steps), 4),
         "requests_finished": finished,
         "trees_sha256": digest.hexdigest()[:16],
