@@ -187,23 +187,29 @@ def suffix_array(tokens: np.ndarray) -> np.ndarray:
 @njit(cache=True, nogil=True)
 def lcp(tokens: np.ndarray, sa: np.ndarray) -> np.ndarray:
     """``out[i]``: the common prefix length of suffixes ``sa[i - 1]`` and ``sa[i]`` (``out[0] =
-    0``), in linear time (Kasai et al. 2001: going through the text in order, each suffix shares
-    at least one token fewer with its predecessor than the suffix before it did)."""
+    0``), in linear time. Going through the text in order, each suffix shares at least one token
+    fewer with its predecessor in the array than the suffix before it did (Kasai et al. 2001);
+    the predecessors are looked up by text position (Karkkainen, Manzini and Puglisi 2009's
+    permuted LCP), which keeps the comparisons' reads in text order."""
     n = sa.size
-    rank = np.empty(n, dtype=np.int32)
-    for r in range(n):
-        rank[sa[r]] = r
     out = np.zeros(n, dtype=np.int32)
+    if n == 0:
+        return out
+    prev = np.empty(n, dtype=np.int32)  # the suffix before each one in the array, by position
+    prev[sa[0]] = -1
+    for r in range(1, n):
+        prev[sa[r]] = sa[r - 1]
     h = 0
-    for i in range(n):
-        r = rank[i]
-        if r == 0:
+    for i in range(n):  # prev[i] becomes the permuted LCP of suffix i
+        j = prev[i]
+        if j < 0:
             h = 0
-            continue
-        j = sa[r - 1]
-        while i + h < n and j + h < n and tokens[i + h] == tokens[j + h]:
-            h += 1
-        out[r] = h
+        else:
+            while i + h < n and j + h < n and tokens[i + h] == tokens[j + h]:
+                h += 1
+        prev[i] = h
         if h > 0:
             h -= 1
+    for r in range(1, n):
+        out[r] = prev[sa[r]]
     return out
