@@ -261,12 +261,13 @@ class NamespaceDrafter:
         """The tree for the context extended by ``path``, without root children in ``exclude``
         (one level deeper: the bonus token becomes the root)."""
         depth = min(params.max_depth + 1, MAX_DEPTH, max(params.budget, 1))  # the bonus token is the root
-        before = len(s.context)
+        before, agrees = len(s.context), s.exact_agrees
         s.context.extend(path)
         try:
             found = self._candidates(s, depth)
-        finally:
+        finally:  # the outcome is only supposed: nothing learnt about it stays
             s.context.truncate(before)
+            s.exact_agrees = agrees
         parts = [_without_first(c, exclude) for c, _ in found]
         return merge_many([MergeJob(parts, params.budget, depth, params.min_score, params.depth_reserve)])[0][0]
 
@@ -362,8 +363,14 @@ class NamespaceDrafter:
         if s.exact is None:
             return None
         done = s.generated
-        if done.size >= s.exact.size or not np.array_equal(s.exact[: done.size], done):
+        known = s.exact_agrees
+        if known < 0 or done.size >= s.exact.size:
             return None
+        if known < done.size:  # only the tokens generated since the last check are compared
+            if not np.array_equal(s.exact[known : done.size], done[known:]):
+                s.exact_agrees = -1
+                return None
+            s.exact_agrees = int(done.size)
         rest = s.exact[done.size : done.size + depth]
         n = max(1, int(done.size) + 1)
         return Candidates(Tier.EXACT, rest[None, :], weights=np.ones(1), confidence=self._conf(Tier.EXACT, n)), n

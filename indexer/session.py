@@ -52,6 +52,7 @@ class Session:
         self.prompt_len = int(prompt.size)
         self.rejected = RejectedCache(config.rejected)
         self.exact = exact
+        self.exact_agrees = 0  # generated tokens known to equal the exact response's start; -1: they differ
         self.last_tree: DraftTree | None = None
         self.prefetched: Prefetched = {}  # trees drafted ahead for outcomes of last_tree
         self.guesses: dict[Tier, Guess] = {}

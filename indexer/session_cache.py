@@ -75,7 +75,7 @@ class LruTable:
         """Followers of the context's last ``leader_len`` tokens as ``(rows, weights)``, or
         ``None`` when the leader is unknown."""
         ll, fl = self.config.leader_len, self.config.follower_len
-        if context.size < ll:
+        if not self._table or context.size < ll:  # most steps: nothing rejected yet
             return None
         found = self.followers(tuple(context[-ll:].tolist()))
         if not found:

@@ -255,6 +255,26 @@ def test_exact_prompt_continues_after_partial_acceptance_and_stops_on_divergence
     assert Tier.EXACT not in set(tree.sources.tolist())
 
 
+def test_exact_prompt_survives_drafting_ahead_for_an_outcome_that_leaves_it():
+    d = _drafter()
+    prompt, response = [10, 11, 12, 13, 14], [20, 21, 22, 23, 24, 25]
+    for output in ([30, 31, 32, 33], response):  # the prompt was answered twice, last by response
+        s = d.open(prompt)
+        d.accept(s, output)
+        d.close(s)
+    s2 = d.open(prompt)
+    tree = d.draft(s2, DraftParams())
+    assert {20, 30} <= set(tree.tokens[tree.parents == -1].tolist())
+    ahead = d.prespeculate(s2, 16, DraftParams())
+    # Drafting ahead supposed an outcome off the previous response...
+    assert any(path[:1] == (30,) for path in ahead)
+    d.accept(s2, [20, 21, 22])
+    tree = d.draft(s2, DraftParams())
+    # ...but the real outcome stayed on it, and its rest is still drafted from EXACT.
+    assert _path_tokens(tree, [23, 24, 25]) == [23, 24, 25]
+    assert _path_sources(tree, [23, 24, 25]) == {Tier.EXACT}
+
+
 def test_exact_prompt_needs_identical_prompt():
     d = _drafter()
     s = d.open([10, 11, 12])
