@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
 from indexer.tree_builder import Tier
+
+if TYPE_CHECKING:
+    from indexer.session import Guess
 
 
 class Calibrator:
@@ -28,6 +34,15 @@ class Calibrator:
         b = min(n, self._buckets)
         self._pred[tier][b] += predicted
         self._hits[tier][b] += hit
+
+    def update_many(self, guesses: Iterable[Guess], actual: int) -> None:
+        """:meth:`update` for each tier's first guess of one step, ``actual`` being the token
+        the target produced."""
+        buckets, pred, hits = self._buckets, self._pred, self._hits
+        for g in guesses:
+            b = min(g.n, buckets)
+            pred[g.tier][b] += g.predicted
+            hits[g.tier][b] += g.token == actual
 
     def table(self) -> dict[str, list[float]]:
         """Acceptance rate of first guesses per tier and match-length bucket (for metrics)."""

@@ -87,8 +87,12 @@ def _without_first(c: Candidates, exclude: frozenset[int]) -> Candidates:
     )
 
 
+_HALF_BY_TIER = [_HALF[t] for t in sorted(_HALF)]  # indexed by tier value: no enum hashing per call
+_ONE_WEIGHT = np.ones(1)  # the exact tier's single row (candidates are never written to)
+
+
 def _prior(tier: Tier, n: int) -> float:
-    return n / (n + _HALF[tier])
+    return n / (n + _HALF_BY_TIER[tier])
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -191,7 +195,7 @@ class NamespaceDrafter:
         """The session drafted ``tree`` (merged from its :meth:`plan`): remember it, and each
         tier's first guess for calibration once the outcome is known."""
         session.last_tree, session.prefetched = tree, {}
-        session.guesses = {t: Guess(lengths[t], tok, p * _prior(t, lengths[t])) for t, (tok, p) in firsts.items()}
+        session.guesses = [Guess(t, lengths[t], tok, p * _prior(t, lengths[t])) for t, (tok, p) in firsts.items()]
         session.hints = lengths
 
     def accept(
@@ -240,7 +244,7 @@ class NamespaceDrafter:
                 session.rejected.record_at(tail, len(before) + depth, branch)
         session.context.extend(new)
         # A tree drafted ahead for this outcome is what the decoder verifies next.
-        session.last_tree, session.guesses, session.prefetched = ahead, {}, {}
+        session.last_tree, session.guesses, session.prefetched = ahead, [], {}
         session.hints = {t: n + int(new.size) for t, n in session.hints.items()}
 
     def prespeculate(self, session: Session, k: int, params: DraftParams) -> Prefetched:
@@ -367,13 +371,13 @@ class NamespaceDrafter:
         if known < 0 or done.size >= s.exact.size:
             return None
         if known < done.size:  # only the tokens generated since the last check are compared
-            if not np.array_equal(s.exact[known : done.size], done[known:]):
+            if s.exact[known : done.size].tolist() != done[known:].tolist():  # a few tokens: lists beat numpy
                 s.exact_agrees = -1
                 return None
             s.exact_agrees = int(done.size)
         rest = s.exact[done.size : done.size + depth]
         n = max(1, int(done.size) + 1)
-        return Candidates(Tier.EXACT, rest[None, :], weights=np.ones(1), confidence=self._conf(Tier.EXACT, n)), n
+        return Candidates(Tier.EXACT, rest[None, :], weights=_ONE_WEIGHT, confidence=self._conf(Tier.EXACT, n)), n
 
     def _count(self, s: Session, path: np.ndarray | None, ahead: bool) -> None:
         """Count the outcome of verifying the session's last tree (``path``: the accepted nodes)."""
@@ -382,7 +386,7 @@ class NamespaceDrafter:
             return
         c = self.counters
         c.steps += 1
-        c.drafted += len(tree)
+        c.drafted += tree.tokens.size
         if s.prefetched:
             c.ahead_hits += ahead
             c.ahead_misses += not ahead
@@ -391,6 +395,6 @@ class NamespaceDrafter:
                 c.accepted[_TIER_NAMES[src]] += 1
 
     def _calibrate(self, s: Session, actual: int) -> None:
-        with self._lock:
-            for tier, g in s.guesses.items():
-                self.calibrator.update(tier, g.n, predicted=g.predicted, hit=g.token == actual)
+        if s.guesses:
+            with self._lock:
+                self.calibrator.update_many(s.guesses, actual)

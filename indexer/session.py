@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
@@ -18,10 +18,10 @@ if TYPE_CHECKING:
 TableItems = list[tuple[tuple[int, ...], list[tuple[tuple[int, ...], int]]]]
 
 
-@dataclass
-class Guess:
+class Guess(NamedTuple):
     """A tier's most likely first token at the last draft, kept for calibration."""
 
+    tier: Tier
     n: int
     token: int
     predicted: float
@@ -55,7 +55,7 @@ class Session:
         self.exact_agrees = 0  # generated tokens known to equal the exact response's start; -1: they differ
         self.last_tree: DraftTree | None = None
         self.prefetched: Prefetched = {}  # trees drafted ahead for outcomes of last_tree
-        self.guesses: dict[Tier, Guess] = {}
+        self.guesses: list[Guess] = []
         self.hints: dict[Tier, int] = {}  # last match length per tier, a starting point
 
     @property

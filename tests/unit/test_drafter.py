@@ -5,6 +5,7 @@ from indexer.calibration import Calibrator
 from indexer.drafter import DrafterConfig, DraftParams, NamespaceDrafter
 from indexer.lifetime_index import prompt_key
 from indexer.prior import PriorConfig, StaticPrior
+from indexer.session import Guess
 from indexer.tokens import SEPARATOR, Namespace
 from indexer.tree_builder import Tier
 
@@ -370,6 +371,16 @@ def test_calibrator_buckets_clamp_long_matches():
     assert cal.factor(Tier.DYNAMIC, 99) == pytest.approx(2 / 3)
     # The table reports one rate per tier and bucket.
     assert len(cal.table()[Tier.DYNAMIC.name]) == 5
+
+
+def test_calibrator_update_many_is_one_update_per_guess():
+    one_by_one, at_once = Calibrator(buckets=4), Calibrator(buckets=4)
+    guesses = [Guess(Tier.CONTEXT, 2, 7, 0.5), Guess(Tier.PRIOR, 9, 8, 0.25), Guess(Tier.CONTEXT, 2, 8, 0.1)]
+    for g in guesses:
+        one_by_one.update(g.tier, g.n, predicted=g.predicted, hit=g.token == 8)
+    at_once.update_many(guesses, 8)
+    assert at_once.table() == one_by_one.table()
+    assert at_once.factor(Tier.CONTEXT, 2) == pytest.approx((1 + 2) / (0.6 + 2))
 
 
 def test_drafter_calibration_moves_toward_outcomes():
