@@ -213,14 +213,14 @@ def test_fixed_length_match_range_literal():
     assert idx.longest_match(_a([6, 9]), max_len=2, min_len=2)[0] == 0
 
 
-@settings(max_examples=100, deadline=None)
-@given(text=texts, ctx=contexts, max_len=st.integers(0, 12))
-def test_longest_match_matches_brute_force(text, ctx, max_len):
+@settings(max_examples=200, deadline=None)
+@given(text=texts, ctx=contexts, max_len=st.integers(0, 12), min_len=st.integers(1, 4), hint=st.integers(0, 14))
+def test_longest_match_matches_brute_force(text, ctx, max_len, min_len, hint):
     idx = SuffixIndex(_a(text))
-    n, first, last = idx.longest_match(_a(ctx), max_len=max_len)
-    # The longest context suffix (up to max_len) occurring contiguously in the text; a pattern of
-    # real ids can never span a separator.
-    assert n == _brute_longest(text, ctx, max_len)
+    n, first, last = idx.longest_match(_a(ctx), max_len=max_len, min_len=min_len, hint=hint)
+    # The longest context suffix (from min_len up to max_len) occurring contiguously in the text;
+    # a pattern of real ids can never span a separator.
+    assert n == _brute_longest(text, ctx, max_len, min_len)
     if n:
         occ = _occurrences(text, ctx[-n:])
         # The SA rows are exactly the occurrences of the matched suffix.
@@ -228,6 +228,24 @@ def test_longest_match_matches_brute_force(text, ctx, max_len):
         assert sorted(idx.suffix_array[first:last].tolist()) == occ
     else:
         assert (first, last) == (0, 0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=texts, data=st.data())
+def test_longest_match_from_min_len_finds_longer_matches(text, data):
+    # Contexts ending in a stretch of the text itself, so matches longer than min_len are common.
+    start = data.draw(st.integers(0, len(text)))
+    end = data.draw(st.integers(start, len(text)))
+    ctx = [*data.draw(contexts), *(t for t in text[start:end] if t != S)]
+    min_len, hint = data.draw(st.integers(1, 4)), data.draw(st.integers(0, 14))
+    n, _, _ = SuffixIndex(_a(text)).longest_match(_a(ctx), max_len=12, min_len=min_len, hint=hint)
+    assert n == _brute_longest(text, ctx, 12, min_len)
+
+
+def test_longest_match_goes_past_min_len():
+    idx = SuffixIndex(_a([1, 2, 3, 4, 9, 2, 3, 4]))
+    # "2 3 4" occurs twice, "1 2 3 4" once: asked for at least 2 tokens, the answer is all 4.
+    assert idx.longest_match(_a([1, 2, 3, 4]), max_len=8, min_len=2)[:2] == (4, 0)
 
 
 # Longer texts over ids of very different magnitudes (the search packs several ids into one
