@@ -85,11 +85,9 @@ def longest_match(
 ) -> tuple[int, int, int]:
     """Longest ``n`` in ``[min_len, max_len]`` whose last-``n`` context tokens occur: ``(n, first, last)``.
 
-    Matching is monotone in ``n``, so a binary search over ``n`` works. A ``min_len`` above 1 is
-    probed first: when it does not occur (an index searched for a match at least as long as one
-    found elsewhere, which most do not hold), one probe answers. Then ``hint`` is probed, and one
-    past the longest match known so far, which settles the common case of a match that simply
-    continued. A probe only finds the first row; the range's end is found once, for the answer.
+    Matching is monotone in ``n``, so a binary search over ``n`` works; ``hint`` is probed first
+    (with ``hint + 1``), which settles the common case of a match that simply continued. A probe
+    only finds the first row; the range's end is found once, for the answer.
     """
     hi_n = min(max_len, context.size)
     size = sa.size
@@ -97,23 +95,18 @@ def longest_match(
         return 0, 0, 0
     best_n, best_f = 0, -1
     lo_n = min_len - 1
-    if min_len > 1:
-        f = _first_row(tokens, sa, context[context.size - min_len :], size)
-        if f < 0:
-            return 0, 0, 0
-        lo_n, best_n, best_f = min_len, min_len, f
-    if lo_n < hint <= hi_n:
+    if min_len <= hint <= hi_n:
         f = _first_row(tokens, sa, context[context.size - hint :], size)
         if f < 0:
             hi_n = hint - 1
         else:
             lo_n, best_n, best_f = hint, hint, f
-    if best_n and lo_n < hi_n:
-        f = _first_row(tokens, sa, context[context.size - lo_n - 1 :], size)
-        if f < 0:
-            hi_n = lo_n
-        else:
-            lo_n, best_n, best_f = lo_n + 1, lo_n + 1, f
+            if hint < hi_n:
+                f = _first_row(tokens, sa, context[context.size - hint - 1 :], size)
+                if f < 0:
+                    hi_n = hint
+                else:
+                    lo_n, best_n, best_f = hint + 1, hint + 1, f
     while lo_n < hi_n:
         mid = (lo_n + hi_n + 1) >> 1
         f = _first_row(tokens, sa, context[context.size - mid :], size)

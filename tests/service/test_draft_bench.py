@@ -23,6 +23,7 @@ def test_draft_bench_steps_real_sequences_and_digests_the_trees(shared_data: Pat
     assert first["requests_finished"] > 0
     assert first["mat"] > 1.5
     assert 0 < first["draft_us_per_sequence_p50"] <= first["draft_us_per_sequence_p99"]
+    assert first["draft_cpu_us_per_sequence"] > 0
     # Finishing and opening requests, and the 3 rebuilds, were timed.
     assert first["turnover_us_per_sequence"] > 0
     assert first["rebuild_ms_mean"] > 0
