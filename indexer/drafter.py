@@ -87,7 +87,7 @@ def _without_first(c: Candidates, exclude: frozenset[int]) -> Candidates:
     )
 
 
-_HALF_BY_TIER = [_HALF[t] for t in sorted(_HALF)]  # indexed by tier value: no enum hashing per call
+_HALF_BY_TIER = [_HALF[t] for t in Tier]  # indexed by tier value (Tier iterates in value order)
 _ONE_WEIGHT = np.ones(1)  # the exact tier's single row (candidates are never written to)
 
 
