@@ -13,6 +13,7 @@ from pathlib import Path
 from apscheduler.schedulers.background import BackgroundScheduler
 
 import migrations
+from cache_service import wire
 from cache_service.config import EmbeddedRedisConfig, ServerConfig, ServiceConfig
 from cache_service.embedded_redis import EmbeddedRedis
 from cache_service.malloc import release_free_memory
@@ -26,6 +27,7 @@ from cache_service.storage.clients import StorageClient
 from cache_service.storage.connect import connect, redact
 from cache_service.storage.errors import MigrationInProgress, StorageError
 from cache_service.storage.redis_store import RedisStore, StoreConfig
+from indexer import kernels
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +100,10 @@ class App:
             shared=None if lifetime_dir is None else SharedIndexes(store, lifetime_dir, lifetime),
         )
         self.service = DraftService(self.config.service, self.persistence, shared_lifetime=lifetime_dir is not None)
+        # The compiled loops are built (or loaded from numba's cache) here, off the event loop and
+        # before serving: on a fresh machine that takes tens of seconds, which the first
+        # CreateNamespace would otherwise spend on the loop with every other call waiting.
+        await asyncio.to_thread(warm_up)
         await asyncio.to_thread(self.persistence.restore, self.service)
         release_free_memory()  # the log read back and the builds done to restore it
         self._schedule()
@@ -188,6 +194,12 @@ class App:
         await asyncio.to_thread(self.persistence.sync, self.service)
         if self.embedded is not None:
             await asyncio.to_thread(self.embedded.stop)
+
+
+def warm_up() -> None:
+    """Compile (or load) every compiled loop the service runs: drafting and the reply encoder."""
+    kernels.warm_up()
+    wire.warm_up()
 
 
 async def serve(config: AppConfig) -> None:
