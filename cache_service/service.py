@@ -309,7 +309,7 @@ class DraftService:
         return [tree for tree, _ in self.draft_ahead([DraftItem(sid, new) for sid, new in items], principal=principal)]
 
     def draft_ahead(
-        self, items: Sequence[DraftItem], *, principal: Principal | None = None
+        self, items: Sequence[DraftItem], *, principal: Principal | None = None, read_storage: bool = True
     ) -> list[tuple[DraftTree, Prefetched]]:
         """Like :meth:`draft`; each item's ``lookahead`` also drafts ahead for that many likely
         outcomes of verifying its tree. New tokens that match an outcome drafted ahead continue
@@ -318,7 +318,7 @@ class DraftService:
         for item in items:
             if not 0 <= item.lookahead <= MAX_LOOKAHEAD:
                 raise InvalidArgument(f"lookahead must be in [0, {MAX_LOOKAHEAD}], got {item.lookahead}")
-        resolved = [(self._entry(item.session_id, principal), item) for item in items]
+        resolved = [(self._entry(item.session_id, principal, read_storage), item) for item in items]
         checked = [(entry, self._new_tokens(entry, item.new_tokens), item.lookahead) for entry, item in resolved]
         out: list[tuple[DraftTree, Prefetched]] = []
         # Each session takes its new tokens and finds its candidates; the trees are then merged
@@ -360,11 +360,13 @@ class DraftService:
             self._dirty.add(entry.sid)
         return out
 
-    def feedback(self, items: list[FeedbackItem], *, principal: Principal | None = None) -> None:
+    def feedback(
+        self, items: list[FeedbackItem], *, principal: Principal | None = None, read_storage: bool = True
+    ) -> None:
         self._check_batch(len(items))
         checked = []
         for item in items:
-            entry = self._entry(item.session_id, principal)
+            entry = self._entry(item.session_id, principal, read_storage)
             new = self._new_tokens(entry, item.accepted)
             rejected = None
             if item.rejected is not None:
@@ -379,14 +381,16 @@ class DraftService:
             self.sessions.touch(entry)
             self._dirty.add(entry.sid)
 
-    def close(self, items: list[CloseItem], *, principal: Principal | None = None) -> list[Callable[[], None]]:
+    def close(
+        self, items: list[CloseItem], *, principal: Principal | None = None, read_storage: bool = True
+    ) -> list[Callable[[], None]]:
         """End sessions now; return the commits still to run (off the request loop: a commit
         indexes the request, milliseconds of work)."""
         self._check_batch(len(items))
         entries = []
         for item in items:
             try:
-                entries.append((self._entry(item.session_id, principal), item))
+                entries.append((self._entry(item.session_id, principal, read_storage), item))
             except NotFound:
                 if not item.missing_ok:
                     raise
@@ -408,20 +412,25 @@ class DraftService:
         if self._persistence is not None and added:
             self._persistence.requests_committed(namespace, added)
 
-    def _entry(self, sid: str, principal: Principal | None = None) -> SessionEntry:
-        """A live session, or one continued from storage (opened on another replica). A session
-        in a namespace the caller may not use is reported as unknown: its existence is not
-        disclosed."""
+    def _entry(self, sid: str, principal: Principal | None = None, read_storage: bool = True) -> SessionEntry:
+        """A live session, or one continued from storage (opened on another replica; without
+        ``read_storage``, the caller read storage already). A session in a namespace the caller
+        may not use is reported as unknown: its existence is not disclosed."""
         try:
             entry = self.sessions.get(sid)
         except NotFound:
-            stored = self._persistence.load_session(sid) if self._persistence is not None else None
+            stored = None
+            if read_storage and self._persistence is not None:
+                stored = self._persistence.load_session(sid)
             if stored is None:
                 raise
-        else:
-            if principal is not None and not principal.may_use(entry.namespace):
-                raise NotFound(f"unknown or expired session {sid!r}")
-            return entry
+            return self._continue(sid, stored, principal)
+        if principal is not None and not principal.may_use(entry.namespace):
+            raise NotFound(f"unknown or expired session {sid!r}")
+        return entry
+
+    def _continue(self, sid: str, stored: StoredSession, principal: Principal | None) -> SessionEntry:
+        """A session held in memory again from what storage kept of it."""
         if principal is not None and not principal.may_use(stored.namespace):
             raise NotFound(f"unknown or expired session {sid!r}")
         drafter = self.namespace(stored.namespace)
@@ -433,6 +442,30 @@ class DraftService:
         self.sessions.add(entry)
         logger.info("session %s continued from storage", sid)
         return entry
+
+    # Sessions another replica opened are read from storage before a call needs them, so that
+    # the reading can happen off the thread that serves calls (see the servicer): a slow or
+    # unreachable storage then delays only the calls that name such sessions.
+
+    def not_in_memory(self, sids: Iterable[str]) -> list[str]:
+        """Which of ``sids`` (once each) this replica does not hold."""
+        return [sid for sid in dict.fromkeys(sids) if not self.sessions.holds(sid)]
+
+    def read_stored(self, sids: Sequence[str]) -> dict[str, StoredSession]:
+        """What storage keeps of ``sids`` (those it has); safe on any thread."""
+        if self._persistence is None:
+            return {}
+        found = {sid: self._persistence.load_session(sid) for sid in sids}
+        return {sid: stored for sid, stored in found.items() if stored is not None}
+
+    def continue_stored(self, found: dict[str, StoredSession], *, principal: Principal | None = None) -> None:
+        """Hold sessions read by :meth:`read_stored` (on the serving thread); one that came
+        back meanwhile, or that the caller may not use, is left alone (the call then answers
+        for it as it would have)."""
+        for sid, stored in found.items():
+            if self.sessions.holds(sid) or (principal is not None and not principal.may_use(stored.namespace)):
+                continue
+            self._continue(sid, stored, principal)
 
     def take_changes(self, *, final: bool = False) -> tuple[list[tuple[str, SessionChange]], list[str]]:
         """Changes of sessions since storage last took them, and ids closed since; call on the

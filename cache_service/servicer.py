@@ -40,23 +40,36 @@ class DraftCacheServicer(pb_grpc.DraftCacheServicer):
         return pb.OpenSessionsResponse(session_ids=self._service.open(items, principal=auth.current()))
 
     async def Draft(self, request: pb.DraftRequest, context: grpc.aio.ServicerContext) -> pb.DraftResponse:
-        results = self._service.draft_ahead(convert.draft_items(request), principal=auth.current())
-        return convert.draft_response(results)
+        items, principal = convert.draft_items(request), auth.current()
+        await self._continue_stored([item.session_id for item in items], principal)
+        return convert.draft_response(self._service.draft_ahead(items, principal=principal, read_storage=False))
 
     async def Feedback(self, request: pb.FeedbackRequest, context: grpc.aio.ServicerContext) -> pb.FeedbackResponse:
-        self._service.feedback(convert.feedback_items(request), principal=auth.current())
+        items, principal = convert.feedback_items(request), auth.current()
+        await self._continue_stored([item.session_id for item in items], principal)
+        self._service.feedback(items, principal=principal, read_storage=False)
         return pb.FeedbackResponse()
 
     async def CloseSessions(
         self, request: pb.CloseSessionsRequest, context: grpc.aio.ServicerContext
     ) -> pb.CloseSessionsResponse:
-        jobs = self._service.close(convert.close_items(request), principal=auth.current())
+        items, principal = convert.close_items(request), auth.current()
+        await self._continue_stored([item.session_id for item in items], principal)
+        jobs = self._service.close(items, principal=principal, read_storage=False)
         for job in jobs:  # commits run off the event loop; the reply waits so they are visible
             await asyncio.to_thread(job)
         return pb.CloseSessionsResponse()
 
     async def Echo(self, request: pb.EchoRequest, context: grpc.aio.ServicerContext) -> pb.EchoResponse:
         return pb.EchoResponse(payload=request.payload)
+
+    async def _continue_stored(self, sids: list[str], principal: auth.Principal | None) -> None:
+        """Sessions this replica does not hold are read from storage on a worker thread: a slow
+        storage delays the calls naming them, never the event loop serving everyone else."""
+        missing = self._service.not_in_memory(sids)
+        if missing:
+            found = await asyncio.to_thread(self._service.read_stored, missing)
+            self._service.continue_stored(found, principal=principal)
 
     async def _one(
         self, req: pb.StreamRequest, kind: str | None, context: grpc.aio.ServicerContext

@@ -88,6 +88,11 @@ class SessionTable:
             raise NotFound(f"unknown or expired session {sid!r}")
         return entry
 
+    def holds(self, sid: str) -> bool:
+        """Whether :meth:`get` would return the session."""
+        entry = self._entries.get(sid)
+        return entry is not None and time.monotonic() - entry.last_used <= self._ttl
+
     def touch(self, entry: SessionEntry) -> None:
         entry.last_used = time.monotonic()
         self._entries.move_to_end(entry.sid)

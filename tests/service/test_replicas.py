@@ -3,8 +3,11 @@ commits the other drafts from."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 
@@ -159,3 +162,34 @@ def test_sessions_that_leave_memory_continue_from_storage(replicas: tuple[Replic
         assert tree.tokens[0] == 3 and any(t == 4 and p == 0 for t, p in zip(tree.tokens, tree.parents, strict=True))
     finally:
         small.stop()
+
+
+def test_a_session_read_from_stalled_storage_does_not_hold_up_other_calls(tmp_path: Path) -> None:
+    redis_server = EmbeddedRedis(EmbeddedRedisConfig(data_dir=tmp_path, appendonly=False)).start()
+    a, b = Replica(redis_server.url), Replica(redis_server.url)
+    try:
+        a.admin.CreateNamespace(pb.CreateNamespaceRequest(name="toy", vocab_size=100))
+        _eventually(lambda: _knows_namespace(b))
+        moved = _open(a, [1, 2, 3, 4, 1, 2])
+        _eventually(lambda: a.app.persistence.store.load_session(moved) is not None)
+        local = _open(b, [5, 6, 7, 5, 6])
+        pool = ThreadPoolExecutor(1)
+        os.kill(redis_server._proc.pid, signal.SIGSTOP)  # storage hangs: no reply, no error
+        try:
+            # b must read the moved session from storage, which does not answer...
+            reading = pool.submit(_draft, b, moved, [3])
+            time.sleep(0.3)
+            assert not reading.done()
+            # ...while its other sessions are served meanwhile, storage untouched.
+            began = time.monotonic()
+            assert _draft(b, local, [])[:1] == [7]
+            assert time.monotonic() - began < 1.0
+        finally:
+            os.kill(redis_server._proc.pid, signal.SIGCONT)
+        # Once storage answers, the moved session continues with its context.
+        assert reading.result(timeout=30)[:2] == [4, 1]
+        pool.shutdown()
+    finally:
+        a.stop()
+        b.stop()
+        redis_server.stop()
