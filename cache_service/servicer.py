@@ -128,7 +128,8 @@ class AdminServicer(pb_grpc.AdminServicer):
         self, request: pb.CreateNamespaceRequest, context: grpc.aio.ServicerContext
     ) -> pb.CreateNamespaceResponse:
         principal = auth.current()
-        self._service.create_namespace(request.name, request.vocab_size, principal=principal)
+        # Registering writes to storage: on a worker thread, so a slow storage holds only this call.
+        await asyncio.to_thread(self._service.create_namespace, request.name, request.vocab_size, principal=principal)
         (stats,) = self._service.stats(request.name, principal=principal)
         return pb.CreateNamespaceResponse(namespace=convert.namespace_info(stats))
 

@@ -173,13 +173,15 @@ def test_a_session_read_from_stalled_storage_does_not_hold_up_other_calls(tmp_pa
         moved = _open(a, [1, 2, 3, 4, 1, 2])
         _eventually(lambda: a.app.persistence.store.load_session(moved) is not None)
         local = _open(b, [5, 6, 7, 5, 6])
-        pool = ThreadPoolExecutor(1)
+        pool = ThreadPoolExecutor(2)
         os.kill(redis_server._proc.pid, signal.SIGSTOP)  # storage hangs: no reply, no error
         try:
-            # b must read the moved session from storage, which does not answer...
+            # b must read the moved session from storage, and register a namespace there, and
+            # storage does not answer...
             reading = pool.submit(_draft, b, moved, [3])
+            creating = pool.submit(b.admin.CreateNamespace, pb.CreateNamespaceRequest(name="more", vocab_size=10))
             time.sleep(0.3)
-            assert not reading.done()
+            assert not reading.done() and not creating.done()
             # ...while its other sessions are served meanwhile, storage untouched.
             began = time.monotonic()
             assert _draft(b, local, [])[:1] == [7]
@@ -188,6 +190,7 @@ def test_a_session_read_from_stalled_storage_does_not_hold_up_other_calls(tmp_pa
             os.kill(redis_server._proc.pid, signal.SIGCONT)
         # Once storage answers, the moved session continues with its context.
         assert reading.result(timeout=30)[:2] == [4, 1]
+        assert creating.result(timeout=30).namespace.name == "more"
         pool.shutdown()
     finally:
         a.stop()
