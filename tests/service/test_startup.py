@@ -38,8 +38,9 @@ def test_kernels_are_compiled_off_the_event_loop_before_serving(
         assert threads and loop_thread not in threads
         started = len(threads)
         replica.admin.CreateNamespace(pb.CreateNamespaceRequest(name="ns", vocab_size=100), timeout=10)
-        # The namespace's own warm-up ran on the loop afterwards, with everything already built.
-        assert threads[started:] == [loop_thread]
+        # Creating a namespace (its own warm-up, instant now, and its registration in storage)
+        # runs on a worker thread too.
+        assert len(threads) == started + 1 and threads[-1] != loop_thread
     finally:
         replica.stop()
         redis.stop()
