@@ -21,7 +21,7 @@ import numpy as np
 
 from cache_service.config import ServiceConfig
 from cache_service.service import CloseItem, DraftItem, DraftService, FeedbackItem, OpenItem
-from decoder_client.load_bench import requests_of
+from decoder_client.load_bench import Replayed, requests_of
 from decoder_client.traces import Conversation
 from indexer.drafter import DraftParams
 from indexer.tokens import Namespace
@@ -39,24 +39,16 @@ class DraftBenchConfig:
             raise ValueError("batch and steps must be >= 1 and rebuild_every >= 0")
 
 
-@dataclass
-class _Slot:
-    sid: str
-    output: np.ndarray
-    pos: int = 0
-    pending: list[int] = field(default_factory=list)
-
-
 def run_draft_bench(conversations: list[Conversation], namespace: Namespace, config: DraftBenchConfig) -> dict:
     """Step ``config.steps`` batches; per-sequence draft time (us), MAT and the trees' digest."""
     service = DraftService(ServiceConfig(default_params=config.params))
     service.create_namespace(namespace.name, namespace.vocab_size)
     source = requests_of(conversations)  # every output segment once, then again (no end)
 
-    def open_many(count: int) -> list[_Slot]:
+    def open_many(count: int) -> list[Replayed[str]]:
         requests = [next(source) for _ in range(count)]
         ids = service.open([OpenItem(namespace.name, prompt) for prompt, _ in requests])
-        return [_Slot(sid, output) for sid, (_, output) in zip(ids, requests, strict=True)]
+        return [Replayed(sid, output) for sid, (_, output) in zip(ids, requests, strict=True)]
 
     slots = open_many(config.batch)
     digest = hashlib.sha256()
@@ -66,26 +58,23 @@ def run_draft_bench(conversations: list[Conversation], namespace: Namespace, con
     draft_cpu = 0.0  # CPU seconds of the draft calls (less disturbed by other processes than wall time)
     rebuilds: list[float] = []
     for step in range(config.steps):
-        items = [DraftItem(s.sid, np.array(s.pending, dtype=np.int32)) for s in slots]
+        items = [DraftItem(s.handle, np.array(s.pending, dtype=np.int32)) for s in slots]
         began, cpu = time.perf_counter(), time.process_time()
         results = service.draft_ahead(items)
         per_sequence.append((time.perf_counter() - began) / len(items))
         draft_cpu += time.process_time() - cpu
-        still: list[_Slot] = []
-        done: list[_Slot] = []
+        still: list[Replayed[str]] = []
+        done: list[Replayed[str]] = []
         for slot, (tree, _) in zip(slots, results, strict=True):
             for part in (tree.tokens, tree.parents, tree.sources):
                 digest.update(part.tobytes())
-            n = len(tree.accept(slot.output[slot.pos :])) + 1
-            slot.pending = slot.output[slot.pos : slot.pos + n].tolist()
-            slot.pos += n
-            produced += n
+            produced += slot.verify(tree)
             sequence_steps += 1
-            (still if slot.pos < slot.output.size else done).append(slot)
+            (done if slot.finished else still).append(slot)
         if done:  # the last tokens go in, the requests commit, and the next ones open
             began = time.perf_counter()
-            service.feedback([FeedbackItem(d.sid, d.pending) for d in done])
-            for job in service.close([CloseItem(d.sid) for d in done]):
+            service.feedback([FeedbackItem(d.handle, d.pending) for d in done])
+            for job in service.close([CloseItem(d.handle) for d in done]):
                 job()
             finished += len(done)
             still.extend(open_many(len(done)))

@@ -21,6 +21,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Generic, TypeVar
 
 import grpc
 import numpy as np
@@ -30,6 +31,7 @@ from draftcache.v1 import draftcache_pb2_grpc as pb_grpc
 from decoder_client.client import ClientConfig, ClientSession, DraftClient
 from decoder_client.traces import Conversation, iter_traces
 from indexer.drafter import DraftParams
+from indexer.tree_builder import DraftTree
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,12 +96,32 @@ def requests_of(conversations: list[Conversation], passes: int = 0) -> Iterator[
         done += 1
 
 
+H = TypeVar("H")
+
+
 @dataclass
-class _Slot:
-    session: ClientSession
+class Replayed(Generic[H]):
+    """A recorded output produced again step by step, as a decoder verifying drafts would:
+    ``handle`` names the sequence to whatever drafts for it, ``pending`` holds the tokens
+    produced since its last draft."""
+
+    handle: H
     output: np.ndarray
     pos: int = 0
     pending: list[int] = field(default_factory=list)
+
+    def verify(self, tree: DraftTree) -> int:
+        """Produce what the target would after ``tree``: its accepted nodes and the bonus token.
+        Returns the step's length, accepted nodes plus one (past the output's end, the bonus
+        token is counted though ``pending`` has no token for it)."""
+        n = len(tree.accept(self.output[self.pos :])) + 1
+        self.pending = self.output[self.pos : self.pos + n].tolist()
+        self.pos += n
+        return n
+
+    @property
+    def finished(self) -> bool:
+        return self.pos >= self.output.size
 
 
 def run_decoder(config: LoadConfig, index: int) -> DecoderResult:
@@ -125,24 +147,22 @@ def run_decoder(config: LoadConfig, index: int) -> DecoderResult:
     while slots and time.monotonic() < stop:
         began = time.perf_counter()
         before = client.stats.fallback
-        trees = client.draft([s.session for s in slots], [s.pending for s in slots])
+        trees = client.draft([s.handle for s in slots], [s.pending for s in slots])
         result.latencies.append(time.perf_counter() - began)
         result.started.append(time.monotonic() - first)
         result.steps += 1
         result.fallbacks += client.stats.fallback - before
         result.sequence_drafts += len(slots) - (client.stats.fallback - before)
-        still: list[_Slot] = []
-        done: list[_Slot] = []
+        still: list[Replayed[ClientSession]] = []
+        done: list[Replayed[ClientSession]] = []
         for slot, tree in zip(slots, trees, strict=True):
-            n = len(tree.accept(slot.output[slot.pos :])) + 1
-            slot.pending = slot.output[slot.pos : slot.pos + n].tolist()
-            slot.pos += n
+            slot.verify(tree)
             result.tokens += len(slot.pending)
             result.sequence_steps += 1
-            (still if slot.pos < slot.output.size else done).append(slot)
+            (done if slot.finished else still).append(slot)
         if done:  # requests that finished this step end together, and their successors open together
-            client.add_tokens([d.session for d in done], [d.pending for d in done])
-            client.close([d.session for d in done])
+            client.add_tokens([d.handle for d in done], [d.pending for d in done])
+            client.close([d.handle for d in done])
             following = _open_many(client, source, len(done))
             still.extend(following)
             result.requests += len(following)
@@ -150,20 +170,22 @@ def run_decoder(config: LoadConfig, index: int) -> DecoderResult:
         if config.step_interval_s:
             time.sleep(max(0.0, began + config.step_interval_s - time.perf_counter()))
     result.seconds = time.monotonic() - first
-    client.close([s.session for s in slots], commit=False)
+    client.close([s.handle for s in slots], commit=False)
     client.shutdown()
     result.ahead_hits, result.ahead_misses = client.stats.ahead_hits, client.stats.ahead_misses
     result.failures, result.lost_opens = client.stats.failures, client.stats.lost_opens
     return result
 
 
-def _open_many(client: DraftClient, source: Iterator[tuple[np.ndarray, np.ndarray]], count: int) -> list[_Slot]:
+def _open_many(
+    client: DraftClient, source: Iterator[tuple[np.ndarray, np.ndarray]], count: int
+) -> list[Replayed[ClientSession]]:
     """Up to ``count`` next requests, opened in one call."""
     requests = [r for r in (next(source, None) for _ in range(count)) if r is not None]
     if not requests:
         return []
     sessions = client.open([prompt for prompt, _ in requests])
-    return [_Slot(session, output) for session, (_, output) in zip(sessions, requests, strict=True)]
+    return [Replayed(session, output) for session, (_, output) in zip(sessions, requests, strict=True)]
 
 
 def _worker(config: LoadConfig, index: int, results: mp.Queue) -> None:
