@@ -83,15 +83,19 @@ class SessionTable:
         return entry
 
     def get(self, sid: str) -> SessionEntry:
-        entry = self._entries.get(sid)
-        if entry is None or time.monotonic() - entry.last_used > self._ttl:
+        entry = self._live(sid)
+        if entry is None:
             raise NotFound(f"unknown or expired session {sid!r}")
         return entry
 
     def holds(self, sid: str) -> bool:
         """Whether :meth:`get` would return the session."""
+        return self._live(sid) is not None
+
+    def _live(self, sid: str) -> SessionEntry | None:
+        """The session, unless unknown or idle past the TTL."""
         entry = self._entries.get(sid)
-        return entry is not None and time.monotonic() - entry.last_used <= self._ttl
+        return entry if entry is not None and time.monotonic() - entry.last_used <= self._ttl else None
 
     def touch(self, entry: SessionEntry) -> None:
         entry.last_used = time.monotonic()
