@@ -38,11 +38,8 @@ class Calibrator:
     def update_many(self, guesses: Iterable[Guess], actual: int) -> None:
         """:meth:`update` for each tier's first guess of one step, ``actual`` being the token
         the target produced."""
-        buckets, pred, hits = self._buckets, self._pred, self._hits
         for g in guesses:
-            b = min(g.n, buckets)
-            pred[g.tier][b] += g.predicted
-            hits[g.tier][b] += g.token == actual
+            self.update(g.tier, g.n, predicted=g.predicted, hit=g.token == actual)
 
     def table(self) -> dict[str, list[float]]:
         """Acceptance rate of first guesses per tier and match-length bucket (for metrics)."""
