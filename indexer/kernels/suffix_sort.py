@@ -69,7 +69,7 @@ def _sais(s: np.ndarray, k: int) -> np.ndarray:
     # 1. Sort the LMS substrings: LMS suffixes in text order at their buckets' ends, induced.
     tails = _bucket_bounds(counts, True)
     for i in range(n - 1, 0, -1):
-        if stype[i] and not stype[i - 1]:
+        if _is_lms(stype, i):
             c = s[i]
             tails[c] -= 1
             sa[tails[c]] = i
@@ -117,7 +117,7 @@ def _sais(s: np.ndarray, k: int) -> np.ndarray:
     lms = np.empty(m, dtype=np.int32)
     j = 0
     for i in range(1, n):
-        if stype[i] and not stype[i - 1]:
+        if _is_lms(stype, i):
             lms[j] = i
             j += 1
 
