@@ -28,7 +28,7 @@ from indexer.prespeculation import Prefetched
 from indexer.prior import StaticPrior
 from indexer.session import SessionSnapshot, TableItems
 from indexer.tokens import Namespace, as_tokens
-from indexer.tree_builder import DraftTree, MergeJob, Tier, merge_many
+from indexer.tree_builder import DraftTree
 
 logger = logging.getLogger(__name__)
 
@@ -100,14 +100,12 @@ SessionChange = StoredSession | SessionDelta
 
 
 class _DraftStep(NamedTuple):
-    """One draft item between its session's accept and its tree: the tree drafted ahead for
-    the outcome, or the merge job planned for it with the match length behind each tier."""
+    """One draft item after its session took its new tokens: the tree drafted ahead for the
+    outcome, or ``None`` when it is still to be drafted."""
 
     entry: SessionEntry
     lookahead: int
     tree: DraftTree | None
-    job: MergeJob | None
-    lengths: dict[Tier, int]
 
 
 class Persistence(Protocol):
@@ -321,8 +319,8 @@ class DraftService:
         resolved = [(self._entry(item.session_id, principal, read_storage), item) for item in items]
         checked = [(entry, self._new_tokens(entry, item.new_tokens), item.lookahead) for entry, item in resolved]
         out: list[tuple[DraftTree, Prefetched]] = []
-        # Each session takes its new tokens and finds its candidates; the trees are then merged
-        # together, in one compiled call. A session named twice sees its first draft settled
+        # Each session takes its new tokens; the trees still to draft are then drafted together,
+        # one compiled call per namespace. A session named twice sees its first draft settled
         # before its second item goes on, as if the items ran one by one.
         steps: list[_DraftStep] = []
         named: set[str] = set()
@@ -335,25 +333,27 @@ class DraftService:
             if new.size:
                 drafter.accept_checked(session, new)  # checked above, with the whole batch
                 self.sessions.grow(entry, int(new.size))
-            if new.size and session.last_tree is not None:  # drafted ahead for this outcome
-                steps.append(_DraftStep(entry, lookahead, session.last_tree, None, {}))
-            else:
-                steps.append(_DraftStep(entry, lookahead, None, *drafter.plan(session, entry.params)))
+            drafted_ahead = new.size > 0 and session.last_tree is not None  # for this outcome
+            steps.append(_DraftStep(entry, lookahead, session.last_tree if drafted_ahead else None))
         out.extend(self._settle(steps))
         self._drafts += len(out)
         return out
 
     def _settle(self, steps: list[_DraftStep]) -> list[tuple[DraftTree, Prefetched]]:
-        """Merge the planned trees of ``steps`` in one call, then give each session its tree
-        and draft ahead where asked."""
-        merged = iter(merge_many([step.job for step in steps if step.job is not None]))
+        """Draft the trees of ``steps`` still to draft, one compiled call per namespace, then
+        draft ahead where asked."""
+        by_drafter: dict[int, list[_DraftStep]] = {}
+        for step in steps:
+            if step.tree is None:
+                by_drafter.setdefault(id(step.entry.drafter), []).append(step)
+        drafted: dict[str, DraftTree] = {}
+        for group in by_drafter.values():
+            trees = group[0].entry.drafter.draft_many([(s.entry.session, s.entry.params) for s in group])
+            drafted.update((s.entry.sid, tree) for s, tree in zip(group, trees, strict=True))
         out = []
         for step in steps:
             entry, session = step.entry, step.entry.session
-            tree = step.tree
-            if tree is None:
-                tree, firsts = next(merged)
-                entry.drafter.settle(session, tree, firsts, step.lengths)
+            tree = step.tree if step.tree is not None else drafted[entry.sid]
             ahead = entry.drafter.prespeculate(session, step.lookahead, entry.params) if step.lookahead else {}
             out.append((tree, ahead))
             self.sessions.touch(entry)

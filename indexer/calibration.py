@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from indexer.tree_builder import Tier
 
 if TYPE_CHECKING:
@@ -40,6 +42,10 @@ class Calibrator:
         the target produced."""
         for g in guesses:
             self.update(g.tier, g.n, predicted=g.predicted, hit=g.token == actual)
+
+    def counts(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(accepted, predicted)`` per tier and bucket, as arrays for compiled code."""
+        return np.array(self._hits, dtype=np.float64), np.array(self._pred, dtype=np.float64)
 
     def table(self) -> dict[str, list[float]]:
         """Acceptance rate of first guesses per tier and match-length bucket (for metrics)."""

@@ -43,6 +43,16 @@ class ContextIndex:
     def tokens(self) -> np.ndarray:
         return self._buf[: self._len]
 
+    @property
+    def indexed(self) -> int:
+        """How many leading tokens the prompt index covers (0: none)."""
+        return self._indexed
+
+    @property
+    def prompt_index(self) -> tuple[np.ndarray, np.ndarray]:
+        """The prompt index's ``(tokens, suffix array)``, both empty when nothing is indexed."""
+        return self._sa
+
     def extend(self, tokens: np.ndarray) -> None:
         need = self._len + tokens.size
         if need > self._buf.size:

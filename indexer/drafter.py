@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -22,8 +23,8 @@ from indexer.prespeculation import Prefetched, select, stopping_points
 from indexer.prior import StaticPrior
 from indexer.session import Guess, Session, SessionSnapshot
 from indexer.session_cache import LruTableConfig
-from indexer.tokens import Namespace, as_tokens
-from indexer.tree_builder import Candidates, DraftTree, MergeJob, Tier, merge_many
+from indexer.tokens import SEPARATOR, Namespace, as_tokens
+from indexer.tree_builder import DraftTree, Tier
 
 _TIER_NAMES = [t.name for t in Tier]  # by value: counting by name without building enums
 MAX_BUDGET = 1024
@@ -71,28 +72,90 @@ def _offset(offset: int, accepted: int) -> int:
     return offset
 
 
-def _without_first(c: Candidates, exclude: frozenset[int]) -> Candidates:
-    """``c`` without the rows starting with an excluded token."""
-    if not exclude or c.rows.size == 0:
-        return c
-    keep = ~np.isin(c.rows[:, 0], np.fromiter(exclude, dtype=np.int32, count=len(exclude)))
-    if keep.all():
-        return c
-    return Candidates(
-        c.tier,
-        c.rows[keep],
-        weights=None if c.weights is None else c.weights[keep],
-        probs=None if c.probs is None else c.probs[keep],
-        confidence=c.confidence,
-    )
+_TIERS = list(Tier)  # by value (Tier iterates in value order)
+_TIER_VALUES = range(len(_TIERS))
+_HALF_ARRAY = np.array([_HALF[t] for t in Tier], dtype=np.float64)
+_ONE_WEIGHT = np.ones(1)  # the exact tier's single row
 
 
-_HALF_BY_TIER = [_HALF[t] for t in Tier]  # indexed by tier value (Tier iterates in value order)
-_ONE_WEIGHT = np.ones(1)  # the exact tier's single row (candidates are never written to)
+class _Job(NamedTuple):
+    """One tree to draft: the session, the context it is drafted after (the session's own, or
+    extended by a supposed verification outcome), root tokens to leave out, and limits."""
+
+    session: Session
+    context: np.ndarray
+    exclude: tuple[int, ...]
+    params: DraftParams
+    depth: int
 
 
-def _prior(tier: Tier, n: int) -> float:
-    return n / (n + _HALF_BY_TIER[tier])
+def _joined(parts: list[np.ndarray], dtype: type) -> np.ndarray:
+    return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype=dtype)
+
+
+class _Batch:
+    """Jobs laid out end to end for :func:`~indexer.kernels.draft.draft_batch`: one row of
+    integers per sequence, its context, its prompt index (once per session), the root tokens
+    it leaves out, and the tiers' parts found before the call."""
+
+    def __init__(self) -> None:
+        self.seq: list[tuple[int, ...]] = []
+        self.min_score: list[float] = []
+        self.contexts: list[np.ndarray] = []
+        self.index_tokens: list[np.ndarray] = []
+        self.index_sa: list[np.ndarray] = []
+        self.index_of: dict[int, tuple[int, int]] = {}  # by session identity
+        self.exclude: list[int] = []
+        self.rows: list[np.ndarray] = []
+        self.vals: list[np.ndarray] = []
+        self.meta: list[tuple[int, int, int, int, int]] = []
+        self.offsets = [0]
+        self._context_at = self._index_at = 0
+
+    def add_sequence(self, job: _Job, *, since: int) -> None:
+        """A job; the parts added next belong to it."""
+        s, ctx = job.session, job.context
+        index = self.index_of.get(id(s))
+        if index is None:
+            sa_tokens, sa = s.context.prompt_index
+            index = self.index_of[id(s)] = (self._index_at, self._index_at + sa.size)
+            self.index_tokens.append(sa_tokens)
+            self.index_sa.append(sa)
+            self._index_at += sa.size
+        x = len(self.exclude)
+        at = self._context_at
+        self.seq.append(
+            (at, at + ctx.size, *index, s.context.indexed, since, *s.hints, job.depth, job.params.budget,
+             job.params.depth_reserve, x, x + len(job.exclude))
+        )  # fmt: skip
+        self.contexts.append(ctx)
+        self._context_at += ctx.size
+        self.exclude.extend(job.exclude)
+        self.min_score.append(job.params.min_score)
+        if len(self.seq) > 1:
+            self.offsets.append(len(self.meta))
+
+    def add_part(self, rows: np.ndarray, values: np.ndarray, *, per_cell: bool, tier: Tier, n: int) -> None:
+        """The last sequence's ``rows`` of a tier found at match length ``n``, with per-row
+        weights or (``per_cell``) per-cell probabilities."""
+        k, width = rows.shape
+        self.rows.append(rows.ravel())
+        self.vals.append(values.ravel())
+        self.meta.append((k, width, int(per_cell), int(tier), n))
+
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        return (
+            np.array(self.seq, dtype=np.int64),
+            np.array(self.min_score, dtype=np.float64),
+            np.concatenate(self.contexts),
+            _joined(self.index_tokens, np.int32),
+            _joined(self.index_sa, np.int32),
+            np.array(self.exclude, dtype=np.int32),
+            _joined(self.rows, np.int32),
+            _joined(self.vals, np.float64),
+            np.array(self.meta, dtype=np.int64).reshape(-1, 5),
+            np.array([*self.offsets, len(self.meta)], dtype=np.int64),
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -159,6 +222,12 @@ class NamespaceDrafter:
         self.calibrator = Calibrator(config.calibration_buckets)
         self.counters = DraftCounters()
         self._lock = threading.Lock()
+        dyn = config.dynamic
+        self._settings = np.array(
+            (config.max_match, config.samples, config.context_samples, dyn.leader_len, dyn.follower_len,
+             dyn.max_followers, config.calibration_buckets, int(SEPARATOR)),
+            dtype=np.int64,
+        )  # fmt: skip
         kernels.warm_up()  # compile or load the compiled loops now, not on the first draft
 
     def open(self, prompt: np.ndarray | list[int]) -> Session:
@@ -175,28 +244,22 @@ class NamespaceDrafter:
 
     def draft(self, session: Session, params: DraftParams) -> DraftTree:
         """The draft tree for the session's current context."""
-        job, lengths = self.plan(session, params)
-        tree, firsts = merge_many([job])[0]
-        self.settle(session, tree, firsts, lengths)
-        return tree
+        return self.draft_many([(session, params)])[0]
 
-    def plan(self, session: Session, params: DraftParams) -> tuple[MergeJob, dict[Tier, int]]:
-        """:meth:`draft` up to the merge: every tier's candidates as a job for
-        :func:`~indexer.tree_builder.merge_many` (so a batch's trees merge in one call), and
-        the match length behind each tier. :meth:`settle` takes the merged tree."""
-        depth = min(params.max_depth, max(params.budget, 1))  # a path never holds more nodes than the tree
-        found = self._candidates(session, depth)
-        job = MergeJob([c for c, _ in found], params.budget, depth, params.min_score, params.depth_reserve)
-        return job, {c.tier: n for c, n in found}
-
-    def settle(
-        self, session: Session, tree: DraftTree, firsts: dict[Tier, tuple[int, float]], lengths: dict[Tier, int]
-    ) -> None:
-        """The session drafted ``tree`` (merged from its :meth:`plan`): remember it, and each
-        tier's first guess for calibration once the outcome is known."""
-        session.last_tree, session.prefetched = tree, {}
-        session.guesses = [Guess(t, lengths[t], tok, p * _prior(t, lengths[t])) for t, (tok, p) in firsts.items()]
-        session.hints = lengths
+    def draft_many(self, items: Sequence[tuple[Session, DraftParams]]) -> list[DraftTree]:
+        """:meth:`draft` for several sessions (each named once) in one compiled call; each
+        session remembers its tree, and each tier's first guess for calibration once the
+        outcome is known."""
+        jobs = []
+        for session, params in items:
+            depth = min(params.max_depth, max(params.budget, 1))  # a path never holds more nodes than the tree
+            jobs.append(_Job(session, session.context.tokens, (), params, depth))
+        trees = []
+        for (session, _), (tree, guesses, hints) in zip(items, self._run(jobs, remember=True), strict=True):
+            session.last_tree, session.prefetched = tree, {}
+            session.guesses, session.hints = guesses, hints
+            trees.append(tree)
+        return trees
 
     def accept(
         self,
@@ -245,7 +308,8 @@ class NamespaceDrafter:
         session.context.extend(new)
         # A tree drafted ahead for this outcome is what the decoder verifies next.
         session.last_tree, session.guesses, session.prefetched = ahead, [], {}
-        session.hints = {t: n + int(new.size) for t, n in session.hints.items()}
+        n_ctx, n_lifetime = session.hints  # a match that continues is the new tokens longer
+        session.hints = (n_ctx + new.size if n_ctx else 0, n_lifetime + new.size if n_lifetime else 0)
 
     def prespeculate(self, session: Session, k: int, params: DraftParams) -> Prefetched:
         """Trees drafted ahead for the ``k`` likeliest outcomes of verifying the session's last
@@ -256,24 +320,19 @@ class NamespaceDrafter:
         tree = session.last_tree
         ahead: Prefetched = {}
         if tree is not None and k > 0:
-            for path, children in stopping_points(tree, k):
-                ahead[path] = self._draft_after(session, np.array(path, dtype=np.int32), children, params)
+            # One level deeper: the bonus token becomes the root.
+            depth = min(params.max_depth + 1, MAX_DEPTH, max(params.budget, 1))
+            ctx = session.context.tokens
+            points = stopping_points(tree, k)
+            jobs = [
+                _Job(session, np.concatenate((ctx, np.array(path, dtype=np.int32))), tuple(kids), params, depth)
+                for path, kids in points
+            ]
+            # The outcomes are only supposed: nothing learnt about them stays.
+            for (path, _), (drafted, _, _) in zip(points, self._run(jobs, remember=False), strict=True):
+                ahead[path] = drafted
         session.prefetched = ahead
         return ahead
-
-    def _draft_after(self, s: Session, path: np.ndarray, exclude: frozenset[int], params: DraftParams) -> DraftTree:
-        """The tree for the context extended by ``path``, without root children in ``exclude``
-        (one level deeper: the bonus token becomes the root)."""
-        depth = min(params.max_depth + 1, MAX_DEPTH, max(params.budget, 1))  # the bonus token is the root
-        before, agrees = len(s.context), s.exact_agrees
-        s.context.extend(path)
-        try:
-            found = self._candidates(s, depth)
-        finally:  # the outcome is only supposed: nothing learnt about it stays
-            s.context.truncate(before)
-            s.exact_agrees = agrees
-        parts = [_without_first(c, exclude) for c, _ in found]
-        return merge_many([MergeJob(parts, params.budget, depth, params.min_score, params.depth_reserve)])[0][0]
 
     def close(self, session: Session, *, commit: bool = True, commit_from: int = 0) -> np.ndarray | None:
         """Finish a request; with ``commit`` its tokens from ``commit_from`` join the lifetime
@@ -300,84 +359,63 @@ class NamespaceDrafter:
 
     # -- tiers -------------------------------------------------------------------------------
 
-    def _candidates(self, s: Session, depth: int) -> list[tuple[Candidates, int]]:
-        """Each tier's candidates with the match length that produced them."""
-        ctx = s.context.tokens
-        cfg = self.config
-        out: list[tuple[Candidates, int]] = []
-        n, rows, w = s.context.lookup(
-            max_len=cfg.max_match, depth=depth, samples=cfg.context_samples, hint=s.hints.get(Tier.CONTEXT, 0)
-        )
-        if n:
-            out.append((self._weighted(Tier.CONTEXT, n, rows, w), n))
-        dyn = cfg.dynamic
-        rows, w = s.context.followers(
-            leader_len=dyn.leader_len,
-            follower_len=dyn.follower_len,
-            keep=dyn.max_followers,
-            since=max(0, s.prompt_len - dyn.window),
-        )
-        if w.size:
-            out.append((self._weighted(Tier.DYNAMIC, dyn.leader_len, rows, w), dyn.leader_len))
-        found = s.rejected.table.candidates(ctx)
-        if found is not None:
-            rows, w = found
-            n = s.rejected.table.config.leader_len
-            out.append((self._weighted(Tier.REJECTED, n, rows, w), n))
-        out.extend(self._lifetime(ctx, depth, s.hints.get(Tier.LIFETIME_SA, 0)))
-        if self.prior is not None:
-            hit = self.prior.lookup(ctx)
+    def _run(self, jobs: Sequence[_Job], *, remember: bool) -> list[tuple[DraftTree, list[Guess], tuple[int, int]]]:
+        """Each job's tree, first guesses and hints, all drafted in one compiled call (see
+        :func:`~indexer.kernels.draft.draft_batch`). The tiers kept in Python objects (the
+        rejected table, the prior, the exact-prompt cache) are looked up here first; with
+        ``remember`` the exact tier keeps how far each output agrees with its cached one."""
+        batch = _Batch()
+        for job in jobs:
+            s, ctx = job.session, job.context
+            batch.add_sequence(job, since=max(0, s.prompt_len - self.config.dynamic.window))
+            found = s.rejected.table.candidates(ctx)
+            if found is not None:
+                batch.add_part(*found, per_cell=False, tier=Tier.REJECTED, n=s.rejected.table.config.leader_len)
+            hit = self.prior.lookup(ctx) if self.prior is not None else None
             if hit is not None:
-                out.append(
-                    (
-                        Candidates(Tier.PRIOR, hit.rows, probs=hit.probs, confidence=self._conf(Tier.PRIOR, hit.order)),
-                        hit.order,
-                    )
-                )
-        exact = self._exact(s, depth)
-        if exact is not None:
-            out.append(exact)
+                batch.add_part(hit.rows, hit.probs, per_cell=True, tier=Tier.PRIOR, n=hit.order)
+            exact = self._exact(s, ctx, job.depth, remember)
+            if exact is not None:
+                rest, n = exact
+                batch.add_part(rest[None, :], _ONE_WEIGHT, per_cell=False, tier=Tier.EXACT, n=n)
+        seq, min_score, contexts, index_tokens, index_sa, exclude, part_rows, part_vals, part_meta, part_offsets = (
+            batch.arrays()
+        )
+        table_ll, (main_tokens, main_sa, run_tokens, run_sa, run_offsets, keys, offsets, followers, probs) = (
+            self.memory.search_arrays()
+        )
+        hits, predicted = self.calibrator.counts()
+        tokens, parents, sources, scores, ends, first_tok, guess, lengths = kernels.draft_batch(
+            seq, min_score, contexts, index_tokens, index_sa, exclude, part_rows, part_vals, part_meta, part_offsets,
+            main_tokens, main_sa, run_tokens, run_sa, run_offsets, keys, offsets, followers, probs, table_ll,
+            self._settings, _HALF_ARRAY, hits, predicted,
+        )  # fmt: skip
+        bounds, firsts, guessed, found_n = ends.tolist(), first_tok.tolist(), guess.tolist(), lengths.tolist()
+        out = []
+        for j in range(len(jobs)):
+            a, b = bounds[j], bounds[j + 1]
+            tree = DraftTree(tokens[a:b], parents[a:b], sources[a:b], scores[a:b])
+            ft, ns = firsts[j], found_n[j]
+            guesses = [Guess(_TIERS[t], ns[t], ft[t], guessed[j][t]) for t in _TIER_VALUES if ft[t] >= 0]
+            out.append((tree, guesses, (ns[Tier.CONTEXT], ns[Tier.LIFETIME_SA])))
         return out
 
-    def _conf(self, tier: Tier, n: int) -> float:
-        return min(1.0, _prior(tier, n) * self.calibrator.factor(tier, n))
-
-    def _weighted(self, tier: Tier, n: int, rows: np.ndarray, weights: np.ndarray) -> Candidates:
-        return Candidates(tier, rows, weights=weights, confidence=self._conf(tier, n))
-
-    def _lifetime(self, ctx: np.ndarray, depth: int, hint: int) -> list[tuple[Candidates, int]]:
-        """The longest match over the main and delta suffix indexes; a match no longer than the
-        frozen table's leaders is answered by the table's exact top followers instead."""
-        cfg = self.config
-        best, rows, weights = self.memory.continuations(
-            ctx, max_len=cfg.max_match, depth=depth, samples=cfg.samples, hint=hint
-        )
-        if best == 0:
-            return []
-        indexes = self.memory.indexes
-        if indexes is not None and best <= indexes.table.config.leader_len:
-            ll = indexes.table.config.leader_len
-            hit = indexes.table.lookup(ctx)
-            if hit is not None:
-                conf = self._conf(Tier.LIFETIME_NGRAM, ll)
-                return [(Candidates(Tier.LIFETIME_NGRAM, hit[0], probs=hit[1], confidence=conf), ll)]
-        return [(self._weighted(Tier.LIFETIME_SA, best, rows, weights), best)]
-
-    def _exact(self, s: Session, depth: int) -> tuple[Candidates, int] | None:
+    def _exact(self, s: Session, ctx: np.ndarray, depth: int, remember: bool) -> tuple[np.ndarray, int] | None:
+        """The rest of the response cached for an identical prompt, while the output so far
+        (``ctx`` past the prompt) agrees with it, and the match length it stands for."""
         if s.exact is None:
             return None
-        done = s.generated
+        done = ctx[s.prompt_len :]
         known = s.exact_agrees
         if known < 0 or done.size >= s.exact.size:
             return None
         if known < done.size:  # only the tokens generated since the last check are compared
-            if s.exact[known : done.size].tolist() != done[known:].tolist():  # a few tokens: lists beat numpy
-                s.exact_agrees = -1
+            agrees = s.exact[known : done.size].tolist() == done[known:].tolist()  # a few tokens: lists beat numpy
+            if remember:
+                s.exact_agrees = int(done.size) if agrees else -1
+            if not agrees:
                 return None
-            s.exact_agrees = int(done.size)
-        rest = s.exact[done.size : done.size + depth]
-        n = max(1, int(done.size) + 1)
-        return Candidates(Tier.EXACT, rest[None, :], weights=_ONE_WEIGHT, confidence=self._conf(Tier.EXACT, n)), n
+        return s.exact[done.size : done.size + depth], max(1, int(done.size) + 1)
 
     def _count(self, s: Session, path: np.ndarray | None, ahead: bool) -> None:
         """Count the outcome of verifying the session's last tree (``path``: the accepted nodes)."""

@@ -100,6 +100,13 @@ class StackedRuns:
 
 
 _NO_INDEX = StackedRuns.of([])
+_NO_INDEX_ARRAYS = (_NO_INDEX.tokens, _NO_INDEX.suffix_array)
+_NO_TABLE = (
+    np.zeros(0, dtype=np.uint64),
+    np.zeros(1, dtype=np.int64),
+    np.zeros((0, 1), dtype=np.int32),
+    np.zeros((0, 1), dtype=np.uint16),
+)
 LogId = tuple[int, int]  # a position in the shared log, ordered as the log orders its entries
 
 
@@ -322,6 +329,24 @@ class LifetimeMemory:
             depth,
             samples,
             int(SEPARATOR),
+        )
+
+    def search_arrays(self) -> tuple[int, tuple[np.ndarray, ...]]:
+        """What a compiled draft step searches: the frozen table's leader length (0: no main
+        index yet) and ``(main tokens, main suffix array, run tokens, run suffix arrays, run
+        offsets)`` (see :func:`~indexer.kernels.search.stacked_continuations`) followed by the
+        table's :meth:`~indexer.ngram_table.NgramTable.search_arrays`."""
+        indexes, runs = self._indexes, self._stacked
+        if indexes is None:
+            return 0, (*_NO_INDEX_ARRAYS[:2], runs.tokens, runs.suffix_array, runs.offsets, *_NO_TABLE)
+        main = indexes.suffix
+        return indexes.table.config.leader_len, (
+            main.tokens,
+            main.suffix_array,
+            runs.tokens,
+            runs.suffix_array,
+            runs.offsets,
+            *indexes.table.search_arrays(),
         )
 
     def known_prefix(self, tokens: np.ndarray, min_piece: int = 16) -> int:

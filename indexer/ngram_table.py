@@ -124,6 +124,12 @@ class NgramTable:
         """Leader hashes, ascending."""
         return self._keys
 
+    def search_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """``(keys, offsets, followers, probability bits)`` for compiled lookups: leader ``i``'s
+        followers are rows ``[offsets[i], offsets[i + 1])``, their float16 probabilities given
+        as ``uint16`` bits."""
+        return self._keys, self._offsets, self._followers, self._probs.view(np.uint16)
+
     @classmethod
     def build(cls, tokens: np.ndarray, config: NgramTableConfig) -> NgramTable:
         """Build from int32 tokens (requests separated by ``SEPARATOR``)."""
@@ -262,7 +268,7 @@ class NgramTable:
             or (keys.size > 1 and bool(np.any(keys[1:] <= keys[:-1])))
             or int(offsets[0]) != 0
             or bool(np.any(np.diff(offsets) < 1))
-            or probs.dtype.kind != "f"
+            or probs.dtype != np.float16
             or followers.shape != probs.shape
             or followers.ndim != 2
             or followers.shape[1] != config.follower_len

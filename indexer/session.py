@@ -56,7 +56,7 @@ class Session:
         self.last_tree: DraftTree | None = None
         self.prefetched: Prefetched = {}  # trees drafted ahead for outcomes of last_tree
         self.guesses: list[Guess] = []
-        self.hints: dict[Tier, int] = {}  # last match length per tier, a starting point
+        self.hints = (0, 0)  # last match lengths of the own-context and lifetime-suffix tiers (0: none)
 
     @property
     def generated(self) -> np.ndarray:

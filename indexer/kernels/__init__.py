@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from indexer.kernels.draft import draft_batch
 from indexer.kernels.search import (
     context_continuations,
     context_followers,
@@ -45,6 +46,7 @@ __all__ = [
     "accepted_path",
     "context_continuations",
     "context_followers",
+    "draft_batch",
     "find_leader",
     "find_longest_leader",
     "follower_lengths",
@@ -99,3 +101,10 @@ def warm_up() -> None:
     accepted_path(one, np.array([-1], dtype=np.int32), one)
     rejected_branches(one, np.array([-1], dtype=np.int32), np.ones(1, dtype=np.float32), -1, 2)
     verification_outcome(one, np.array([-1], dtype=np.int32), np.ones(1, dtype=np.float32), one, 2)
+    seq = np.array([[0, 5, 0, 5, 4, 0, 0, 0, 2, 4, 1, 0, 1]], dtype=np.int64)
+    part_meta = np.array([[2, 2, 1, 5, 1]], dtype=np.int64)
+    draft_batch(
+        seq, np.zeros(1), toks, toks, sa, one, rows.ravel(), np.ones(4), part_meta, one_tree,
+        toks, sa, toks, sa, offsets, np.zeros(1, dtype=np.uint64), one_tree, rows, np.zeros((2, 2), dtype=np.uint16),
+        2, np.array([32, 4, 4, 2, 2, 2, 4, 2147483647], dtype=np.int64), np.ones(7), np.zeros((7, 5)), np.zeros((7, 5)),
+    )  # fmt: skip

@@ -475,7 +475,7 @@ def test_lifetime_samples_are_shared_by_the_delta_runs_holding_the_match():
     ctx = _a([1, 30, 31, 32, 33])
     samples = DrafterConfig().samples
     for d in (apart, together):
-        ((cands, n),) = d._lifetime(ctx, depth=4, hint=0)
-        assert n == 4 and cands.tier == Tier.LIFETIME_SA
-        assert samples <= cands.rows.shape[0] <= samples + 1  # 40 occurrences, 32 samples
-        assert cands.weights.sum() == pytest.approx(40)
+        n, rows, weights = d.memory.continuations(ctx, max_len=d.config.max_match, depth=4, samples=samples)
+        assert n == 4
+        assert samples <= rows.shape[0] <= samples + 1  # 40 occurrences, 32 samples
+        assert weights.sum() == pytest.approx(40)

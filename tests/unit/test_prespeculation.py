@@ -73,7 +73,7 @@ def test_drafting_ahead_leaves_the_session_as_it_was():
     d = NamespaceDrafter(NS, DrafterConfig())
     s = d.open(_a([1, 2, 3, 4, 1, 2, 3, 5, 1, 2]))
     tree = d.draft(s, PARAMS)
-    before = (s.context.tokens.copy(), dict(s.hints), s.last_tree)
+    before = (s.context.tokens.copy(), s.hints, s.last_tree)
     ahead = d.prespeculate(s, 3, PARAMS)
     assert ahead and len(ahead) <= 3
     # Same context, hints and current tree; only the trees drafted ahead are remembered.

@@ -1,0 +1,308 @@
+"""A batch's draft step in one compiled call: every tier searched for every sequence, each
+tier's confidence computed, the trees merged.
+
+The tiers that need the sequence's own state kept in Python (the rejected table, the static
+prior, the exact-prompt cache) are found beforehand and come in as ready parts; the rest (own
+context, dynamic followers, lifetime suffix indexes and frozen table) are searched here, so a
+sequence costs no interpreter work between its first search and its merged tree.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from indexer.kernels.search import context_continuations, context_followers, stacked_continuations
+from indexer.kernels.tables import find_leader
+from indexer.kernels.tree import merge_tree, stack_parts
+
+# Tier values (indexer.tree_builder.Tier; a test keeps the two equal).
+DYNAMIC, CONTEXT, REJECTED, LIFETIME_SA, LIFETIME_NGRAM = 0, 1, 2, 3, 4
+
+# Columns of the per-sequence ``seq`` table, and the ``settings`` vector's fields.
+SEQ_COLUMNS = ("ctx_start", "ctx_end", "index_start", "index_end", "indexed", "since", "context_hint",
+               "lifetime_hint", "depth", "budget", "depth_reserve", "exclude_start", "exclude_end")  # fmt: skip
+SETTINGS = ("max_match", "samples", "context_samples", "leader_len", "follower_len", "max_followers", "buckets",
+            "stop")  # fmt: skip
+
+
+@njit(cache=True, nogil=True)
+def half_to_float(bits: np.ndarray) -> np.ndarray:
+    """IEEE half-precision values, given as their ``uint16`` bits (2-D), as float64, exactly."""
+    out = np.empty(bits.shape, dtype=np.float64)
+    for r in range(bits.shape[0]):
+        for c in range(bits.shape[1]):
+            b = np.int64(bits[r, c])
+            exp = (b >> 10) & 0x1F
+            man = b & 0x3FF
+            v: float
+            if exp == 0:
+                v = man * 2.0**-24
+            elif exp == 31:
+                v = np.inf if man == 0 else np.nan
+            else:
+                v = (1.0 + man / 1024.0) * 2.0 ** (exp - 15)
+            out[r, c] = -v if b >> 15 else v
+    return out
+
+
+@njit(cache=True, nogil=True)
+def _confidence(tier: int, n: int, half: np.ndarray, hits: np.ndarray, pred: np.ndarray, buckets: int) -> float:
+    """A tier's confidence at match length ``n``: its prior ``n / (n + half)`` times its
+    calibration factor (accepted + 2) / (predicted + 2) for that length's bucket, at most 1."""
+    b = min(n, buckets)
+    return min(1.0, (n / (n + half[tier])) * ((hits[tier, b] + 2.0) / (pred[tier, b] + 2.0)))
+
+
+@njit(cache=True, nogil=True)
+def _excluded(token: int, exclude: np.ndarray) -> bool:
+    for e in range(exclude.size):  # noqa: SIM110 (compiled: a plain loop, no generator)
+        if exclude[e] == token:
+            return True
+    return False
+
+
+@njit(cache=True, nogil=True)
+def _put_rows(rows: np.ndarray, exclude: np.ndarray, rows_flat: np.ndarray, at: np.ndarray) -> np.ndarray:
+    """Copy the rows not starting with an excluded token after the row cells used so far
+    (``at[1]``, moved on); returns which rows were kept."""
+    k, w = rows.shape
+    keep = np.ones(k, dtype=np.bool_)
+    ro = at[1]
+    for r in range(k):
+        if w > 0 and _excluded(rows[r, 0], exclude):
+            keep[r] = False
+            continue
+        for d in range(w):
+            rows_flat[ro] = rows[r, d]
+            ro += 1
+    at[1] = ro
+    return keep
+
+
+@njit(cache=True, nogil=True)
+def _close_part(
+    kept: int, width: int, per_cell: bool, tier: int, conf: float, meta: np.ndarray, confs: np.ndarray, at: np.ndarray
+) -> None:
+    """Record a part just written (an empty one is left out, as if the tier found nothing)."""
+    if kept == 0:
+        return
+    p = at[0]
+    meta[p, 0], meta[p, 1], meta[p, 2], meta[p, 3] = kept, width, 1 if per_cell else 0, tier
+    confs[p] = conf
+    at[0] = p + 1
+
+
+@njit(cache=True, nogil=True)
+def _put_weighted(
+    rows: np.ndarray,
+    weights: np.ndarray,
+    tier: int,
+    conf: float,
+    exclude: np.ndarray,
+    rows_flat: np.ndarray,
+    vals_flat: np.ndarray,
+    meta: np.ndarray,
+    confs: np.ndarray,
+    at: np.ndarray,
+) -> None:
+    """Append a tier's rows with their weights (rows starting with an excluded token left
+    out) to the flat layout :func:`~indexer.kernels.tree.stack_parts` reads; ``at`` holds
+    (parts, row cells, values) used so far."""
+    keep = _put_rows(rows, exclude, rows_flat, at)
+    vo = at[2]
+    for r in range(keep.size):
+        if keep[r]:
+            vals_flat[vo] = weights[r]
+            vo += 1
+    _close_part(vo - at[2], rows.shape[1], False, tier, conf, meta, confs, at)
+    at[2] = vo
+
+
+@njit(cache=True, nogil=True)
+def _put_cells(
+    rows: np.ndarray,
+    probs: np.ndarray,
+    tier: int,
+    conf: float,
+    exclude: np.ndarray,
+    rows_flat: np.ndarray,
+    vals_flat: np.ndarray,
+    meta: np.ndarray,
+    confs: np.ndarray,
+    at: np.ndarray,
+) -> None:
+    """:func:`_put_weighted` for a tier with a probability per cell."""
+    keep = _put_rows(rows, exclude, rows_flat, at)
+    vo, kept = at[2], 0
+    for r in range(keep.size):
+        if keep[r]:
+            kept += 1
+            for d in range(rows.shape[1]):
+                vals_flat[vo] = probs[r, d]
+                vo += 1
+    _close_part(kept, rows.shape[1], True, tier, conf, meta, confs, at)
+    at[2] = vo
+
+
+@njit(cache=True, nogil=True)
+def draft_batch(
+    seq: np.ndarray,
+    min_score: np.ndarray,
+    contexts: np.ndarray,
+    index_tokens: np.ndarray,
+    index_sa: np.ndarray,
+    exclude: np.ndarray,
+    extra_rows: np.ndarray,
+    extra_vals: np.ndarray,
+    extra_meta: np.ndarray,
+    extra_offsets: np.ndarray,
+    main_tokens: np.ndarray,
+    main_sa: np.ndarray,
+    run_tokens: np.ndarray,
+    run_sa: np.ndarray,
+    run_offsets: np.ndarray,
+    table_keys: np.ndarray,
+    table_offsets: np.ndarray,
+    table_followers: np.ndarray,
+    table_probs: np.ndarray,
+    table_ll: int,
+    settings: np.ndarray,
+    half: np.ndarray,
+    hits: np.ndarray,
+    pred: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Draft trees for a batch of sequences.
+
+    Sequence ``j`` is row ``j`` of ``seq`` (columns :data:`SEQ_COLUMNS`): its context is
+    ``contexts[ctx_start:ctx_end]``; its prompt's suffix index (tokens and suffix array, empty
+    when the prompt is not indexed) is ``[index_start:index_end]`` of ``index_tokens`` and
+    ``index_sa``, covering the context's first ``indexed`` tokens; the dynamic tier counts
+    occurrences from ``since``; the hints are the last match lengths of the own-context and
+    lifetime-suffix tiers (0: none); the tree takes at most ``budget`` nodes, ``depth`` levels
+    and reserves ``depth_reserve`` nodes for its best chain, keeping nodes scoring above
+    ``min_score[j]``; root children whose token is in ``exclude[exclude_start:exclude_end]``
+    are left out. Its ready-made parts are ``extra_meta[extra_offsets[j]:extra_offsets[j + 1]]``
+    (columns rows, width, per_cell, tier, match length; tokens and values end to end in
+    ``extra_rows`` and ``extra_vals``), the rejected tier's placed before the lifetime tiers.
+
+    The lifetime memory is the main suffix index and its delta runs (see
+    :func:`~indexer.kernels.search.stacked_continuations`) plus the frozen table over the main
+    index (``table_probs`` as float16 bits) whose leaders are ``table_ll`` tokens (0: no table).
+    A lifetime match no longer than the table's leaders is answered by the table's followers
+    when it holds the leader. Confidence per tier: :func:`_confidence` over ``half`` and the
+    calibration counts ``hits`` and ``pred`` (tiers x buckets + 1).
+
+    Returns the trees end to end ``(tokens, parents, sources, scores, offsets)`` and, per
+    sequence and tier, ``first_token`` (-1: no first guess), the first guess's probability
+    under that tier alone times the tier's prior (what calibration compares with the outcome),
+    and the match length behind the tier (0: the tier found nothing).
+    """
+    n_seq = seq.shape[0]
+    n_tiers = half.size
+    max_match, samples, ctx_samples = settings[0], settings[1], settings[2]
+    leader_len, follower_len, max_followers = settings[3], settings[4], settings[5]
+    buckets, stop = settings[6], settings[7]
+    cap = 0
+    for j in range(n_seq):
+        cap += max(0, seq[j, 9])
+    tokens = np.empty(cap, dtype=np.int32)
+    parents = np.empty(cap, dtype=np.int32)
+    sources = np.empty(cap, dtype=np.uint8)
+    scores = np.empty(cap, dtype=np.float32)
+    offsets = np.zeros(n_seq + 1, dtype=np.int64)
+    first_tok = np.full((n_seq, n_tiers), -1, dtype=np.int64)
+    guess = np.zeros((n_seq, n_tiers))
+    lengths = np.zeros((n_seq, n_tiers), dtype=np.int64)
+    # where each ready-made part's tokens and values start
+    n_extra = extra_meta.shape[0]
+    extra_ro = np.zeros(n_extra + 1, dtype=np.int64)
+    extra_vo = np.zeros(n_extra + 1, dtype=np.int64)
+    for e in range(n_extra):
+        cells = extra_meta[e, 0] * extra_meta[e, 1]
+        extra_ro[e + 1] = extra_ro[e] + cells
+        extra_vo[e + 1] = extra_vo[e] + (cells if extra_meta[e, 2] else extra_meta[e, 0])
+    conf_of = np.zeros(n_tiers)
+    at = np.zeros(3, dtype=np.int64)
+    out = 0
+    for j in range(n_seq):
+        ctx = contexts[seq[j, 0] : seq[j, 1]]
+        idx_tok = index_tokens[seq[j, 2] : seq[j, 3]]
+        idx_sa = index_sa[seq[j, 2] : seq[j, 3]]
+        indexed, since, depth, budget = seq[j, 4], seq[j, 5], seq[j, 8], seq[j, 9]
+        excl = exclude[seq[j, 11] : seq[j, 12]]
+        n_c, rows_c, w_c = context_continuations(
+            ctx, idx_tok, idx_sa, indexed, max_match, seq[j, 6], depth, ctx_samples, stop
+        )
+        rows_d, w_d = context_followers(ctx, idx_tok, idx_sa, indexed, since, leader_len, follower_len, max_followers)
+        best, rows_l, w_l = stacked_continuations(
+            main_tokens, main_sa, run_tokens, run_sa, run_offsets, ctx, max_match, seq[j, 7], depth, samples, stop
+        )
+        leader = -1
+        if best > 0 and table_ll > 0 and best <= table_ll:
+            leader = find_leader(ctx, table_ll, table_keys)
+        e0, e1 = extra_offsets[j], extra_offsets[j + 1]
+        bound_r = rows_c.size + rows_d.size + rows_l.size + extra_ro[e1] - extra_ro[e0]
+        if leader >= 0:
+            bound_r += (table_offsets[leader + 1] - table_offsets[leader]) * table_followers.shape[1]
+        rows_flat = np.empty(bound_r, dtype=np.int32)
+        vals_flat = np.empty(bound_r + rows_c.shape[0] + rows_d.shape[0] + rows_l.shape[0] + e1 - e0)
+        meta = np.zeros((5 + e1 - e0, 4), dtype=np.int64)
+        confs = np.zeros(5 + e1 - e0)
+        at[:] = 0
+        conf_of[:] = 0.0
+        if n_c > 0:
+            conf_of[CONTEXT] = _confidence(CONTEXT, n_c, half, hits, pred, buckets)
+            lengths[j, CONTEXT] = n_c
+            _put_weighted(rows_c, w_c, CONTEXT, conf_of[CONTEXT], excl, rows_flat, vals_flat, meta, confs, at)
+        if w_d.size:
+            conf_of[DYNAMIC] = _confidence(DYNAMIC, leader_len, half, hits, pred, buckets)
+            lengths[j, DYNAMIC] = leader_len
+            _put_weighted(rows_d, w_d, DYNAMIC, conf_of[DYNAMIC], excl, rows_flat, vals_flat, meta, confs, at)
+        for before in (True, False):
+            if not before:  # the lifetime tiers come after the rejected one, before the others
+                if leader >= 0:
+                    lo, hi = table_offsets[leader], table_offsets[leader + 1]
+                    conf_of[LIFETIME_NGRAM] = _confidence(LIFETIME_NGRAM, table_ll, half, hits, pred, buckets)
+                    lengths[j, LIFETIME_NGRAM] = table_ll
+                    probs = half_to_float(table_probs[lo:hi])
+                    _put_cells(table_followers[lo:hi], probs, LIFETIME_NGRAM, conf_of[LIFETIME_NGRAM], excl,
+                         rows_flat, vals_flat, meta, confs, at)  # fmt: skip
+                elif best > 0:
+                    conf_of[LIFETIME_SA] = _confidence(LIFETIME_SA, best, half, hits, pred, buckets)
+                    lengths[j, LIFETIME_SA] = best
+                    _put_weighted(rows_l, w_l, LIFETIME_SA, conf_of[LIFETIME_SA], excl,
+                         rows_flat, vals_flat, meta, confs, at)  # fmt: skip
+            for e in range(e0, e1):
+                tier = extra_meta[e, 3]
+                if (tier == REJECTED) != before:
+                    continue
+                k, w, per_cell, n = extra_meta[e, 0], extra_meta[e, 1], extra_meta[e, 2] != 0, extra_meta[e, 4]
+                rows = extra_rows[extra_ro[e] : extra_ro[e + 1]].reshape((k, w))
+                vals = extra_vals[extra_vo[e] : extra_vo[e + 1]]
+                conf_of[tier] = _confidence(tier, n, half, hits, pred, buckets)
+                lengths[j, tier] = n
+                if per_cell:
+                    _put_cells(rows, vals.reshape((k, w)), tier, conf_of[tier], excl, rows_flat, vals_flat, meta,
+                               confs, at)  # fmt: skip
+                else:
+                    _put_weighted(rows, vals, tier, conf_of[tier], excl, rows_flat, vals_flat, meta, confs, at)
+        n_parts = at[0]
+        if n_parts > 0 and budget > 0 and depth > 0:
+            rows, vals, is_max, tiers = stack_parts(
+                rows_flat[: at[1]], vals_flat[: at[2]], meta[:n_parts], confs[:n_parts], depth
+            )
+            tok, par, src, sc, ft, fv = merge_tree(rows, vals, is_max, tiers, n_tiers, budget, min_score[j], seq[j, 10])
+            k = tok.size
+            tokens[out : out + k] = tok
+            parents[out : out + k] = par
+            sources[out : out + k] = src
+            scores[out : out + k] = sc
+            out += k
+            for t in range(n_tiers):
+                if ft[t] >= 0 and conf_of[t] > 0:
+                    n = lengths[j, t]
+                    first_tok[j, t] = ft[t]
+                    guess[j, t] = fv[t] / conf_of[t] * (n / (n + half[t]))
+        offsets[j + 1] = out
+    return tokens[:out], parents[:out], sources[:out], scores[:out], offsets, first_tok, guess, lengths

@@ -1,0 +1,174 @@
+"""The compiled batch draft step against a reference built from the single-tier searches and
+the tree merge, one session at a time."""
+
+import numpy as np
+import pytest
+
+from indexer import kernels
+from indexer.drafter import _HALF, DrafterConfig, DraftParams, NamespaceDrafter
+from indexer.kernels import draft as draft_kernel
+from indexer.prior import PriorConfig, StaticPrior
+from indexer.prespeculation import stopping_points
+from indexer.session import Session
+from indexer.tokens import SEPARATOR, Namespace
+from indexer.tree_builder import Candidates, Tier, merge_candidates
+
+VOCAB = 40
+NS = Namespace(name="batch", vocab_size=VOCAB)
+
+
+def test_kernel_tier_values_are_the_tiers():
+    names = ("DYNAMIC", "CONTEXT", "REJECTED", "LIFETIME_SA", "LIFETIME_NGRAM")
+    assert [getattr(draft_kernel, n) for n in names] == [int(Tier[n]) for n in names]
+
+
+def test_half_precision_bits_decode_exactly():
+    bits = np.arange(1 << 16, dtype=np.uint16).reshape(256, 256)
+    got = draft_kernel.half_to_float(bits)
+    want = bits.view(np.float16).astype(np.float64)
+    assert np.array_equal(got, want, equal_nan=True)
+
+
+def _reference(d: NamespaceDrafter, s: Session, params: DraftParams, ctx=None, exclude=(), depth=None):
+    """Every tier searched on its own, then merged: what one session's tree must be."""
+    ctx = s.context.tokens if ctx is None else ctx
+    cfg, dyn, cal = d.config, d.config.dynamic, d.calibrator
+    depth = min(params.max_depth, max(params.budget, 1)) if depth is None else depth
+    stop = int(SEPARATOR)
+    parts = []
+
+    def add(tier, n, rows, weights=None, probs=None):
+        conf = min(1.0, n / (n + _HALF[tier]) * cal.factor(tier, n))
+        keep = ~np.isin(rows[:, 0], list(exclude)) if exclude and rows.size else np.ones(rows.shape[0], bool)
+        if keep.any():
+            parts.append(
+                Candidates(
+                    tier,
+                    rows[keep],
+                    weights=None if weights is None else weights[keep],
+                    probs=None if probs is None else probs[keep].astype(np.float64),
+                    confidence=conf,
+                )
+            )
+
+    tokens, sa = s.context.prompt_index
+    n, rows, w = kernels.context_continuations(
+        ctx, tokens, sa, s.context.indexed, cfg.max_match, 0, depth, cfg.context_samples, stop
+    )
+    if n:
+        add(Tier.CONTEXT, n, rows, weights=w)
+    since = max(0, s.prompt_len - dyn.window)
+    rows, w = kernels.context_followers(
+        ctx, tokens, sa, s.context.indexed, since, dyn.leader_len, dyn.follower_len, dyn.max_followers
+    )
+    if w.size:
+        add(Tier.DYNAMIC, dyn.leader_len, rows, weights=w)
+    found = s.rejected.table.candidates(ctx)
+    if found is not None:
+        add(Tier.REJECTED, s.rejected.table.config.leader_len, found[0], weights=found[1])
+    best, rows, w = d.memory.continuations(ctx, max_len=cfg.max_match, depth=depth, samples=cfg.samples)
+    indexes = d.memory.indexes
+    hit = None
+    if best and indexes is not None and best <= indexes.table.config.leader_len:
+        hit = indexes.table.lookup(ctx)
+    if hit is not None:
+        add(Tier.LIFETIME_NGRAM, indexes.table.config.leader_len, hit[0], probs=hit[1])
+    elif best:
+        add(Tier.LIFETIME_SA, best, rows, weights=w)
+    prior = d.prior.lookup(ctx) if d.prior is not None else None
+    if prior is not None:
+        add(Tier.PRIOR, prior.order, prior.rows, probs=prior.probs)
+    done = ctx[s.prompt_len :]
+    if s.exact is not None and done.size < s.exact.size and np.array_equal(s.exact[: done.size], done):
+        add(Tier.EXACT, max(1, done.size + 1), s.exact[None, done.size : done.size + depth], weights=np.ones(1))
+    return merge_candidates(
+        parts, budget=params.budget, max_depth=depth, min_score=params.min_score, depth_reserve=params.depth_reserve
+    )
+
+
+def _world(seed: int):
+    """A drafter whose every tier has something to say: a main lifetime index and delta runs,
+    a prior, sessions with indexed prompts, outputs, rejected branches and an exact response."""
+    rng = np.random.default_rng(seed)
+    phrases = [rng.integers(0, VOCAB, size=rng.integers(3, 9)).astype(np.int32) for _ in range(12)]
+
+    def text(n):
+        return np.concatenate([phrases[i] for i in rng.integers(0, len(phrases), size=n)])
+
+    corpus = text(200)
+    prior = StaticPrior.build(corpus, PriorConfig(orders=(1, 2, 3), follower_len=4))
+    d = NamespaceDrafter(NS, DrafterConfig(), prior)
+    d.memory.commit_many([text(30) for _ in range(8)])
+    d.memory.rebuild()
+    d.memory.commit_many([text(20) for _ in range(3)])  # delta runs beside the main index
+    d.memory.commit_many([text(20)])
+    repeated = text(60)  # a prompt whose earlier response is known
+    answer = text(8)
+    opened = d.open(repeated)
+    opened.context.extend(answer)
+    d.close(opened)
+    sessions = [d.open(repeated)] + [d.open(text(int(rng.integers(1, 80)))) for _ in range(9)]
+    for step in range(6):
+        for i, s in enumerate(sessions):
+            d.draft(s, DraftParams())
+            d.accept(s, answer[step : step + 1] if i == 0 else text(1)[: int(rng.integers(1, 4))])
+    back = d.open(np.concatenate([text(5), np.array([11, 12], dtype=np.int32)]))
+    d.accept(back, [13], rejected=[(0, [20, 21, 22])])  # rejected after "11 12" ...
+    d.accept(back, [11, 12])  # ... which the context ends with again
+    return d, [*sessions, back]
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize(
+    "params",
+    [DraftParams(), DraftParams(budget=7, max_depth=3, depth_reserve=2), DraftParams(budget=48, min_score=0.05)],
+)
+def test_batch_trees_are_each_sessions_tiers_merged(seed, params):
+    d, sessions = _world(seed)
+    tiers_seen = set()
+    want = [_reference(d, s, params) for s in sessions]
+    got = d.draft_many([(s, params) for s in sessions])
+    for (tree, firsts), drafted, s in zip(want, got, sessions, strict=True):
+        for name in ("tokens", "parents", "sources", "scores"):
+            assert np.array_equal(getattr(drafted, name), getattr(tree, name)), name
+        assert {g.tier: g.token for g in s.guesses} == {t: tok for t, (tok, _) in firsts.items()}
+        tiers_seen |= set(firsts)
+    assert tiers_seen == set(Tier)  # every tier took part somewhere
+
+
+def test_guesses_predict_the_first_token_probability_under_their_tier():
+    d, sessions = _world(7)
+    params = DraftParams()
+    for s in sessions:
+        _, firsts = _reference(d, s, params)
+        d.draft(s, params)
+        lengths = {g.tier: g.n for g in s.guesses}
+        for g in s.guesses:
+            tok, p = firsts[g.tier]
+            assert g.predicted == pytest.approx(p * lengths[g.tier] / (lengths[g.tier] + _HALF[g.tier]), rel=1e-12)
+
+
+def test_a_sessions_tree_does_not_depend_on_its_batch():
+    d, sessions = _world(3)
+    alone = [d.draft(s, DraftParams()) for s in sessions]
+    together = d.draft_many([(s, DraftParams()) for s in reversed(sessions)])[::-1]
+    for a, b in zip(alone, together, strict=True):
+        assert a.tokens.tolist() == b.tokens.tolist() and a.parents.tolist() == b.parents.tolist()
+
+
+def test_trees_drafted_ahead_are_the_supposed_contexts_merged_without_the_excluded_roots():
+    d, sessions = _world(5)
+    params = DraftParams(budget=24)
+    for s in sessions:
+        d.draft(s, params)
+        ahead = d.prespeculate(s, 4, params)
+        depth = min(params.max_depth + 1, 128, max(params.budget, 1))
+        points = stopping_points(s.last_tree, 4)
+        assert len(ahead) == len(points)
+        for path, kids in points:
+            ctx = np.concatenate([s.context.tokens, np.array(path, dtype=np.int32)])
+            want, _ = _reference(d, s, params, ctx=ctx, exclude=kids, depth=depth)
+            assert ahead[path].tokens.tolist() == want.tokens.tolist()
+            assert ahead[path].parents.tolist() == want.parents.tolist()
+            roots = ahead[path].tokens[ahead[path].parents == -1].tolist()
+            assert not set(roots) & set(kids)
