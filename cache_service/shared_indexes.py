@@ -22,6 +22,7 @@ from cache_service import lifetime_files
 from cache_service.lifetime_files import Generation
 from cache_service.storage.redis_store import RedisStore
 from cache_service.storage.stream_log import position, stream_id
+from indexer.drafter import warm_draft_step
 from indexer.lifetime_index import (
     LifetimeConfig,
     LifetimeIndexes,
@@ -29,6 +30,7 @@ from indexer.lifetime_index import (
     LogId,
     build_indexes,
     next_generation,
+    search_arrays,
 )
 
 logger = logging.getLogger(__name__)
@@ -122,6 +124,7 @@ class SharedIndexes:
                 return None
             gen.indexes.suffix.longest_match(np.zeros(4, dtype=np.int32), max_len=4)  # compile read-only kernels now
             gen.indexes.table.lookup(np.zeros(self.config.table.leader_len, dtype=np.int32))
+            warm_draft_step(search_arrays(gen.indexes))
             memory.adopt(gen.indexes, gen.through)
             self._adopted[ns] = gen
         logger.info("%s serves lifetime generation %s (%d tokens)", ns, gen.folder.name, gen.indexes.suffix.size)

@@ -18,7 +18,8 @@ import numpy as np
 
 from indexer import kernels
 from indexer.calibration import Calibrator
-from indexer.lifetime_index import LifetimeConfig, LifetimeMemory, prompt_key
+from indexer.kernels.draft import SETTINGS as _SETTINGS
+from indexer.lifetime_index import LifetimeConfig, LifetimeMemory, SearchArrays, prompt_key
 from indexer.prespeculation import Prefetched, select, stopping_points
 from indexer.prior import StaticPrior
 from indexer.session import Guess, Session, SessionSnapshot
@@ -93,6 +94,28 @@ def _joined(parts: list[np.ndarray], dtype: type) -> np.ndarray:
     return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype=dtype)
 
 
+def warm_draft_step(lifetime: SearchArrays) -> None:
+    """Compile (or load) the batch draft step for these lifetime arrays before a request needs
+    it: memory-mapped indexes are read-only, a type of their own to the compiler."""
+    empty = _Batch().arrays()
+    counts = np.zeros((len(_TIERS), 2))
+    _draft_batch(empty, lifetime, np.zeros(len(_SETTINGS), dtype=np.int64), counts, counts)
+
+
+def _draft_batch(
+    batch: tuple[np.ndarray, ...], lifetime: SearchArrays, settings: np.ndarray, hits: np.ndarray, pred: np.ndarray
+) -> tuple[np.ndarray, ...]:
+    """:func:`~indexer.kernels.draft.draft_batch` over packed jobs (:meth:`_Batch.arrays`)."""
+    seq, min_score, contexts, index_tokens, index_sa, exclude, part_rows, part_vals, part_meta, part_offsets = batch
+    a = lifetime
+    return kernels.draft_batch(
+        seq, min_score, contexts, index_tokens, index_sa, exclude, part_rows, part_vals, part_meta, part_offsets,
+        a.main_tokens, a.main_sa, a.run_tokens, a.run_sa, a.run_offsets,
+        a.table_keys, a.table_offsets, a.table_followers, a.table_probs, a.table_leader_len,
+        settings, _HALF_ARRAY, hits, pred,
+    )  # fmt: skip
+
+
 class _Batch:
     """Jobs laid out end to end for :func:`~indexer.kernels.draft.draft_batch`: one row of
     integers per sequence, its context, its prompt index (once per session), the root tokens
@@ -147,7 +170,7 @@ class _Batch:
         return (
             np.array(self.seq, dtype=np.int64),
             np.array(self.min_score, dtype=np.float64),
-            np.concatenate(self.contexts),
+            _joined(self.contexts, np.int32),
             _joined(self.index_tokens, np.int32),
             _joined(self.index_sa, np.int32),
             np.array(self.exclude, dtype=np.int32),
@@ -223,11 +246,10 @@ class NamespaceDrafter:
         self.counters = DraftCounters()
         self._lock = threading.Lock()
         dyn = config.dynamic
-        self._settings = np.array(
-            (config.max_match, config.samples, config.context_samples, dyn.leader_len, dyn.follower_len,
-             dyn.max_followers, config.calibration_buckets, int(SEPARATOR)),
-            dtype=np.int64,
-        )  # fmt: skip
+        values = {"max_match": config.max_match, "samples": config.samples, "context_samples": config.context_samples,
+                  "leader_len": dyn.leader_len, "follower_len": dyn.follower_len, "max_followers": dyn.max_followers,
+                  "buckets": config.calibration_buckets, "stop": int(SEPARATOR)}  # fmt: skip
+        self._settings = np.array([values[name] for name in _SETTINGS], dtype=np.int64)
         kernels.warm_up()  # compile or load the compiled loops now, not on the first draft
 
     def open(self, prompt: np.ndarray | list[int]) -> Session:
@@ -378,18 +400,10 @@ class NamespaceDrafter:
             if exact is not None:
                 rest, n = exact
                 batch.add_part(rest[None, :], _ONE_WEIGHT, per_cell=False, tier=Tier.EXACT, n=n)
-        seq, min_score, contexts, index_tokens, index_sa, exclude, part_rows, part_vals, part_meta, part_offsets = (
-            batch.arrays()
-        )
-        table_ll, (main_tokens, main_sa, run_tokens, run_sa, run_offsets, keys, offsets, followers, probs) = (
-            self.memory.search_arrays()
-        )
         hits, predicted = self.calibrator.counts()
-        tokens, parents, sources, scores, ends, first_tok, guess, lengths = kernels.draft_batch(
-            seq, min_score, contexts, index_tokens, index_sa, exclude, part_rows, part_vals, part_meta, part_offsets,
-            main_tokens, main_sa, run_tokens, run_sa, run_offsets, keys, offsets, followers, probs, table_ll,
-            self._settings, _HALF_ARRAY, hits, predicted,
-        )  # fmt: skip
+        tokens, parents, sources, scores, ends, first_tok, guess, lengths = _draft_batch(
+            batch.arrays(), self.memory.search_arrays(), self._settings, hits, predicted
+        )
         bounds, firsts, guessed, found_n = ends.tolist(), first_tok.tolist(), guess.tolist(), lengths.tolist()
         out = []
         for j in range(len(jobs)):

@@ -26,6 +26,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -100,7 +101,6 @@ class StackedRuns:
 
 
 _NO_INDEX = StackedRuns.of([])
-_NO_INDEX_ARRAYS = (_NO_INDEX.tokens, _NO_INDEX.suffix_array)
 _NO_TABLE = (
     np.zeros(0, dtype=np.uint64),
     np.zeros(1, dtype=np.int64),
@@ -133,6 +133,34 @@ def next_generation(previous: np.ndarray | None, requests: list[np.ndarray], cap
         return np.zeros(0, dtype=np.int32)
     joined = np.concatenate(parts)
     return joined[-capacity:].copy() if joined.size > capacity else joined
+
+
+class SearchArrays(NamedTuple):
+    """What a compiled draft step searches in the lifetime memory: the main suffix index and
+    the delta runs stacked end to end (see :func:`~indexer.kernels.search.stacked_continuations`),
+    and the frozen table over the main index (see
+    :meth:`~indexer.ngram_table.NgramTable.search_arrays`; ``table_leader_len`` 0: none)."""
+
+    main_tokens: np.ndarray
+    main_sa: np.ndarray
+    run_tokens: np.ndarray
+    run_sa: np.ndarray
+    run_offsets: np.ndarray
+    table_keys: np.ndarray
+    table_offsets: np.ndarray
+    table_followers: np.ndarray
+    table_probs: np.ndarray
+    table_leader_len: int
+
+
+def search_arrays(indexes: LifetimeIndexes | None, runs: StackedRuns = _NO_INDEX) -> SearchArrays:
+    """:meth:`LifetimeMemory.search_arrays` for given main indexes and delta runs."""
+    if indexes is None:
+        main, table, ll = (_NO_INDEX.tokens, _NO_INDEX.suffix_array), _NO_TABLE, 0
+    else:
+        main = (indexes.suffix.tokens, indexes.suffix.suffix_array)
+        table, ll = indexes.table.search_arrays(), indexes.table.config.leader_len
+    return SearchArrays(*main, runs.tokens, runs.suffix_array, runs.offsets, *table, ll)
 
 
 def _occurs(index: SuffixIndex, pattern: np.ndarray) -> bool:
@@ -331,23 +359,9 @@ class LifetimeMemory:
             int(SEPARATOR),
         )
 
-    def search_arrays(self) -> tuple[int, tuple[np.ndarray, ...]]:
-        """What a compiled draft step searches: the frozen table's leader length (0: no main
-        index yet) and ``(main tokens, main suffix array, run tokens, run suffix arrays, run
-        offsets)`` (see :func:`~indexer.kernels.search.stacked_continuations`) followed by the
-        table's :meth:`~indexer.ngram_table.NgramTable.search_arrays`."""
-        indexes, runs = self._indexes, self._stacked
-        if indexes is None:
-            return 0, (*_NO_INDEX_ARRAYS[:2], runs.tokens, runs.suffix_array, runs.offsets, *_NO_TABLE)
-        main = indexes.suffix
-        return indexes.table.config.leader_len, (
-            main.tokens,
-            main.suffix_array,
-            runs.tokens,
-            runs.suffix_array,
-            runs.offsets,
-            *indexes.table.search_arrays(),
-        )
+    def search_arrays(self) -> SearchArrays:
+        """The arrays a compiled draft step searches, as they stand now."""
+        return search_arrays(self._indexes, self._stacked)
 
     def known_prefix(self, tokens: np.ndarray, min_piece: int = 16) -> int:
         """How much of a request's beginning the memory already holds, possibly in pieces: the

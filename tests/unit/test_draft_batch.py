@@ -5,11 +5,14 @@ import numpy as np
 import pytest
 
 from indexer import kernels
-from indexer.drafter import _HALF, DrafterConfig, DraftParams, NamespaceDrafter
+from indexer.drafter import _HALF, DrafterConfig, DraftParams, NamespaceDrafter, warm_draft_step
 from indexer.kernels import draft as draft_kernel
-from indexer.prior import PriorConfig, StaticPrior
+from indexer.lifetime_index import LifetimeIndexes
+from indexer.ngram_table import NgramTable
 from indexer.prespeculation import stopping_points
+from indexer.prior import PriorConfig, StaticPrior
 from indexer.session import Session
+from indexer.suffix_array import SuffixIndex
 from indexer.tokens import SEPARATOR, Namespace
 from indexer.tree_builder import Candidates, Tier, merge_candidates
 
@@ -145,6 +148,7 @@ def test_guesses_predict_the_first_token_probability_under_their_tier():
         lengths = {g.tier: g.n for g in s.guesses}
         for g in s.guesses:
             tok, p = firsts[g.tier]
+            assert g.token == tok
             assert g.predicted == pytest.approx(p * lengths[g.tier] / (lengths[g.tier] + _HALF[g.tier]), rel=1e-12)
 
 
@@ -172,3 +176,36 @@ def test_trees_drafted_ahead_are_the_supposed_contexts_merged_without_the_exclud
             assert ahead[path].parents.tolist() == want.parents.tolist()
             roots = ahead[path].tokens[ahead[path].parents == -1].tolist()
             assert not set(roots) & set(kids)
+
+
+def _adopted(d: NamespaceDrafter, *, read_only: bool) -> NamespaceDrafter:
+    """A drafter serving copies of ``d``'s main lifetime indexes, as a replica mapping a shared
+    generation does (memory-mapped files are read-only arrays)."""
+
+    def copy(a):
+        a = a.copy()
+        a.setflags(write=not read_only)
+        return a
+
+    idx = d.memory.indexes
+    table = NgramTable.from_arrays(idx.table.config, {n: copy(a) for n, a in idx.table.arrays().items()})
+    suffix = SuffixIndex(copy(idx.suffix.tokens), copy(idx.suffix.suffix_array))
+    served = NamespaceDrafter(NS, DrafterConfig(), d.prior, own_ring=False)
+    served.memory.adopt(LifetimeIndexes(suffix, table, idx.version, idx.build_seconds), (0, 0))
+    return served
+
+
+def test_read_only_indexes_are_compiled_for_before_use_and_draft_the_same_trees():
+    d, sessions = _world(2)
+    writable, read_only = _adopted(d, read_only=False), _adopted(d, read_only=True)
+    arrays = read_only.memory.search_arrays()
+    assert not arrays.main_tokens.flags.writeable and not arrays.table_probs.flags.writeable
+
+    def read_only_signatures():
+        return [sig for sig in kernels.draft_batch.signatures if "readonly" in str(sig[10])]
+
+    warm_draft_step(arrays)
+    assert read_only_signatures()  # compiled now, not by the first request
+    for s in sessions:
+        a, b = writable.draft(s, DraftParams()), read_only.draft(s, DraftParams())
+        assert a.tokens.tolist() == b.tokens.tolist() and a.scores.tolist() == b.scores.tolist()
