@@ -18,6 +18,7 @@ import numpy as np
 
 from indexer import kernels
 from indexer.calibration import Calibrator
+from indexer.kernels.draft import SEQ_COLUMNS
 from indexer.kernels.draft import SETTINGS as _SETTINGS
 from indexer.lifetime_index import LifetimeConfig, LifetimeMemory, SearchArrays, prompt_key
 from indexer.prespeculation import Prefetched, select, stopping_points
@@ -168,7 +169,7 @@ class _Batch:
 
     def arrays(self) -> tuple[np.ndarray, ...]:
         return (
-            np.array(self.seq, dtype=np.int64),
+            np.array(self.seq, dtype=np.int64).reshape(-1, len(SEQ_COLUMNS)),
             np.array(self.min_score, dtype=np.float64),
             _joined(self.contexts, np.int32),
             _joined(self.index_tokens, np.int32),
