@@ -126,7 +126,6 @@ def build_parser() -> argparse.ArgumentParser:
     _add(sv, "--max-batch", type=int, default=256)
     _add(sv, "--max-sessions", type=int, default=100_000)
     _add(sv, "--processes", type=int, default=1, help="server processes sharing the port (one per core)")
-    _add(sv, "--draft-threads", type=int, default=2, help="threads drafting large batches off the event loop (0: none)")
     _add(sv, "--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
     _add(sv, "--metrics-host", default="0.0.0.0")
     _add(sv, "--tokens-file", type=Path, default=None, help="bearer tokens of tenants (JSON); default: no auth")
@@ -316,7 +315,6 @@ def cmd_serve(a: argparse.Namespace) -> int:
             tls_cert_file=a.tls_cert,
             tls_key_file=a.tls_key,
             tls_client_ca_file=a.tls_client_ca,
-            draft_threads=a.draft_threads,
         ),
         redis_url=a.redis_url,
         embedded=EmbeddedRedisConfig(data_dir=a.data_dir / "redis"),

@@ -62,12 +62,6 @@ class ServerConfig:
     max_message_bytes: int = 64 << 20
     grace_s: float = 5.0  # drain time on shutdown
     workers: int = 4  # threads for blocking work (commits, storage)
-    # Threads making the compiled draft step of calls drafting at least `offload_min_batch`
-    # sequences, so that the event loop serves other calls meanwhile (the step runs without the
-    # GIL); 0: every draft on the event loop. Small calls stay on the loop: a hand-off to a
-    # thread costs more than their step.
-    draft_threads: int = 2
-    offload_min_batch: int = 8
     tokens_file: Path | None = None  # bearer tokens (cache_service.auth); None: no authentication
     tls_cert_file: Path | None = None  # PEM certificate chain; with the key, serve TLS
     tls_key_file: Path | None = None
@@ -77,8 +71,6 @@ class ServerConfig:
         _range("port", self.port, 0, 65535)
         _range("max_message_bytes", self.max_message_bytes, 1024, 1 << 31)
         _range("workers", self.workers, 1, 256)
-        _range("draft_threads", self.draft_threads, 0, 256)
-        _range("offload_min_batch", self.offload_min_batch, 1, 1 << 20)
         if self.grace_s < 0:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):

@@ -51,8 +51,6 @@ class Server:
         if self.drafts is not None:
             self.drafts.drain()
         await self.grpc.stop(grace_s)
-        if self.drafts is not None:
-            self.drafts.close()
         logger.info("server on port %d stopped", self.port)
 
 
@@ -77,9 +75,7 @@ async def create_server(config: ServerConfig, service: DraftService, observe: Ob
     if config.tokens_file is not None:
         interceptors.append(AuthInterceptor(TokenTable.load(config.tokens_file)))
     server = grpc.aio.server(interceptors=interceptors, options=options)
-    drafts = DraftCacheServicer(
-        service, observe, draft_threads=config.draft_threads, offload_min_batch=config.offload_min_batch
-    )
+    drafts = DraftCacheServicer(service, observe)
     pb_grpc.add_DraftCacheServicer_to_server(drafts, server)
     pb_grpc.add_AdminServicer_to_server(AdminServicer(service), server)
     health_servicer = health.aio.HealthServicer()

@@ -22,7 +22,7 @@ from cache_service.config import ServiceConfig
 from cache_service.errors import AlreadyExists, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
 from cache_service.sessions import SessionEntry, SessionTable, new_session_id
 from cache_service.storage.keys import MAX_NAME_LEN, check_name
-from indexer.drafter import MAX_LOOKAHEAD, DraftParams, DraftWork, NamespaceDrafter
+from indexer.drafter import MAX_LOOKAHEAD, DraftParams, NamespaceDrafter
 from indexer.lifetime_index import LifetimeIndexes
 from indexer.prespeculation import Prefetched
 from indexer.prior import StaticPrior
@@ -108,27 +108,6 @@ class _DraftStep(NamedTuple):
     tree: DraftTree | None
 
 
-@dataclass
-class PendingDrafts:
-    """A draft call between its sessions taking their new tokens and their trees (see
-    :meth:`DraftService.begin_drafts`)."""
-
-    steps: list[_DraftStep]
-    works: list[tuple[list[_DraftStep], DraftWork]]  # the compiled calls still to make
-    done: list[tuple[DraftTree, Prefetched]]  # trees of the items before a session named twice
-    sessions: frozenset[str]
-
-    @property
-    def sequences(self) -> int:
-        """Trees the compiled calls draft."""
-        return sum(len(work) for _, work in self.works)
-
-    def compute(self) -> None:
-        """Make the compiled calls: on any thread, touching no session."""
-        for _, work in self.works:
-            work.compute()
-
-
 class Persistence(Protocol):
     """Where durable effects go (Redis in production)."""
 
@@ -165,7 +144,6 @@ class DraftService:
         self._drafts = 0  # served trees (updated on the serving thread only)
         self._ns_lock = threading.Lock()
         self._dirty: set[str] = set()  # sessions changed since storage last saw them
-        self._in_flight: set[str] = set()  # sessions of drafts begun and not released (they stay in memory)
         self._closed: set[str] = set()
 
     # -- namespaces --------------------------------------------------------------------------
@@ -334,28 +312,13 @@ class DraftService:
         """Like :meth:`draft`; each item's ``lookahead`` also drafts ahead for that many likely
         outcomes of verifying its tree. New tokens that match an outcome drafted ahead continue
         with the tree the decoder already holds (the subtree the outcome selects)."""
-        pending = self.begin_drafts(items, principal=principal, read_storage=read_storage)
-        try:
-            pending.compute()
-            return self.finish_drafts(pending)
-        finally:
-            self.release(pending)
-
-    def begin_drafts(
-        self, items: Sequence[DraftItem], *, principal: Principal | None = None, read_storage: bool = True
-    ) -> PendingDrafts:
-        """:meth:`draft_ahead` in three parts, so that its compiled step can run off the thread
-        serving calls: this one gives the sessions their new tokens and packs their drafts;
-        :meth:`PendingDrafts.compute` (any thread) drafts; :meth:`finish_drafts` (this thread
-        again) gives the sessions their trees and returns them. Until :meth:`release`, the
-        sessions stay in memory, and the caller must keep other calls from naming them."""
         self._check_batch(len(items))
         for item in items:
             if not 0 <= item.lookahead <= MAX_LOOKAHEAD:
                 raise InvalidArgument(f"lookahead must be in [0, {MAX_LOOKAHEAD}], got {item.lookahead}")
         resolved = [(self._entry(item.session_id, principal, read_storage), item) for item in items]
         checked = [(entry, self._new_tokens(entry, item.new_tokens), item.lookahead) for entry, item in resolved]
-        done: list[tuple[DraftTree, Prefetched]] = []
+        out: list[tuple[DraftTree, Prefetched]] = []
         # Each session takes its new tokens; the trees still to draft are then drafted together,
         # one compiled call per namespace. A session named twice sees its first draft settled
         # before its second item goes on, as if the items ran one by one.
@@ -363,61 +326,37 @@ class DraftService:
         named: set[str] = set()
         for entry, new, lookahead in checked:
             if entry.sid in named:
-                works = self._prepare(steps)
-                for _, work in works:
-                    work.compute()
-                done.extend(self._settle(steps, works))
+                out.extend(self._settle(steps))
                 steps, named = [], set()
             named.add(entry.sid)
             drafter, session = entry.drafter, entry.session
             if new.size:
                 drafter.accept_checked(session, new)  # checked above, with the whole batch
                 self.sessions.grow(entry, int(new.size))
-            self.sessions.touch(entry)
             drafted_ahead = new.size > 0 and session.last_tree is not None  # for this outcome
             steps.append(_DraftStep(entry, lookahead, session.last_tree if drafted_ahead else None))
-        pending = PendingDrafts(steps, self._prepare(steps), done, frozenset(named))
-        self._in_flight.update(pending.sessions)
-        return pending
-
-    def finish_drafts(self, pending: PendingDrafts) -> list[tuple[DraftTree, Prefetched]]:
-        """The trees of a computed :class:`PendingDrafts`, in item order (see :meth:`begin_drafts`)."""
-        out = pending.done + self._settle(pending.steps, pending.works)
+        out.extend(self._settle(steps))
         self._drafts += len(out)
         return out
 
-    def release(self, pending: PendingDrafts) -> None:
-        """The sessions of ``pending`` may leave memory again (finished or given up on)."""
-        self._in_flight.difference_update(pending.sessions)
-
-    def _prepare(self, steps: list[_DraftStep]) -> list[tuple[list[_DraftStep], DraftWork]]:
-        """The drafts ``steps`` still need, packed: one compiled call per namespace, with the
-        steps it drafts for."""
+    def _settle(self, steps: list[_DraftStep]) -> list[tuple[DraftTree, Prefetched]]:
+        """Draft the trees of ``steps`` still to draft, one compiled call per namespace, then
+        draft ahead where asked."""
         by_drafter: dict[int, list[_DraftStep]] = {}
         for step in steps:
             if step.tree is None:
                 by_drafter.setdefault(id(step.entry.drafter), []).append(step)
-        return [
-            (group, group[0].entry.drafter.prepare_drafts([(s.entry.session, s.entry.params) for s in group]))
-            for group in by_drafter.values()
-        ]
-
-    def _settle(
-        self, steps: list[_DraftStep], works: list[tuple[list[_DraftStep], DraftWork]]
-    ) -> list[tuple[DraftTree, Prefetched]]:
-        """Give the sessions of ``steps`` their trees from the computed ``works``, then draft
-        ahead where asked."""
         drafted: dict[str, DraftTree] = {}
-        for group, work in works:
-            drafted.update((step.entry.sid, tree) for step, tree in zip(group, work.settle(), strict=True))
+        for group in by_drafter.values():
+            trees = group[0].entry.drafter.draft_many([(s.entry.session, s.entry.params) for s in group])
+            drafted.update((s.entry.sid, tree) for s, tree in zip(group, trees, strict=True))
         out = []
         for step in steps:
             entry, session = step.entry, step.entry.session
             tree = step.tree if step.tree is not None else drafted[entry.sid]
             ahead = entry.drafter.prespeculate(session, step.lookahead, entry.params) if step.lookahead else {}
             out.append((tree, ahead))
-            if self.sessions.holds(entry.sid):
-                self.sessions.touch(entry)
+            self.sessions.touch(entry)
             self._dirty.add(entry.sid)
         return out
 
@@ -591,9 +530,7 @@ class DraftService:
             return
         self.sessions.expire()
         saved = self._persistence is not None
-        if not self.sessions.make_room(
-            tokens, limit, lambda sid: sid not in self._in_flight and (not saved or sid not in self._dirty)
-        ):
+        if not self.sessions.make_room(tokens, limit, lambda sid: not saved or sid not in self._dirty):
             raise ResourceExhausted(
                 f"sessions hold {self.sessions.tokens} tokens; {tokens} more exceed {limit} (none can leave memory yet)"
             )

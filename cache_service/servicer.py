@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 from draftcache.v1 import draftcache_pb2 as pb
@@ -17,58 +16,13 @@ from cache_service.interceptor import Observer, status_of
 from cache_service.service import DraftService
 
 
-class _Busy:
-    """Sessions whose draft is being computed off the event loop: a call naming one of them
-    waits until that draft is settled (clients step a session one call at a time, so this
-    only orders calls that raced each other)."""
-
-    def __init__(self) -> None:
-        self._until: dict[str, asyncio.Event] = {}
-
-    async def wait(self, sids: list[str]) -> None:
-        while True:
-            event = next((self._until[sid] for sid in sids if sid in self._until), None)
-            if event is None:
-                return
-            await event.wait()
-
-    def hold(self, sids: frozenset[str]) -> asyncio.Event:
-        done = asyncio.Event()
-        for sid in sids:
-            self._until[sid] = done
-        return done
-
-    def free(self, sids: frozenset[str], done: asyncio.Event) -> None:
-        for sid in sids:
-            if self._until.get(sid) is done:
-                del self._until[sid]
-        done.set()
-
-
 class DraftCacheServicer(pb_grpc.DraftCacheServicer):
-    def __init__(
-        self,
-        service: DraftService,
-        observe: Observer | None = None,
-        *,
-        draft_threads: int = 0,
-        offload_min_batch: int = 8,
-    ) -> None:
+    def __init__(self, service: DraftService, observe: Observer | None = None) -> None:
         self._service = service
         self._observe = observe  # stream messages are timed one by one (the call is long-lived)
         self._streams: dict[asyncio.Task, bool] = {}  # open streams: is each waiting for a message
         self._draining = False
-        # The compiled draft step of a large call runs on these threads (it releases the GIL),
-        # and the event loop serves other calls meanwhile.
-        self._drafting = ThreadPoolExecutor(draft_threads, thread_name_prefix="draft") if draft_threads else None
-        self._offload_min = offload_min_batch
-        self._busy = _Busy()
         wire.warm_up()  # the response encoder is compiled now, not on the first draft
-
-    def close(self) -> None:
-        """Stop the drafting threads (after the server stopped)."""
-        if self._drafting is not None:
-            self._drafting.shutdown(wait=True)
 
     def drain(self) -> None:
         """Shutting down: end every stream, those waiting for a message now, the others once
@@ -87,29 +41,12 @@ class DraftCacheServicer(pb_grpc.DraftCacheServicer):
 
     async def Draft(self, request: pb.DraftRequest, context: grpc.aio.ServicerContext) -> pb.DraftResponse:
         items, principal = convert.draft_items(request), auth.current()
-        sids = [item.session_id for item in items]
-        await self._continue_stored(sids, principal)
-        await self._busy.wait(sids)
-        pending = self._service.begin_drafts(items, principal=principal, read_storage=False)
-        try:
-            if self._drafting is None or pending.sequences < self._offload_min:
-                pending.compute()
-            else:
-                done = self._busy.hold(pending.sessions)
-                try:
-                    await asyncio.get_running_loop().run_in_executor(self._drafting, pending.compute)
-                finally:
-                    self._busy.free(pending.sessions, done)
-            results = self._service.finish_drafts(pending)
-        finally:
-            self._service.release(pending)
-        return convert.draft_response(results)
+        await self._continue_stored([item.session_id for item in items], principal)
+        return convert.draft_response(self._service.draft_ahead(items, principal=principal, read_storage=False))
 
     async def Feedback(self, request: pb.FeedbackRequest, context: grpc.aio.ServicerContext) -> pb.FeedbackResponse:
         items, principal = convert.feedback_items(request), auth.current()
-        sids = [item.session_id for item in items]
-        await self._continue_stored(sids, principal)
-        await self._busy.wait(sids)
+        await self._continue_stored([item.session_id for item in items], principal)
         self._service.feedback(items, principal=principal, read_storage=False)
         return pb.FeedbackResponse()
 
@@ -117,9 +54,7 @@ class DraftCacheServicer(pb_grpc.DraftCacheServicer):
         self, request: pb.CloseSessionsRequest, context: grpc.aio.ServicerContext
     ) -> pb.CloseSessionsResponse:
         items, principal = convert.close_items(request), auth.current()
-        sids = [item.session_id for item in items]
-        await self._continue_stored(sids, principal)
-        await self._busy.wait(sids)
+        await self._continue_stored([item.session_id for item in items], principal)
         jobs = self._service.close(items, principal=principal, read_storage=False)
         for job in jobs:  # commits run off the event loop; the reply waits so they are visible
             await asyncio.to_thread(job)

@@ -117,64 +117,6 @@ def _draft_batch(
     )  # fmt: skip
 
 
-_Drafted = tuple[DraftTree, list[Guess], tuple[int, int]]  # a tree, its first guesses, its hints
-
-
-def _results(out: tuple[np.ndarray, ...], n: int) -> list[_Drafted]:
-    """:func:`_draft_batch`'s output split per job."""
-    tokens, parents, sources, scores, ends, first_tok, guess, lengths = out
-    bounds, firsts, guessed, found_n = ends.tolist(), first_tok.tolist(), guess.tolist(), lengths.tolist()
-    drafted = []
-    for j in range(n):
-        a, b = bounds[j], bounds[j + 1]
-        tree = DraftTree(tokens[a:b], parents[a:b], sources[a:b], scores[a:b])
-        ft, ns = firsts[j], found_n[j]
-        guesses = [Guess(_TIERS[t], ns[t], ft[t], guessed[j][t]) for t in _TIER_VALUES if ft[t] >= 0]
-        drafted.append((tree, guesses, (ns[Tier.CONTEXT], ns[Tier.LIFETIME_SA])))
-    return drafted
-
-
-class DraftWork:
-    """Drafts for a batch of sessions, packed and waiting for their compiled call.
-
-    :meth:`compute` reads only arrays copied or frozen when the work was prepared, so it may
-    run on another thread (the compiled code releases the GIL) while the thread owning the
-    sessions serves other calls; it must not touch these sessions until :meth:`settle`.
-    """
-
-    def __init__(
-        self,
-        drafter: NamespaceDrafter,
-        jobs: Sequence[_Job],
-        batch: tuple[np.ndarray, ...],
-        lifetime: SearchArrays,
-        settings: np.ndarray,
-        hits: np.ndarray,
-        predicted: np.ndarray,
-    ) -> None:
-        self.drafter = drafter
-        self._jobs = jobs
-        self._args = (batch, lifetime, settings, hits, predicted)
-        self._out: tuple[np.ndarray, ...] | None = None
-
-    def __len__(self) -> int:
-        return len(self._jobs)
-
-    def compute(self) -> None:
-        self._out = _draft_batch(*self._args)
-
-    def settle(self) -> list[DraftTree]:
-        """Give each session its tree (and first guesses, and hints); the trees in order."""
-        if self._out is None:
-            raise RuntimeError("settle() before compute()")
-        trees = []
-        for job, (tree, guesses, hints) in zip(self._jobs, _results(self._out, len(self._jobs)), strict=True):
-            s = job.session
-            s.last_tree, s.prefetched, s.guesses, s.hints = tree, {}, guesses, hints
-            trees.append(tree)
-        return trees
-
-
 class _Batch:
     """Jobs laid out end to end for :func:`~indexer.kernels.draft.draft_batch`: one row of
     integers per sequence, its context, its prompt index (once per session), the root tokens
@@ -331,18 +273,16 @@ class NamespaceDrafter:
         """:meth:`draft` for several sessions (each named once) in one compiled call; each
         session remembers its tree, and each tier's first guess for calibration once the
         outcome is known."""
-        work = self.prepare_drafts(items)
-        work.compute()
-        return work.settle()
-
-    def prepare_drafts(self, items: Sequence[tuple[Session, DraftParams]]) -> DraftWork:
-        """:meth:`draft_many` up to its compiled call, which :meth:`DraftWork.compute` makes
-        (on any thread: it touches no session) and :meth:`DraftWork.settle` after it."""
         jobs = []
         for session, params in items:
             depth = min(params.max_depth, max(params.budget, 1))  # a path never holds more nodes than the tree
             jobs.append(_Job(session, session.context.tokens, (), params, depth))
-        return DraftWork(self, jobs, *self._pack(jobs, remember=True))
+        trees = []
+        for (session, _), (tree, guesses, hints) in zip(items, self._run(jobs, remember=True), strict=True):
+            session.last_tree, session.prefetched = tree, {}
+            session.guesses, session.hints = guesses, hints
+            trees.append(tree)
+        return trees
 
     def accept(
         self,
@@ -442,15 +382,10 @@ class NamespaceDrafter:
 
     # -- tiers -------------------------------------------------------------------------------
 
-    def _run(self, jobs: Sequence[_Job], *, remember: bool) -> list[_Drafted]:
-        """Each job's tree, first guesses and hints, all drafted in one compiled call."""
-        return _results(_draft_batch(*self._pack(jobs, remember)), len(jobs))
-
-    def _pack(
-        self, jobs: Sequence[_Job], remember: bool
-    ) -> tuple[tuple[np.ndarray, ...], SearchArrays, np.ndarray, np.ndarray, np.ndarray]:
-        """The arguments of :func:`_draft_batch` for ``jobs``. The tiers kept in Python objects
-        (the rejected table, the prior, the exact-prompt cache) are looked up here; with
+    def _run(self, jobs: Sequence[_Job], *, remember: bool) -> list[tuple[DraftTree, list[Guess], tuple[int, int]]]:
+        """Each job's tree, first guesses and hints, all drafted in one compiled call (see
+        :func:`~indexer.kernels.draft.draft_batch`). The tiers kept in Python objects (the
+        rejected table, the prior, the exact-prompt cache) are looked up here first; with
         ``remember`` the exact tier keeps how far each output agrees with its cached one."""
         batch = _Batch()
         for job in jobs:
@@ -467,7 +402,18 @@ class NamespaceDrafter:
                 rest, n = exact
                 batch.add_part(rest[None, :], _ONE_WEIGHT, per_cell=False, tier=Tier.EXACT, n=n)
         hits, predicted = self.calibrator.counts()
-        return batch.arrays(), self.memory.search_arrays(), self._settings, hits, predicted
+        tokens, parents, sources, scores, ends, first_tok, guess, lengths = _draft_batch(
+            batch.arrays(), self.memory.search_arrays(), self._settings, hits, predicted
+        )
+        bounds, firsts, guessed, found_n = ends.tolist(), first_tok.tolist(), guess.tolist(), lengths.tolist()
+        out = []
+        for j in range(len(jobs)):
+            a, b = bounds[j], bounds[j + 1]
+            tree = DraftTree(tokens[a:b], parents[a:b], sources[a:b], scores[a:b])
+            ft, ns = firsts[j], found_n[j]
+            guesses = [Guess(_TIERS[t], ns[t], ft[t], guessed[j][t]) for t in _TIER_VALUES if ft[t] >= 0]
+            out.append((tree, guesses, (ns[Tier.CONTEXT], ns[Tier.LIFETIME_SA])))
+        return out
 
     def _exact(self, s: Session, ctx: np.ndarray, depth: int, remember: bool) -> tuple[np.ndarray, int] | None:
         """The rest of the response cached for an identical prompt, while the output so far

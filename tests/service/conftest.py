@@ -38,12 +38,11 @@ class Running:
         return pb_grpc.AdminStub(self.channel)
 
 
-def start_service(config: ServiceConfig, port: int = 0, server_config: ServerConfig | None = None) -> Running:
+def start_service(config: ServiceConfig, port: int = 0) -> Running:
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
     service = DraftService(config)
-    server_config = ServerConfig(port=port) if server_config is None else server_config
-    server = asyncio.run_coroutine_threadsafe(create_server(server_config, service), loop).result(30)
+    server = asyncio.run_coroutine_threadsafe(create_server(ServerConfig(port=port), service), loop).result(30)
     asyncio.run_coroutine_threadsafe(server.set_serving(True), loop).result(5)
     return Running(service, server, loop, grpc.insecure_channel(f"127.0.0.1:{server.port}"))
 

@@ -351,13 +351,13 @@ def test_a_stream_that_stops_answering_is_replaced() -> None:
 def test_a_missed_deadline_keeps_or_replaces_the_server_copy(running, stream: bool) -> None:  # type: ignore[no-untyped-def]
     _ns(running.target)
     # Drafting takes 30 ms, the deadline is 10 ms: every draft falls back.
-    begin_drafts = running.service.begin_drafts
+    draft_ahead = running.service.draft_ahead
 
     def slow(*args, **kwargs):  # type: ignore[no-untyped-def]
         time.sleep(0.03)
-        return begin_drafts(*args, **kwargs)
+        return draft_ahead(*args, **kwargs)
 
-    running.service.begin_drafts = slow
+    running.service.draft_ahead = slow
     config = ClientConfig(target=running.target, namespace="toy", deadline_s=0.01, retry_after_s=0, stream=stream)
     client = DraftClient(config)
     (session,) = client.open([PROMPT])
@@ -432,16 +432,16 @@ def test_stopping_ends_idle_streams_without_waiting_out_the_grace_period() -> No
 def test_stopping_answers_the_draft_in_progress_then_ends_its_stream() -> None:
     running = start_service(ServiceConfig())
     _ns(running.target)
-    begin_drafts = running.service.begin_drafts
+    draft_ahead = running.service.draft_ahead
 
     def slow(*args, **kwargs):  # type: ignore[no-untyped-def]
         time.sleep(0.3)
-        return begin_drafts(*args, **kwargs)
+        return draft_ahead(*args, **kwargs)
 
     client = DraftClient(ClientConfig(target=running.target, namespace="toy", deadline_s=2.0))
     (session,) = client.open([PROMPT])
     client.draft([session], [[]])
-    running.service.begin_drafts = slow  # type: ignore[method-assign]
+    running.service.draft_ahead = slow  # type: ignore[method-assign]
     drafting = threading.Thread(target=client.draft, args=([session], [[TEXT[0]]]))
     drafting.start()
     time.sleep(0.1)  # the draft is being answered
@@ -472,13 +472,13 @@ def test_a_refused_request_leaves_the_stream_open(running) -> None:  # type: ign
 
 def test_sessions_closed_while_the_service_is_skipped_are_closed_at_shutdown(running) -> None:  # type: ignore[no-untyped-def]
     _ns(running.target)
-    begin_drafts = running.service.begin_drafts
+    draft_ahead = running.service.draft_ahead
 
     def slow(*args, **kwargs):  # type: ignore[no-untyped-def]
         time.sleep(0.05)
-        return begin_drafts(*args, **kwargs)
+        return draft_ahead(*args, **kwargs)
 
-    running.service.begin_drafts = slow
+    running.service.draft_ahead = slow
     # A missed deadline makes the client skip the service for 60 s.
     client = DraftClient(ClientConfig(target=running.target, namespace="toy", deadline_s=0.01, retry_after_s=60))
     sessions = client.open([PROMPT, PROMPT])
