@@ -34,6 +34,7 @@ import numpy as np
 from draftcache.v1 import draftcache_pb2 as pb
 from draftcache.v1 import draftcache_pb2_grpc as pb_grpc
 
+from decoder_client import wire
 from indexer.drafter import MAX_LOOKAHEAD, DraftParams
 from indexer.prespeculation import Prefetched, select
 from indexer.prompt_lookup import prompt_lookup
@@ -128,6 +129,7 @@ class _Core:
         self.down_until = 0.0
         self.abandoned: list[str] = []  # server sessions given up on (closed when the service answers)
         self.late: list[_LateCall] = []  # see :meth:`missed`
+        wire.warm_up()  # the response reader is compiled now, not on the first step's deadline
         p = config.params
         self.params = pb.DraftParams(
             budget=p.budget, max_depth=p.max_depth, min_score=p.min_score, depth_reserve=p.depth_reserve
@@ -266,8 +268,7 @@ class _Core:
         remote = [s for s in sessions if s.server_id]
         got: dict[int, DraftTree] = {}
         if resp is not None:
-            for s, msg in zip(remote, resp.trees, strict=True):
-                got[id(s)] = tree_from_proto(msg)
+            got.update((id(s), t) for s, t in zip(remote, wire.trees_from_response(resp), strict=True))
             self.stats.remote += len(remote)
         if book:
             self.answered(sessions, resp)
