@@ -14,7 +14,7 @@ from numba import njit
 
 from indexer.kernels.search import context_continuations, context_followers, stacked_continuations
 from indexer.kernels.tables import find_leader
-from indexer.kernels.tree import merge_tree, stack_parts
+from indexer.kernels.tree import merge_tree, stack_parts, tree_buffers
 
 # Tier values (indexer.tree_builder.Tier; a test keeps the two equal).
 DYNAMIC, CONTEXT, REJECTED, LIFETIME_SA, LIFETIME_NGRAM = 0, 1, 2, 3, 4
@@ -63,86 +63,41 @@ def _excluded(token: int, exclude: np.ndarray) -> bool:
 
 
 @njit(cache=True, nogil=True)
-def _put_rows(rows: np.ndarray, exclude: np.ndarray, rows_flat: np.ndarray, at: np.ndarray) -> np.ndarray:
-    """Copy the rows not starting with an excluded token after the row cells used so far
-    (``at[1]``, moved on); returns which rows were kept."""
+def _put(
+    rows: np.ndarray,
+    vals: np.ndarray,
+    per_cell: bool,
+    tier: int,
+    conf: float,
+    exclude: np.ndarray,
+    rows_flat: np.ndarray,
+    vals_flat: np.ndarray,
+    meta: np.ndarray,
+    confs: np.ndarray,
+    at: np.ndarray,
+) -> None:
+    """Append a tier's part, without the rows starting with an excluded token, to the flat
+    layout :func:`~indexer.kernels.tree.stack_parts` reads; ``at`` holds (parts, row cells,
+    values) used so far. ``vals`` has a probability per cell (``per_cell``) or a weight per row
+    (its one column). A part left empty is left out, as if the tier had found nothing."""
     k, w = rows.shape
-    keep = np.ones(k, dtype=np.bool_)
-    ro = at[1]
+    ro, vo, kept = at[1], at[2], 0
     for r in range(k):
         if w > 0 and _excluded(rows[r, 0], exclude):
-            keep[r] = False
             continue
+        kept += 1
         for d in range(w):
             rows_flat[ro] = rows[r, d]
             ro += 1
-    at[1] = ro
-    return keep
-
-
-@njit(cache=True, nogil=True)
-def _close_part(
-    kept: int, width: int, per_cell: bool, tier: int, conf: float, meta: np.ndarray, confs: np.ndarray, at: np.ndarray
-) -> None:
-    """Record a part just written (an empty one is left out, as if the tier found nothing)."""
+        for d in range(w if per_cell else 1):
+            vals_flat[vo] = vals[r, d]
+            vo += 1
     if kept == 0:
         return
     p = at[0]
-    meta[p, 0], meta[p, 1], meta[p, 2], meta[p, 3] = kept, width, 1 if per_cell else 0, tier
+    meta[p, 0], meta[p, 1], meta[p, 2], meta[p, 3] = kept, w, 1 if per_cell else 0, tier
     confs[p] = conf
-    at[0] = p + 1
-
-
-@njit(cache=True, nogil=True)
-def _put_weighted(
-    rows: np.ndarray,
-    weights: np.ndarray,
-    tier: int,
-    conf: float,
-    exclude: np.ndarray,
-    rows_flat: np.ndarray,
-    vals_flat: np.ndarray,
-    meta: np.ndarray,
-    confs: np.ndarray,
-    at: np.ndarray,
-) -> None:
-    """Append a tier's rows with their weights (rows starting with an excluded token left
-    out) to the flat layout :func:`~indexer.kernels.tree.stack_parts` reads; ``at`` holds
-    (parts, row cells, values) used so far."""
-    keep = _put_rows(rows, exclude, rows_flat, at)
-    vo = at[2]
-    for r in range(keep.size):
-        if keep[r]:
-            vals_flat[vo] = weights[r]
-            vo += 1
-    _close_part(vo - at[2], rows.shape[1], False, tier, conf, meta, confs, at)
-    at[2] = vo
-
-
-@njit(cache=True, nogil=True)
-def _put_cells(
-    rows: np.ndarray,
-    probs: np.ndarray,
-    tier: int,
-    conf: float,
-    exclude: np.ndarray,
-    rows_flat: np.ndarray,
-    vals_flat: np.ndarray,
-    meta: np.ndarray,
-    confs: np.ndarray,
-    at: np.ndarray,
-) -> None:
-    """:func:`_put_weighted` for a tier with a probability per cell."""
-    keep = _put_rows(rows, exclude, rows_flat, at)
-    vo, kept = at[2], 0
-    for r in range(keep.size):
-        if keep[r]:
-            kept += 1
-            for d in range(rows.shape[1]):
-                vals_flat[vo] = probs[r, d]
-                vo += 1
-    _close_part(kept, rows.shape[1], True, tier, conf, meta, confs, at)
-    at[2] = vo
+    at[0], at[1], at[2] = p + 1, ro, vo
 
 
 @njit(cache=True, nogil=True)
@@ -206,10 +161,7 @@ def draft_batch(
     cap = 0
     for j in range(n_seq):
         cap += max(0, seq[j, 9])
-    tokens = np.empty(cap, dtype=np.int32)
-    parents = np.empty(cap, dtype=np.int32)
-    sources = np.empty(cap, dtype=np.uint8)
-    scores = np.empty(cap, dtype=np.float32)
+    tokens, parents, sources, scores = tree_buffers(cap)
     offsets = np.zeros(n_seq + 1, dtype=np.int64)
     first_tok = np.full((n_seq, n_tiers), -1, dtype=np.int64)
     guess = np.zeros((n_seq, n_tiers))
@@ -254,11 +206,13 @@ def draft_batch(
         if n_c > 0:
             conf_of[CONTEXT] = _confidence(CONTEXT, n_c, half, hits, pred, buckets)
             lengths[j, CONTEXT] = n_c
-            _put_weighted(rows_c, w_c, CONTEXT, conf_of[CONTEXT], excl, rows_flat, vals_flat, meta, confs, at)
+            _put(rows_c, w_c.reshape((-1, 1)), False, CONTEXT, conf_of[CONTEXT], excl, rows_flat, vals_flat, meta,
+                 confs, at)  # fmt: skip
         if w_d.size:
             conf_of[DYNAMIC] = _confidence(DYNAMIC, leader_len, half, hits, pred, buckets)
             lengths[j, DYNAMIC] = leader_len
-            _put_weighted(rows_d, w_d, DYNAMIC, conf_of[DYNAMIC], excl, rows_flat, vals_flat, meta, confs, at)
+            _put(rows_d, w_d.reshape((-1, 1)), False, DYNAMIC, conf_of[DYNAMIC], excl, rows_flat, vals_flat, meta,
+                 confs, at)  # fmt: skip
         for before in (True, False):
             if not before:  # the lifetime tiers come after the rejected one, before the others
                 if leader >= 0:
@@ -266,12 +220,12 @@ def draft_batch(
                     conf_of[LIFETIME_NGRAM] = _confidence(LIFETIME_NGRAM, table_ll, half, hits, pred, buckets)
                     lengths[j, LIFETIME_NGRAM] = table_ll
                     probs = half_to_float(table_probs[lo:hi])
-                    _put_cells(table_followers[lo:hi], probs, LIFETIME_NGRAM, conf_of[LIFETIME_NGRAM], excl,
+                    _put(table_followers[lo:hi], probs, True, LIFETIME_NGRAM, conf_of[LIFETIME_NGRAM], excl,
                          rows_flat, vals_flat, meta, confs, at)  # fmt: skip
                 elif best > 0:
                     conf_of[LIFETIME_SA] = _confidence(LIFETIME_SA, best, half, hits, pred, buckets)
                     lengths[j, LIFETIME_SA] = best
-                    _put_weighted(rows_l, w_l, LIFETIME_SA, conf_of[LIFETIME_SA], excl,
+                    _put(rows_l, w_l.reshape((-1, 1)), False, LIFETIME_SA, conf_of[LIFETIME_SA], excl,
                          rows_flat, vals_flat, meta, confs, at)  # fmt: skip
             for e in range(e0, e1):
                 tier = extra_meta[e, 3]
@@ -279,14 +233,10 @@ def draft_batch(
                     continue
                 k, w, per_cell, n = extra_meta[e, 0], extra_meta[e, 1], extra_meta[e, 2] != 0, extra_meta[e, 4]
                 rows = extra_rows[extra_ro[e] : extra_ro[e + 1]].reshape((k, w))
-                vals = extra_vals[extra_vo[e] : extra_vo[e + 1]]
+                vals = extra_vals[extra_vo[e] : extra_vo[e + 1]].reshape((k, w if per_cell else 1))
                 conf_of[tier] = _confidence(tier, n, half, hits, pred, buckets)
                 lengths[j, tier] = n
-                if per_cell:
-                    _put_cells(rows, vals.reshape((k, w)), tier, conf_of[tier], excl, rows_flat, vals_flat, meta,
-                               confs, at)  # fmt: skip
-                else:
-                    _put_weighted(rows, vals, tier, conf_of[tier], excl, rows_flat, vals_flat, meta, confs, at)
+                _put(rows, vals, per_cell, tier, conf_of[tier], excl, rows_flat, vals_flat, meta, confs, at)
         n_parts = at[0]
         if n_parts > 0 and budget > 0 and depth > 0:
             rows, vals, is_max, tiers = stack_parts(

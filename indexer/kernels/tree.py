@@ -328,6 +328,17 @@ def stack_parts(
 
 
 @njit(cache=True, nogil=True)
+def tree_buffers(cap: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Room for ``cap`` nodes of trees stored back to back: tokens, parents, sources, scores."""
+    return (
+        np.empty(cap, dtype=np.int32),
+        np.empty(cap, dtype=np.int32),
+        np.empty(cap, dtype=np.uint8),
+        np.empty(cap, dtype=np.float32),
+    )
+
+
+@njit(cache=True, nogil=True)
 def merge_batch(
     rows_flat: np.ndarray,
     vals_flat: np.ndarray,
@@ -360,10 +371,7 @@ def merge_batch(
     cap = 0  # a tree holds at most its budget and at most one node per cell of its rows
     for j in range(trees):
         cap += max(0, min(budget[j], cells[j]))
-    tokens = np.empty(cap, dtype=np.int32)
-    parents = np.empty(cap, dtype=np.int32)
-    sources = np.empty(cap, dtype=np.uint8)
-    scores = np.empty(cap, dtype=np.float32)
+    tokens, parents, sources, scores = tree_buffers(cap)
     offsets = np.zeros(trees + 1, dtype=np.int64)
     first_tok = np.full((trees, n_tiers), -1, dtype=np.int64)
     first_val = np.zeros((trees, n_tiers))
