@@ -61,7 +61,6 @@ class ServerConfig:
     port: int = 50051  # 0 picks a free port (tests)
     max_message_bytes: int = 64 << 20
     grace_s: float = 5.0  # drain time on shutdown
-    workers: int = 4  # threads for blocking work (commits, storage)
     tokens_file: Path | None = None  # bearer tokens (cache_service.auth); None: no authentication
     tls_cert_file: Path | None = None  # PEM certificate chain; with the key, serve TLS
     tls_key_file: Path | None = None
@@ -70,7 +69,6 @@ class ServerConfig:
     def __post_init__(self) -> None:
         _range("port", self.port, 0, 65535)
         _range("max_message_bytes", self.max_message_bytes, 1024, 1 << 31)
-        _range("workers", self.workers, 1, 256)
         if self.grace_s < 0:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
