@@ -46,9 +46,17 @@ def _skip(buf: np.ndarray, at: int, end: int, wire_type: int) -> int:
     if wire_type == _FIXED32:
         return at + 4 if at + 4 <= end else -1
     if wire_type == _LENGTH:
-        n, at = _varint(buf, at, end)
-        return at + n if at >= 0 and 0 <= n <= end - at else -1
+        n, at = _length(buf, at, end)
+        return at + n if at >= 0 else -1
     return -1
+
+
+@njit(cache=True, nogil=True)
+def _length(buf: np.ndarray, at: int, end: int) -> tuple[int, int]:
+    """A length prefix at ``at`` and the position after it; position -1 when it is malformed
+    or runs past ``end``."""
+    n, at = _varint(buf, at, end)
+    return (n, at) if at >= 0 and 0 <= n <= end - at else (0, -1)
 
 
 @njit(cache=True, nogil=True)
@@ -66,13 +74,30 @@ def decode_tree_batch(
     offsets, error)``, tree ``k`` being nodes ``[offsets[k], offsets[k + 1])``. ``error`` is 0,
     or 1 for malformed bytes, 2 for a tree whose fields disagree in length (sources and scores
     are optional: a tree without them reads as sources 0 and scores 0)."""
-    size = buf.size
-    cap = size  # a node takes at least one byte of each field
+    cap = buf.size  # a node takes at least one byte of each field
     tokens = np.empty(cap, dtype=np.int32)
     parents = np.empty(cap, dtype=np.int32)
     sources = np.empty(cap, dtype=np.uint8)
     scores = np.empty(cap, dtype=np.float32)
-    offsets = np.zeros(size + 1, dtype=np.int64)
+    offsets = np.zeros(cap + 1, dtype=np.int64)
+    trees, error = _read_trees(buf, tokens, parents, sources, scores, offsets)
+    if error:
+        return tokens[:0], parents[:0], sources[:0], scores[:0], offsets[:1], error
+    total = offsets[trees]
+    return tokens[:total], parents[:total], sources[:total], scores[:total], offsets[: trees + 1], 0
+
+
+@njit(cache=True, nogil=True)
+def _read_trees(
+    buf: np.ndarray,
+    tokens: np.ndarray,
+    parents: np.ndarray,
+    sources: np.ndarray,
+    scores: np.ndarray,
+    offsets: np.ndarray,
+) -> tuple[int, int]:
+    """:func:`decode_tree_batch` into arrays of ``buf.size`` nodes: ``(trees, error)``."""
+    size = cap = buf.size
     bits = np.empty(1, dtype=np.uint32)  # a little-endian float32's bits, read through ...
     as_float = bits.view(np.float32)  # ... this view
     counts = np.zeros(4, dtype=np.int64)  # of the tree being read: tokens, parents, sources, scores
@@ -81,44 +106,44 @@ def decode_tree_batch(
     while at < size:
         key, at = _varint(buf, at, size)
         if at < 0:
-            return tokens[:0], parents[:0], sources[:0], scores[:0], offsets[:1], 1
+            return 0, 1
         field, wire_type = key >> 3, key & 7
         if field != 1 or wire_type != _LENGTH:
             at = _skip(buf, at, size, wire_type)
             if at < 0:
-                return tokens[:0], parents[:0], sources[:0], scores[:0], offsets[:1], 1
+                return 0, 1
             continue
-        n, at = _varint(buf, at, size)
-        if at < 0 or not 0 <= n <= size - at:
-            return tokens[:0], parents[:0], sources[:0], scores[:0], offsets[:1], 1
+        n, at = _length(buf, at, size)
+        if at < 0:
+            return 0, 1
         end = at + n
         base = offsets[trees]
         counts[:] = 0
         while at < end:
             key, at = _varint(buf, at, end)
             if at < 0:
-                return tokens[:0], parents[:0], sources[:0], scores[:0], offsets[:1], 1
+                return 0, 1
             f, wt = key >> 3, key & 7
             if f in (1, 2) and wt in (_VARINT, _LENGTH):  # tokens, parents: packed or one by one
                 stop = end
                 if wt == _LENGTH:
-                    m, at = _varint(buf, at, end)
-                    if at < 0 or not 0 <= m <= end - at:
-                        return tokens[:0], parents[:0], sources[:0], scores[:0], offsets[:1], 1
+                    m, at = _length(buf, at, end)
+                    if at < 0:
+                        return 0, 1
                     stop = at + m
                 out = tokens if f == 1 else parents
                 while at < stop:
                     v, at = _varint(buf, at, stop)
                     if at < 0 or base + counts[f - 1] >= cap:
-                        return tokens[:0], parents[:0], sources[:0], scores[:0], offsets[:1], 1
+                        return 0, 1
                     out[base + counts[f - 1]] = _int32(v)
                     counts[f - 1] += 1
                     if wt == _VARINT:
                         break
             elif f == 3 and wt == _LENGTH:  # sources: bytes, a singular field (the last one counts)
-                m, at = _varint(buf, at, end)
-                if at < 0 or not 0 <= m <= end - at or base + m > cap:
-                    return tokens[:0], parents[:0], sources[:0], scores[:0], offsets[:1], 1
+                m, at = _length(buf, at, end)
+                if at < 0 or base + m > cap:
+                    return 0, 1
                 for i in range(m):
                     sources[base + i] = buf[at + i]
                 counts[2] = m
@@ -126,11 +151,11 @@ def decode_tree_batch(
             elif f == 4 and wt in (_FIXED32, _LENGTH):  # scores: packed or one by one
                 m = 4
                 if wt == _LENGTH:
-                    m, at = _varint(buf, at, end)
-                    if at < 0 or not 0 <= m <= end - at or m % 4:
-                        return tokens[:0], parents[:0], sources[:0], scores[:0], offsets[:1], 1
+                    m, at = _length(buf, at, end)
+                    if at < 0 or m % 4:
+                        return 0, 1
                 if at + m > end or base + counts[3] + m // 4 > cap:
-                    return tokens[:0], parents[:0], sources[:0], scores[:0], offsets[:1], 1
+                    return 0, 1
                 for i in range(m // 4):
                     j = at + 4 * i
                     bits[0] = (
@@ -145,20 +170,19 @@ def decode_tree_batch(
             else:
                 at = _skip(buf, at, end, wt)
                 if at < 0:
-                    return tokens[:0], parents[:0], sources[:0], scores[:0], offsets[:1], 1
+                    return 0, 1
         if at != end:
-            return tokens[:0], parents[:0], sources[:0], scores[:0], offsets[:1], 1
+            return 0, 1
         n_nodes = counts[0]  # sources and scores are optional: all there or none
         if counts[1] != n_nodes or counts[2] not in (0, n_nodes) or counts[3] not in (0, n_nodes):
-            return tokens[:0], parents[:0], sources[:0], scores[:0], offsets[:1], 2
+            return 0, 2
         if counts[2] == 0:
             sources[base : base + n_nodes] = 0
         if counts[3] == 0:
             scores[base : base + n_nodes] = 0.0
         trees += 1
         offsets[trees] = base + n_nodes
-    total = offsets[trees]
-    return tokens[:total], parents[:total], sources[:total], scores[:total], offsets[: trees + 1], 0
+    return trees, 0
 
 
 def trees_from_response(resp: pb.DraftResponse) -> list[DraftTree]:
