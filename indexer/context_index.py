@@ -62,12 +62,6 @@ class ContextIndex:
         self._buf[self._len : need] = tokens
         self._len = need
 
-    def truncate(self, length: int) -> None:
-        """Drop the tokens after ``length`` (never into the indexed prompt): undoes ``extend``."""
-        if not self._indexed <= length <= self._len:
-            raise ValueError(f"can truncate to [{self._indexed}, {self._len}], not {length}")
-        self._len = length
-
     def lookup(self, *, max_len: int, depth: int, samples: int, hint: int = 0) -> tuple[int, np.ndarray, np.ndarray]:
         """``(n, rows, weights)``: continuations after earlier occurrences of the longest
         matching suffix (length ``n``, 0 if none). Each row is ``depth`` tokens, -1 padded."""

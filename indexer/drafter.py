@@ -133,7 +133,7 @@ class _Batch:
         self.rows: list[np.ndarray] = []
         self.vals: list[np.ndarray] = []
         self.meta: list[tuple[int, int, int, int, int]] = []
-        self.offsets = [0]
+        self.first_part: list[int] = []  # per sequence, where its parts start in ``meta``
         self._context_at = self._index_at = 0
 
     def add_sequence(self, job: _Job, *, since: int) -> None:
@@ -156,8 +156,7 @@ class _Batch:
         self._context_at += ctx.size
         self.exclude.extend(job.exclude)
         self.min_score.append(job.params.min_score)
-        if len(self.seq) > 1:
-            self.offsets.append(len(self.meta))
+        self.first_part.append(len(self.meta))
 
     def add_part(self, rows: np.ndarray, values: np.ndarray, *, per_cell: bool, tier: Tier, n: int) -> None:
         """The last sequence's ``rows`` of a tier found at match length ``n``, with per-row
@@ -178,7 +177,7 @@ class _Batch:
             _joined(self.rows, np.int32),
             _joined(self.vals, np.float64),
             np.array(self.meta, dtype=np.int64).reshape(-1, 5),
-            np.array([*self.offsets, len(self.meta)], dtype=np.int64),
+            np.array([*self.first_part, len(self.meta)], dtype=np.int64),
         )
 
 
