@@ -122,9 +122,10 @@ class SharedIndexes:
             held = self._adopted.get(ns)
             if gen is None or (held is not None and held.folder == gen.folder):
                 return None
-            gen.indexes.suffix.longest_match(np.zeros(4, dtype=np.int32), max_len=4)  # compile read-only kernels now
-            gen.indexes.table.lookup(np.zeros(self.config.table.leader_len, dtype=np.int32))
+            # Mapped files are read-only arrays, a type of their own to the compiler: the kernels
+            # that run over them (drafting; commits finding what the memory holds) compile now.
             warm_draft_step(search_arrays(gen.indexes))
+            gen.indexes.suffix.match_range(np.zeros(1, dtype=np.int32))
             memory.adopt(gen.indexes, gen.through)
             self._adopted[ns] = gen
         logger.info("%s serves lifetime generation %s (%d tokens)", ns, gen.folder.name, gen.indexes.suffix.size)
