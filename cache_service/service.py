@@ -10,10 +10,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import NamedTuple, Protocol
+from typing import NamedTuple, Protocol, TypeVar
 
 import numpy as np
 
@@ -22,11 +22,11 @@ from cache_service.config import ServiceConfig
 from cache_service.errors import AlreadyExists, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
 from cache_service.sessions import SessionEntry, SessionTable, new_session_id
 from cache_service.storage.keys import MAX_NAME_LEN, check_name
-from indexer.drafter import MAX_LOOKAHEAD, DraftParams, NamespaceDrafter
+from indexer.drafter import MAX_LOOKAHEAD, Branches, DraftParams, NamespaceDrafter
 from indexer.lifetime_index import LifetimeIndexes
 from indexer.prespeculation import Prefetched
 from indexer.prior import StaticPrior
-from indexer.session import SessionSnapshot, TableItems
+from indexer.session import Session, SessionSnapshot, TableItems
 from indexer.tokens import Namespace, as_tokens
 from indexer.tree_builder import DraftTree
 
@@ -319,25 +319,32 @@ class DraftService:
         resolved = [(self._entry(item.session_id, principal, read_storage), item) for item in items]
         checked = [(entry, self._new_tokens(entry, item.new_tokens), item.lookahead) for entry, item in resolved]
         out: list[tuple[DraftTree, Prefetched]] = []
-        # Each session takes its new tokens; the trees still to draft are then drafted together,
-        # one compiled call per namespace. A session named twice sees its first draft settled
-        # before its second item goes on, as if the items ran one by one.
-        steps: list[_DraftStep] = []
-        named: set[str] = set()
-        for entry, new, lookahead in checked:
-            if entry.sid in named:
-                out.extend(self._settle(steps))
-                steps, named = [], set()
-            named.add(entry.sid)
-            drafter, session = entry.drafter, entry.session
-            if new.size:
-                drafter.accept_checked(session, new)  # checked above, with the whole batch
-                self.sessions.grow(entry, int(new.size))
-            drafted_ahead = new.size > 0 and session.last_tree is not None  # for this outcome
-            steps.append(_DraftStep(entry, lookahead, session.last_tree if drafted_ahead else None))
-        out.extend(self._settle(steps))
+        # The sessions take their new tokens, then the trees still to draft are drafted
+        # together, one compiled call per namespace for each. A session named twice sees its
+        # first draft settled before its second item goes on, as if the items ran one by one.
+        for part in _rounds(checked):
+            self._accept([(entry, new, None) for entry, new, _ in part])
+            # A session with new tokens that holds a tree now had it drafted ahead for this outcome.
+            out.extend(
+                self._settle(
+                    [
+                        _DraftStep(entry, lookahead, entry.session.last_tree if new.size else None)
+                        for entry, new, lookahead in part
+                    ]
+                )
+            )
         self._drafts += len(out)
         return out
+
+    def _accept(self, items: Sequence[tuple[SessionEntry, np.ndarray, Branches | None]]) -> None:
+        """Sessions (each named once) take their checked new tokens, one call per namespace."""
+        by_drafter: dict[int, tuple[NamespaceDrafter, list[tuple[Session, np.ndarray, Branches | None]]]] = {}
+        for entry, new, rejected in items:
+            if new.size:
+                by_drafter.setdefault(id(entry.drafter), (entry.drafter, []))[1].append((entry.session, new, rejected))
+                self.sessions.grow(entry, int(new.size))
+        for drafter, group in by_drafter.values():
+            drafter.accept_many(group)
 
     def _settle(self, steps: list[_DraftStep]) -> list[tuple[DraftTree, Prefetched]]:
         """Draft the trees of ``steps`` still to draft, one compiled call per namespace, then
@@ -374,10 +381,9 @@ class DraftService:
                 if any(not 0 <= off < new.size for off, _ in rejected):
                     raise InvalidArgument("a rejected branch's offset must point inside the accepted tokens")
             checked.append((entry, new, rejected))
-        for entry, new, rejected in checked:
-            if new.size:
-                entry.drafter.accept_checked(entry.session, new, rejected)
-                self.sessions.grow(entry, int(new.size))
+        for part in _rounds(checked):
+            self._accept(part)
+        for entry, _, _ in checked:
             self.sessions.touch(entry)
             self._dirty.add(entry.sid)
 
@@ -561,6 +567,22 @@ class DraftService:
         if new.size > self.config.max_new_tokens:
             raise ResourceExhausted(f"{new.size} new tokens in one call exceed {self.config.max_new_tokens}")
         return new
+
+
+_Item = TypeVar("_Item", bound=tuple)
+
+
+def _rounds(items: Sequence[_Item]) -> Iterator[Sequence[_Item]]:
+    """``items`` (each led by its session entry) cut into runs that name each session once."""
+    start = 0
+    while start < len(items):
+        named: set[str] = set()
+        end = start
+        while end < len(items) and items[end][0].sid not in named:
+            named.add(items[end][0].sid)
+            end += 1
+        yield items[start:end]
+        start = end
 
 
 def _tokens(

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from indexer import kernels
 from indexer.tree_builder import Tier
 
 if TYPE_CHECKING:
-    from indexer.session import Guess
+    from indexer.session import Guesses
 
 
 class Calibrator:
@@ -24,32 +24,35 @@ class Calibrator:
 
     def __init__(self, buckets: int) -> None:
         self._buckets = buckets
-        # Plain lists: this sits on the hot path, where numpy scalar arithmetic costs microseconds.
-        self._pred = [[0.0] * (buckets + 1) for _ in Tier]
-        self._hits = [[0.0] * (buckets + 1) for _ in Tier]
+        self._pred = np.zeros((len(Tier), buckets + 1))
+        self._hits = np.zeros((len(Tier), buckets + 1))
 
     def factor(self, tier: Tier, n: int) -> float:
         b = min(n, self._buckets)
-        return (self._hits[tier][b] + 2.0) / (self._pred[tier][b] + 2.0)
+        return float((self._hits[tier, b] + 2.0) / (self._pred[tier, b] + 2.0))
 
     def update(self, tier: Tier, n: int, *, predicted: float, hit: bool) -> None:
         b = min(n, self._buckets)
-        self._pred[tier][b] += predicted
-        self._hits[tier][b] += hit
+        self._pred[tier, b] += predicted
+        self._hits[tier, b] += hit
 
-    def update_many(self, guesses: Iterable[Guess], actual: int) -> None:
-        """:meth:`update` for each tier's first guess of one step, ``actual`` being the token
-        the target produced."""
-        for g in guesses:
-            self.update(g.tier, g.n, predicted=g.predicted, hit=g.token == actual)
+    def update_rows(self, guesses: Guesses, rows: np.ndarray, actual: np.ndarray) -> None:
+        """:meth:`update` for every tier's first guess of sequences ``rows`` of one batch of
+        drafts, ``actual[i]`` being the token the target produced after row ``rows[i]``; row by
+        row, tier by tier, as one :meth:`update` after another would."""
+        kernels.calibrate(
+            self._hits, self._pred, guesses.tokens, guesses.predicted, guesses.lengths, rows, actual, self._buckets
+        )
 
     def counts(self) -> tuple[np.ndarray, np.ndarray]:
-        """``(accepted, predicted)`` per tier and bucket, as arrays for compiled code."""
-        return np.array(self._hits, dtype=np.float64), np.array(self._pred, dtype=np.float64)
+        """``(accepted, predicted)`` per tier and bucket (copies, for compiled code)."""
+        return self._hits.copy(), self._pred.copy()
 
     def table(self) -> dict[str, list[float]]:
         """Acceptance rate of first guesses per tier and match-length bucket (for metrics)."""
         return {
-            t.name: [round((h + 1) / (p + 1), 3) for h, p in zip(self._hits[t], self._pred[t], strict=True)]
+            t.name: [
+                round((h + 1) / (p + 1), 3) for h, p in zip(self._hits[t].tolist(), self._pred[t].tolist(), strict=True)
+            ]
             for t in Tier
         }

@@ -23,7 +23,7 @@ from indexer.kernels.draft import SETTINGS as _SETTINGS
 from indexer.lifetime_index import LifetimeConfig, LifetimeMemory, SearchArrays, prompt_key
 from indexer.prespeculation import Prefetched, select, stopping_points
 from indexer.prior import StaticPrior
-from indexer.session import Guess, Session, SessionSnapshot
+from indexer.session import Guesses, Session, SessionSnapshot
 from indexer.session_cache import LruTableConfig
 from indexer.tokens import SEPARATOR, Namespace, as_tokens
 from indexer.tree_builder import DraftTree, Tier
@@ -34,6 +34,8 @@ MAX_DEPTH = 128
 MAX_LOOKAHEAD = 16  # outcomes drafted ahead per step
 MIN_SKIP = 256  # a known leading part shorter than this is committed again (not worth a cut)
 _REJECTED_BRANCHES = 4  # branches remembered where verification left a tree
+
+Branches = Sequence[tuple[int, np.ndarray]]  # rejected branches: (accepted tokens before it, its tokens)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,7 +77,6 @@ def _offset(offset: int, accepted: int) -> int:
 
 
 _TIERS = list(Tier)  # by value (Tier iterates in value order)
-_TIER_VALUES = range(len(_TIERS))
 _HALF_ARRAY = np.array([_HALF[t] for t in Tier], dtype=np.float64)
 _ONE_WEIGHT = np.ones(1)  # the exact tier's single row
 
@@ -302,36 +303,92 @@ class NamespaceDrafter:
             checked = [(_offset(off, new.size), as_tokens(b, vocab, what="rejected branch")) for off, b in rejected]
         self.accept_checked(session, new, checked)
 
-    def accept_checked(
-        self, session: Session, new: np.ndarray, rejected: Sequence[tuple[int, np.ndarray]] | None = None
-    ) -> None:
+    def accept_checked(self, session: Session, new: np.ndarray, rejected: Branches | None = None) -> None:
         """:meth:`accept` for tokens (and branches, their offsets in range) already checked
         against the namespace: a contiguous int32 array with every id in the vocabulary."""
-        if new.size == 0:
+        self.accept_many([(session, new, rejected)])
+
+    def accept_many(self, items: Sequence[tuple[Session, np.ndarray, Branches | None]]) -> None:
+        """:meth:`accept_checked` for several sessions, each named once: where verification left
+        each last tree is found in one compiled pass over them all, and the calibration takes
+        every first guess at once."""
+        items = [item for item in items if item[1].size]
+        if not items:
             return
-        ahead = select(session.prefetched, new) if session.prefetched else None
-        tree = session.last_tree
-        path = None
-        branches: Sequence[tuple[int, np.ndarray]] = [] if rejected is None else rejected
-        if tree is not None and len(tree):
-            # By default the branches rejected are the best ones leaving the accepted path where
-            # verification stopped, each extended by its best-scoring descendants.
-            limit = _REJECTED_BRANCHES if rejected is None else 0
-            path, rows, lengths = kernels.verification_outcome(tree.tokens, tree.parents, tree.scores, new, limit)
-            if rejected is None:
-                branches = [(int(path.size), rows[j, :n]) for j, n in enumerate(lengths.tolist())]
-        self._count(session, path, ahead is not None)
-        self._calibrate(session, int(new[0]))
-        if branches:  # each keyed by the context tail where it branched off
-            before = session.context.tokens[-self.config.rejected.leader_len :].tolist()
-            tail = before + new.tolist()
-            for depth, branch in branches:
-                session.rejected.record_at(tail, len(before) + depth, branch)
-        session.context.extend(new)
-        # A tree drafted ahead for this outcome is what the decoder verifies next.
-        session.last_tree, session.guesses, session.prefetched = ahead, [], {}
-        n_ctx, n_lifetime = session.hints  # a match that continues is the new tokens longer
-        session.hints = (n_ctx + new.size if n_ctx else 0, n_lifetime + new.size if n_lifetime else 0)
+        verified = [j for j, (s, _, _) in enumerate(items) if s.last_tree is not None]
+        # By default the branches rejected are the best ones leaving the accepted path where
+        # verification stopped, each extended by its best-scoring descendants.
+        found: dict[int, list[tuple[int, tuple[int, ...]]]] = {}
+        if verified:
+            depths, rows = self._outcomes([items[j] for j in verified])
+            found = {j: [(depths[i], row) for row in rows[i]] for i, j in enumerate(verified)}
+        self._calibrate(items)
+        ll, fl = self.config.rejected.leader_len, self.config.rejected.follower_len
+        for j, (session, new, rejected) in enumerate(items):
+            ahead = select(session.prefetched, new) if session.prefetched else None
+            if session.prefetched and session.last_tree is not None:
+                self.counters.ahead_hits += ahead is not None
+                self.counters.ahead_misses += ahead is None
+            branches = found.get(j, []) if rejected is None else [(at, tuple(b[:fl].tolist())) for at, b in rejected]
+            before = len(session.context)
+            session.context.extend(new)
+            if branches:  # each keyed by the context tail where it branched off
+                tokens, leader_end, leader = session.context.tokens, -1, ()
+                for depth, branch in branches:
+                    end = before + depth
+                    if end >= ll and branch:
+                        if end != leader_end:
+                            leader_end, leader = end, tuple(tokens[end - ll : end].tolist())
+                        session.rejected.table.add(leader, branch)
+            # A tree drafted ahead for this outcome is what the decoder verifies next.
+            session.last_tree, session.guesses, session.prefetched = ahead, None, {}
+            n_ctx, n_lifetime = session.hints  # a match that continues is the new tokens longer
+            session.hints = (n_ctx + new.size if n_ctx else 0, n_lifetime + new.size if n_lifetime else 0)
+
+    def _calibrate(self, items: Sequence[tuple[Session, np.ndarray, Branches | None]]) -> None:
+        """Count each session's first guesses of its last draft against the first token the
+        target produced, in order, one compiled call per run of sessions drafted together."""
+        runs: list[tuple[Guesses, list[int], list[int]]] = []
+        for session, new, _ in items:
+            if session.guesses is None:
+                continue
+            block, row = session.guesses
+            if not runs or runs[-1][0] is not block:
+                runs.append((block, [], []))
+            runs[-1][1].append(row)
+            runs[-1][2].append(int(new[0]))
+        with self._lock:
+            for block, rows, actual in runs:
+                self.calibrator.update_rows(block, np.array(rows, dtype=np.int64), np.array(actual, dtype=np.int64))
+
+    def _outcomes(
+        self, items: Sequence[tuple[Session, np.ndarray, Branches | None]]
+    ) -> tuple[list[int], list[list[tuple[int, ...]]]]:
+        """Verifying each session's last tree against its new tokens: the accepted path's length
+        and (without branches given) the branches rejected where it stopped; counted."""
+        trees = [s.last_tree for s, _, _ in items if s.last_tree is not None]
+        news = [new for _, new, _ in items]
+        path_lengths, by_tier, rows, lengths, first_row = kernels.verification_outcomes(
+            _joined([t.tokens for t in trees], np.int32),
+            _joined([t.parents for t in trees], np.int32),
+            _joined([t.scores for t in trees], np.float32),
+            _joined([t.sources for t in trees], np.uint8),
+            np.array([len(t) for t in trees], dtype=np.int64),
+            _joined(news, np.int32),
+            np.array([new.size for new in news], dtype=np.int64),
+            np.array([_REJECTED_BRANCHES if rejected is None else 0 for _, _, rejected in items], dtype=np.int64),
+            self.config.rejected.follower_len,
+            len(_TIERS),
+        )
+        c = self.counters
+        c.steps += len(trees)
+        c.drafted += sum(len(t) for t in trees)
+        for t, n in enumerate(by_tier.tolist()):
+            if n:
+                c.accepted[_TIER_NAMES[t]] += n
+        cut = [tuple(row[:n]) for row, n in zip(rows.tolist(), lengths.tolist(), strict=True)]
+        bounds = first_row.tolist()
+        return path_lengths.tolist(), [cut[bounds[i] : bounds[i + 1]] for i in range(len(trees))]
 
     def prespeculate(self, session: Session, k: int, params: DraftParams) -> Prefetched:
         """Trees drafted ahead for the ``k`` likeliest outcomes of verifying the session's last
@@ -381,7 +438,9 @@ class NamespaceDrafter:
 
     # -- tiers -------------------------------------------------------------------------------
 
-    def _run(self, jobs: Sequence[_Job], *, remember: bool) -> list[tuple[DraftTree, list[Guess], tuple[int, int]]]:
+    def _run(
+        self, jobs: Sequence[_Job], *, remember: bool
+    ) -> list[tuple[DraftTree, tuple[Guesses, int], tuple[int, int]]]:
         """Each job's tree, first guesses and hints, all drafted in one compiled call (see
         :func:`~indexer.kernels.draft.draft_batch`). The tiers kept in Python objects (the
         rejected table, the prior, the exact-prompt cache) are looked up here first; with
@@ -404,14 +463,14 @@ class NamespaceDrafter:
         tokens, parents, sources, scores, ends, first_tok, guess, lengths = _draft_batch(
             batch.arrays(), self.memory.search_arrays(), self._settings, hits, predicted
         )
-        bounds, firsts, guessed, found_n = ends.tolist(), first_tok.tolist(), guess.tolist(), lengths.tolist()
+        bounds, found_n = ends.tolist(), lengths.tolist()
+        guesses = Guesses(first_tok, guess, lengths)
         out = []
         for j in range(len(jobs)):
             a, b = bounds[j], bounds[j + 1]
             tree = DraftTree(tokens[a:b], parents[a:b], sources[a:b], scores[a:b])
-            ft, ns = firsts[j], found_n[j]
-            guesses = [Guess(_TIERS[t], ns[t], ft[t], guessed[j][t]) for t in _TIER_VALUES if ft[t] >= 0]
-            out.append((tree, guesses, (ns[Tier.CONTEXT], ns[Tier.LIFETIME_SA])))
+            ns = found_n[j]
+            out.append((tree, (guesses, j), (ns[Tier.CONTEXT], ns[Tier.LIFETIME_SA])))
         return out
 
     def _exact(self, s: Session, ctx: np.ndarray, depth: int, remember: bool) -> tuple[np.ndarray, int] | None:
@@ -430,23 +489,3 @@ class NamespaceDrafter:
             if not agrees:
                 return None
         return s.exact[done.size : done.size + depth], max(1, int(done.size) + 1)
-
-    def _count(self, s: Session, path: np.ndarray | None, ahead: bool) -> None:
-        """Count the outcome of verifying the session's last tree (``path``: the accepted nodes)."""
-        tree = s.last_tree
-        if tree is None:
-            return
-        c = self.counters
-        c.steps += 1
-        c.drafted += tree.tokens.size
-        if s.prefetched:
-            c.ahead_hits += ahead
-            c.ahead_misses += not ahead
-        if path is not None and path.size:
-            for src in tree.sources[path].tolist():
-                c.accepted[_TIER_NAMES[src]] += 1
-
-    def _calibrate(self, s: Session, actual: int) -> None:
-        if s.guesses:
-            with self._lock:
-                self.calibrator.update_many(s.guesses, actual)

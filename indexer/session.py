@@ -27,6 +27,25 @@ class Guess(NamedTuple):
     predicted: float
 
 
+class Guesses(NamedTuple):
+    """Every tier's first guess in one batch of drafts, by sequence and tier value: the token
+    (-1: the tier had none), its probability and the match length it was found at."""
+
+    tokens: np.ndarray  # int64 (sequences, tiers)
+    predicted: np.ndarray  # float64 (sequences, tiers)
+    lengths: np.ndarray  # int64 (sequences, tiers)
+
+    def of(self, j: int) -> list[Guess]:
+        """Sequence ``j``'s guesses, one per tier that had one."""
+        return [
+            Guess(Tier(t), n, tok, p)
+            for t, (tok, p, n) in enumerate(
+                zip(self.tokens[j].tolist(), self.predicted[j].tolist(), self.lengths[j].tolist(), strict=True)
+            )
+            if tok >= 0
+        ]
+
+
 @dataclass(frozen=True)
 class SessionSnapshot:
     """Everything needed to continue a session elsewhere: its tokens and its rejected table.
@@ -55,7 +74,7 @@ class Session:
         self.exact_agrees = 0  # generated tokens known to equal the exact response's start; -1: they differ
         self.last_tree: DraftTree | None = None
         self.prefetched: Prefetched = {}  # trees drafted ahead for outcomes of last_tree
-        self.guesses: list[Guess] = []
+        self.guesses: tuple[Guesses, int] | None = None  # the last draft's batch and row in it
         self.hints = (0, 0)  # last match lengths of the own-context and lifetime-suffix tiers (0: none)
 
     @property

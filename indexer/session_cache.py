@@ -99,11 +99,6 @@ class RejectedCache:
         self.table = LruTable(config)
 
     def record(self, context: np.ndarray, branch: np.ndarray) -> None:
-        self.record_at(context.tolist(), context.size, branch)
-
-    def record_at(self, tokens: list[int], end: int, branch: np.ndarray) -> None:
-        """:meth:`record` for the context ``tokens[:end]`` (one list serves every branch of a
-        step, with no array slicing per branch)."""
         ll, fl = self.table.config.leader_len, self.table.config.follower_len
-        if end >= ll and branch.size:
-            self.table.add(tuple(tokens[end - ll : end]), tuple(branch[:fl].tolist()))
+        if context.size >= ll and branch.size:
+            self.table.add(tuple(context[context.size - ll :].tolist()), tuple(branch[:fl].tolist()))

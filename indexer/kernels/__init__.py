@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from indexer.kernels.draft import draft_batch
+from indexer.kernels.draft import calibrate, draft_batch
 from indexer.kernels.search import (
     context_continuations,
     context_followers,
@@ -40,10 +40,12 @@ from indexer.kernels.tree import (
     merge_tree,
     rejected_branches,
     verification_outcome,
+    verification_outcomes,
 )
 
 __all__ = [
     "accepted_path",
+    "calibrate",
     "context_continuations",
     "context_followers",
     "draft_batch",
@@ -69,6 +71,7 @@ __all__ = [
     "tail_matches",
     "top_per_group",
     "verification_outcome",
+    "verification_outcomes",
     "warm_up",
 ]
 
@@ -101,6 +104,13 @@ def warm_up() -> None:
     accepted_path(one, np.array([-1], dtype=np.int32), one)
     rejected_branches(one, np.array([-1], dtype=np.int32), np.ones(1, dtype=np.float32), -1, 2)
     verification_outcome(one, np.array([-1], dtype=np.int32), np.ones(1, dtype=np.float32), one, 2)
+    sizes = one_tree[1:]
+    root = np.array([-1], dtype=np.int32)
+    verification_outcomes(
+        one, root, np.ones(1, dtype=np.float32), np.zeros(1, dtype=np.uint8), sizes, one, sizes, sizes, 2, 7
+    )
+    guesses = np.full((1, 7), -1, dtype=np.int64)
+    calibrate(np.zeros((7, 5)), np.zeros((7, 5)), guesses, np.zeros((1, 7)), guesses, one_tree[:1], one_tree[:1], 4)
     seq = np.array([[0, 5, 0, 5, 4, 0, 0, 0, 2, 4, 1, 0, 1]], dtype=np.int64)
     part_meta = np.array([[2, 2, 1, 5, 1]], dtype=np.int64)
     draft_batch(

@@ -256,3 +256,27 @@ def draft_batch(
                     guess[j, t] = fv[t] / conf_of[t] * (n / (n + half[t]))
         offsets[j + 1] = out
     return tokens[:out], parents[:out], sources[:out], scores[:out], offsets, first_tok, guess, lengths
+
+
+@njit(cache=True, nogil=True)
+def calibrate(
+    hits: np.ndarray,
+    pred: np.ndarray,
+    first_tok: np.ndarray,
+    guess: np.ndarray,
+    lengths: np.ndarray,
+    rows: np.ndarray,
+    actual: np.ndarray,
+    buckets: int,
+) -> None:
+    """Count first guesses against what the target produced, in place: for sequence
+    ``rows[i]`` of a :func:`draft_batch` call (its ``first_tok``, ``guess`` and ``lengths``),
+    each tier's guess adds its probability to ``pred`` and a hit, when it equals ``actual[i]``,
+    to ``hits``, per tier and match-length bucket; row by row, tier by tier."""
+    for i in range(rows.size):
+        j = rows[i]
+        for t in range(first_tok.shape[1]):
+            if first_tok[j, t] >= 0:
+                b = min(lengths[j, t], buckets)
+                pred[t, b] += guess[j, t]
+                hits[t, b] += first_tok[j, t] == actual[i]

@@ -11,7 +11,7 @@ from indexer.lifetime_index import LifetimeIndexes
 from indexer.ngram_table import NgramTable
 from indexer.prespeculation import stopping_points
 from indexer.prior import PriorConfig, StaticPrior
-from indexer.session import Session
+from indexer.session import Guess, Session
 from indexer.suffix_array import SuffixIndex
 from indexer.tokens import SEPARATOR, Namespace
 from indexer.tree_builder import Candidates, Tier, merge_candidates
@@ -89,6 +89,12 @@ def _reference(d: NamespaceDrafter, s: Session, params: DraftParams, ctx=None, e
     )
 
 
+def _guesses(s: Session) -> list[Guess]:
+    assert s.guesses is not None
+    block, row = s.guesses
+    return block.of(row)
+
+
 def _world(seed: int):
     """A drafter whose every tier has something to say: a main lifetime index and delta runs,
     a prior, sessions with indexed prompts, outputs, rejected branches and an exact response."""
@@ -134,7 +140,7 @@ def test_batch_trees_are_each_sessions_tiers_merged(seed, params):
     for (tree, firsts), drafted, s in zip(want, got, sessions, strict=True):
         for name in ("tokens", "parents", "sources", "scores"):
             assert np.array_equal(getattr(drafted, name), getattr(tree, name)), name
-        assert {g.tier: g.token for g in s.guesses} == {t: tok for t, (tok, _) in firsts.items()}
+        assert {g.tier: g.token for g in _guesses(s)} == {t: tok for t, (tok, _) in firsts.items()}
         tiers_seen |= set(firsts)
     assert tiers_seen == set(Tier)  # every tier took part somewhere
 
@@ -145,8 +151,8 @@ def test_guesses_predict_the_first_token_probability_under_their_tier():
     for s in sessions:
         _, firsts = _reference(d, s, params)
         d.draft(s, params)
-        lengths = {g.tier: g.n for g in s.guesses}
-        for g in s.guesses:
+        lengths = {g.tier: g.n for g in _guesses(s)}
+        for g in _guesses(s):
             tok, p = firsts[g.tier]
             assert g.token == tok
             assert g.predicted == pytest.approx(p * lengths[g.tier] / (lengths[g.tier] + _HALF[g.tier]), rel=1e-12)
@@ -209,3 +215,101 @@ def test_read_only_indexes_are_compiled_for_before_use_and_draft_the_same_trees(
     for s in sessions:
         a, b = writable.draft(s, DraftParams()), read_only.draft(s, DraftParams())
         assert a.tokens.tolist() == b.tokens.tolist() and a.scores.tolist() == b.scores.tolist()
+
+
+def _outcome(tree, rng) -> np.ndarray:
+    """Tokens a target could produce after ``tree``: some of a root path, then a token of its own."""
+    node, path = -1, []
+    for _ in range(int(rng.integers(0, 5))):
+        kids = np.flatnonzero(tree.parents == node)
+        if not kids.size:
+            break
+        node = int(kids[rng.integers(0, kids.size)])
+        path.append(int(tree.tokens[node]))
+    return np.array([*path, int(rng.integers(0, VOCAB))], dtype=np.int32)
+
+
+def _state(d: NamespaceDrafter, sessions: list[Session]):
+    per_session = [
+        (s.context.tokens.tolist(), s.rejected.table.items(), s.hints, s.last_tree is None, s.guesses is None)
+        for s in sessions
+    ]
+    return per_session, d.calibrator.table(), d.counters
+
+
+def _accept_alone(d: NamespaceDrafter, s: Session, new: np.ndarray, given) -> None:
+    """One session taking its new tokens, step by step, from the single-tree kernels."""
+    if not new.size:
+        return
+    branches = given or []
+    if s.last_tree is not None:
+        tree = s.last_tree
+        path, rows, lengths = kernels.verification_outcome(
+            tree.tokens, tree.parents, tree.scores, new, 0 if given is not None else 4
+        )
+        if given is None:
+            branches = [(path.size, rows[j, :n]) for j, n in enumerate(lengths)]
+        d.counters.steps += 1
+        d.counters.drafted += len(tree)
+        for src in tree.sources[path]:
+            d.counters.accepted[Tier(src).name] += 1
+    for g in _guesses(s) if s.guesses is not None else []:
+        d.calibrator.update(g.tier, g.n, predicted=g.predicted, hit=g.token == new[0])
+    grown = np.concatenate([s.context.tokens, new])
+    for at, branch in branches:
+        s.rejected.record(grown[: len(s.context) + at], branch)
+    s.context.extend(new)
+    s.last_tree, s.guesses = None, None
+    s.hints = tuple(h + new.size if h else 0 for h in s.hints)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_batch_accepts_as_its_sessions_one_after_another(seed):
+    """Outcomes, rejected branches (found or given), calibration and counts come out as if each
+    session took its tokens alone, in the batch's order."""
+    (one, one_sessions), (many, many_sessions) = _world(seed), _world(seed)
+    for d, sessions in ((one, one_sessions), (many, many_sessions)):
+        d.draft_many([(s, DraftParams()) for s in sessions[:-1]])  # the last session holds no tree
+    rng = np.random.default_rng(seed)
+    news = [_outcome(s.last_tree, rng) if s.last_tree is not None else np.array([4, 5], np.int32) for s in one_sessions]
+    news[3] = np.zeros(0, dtype=np.int32)  # nothing new: left as it is
+    given = {1: [(0, np.array([30, 31, 32], np.int32))], 5: []}  # branches the decoder names (none: none)
+    for j, (s, new) in enumerate(zip(one_sessions, news, strict=True)):
+        _accept_alone(one, s, new, given.get(j))
+    many.accept_many([(s, new, given.get(j)) for j, (s, new) in enumerate(zip(many_sessions, news, strict=True))])
+    assert _state(one, one_sessions) == _state(many, many_sessions)
+    assert sum(many.counters.accepted.values()) > 0
+    assert any(s.rejected.table.items() for s in many_sessions[6:])  # branches were found and kept
+    params = DraftParams()
+    for a, b in zip(
+        one.draft_many([(s, params) for s in one_sessions]),
+        many.draft_many([(s, params) for s in many_sessions]),
+        strict=True,
+    ):
+        assert a.tokens.tolist() == b.tokens.tolist() and a.scores.tolist() == b.scores.tolist()
+
+
+def test_batch_outcomes_are_each_trees_outcome():
+    rng = np.random.default_rng(5)
+    d, sessions = _world(4)
+    trees = d.draft_many([(s, DraftParams()) for s in sessions])
+    news = [_outcome(t, rng) for t in trees]
+    limits = rng.integers(0, 5, size=len(trees))
+    width = 3
+    lengths_of = np.array([len(t) for t in trees], dtype=np.int64)
+    path_lengths, by_tier, rows, lengths, first_row = kernels.verification_outcomes(
+        np.concatenate([t.tokens for t in trees]), np.concatenate([t.parents for t in trees]),
+        np.concatenate([t.scores for t in trees]), np.concatenate([t.sources for t in trees]), lengths_of,
+        np.concatenate(news), np.array([n.size for n in news], dtype=np.int64), limits, width, len(Tier),
+    )  # fmt: skip
+    counted = np.zeros(len(Tier), dtype=np.int64)
+    for j, (t, new) in enumerate(zip(trees, news, strict=True)):
+        path, want_rows, want_lengths = kernels.verification_outcome(t.tokens, t.parents, t.scores, new, limits[j])
+        assert path_lengths[j] == path.size
+        np.add.at(counted, t.sources[path], 1)
+        got = rows[first_row[j] : first_row[j + 1]]
+        assert [r[:n].tolist() for r, n in zip(got, lengths[first_row[j] : first_row[j + 1]], strict=True)] == [
+            r[: min(n, width)].tolist() for r, n in zip(want_rows, want_lengths, strict=True)
+        ]
+    assert by_tier.tolist() == counted.tolist() and by_tier.sum() > 0
+    assert first_row[-1] > 0  # some tree was left where branches were kept

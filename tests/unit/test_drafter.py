@@ -5,7 +5,7 @@ from indexer.calibration import Calibrator
 from indexer.drafter import DrafterConfig, DraftParams, NamespaceDrafter
 from indexer.lifetime_index import prompt_key
 from indexer.prior import PriorConfig, StaticPrior
-from indexer.session import Guess
+from indexer.session import Guesses
 from indexer.tokens import SEPARATOR, Namespace
 from indexer.tree_builder import Tier
 
@@ -373,14 +373,24 @@ def test_calibrator_buckets_clamp_long_matches():
     assert len(cal.table()[Tier.DYNAMIC.name]) == 5
 
 
-def test_calibrator_update_many_is_one_update_per_guess():
+def test_calibrator_update_rows_is_one_update_per_guess_in_order():
     one_by_one, at_once = Calibrator(buckets=4), Calibrator(buckets=4)
-    guesses = [Guess(Tier.CONTEXT, 2, 7, 0.5), Guess(Tier.PRIOR, 9, 8, 0.25), Guess(Tier.CONTEXT, 2, 8, 0.1)]
-    for g in guesses:
-        one_by_one.update(g.tier, g.n, predicted=g.predicted, hit=g.token == 8)
-    at_once.update_many(guesses, 8)
+    # Three drafted sequences' first guesses by tier (-1: none); rows 2 and 0 were verified.
+    tokens = np.full((3, len(Tier)), -1, dtype=np.int64)
+    predicted, lengths = np.zeros(tokens.shape), np.zeros(tokens.shape, dtype=np.int64)
+    tokens[0, Tier.CONTEXT], predicted[0, Tier.CONTEXT], lengths[0, Tier.CONTEXT] = 7, 0.5, 2
+    tokens[0, Tier.PRIOR], predicted[0, Tier.PRIOR], lengths[0, Tier.PRIOR] = 8, 0.25, 9
+    tokens[1, Tier.CONTEXT], predicted[1, Tier.CONTEXT], lengths[1, Tier.CONTEXT] = 3, 0.9, 2
+    tokens[2, Tier.CONTEXT], predicted[2, Tier.CONTEXT], lengths[2, Tier.CONTEXT] = 8, 0.1, 2
+    block = Guesses(tokens, predicted, lengths)
+    for row, actual in ((2, 8), (0, 8)):
+        for g in block.of(row):
+            one_by_one.update(g.tier, g.n, predicted=g.predicted, hit=g.token == actual)
+    at_once.update_rows(block, np.array([2, 0]), np.array([8, 8]))
     assert at_once.table() == one_by_one.table()
+    # CONTEXT: row 2 guessed 8 (hit), row 0 guessed 7 (miss); row 1 was not verified.
     assert at_once.factor(Tier.CONTEXT, 2) == pytest.approx((1 + 2) / (0.6 + 2))
+    assert at_once.factor(Tier.PRIOR, 4) == pytest.approx((1 + 2) / (0.25 + 2))  # length 9: the last bucket
 
 
 def test_drafter_calibration_moves_toward_outcomes():
