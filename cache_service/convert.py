@@ -9,7 +9,7 @@ from draftcache.v1 import draftcache_pb2 as pb
 
 from cache_service import wire
 from cache_service.errors import InvalidArgument
-from cache_service.service import CloseItem, DraftItem, FeedbackItem, NamespaceStats, OpenItem
+from cache_service.service import CloseItem, DraftColumns, DraftItem, FeedbackItem, NamespaceStats, OpenItem
 from indexer.drafter import DraftParams
 from indexer.prespeculation import Prefetched
 from indexer.tree_builder import DraftTree
@@ -48,8 +48,18 @@ def open_items(req: pb.OpenSessionsRequest, default: DraftParams) -> list[OpenIt
     ]
 
 
-def draft_items(req: pb.DraftRequest) -> list[DraftItem]:
-    return [DraftItem(item.session_id, tokens(item.new_tokens), item.lookahead) for item in req.items]
+def draft_items(req: pb.DraftRequest) -> list[DraftItem] | DraftColumns:
+    if not req.HasField("columns"):
+        return [DraftItem(item.session_id, tokens(item.new_tokens), item.lookahead) for item in req.items]
+    if len(req.items):
+        raise InvalidArgument("a draft request holds items or columns, not both")
+    c = req.columns
+    return DraftColumns(
+        c.session_ids,
+        np.array(c.new_token_counts, dtype=np.int64),
+        np.array(c.new_tokens, dtype=np.int32),
+        np.array(c.lookahead, dtype=np.int64),
+    )
 
 
 def draft_response(results: list[tuple[DraftTree, Prefetched]]) -> pb.DraftResponse:

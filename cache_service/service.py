@@ -51,6 +51,23 @@ class DraftItem:
 
 
 @dataclass(frozen=True)
+class DraftColumns:
+    """Draft items in columns, as a decoder stepping a batch sends them: session
+    ``session_ids[j]`` takes the next ``counts[j]`` of ``tokens``, drafting ahead for
+    ``lookahead[j]`` outcomes (``None``: none for every session)."""
+
+    session_ids: Sequence[str]
+    counts: np.ndarray  # int64, one per session
+    tokens: np.ndarray  # int32, every session's new tokens end to end
+    lookahead: np.ndarray | None = None  # int64, one per session
+
+
+def named_sessions(batch: Sequence[DraftItem] | DraftColumns) -> Sequence[str]:
+    """The session ids a draft batch names, in order."""
+    return batch.session_ids if isinstance(batch, DraftColumns) else [item.session_id for item in batch]
+
+
+@dataclass(frozen=True)
 class FeedbackItem:
     session_id: str
     accepted: np.ndarray | list[int]
@@ -307,17 +324,24 @@ class DraftService:
         return [tree for tree, _ in self.draft_ahead([DraftItem(sid, new) for sid, new in items], principal=principal)]
 
     def draft_ahead(
-        self, items: Sequence[DraftItem], *, principal: Principal | None = None, read_storage: bool = True
+        self,
+        items: Sequence[DraftItem] | DraftColumns,
+        *,
+        principal: Principal | None = None,
+        read_storage: bool = True,
     ) -> list[tuple[DraftTree, Prefetched]]:
         """Like :meth:`draft`; each item's ``lookahead`` also drafts ahead for that many likely
         outcomes of verifying its tree. New tokens that match an outcome drafted ahead continue
         with the tree the decoder already holds (the subtree the outcome selects)."""
-        self._check_batch(len(items))
-        for item in items:
-            if not 0 <= item.lookahead <= MAX_LOOKAHEAD:
-                raise InvalidArgument(f"lookahead must be in [0, {MAX_LOOKAHEAD}], got {item.lookahead}")
-        resolved = [(self._entry(item.session_id, principal, read_storage), item) for item in items]
-        checked = [(entry, self._new_tokens(entry, item.new_tokens), item.lookahead) for entry, item in resolved]
+        if isinstance(items, DraftColumns):
+            checked = self._checked_columns(items, principal, read_storage)
+        else:
+            self._check_batch(len(items))
+            for item in items:
+                if not 0 <= item.lookahead <= MAX_LOOKAHEAD:
+                    raise InvalidArgument(f"lookahead must be in [0, {MAX_LOOKAHEAD}], got {item.lookahead}")
+            resolved = [(self._entry(item.session_id, principal, read_storage), item) for item in items]
+            checked = [(entry, self._new_tokens(entry, item.new_tokens), item.lookahead) for entry, item in resolved]
         out: list[tuple[DraftTree, Prefetched]] = []
         # The sessions take their new tokens, then the trees still to draft are drafted
         # together, one compiled call per namespace for each. A session named twice sees its
@@ -335,6 +359,48 @@ class DraftService:
             )
         self._drafts += len(out)
         return out
+
+    def _checked_columns(
+        self, cols: DraftColumns, principal: Principal | None, read_storage: bool
+    ) -> list[tuple[SessionEntry, np.ndarray, int]]:
+        """A columnar batch checked whole (shapes, limits, every id in its session's vocabulary)
+        and cut into ``(session, new tokens, lookahead)`` items."""
+        n = len(cols.session_ids)
+        self._check_batch(n)
+        counts, tokens, lookahead = cols.counts, cols.tokens, cols.lookahead
+        if counts.shape != (n,):
+            raise InvalidArgument(f"{counts.size} new-token counts for {n} sessions")
+        if lookahead is None or not lookahead.size:
+            lookahead = np.zeros(n, dtype=np.int64)
+        elif lookahead.shape != (n,):
+            raise InvalidArgument(f"{lookahead.size} lookahead values for {n} sessions")
+        if tokens.dtype != np.int32 or tokens.ndim != 1:
+            raise InvalidArgument(f"new tokens must be a flat int32 array, got {tokens.dtype} {tokens.shape}")
+        if n and (int(counts.min()) < 0 or int(counts.sum()) != tokens.size):
+            raise InvalidArgument(f"new-token counts must add up to the {tokens.size} tokens sent")
+        if not n and tokens.size:
+            raise InvalidArgument(f"{tokens.size} new tokens for no session")
+        if n and int(counts.max()) > self.config.max_new_tokens:
+            raise ResourceExhausted(f"{int(counts.max())} new tokens in one call exceed {self.config.max_new_tokens}")
+        if n and (int(lookahead.min()) < 0 or int(lookahead.max()) > MAX_LOOKAHEAD):
+            raise InvalidArgument(f"lookahead must be in [0, {MAX_LOOKAHEAD}]")
+        entries = [self._entry(sid, principal, read_storage) for sid in cols.session_ids]
+        vocab = np.repeat(np.array([e.drafter.namespace.vocab_size for e in entries], dtype=np.int64), counts)
+        bad = np.flatnonzero((tokens < 0) | (tokens >= vocab))
+        ends = np.cumsum(counts)
+        if bad.size:
+            i = int(bad[0])
+            j = int(np.searchsorted(ends, i, side="right"))
+            at = i - int(ends[j] - counts[j])
+            raise InvalidArgument(
+                f"namespace {entries[j].namespace}: new tokens: id {int(tokens[i])} at position {at} is outside the "
+                f"vocabulary [0, {int(vocab[i])})"
+            )
+        bounds = [0, *ends.tolist()]
+        return [
+            (entry, tokens[bounds[j] : bounds[j + 1]], k)
+            for j, (entry, k) in enumerate(zip(entries, lookahead.tolist(), strict=True))
+        ]
 
     def _accept(self, items: Sequence[tuple[SessionEntry, np.ndarray, Branches | None]]) -> None:
         """Sessions (each named once) take their checked new tokens, one call per namespace."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import grpc
 from draftcache.v1 import draftcache_pb2 as pb
@@ -13,7 +13,7 @@ from draftcache.v1 import draftcache_pb2_grpc as pb_grpc
 from cache_service import auth, convert, wire
 from cache_service.errors import InvalidArgument
 from cache_service.interceptor import Observer, status_of
-from cache_service.service import DraftService
+from cache_service.service import DraftService, named_sessions
 
 
 class DraftCacheServicer(pb_grpc.DraftCacheServicer):
@@ -41,7 +41,7 @@ class DraftCacheServicer(pb_grpc.DraftCacheServicer):
 
     async def Draft(self, request: pb.DraftRequest, context: grpc.aio.ServicerContext) -> pb.DraftResponse:
         items, principal = convert.draft_items(request), auth.current()
-        await self._continue_stored([item.session_id for item in items], principal)
+        await self._continue_stored(named_sessions(items), principal)
         return convert.draft_response(self._service.draft_ahead(items, principal=principal, read_storage=False))
 
     async def Feedback(self, request: pb.FeedbackRequest, context: grpc.aio.ServicerContext) -> pb.FeedbackResponse:
@@ -63,7 +63,7 @@ class DraftCacheServicer(pb_grpc.DraftCacheServicer):
     async def Echo(self, request: pb.EchoRequest, context: grpc.aio.ServicerContext) -> pb.EchoResponse:
         return pb.EchoResponse(payload=request.payload)
 
-    async def _continue_stored(self, sids: list[str], principal: auth.Principal | None) -> None:
+    async def _continue_stored(self, sids: Sequence[str], principal: auth.Principal | None) -> None:
         """Sessions this replica does not hold are read from storage on a worker thread: a slow
         storage delays the calls naming them, never the event loop serving everyone else."""
         missing = self._service.not_in_memory(sids)

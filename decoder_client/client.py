@@ -129,6 +129,7 @@ class _Core:
         self.down_until = 0.0
         self.abandoned: list[str] = []  # server sessions given up on (closed when the service answers)
         self.late: list[_LateCall] = []  # see :meth:`missed`
+        self.columns = True  # draft calls in columns (False once a server showed it predates them)
         wire.warm_up()  # the response reader is compiled now, not on the first step's deadline
         p = config.params
         self.params = pb.DraftParams(
@@ -188,8 +189,18 @@ class _Core:
         if not remote or not self.available():
             return None
         k = self.config.lookahead
+        if not self.columns:
+            return pb.DraftRequest(
+                items=[pb.DraftItem(session_id=s.server_id, new_tokens=s.pending, lookahead=k) for s in remote]
+            )
+        pending = [s.pending for s in remote]
         return pb.DraftRequest(
-            items=[pb.DraftItem(session_id=s.server_id, new_tokens=s.pending, lookahead=k) for s in remote]
+            columns=pb.DraftColumns(
+                session_ids=[s.server_id for s in remote],
+                new_token_counts=[len(p) for p in pending],
+                new_tokens=[t for p in pending for t in p],
+                lookahead=[k] * len(remote) if k else [],
+            )
         )
 
     def split_ahead(
@@ -268,8 +279,16 @@ class _Core:
         remote = [s for s in sessions if s.server_id]
         got: dict[int, DraftTree] = {}
         if resp is not None:
-            got.update((id(s), t) for s, t in zip(remote, wire.trees_from_response(resp), strict=True))
-            self.stats.remote += len(remote)
+            drafted = wire.trees_from_response(resp)
+            if len(drafted) == len(remote):
+                got.update((id(s), t) for s, t in zip(remote, drafted, strict=True))
+                self.stats.remote += len(remote)
+            else:  # not an answer to this call: the sessions' server copies are in doubt
+                logger.warning("draft call for %d sessions answered with %d trees", len(remote), len(drafted))
+                if remote and not drafted and self.columns:
+                    # A server that predates columnar calls reads none of them and drafts nothing.
+                    self.columns = False
+                resp = None
         if book:
             self.answered(sessions, resp)
         out = []

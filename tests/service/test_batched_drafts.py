@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from cache_service.config import ServiceConfig
-from cache_service.service import CloseItem, DraftItem, DraftService, OpenItem
+from cache_service.service import CloseItem, DraftColumns, DraftItem, DraftService, OpenItem
 from indexer.drafter import DraftParams
 
 _RNG = np.random.default_rng(7)
@@ -60,3 +60,23 @@ def test_one_batch_drafts_what_items_one_by_one_draft() -> None:
         assert _trees(together) == _trees(one_by_one)
         assert any(len(tree) for tree, _ in together)
     assert batched.drafts == single.drafts
+
+
+def test_a_batch_in_columns_drafts_what_its_items_draft() -> None:
+    by_items, by_columns = _service(), _service()
+    opens = [OpenItem("a", _text(2, 30)), OpenItem("b", _text(2, 31)), OpenItem("a", _text(2, 32))]
+    ids = by_items.open(opens)
+    assert by_columns.open([OpenItem(o.namespace, o.prompt, o.params, sid) for o, sid in zip(opens, ids, strict=True)])
+    for step in range(5):
+        news = [np.array(_text(1, 10 * step + i)[: (step + i) % 4], dtype=np.int32) for i in range(len(ids))]
+        sids, lookahead = list(ids), [i % 2 for i in range(len(ids))]
+        if step % 2:  # a session named twice
+            sids.append(ids[1])
+            news.append(np.array([_PHRASES[1][0]], dtype=np.int32))
+            lookahead.append(1)
+        items = [DraftItem(s, n, k) for s, n, k in zip(sids, news, lookahead, strict=True)]
+        columns = DraftColumns(
+            sids, np.array([n.size for n in news]), np.concatenate(news), np.array(lookahead, dtype=np.int64)
+        )
+        assert _trees(by_columns.draft_ahead(columns)) == _trees(by_items.draft_ahead(items))
+    assert by_columns.drafts == by_items.drafts

@@ -104,7 +104,8 @@ class _SlowServicer(pb_grpc.DraftCacheServicer):
 
     async def Draft(self, request, context, request_id: int = 0):  # type: ignore[no-untyped-def]
         await asyncio.sleep(self.delays.pop(0) if len(self.delays) > 1 else self.delays[0])
-        return pb.DraftResponse(trees=[pb.Tree(tokens=[request_id], parents=[-1]) for _ in request.items])
+        n = len(request.items) or len(request.columns.session_ids)
+        return pb.DraftResponse(trees=[pb.Tree(tokens=[request_id], parents=[-1]) for _ in range(n)])
 
     async def Stream(self, request_iterator, context):  # type: ignore[no-untyped-def]
         async for req in request_iterator:
@@ -503,3 +504,45 @@ def test_sessions_closed_while_the_service_is_skipped_are_closed_at_shutdown(run
         return held
 
     assert asyncio.run(scenario()) == 2 and len(running.service.sessions) == 0
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "unary"])
+def test_a_server_that_predates_columnar_calls_gets_items(monkeypatch, stream: bool) -> None:  # type: ignore[no-untyped-def]
+    from cache_service.servicer import DraftCacheServicer
+
+    plain = DraftCacheServicer.Draft
+
+    async def before_columns(self, request, context):  # type: ignore[no-untyped-def]
+        request.ClearField("columns")  # all such a server reads of a columnar call
+        return await plain(self, request, context)
+
+    monkeypatch.setattr(DraftCacheServicer, "Draft", before_columns)
+    running = start_service(ServiceConfig())
+    try:
+        _ns(running.target)
+        client = DraftClient(ClientConfig(target=running.target, namespace="toy", deadline_s=2.0, stream=stream))
+        out, _ = _generate(client)
+        assert out == TARGET.tolist()
+        assert client.stats.fallback > 0 and client.stats.reopened == 1  # the first call got no trees
+        fallback = client.stats.fallback
+        out, steps = _generate(client)  # a new request: drafted by the service, in items
+        assert out == TARGET.tolist()
+        assert client.stats.fallback == fallback and client.stats.remote >= steps
+        client.shutdown()
+    finally:
+        stop_service(running)
+
+
+def test_columnar_calls_draft_what_item_calls_draft() -> None:
+    results = []
+    for columns in (True, False):
+        running = start_service(ServiceConfig())
+        try:
+            _ns(running.target)
+            client = DraftClient(ClientConfig(target=running.target, namespace="toy", deadline_s=2.0))
+            client._core.columns = columns
+            results.append(_generate(client))
+            assert client.stats.fallback == 0
+        finally:
+            stop_service(running)
+    assert results[0] == results[1] and results[0][1] < 14

@@ -82,7 +82,23 @@ def bad_draft(draw: st.DrawFn, pool: list[str]) -> pb.DraftRequest:
     items = draw(st.permutations(items))
     if draw(st.booleans()):
         items = items + [pb.DraftItem(session_id=pool[0])] * (CONFIG.max_batch + 1 - len(items))
-    return pb.DraftRequest(items=items)
+    if not draw(st.booleans()):
+        return pb.DraftRequest(items=items)
+    # The same batch in columns; or columns that do not fit together.
+    counts = [len(i.new_tokens) for i in items]
+    lookahead = [i.lookahead for i in items]
+    misfit = draw(st.sampled_from(["none", "counts", "lookahead"]))
+    if misfit == "counts":
+        counts[draw(st.integers(0, len(counts) - 1))] += draw(st.integers(1, 5))
+    elif misfit == "lookahead":
+        lookahead = lookahead + [0] * draw(st.integers(1, 3))
+    columns = pb.DraftColumns(
+        session_ids=[i.session_id for i in items],
+        new_token_counts=counts,
+        new_tokens=[t for i in items for t in i.new_tokens],
+        lookahead=lookahead,
+    )
+    return pb.DraftRequest(columns=columns)
 
 
 @st.composite

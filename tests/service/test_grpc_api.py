@@ -137,6 +137,61 @@ def test_oversized_batch_and_step_are_resource_exhausted(running: Running) -> No
     assert _code(lambda: _draft(running, sid, [1] * 65)) == grpc.StatusCode.RESOURCE_EXHAUSTED  # max_new_tokens 64
 
 
+def _columns(
+    sids: list[str], counts: list[int], tokens: list[int], lookahead: list[int] | None = None
+) -> pb.DraftRequest:
+    return pb.DraftRequest(
+        columns=pb.DraftColumns(session_ids=sids, new_token_counts=counts, new_tokens=tokens, lookahead=lookahead or [])
+    )
+
+
+def test_a_columnar_batch_drafts_what_items_draft(running: Running) -> None:
+    _ns(running)
+    prompts = ([1, 2, 3, 1, 2], [5, 6, 7, 5], [9, 8, 9, 8, 9])
+    by_items, by_columns = [_open(running, list(p)) for p in prompts], [_open(running, list(p)) for p in prompts]
+    steps = ([3], [], [8]), ([1, 2], [6], [9, 8])
+    for news in steps:
+        items = pb.DraftRequest(
+            items=[pb.DraftItem(session_id=s, new_tokens=n) for s, n in zip(by_items, news, strict=True)]
+        )
+        flat = [t for n in news for t in n]
+        columns = _columns(by_columns, [len(n) for n in news], flat)
+        want, got = running.stub.Draft(items).trees, running.stub.Draft(columns).trees
+        assert [list(t.tokens) for t in got] == [list(t.tokens) for t in want]
+        assert [list(t.parents) for t in got] == [list(t.parents) for t in want]
+    assert any(len(t.tokens) for t in got)
+    ahead = running.stub.Draft(_columns(by_columns, [1, 0, 0], [3], [2, 0, 1]))
+    assert len(ahead.trees) == 3 and len(ahead.prefetched) == 3
+
+
+def test_a_bad_columnar_batch_gets_its_status_and_changes_nothing(running: Running) -> None:
+    _ns(running, vocab=10)
+    a, b = _open(running, [1, 2, 3, 1, 2]), _open(running, [4, 5, 4])
+    before = [list(_draft(running, s, []).tokens) for s in (a, b)]
+    invalid = [
+        _columns([a, b], [1], [3]),  # a count per session
+        _columns([a, b], [1, 1], [3]),  # counts add up to the tokens sent
+        _columns([a, b], [1, 1], [3, 10]),  # b's token is outside the vocabulary
+        _columns([a, b], [1, 1], [3, -1]),
+        _columns([a, b], [1, 1], [3, 4], [1]),  # a lookahead per session, or none
+        _columns([a, b], [1, 1], [3, 4], [0, 17]),  # lookahead at most 16
+        _columns([], [], [3]),
+        pb.DraftRequest(
+            items=[pb.DraftItem(session_id=a)], columns=pb.DraftColumns(session_ids=[b], new_token_counts=[0])
+        ),
+    ]
+    for req in invalid:
+        assert _code(lambda req=req: running.stub.Draft(req)) == grpc.StatusCode.INVALID_ARGUMENT, req
+    with pytest.raises(grpc.RpcError) as err:
+        running.stub.Draft(_columns([a, b], [1, 2], [3, 4, 10]))
+    assert "position 1" in (err.value.details() or "")  # where in b's tokens
+    assert _code(lambda: running.stub.Draft(_columns([a, "no-such-session"], [1, 0], [3]))) == grpc.StatusCode.NOT_FOUND
+    exhausted = [_columns([a] * 9, [0] * 9, []), _columns([a, b], [65, 0], [1] * 65)]  # max_batch 8, max_new_tokens 64
+    for req in exhausted:
+        assert _code(lambda req=req: running.stub.Draft(req)) == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert [list(_draft(running, s, []).tokens) for s in (a, b)] == before  # neither session was advanced
+
+
 def test_bad_budget_is_invalid(running: Running) -> None:
     _ns(running)
     req = pb.OpenSessionsRequest(

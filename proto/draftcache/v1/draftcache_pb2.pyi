@@ -64,11 +64,25 @@ class DraftItem(_message.Message):
     lookahead: int
     def __init__(self, session_id: _Optional[str] = ..., new_tokens: _Optional[_Iterable[int]] = ..., lookahead: _Optional[int] = ...) -> None: ...
 
+class DraftColumns(_message.Message):
+    __slots__ = ("session_ids", "new_token_counts", "new_tokens", "lookahead")
+    SESSION_IDS_FIELD_NUMBER: _ClassVar[int]
+    NEW_TOKEN_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOOKAHEAD_FIELD_NUMBER: _ClassVar[int]
+    session_ids: _containers.RepeatedScalarFieldContainer[str]
+    new_token_counts: _containers.RepeatedScalarFieldContainer[int]
+    new_tokens: _containers.RepeatedScalarFieldContainer[int]
+    lookahead: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_ids: _Optional[_Iterable[str]] = ..., new_token_counts: _Optional[_Iterable[int]] = ..., new_tokens: _Optional[_Iterable[int]] = ..., lookahead: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class DraftRequest(_message.Message):
-    __slots__ = ("items",)
+    __slots__ = ("items", "columns")
     ITEMS_FIELD_NUMBER: _ClassVar[int]
+    COLUMNS_FIELD_NUMBER: _ClassVar[int]
     items: _containers.RepeatedCompositeFieldContainer[DraftItem]
-    def __init__(self, items: _Optional[_Iterable[_Union[DraftItem, _Mapping]]] = ...) -> None: ...
+    columns: DraftColumns
+    def __init__(self, items: _Optional[_Iterable[_Union[DraftItem, _Mapping]]] = ..., columns: _Optional[_Union[DraftColumns, _Mapping]] = ...) -> None: ...
 
 class Prefetch(_message.Message):
     __slots__ = ("accepted", "tree")
