@@ -80,6 +80,7 @@ class CloseItem:
     commit: bool = True
     commit_from: int = 0
     missing_ok: bool = False  # an unknown session is skipped instead of NOT_FOUND
+    new_tokens: np.ndarray | Sequence[int] = ()  # produced since the last call, joining the context first
 
 
 @dataclass(frozen=True)
@@ -466,9 +467,13 @@ class DraftService:
             except NotFound:
                 if not item.missing_ok:
                     raise
-        for entry, item in entries:
-            if not 0 <= item.commit_from <= len(entry.session.context):
+        if len({entry.sid for entry, _ in entries}) != len(entries):
+            raise InvalidArgument("a close call names each session once")
+        checked = [(entry, self._new_tokens(entry, item.new_tokens), None) for entry, item in entries]
+        for (entry, item), (_, new, _) in zip(entries, checked, strict=True):
+            if not 0 <= item.commit_from <= len(entry.session.context) + new.size:
                 raise InvalidArgument(f"commit_from {item.commit_from} is outside the session's context")
+        self._accept(checked)
         commits: dict[str, list[tuple[SessionEntry, int]]] = {}
         for entry, item in entries:
             self.sessions.pop(entry.sid)
@@ -628,7 +633,7 @@ class DraftService:
         if size > self.config.max_batch:
             raise ResourceExhausted(f"batch of {size} exceeds the limit of {self.config.max_batch}")
 
-    def _new_tokens(self, entry: SessionEntry, tokens: np.ndarray | list[int]) -> np.ndarray:
+    def _new_tokens(self, entry: SessionEntry, tokens: np.ndarray | Sequence[int]) -> np.ndarray:
         new = _tokens(tokens, entry.drafter, "new tokens")
         if new.size > self.config.max_new_tokens:
             raise ResourceExhausted(f"{new.size} new tokens in one call exceed {self.config.max_new_tokens}")
@@ -652,7 +657,7 @@ def _rounds(items: Sequence[_Item]) -> Iterator[Sequence[_Item]]:
 
 
 def _tokens(
-    tokens: np.ndarray | list[int], drafter: NamespaceDrafter, what: str, vocab: int | None = None
+    tokens: np.ndarray | Sequence[int], drafter: NamespaceDrafter, what: str, vocab: int | None = None
 ) -> np.ndarray:
     try:
         return as_tokens(tokens, vocab or drafter.namespace.vocab_size, what=what)

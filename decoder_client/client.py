@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from secrets import token_hex
 from typing import Any
@@ -315,18 +316,28 @@ class _Core:
         used again, or at shutdown."""
         self.abandoned.extend(c.session_id for c in req.sessions)
 
-    def close_requests(
-        self, sessions: Sequence[ClientSession], commit: bool
-    ) -> tuple[pb.FeedbackRequest | None, pb.CloseSessionsRequest | None]:
+    def close_request(self, sessions: Sequence[ClientSession], commit: bool) -> pb.CloseSessionsRequest | None:
+        """One call ending the sessions' server copies, each with its last step's tokens."""
         live = [s for s in sessions if s.server_id]
         if not self.available():  # the service is being skipped: close them once it is used again
             self.in_doubt(live)
-            return None, None
-        tail = [pb.FeedbackItem(session_id=s.server_id, accepted=s.pending) for s in live if s.pending]
+            return None
+        if not live:
+            return None
+        close = pb.CloseSessionsRequest(
+            sessions=[pb.CloseSession(session_id=s.server_id, commit=commit, new_tokens=s.pending) for s in live]
+        )
         for s in live:
             s.pending = []
-        close = pb.CloseSessionsRequest(sessions=[pb.CloseSession(session_id=s.server_id, commit=commit) for s in live])
-        return (pb.FeedbackRequest(items=tail) if tail else None), (close if live else None)
+        return close
+
+    def close_settled(self, req: pb.CloseSessionsRequest, exc: BaseException | None) -> None:
+        """Book a close call run in the background: when it failed, its sessions are closed
+        (without commit) once the service is used again, or at shutdown."""
+        if exc is not None:
+            if isinstance(exc, grpc.RpcError):
+                self.failed(exc)
+            self.close_failed(req)
 
 
 _UNARY = {"open": "OpenSessions", "draft": "Draft", "feedback": "Feedback", "close": "CloseSessions"}
@@ -584,6 +595,7 @@ class DraftClient:
             tuple[list[ClientSession], list[int], pb.OpenSessionsRequest, grpc.Future | _StreamFuture] | None
         ) = None
         self._background: list[grpc.Future | _StreamFuture] = []  # calls nobody waits for (kept until done)
+        self._closing: list[tuple[pb.CloseSessionsRequest, grpc.Future | _StreamFuture]] = []
 
     @property
     def config(self) -> ClientConfig:
@@ -593,9 +605,16 @@ class DraftClient:
     def stats(self) -> ClientStats:
         return self._core.stats
 
-    def open(self, prompts: Sequence[Sequence[int] | np.ndarray]) -> list[ClientSession]:
+    def open(self, prompts: Sequence[Sequence[int] | np.ndarray], *, wait: bool = True) -> list[ClientSession]:
+        """A session per prompt. With ``wait`` the call returns once the service holds them;
+        without, they are opened in the background (now, or with a later draft call while
+        another open is under way) and draft locally until then: a decoder admitting requests
+        into a running batch never waits on the service."""
         sessions = [ClientSession(np.asarray(p, dtype=np.int32), len(p)) for p in prompts]
-        self._open(sessions)
+        if wait:
+            self._open(sessions)
+        else:
+            self._reopen(sessions)
         return sessions
 
     def draft(self, sessions: Sequence[ClientSession], new_tokens: Sequence[Sequence[int]]) -> list[DraftTree]:
@@ -608,6 +627,7 @@ class DraftClient:
         end = time.monotonic() + self.config.deadline_s
         self._settle(end)
         self._check_late()
+        self._reap()
         self._core.add_tokens(sessions, new_tokens)
         self._reopen(sessions)
         ready, rest = self._core.split_ahead(sessions, new_tokens)
@@ -679,17 +699,32 @@ class DraftClient:
         self._settle()
         self._check_late(sessions)  # their tokens must be in before the close (another stream)
         self._land_reopen()
-        tail, close = self._core.close_requests(sessions, commit)
-        if tail is not None:  # the last step's tokens belong to the requests
-            self._call("feedback", tail, self.config.control_timeout_s)
-        if close is not None and self._call("close", close, self.config.control_timeout_s) is None:
-            self._core.close_failed(close)
+        self._reap()
+        close = self._core.close_request(sessions, commit)
+        if close is not None:  # in the background: committing indexes the requests first
+            self._closing.append((close, self._future("close", close, self.config.control_timeout_s)))
+
+    def _reap(self, *, wait: bool = False) -> None:
+        """Book the background closes that ended (``wait``: all of them, each at most until its
+        deadline)."""
+        pending = []
+        for req, future in self._closing:
+            if not (wait or future.done()):
+                pending.append((req, future))
+                continue
+            try:
+                future.result()
+                self._core.close_settled(req, None)
+            except (grpc.RpcError, grpc.FutureTimeoutError, grpc.FutureCancelledError) as exc:
+                self._core.close_settled(req, exc)
+        self._closing = pending
 
     def shutdown(self) -> None:
         """Settle calls in flight, close the server copies given up on, close the channel."""
         self._settle()
         self._check_late(None)
         self._land_reopen()
+        self._reap(wait=True)
         req = self._core.abandoned_request(now=True)
         if req is not None:
             self._call("close", req, self.config.control_timeout_s)
@@ -795,14 +830,19 @@ class AsyncDraftClient:
         self._inflight: tuple[list[ClientSession], asyncio.Future] | None = None
         self._opening: tuple[list[ClientSession], list[int], pb.OpenSessionsRequest, asyncio.Future] | None = None
         self._background: set[asyncio.Future] = set()
+        self._closing: set[asyncio.Future] = set()  # background closes (booked as each ends)
 
     @property
     def stats(self) -> ClientStats:
         return self._core.stats
 
-    async def open(self, prompts: Sequence[Sequence[int] | np.ndarray]) -> list[ClientSession]:
+    async def open(self, prompts: Sequence[Sequence[int] | np.ndarray], *, wait: bool = True) -> list[ClientSession]:
+        """See :meth:`DraftClient.open`."""
         sessions = [ClientSession(np.asarray(p, dtype=np.int32), len(p)) for p in prompts]
-        await self._open(sessions)
+        if wait:
+            await self._open(sessions)
+        else:
+            self._reopen(sessions)
         return sessions
 
     async def draft(self, sessions: Sequence[ClientSession], new_tokens: Sequence[Sequence[int]]) -> list[DraftTree]:
@@ -870,17 +910,26 @@ class AsyncDraftClient:
         await self._settle()
         await self._check_late(sessions)
         await self._land_reopen()
-        tail, close = self._core.close_requests(sessions, commit)
-        if tail is not None:
-            await self._call("feedback", tail, self._core.config.control_timeout_s)
-        if close is not None and await self._call("close", close, self._core.config.control_timeout_s) is None:
-            self._core.close_failed(close)
+        close = self._core.close_request(sessions, commit)
+        if close is not None:  # in the background: committing indexes the requests first
+            task = self._future("close", close, self._core.config.control_timeout_s)
+            task.add_done_callback(partial(self._closed, close))
+            self._closing.add(task)
+
+    def _closed(self, req: pb.CloseSessionsRequest, task: asyncio.Future) -> None:
+        self._closing.discard(task)
+        self._core.close_settled(req, asyncio.CancelledError() if task.cancelled() else task.exception())
 
     async def shutdown(self) -> None:
         """See :meth:`DraftClient.shutdown`."""
         await self._settle()
         await self._check_late(None)
         await self._land_reopen()
+        if self._closing:
+            await asyncio.wait(set(self._closing), timeout=self._core.config.control_timeout_s)
+            for task in list(self._closing):  # still not answered: given up on
+                task.cancel()
+            await asyncio.sleep(0)  # their callbacks book them
         req = self._core.abandoned_request(now=True)
         if req is not None:
             await self._call("close", req, self._core.config.control_timeout_s)

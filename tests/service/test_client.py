@@ -394,22 +394,23 @@ def test_a_slow_commit_does_not_hold_up_drafts(running) -> None:  # type: ignore
 
     running.service._commit = slow
 
-    async def scenario() -> tuple[float, bool, int, int]:
+    async def scenario() -> tuple[float, float, int, int]:
         client = AsyncDraftClient(ClientConfig(target=running.target, namespace="toy", deadline_s=0.2))
         finished, live = await client.open([PROMPT, PROMPT])
-        closing = asyncio.ensure_future(client.close([finished]))
+        t0 = time.perf_counter()
+        await client.close([finished])  # answered in the background: the decoder goes on
+        closed_in = time.perf_counter() - t0
         await asyncio.sleep(0.05)  # the close is in the service, committing
         t0 = time.perf_counter()
         await client.draft([live], [[]])
         waited = time.perf_counter() - t0
-        still_closing = not closing.done()
-        await closing
-        await client.shutdown()
-        return waited, still_closing, client.stats.remote, client.stats.fallback
+        await client.shutdown()  # waits for the close
+        return closed_in, waited, client.stats.remote, client.stats.fallback
 
-    waited, still_closing, remote, fallback = asyncio.run(scenario())
+    closed_in, waited, remote, fallback = asyncio.run(scenario())
     # Drafts have a stream of their own: the service drafted while the commit was running.
-    assert still_closing and (remote, fallback) == (1, 0) and waited < 0.2
+    assert closed_in < 0.2 and waited < 0.2 and (remote, fallback) == (1, 0)
+    assert running.service.stats("toy")[0].requests == 1  # committed before shutdown returned
 
 
 def test_stopping_ends_idle_streams_without_waiting_out_the_grace_period() -> None:
@@ -546,3 +547,69 @@ def test_columnar_calls_draft_what_item_calls_draft() -> None:
         finally:
             stop_service(running)
     assert results[0] == results[1] and results[0][1] < 14
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "unary"])
+def test_a_close_that_fails_in_the_background_ends_the_copy_without_commit(monkeypatch, stream: bool) -> None:  # type: ignore[no-untyped-def]
+    from cache_service.errors import Unavailable
+    from cache_service.servicer import DraftCacheServicer
+
+    plain = DraftCacheServicer.CloseSessions
+    calls: list[list[tuple[str, bool, list[int]]]] = []
+
+    async def flaky(self, request, context):  # type: ignore[no-untyped-def]
+        calls.append([(s.session_id, s.commit, list(s.new_tokens)) for s in request.sessions])
+        if len(calls) == 1:
+            raise Unavailable("storage is down")
+        return await plain(self, request, context)
+
+    monkeypatch.setattr(DraftCacheServicer, "CloseSessions", flaky)
+    running = start_service(ServiceConfig())
+    try:
+        _ns(running.target)
+        client = DraftClient(ClientConfig(target=running.target, namespace="toy", deadline_s=1.0, stream=stream))
+        (session,) = client.open([PROMPT])
+        sid = session.server_id
+        client.draft([session], [[]])
+        client.add_tokens([session], [[77, 78]])  # the last step's tokens go with the close
+        client.close([session])  # returns at once; the failure is booked later
+        client.shutdown()
+        assert calls == [[(sid, True, [77, 78])], [(sid, False, [])]]  # then closed without commit
+        assert client.stats.failures == 1
+        assert not running.service.sessions.holds(sid) and running.service.stats("toy")[0].requests == 0
+    finally:
+        stop_service(running)
+
+
+def test_a_session_opened_without_waiting_drafts_locally_until_its_open_lands(running) -> None:  # type: ignore[no-untyped-def]
+    from cache_service.servicer import DraftCacheServicer
+
+    _ns(running.target)
+    gate = threading.Event()
+    plain = DraftCacheServicer.OpenSessions
+
+    async def held(self, request, context):  # type: ignore[no-untyped-def]
+        await asyncio.get_running_loop().run_in_executor(None, gate.wait, 5)
+        return await plain(self, request, context)
+
+    DraftCacheServicer.OpenSessions = held  # type: ignore[method-assign]
+    try:
+        client = DraftClient(ClientConfig(target=running.target, namespace="toy", deadline_s=1.0))
+        t0 = time.perf_counter()
+        (session,) = client.open([[*TEXT, *TEXT[:4]]], wait=False)
+        (first,) = client.draft([session], [[]])  # the open is held in the service: a local draft
+        assert time.perf_counter() - t0 < 0.5 and not session.server_id
+        assert client.stats.fallback == 1 and first.tokens.tolist()[:2] == TEXT[4:6]  # prompt lookup drafted
+        gate.set()
+        for _ in range(100):
+            client.draft([session], [[]])
+            if client.stats.remote:
+                break
+            time.sleep(0.02)
+        assert session.server_id and client.stats.remote == 1
+        assert running.service.sessions.get(session.server_id).session.context.tokens.tolist() == [*TEXT, *TEXT[:4]]
+        client.close([session])
+        client.shutdown()
+    finally:
+        DraftCacheServicer.OpenSessions = plain  # type: ignore[method-assign]
+        gate.set()

@@ -12,7 +12,7 @@ import pytest
 
 from cache_service.config import EmbeddedRedisConfig, ServiceConfig
 from cache_service.embedded_redis import EmbeddedRedis
-from cache_service.errors import Unavailable
+from cache_service.errors import InvalidArgument, Unavailable
 from cache_service.persistence import RedisPersistence
 from cache_service.service import CloseItem, DraftItem, DraftService, OpenItem
 from cache_service.storage.connect import connect
@@ -98,3 +98,24 @@ def test_commits_queued_while_storage_is_down_are_written_in_order(tmp_path: Pat
         assert persistence.pending == 0
     finally:
         server.stop()
+
+
+def test_a_close_brings_the_last_steps_tokens_into_the_commit(store: RedisStore) -> None:
+    svc = DraftService(ServiceConfig(), RedisPersistence(store, max_pending=100))
+    svc.create_namespace("a", 100)
+    first, second = svc.open([OpenItem("a", [1, 2, 3]), OpenItem("a", [4, 5])])
+    svc.draft_ahead([DraftItem(first, np.array([7], dtype=np.int32)), DraftItem(second, np.array([8], np.int32))])
+    # A bad close changes nothing: a token outside the vocabulary, a session named twice.
+    for bad in (
+        [CloseItem(first, new_tokens=[9]), CloseItem(second, new_tokens=[100])],
+        [CloseItem(first, new_tokens=[9]), CloseItem(first)],
+        [CloseItem(first, commit_from=6, new_tokens=[9])],  # past the context with its new tokens
+    ):
+        with pytest.raises(InvalidArgument):
+            svc.close(bad)
+    assert svc.sessions.holds(first) and svc.sessions.holds(second)
+    assert svc.sessions.get(first).session.context.tokens.tolist() == [1, 2, 3, 7]
+    for job in svc.close([CloseItem(first, commit_from=5, new_tokens=[9, 10]), CloseItem(second, new_tokens=[11])]):
+        job()
+    assert _log(store, "a") == [[10], [4, 5, 8, 11]]  # each request with the tokens its close brought
+    assert not svc.sessions.holds(first) and not svc.sessions.holds(second)

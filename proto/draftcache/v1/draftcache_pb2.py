@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x64raftcache/v1/draftcache.proto\x12\rdraftcache.v1\"Z\n\x0b\x44raftParams\x12\x0e\n\x06\x62udget\x18\x01 \x01(\r\x12\x11\n\tmax_depth\x18\x02 \x01(\r\x12\x11\n\tmin_score\x18\x03 \x01(\x02\x12\x15\n\rdepth_reserve\x18\x04 \x01(\r\"T\n\x04Tree\x12\x12\n\x06tokens\x18\x01 \x03(\x05\x42\x02\x10\x01\x12\x13\n\x07parents\x18\x02 \x03(\x05\x42\x02\x10\x01\x12\x0f\n\x07sources\x18\x03 \x01(\x0c\x12\x12\n\x06scores\x18\x04 \x03(\x02\x42\x02\x10\x01\"t\n\x0bOpenSession\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x12\n\x06prompt\x18\x02 \x03(\x05\x42\x02\x10\x01\x12*\n\x06params\x18\x03 \x01(\x0b\x32\x1a.draftcache.v1.DraftParams\x12\x12\n\nsession_id\x18\x04 \x01(\t\"C\n\x13OpenSessionsRequest\x12,\n\x08sessions\x18\x01 \x03(\x0b\x32\x1a.draftcache.v1.OpenSession\"+\n\x14OpenSessionsResponse\x12\x13\n\x0bsession_ids\x18\x01 \x03(\t\"J\n\tDraftItem\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x16\n\nnew_tokens\x18\x02 \x03(\x05\x42\x02\x10\x01\x12\x11\n\tlookahead\x18\x03 \x01(\r\"p\n\x0c\x44raftColumns\x12\x13\n\x0bsession_ids\x18\x01 \x03(\t\x12\x1c\n\x10new_token_counts\x18\x02 \x03(\rB\x02\x10\x01\x12\x16\n\nnew_tokens\x18\x03 \x03(\x05\x42\x02\x10\x01\x12\x15\n\tlookahead\x18\x04 \x03(\rB\x02\x10\x01\"e\n\x0c\x44raftRequest\x12\'\n\x05items\x18\x01 \x03(\x0b\x32\x18.draftcache.v1.DraftItem\x12,\n\x07\x63olumns\x18\x02 \x01(\x0b\x32\x1b.draftcache.v1.DraftColumns\"C\n\x08Prefetch\x12\x14\n\x08\x61\x63\x63\x65pted\x18\x01 \x03(\x05\x42\x02\x10\x01\x12!\n\x04tree\x18\x02 \x01(\x0b\x32\x13.draftcache.v1.Tree\"4\n\nPrefetched\x12&\n\x05items\x18\x01 \x03(\x0b\x32\x17.draftcache.v1.Prefetch\"b\n\rDraftResponse\x12\"\n\x05trees\x18\x01 \x03(\x0b\x32\x13.draftcache.v1.Tree\x12-\n\nprefetched\x18\x02 \x03(\x0b\x32\x19.draftcache.v1.Prefetched\"4\n\x0eRejectedBranch\x12\x0e\n\x06offset\x18\x01 \x01(\r\x12\x12\n\x06tokens\x18\x02 \x03(\x05\x42\x02\x10\x01\"i\n\x0c\x46\x65\x65\x64\x62\x61\x63kItem\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x08\x61\x63\x63\x65pted\x18\x02 \x03(\x05\x42\x02\x10\x01\x12/\n\x08rejected\x18\x03 \x03(\x0b\x32\x1d.draftcache.v1.RejectedBranch\"=\n\x0f\x46\x65\x65\x64\x62\x61\x63kRequest\x12*\n\x05items\x18\x01 \x03(\x0b\x32\x1b.draftcache.v1.FeedbackItem\"\x12\n\x10\x46\x65\x65\x64\x62\x61\x63kResponse\"[\n\x0c\x43loseSession\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06\x63ommit\x18\x02 \x01(\x08\x12\x13\n\x0b\x63ommit_from\x18\x03 \x01(\r\x12\x12\n\nmissing_ok\x18\x04 \x01(\x08\"E\n\x14\x43loseSessionsRequest\x12-\n\x08sessions\x18\x01 \x03(\x0b\x32\x1b.draftcache.v1.CloseSession\"\x17\n\x15\x43loseSessionsResponse\"\xf7\x01\n\rStreamRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x32\n\x04open\x18\x02 \x01(\x0b\x32\".draftcache.v1.OpenSessionsRequestH\x00\x12,\n\x05\x64raft\x18\x03 \x01(\x0b\x32\x1b.draftcache.v1.DraftRequestH\x00\x12\x32\n\x08\x66\x65\x65\x64\x62\x61\x63k\x18\x04 \x01(\x0b\x32\x1e.draftcache.v1.FeedbackRequestH\x00\x12\x34\n\x05\x63lose\x18\x05 \x01(\x0b\x32#.draftcache.v1.CloseSessionsRequestH\x00\x42\x06\n\x04\x62ody\",\n\x0bStreamError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xa9\x02\n\x0eStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x33\n\x04open\x18\x02 \x01(\x0b\x32#.draftcache.v1.OpenSessionsResponseH\x00\x12-\n\x05\x64raft\x18\x03 \x01(\x0b\x32\x1c.draftcache.v1.DraftResponseH\x00\x12\x33\n\x08\x66\x65\x65\x64\x62\x61\x63k\x18\x04 \x01(\x0b\x32\x1f.draftcache.v1.FeedbackResponseH\x00\x12\x35\n\x05\x63lose\x18\x05 \x01(\x0b\x32$.draftcache.v1.CloseSessionsResponseH\x00\x12+\n\x05\x65rror\x18\x06 \x01(\x0b\x32\x1a.draftcache.v1.StreamErrorH\x00\x42\x06\n\x04\x62ody\"\x1e\n\x0b\x45\x63hoRequest\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\"\x1f\n\x0c\x45\x63hoResponse\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\"\xb9\x01\n\rNamespaceInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x17\n\x0f\x62uffered_tokens\x18\x03 \x01(\x04\x12\x10\n\x08requests\x18\x04 \x01(\x04\x12\x14\n\x0cindex_tokens\x18\x05 \x01(\x04\x12\x1c\n\x14last_rebuild_seconds\x18\x06 \x01(\x01\x12\x15\n\rprior_version\x18\x07 \x01(\x04\x12\x10\n\x08sessions\x18\x08 \x01(\x04\":\n\x16\x43reateNamespaceRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\"J\n\x17\x43reateNamespaceResponse\x12/\n\tnamespace\x18\x01 \x01(\x0b\x32\x1c.draftcache.v1.NamespaceInfo\"\x13\n\x11NamespacesRequest\"F\n\x12NamespacesResponse\x12\x30\n\nnamespaces\x18\x01 \x03(\x0b\x32\x1c.draftcache.v1.NamespaceInfo\"!\n\x0cStatsRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\"\x8b\x01\n\rStatsResponse\x12\x30\n\nnamespaces\x18\x01 \x03(\x0b\x32\x1c.draftcache.v1.NamespaceInfo\x12\x10\n\x08sessions\x18\x02 \x01(\x04\x12\x0e\n\x06\x64rafts\x18\x03 \x01(\x04\x12\x16\n\x0epending_writes\x18\x04 \x01(\x04\x12\x0e\n\x06schema\x18\x05 \x01(\t\"#\n\x0eRebuildRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\"C\n\x0fRebuildResponse\x12\x30\n\nnamespaces\x18\x01 \x03(\x0b\x32\x1c.draftcache.v1.NamespaceInfo2\xde\x03\n\nDraftCache\x12W\n\x0cOpenSessions\x12\".draftcache.v1.OpenSessionsRequest\x1a#.draftcache.v1.OpenSessionsResponse\x12\x42\n\x05\x44raft\x12\x1b.draftcache.v1.DraftRequest\x1a\x1c.draftcache.v1.DraftResponse\x12K\n\x08\x46\x65\x65\x64\x62\x61\x63k\x12\x1e.draftcache.v1.FeedbackRequest\x1a\x1f.draftcache.v1.FeedbackResponse\x12Z\n\rCloseSessions\x12#.draftcache.v1.CloseSessionsRequest\x1a$.draftcache.v1.CloseSessionsResponse\x12I\n\x06Stream\x12\x1c.draftcache.v1.StreamRequest\x1a\x1d.draftcache.v1.StreamResponse(\x01\x30\x01\x12?\n\x04\x45\x63ho\x12\x1a.draftcache.v1.EchoRequest\x1a\x1b.draftcache.v1.EchoResponse2\xca\x02\n\x05\x41\x64min\x12`\n\x0f\x43reateNamespace\x12%.draftcache.v1.CreateNamespaceRequest\x1a&.draftcache.v1.CreateNamespaceResponse\x12Q\n\nNamespaces\x12 .draftcache.v1.NamespacesRequest\x1a!.draftcache.v1.NamespacesResponse\x12\x42\n\x05Stats\x12\x1b.draftcache.v1.StatsRequest\x1a\x1c.draftcache.v1.StatsResponse\x12H\n\x07Rebuild\x12\x1d.draftcache.v1.RebuildRequest\x1a\x1e.draftcache.v1.RebuildResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x64raftcache/v1/draftcache.proto\x12\rdraftcache.v1\"Z\n\x0b\x44raftParams\x12\x0e\n\x06\x62udget\x18\x01 \x01(\r\x12\x11\n\tmax_depth\x18\x02 \x01(\r\x12\x11\n\tmin_score\x18\x03 \x01(\x02\x12\x15\n\rdepth_reserve\x18\x04 \x01(\r\"T\n\x04Tree\x12\x12\n\x06tokens\x18\x01 \x03(\x05\x42\x02\x10\x01\x12\x13\n\x07parents\x18\x02 \x03(\x05\x42\x02\x10\x01\x12\x0f\n\x07sources\x18\x03 \x01(\x0c\x12\x12\n\x06scores\x18\x04 \x03(\x02\x42\x02\x10\x01\"t\n\x0bOpenSession\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x12\n\x06prompt\x18\x02 \x03(\x05\x42\x02\x10\x01\x12*\n\x06params\x18\x03 \x01(\x0b\x32\x1a.draftcache.v1.DraftParams\x12\x12\n\nsession_id\x18\x04 \x01(\t\"C\n\x13OpenSessionsRequest\x12,\n\x08sessions\x18\x01 \x03(\x0b\x32\x1a.draftcache.v1.OpenSession\"+\n\x14OpenSessionsResponse\x12\x13\n\x0bsession_ids\x18\x01 \x03(\t\"J\n\tDraftItem\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x16\n\nnew_tokens\x18\x02 \x03(\x05\x42\x02\x10\x01\x12\x11\n\tlookahead\x18\x03 \x01(\r\"p\n\x0c\x44raftColumns\x12\x13\n\x0bsession_ids\x18\x01 \x03(\t\x12\x1c\n\x10new_token_counts\x18\x02 \x03(\rB\x02\x10\x01\x12\x16\n\nnew_tokens\x18\x03 \x03(\x05\x42\x02\x10\x01\x12\x15\n\tlookahead\x18\x04 \x03(\rB\x02\x10\x01\"e\n\x0c\x44raftRequest\x12\'\n\x05items\x18\x01 \x03(\x0b\x32\x18.draftcache.v1.DraftItem\x12,\n\x07\x63olumns\x18\x02 \x01(\x0b\x32\x1b.draftcache.v1.DraftColumns\"C\n\x08Prefetch\x12\x14\n\x08\x61\x63\x63\x65pted\x18\x01 \x03(\x05\x42\x02\x10\x01\x12!\n\x04tree\x18\x02 \x01(\x0b\x32\x13.draftcache.v1.Tree\"4\n\nPrefetched\x12&\n\x05items\x18\x01 \x03(\x0b\x32\x17.draftcache.v1.Prefetch\"b\n\rDraftResponse\x12\"\n\x05trees\x18\x01 \x03(\x0b\x32\x13.draftcache.v1.Tree\x12-\n\nprefetched\x18\x02 \x03(\x0b\x32\x19.draftcache.v1.Prefetched\"4\n\x0eRejectedBranch\x12\x0e\n\x06offset\x18\x01 \x01(\r\x12\x12\n\x06tokens\x18\x02 \x03(\x05\x42\x02\x10\x01\"i\n\x0c\x46\x65\x65\x64\x62\x61\x63kItem\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x08\x61\x63\x63\x65pted\x18\x02 \x03(\x05\x42\x02\x10\x01\x12/\n\x08rejected\x18\x03 \x03(\x0b\x32\x1d.draftcache.v1.RejectedBranch\"=\n\x0f\x46\x65\x65\x64\x62\x61\x63kRequest\x12*\n\x05items\x18\x01 \x03(\x0b\x32\x1b.draftcache.v1.FeedbackItem\"\x12\n\x10\x46\x65\x65\x64\x62\x61\x63kResponse\"s\n\x0c\x43loseSession\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06\x63ommit\x18\x02 \x01(\x08\x12\x13\n\x0b\x63ommit_from\x18\x03 \x01(\r\x12\x12\n\nmissing_ok\x18\x04 \x01(\x08\x12\x16\n\nnew_tokens\x18\x05 \x03(\x05\x42\x02\x10\x01\"E\n\x14\x43loseSessionsRequest\x12-\n\x08sessions\x18\x01 \x03(\x0b\x32\x1b.draftcache.v1.CloseSession\"\x17\n\x15\x43loseSessionsResponse\"\xf7\x01\n\rStreamRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x32\n\x04open\x18\x02 \x01(\x0b\x32\".draftcache.v1.OpenSessionsRequestH\x00\x12,\n\x05\x64raft\x18\x03 \x01(\x0b\x32\x1b.draftcache.v1.DraftRequestH\x00\x12\x32\n\x08\x66\x65\x65\x64\x62\x61\x63k\x18\x04 \x01(\x0b\x32\x1e.draftcache.v1.FeedbackRequestH\x00\x12\x34\n\x05\x63lose\x18\x05 \x01(\x0b\x32#.draftcache.v1.CloseSessionsRequestH\x00\x42\x06\n\x04\x62ody\",\n\x0bStreamError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xa9\x02\n\x0eStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x33\n\x04open\x18\x02 \x01(\x0b\x32#.draftcache.v1.OpenSessionsResponseH\x00\x12-\n\x05\x64raft\x18\x03 \x01(\x0b\x32\x1c.draftcache.v1.DraftResponseH\x00\x12\x33\n\x08\x66\x65\x65\x64\x62\x61\x63k\x18\x04 \x01(\x0b\x32\x1f.draftcache.v1.FeedbackResponseH\x00\x12\x35\n\x05\x63lose\x18\x05 \x01(\x0b\x32$.draftcache.v1.CloseSessionsResponseH\x00\x12+\n\x05\x65rror\x18\x06 \x01(\x0b\x32\x1a.draftcache.v1.StreamErrorH\x00\x42\x06\n\x04\x62ody\"\x1e\n\x0b\x45\x63hoRequest\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\"\x1f\n\x0c\x45\x63hoResponse\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\"\xb9\x01\n\rNamespaceInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x17\n\x0f\x62uffered_tokens\x18\x03 \x01(\x04\x12\x10\n\x08requests\x18\x04 \x01(\x04\x12\x14\n\x0cindex_tokens\x18\x05 \x01(\x04\x12\x1c\n\x14last_rebuild_seconds\x18\x06 \x01(\x01\x12\x15\n\rprior_version\x18\x07 \x01(\x04\x12\x10\n\x08sessions\x18\x08 \x01(\x04\":\n\x16\x43reateNamespaceRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\"J\n\x17\x43reateNamespaceResponse\x12/\n\tnamespace\x18\x01 \x01(\x0b\x32\x1c.draftcache.v1.NamespaceInfo\"\x13\n\x11NamespacesRequest\"F\n\x12NamespacesResponse\x12\x30\n\nnamespaces\x18\x01 \x03(\x0b\x32\x1c.draftcache.v1.NamespaceInfo\"!\n\x0cStatsRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\"\x8b\x01\n\rStatsResponse\x12\x30\n\nnamespaces\x18\x01 \x03(\x0b\x32\x1c.draftcache.v1.NamespaceInfo\x12\x10\n\x08sessions\x18\x02 \x01(\x04\x12\x0e\n\x06\x64rafts\x18\x03 \x01(\x04\x12\x16\n\x0epending_writes\x18\x04 \x01(\x04\x12\x0e\n\x06schema\x18\x05 \x01(\t\"#\n\x0eRebuildRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\"C\n\x0fRebuildResponse\x12\x30\n\nnamespaces\x18\x01 \x03(\x0b\x32\x1c.draftcache.v1.NamespaceInfo2\xde\x03\n\nDraftCache\x12W\n\x0cOpenSessions\x12\".draftcache.v1.OpenSessionsRequest\x1a#.draftcache.v1.OpenSessionsResponse\x12\x42\n\x05\x44raft\x12\x1b.draftcache.v1.DraftRequest\x1a\x1c.draftcache.v1.DraftResponse\x12K\n\x08\x46\x65\x65\x64\x62\x61\x63k\x12\x1e.draftcache.v1.FeedbackRequest\x1a\x1f.draftcache.v1.FeedbackResponse\x12Z\n\rCloseSessions\x12#.draftcache.v1.CloseSessionsRequest\x1a$.draftcache.v1.CloseSessionsResponse\x12I\n\x06Stream\x12\x1c.draftcache.v1.StreamRequest\x1a\x1d.draftcache.v1.StreamResponse(\x01\x30\x01\x12?\n\x04\x45\x63ho\x12\x1a.draftcache.v1.EchoRequest\x1a\x1b.draftcache.v1.EchoResponse2\xca\x02\n\x05\x41\x64min\x12`\n\x0f\x43reateNamespace\x12%.draftcache.v1.CreateNamespaceRequest\x1a&.draftcache.v1.CreateNamespaceResponse\x12Q\n\nNamespaces\x12 .draftcache.v1.NamespacesRequest\x1a!.draftcache.v1.NamespacesResponse\x12\x42\n\x05Stats\x12\x1b.draftcache.v1.StatsRequest\x1a\x1c.draftcache.v1.StatsResponse\x12H\n\x07Rebuild\x12\x1d.draftcache.v1.RebuildRequest\x1a\x1e.draftcache.v1.RebuildResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -53,6 +53,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REJECTEDBRANCH'].fields_by_name['tokens']._serialized_options = b'\020\001'
   _globals['_FEEDBACKITEM'].fields_by_name['accepted']._loaded_options = None
   _globals['_FEEDBACKITEM'].fields_by_name['accepted']._serialized_options = b'\020\001'
+  _globals['_CLOSESESSION'].fields_by_name['new_tokens']._loaded_options = None
+  _globals['_CLOSESESSION'].fields_by_name['new_tokens']._serialized_options = b'\020\001'
   _globals['_DRAFTPARAMS']._serialized_start=49
   _globals['_DRAFTPARAMS']._serialized_end=139
   _globals['_TREE']._serialized_start=141
@@ -84,41 +86,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_FEEDBACKRESPONSE']._serialized_start=1199
   _globals['_FEEDBACKRESPONSE']._serialized_end=1217
   _globals['_CLOSESESSION']._serialized_start=1219
-  _globals['_CLOSESESSION']._serialized_end=1310
-  _globals['_CLOSESESSIONSREQUEST']._serialized_start=1312
-  _globals['_CLOSESESSIONSREQUEST']._serialized_end=1381
-  _globals['_CLOSESESSIONSRESPONSE']._serialized_start=1383
-  _globals['_CLOSESESSIONSRESPONSE']._serialized_end=1406
-  _globals['_STREAMREQUEST']._serialized_start=1409
-  _globals['_STREAMREQUEST']._serialized_end=1656
-  _globals['_STREAMERROR']._serialized_start=1658
-  _globals['_STREAMERROR']._serialized_end=1702
-  _globals['_STREAMRESPONSE']._serialized_start=1705
-  _globals['_STREAMRESPONSE']._serialized_end=2002
-  _globals['_ECHOREQUEST']._serialized_start=2004
-  _globals['_ECHOREQUEST']._serialized_end=2034
-  _globals['_ECHORESPONSE']._serialized_start=2036
-  _globals['_ECHORESPONSE']._serialized_end=2067
-  _globals['_NAMESPACEINFO']._serialized_start=2070
-  _globals['_NAMESPACEINFO']._serialized_end=2255
-  _globals['_CREATENAMESPACEREQUEST']._serialized_start=2257
-  _globals['_CREATENAMESPACEREQUEST']._serialized_end=2315
-  _globals['_CREATENAMESPACERESPONSE']._serialized_start=2317
-  _globals['_CREATENAMESPACERESPONSE']._serialized_end=2391
-  _globals['_NAMESPACESREQUEST']._serialized_start=2393
-  _globals['_NAMESPACESREQUEST']._serialized_end=2412
-  _globals['_NAMESPACESRESPONSE']._serialized_start=2414
-  _globals['_NAMESPACESRESPONSE']._serialized_end=2484
-  _globals['_STATSREQUEST']._serialized_start=2486
-  _globals['_STATSREQUEST']._serialized_end=2519
-  _globals['_STATSRESPONSE']._serialized_start=2522
-  _globals['_STATSRESPONSE']._serialized_end=2661
-  _globals['_REBUILDREQUEST']._serialized_start=2663
-  _globals['_REBUILDREQUEST']._serialized_end=2698
-  _globals['_REBUILDRESPONSE']._serialized_start=2700
-  _globals['_REBUILDRESPONSE']._serialized_end=2767
-  _globals['_DRAFTCACHE']._serialized_start=2770
-  _globals['_DRAFTCACHE']._serialized_end=3248
-  _globals['_ADMIN']._serialized_start=3251
-  _globals['_ADMIN']._serialized_end=3581
+  _globals['_CLOSESESSION']._serialized_end=1334
+  _globals['_CLOSESESSIONSREQUEST']._serialized_start=1336
+  _globals['_CLOSESESSIONSREQUEST']._serialized_end=1405
+  _globals['_CLOSESESSIONSRESPONSE']._serialized_start=1407
+  _globals['_CLOSESESSIONSRESPONSE']._serialized_end=1430
+  _globals['_STREAMREQUEST']._serialized_start=1433
+  _globals['_STREAMREQUEST']._serialized_end=1680
+  _globals['_STREAMERROR']._serialized_start=1682
+  _globals['_STREAMERROR']._serialized_end=1726
+  _globals['_STREAMRESPONSE']._serialized_start=1729
+  _globals['_STREAMRESPONSE']._serialized_end=2026
+  _globals['_ECHOREQUEST']._serialized_start=2028
+  _globals['_ECHOREQUEST']._serialized_end=2058
+  _globals['_ECHORESPONSE']._serialized_start=2060
+  _globals['_ECHORESPONSE']._serialized_end=2091
+  _globals['_NAMESPACEINFO']._serialized_start=2094
+  _globals['_NAMESPACEINFO']._serialized_end=2279
+  _globals['_CREATENAMESPACEREQUEST']._serialized_start=2281
+  _globals['_CREATENAMESPACEREQUEST']._serialized_end=2339
+  _globals['_CREATENAMESPACERESPONSE']._serialized_start=2341
+  _globals['_CREATENAMESPACERESPONSE']._serialized_end=2415
+  _globals['_NAMESPACESREQUEST']._serialized_start=2417
+  _globals['_NAMESPACESREQUEST']._serialized_end=2436
+  _globals['_NAMESPACESRESPONSE']._serialized_start=2438
+  _globals['_NAMESPACESRESPONSE']._serialized_end=2508
+  _globals['_STATSREQUEST']._serialized_start=2510
+  _globals['_STATSREQUEST']._serialized_end=2543
+  _globals['_STATSRESPONSE']._serialized_start=2546
+  _globals['_STATSRESPONSE']._serialized_end=2685
+  _globals['_REBUILDREQUEST']._serialized_start=2687
+  _globals['_REBUILDREQUEST']._serialized_end=2722
+  _globals['_REBUILDRESPONSE']._serialized_start=2724
+  _globals['_REBUILDRESPONSE']._serialized_end=2791
+  _globals['_DRAFTCACHE']._serialized_start=2794
+  _globals['_DRAFTCACHE']._serialized_end=3272
+  _globals['_ADMIN']._serialized_start=3275
+  _globals['_ADMIN']._serialized_end=3605
 # @@protoc_insertion_point(module_scope)

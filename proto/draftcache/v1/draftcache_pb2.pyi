@@ -135,16 +135,18 @@ class FeedbackResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class CloseSession(_message.Message):
-    __slots__ = ("session_id", "commit", "commit_from", "missing_ok")
+    __slots__ = ("session_id", "commit", "commit_from", "missing_ok", "new_tokens")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FROM_FIELD_NUMBER: _ClassVar[int]
     MISSING_OK_FIELD_NUMBER: _ClassVar[int]
+    NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     commit: bool
     commit_from: int
     missing_ok: bool
-    def __init__(self, session_id: _Optional[str] = ..., commit: _Optional[bool] = ..., commit_from: _Optional[int] = ..., missing_ok: _Optional[bool] = ...) -> None: ...
+    new_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., commit: _Optional[bool] = ..., commit_from: _Optional[int] = ..., missing_ok: _Optional[bool] = ..., new_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CloseSessionsRequest(_message.Message):
     __slots__ = ("sessions",)
