@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -90,18 +91,23 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             inner = handler.unary_unary
 
             async def unary(raw: Any, context: grpc.aio.ServicerContext) -> Any:
-                began, code = time.perf_counter(), "OK"
+                # Each outcome is reported before the caller can see it (a scrape right after a
+                # call counts it).
+                began = time.perf_counter()
                 try:
-                    return await inner(_parsed(parse, raw), context)
-                except (errors.DraftCacheError, ValueError, Exception) as exc:
-                    if isinstance(exc, grpc.aio.AbortError):
-                        code = "ABORTED_BY_HANDLER"
-                        raise
-                    code = status_for(exc).name
+                    response = await inner(_parsed(parse, raw), context)
+                except asyncio.CancelledError:
+                    self._report(method, "CANCELLED", began)
+                    raise
+                except grpc.aio.AbortError:
+                    self._report(method, "ABORTED_BY_HANDLER", began)
+                    raise
+                except Exception as exc:
+                    self._report(method, status_for(exc).name, began)
                     await _abort(context, exc, method)
-                finally:
-                    if self._observe is not None:
-                        self._observe(method, code, time.perf_counter() - began)
+                    raise  # abort raises; this is not reached
+                self._report(method, "OK", began)
+                return response
 
             # Requests arrive as bytes and are parsed inside, so corrupt ones are refused clearly.
             return grpc.unary_unary_rpc_method_handler(unary, None, handler.response_serializer)
@@ -119,3 +125,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
             return grpc.stream_stream_rpc_method_handler(stream, None, handler.response_serializer)
         return handler
+
+    def _report(self, method: str, code: str, began: float) -> None:
+        if self._observe is not None:
+            self._observe(method, code, time.perf_counter() - began)

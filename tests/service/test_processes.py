@@ -66,7 +66,15 @@ def _draft_on_new_connections(target: str, n: int) -> None:
         with grpc.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)]) as ch:
             stub = pb_grpc.DraftCacheStub(ch)
             req = pb.OpenSessionsRequest(sessions=[pb.OpenSession(namespace="toy", prompt=[1, 2, 3, 1, 2])])
-            sid = stub.OpenSessions(req, wait_for_ready=True, timeout=30).session_ids[0]
+            deadline = time.monotonic() + 30
+            while True:  # a worker learns of a new namespace through Redis, within a few seconds
+                try:
+                    sid = stub.OpenSessions(req, wait_for_ready=True, timeout=30).session_ids[0]
+                    break
+                except grpc.RpcError as exc:
+                    if exc.code() is not grpc.StatusCode.NOT_FOUND or time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.2)
             tree = stub.Draft(pb.DraftRequest(items=[pb.DraftItem(session_id=sid)]), timeout=30).trees[0]
             assert tree.tokens[0] == 3
 
@@ -83,7 +91,6 @@ def test_two_workers_share_the_port_and_a_dead_one_is_replaced(tmp_path: Path) -
         _healthy(target, proc)
         with grpc.insecure_channel(target) as ch:
             pb_grpc.AdminStub(ch).CreateNamespace(pb.CreateNamespaceRequest(name="toy", vocab_size=50))
-        time.sleep(3)  # the other worker discovers the namespace through Redis
         _draft_on_new_connections(target, 16)
         # Both workers served some of the 16 connections (each reports its own drafts).
         per_worker = [_drafts(metrics), _drafts(metrics + 1)]
