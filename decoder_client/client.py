@@ -695,7 +695,9 @@ class DraftClient:
         self._core.add_tokens(sessions, new_tokens)
 
     def close(self, sessions: Sequence[ClientSession], *, commit: bool = True) -> None:
-        """End the requests; with ``commit`` the service adds them to its lifetime memory."""
+        """End the requests; with ``commit`` the service adds them to its lifetime memory. One
+        call carries their last step's tokens and runs in the background: its outcome is booked
+        at the next call (a failed close ends the server copies without commit later)."""
         self._settle()
         self._check_late(sessions)  # their tokens must be in before the close (another stream)
         self._land_reopen()
@@ -905,6 +907,10 @@ class AsyncDraftClient:
             await asyncio.wait({task})  # at most until its deadline
             if task.cancelled() or task.exception() is not None:
                 self._core.late_failed(pairs)
+
+    def add_tokens(self, sessions: Sequence[ClientSession], new_tokens: Sequence[Sequence[int]]) -> None:
+        """See :meth:`DraftClient.add_tokens`."""
+        self._core.add_tokens(sessions, new_tokens)
 
     async def close(self, sessions: Sequence[ClientSession], *, commit: bool = True) -> None:
         await self._settle()

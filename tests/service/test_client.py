@@ -613,3 +613,39 @@ def test_a_session_opened_without_waiting_drafts_locally_until_its_open_lands(ru
     finally:
         DraftCacheServicer.OpenSessions = plain  # type: ignore[method-assign]
         gate.set()
+
+
+def test_the_async_client_books_a_close_that_fails_in_the_background(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from cache_service.errors import Unavailable
+    from cache_service.servicer import DraftCacheServicer
+    from decoder_client.client import AsyncDraftClient
+
+    plain = DraftCacheServicer.CloseSessions
+    calls: list[list[tuple[str, bool, list[int]]]] = []
+
+    async def flaky(self, request, context):  # type: ignore[no-untyped-def]
+        calls.append([(s.session_id, s.commit, list(s.new_tokens)) for s in request.sessions])
+        if len(calls) == 1:
+            raise Unavailable("storage is down")
+        return await plain(self, request, context)
+
+    monkeypatch.setattr(DraftCacheServicer, "CloseSessions", flaky)
+    running = start_service(ServiceConfig())
+
+    async def scenario() -> tuple[str, ClientStats]:
+        client = AsyncDraftClient(ClientConfig(target=running.target, namespace="toy", deadline_s=1.0))
+        (session,) = await client.open([PROMPT])
+        sid = session.server_id
+        client.add_tokens([session], [[77]])  # the last step's tokens go with the close
+        await client.close([session])
+        await client.shutdown()
+        return sid, client.stats
+
+    try:
+        _ns(running.target)
+        sid, stats = asyncio.run(scenario())
+        assert calls == [[(sid, True, [77])], [(sid, False, [])]]
+        assert stats.failures == 1
+        assert not running.service.sessions.holds(sid) and running.service.stats("toy")[0].requests == 0
+    finally:
+        stop_service(running)
