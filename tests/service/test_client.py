@@ -549,8 +549,9 @@ def test_columnar_calls_draft_what_item_calls_draft() -> None:
     assert results[0] == results[1] and results[0][1] < 14
 
 
-@pytest.mark.parametrize("stream", [True, False], ids=["stream", "unary"])
-def test_a_close_that_fails_in_the_background_ends_the_copy_without_commit(monkeypatch, stream: bool) -> None:  # type: ignore[no-untyped-def]
+def _first_close_fails(monkeypatch) -> list[list[tuple[str, bool, list[int]]]]:  # type: ignore[no-untyped-def]
+    """The service's CloseSessions fails once (UNAVAILABLE), then works; each call's sessions
+    ``(id, commit, new tokens)`` are recorded in the list returned."""
     from cache_service.errors import Unavailable
     from cache_service.servicer import DraftCacheServicer
 
@@ -564,6 +565,18 @@ def test_a_close_that_fails_in_the_background_ends_the_copy_without_commit(monke
         return await plain(self, request, context)
 
     monkeypatch.setattr(DraftCacheServicer, "CloseSessions", flaky)
+    return calls
+
+
+def _ended_without_commit(running, calls, sid: str, stats: ClientStats) -> None:  # type: ignore[no-untyped-def]
+    assert calls == [[(sid, True, [77])], [(sid, False, [])]]  # the close with its tokens, then one without commit
+    assert stats.failures == 1
+    assert not running.service.sessions.holds(sid) and running.service.stats("toy")[0].requests == 0
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "unary"])
+def test_a_close_that_fails_in_the_background_ends_the_copy_without_commit(monkeypatch, stream: bool) -> None:  # type: ignore[no-untyped-def]
+    calls = _first_close_fails(monkeypatch)
     running = start_service(ServiceConfig())
     try:
         _ns(running.target)
@@ -571,12 +584,10 @@ def test_a_close_that_fails_in_the_background_ends_the_copy_without_commit(monke
         (session,) = client.open([PROMPT])
         sid = session.server_id
         client.draft([session], [[]])
-        client.add_tokens([session], [[77, 78]])  # the last step's tokens go with the close
+        client.add_tokens([session], [[77]])  # the last step's tokens go with the close
         client.close([session])  # returns at once; the failure is booked later
         client.shutdown()
-        assert calls == [[(sid, True, [77, 78])], [(sid, False, [])]]  # then closed without commit
-        assert client.stats.failures == 1
-        assert not running.service.sessions.holds(sid) and running.service.stats("toy")[0].requests == 0
+        _ended_without_commit(running, calls, sid, client.stats)
     finally:
         stop_service(running)
 
@@ -616,20 +627,9 @@ def test_a_session_opened_without_waiting_drafts_locally_until_its_open_lands(ru
 
 
 def test_the_async_client_books_a_close_that_fails_in_the_background(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    from cache_service.errors import Unavailable
-    from cache_service.servicer import DraftCacheServicer
     from decoder_client.client import AsyncDraftClient
 
-    plain = DraftCacheServicer.CloseSessions
-    calls: list[list[tuple[str, bool, list[int]]]] = []
-
-    async def flaky(self, request, context):  # type: ignore[no-untyped-def]
-        calls.append([(s.session_id, s.commit, list(s.new_tokens)) for s in request.sessions])
-        if len(calls) == 1:
-            raise Unavailable("storage is down")
-        return await plain(self, request, context)
-
-    monkeypatch.setattr(DraftCacheServicer, "CloseSessions", flaky)
+    calls = _first_close_fails(monkeypatch)
     running = start_service(ServiceConfig())
 
     async def scenario() -> tuple[str, ClientStats]:
@@ -644,8 +644,6 @@ def test_the_async_client_books_a_close_that_fails_in_the_background(monkeypatch
     try:
         _ns(running.target)
         sid, stats = asyncio.run(scenario())
-        assert calls == [[(sid, True, [77])], [(sid, False, [])]]
-        assert stats.failures == 1
-        assert not running.service.sessions.holds(sid) and running.service.stats("toy")[0].requests == 0
+        _ended_without_commit(running, calls, sid, stats)
     finally:
         stop_service(running)
