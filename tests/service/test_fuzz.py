@@ -122,8 +122,13 @@ def bad_open(draw: st.DrawFn) -> pb.OpenSessionsRequest:
 
 @st.composite
 def bad_close(draw: st.DrawFn, pool: list[str]) -> pb.CloseSessionsRequest:
-    items = [
-        pb.CloseSession(session_id=s, commit=True, commit_from=2**31)
+    items = [  # each with a last step's tokens, good or bad: none may join a context
+        pb.CloseSession(
+            session_id=s,
+            commit=True,
+            commit_from=draw(st.sampled_from([0, 2**31])),
+            new_tokens=draw(st.one_of(good_tokens, poisoned_tokens())),
+        )
         for s in draw(st.lists(st.sampled_from(pool), max_size=3))
     ]
     items.append(pb.CloseSession(session_id=draw(st.sampled_from([BAD_ID, "", "\x00\x01"])), commit=True))
