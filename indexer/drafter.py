@@ -318,28 +318,21 @@ class NamespaceDrafter:
         verified = [j for j, (s, _, _) in enumerate(items) if s.last_tree is not None]
         # By default the branches rejected are the best ones leaving the accepted path where
         # verification stopped, each extended by its best-scoring descendants.
-        found: dict[int, list[tuple[int, tuple[int, ...]]]] = {}
+        found: dict[int, list[tuple[int, np.ndarray]]] = {}
         if verified:
             depths, rows = self._outcomes([items[j] for j in verified])
             found = {j: [(depths[i], row) for row in rows[i]] for i, j in enumerate(verified)}
         self._calibrate(items)
-        ll, fl = self.config.rejected.leader_len, self.config.rejected.follower_len
         for j, (session, new, rejected) in enumerate(items):
             ahead = select(session.prefetched, new) if session.prefetched else None
             if session.prefetched and session.last_tree is not None:
                 self.counters.ahead_hits += ahead is not None
                 self.counters.ahead_misses += ahead is None
-            branches = found.get(j, []) if rejected is None else [(at, tuple(b[:fl].tolist())) for at, b in rejected]
+            branches = found.get(j, []) if rejected is None else rejected
             before = len(session.context)
             session.context.extend(new)
             if branches:  # each keyed by the context tail where it branched off
-                tokens, leader_end, leader = session.context.tokens, -1, ()
-                for depth, branch in branches:
-                    end = before + depth
-                    if end >= ll and branch:
-                        if end != leader_end:
-                            leader_end, leader = end, tuple(tokens[end - ll : end].tolist())
-                        session.rejected.table.add(leader, branch)
+                session.rejected.record_at(session.context.tokens, [(before + at, b) for at, b in branches])
             # A tree drafted ahead for this outcome is what the decoder verifies next.
             session.last_tree, session.guesses, session.prefetched = ahead, None, {}
             n_ctx, n_lifetime = session.hints  # a match that continues is the new tokens longer
@@ -363,7 +356,7 @@ class NamespaceDrafter:
 
     def _outcomes(
         self, items: Sequence[tuple[Session, np.ndarray, Branches | None]]
-    ) -> tuple[list[int], list[list[tuple[int, ...]]]]:
+    ) -> tuple[list[int], list[list[np.ndarray]]]:
         """Verifying each session's last tree against its new tokens: the accepted path's length
         and (without branches given) the branches rejected where it stopped; counted."""
         trees = [s.last_tree for s, _, _ in items if s.last_tree is not None]
@@ -386,7 +379,7 @@ class NamespaceDrafter:
         for t, n in enumerate(by_tier.tolist()):
             if n:
                 c.accepted[_TIER_NAMES[t]] += n
-        cut = [tuple(row[:n]) for row, n in zip(rows.tolist(), lengths.tolist(), strict=True)]
+        cut = [rows[r, :n] for r, n in enumerate(lengths.tolist())]
         bounds = first_row.tolist()
         return path_lengths.tolist(), [cut[bounds[i] : bounds[i + 1]] for i in range(len(trees))]
 

@@ -10,6 +10,7 @@ pure function of what was added to it.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -99,6 +100,15 @@ class RejectedCache:
         self.table = LruTable(config)
 
     def record(self, context: np.ndarray, branch: np.ndarray) -> None:
+        self.record_at(context, [(context.size, branch)])
+
+    def record_at(self, tokens: np.ndarray, branches: Iterable[tuple[int, np.ndarray]]) -> None:
+        """:meth:`record` for each ``(end, branch)``: a branch rejected after ``tokens[:end]``.
+        Branches that leave at the same place (a step's usually do) share one leader."""
         ll, fl = self.table.config.leader_len, self.table.config.follower_len
-        if context.size >= ll and branch.size:
-            self.table.add(tuple(context[context.size - ll :].tolist()), tuple(branch[:fl].tolist()))
+        leader_end, leader = -1, ()
+        for end, branch in branches:
+            if end >= ll and branch.size:
+                if end != leader_end:
+                    leader_end, leader = end, tuple(tokens[end - ll : end].tolist())
+                self.table.add(leader, tuple(branch[:fl].tolist()))
