@@ -9,7 +9,7 @@ context the next time the service answers.
 
 Calls travel on two long-lived bidirectional streams per client (``stream=True``, the
 default): a message on an open stream costs the service about half of what a unary call does.
-Drafts have one to themselves; opens, feedback and closes share the other, so a long prompt
+Drafts have one to themselves; opens and closes share the other, so a long prompt
 being indexed or a commit never holds up a draft queued behind it.
 """
 
@@ -311,11 +311,6 @@ class _Core:
             sessions=[pb.CloseSession(session_id=sid, commit=False, missing_ok=True) for sid in ids]
         )
 
-    def close_failed(self, req: pb.CloseSessionsRequest) -> None:
-        """A close call failed: its sessions are closed (without commit) once the service is
-        used again, or at shutdown."""
-        self.abandoned.extend(c.session_id for c in req.sessions)
-
     def close_request(self, sessions: Sequence[ClientSession], commit: bool) -> pb.CloseSessionsRequest | None:
         """One call ending the sessions' server copies, each with its last step's tokens."""
         live = [s for s in sessions if s.server_id]
@@ -337,14 +332,14 @@ class _Core:
         if exc is not None:
             if isinstance(exc, grpc.RpcError):
                 self.failed(exc)
-            self.close_failed(req)
+            self.abandoned.extend(c.session_id for c in req.sessions)
 
 
-_UNARY = {"open": "OpenSessions", "draft": "Draft", "feedback": "Feedback", "close": "CloseSessions"}
+_UNARY = {"open": "OpenSessions", "draft": "Draft", "close": "CloseSessions"}
 
 
 def _lane(kind: str) -> str:
-    """Drafts have a stream to themselves; opens, feedback and closes share the other."""
+    """Drafts have a stream to themselves; opens and closes share the other."""
     return "draft" if kind == "draft" else "control"
 
 
