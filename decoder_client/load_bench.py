@@ -71,6 +71,7 @@ class DecoderResult:
     sequence_steps: int = 0
     requests: int = 0
     seconds: float = 0.0  # from the first step to the last
+    first_at: float = 0.0  # time.monotonic() at the first step (the same clock in every process)
     ahead_hits: int = 0  # sequence steps whose tree had been drafted ahead
     ahead_misses: int = 0
     failures: int = 0  # client calls that failed or missed their deadline (each skips the service a while)
@@ -170,6 +171,7 @@ def run_decoder(config: LoadConfig, index: int) -> DecoderResult:
         if config.step_interval_s:
             time.sleep(max(0.0, began + config.step_interval_s - time.perf_counter()))
     result.seconds = time.monotonic() - first
+    result.first_at = first
     client.close([s.handle for s in slots], commit=False)
     client.shutdown()
     result.ahead_hits, result.ahead_misses = client.stats.ahead_hits, client.stats.ahead_misses
@@ -236,7 +238,9 @@ def run_load(config: LoadConfig) -> dict:
     elapsed = time.monotonic() - began
     for p in procs:
         p.join(timeout=10)
-    return summarise(config, collected, samples, _server_drafts(config.targets) - drafts_before, elapsed)
+    window = (min(r.first_at for r in collected) - began, max(r.first_at + r.seconds for r in collected) - began)
+    drafts = _server_drafts(config.targets) - drafts_before
+    return summarise(config, collected, samples, drafts, elapsed, window=window)
 
 
 def summarise(
@@ -245,7 +249,13 @@ def summarise(
     samples: list[tuple[float, dict[int, tuple[float, float]]]],
     server_drafts: int,
     elapsed: float,
+    *,
+    window: tuple[float, float] | None = None,
 ) -> dict:
+    """The run's report. ``samples`` are taken at seconds into the run; ``window`` is when
+    the decoders stepped, on the same clock (``None``: the whole run). Server CPU is counted
+    over the samples inside it: the decoders start and wind down for seconds on either side,
+    and the server's idle CPU then would make a sequence-draft look cheaper than it is."""
     lat = np.array([x for r in results for x in r.latencies]) * 1e3
     steps = sum(r.steps for r in results)
     stepping = max((r.seconds for r in results), default=config.seconds) or config.seconds
@@ -272,7 +282,7 @@ def summarise(
         out["lookahead"] = config.lookahead
         out["prespeculation_hit_rate"] = round(hits / max(1, hits + misses), 4)
     if samples and config.watch_pids:
-        out["processes"] = _process_report(samples, config.watch_pids)
+        out["processes"] = _process_report(samples, config.watch_pids, window)
         # The watched processes are the servers: the CPU a sequence-draft costs them, and so
         # how many one fully used core serves (what a server process can reach with a core
         # to itself, however the machine is shared during the run).
@@ -309,14 +319,22 @@ def _timeline(
     return rows
 
 
-def _process_report(samples: list[tuple[float, dict[int, tuple[float, float]]]], pids: tuple[int, ...]) -> dict:
+def _process_report(
+    samples: list[tuple[float, dict[int, tuple[float, float]]]],
+    pids: tuple[int, ...],
+    window: tuple[float, float] | None = None,
+) -> dict:
+    """Per watched process: resident size over the run, and cores used while the decoders
+    stepped (over the whole run when fewer than two samples fall inside)."""
     report = {}
     for pid in pids:
         seen = [(t, s[pid]) for t, s in samples if pid in s]
         if len(seen) < 2:
             continue
         rss = [m for _, (m, _) in seen]
-        (t0, (_, c0)), (t1, (_, c1)) = seen[0], seen[-1]
+        inside = seen if window is None else [(t, x) for t, x in seen if window[0] <= t <= window[1]]
+        counted = inside if len(inside) >= 2 else seen
+        (t0, (_, c0)), (t1, (_, c1)) = counted[0], counted[-1]
         quarter = max(1, len(rss) // 4)
         report[str(pid)] = {
             "rss_mib_first": round(rss[0], 1),

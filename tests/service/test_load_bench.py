@@ -133,6 +133,24 @@ def test_server_cpu_per_draft_from_watched_processes() -> None:
     assert "server_cpu_us_per_draft" not in summarise(config, [r], [], server_drafts=8, elapsed=4)
 
 
+def test_server_cpu_counts_only_while_decoders_step() -> None:
+    """Decoders take seconds to start and the server idles meanwhile: CPU averaged over the
+    whole run would make a sequence-draft look cheaper than it is."""
+    config = LoadConfig(targets=("x",), namespace="ns", traces=Path("t"), batch=2, seconds=4.0, watch_pids=(7,))
+    r = DecoderResult(steps=4, sequence_drafts=8, latencies=[0.001] * 4, started=[0.0, 1.0, 2.0, 3.0])
+    r.seconds = 4.0
+    # Idle for 6 s of start-up (0.1 CPU s), then a full core for the 4 s of stepping.
+    samples = [(0.0, {7: (50.0, 0.0)}), (6.0, {7: (50.0, 0.1)}), (8.0, {7: (50.0, 2.1)}), (10.0, {7: (50.0, 4.1)})]
+    stepped = summarise(config, [r], samples, server_drafts=8, elapsed=10, window=(6.0, 10.0))
+    assert stepped["processes"]["7"]["cpu_cores_used"] == 1.0
+    assert stepped["server_cpu_us_per_draft"] == pytest.approx(500_000)  # 2 drafts/s on a full core
+    whole = summarise(config, [r], samples, server_drafts=8, elapsed=10)
+    assert whole["processes"]["7"]["cpu_cores_used"] == 0.41  # what the run-long average said
+    # Fewer than two samples inside the window: the whole run, rather than nothing.
+    short = summarise(config, [r], samples, server_drafts=8, elapsed=10, window=(6.5, 7.5))
+    assert short["processes"]["7"]["cpu_cores_used"] == 0.41
+
+
 def test_timeline_needs_watched_pids_for_memory() -> None:
     config = LoadConfig(
         targets=("x",), namespace="ns", traces=Path("t"), batch=1, seconds=2.0, timeline_s=1.0, watch_pids=(7,)
