@@ -11,9 +11,11 @@ import gc
 import logging
 import os
 import sys
+import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 import numpy as np
@@ -21,10 +23,13 @@ import numpy as np
 from cache_service import index_bench, logs, replay_bench, warm
 from cache_service.errors import DraftCacheError
 from cache_service.storage.errors import StorageError
-from decoder_client.traces import read_traces
+from decoder_client.traces import read_traces, write_traces
 from indexer.drafter import DrafterConfig, DraftParams
 from indexer.prior import PriorConfig, StaticPrior
 from indexer.tokens import Namespace
+
+if TYPE_CHECKING:
+    from decoder_client.load_bench import LoadConfig
 
 logger = logging.getLogger("draftcache")
 
@@ -169,6 +174,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     bl = sub.add_parser("bench-load", help="decoder processes stepping batches of real traces against the service")
     bl.add_argument("traces", type=Path, help="requests come from these conversations")
+    _add(
+        bl,
+        "--format",
+        default="trace",
+        choices=("trace", "sharegpt"),
+        help="sharegpt: a ShareGPT corpus, its first --conversations tokenized as requests never seen before",
+    )
+    _add(bl, "--conversations", type=int, default=4000, help="ShareGPT conversations taken (--format sharegpt)")
     bl.add_argument("--target", action="append", help="a replica (repeat for several; default 127.0.0.1:50051)")
     _add(bl, "--tokenizer", type=Path, default=None, help="tokenizer of the traces' namespace (its vocabulary)")
     _add(bl, "--decoders", type=int, default=8)
@@ -522,18 +535,36 @@ def cmd_bench_draft(a: argparse.Namespace) -> int:
 def cmd_bench_load(a: argparse.Namespace) -> int:
     import json
 
-    from decoder_client.load_bench import LoadConfig, run_load
+    from decoder_client.load_bench import run_load
 
     targets = tuple(a.target or ["127.0.0.1:50051"])
-    conversations = read_traces(a.traces)
-    vocab = warm.load_tokenizer(a.tokenizer)[1] if a.tokenizer is not None else None
-    namespace = replay_bench.namespace_of(conversations, vocab)
-    for target in targets:
-        replay_bench.ensure_namespace(target, namespace)
-    config = LoadConfig(
+    with tempfile.TemporaryDirectory(prefix="draftcache-load-") as tmp:
+        traces = a.traces
+        if a.format == "sharegpt":  # tokenized once here; the decoders read it as traces
+            if a.tokenizer is None:
+                raise SystemExit("bench-load --format sharegpt needs --tokenizer")
+            encode, size = warm.load_tokenizer(a.tokenizer)
+            name = "".join(c if c.isalnum() or c in "-_." else "-" for c in a.tokenizer.resolve().name)
+            found = warm.sharegpt_conversations(a.traces, encode, size, namespace=name, limit=a.conversations)
+            traces = Path(tmp) / "sharegpt.jsonl"
+            write_traces(found, traces)
+        conversations = read_traces(traces)
+        vocab = warm.load_tokenizer(a.tokenizer)[1] if a.tokenizer is not None else None
+        namespace = replay_bench.namespace_of(conversations, vocab)
+        for target in targets:
+            replay_bench.ensure_namespace(target, namespace)
+        report = run_load(_load_config(a, targets, namespace.name, traces))
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+def _load_config(a: argparse.Namespace, targets: tuple[str, ...], namespace: str, traces: Path) -> LoadConfig:
+    from decoder_client.load_bench import LoadConfig
+
+    return LoadConfig(
         targets=targets,
-        namespace=namespace.name,
-        traces=a.traces,
+        namespace=namespace,
+        traces=traces,
         decoders=a.decoders,
         batch=a.batch,
         seconds=a.seconds,
@@ -546,8 +577,6 @@ def cmd_bench_load(a: argparse.Namespace) -> int:
         timeline_s=a.timeline,
         stream=not a.unary,
     )
-    print(json.dumps(run_load(config), indent=2))
-    return 0
 
 
 COMMANDS = {

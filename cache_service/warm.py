@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from decoder_client.traces import Conversation, Segment
 from indexer.prior import PriorConfig, StaticPrior
 from indexer.tokens import SEPARATOR
 
@@ -91,6 +92,49 @@ def _sharegpt(data: object, path: Path) -> Iterator[str]:
         for turn in turns:
             if isinstance(turn, dict) and turn.get("from") == "gpt" and isinstance(turn.get("value"), str):
                 yield turn["value"]
+
+
+def sharegpt_conversations(
+    path: str | Path, encode: Encoder, vocab_size: int, *, namespace: str, limit: int
+) -> list[Conversation]:
+    """The first ``limit`` ShareGPT conversations with an assistant turn after a prompt, as
+    traces: each turn tokenized on its own, assistant turns as outputs, every other turn as
+    input (load benchmarks replay them as requests nobody has sent before)."""
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rt", encoding="utf-8") as fh:
+            data = json.load(fh)
+    except (OSError, EOFError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CorpusError(f"{path}: unreadable sharegpt corpus: {exc}") from exc
+    if not isinstance(data, list):
+        raise CorpusError(f"{path}: a sharegpt corpus is a JSON list of conversations")
+    picked: list[tuple[str, list[tuple[str, str]]]] = []
+    for i, conv in enumerate(data):
+        turns = conv.get("conversations") if isinstance(conv, dict) else None
+        if not isinstance(turns, list):
+            raise CorpusError(f"{path}: conversation {i} has no 'conversations' list")
+        kept = [
+            ("output" if t.get("from") == "gpt" else "input", t["value"])
+            for t in turns
+            if isinstance(t, dict) and isinstance(t.get("value"), str) and t["value"].strip()
+        ]
+        if any(kind == "output" for kind, _ in kept[1:]):
+            picked.append((str(conv.get("id", i)), kept))
+        if len(picked) >= limit:
+            break
+    ids = encode([text for _, kept in picked for _, text in kept])
+    out, at = [], 0
+    for cid, kept in picked:
+        segments = []
+        for kind, _ in kept:
+            tokens = np.asarray(ids[at], dtype=np.int64)
+            at += 1
+            if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size):
+                raise CorpusError(f"tokenizer produced ids outside [0, {vocab_size})")
+            segments.append(Segment(kind, tokens.astype(np.int32)))
+        out.append(Conversation(id=cid, namespace=namespace, category="sharegpt", segments=tuple(segments)))
+    return out
 
 
 def _jsonl_text(line: str, where: str) -> str:

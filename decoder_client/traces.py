@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +46,17 @@ def iter_traces(path: str | Path, *, limit: int | None = None) -> Iterator[Conve
                     yield _parse(line, f"{path}:{lineno}")
     except (OSError, EOFError, UnicodeDecodeError) as exc:
         raise ValueError(f"{path}: unreadable trace file: {exc}") from exc
+
+
+def write_traces(conversations: Iterable[Conversation], path: str | Path) -> None:
+    """A trace file :func:`read_traces` reads back (gzip when the name ends in ``.gz``)."""
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "wt", encoding="utf-8") as fh:
+        for c in conversations:
+            segments = [{"kind": s.kind, "tokens": s.tokens.tolist()} for s in c.segments]
+            obj = {"id": c.id, "namespace": c.namespace, "category": c.category, "segments": segments}
+            fh.write(json.dumps(obj) + "\n")
 
 
 def _parse(line: str, where: str) -> Conversation:

@@ -10,10 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from cache_service import warm
 from cache_service.config import ServiceConfig
 from decoder_client.load_bench import DecoderResult, LoadConfig, requests_of, run_load, summarise
 from decoder_client.rpc_bench import run_rpc_bench
-from decoder_client.traces import Conversation, Segment
+from decoder_client.traces import Conversation, Segment, read_traces, write_traces
 from tests.service.conftest import start_service, stop_service
 
 
@@ -158,3 +159,42 @@ def test_timeline_needs_watched_pids_for_memory() -> None:
     r = DecoderResult(steps=1, sequence_drafts=1, latencies=[0.001], started=[1.5])
     rows = summarise(config, [r], [(1.2, {7: (50.0, 0.5)})], server_drafts=1, elapsed=2)["timeline"]
     assert rows[1]["rss_mib_7"] == 50.0 and rows[0]["rss_mib_7"] is None
+
+
+def test_sharegpt_corpus_becomes_requests_never_seen_before(tmp_path: Path, shared_data: Path) -> None:
+    corpus = [
+        {"id": "a", "conversations": [{"from": "human", "value": "Name a colour."}, {"from": "gpt", "value": "Blue."}]},
+        {"id": "b", "conversations": [{"from": "gpt", "value": "Only an answer, no prompt."}]},  # no request
+        {
+            "id": "c",
+            "conversations": [
+                {"from": "system", "value": "Be brief."},
+                {"from": "human", "value": "Two plus two?"},
+                {"from": "gpt", "value": "Four."},
+                {"from": "human", "value": "   "},  # blank: left out
+                {"from": "human", "value": "And three?"},
+                {"from": "gpt", "value": "Five."},
+            ],
+        },
+        {"id": "d", "conversations": [{"from": "human", "value": "Past the limit."}, {"from": "gpt", "value": "x"}]},
+    ]
+    path = tmp_path / "sg.json.gz"
+    with gzip.open(path, "wt", encoding="utf-8") as fh:
+        json.dump(corpus, fh)
+    encode, vocab = warm.load_tokenizer(shared_data / "tokenizers" / "llama2-spm")
+    found = warm.sharegpt_conversations(path, encode, vocab, namespace="llama2-spm", limit=2)
+    assert [c.id for c in found] == ["a", "c"]
+    assert [s.kind for s in found[1].segments] == ["input", "input", "output", "input", "output"]
+    assert found[1].segments[2].tokens.tolist() == encode(["Four."])[0]
+    # Written as a trace file and read back, each assistant turn is a request after its context.
+    write_traces(found, tmp_path / "t.jsonl.gz")
+    again = read_traces(tmp_path / "t.jsonl.gz")
+    assert [(c.id, c.namespace, c.category) for c in again] == [(c.id, c.namespace, c.category) for c in found]
+    requests = list(requests_of(again, passes=1))
+    assert len(requests) == 3
+    prompt, output = requests[2]
+    assert output.tolist() == encode(["Five."])[0]
+    assert prompt.tolist() == [t for s in found[1].segments[:4] for t in s.tokens.tolist()]
+    with pytest.raises(warm.CorpusError, match="JSON list"):
+        path.write_bytes(gzip.compress(b'{"not": "a list"}'))
+        warm.sharegpt_conversations(path, encode, vocab, namespace="x", limit=1)
