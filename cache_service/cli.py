@@ -131,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add(sv, "--max-batch", type=int, default=256)
     _add(sv, "--max-sessions", type=int, default=100_000)
     _add(sv, "--processes", type=int, default=1, help="server processes sharing the port (one per core)")
+    _add(sv, "--draft-threads", type=int, default=1, help="worker threads one batch's draft step is shared among")
     _add(sv, "--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
     _add(sv, "--metrics-host", default="0.0.0.0")
     _add(sv, "--tokens-file", type=Path, default=None, help="bearer tokens of tenants (JSON); default: no auth")
@@ -203,6 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add(bd, "--steps", type=int, default=1200)
     _add(bd, "--rebuild-every", type=int, default=300, help="steps between lifetime index rebuilds (0: never)")
     _add(bd, "--budget", type=int, default=64)
+    _add(bd, "--draft-threads", type=int, default=1, help="worker threads one batch's draft step is shared among")
 
     bg = sub.add_parser("bench-generate", help="tokens/s of real decoding: greedy vs prompt lookup vs draftcache")
     data = Path("../shared/data")
@@ -316,6 +318,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
     config = AppConfig(
         service=ServiceConfig(
+            drafter=DrafterConfig(threads=a.draft_threads),
             rebuild_interval_s=a.rebuild_interval,
             session_ttl_s=a.session_ttl,
             max_batch=a.max_batch,
@@ -526,7 +529,11 @@ def cmd_bench_draft(a: argparse.Namespace) -> int:
     conversations = read_traces(a.traces)
     vocab = warm.load_tokenizer(a.tokenizer)[1] if a.tokenizer is not None else None
     config = DraftBenchConfig(
-        batch=a.batch, steps=a.steps, rebuild_every=a.rebuild_every, params=DraftParams(budget=a.budget)
+        batch=a.batch,
+        steps=a.steps,
+        rebuild_every=a.rebuild_every,
+        params=DraftParams(budget=a.budget),
+        drafter=DrafterConfig(threads=a.draft_threads),
     )
     print(json.dumps(run_draft_bench(conversations, replay_bench.namespace_of(conversations, vocab), config), indent=2))
     return 0

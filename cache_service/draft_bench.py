@@ -23,7 +23,7 @@ from cache_service.config import ServiceConfig
 from cache_service.service import CloseItem, DraftItem, DraftService, FeedbackItem, OpenItem
 from decoder_client.load_bench import Replayed, requests_of
 from decoder_client.traces import Conversation
-from indexer.drafter import DraftParams
+from indexer.drafter import DrafterConfig, DraftParams
 from indexer.tokens import Namespace
 
 
@@ -33,6 +33,7 @@ class DraftBenchConfig:
     steps: int = 1200
     rebuild_every: int = 300  # steps between lifetime index rebuilds (0: never)
     params: DraftParams = field(default_factory=DraftParams)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
 
     def __post_init__(self) -> None:
         if self.batch < 1 or self.steps < 1 or self.rebuild_every < 0:
@@ -41,7 +42,7 @@ class DraftBenchConfig:
 
 def run_draft_bench(conversations: list[Conversation], namespace: Namespace, config: DraftBenchConfig) -> dict:
     """Step ``config.steps`` batches; per-sequence draft time (us), MAT and the trees' digest."""
-    service = DraftService(ServiceConfig(default_params=config.params))
+    service = DraftService(ServiceConfig(default_params=config.params, drafter=config.drafter))
     service.create_namespace(namespace.name, namespace.vocab_size)
     source = requests_of(conversations)  # every output segment once, then again (no end)
 

@@ -148,7 +148,7 @@ class RedisPersistence:
             after = "0"
             if self.shared is not None:  # map the host's generation; build one first if there is none
                 self.shared.publish(name, wait=True, only_if_missing=True)
-                gen = self.shared.adopt(name, drafter.memory)
+                gen = self.shared.adopt(name, drafter.memory, threads=drafter.threads)
                 after = "0" if gen is None else stream_id(gen.through)
             requests, ids = self._read_all(name, after)
             drafter.memory.commit_many(requests, ids)
@@ -199,7 +199,8 @@ class RedisPersistence:
 
     def _adopt(self, service: DraftService, name: str) -> None:
         assert self.shared is not None
-        gen = self.shared.adopt(name, service.namespace(name).memory)
+        drafter = service.namespace(name)
+        gen = self.shared.adopt(name, drafter.memory, threads=drafter.threads)
         if gen is None:
             return
         with self._sync_lock:  # entries the generation covers need not be read from the log again

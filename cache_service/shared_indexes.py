@@ -107,9 +107,10 @@ class SharedIndexes:
             out.extend(np.asarray(e.tokens, dtype=np.int32) for e in entries)
             after = last = entries[-1].id
 
-    def adopt(self, ns: str, memory: LifetimeMemory) -> Generation | None:
+    def adopt(self, ns: str, memory: LifetimeMemory, *, threads: int = 1) -> Generation | None:
         """Serve the namespace's newest published generation if it is not the one served;
-        returns it when adopted. Checking costs one small file read."""
+        returns it when adopted (the draft step warmed for ``threads`` worker threads).
+        Checking costs one small file read."""
         held = self._adopted.get(ns)
         try:
             name = lifetime_files.current_name(lifetime_files.namespace_dir(self.root, ns))
@@ -124,7 +125,7 @@ class SharedIndexes:
                 return None
             # Mapped files are read-only arrays, a type of their own to the compiler: the kernels
             # that run over them (drafting; commits finding what the memory holds) compile now.
-            warm_draft_step(search_arrays(gen.indexes))
+            warm_draft_step(search_arrays(gen.indexes), threads)
             gen.indexes.suffix.match_range(np.zeros(1, dtype=np.int32))
             memory.adopt(gen.indexes, gen.through)
             self._adopted[ns] = gen

@@ -9,6 +9,7 @@ tree by its track record on this namespace, not by a hand-set weight.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -27,6 +28,8 @@ from indexer.session import Guesses, Session, SessionSnapshot
 from indexer.session_cache import LruTableConfig
 from indexer.tokens import SEPARATOR, Namespace, as_tokens
 from indexer.tree_builder import DraftTree, Tier
+
+logger = logging.getLogger(__name__)
 
 _TIER_NAMES = [t.name for t in Tier]  # by value: counting by name without building enums
 MAX_BUDGET = 1024
@@ -96,21 +99,29 @@ def _joined(parts: list[np.ndarray], dtype: type) -> np.ndarray:
     return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype=dtype)
 
 
-def warm_draft_step(lifetime: SearchArrays) -> None:
+def warm_draft_step(lifetime: SearchArrays, threads: int = 1) -> None:
     """Compile (or load) the batch draft step for these lifetime arrays before a request needs
     it: memory-mapped indexes are read-only, a type of their own to the compiler."""
     empty = _Batch().arrays()
     counts = np.zeros((len(_TIERS), 2))
-    _draft_batch(empty, lifetime, np.zeros(len(_SETTINGS), dtype=np.int64), counts, counts)
+    for n in {1, threads}:
+        _draft_batch(empty, lifetime, np.zeros(len(_SETTINGS), dtype=np.int64), counts, counts, n)
 
 
 def _draft_batch(
-    batch: tuple[np.ndarray, ...], lifetime: SearchArrays, settings: np.ndarray, hits: np.ndarray, pred: np.ndarray
+    batch: tuple[np.ndarray, ...],
+    lifetime: SearchArrays,
+    settings: np.ndarray,
+    hits: np.ndarray,
+    pred: np.ndarray,
+    threads: int = 1,
 ) -> tuple[np.ndarray, ...]:
-    """:func:`~indexer.kernels.draft.draft_batch` over packed jobs (:meth:`_Batch.arrays`)."""
+    """:func:`~indexer.kernels.draft.draft_batch` over packed jobs (:meth:`_Batch.arrays`),
+    on ``threads`` worker threads (one sequence is drafted on the calling thread)."""
     seq, min_score, contexts, index_tokens, index_sa, exclude, part_rows, part_vals, part_meta, part_offsets = batch
     a = lifetime
-    return kernels.draft_batch(
+    step = kernels.draft_step(threads if seq.shape[0] > 1 else 1)
+    return step(
         seq, min_score, contexts, index_tokens, index_sa, exclude, part_rows, part_vals, part_meta, part_offsets,
         a.main_tokens, a.main_sa, a.run_tokens, a.run_sa, a.run_offsets,
         a.table_keys, a.table_offsets, a.table_followers, a.table_probs, a.table_leader_len,
@@ -208,9 +219,12 @@ class DrafterConfig:
     rejected: LruTableConfig = field(default_factory=lambda: LruTableConfig(max_leaders=1024, max_followers=2))
     lifetime: LifetimeConfig = field(default_factory=LifetimeConfig)
     calibration_buckets: int = 16
+    # Worker threads a batch's draft step shares its sequences among (1: the calling thread
+    # alone). The trees are the same either way; more threads shorten a large batch's step.
+    threads: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("max_match", "samples", "context_samples", "calibration_buckets"):
+        for name in ("max_match", "samples", "context_samples", "calibration_buckets", "threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
@@ -252,6 +266,12 @@ class NamespaceDrafter:
                   "buckets": config.calibration_buckets, "stop": int(SEPARATOR)}  # fmt: skip
         self._settings = np.array([values[name] for name in _SETTINGS], dtype=np.int64)
         kernels.warm_up()  # compile or load the compiled loops now, not on the first draft
+        self.threads = 1
+        if config.threads > 1:
+            if kernels.warm_up_threads():
+                self.threads = config.threads
+            else:
+                logger.warning("the compiled code's threading layer is not thread-safe: drafting on one thread")
 
     def open(self, prompt: np.ndarray | list[int]) -> Session:
         tokens = as_tokens(prompt, self.namespace.vocab_size, what="prompt")
@@ -454,7 +474,7 @@ class NamespaceDrafter:
                 batch.add_part(rest[None, :], _ONE_WEIGHT, per_cell=False, tier=Tier.EXACT, n=n)
         hits, predicted = self.calibrator.counts()
         tokens, parents, sources, scores, ends, first_tok, guess, lengths = _draft_batch(
-            batch.arrays(), self.memory.search_arrays(), self._settings, hits, predicted
+            batch.arrays(), self.memory.search_arrays(), self._settings, hits, predicted, self.threads
         )
         bounds, found_n = ends.tolist(), lengths.tolist()
         guesses = Guesses(first_tok, guess, lengths)

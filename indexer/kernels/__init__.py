@@ -8,9 +8,13 @@ pays the compile time; :func:`warm_up` pays it at start-up rather than on a firs
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
+
+import numba
 import numpy as np
 
-from indexer.kernels.draft import calibrate, draft_batch
+from indexer.kernels.draft import calibrate, draft_batch, draft_batch_parallel
 from indexer.kernels.search import (
     context_continuations,
     context_followers,
@@ -43,12 +47,22 @@ from indexer.kernels.tree import (
     verification_outcomes,
 )
 
+# Worker threads of the threaded draft step sleep between calls instead of spinning (GNU
+# OpenMP's default): a service's event loop and other processes need that CPU more. Read when
+# the threading layer first loads, at the first threaded call.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+# Threading layers that take threaded calls from several threads at once ("workqueue" aborts).
+_THREADSAFE_LAYERS = ("omp", "tbb")
+
 __all__ = [
     "accepted_path",
     "calibrate",
     "context_continuations",
     "context_followers",
     "draft_batch",
+    "draft_batch_parallel",
+    "draft_step",
     "find_leader",
     "find_longest_leader",
     "follower_lengths",
@@ -73,6 +87,7 @@ __all__ = [
     "verification_outcome",
     "verification_outcomes",
     "warm_up",
+    "warm_up_threads",
 ]
 
 
@@ -111,10 +126,40 @@ def warm_up() -> None:
     )
     guesses = np.full((1, 7), -1, dtype=np.int64)
     calibrate(np.zeros((7, 5)), np.zeros((7, 5)), guesses, np.zeros((1, 7)), guesses, one_tree[:1], one_tree[:1], 4)
-    seq = np.array([[0, 5, 0, 5, 4, 0, 0, 0, 2, 4, 1, 0, 1]], dtype=np.int64)
+    draft_batch(*_tiny_draft())
+
+
+def _tiny_draft() -> tuple:
+    """Arguments of a one-sequence :func:`draft_batch` call, to compile it."""
+    toks = np.array([1, 2, 1, 2, 2147483647], dtype=np.int32)
+    sa = np.array([0, 2, 1, 3, 4], dtype=np.int32)
+    rows = np.array([[1, 2], [1, -1]], dtype=np.int32)
+    one = np.array([1], dtype=np.int32)
+    one_tree = np.array([0, 1], dtype=np.int64)
+    offsets = np.array([0, 5], dtype=np.int64)
+    seq = np.array([[0, 5, 0, 5, 4, 0, 0, 0, 2, 4, 1, 0, 1]] * 2, dtype=np.int64)
     part_meta = np.array([[2, 2, 1, 5, 1]], dtype=np.int64)
-    draft_batch(
-        seq, np.zeros(1), toks, toks, sa, one, rows.ravel(), np.ones(4), part_meta, one_tree,
+    return (
+        seq, np.zeros(2), toks, toks, sa, one, rows.ravel(), np.ones(4), part_meta, np.array([0, 1, 1]),
         toks, sa, toks, sa, offsets, np.zeros(1, dtype=np.uint64), one_tree, rows, np.zeros((2, 2), dtype=np.uint16),
         2, np.array([32, 4, 4, 2, 2, 2, 4, 2147483647], dtype=np.int64), np.ones(7), np.zeros((7, 5)), np.zeros((7, 5)),
     )  # fmt: skip
+
+
+def warm_up_threads() -> bool:
+    """Compile (or load) the threaded draft step and run it once. False when the threading
+    layer found cannot take threaded calls from several threads at once: then only the
+    single-threaded step is safe in a service."""
+    draft_batch_parallel(*_tiny_draft())
+    return numba.threading_layer() in _THREADSAFE_LAYERS
+
+
+def draft_step(threads: int) -> Callable[..., tuple]:
+    """The batch draft step sharing its sequences among ``threads`` worker threads (at most
+    as many as the compiled code has; 1: the calling thread alone) for calls from this thread."""
+    if threads <= 1:
+        return draft_batch
+    threads = min(threads, numba.config.NUMBA_NUM_THREADS)  # type: ignore[attr-defined]
+    if numba.get_num_threads() != threads:
+        numba.set_num_threads(threads)  # per calling thread
+    return draft_batch_parallel

@@ -10,7 +10,7 @@ sequence costs no interpreter work between its first search and its merged tree.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 from indexer.kernels.search import context_continuations, context_followers, stacked_continuations
 from indexer.kernels.tables import find_leader
@@ -101,6 +101,179 @@ def _put(
 
 
 @njit(cache=True, nogil=True)
+def _extra_starts(extra_meta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Where each ready-made part's tokens and values start."""
+    n_extra = extra_meta.shape[0]
+    extra_ro = np.zeros(n_extra + 1, dtype=np.int64)
+    extra_vo = np.zeros(n_extra + 1, dtype=np.int64)
+    for e in range(n_extra):
+        cells = extra_meta[e, 0] * extra_meta[e, 1]
+        extra_ro[e + 1] = extra_ro[e] + cells
+        extra_vo[e + 1] = extra_vo[e] + (cells if extra_meta[e, 2] else extra_meta[e, 0])
+    return extra_ro, extra_vo
+
+
+@njit(cache=True, nogil=True)
+def _slots(seq: np.ndarray) -> np.ndarray:
+    """Where each sequence's tree may start in the output buffers: room for its budget."""
+    slot = np.zeros(seq.shape[0] + 1, dtype=np.int64)
+    for j in range(seq.shape[0]):
+        slot[j + 1] = slot[j] + max(0, seq[j, 9])
+    return slot
+
+
+@njit(cache=True, nogil=True)
+def _packed(
+    tokens: np.ndarray,
+    parents: np.ndarray,
+    sources: np.ndarray,
+    scores: np.ndarray,
+    slot: np.ndarray,
+    sizes: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The trees moved from their slots to end to end, in place (a tree only ever moves
+    left), and their offsets."""
+    offsets = np.zeros(sizes.size + 1, dtype=np.int64)
+    out = 0
+    for j in range(sizes.size):
+        a, k = slot[j], sizes[j]
+        if a != out:
+            for i in range(k):
+                tokens[out + i] = tokens[a + i]
+                parents[out + i] = parents[a + i]
+                sources[out + i] = sources[a + i]
+                scores[out + i] = scores[a + i]
+        out += k
+        offsets[j + 1] = out
+    return tokens[:out], parents[:out], sources[:out], scores[:out], offsets
+
+
+@njit(cache=True, nogil=True)
+def _draft_one(
+    j: int,
+    seq: np.ndarray,
+    min_score: np.ndarray,
+    contexts: np.ndarray,
+    index_tokens: np.ndarray,
+    index_sa: np.ndarray,
+    exclude: np.ndarray,
+    extra_rows: np.ndarray,
+    extra_vals: np.ndarray,
+    extra_meta: np.ndarray,
+    extra_offsets: np.ndarray,
+    main_tokens: np.ndarray,
+    main_sa: np.ndarray,
+    run_tokens: np.ndarray,
+    run_sa: np.ndarray,
+    run_offsets: np.ndarray,
+    table_keys: np.ndarray,
+    table_offsets: np.ndarray,
+    table_followers: np.ndarray,
+    table_probs: np.ndarray,
+    table_ll: int,
+    settings: np.ndarray,
+    half: np.ndarray,
+    hits: np.ndarray,
+    pred: np.ndarray,
+    extra_ro: np.ndarray,
+    extra_vo: np.ndarray,
+    tokens: np.ndarray,
+    parents: np.ndarray,
+    sources: np.ndarray,
+    scores: np.ndarray,
+    slot: np.ndarray,
+    sizes: np.ndarray,
+    first_tok: np.ndarray,
+    guess: np.ndarray,
+    lengths: np.ndarray,
+) -> None:
+    """Sequence ``j`` of :func:`draft_batch`: its tree written at ``slot[j]`` (``sizes[j]``
+    nodes) and its rows of ``first_tok``, ``guess`` and ``lengths``. It writes nothing another
+    sequence writes, so the sequences may be drafted in any order, or at once."""
+    n_tiers = half.size
+    max_match, samples, ctx_samples = settings[0], settings[1], settings[2]
+    leader_len, follower_len, max_followers = settings[3], settings[4], settings[5]
+    buckets, stop = settings[6], settings[7]
+    conf_of = np.zeros(n_tiers)
+    at = np.zeros(3, dtype=np.int64)
+    ctx = contexts[seq[j, 0] : seq[j, 1]]
+    idx_tok = index_tokens[seq[j, 2] : seq[j, 3]]
+    idx_sa = index_sa[seq[j, 2] : seq[j, 3]]
+    indexed, since, depth, budget = seq[j, 4], seq[j, 5], seq[j, 8], seq[j, 9]
+    excl = exclude[seq[j, 11] : seq[j, 12]]
+    n_c, rows_c, w_c = context_continuations(
+        ctx, idx_tok, idx_sa, indexed, max_match, seq[j, 6], depth, ctx_samples, stop
+    )
+    rows_d, w_d = context_followers(ctx, idx_tok, idx_sa, indexed, since, leader_len, follower_len, max_followers)
+    best, rows_l, w_l = stacked_continuations(
+        main_tokens, main_sa, run_tokens, run_sa, run_offsets, ctx, max_match, seq[j, 7], depth, samples, stop
+    )
+    leader = -1
+    if best > 0 and table_ll > 0 and best <= table_ll:
+        leader = find_leader(ctx, table_ll, table_keys)
+    e0, e1 = extra_offsets[j], extra_offsets[j + 1]
+    bound_r = rows_c.size + rows_d.size + rows_l.size + extra_ro[e1] - extra_ro[e0]
+    if leader >= 0:
+        bound_r += (table_offsets[leader + 1] - table_offsets[leader]) * table_followers.shape[1]
+    rows_flat = np.empty(bound_r, dtype=np.int32)
+    vals_flat = np.empty(bound_r + rows_c.shape[0] + rows_d.shape[0] + rows_l.shape[0] + e1 - e0)
+    meta = np.zeros((5 + e1 - e0, 4), dtype=np.int64)
+    confs = np.zeros(5 + e1 - e0)
+    if n_c > 0:
+        conf_of[CONTEXT] = _confidence(CONTEXT, n_c, half, hits, pred, buckets)
+        lengths[j, CONTEXT] = n_c
+        _put(rows_c, w_c.reshape((-1, 1)), False, CONTEXT, conf_of[CONTEXT], excl, rows_flat, vals_flat, meta,
+             confs, at)  # fmt: skip
+    if w_d.size:
+        conf_of[DYNAMIC] = _confidence(DYNAMIC, leader_len, half, hits, pred, buckets)
+        lengths[j, DYNAMIC] = leader_len
+        _put(rows_d, w_d.reshape((-1, 1)), False, DYNAMIC, conf_of[DYNAMIC], excl, rows_flat, vals_flat, meta,
+             confs, at)  # fmt: skip
+    for before in (True, False):
+        if not before:  # the lifetime tiers come after the rejected one, before the others
+            if leader >= 0:
+                lo, hi = table_offsets[leader], table_offsets[leader + 1]
+                conf_of[LIFETIME_NGRAM] = _confidence(LIFETIME_NGRAM, table_ll, half, hits, pred, buckets)
+                lengths[j, LIFETIME_NGRAM] = table_ll
+                probs = half_to_float(table_probs[lo:hi])
+                _put(table_followers[lo:hi], probs, True, LIFETIME_NGRAM, conf_of[LIFETIME_NGRAM], excl,
+                     rows_flat, vals_flat, meta, confs, at)  # fmt: skip
+            elif best > 0:
+                conf_of[LIFETIME_SA] = _confidence(LIFETIME_SA, best, half, hits, pred, buckets)
+                lengths[j, LIFETIME_SA] = best
+                _put(rows_l, w_l.reshape((-1, 1)), False, LIFETIME_SA, conf_of[LIFETIME_SA], excl,
+                     rows_flat, vals_flat, meta, confs, at)  # fmt: skip
+        for e in range(e0, e1):
+            tier = extra_meta[e, 3]
+            if (tier == REJECTED) != before:
+                continue
+            k, w, per_cell, n = extra_meta[e, 0], extra_meta[e, 1], extra_meta[e, 2] != 0, extra_meta[e, 4]
+            rows = extra_rows[extra_ro[e] : extra_ro[e + 1]].reshape((k, w))
+            vals = extra_vals[extra_vo[e] : extra_vo[e + 1]].reshape((k, w if per_cell else 1))
+            conf_of[tier] = _confidence(tier, n, half, hits, pred, buckets)
+            lengths[j, tier] = n
+            _put(rows, vals, per_cell, tier, conf_of[tier], excl, rows_flat, vals_flat, meta, confs, at)
+    n_parts = at[0]
+    if n_parts > 0 and budget > 0 and depth > 0:
+        rows, vals, is_max, tiers = stack_parts(
+            rows_flat[: at[1]], vals_flat[: at[2]], meta[:n_parts], confs[:n_parts], depth
+        )
+        tok, par, src, sc, ft, fv = merge_tree(rows, vals, is_max, tiers, n_tiers, budget, min_score[j], seq[j, 10])
+        k = tok.size
+        a = slot[j]
+        tokens[a : a + k] = tok
+        parents[a : a + k] = par
+        sources[a : a + k] = src
+        scores[a : a + k] = sc
+        sizes[j] = k
+        for t in range(n_tiers):
+            if ft[t] >= 0 and conf_of[t] > 0:
+                n = lengths[j, t]
+                first_tok[j, t] = ft[t]
+                guess[j, t] = fv[t] / conf_of[t] * (n / (n + half[t]))
+
+
+@njit(cache=True, nogil=True)
 def draft_batch(
     seq: np.ndarray,
     min_score: np.ndarray,
@@ -154,108 +327,134 @@ def draft_batch(
     and the match length behind the tier (0: the tier found nothing).
     """
     n_seq = seq.shape[0]
-    n_tiers = half.size
-    max_match, samples, ctx_samples = settings[0], settings[1], settings[2]
-    leader_len, follower_len, max_followers = settings[3], settings[4], settings[5]
-    buckets, stop = settings[6], settings[7]
-    cap = 0
+    extra_ro, extra_vo = _extra_starts(extra_meta)
+    slot = _slots(seq)
+    tokens, parents, sources, scores = tree_buffers(int(slot[n_seq]))
+    sizes = np.zeros(n_seq, dtype=np.int64)
+    first_tok = np.full((n_seq, half.size), -1, dtype=np.int64)
+    guess = np.zeros((n_seq, half.size))
+    lengths = np.zeros((n_seq, half.size), dtype=np.int64)
     for j in range(n_seq):
-        cap += max(0, seq[j, 9])
-    tokens, parents, sources, scores = tree_buffers(cap)
-    offsets = np.zeros(n_seq + 1, dtype=np.int64)
-    first_tok = np.full((n_seq, n_tiers), -1, dtype=np.int64)
-    guess = np.zeros((n_seq, n_tiers))
-    lengths = np.zeros((n_seq, n_tiers), dtype=np.int64)
-    # where each ready-made part's tokens and values start
-    n_extra = extra_meta.shape[0]
-    extra_ro = np.zeros(n_extra + 1, dtype=np.int64)
-    extra_vo = np.zeros(n_extra + 1, dtype=np.int64)
-    for e in range(n_extra):
-        cells = extra_meta[e, 0] * extra_meta[e, 1]
-        extra_ro[e + 1] = extra_ro[e] + cells
-        extra_vo[e + 1] = extra_vo[e] + (cells if extra_meta[e, 2] else extra_meta[e, 0])
-    conf_of = np.zeros(n_tiers)
-    at = np.zeros(3, dtype=np.int64)
-    out = 0
-    for j in range(n_seq):
-        ctx = contexts[seq[j, 0] : seq[j, 1]]
-        idx_tok = index_tokens[seq[j, 2] : seq[j, 3]]
-        idx_sa = index_sa[seq[j, 2] : seq[j, 3]]
-        indexed, since, depth, budget = seq[j, 4], seq[j, 5], seq[j, 8], seq[j, 9]
-        excl = exclude[seq[j, 11] : seq[j, 12]]
-        n_c, rows_c, w_c = context_continuations(
-            ctx, idx_tok, idx_sa, indexed, max_match, seq[j, 6], depth, ctx_samples, stop
+        _draft_one(
+            j,
+            seq,
+            min_score,
+            contexts,
+            index_tokens,
+            index_sa,
+            exclude,
+            extra_rows,
+            extra_vals,
+            extra_meta,
+            extra_offsets,
+            main_tokens,
+            main_sa,
+            run_tokens,
+            run_sa,
+            run_offsets,
+            table_keys,
+            table_offsets,
+            table_followers,
+            table_probs,
+            table_ll,
+            settings,
+            half,
+            hits,
+            pred,
+            extra_ro,
+            extra_vo,
+            tokens,
+            parents,
+            sources,
+            scores,
+            slot,
+            sizes,
+            first_tok,
+            guess,
+            lengths,
         )
-        rows_d, w_d = context_followers(ctx, idx_tok, idx_sa, indexed, since, leader_len, follower_len, max_followers)
-        best, rows_l, w_l = stacked_continuations(
-            main_tokens, main_sa, run_tokens, run_sa, run_offsets, ctx, max_match, seq[j, 7], depth, samples, stop
+    tokens, parents, sources, scores, offsets = _packed(tokens, parents, sources, scores, slot, sizes)
+    return tokens, parents, sources, scores, offsets, first_tok, guess, lengths
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def draft_batch_parallel(
+    seq: np.ndarray,
+    min_score: np.ndarray,
+    contexts: np.ndarray,
+    index_tokens: np.ndarray,
+    index_sa: np.ndarray,
+    exclude: np.ndarray,
+    extra_rows: np.ndarray,
+    extra_vals: np.ndarray,
+    extra_meta: np.ndarray,
+    extra_offsets: np.ndarray,
+    main_tokens: np.ndarray,
+    main_sa: np.ndarray,
+    run_tokens: np.ndarray,
+    run_sa: np.ndarray,
+    run_offsets: np.ndarray,
+    table_keys: np.ndarray,
+    table_offsets: np.ndarray,
+    table_followers: np.ndarray,
+    table_probs: np.ndarray,
+    table_ll: int,
+    settings: np.ndarray,
+    half: np.ndarray,
+    hits: np.ndarray,
+    pred: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`draft_batch` with the sequences shared among the compiled code's worker threads
+    (the same trees: each sequence's depends on its own inputs only)."""
+    n_seq = seq.shape[0]
+    extra_ro, extra_vo = _extra_starts(extra_meta)
+    slot = _slots(seq)
+    tokens, parents, sources, scores = tree_buffers(int(slot[n_seq]))
+    sizes = np.zeros(n_seq, dtype=np.int64)
+    first_tok = np.full((n_seq, half.size), -1, dtype=np.int64)
+    guess = np.zeros((n_seq, half.size))
+    lengths = np.zeros((n_seq, half.size), dtype=np.int64)
+    for j in prange(n_seq):
+        _draft_one(
+            j,
+            seq,
+            min_score,
+            contexts,
+            index_tokens,
+            index_sa,
+            exclude,
+            extra_rows,
+            extra_vals,
+            extra_meta,
+            extra_offsets,
+            main_tokens,
+            main_sa,
+            run_tokens,
+            run_sa,
+            run_offsets,
+            table_keys,
+            table_offsets,
+            table_followers,
+            table_probs,
+            table_ll,
+            settings,
+            half,
+            hits,
+            pred,
+            extra_ro,
+            extra_vo,
+            tokens,
+            parents,
+            sources,
+            scores,
+            slot,
+            sizes,
+            first_tok,
+            guess,
+            lengths,
         )
-        leader = -1
-        if best > 0 and table_ll > 0 and best <= table_ll:
-            leader = find_leader(ctx, table_ll, table_keys)
-        e0, e1 = extra_offsets[j], extra_offsets[j + 1]
-        bound_r = rows_c.size + rows_d.size + rows_l.size + extra_ro[e1] - extra_ro[e0]
-        if leader >= 0:
-            bound_r += (table_offsets[leader + 1] - table_offsets[leader]) * table_followers.shape[1]
-        rows_flat = np.empty(bound_r, dtype=np.int32)
-        vals_flat = np.empty(bound_r + rows_c.shape[0] + rows_d.shape[0] + rows_l.shape[0] + e1 - e0)
-        meta = np.zeros((5 + e1 - e0, 4), dtype=np.int64)
-        confs = np.zeros(5 + e1 - e0)
-        at[:] = 0
-        conf_of[:] = 0.0
-        if n_c > 0:
-            conf_of[CONTEXT] = _confidence(CONTEXT, n_c, half, hits, pred, buckets)
-            lengths[j, CONTEXT] = n_c
-            _put(rows_c, w_c.reshape((-1, 1)), False, CONTEXT, conf_of[CONTEXT], excl, rows_flat, vals_flat, meta,
-                 confs, at)  # fmt: skip
-        if w_d.size:
-            conf_of[DYNAMIC] = _confidence(DYNAMIC, leader_len, half, hits, pred, buckets)
-            lengths[j, DYNAMIC] = leader_len
-            _put(rows_d, w_d.reshape((-1, 1)), False, DYNAMIC, conf_of[DYNAMIC], excl, rows_flat, vals_flat, meta,
-                 confs, at)  # fmt: skip
-        for before in (True, False):
-            if not before:  # the lifetime tiers come after the rejected one, before the others
-                if leader >= 0:
-                    lo, hi = table_offsets[leader], table_offsets[leader + 1]
-                    conf_of[LIFETIME_NGRAM] = _confidence(LIFETIME_NGRAM, table_ll, half, hits, pred, buckets)
-                    lengths[j, LIFETIME_NGRAM] = table_ll
-                    probs = half_to_float(table_probs[lo:hi])
-                    _put(table_followers[lo:hi], probs, True, LIFETIME_NGRAM, conf_of[LIFETIME_NGRAM], excl,
-                         rows_flat, vals_flat, meta, confs, at)  # fmt: skip
-                elif best > 0:
-                    conf_of[LIFETIME_SA] = _confidence(LIFETIME_SA, best, half, hits, pred, buckets)
-                    lengths[j, LIFETIME_SA] = best
-                    _put(rows_l, w_l.reshape((-1, 1)), False, LIFETIME_SA, conf_of[LIFETIME_SA], excl,
-                         rows_flat, vals_flat, meta, confs, at)  # fmt: skip
-            for e in range(e0, e1):
-                tier = extra_meta[e, 3]
-                if (tier == REJECTED) != before:
-                    continue
-                k, w, per_cell, n = extra_meta[e, 0], extra_meta[e, 1], extra_meta[e, 2] != 0, extra_meta[e, 4]
-                rows = extra_rows[extra_ro[e] : extra_ro[e + 1]].reshape((k, w))
-                vals = extra_vals[extra_vo[e] : extra_vo[e + 1]].reshape((k, w if per_cell else 1))
-                conf_of[tier] = _confidence(tier, n, half, hits, pred, buckets)
-                lengths[j, tier] = n
-                _put(rows, vals, per_cell, tier, conf_of[tier], excl, rows_flat, vals_flat, meta, confs, at)
-        n_parts = at[0]
-        if n_parts > 0 and budget > 0 and depth > 0:
-            rows, vals, is_max, tiers = stack_parts(
-                rows_flat[: at[1]], vals_flat[: at[2]], meta[:n_parts], confs[:n_parts], depth
-            )
-            tok, par, src, sc, ft, fv = merge_tree(rows, vals, is_max, tiers, n_tiers, budget, min_score[j], seq[j, 10])
-            k = tok.size
-            tokens[out : out + k] = tok
-            parents[out : out + k] = par
-            sources[out : out + k] = src
-            scores[out : out + k] = sc
-            out += k
-            for t in range(n_tiers):
-                if ft[t] >= 0 and conf_of[t] > 0:
-                    n = lengths[j, t]
-                    first_tok[j, t] = ft[t]
-                    guess[j, t] = fv[t] / conf_of[t] * (n / (n + half[t]))
-        offsets[j + 1] = out
-    return tokens[:out], parents[:out], sources[:out], scores[:out], offsets, first_tok, guess, lengths
+    tokens, parents, sources, scores, offsets = _packed(tokens, parents, sources, scores, slot, sizes)
+    return tokens, parents, sources, scores, offsets, first_tok, guess, lengths
 
 
 @njit(cache=True, nogil=True)

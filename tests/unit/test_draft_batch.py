@@ -1,6 +1,9 @@
 """The compiled batch draft step against a reference built from the single-tier searches and
 the tree merge, one session at a time."""
 
+from concurrent.futures import ThreadPoolExecutor
+
+import numba
 import numpy as np
 import pytest
 
@@ -313,3 +316,44 @@ def test_batch_outcomes_are_each_trees_outcome():
         ]
     assert by_tier.tolist() == counted.tolist() and by_tier.sum() > 0
     assert first_row[-1] > 0  # some tree was left where branches were kept
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_threaded_step_drafts_what_one_thread_drafts(seed):
+    d, sessions = _world(seed)
+    params = [DraftParams(), DraftParams(budget=0), DraftParams(budget=5, max_depth=2)]
+    items = [(s, params[i % len(params)]) for i, s in enumerate(sessions)]  # some trees are empty
+    alone = d.draft_many(items)
+    d.threads = 2
+    shared = d.draft_many(items)
+    assert kernels.draft_batch_parallel.signatures  # the threaded step ran
+    assert any(len(t) for t in shared) and any(not len(t) for t in shared)
+    for a, b in zip(alone, shared, strict=True):
+        for name in ("tokens", "parents", "sources", "scores"):
+            assert np.array_equal(getattr(a, name), getattr(b, name)), name
+
+
+def test_threaded_steps_from_several_threads_at_once():
+    """A service may draft from more than one thread; each call's trees stay its own."""
+    worlds = [_world(seed) for seed in (3, 4)]
+    want = [d.draft_many([(s, DraftParams()) for s in sessions]) for d, sessions in worlds]
+    config = DrafterConfig(threads=2)
+    threaded = NamespaceDrafter(NS, config)
+    assert threaded.threads == (2 if numba.threading_layer() in ("omp", "tbb") else 1)
+    for d, _ in worlds:
+        d.threads = threaded.threads
+
+    def run(k: int) -> list:
+        d, sessions = worlds[k]
+        return [d.draft_many([(s, DraftParams()) for s in sessions]) for _ in range(20)]
+
+    with ThreadPoolExecutor(2) as pool:
+        got = list(pool.map(run, range(2)))
+    for k in range(2):
+        for trees in got[k]:
+            assert [t.tokens.tolist() for t in trees] == [t.tokens.tolist() for t in want[k]]
+
+
+def test_draft_threads_must_be_positive():
+    with pytest.raises(ValueError, match="threads"):
+        DrafterConfig(threads=0)
