@@ -9,6 +9,8 @@ sequence costs no interpreter work between its first search and its merged tree.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 from numba import njit, prange
 
@@ -149,47 +151,17 @@ def _packed(
 
 
 @njit(cache=True, nogil=True)
-def _draft_one(
-    j: int,
-    seq: np.ndarray,
-    min_score: np.ndarray,
-    contexts: np.ndarray,
-    index_tokens: np.ndarray,
-    index_sa: np.ndarray,
-    exclude: np.ndarray,
-    extra_rows: np.ndarray,
-    extra_vals: np.ndarray,
-    extra_meta: np.ndarray,
-    extra_offsets: np.ndarray,
-    main_tokens: np.ndarray,
-    main_sa: np.ndarray,
-    run_tokens: np.ndarray,
-    run_sa: np.ndarray,
-    run_offsets: np.ndarray,
-    table_keys: np.ndarray,
-    table_offsets: np.ndarray,
-    table_followers: np.ndarray,
-    table_probs: np.ndarray,
-    table_ll: int,
-    settings: np.ndarray,
-    half: np.ndarray,
-    hits: np.ndarray,
-    pred: np.ndarray,
-    extra_ro: np.ndarray,
-    extra_vo: np.ndarray,
-    tokens: np.ndarray,
-    parents: np.ndarray,
-    sources: np.ndarray,
-    scores: np.ndarray,
-    slot: np.ndarray,
-    sizes: np.ndarray,
-    first_tok: np.ndarray,
-    guess: np.ndarray,
-    lengths: np.ndarray,
-) -> None:
-    """Sequence ``j`` of :func:`draft_batch`: its tree written at ``slot[j]`` (``sizes[j]``
-    nodes) and its rows of ``first_tok``, ``guess`` and ``lengths``. It writes nothing another
-    sequence writes, so the sequences may be drafted in any order, or at once."""
+def _draft_one(j: int, args: tuple, out: tuple) -> None:
+    """Sequence ``j`` of :func:`draft_batch` (``args``: its arguments; ``out``:
+    :func:`_outputs`): its tree written at ``slot[j]`` (``sizes[j]`` nodes) and its rows of
+    ``first_tok``, ``guess`` and ``lengths``. It writes nothing another sequence writes, so the
+    sequences may be drafted in any order, or at once."""
+    (
+        seq, min_score, contexts, index_tokens, index_sa, exclude, extra_rows, extra_vals, extra_meta,
+        extra_offsets, main_tokens, main_sa, run_tokens, run_sa, run_offsets, table_keys, table_offsets,
+        table_followers, table_probs, table_ll, settings, half, hits, pred
+    ) = args  # fmt: skip
+    extra_ro, extra_vo, tokens, parents, sources, scores, slot, sizes, first_tok, guess, lengths = out
     n_tiers = half.size
     max_match, samples, ctx_samples = settings[0], settings[1], settings[2]
     leader_len, follower_len, max_followers = settings[3], settings[4], settings[5]
@@ -274,6 +246,31 @@ def _draft_one(
 
 
 @njit(cache=True, nogil=True)
+def _outputs(seq: np.ndarray, extra_meta: np.ndarray, n_tiers: int) -> tuple:
+    """What :func:`_draft_one` reads besides the arguments and writes: the parts' starts, each
+    sequence's slot, the tree buffers, the trees' sizes and the per-tier guesses."""
+    n_seq = seq.shape[0]
+    extra_ro, extra_vo = _extra_starts(extra_meta)
+    slot = _slots(seq)
+    tokens, parents, sources, scores = tree_buffers(int(slot[n_seq]))
+    sizes = np.zeros(n_seq, dtype=np.int64)
+    first_tok = np.full((n_seq, n_tiers), -1, dtype=np.int64)
+    guess = np.zeros((n_seq, n_tiers))
+    lengths = np.zeros((n_seq, n_tiers), dtype=np.int64)
+    return extra_ro, extra_vo, tokens, parents, sources, scores, slot, sizes, first_tok, guess, lengths
+
+
+@njit(cache=True, nogil=True)
+def _results(
+    out: tuple,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`draft_batch`'s return value from the written outputs."""
+    _, _, tokens, parents, sources, scores, slot, sizes, first_tok, guess, lengths = out
+    tokens, parents, sources, scores, offsets = _packed(tokens, parents, sources, scores, slot, sizes)
+    return tokens, parents, sources, scores, offsets, first_tok, guess, lengths
+
+
+@njit(cache=True, nogil=True)
 def draft_batch(
     seq: np.ndarray,
     min_score: np.ndarray,
@@ -326,135 +323,26 @@ def draft_batch(
     under that tier alone times the tier's prior (what calibration compares with the outcome),
     and the match length behind the tier (0: the tier found nothing).
     """
-    n_seq = seq.shape[0]
-    extra_ro, extra_vo = _extra_starts(extra_meta)
-    slot = _slots(seq)
-    tokens, parents, sources, scores = tree_buffers(int(slot[n_seq]))
-    sizes = np.zeros(n_seq, dtype=np.int64)
-    first_tok = np.full((n_seq, half.size), -1, dtype=np.int64)
-    guess = np.zeros((n_seq, half.size))
-    lengths = np.zeros((n_seq, half.size), dtype=np.int64)
-    for j in range(n_seq):
-        _draft_one(
-            j,
-            seq,
-            min_score,
-            contexts,
-            index_tokens,
-            index_sa,
-            exclude,
-            extra_rows,
-            extra_vals,
-            extra_meta,
-            extra_offsets,
-            main_tokens,
-            main_sa,
-            run_tokens,
-            run_sa,
-            run_offsets,
-            table_keys,
-            table_offsets,
-            table_followers,
-            table_probs,
-            table_ll,
-            settings,
-            half,
-            hits,
-            pred,
-            extra_ro,
-            extra_vo,
-            tokens,
-            parents,
-            sources,
-            scores,
-            slot,
-            sizes,
-            first_tok,
-            guess,
-            lengths,
-        )
-    tokens, parents, sources, scores, offsets = _packed(tokens, parents, sources, scores, slot, sizes)
-    return tokens, parents, sources, scores, offsets, first_tok, guess, lengths
+    args = (
+        seq, min_score, contexts, index_tokens, index_sa, exclude, extra_rows, extra_vals, extra_meta,
+        extra_offsets, main_tokens, main_sa, run_tokens, run_sa, run_offsets, table_keys, table_offsets,
+        table_followers, table_probs, table_ll, settings, half, hits, pred
+    )  # fmt: skip
+    out = _outputs(seq, extra_meta, half.size)
+    for j in range(seq.shape[0]):
+        _draft_one(j, args, out)
+    return _results(out)
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def draft_batch_parallel(
-    seq: np.ndarray,
-    min_score: np.ndarray,
-    contexts: np.ndarray,
-    index_tokens: np.ndarray,
-    index_sa: np.ndarray,
-    exclude: np.ndarray,
-    extra_rows: np.ndarray,
-    extra_vals: np.ndarray,
-    extra_meta: np.ndarray,
-    extra_offsets: np.ndarray,
-    main_tokens: np.ndarray,
-    main_sa: np.ndarray,
-    run_tokens: np.ndarray,
-    run_sa: np.ndarray,
-    run_offsets: np.ndarray,
-    table_keys: np.ndarray,
-    table_offsets: np.ndarray,
-    table_followers: np.ndarray,
-    table_probs: np.ndarray,
-    table_ll: int,
-    settings: np.ndarray,
-    half: np.ndarray,
-    hits: np.ndarray,
-    pred: np.ndarray,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """:func:`draft_batch` with the sequences shared among the compiled code's worker threads
-    (the same trees: each sequence's depends on its own inputs only)."""
-    n_seq = seq.shape[0]
-    extra_ro, extra_vo = _extra_starts(extra_meta)
-    slot = _slots(seq)
-    tokens, parents, sources, scores = tree_buffers(int(slot[n_seq]))
-    sizes = np.zeros(n_seq, dtype=np.int64)
-    first_tok = np.full((n_seq, half.size), -1, dtype=np.int64)
-    guess = np.zeros((n_seq, half.size))
-    lengths = np.zeros((n_seq, half.size), dtype=np.int64)
-    for j in prange(n_seq):
-        _draft_one(
-            j,
-            seq,
-            min_score,
-            contexts,
-            index_tokens,
-            index_sa,
-            exclude,
-            extra_rows,
-            extra_vals,
-            extra_meta,
-            extra_offsets,
-            main_tokens,
-            main_sa,
-            run_tokens,
-            run_sa,
-            run_offsets,
-            table_keys,
-            table_offsets,
-            table_followers,
-            table_probs,
-            table_ll,
-            settings,
-            half,
-            hits,
-            pred,
-            extra_ro,
-            extra_vo,
-            tokens,
-            parents,
-            sources,
-            scores,
-            slot,
-            sizes,
-            first_tok,
-            guess,
-            lengths,
-        )
-    tokens, parents, sources, scores, offsets = _packed(tokens, parents, sources, scores, slot, sizes)
-    return tokens, parents, sources, scores, offsets, first_tok, guess, lengths
+def draft_batch_parallel(*args: Any) -> tuple:
+    """:func:`draft_batch` (the same arguments) with the sequences shared among the compiled
+    code's worker threads: the same trees, each sequence's depending on its own inputs only."""
+    seq, extra_meta, half = args[0], args[8], args[21]
+    out = _outputs(seq, extra_meta, half.size)
+    for j in prange(seq.shape[0]):
+        _draft_one(j, args, out)
+    return _results(out)
 
 
 @njit(cache=True, nogil=True)
