@@ -103,7 +103,10 @@ class App:
         # The compiled loops are built (or loaded from numba's cache) here, off the event loop and
         # before serving: on a fresh machine that takes tens of seconds, which the first
         # CreateNamespace would otherwise spend on the loop with every other call waiting.
-        await asyncio.to_thread(warm_up)
+        threads = self.config.service.drafter.threads
+        await asyncio.to_thread(warm_up, threads)
+        if self.persistence.shared is not None:
+            await asyncio.to_thread(self.persistence.shared.warm, threads)
         await asyncio.to_thread(self.persistence.restore, self.service)
         release_free_memory()  # the log read back and the builds done to restore it
         self._schedule()
@@ -196,9 +199,12 @@ class App:
             await asyncio.to_thread(self.embedded.stop)
 
 
-def warm_up() -> None:
-    """Compile (or load) every compiled loop the service runs: drafting and the reply encoder."""
+def warm_up(threads: int = 1) -> None:
+    """Compile (or load) every compiled loop the service runs: drafting (on ``threads`` worker
+    threads too, when more than one) and the reply encoder."""
     kernels.warm_up()
+    if threads > 1:
+        kernels.warm_up_threads()
     wire.warm_up()
 
 

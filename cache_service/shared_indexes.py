@@ -12,6 +12,7 @@ only the requests past that position. If the builder dies, the lock is free for 
 from __future__ import annotations
 
 import logging
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -32,6 +33,7 @@ from indexer.lifetime_index import (
     next_generation,
     search_arrays,
 )
+from indexer.tokens import SEPARATOR
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +108,20 @@ class SharedIndexes:
                 return out, last
             out.extend(np.asarray(e.tokens, dtype=np.int32) for e in entries)
             after = last = entries[-1].id
+
+    def warm(self, threads: int = 1) -> None:
+        """Compile (or load) the kernels that run over mapped generations, before serving.
+        Compiling holds the GIL for seconds (tens on a fresh machine): done when the first
+        generation arrives, it would stall the event loop that long. A tiny generation is
+        written and mapped back, so its arrays have exactly the mapped files' types."""
+        tokens = np.array([5, 6, 5, 6, 7, SEPARATOR], dtype=np.int32)
+        with tempfile.TemporaryDirectory(prefix="draftcache-warm-") as tmp:
+            folder = lifetime_files.save(
+                build_indexes(tokens, self.config.table, 0), log="warm", through=(0, 0), ns_dir=Path(tmp)
+            )
+            gen = lifetime_files.load(folder)
+            warm_draft_step(search_arrays(gen.indexes), threads)
+            gen.indexes.suffix.match_range(np.zeros(1, dtype=np.int32))
 
     def adopt(self, ns: str, memory: LifetimeMemory, *, threads: int = 1) -> Generation | None:
         """Serve the namespace's newest published generation if it is not the one served;

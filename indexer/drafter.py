@@ -117,10 +117,11 @@ def _draft_batch(
     threads: int = 1,
 ) -> tuple[np.ndarray, ...]:
     """:func:`~indexer.kernels.draft.draft_batch` over packed jobs (:meth:`_Batch.arrays`),
-    on ``threads`` worker threads (one sequence is drafted on the calling thread)."""
+    on ``threads`` worker threads (a lone sequence is drafted on the calling thread; an empty
+    batch, as warming up sends, runs the step asked for)."""
     seq, min_score, contexts, index_tokens, index_sa, exclude, part_rows, part_vals, part_meta, part_offsets = batch
     a = lifetime
-    step = kernels.draft_step(threads if seq.shape[0] > 1 else 1)
+    step = kernels.draft_step(1 if seq.shape[0] == 1 else threads)
     return step(
         seq, min_score, contexts, index_tokens, index_sa, exclude, part_rows, part_vals, part_meta, part_offsets,
         a.main_tokens, a.main_sa, a.run_tokens, a.run_sa, a.run_offsets,

@@ -19,7 +19,10 @@ from cache_service.shared_indexes import SharedIndexes
 from cache_service.storage.connect import connect
 from cache_service.storage.redis_store import RedisStore
 from cache_service.storage.stream_log import position
+from indexer import kernels
+from indexer.drafter import DrafterConfig, DraftParams, NamespaceDrafter
 from indexer.lifetime_index import LifetimeConfig, LifetimeMemory, next_generation
+from indexer.tokens import Namespace
 from tests.service.conftest import Replica
 
 
@@ -187,3 +190,26 @@ def test_freed_heap_goes_back_to_the_os_after_a_build() -> None:
     from cache_service.malloc import release_free_memory
 
     assert release_free_memory() == (platform.libc_ver()[0] == "glibc")
+
+
+def _read_only_signatures(kernel: object) -> list:
+    return [sig for sig in kernel.signatures if any("readonly" in str(t) for t in sig)]  # type: ignore[attr-defined]
+
+
+@pytest.mark.slow  # compiles the threaded draft step for mapped arrays (tens of seconds when not cached)
+def test_kernels_for_mapped_generations_compile_before_serving(store: RedisStore, tmp_path: Path) -> None:
+    """Compiling holds the GIL: done when the first generation arrives while serving, it would
+    stall the event loop. ``warm`` compiles them for arrays typed as the mapped files are."""
+    shared = SharedIndexes(store, tmp_path / "lifetime", LifetimeConfig())
+    shared.warm(threads=2)
+    assert _read_only_signatures(kernels.draft_batch) and _read_only_signatures(kernels.draft_batch_parallel)
+    compiled = len(_read_only_signatures(kernels.draft_batch_parallel))
+    # A real generation, mapped, is drafted over without compiling for it again.
+    store.append_requests("ns", [_req(1, 2, 3, 1, 2, 4), _req(2, 3, 5)])
+    assert shared.publish("ns", wait=True) is not None
+    drafter = NamespaceDrafter(Namespace(name="ns", vocab_size=10), DrafterConfig(threads=2), own_ring=False)
+    assert shared.adopt("ns", drafter.memory, threads=drafter.threads) is not None
+    session = drafter.open([1, 2])
+    drafter.draft_many([(session, DraftParams()), (drafter.open([2, 3]), DraftParams())])
+    assert drafter.threads == 1 or len(_read_only_signatures(kernels.draft_batch_parallel)) == compiled
+    assert not list((tmp_path / "lifetime").glob("*warm*"))
