@@ -545,18 +545,17 @@ def cmd_bench_load(a: argparse.Namespace) -> int:
     from decoder_client.load_bench import run_load
 
     targets = tuple(a.target or ["127.0.0.1:50051"])
+    encode, vocab = warm.load_tokenizer(a.tokenizer) if a.tokenizer is not None else (None, None)
     with tempfile.TemporaryDirectory(prefix="draftcache-load-") as tmp:
         traces = a.traces
         if a.format == "sharegpt":  # tokenized once here; the decoders read it as traces
-            if a.tokenizer is None:
+            if encode is None or vocab is None:
                 raise SystemExit("bench-load --format sharegpt needs --tokenizer")
-            encode, size = warm.load_tokenizer(a.tokenizer)
             name = "".join(c if c.isalnum() or c in "-_." else "-" for c in a.tokenizer.resolve().name)
-            found = warm.sharegpt_conversations(a.traces, encode, size, namespace=name, limit=a.conversations)
+            found = warm.sharegpt_conversations(a.traces, encode, vocab, namespace=name, limit=a.conversations)
             traces = Path(tmp) / "sharegpt.jsonl"
             write_traces(found, traces)
         conversations = read_traces(traces)
-        vocab = warm.load_tokenizer(a.tokenizer)[1] if a.tokenizer is not None else None
         namespace = replay_bench.namespace_of(conversations, vocab)
         for target in targets:
             replay_bench.ensure_namespace(target, namespace)

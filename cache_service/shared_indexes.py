@@ -38,6 +38,14 @@ from indexer.tokens import SEPARATOR
 logger = logging.getLogger(__name__)
 
 
+def _warm_kernels(indexes: LifetimeIndexes, threads: int) -> None:
+    """Mapped files are read-only arrays, a type of their own to the compiler: the kernels that
+    run over them (drafting, on ``threads`` worker threads too; commits finding what the memory
+    holds) compile now."""
+    warm_draft_step(search_arrays(indexes), threads)
+    indexes.suffix.match_range(np.zeros(1, dtype=np.int32))
+
+
 class SharedIndexes:
     """One host's folder of published generations, for all namespaces."""
 
@@ -119,9 +127,7 @@ class SharedIndexes:
             folder = lifetime_files.save(
                 build_indexes(tokens, self.config.table, 0), log="warm", through=(0, 0), ns_dir=Path(tmp)
             )
-            gen = lifetime_files.load(folder)
-            warm_draft_step(search_arrays(gen.indexes), threads)
-            gen.indexes.suffix.match_range(np.zeros(1, dtype=np.int32))
+            _warm_kernels(lifetime_files.load(folder).indexes, threads)
 
     def adopt(self, ns: str, memory: LifetimeMemory, *, threads: int = 1) -> Generation | None:
         """Serve the namespace's newest published generation if it is not the one served;
@@ -139,10 +145,7 @@ class SharedIndexes:
             held = self._adopted.get(ns)
             if gen is None or (held is not None and held.folder == gen.folder):
                 return None
-            # Mapped files are read-only arrays, a type of their own to the compiler: the kernels
-            # that run over them (drafting; commits finding what the memory holds) compile now.
-            warm_draft_step(search_arrays(gen.indexes), threads)
-            gen.indexes.suffix.match_range(np.zeros(1, dtype=np.int32))
+            _warm_kernels(gen.indexes, threads)
             memory.adopt(gen.indexes, gen.through)
             self._adopted[ns] = gen
         logger.info("%s serves lifetime generation %s (%d tokens)", ns, gen.folder.name, gen.indexes.suffix.size)

@@ -13,6 +13,7 @@ import json
 import logging
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import IO
 
 import numpy as np
 
@@ -67,9 +68,8 @@ def read_corpus(path: str | Path, fmt: str) -> Iterator[str]:
     path = Path(path)
     if fmt not in FORMATS:
         raise CorpusError(f"unknown corpus format {fmt!r}; expected one of {', '.join(FORMATS)}")
-    opener = gzip.open if path.suffix == ".gz" else open
     try:
-        with opener(path, "rt", encoding="utf-8") as fh:
+        with _opened(path) as fh:
             if fmt == "sharegpt":
                 yield from _sharegpt(json.load(fh), path)
             elif fmt == "jsonl":
@@ -78,17 +78,31 @@ def read_corpus(path: str | Path, fmt: str) -> Iterator[str]:
                         yield _jsonl_text(line, f"{path}:{lineno}")
             else:
                 yield from (doc.strip() for doc in fh.read().split("\n\n") if doc.strip())
-    except (OSError, EOFError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except _UNREADABLE as exc:
         raise CorpusError(f"{path}: unreadable {fmt} corpus: {exc}") from exc
 
 
-def _sharegpt(data: object, path: Path) -> Iterator[str]:
+_UNREADABLE = (OSError, EOFError, UnicodeDecodeError, json.JSONDecodeError)
+
+
+def _opened(path: Path) -> IO[str]:
+    """The file as text (gunzipped when its name ends in ``.gz``)."""
+    return gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else open(path, encoding="utf-8")
+
+
+def _sharegpt_turns(data: object, path: Path) -> Iterator[tuple[str, list]]:
+    """Each ShareGPT conversation's id and turns, the corpus's shape checked on the way."""
     if not isinstance(data, list):
         raise CorpusError(f"{path}: a sharegpt corpus is a JSON list of conversations")
     for i, conv in enumerate(data):
         turns = conv.get("conversations") if isinstance(conv, dict) else None
         if not isinstance(turns, list):
             raise CorpusError(f"{path}: conversation {i} has no 'conversations' list")
+        yield str(conv.get("id", i)), turns
+
+
+def _sharegpt(data: object, path: Path) -> Iterator[str]:
+    for _, turns in _sharegpt_turns(data, path):
         for turn in turns:
             if isinstance(turn, dict) and turn.get("from") == "gpt" and isinstance(turn.get("value"), str):
                 yield turn["value"]
@@ -101,40 +115,40 @@ def sharegpt_conversations(
     traces: each turn tokenized on its own, assistant turns as outputs, every other turn as
     input (load benchmarks replay them as requests nobody has sent before)."""
     path = Path(path)
-    opener = gzip.open if path.suffix == ".gz" else open
     try:
-        with opener(path, "rt", encoding="utf-8") as fh:
+        with _opened(path) as fh:
             data = json.load(fh)
-    except (OSError, EOFError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except _UNREADABLE as exc:
         raise CorpusError(f"{path}: unreadable sharegpt corpus: {exc}") from exc
-    if not isinstance(data, list):
-        raise CorpusError(f"{path}: a sharegpt corpus is a JSON list of conversations")
     picked: list[tuple[str, list[tuple[str, str]]]] = []
-    for i, conv in enumerate(data):
-        turns = conv.get("conversations") if isinstance(conv, dict) else None
-        if not isinstance(turns, list):
-            raise CorpusError(f"{path}: conversation {i} has no 'conversations' list")
+    for cid, turns in _sharegpt_turns(data, path):
         kept = [
             ("output" if t.get("from") == "gpt" else "input", t["value"])
             for t in turns
             if isinstance(t, dict) and isinstance(t.get("value"), str) and t["value"].strip()
         ]
         if any(kind == "output" for kind, _ in kept[1:]):
-            picked.append((str(conv.get("id", i)), kept))
+            picked.append((cid, kept))
         if len(picked) >= limit:
             break
-    ids = encode([text for _, kept in picked for _, text in kept])
-    out, at = [], 0
-    for cid, kept in picked:
-        segments = []
-        for kind, _ in kept:
-            tokens = np.asarray(ids[at], dtype=np.int64)
-            at += 1
-            if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size):
-                raise CorpusError(f"tokenizer produced ids outside [0, {vocab_size})")
-            segments.append(Segment(kind, tokens.astype(np.int32)))
-        out.append(Conversation(id=cid, namespace=namespace, category="sharegpt", segments=tuple(segments)))
-    return out
+    ids = iter(encode([text for _, kept in picked for _, text in kept]))
+    return [
+        Conversation(
+            id=cid,
+            namespace=namespace,
+            category="sharegpt",
+            segments=tuple(Segment(kind, _checked_ids(next(ids), vocab_size).astype(np.int32)) for kind, _ in kept),
+        )
+        for cid, kept in picked
+    ]
+
+
+def _checked_ids(ids: list[int], vocab_size: int) -> np.ndarray:
+    """A tokenizer's ids as an int64 array, every one inside the vocabulary."""
+    arr = np.asarray(ids, dtype=np.int64)
+    if arr.size and (arr.min() < 0 or arr.max() >= vocab_size):
+        raise CorpusError(f"tokenizer produced ids outside [0, {vocab_size})")
+    return arr
 
 
 def _jsonl_text(line: str, where: str) -> str:
@@ -163,9 +177,7 @@ def tokenize_corpus(
     def flush() -> None:
         nonlocal n_docs, n_tokens
         for ids in encode(pending):
-            arr = np.asarray(ids, dtype=np.int64)
-            if arr.size and (arr.min() < 0 or arr.max() >= vocab_size):
-                raise CorpusError(f"tokenizer produced ids outside [0, {vocab_size})")
+            arr = _checked_ids(ids, vocab_size)
             chunks.append(np.append(arr, SEPARATOR).astype(np.int32))
             n_tokens += arr.size
         n_docs += len(pending)
