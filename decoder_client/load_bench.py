@@ -17,6 +17,7 @@ reports the server CPU one sequence-draft costs.
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -76,6 +77,7 @@ class DecoderResult:
     ahead_misses: int = 0
     failures: int = 0  # client calls that failed or missed their deadline (each skips the service a while)
     lost_opens: int = 0
+    cpu_seconds: float = 0.0  # this process's CPU time from the first step to the last
     latencies: list[float] = field(default_factory=list)
     started: list[float] = field(default_factory=list)  # each step's start, seconds into the run
 
@@ -143,7 +145,7 @@ def run_decoder(config: LoadConfig, index: int) -> DecoderResult:
     result = DecoderResult()
     slots = _open_many(client, source, config.batch)
     result.requests = len(slots)
-    first = time.monotonic()
+    first, cpu = time.monotonic(), time.process_time()
     stop = first + config.seconds
     while slots and time.monotonic() < stop:
         began = time.perf_counter()
@@ -171,6 +173,7 @@ def run_decoder(config: LoadConfig, index: int) -> DecoderResult:
         if config.step_interval_s:
             time.sleep(max(0.0, began + config.step_interval_s - time.perf_counter()))
     result.seconds = time.monotonic() - first
+    result.cpu_seconds = time.process_time() - cpu
     result.first_at = first
     client.close([s.handle for s in slots], commit=False)
     client.shutdown()
@@ -209,6 +212,16 @@ def _sample(pids: tuple[int, ...]) -> dict[int, tuple[float, float]]:
     return out
 
 
+def _host_busy_seconds() -> float | None:
+    """CPU seconds every core of this host has spent busy since boot (Linux /proc/stat)."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle and waiting on I/O
+    return (sum(fields[:8]) - idle) / 100.0  # guest time is already in user time
+
+
 def _server_drafts(targets: tuple[str, ...]) -> int:
     total = 0
     for target in targets:
@@ -227,9 +240,13 @@ def run_load(config: LoadConfig) -> dict:
     for p in procs:
         p.start()
     samples: list[tuple[float, dict[int, tuple[float, float]]]] = []
+    host: list[tuple[float, float]] = []
     collected: list[DecoderResult] = []
     while len(collected) < len(procs):
         samples.append((time.monotonic() - began, _sample(config.watch_pids)))
+        busy = _host_busy_seconds()
+        if busy is not None:
+            host.append((samples[-1][0], busy))
         try:
             collected.append(results.get(timeout=1.0)[1])
         except Exception:  # queue.Empty: keep sampling
@@ -240,7 +257,7 @@ def run_load(config: LoadConfig) -> dict:
         p.join(timeout=10)
     window = (min(r.first_at for r in collected) - began, max(r.first_at + r.seconds for r in collected) - began)
     drafts = _server_drafts(config.targets) - drafts_before
-    return summarise(config, collected, samples, drafts, elapsed, window=window)
+    return summarise(config, collected, samples, drafts, elapsed, window=window, host=host)
 
 
 def summarise(
@@ -251,11 +268,14 @@ def summarise(
     elapsed: float,
     *,
     window: tuple[float, float] | None = None,
+    host: list[tuple[float, float]] | None = None,
 ) -> dict:
     """The run's report. ``samples`` are taken at seconds into the run; ``window`` is when
     the decoders stepped, on the same clock (``None``: the whole run). Server CPU is counted
     over the samples inside it: the decoders start and wind down for seconds on either side,
-    and the server's idle CPU then would make a sequence-draft look cheaper than it is."""
+    and the server's idle CPU then would make a sequence-draft look cheaper than it is.
+    ``host`` holds the host's busy CPU seconds at seconds into the run: with the decoders'
+    own CPU, it tells whether the load generator shared the server's cores."""
     lat = np.array([x for r in results for x in r.latencies]) * 1e3
     steps = sum(r.steps for r in results)
     stepping = max((r.seconds for r in results), default=config.seconds) or config.seconds
@@ -276,7 +296,17 @@ def summarise(
         "requests": sum(r.requests for r in results),
         "client_failures": sum(r.failures for r in results),
         "lost_opens": sum(r.lost_opens for r in results),
+        # what the decoder processes themselves cost, stepping (client library and replay)
+        "decoder_cpu_cores": round(sum(r.cpu_seconds for r in results) / stepping, 2),
+        "decoder_cpu_us_per_sequence_step": round(
+            sum(r.cpu_seconds for r in results) * 1e6 / max(1, sum(r.sequence_steps for r in results)), 1
+        ),
     }
+    busy = _within(host or [], window)
+    if len(busy) >= 2:
+        (t0, b0), (t1, b1) = busy[0], busy[-1]
+        out["host_cpu_cores_used"] = round((b1 - b0) / max(t1 - t0, 1e-9), 2)
+        out["host_cores"] = os.cpu_count()
     hits, misses = sum(r.ahead_hits for r in results), sum(r.ahead_misses for r in results)
     if config.lookahead:
         out["lookahead"] = config.lookahead
@@ -319,6 +349,13 @@ def _timeline(
     return rows
 
 
+def _within(series: list[tuple[float, float]], window: tuple[float, float] | None) -> list[tuple[float, float]]:
+    """The points of ``series`` (seconds into the run, value) inside ``window``, or all of them
+    when fewer than two fall inside."""
+    inside = series if window is None else [(t, x) for t, x in series if window[0] <= t <= window[1]]
+    return inside if len(inside) >= 2 else series
+
+
 def _process_report(
     samples: list[tuple[float, dict[int, tuple[float, float]]]],
     pids: tuple[int, ...],
@@ -332,9 +369,8 @@ def _process_report(
         if len(seen) < 2:
             continue
         rss = [m for _, (m, _) in seen]
-        inside = seen if window is None else [(t, x) for t, x in seen if window[0] <= t <= window[1]]
-        counted = inside if len(inside) >= 2 else seen
-        (t0, (_, c0)), (t1, (_, c1)) = counted[0], counted[-1]
+        cpu = _within([(t, c) for t, (_, c) in seen], window)
+        (t0, c0), (t1, c1) = cpu[0], cpu[-1]
         quarter = max(1, len(rss) // 4)
         report[str(pid)] = {
             "rss_mib_first": round(rss[0], 1),

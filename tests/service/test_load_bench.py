@@ -90,6 +90,9 @@ def test_load_run_against_a_live_service(tmp_path: Path) -> None:
     assert out["mat"] > 1.5
     assert out["requests"] > 6  # finished requests were replaced by new ones
     assert str(os.getpid()) in out["processes"]
+    # The decoders' own CPU and the host's are reported: does the load share the server's cores?
+    assert out["decoder_cpu_cores"] > 0 and out["decoder_cpu_us_per_sequence_step"] > 0
+    assert 0 < out["host_cpu_cores_used"] <= out["host_cores"]
 
 
 def test_rpc_bench_idle_and_during_rebuilds() -> None:
@@ -150,6 +153,20 @@ def test_server_cpu_counts_only_while_decoders_step() -> None:
     # Fewer than two samples inside the window: the whole run, rather than nothing.
     short = summarise(config, [r], samples, server_drafts=8, elapsed=10, window=(6.5, 7.5))
     assert short["processes"]["7"]["cpu_cores_used"] == 0.41
+
+
+def test_decoder_and_host_cpu_over_the_stepping_window() -> None:
+    config = LoadConfig(targets=("x",), namespace="ns", traces=Path("t"), batch=2, seconds=4.0)
+    a = DecoderResult(steps=4, sequence_steps=8, latencies=[0.001] * 4, started=[0.0, 1.0, 2.0, 3.0])
+    b = DecoderResult(steps=4, sequence_steps=8, latencies=[0.001] * 4, started=[0.0, 1.0, 2.0, 3.0])
+    a.seconds = b.seconds = 4.0
+    a.cpu_seconds, b.cpu_seconds = 1.0, 0.6  # 0.4 cores over 4 s, 100 ms over 16 sequence steps
+    # The host idles through start-up, then is busy 1.5 cores while the decoders step.
+    host = [(0.0, 10.0), (6.0, 10.3), (8.0, 13.3), (10.0, 16.3)]
+    out = summarise(config, [a, b], [], server_drafts=16, elapsed=10, window=(6.0, 10.0), host=host)
+    assert out["decoder_cpu_cores"] == 0.4 and out["decoder_cpu_us_per_sequence_step"] == 100_000.0
+    assert out["host_cpu_cores_used"] == 1.5 and out["host_cores"] >= 1
+    assert "host_cpu_cores_used" not in summarise(config, [a], [], server_drafts=16, elapsed=10)
 
 
 def test_timeline_needs_watched_pids_for_memory() -> None:
