@@ -162,6 +162,7 @@ class DraftService:
         self._drafts = 0  # served trees (updated on the serving thread only)
         self._ns_lock = threading.Lock()
         self._dirty: set[str] = set()  # sessions changed since storage last saw them
+        self._round: list[str] = []  # dirty sessions a take_changes round has still to look at
         self._closed: set[str] = set()
 
     # -- namespaces --------------------------------------------------------------------------
@@ -544,7 +545,9 @@ class DraftService:
                 continue
             self._continue(sid, stored, principal)
 
-    def take_changes(self, *, final: bool = False) -> tuple[list[tuple[str, SessionChange]], list[str]]:
+    def take_changes(
+        self, *, final: bool = False, budget_s: float | None = None
+    ) -> tuple[list[tuple[str, SessionChange]], list[str]]:
         """Changes of sessions since storage last took them, and ids closed since; call on the
         thread that serves requests (a snapshot must not race a draft).
 
@@ -552,11 +555,28 @@ class DraftService:
         one it holds gives only its new tokens, plus its rejected table when that changed and
         ``table_flush_interval_s`` passed since it was last written (always when ``final``). A
         table change not due yet keeps the session pending (it does not leave memory either).
+
+        With ``budget_s``, a call stops looking at sessions once that long has passed (after
+        one at least), so the calls it serves wait that long at most; :attr:`taking` says
+        whether the sessions changed when the round began are all taken. A session stays
+        changed until a call takes it, so it cannot leave memory before.
         """
-        now = time.monotonic()
+        began = now = time.monotonic()
+        if budget_s is None:
+            todo, self._round = list(self._dirty), []
+        else:
+            if not self._round:
+                self._round = list(self._dirty)
+            todo = self._round
         changed: list[tuple[str, SessionChange]] = []
-        pending: set[str] = set()
-        for sid in self._dirty:
+        done = 0
+        for sid in todo:
+            if budget_s is not None and done and time.monotonic() - began >= budget_s:
+                break
+            done += 1
+            if sid not in self._dirty:
+                continue  # closed, or taken by a call without a budget, since the round began
+            self._dirty.discard(sid)
             try:
                 entry = self.sessions.get(sid)
             except NotFound:
@@ -576,11 +596,17 @@ class DraftService:
             if table_due:
                 entry.stored_table, entry.table_saved_at = table.version, now
             elif table_changed:
-                pending.add(sid)
+                self._dirty.add(sid)  # pending: looked at again next round
+        if budget_s is not None:
+            del self._round[:done]
         closed = list(self._closed)
-        self._dirty = pending
         self._closed.clear()
         return changed, closed
+
+    @property
+    def taking(self) -> bool:
+        """Whether a round of :meth:`take_changes` with a budget has sessions left to look at."""
+        return bool(self._round)
 
     def requeue(self, sids: Iterable[str], closed: Iterable[str] = ()) -> None:
         """Put back changes storage could not take (on the serving thread, like take_changes):

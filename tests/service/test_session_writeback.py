@@ -80,6 +80,65 @@ def test_final_takes_every_table_and_requeue_rewrites_whole() -> None:
     svc.requeue(["unknown-session"])  # an id that is gone meanwhile is skipped
 
 
+def _taken(changed: list) -> dict[str, tuple]:  # type: ignore[type-arg]
+    """What a list of changes says, by session: whole contexts, or appended tokens and tables."""
+    out = {}
+    for sid, change in changed:
+        if isinstance(change, StoredSession):
+            out[sid] = ("whole", change.snapshot.context.tolist(), change.snapshot.rejected)
+        else:
+            out[sid] = ("delta", change.held, change.tokens.tolist(), change.rejected)
+    return out
+
+
+def test_a_round_taken_in_slices_takes_what_one_call_takes() -> None:
+    """The serving loop takes a write-back round a slice at a time (calls are served between
+    slices): the slices together take what one call takes, and a session changed between two
+    slices, before or after its own, loses nothing."""
+    at_once, sliced = _service(table_flush_interval_s=0.0), _service(table_flush_interval_s=0.0)
+    prompts = [OpenItem("toy", [*PROMPT, i % 50]) for i in range(40)]
+    ids = at_once.open(prompts)
+    assert sliced.open([OpenItem(p.namespace, p.prompt, session_id=sid) for p, sid in zip(prompts, ids, strict=True)])
+    for svc in (at_once, sliced):
+        svc.take_changes()
+        for i, sid in enumerate(ids):  # every session gains tokens, some a rejected table too
+            _step(svc, sid, [])
+            _step(svc, sid, [6, i % 7])
+    whole = _taken(at_once.take_changes()[0])
+    slices = []
+    while not slices or sliced.taking:
+        slices.append(_taken(sliced.take_changes(budget_s=0.0)[0]))  # no budget: one session a slice
+    assert len(slices) == len(ids) and {k: v for part in slices for k, v in part.items()} == whole
+    assert not sliced._dirty and sliced.take_changes() == ([], [])
+
+    # Changes between slices: a session already taken gains tokens (taken next round), one not
+    # yet taken gains tokens (taken with the rest in its slice); none is taken twice or lost.
+    for svc in (at_once, sliced):
+        for sid in ids:
+            _step(svc, sid, [8])
+    first = _taken(sliced.take_changes(budget_s=0.0)[0])
+    _step(sliced, next(iter(first)), [9])  # taken this round already
+    later = [sid for sid in ids if sid not in first]
+    _step(sliced, later[-1], [9])  # still to be taken this round
+    rest = {}
+    while sliced.taking:
+        rest.update(_taken(sliced.take_changes(budget_s=0.0)[0]))
+    assert rest[later[-1]][2] == [8, 9] and next(iter(first)) not in rest
+    ((again, delta),) = sliced.take_changes()[0]  # the next round: the one taken early
+    assert again == next(iter(first)) and isinstance(delta, SessionDelta) and delta.tokens.tolist() == [9]
+
+
+def test_a_slice_stops_at_its_budget() -> None:
+    svc = _service(table_flush_interval_s=3600)
+    ids = svc.open([OpenItem("toy", PROMPT) for _ in range(30)])
+    changed, _ = svc.take_changes(budget_s=3600.0)  # room for all
+    assert len(changed) == 30 and not svc.taking
+    for sid in ids:
+        _step(svc, sid, [5])
+    changed, _ = svc.take_changes(budget_s=0.0)
+    assert len(changed) == 1 and svc.taking and len(svc._dirty) == 29  # the rest stay changed
+
+
 @pytest.fixture
 def store(tmp_path: Path) -> Iterator[RedisStore]:
     server = EmbeddedRedis(EmbeddedRedisConfig(data_dir=tmp_path, appendonly=False)).start()
