@@ -215,11 +215,11 @@ def _sample(pids: tuple[int, ...]) -> dict[int, tuple[float, float]]:
 def _host_busy_seconds() -> float | None:
     """CPU seconds every core of this host has spent busy since boot (Linux /proc/stat)."""
     try:
-        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:8]]
+        user, nice, system, _idle, _iowait, irq, softirq = fields  # steal: another guest's
+        return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError):
         return None
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle and waiting on I/O
-    return (sum(fields[:8]) - idle) / 100.0  # guest time is already in user time
 
 
 def _server_drafts(targets: tuple[str, ...]) -> int:
