@@ -197,16 +197,18 @@ def _worker(config: LoadConfig, index: int, results: mp.Queue) -> None:
     results.put((index, run_decoder(config, index)))
 
 
+_TICKS = os.sysconf("SC_CLK_TCK")  # /proc's clock ticks per second
+
+
 def _sample(pids: tuple[int, ...]) -> dict[int, tuple[float, float]]:
     """Resident MiB and CPU seconds of each process (Linux /proc)."""
-    ticks = 100.0
     out = {}
     for pid in pids:
         try:
             status = Path(f"/proc/{pid}/status").read_text()
             rss_kb = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:"))
             stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            out[pid] = (rss_kb / 1024, (int(stat[11]) + int(stat[12])) / ticks)
+            out[pid] = (rss_kb / 1024, (int(stat[11]) + int(stat[12])) / _TICKS)
         except (OSError, StopIteration, IndexError, ValueError):
             continue
     return out
@@ -217,7 +219,7 @@ def _host_busy_seconds() -> float | None:
     try:
         fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:8]]
         user, nice, system, _idle, _iowait, irq, softirq = fields  # steal: another guest's
-        return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+        return (user + nice + system + irq + softirq) / _TICKS
     except (OSError, ValueError):
         return None
 
