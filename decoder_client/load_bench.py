@@ -6,8 +6,11 @@ from a trace file in turn: one batched draft call per step, the accepted length 
 the recorded continuation (exact for greedy decoding), the produced tokens sent with the next
 call; the requests that finish in a step are closed (committed) together and replaced by the
 next ones, opened in one call. ``step_interval_s`` stands for the target model's verification
-time between two draft calls; 0 steps back to back (the service's saturation throughput).
-Replicas are taken round robin by decoder.
+time: the next draft call goes out that long after the last one was answered (the decoder's own
+bookkeeping overlaps it, as an engine's CPU work overlaps its forward pass), so a step lasts the
+draft's latency plus the verification, and decoders that wait on one another drift apart as real
+replicas do; 0 steps back to back (the service's saturation throughput). Replicas are taken round
+robin by decoder.
 
 The parent process collects every step's client-visible latency and, for processes on this
 host (``watch_pids``, the servers), samples resident memory and CPU time once a second, and
@@ -43,7 +46,7 @@ class LoadConfig:
     decoders: int = 8
     batch: int = 32
     seconds: float = 30.0
-    step_interval_s: float = 0.0  # the target's verification time between draft calls
+    step_interval_s: float = 0.0  # the target's verification time: from a draft's answer to the next call
     deadline_s: float = 0.05  # past it a step is answered by the local fallback
     params: DraftParams = field(default_factory=DraftParams)
     watch_pids: tuple[int, ...] = ()
@@ -151,7 +154,8 @@ def run_decoder(config: LoadConfig, index: int) -> DecoderResult:
         began = time.perf_counter()
         before = client.stats.fallback
         trees = client.draft([s.handle for s in slots], [s.pending for s in slots])
-        result.latencies.append(time.perf_counter() - began)
+        answered = time.perf_counter()
+        result.latencies.append(answered - began)
         result.started.append(time.monotonic() - first)
         result.steps += 1
         result.fallbacks += client.stats.fallback - before
@@ -171,7 +175,7 @@ def run_decoder(config: LoadConfig, index: int) -> DecoderResult:
             result.requests += len(following)
         slots = still
         if config.step_interval_s:
-            time.sleep(max(0.0, began + config.step_interval_s - time.perf_counter()))
+            time.sleep(max(0.0, answered + config.step_interval_s - time.perf_counter()))
     result.seconds = time.monotonic() - first
     result.cpu_seconds = time.process_time() - cpu
     result.first_at = first

@@ -12,7 +12,7 @@ import pytest
 
 from cache_service import warm
 from cache_service.config import ServiceConfig
-from decoder_client.load_bench import DecoderResult, LoadConfig, requests_of, run_load, summarise
+from decoder_client.load_bench import DecoderResult, LoadConfig, requests_of, run_decoder, run_load, summarise
 from decoder_client.rpc_bench import run_rpc_bench
 from decoder_client.traces import Conversation, Segment, read_traces, write_traces
 from tests.service.conftest import start_service, stop_service
@@ -93,6 +93,32 @@ def test_load_run_against_a_live_service(tmp_path: Path) -> None:
     # The decoders' own CPU and the host's are reported: does the load share the server's cores?
     assert out["decoder_cpu_cores"] > 0 and out["decoder_cpu_us_per_sequence_step"] > 0
     assert 0 < out["host_cpu_cores_used"] <= out["host_cores"]
+
+
+def test_verification_time_follows_each_answer(tmp_path: Path) -> None:
+    # A decoder verifies for step_interval_s after its draft is answered: a step lasts the
+    # draft's latency plus that (a fixed-rate clock would hide the latency in the interval and
+    # keep decoders in lockstep).
+    rng = np.random.default_rng(1)
+    write_traces(
+        [_conv(("input", rng.integers(0, 50, 40).tolist()), ("output", rng.integers(0, 50, 60).tolist()))],
+        tmp_path / "t.jsonl.gz",
+    )
+    running = start_service(ServiceConfig())
+    try:
+        running.service.create_namespace("ns", 64)
+        config = LoadConfig(
+            targets=(running.target,), namespace="ns", traces=tmp_path / "t.jsonl.gz", decoders=1, batch=2,
+            seconds=0.6, step_interval_s=0.03, deadline_s=1.0, passes=0,
+        )  # fmt: skip
+        result = run_decoder(config, 0)
+    finally:
+        stop_service(running)
+    assert result.steps >= 5 and result.fallbacks == 0
+    periods = np.diff(result.started)
+    latencies = np.array(result.latencies[:-1])
+    assert (periods >= latencies + 0.03 - 1e-3).all()
+    assert result.steps <= 0.6 / (0.03 + float(np.median(latencies))) + 2
 
 
 def test_rpc_bench_idle_and_during_rebuilds() -> None:
