@@ -95,15 +95,44 @@ class ClientConfig:
         )
 
 
-@dataclass
-class ClientSession:
-    """The client's view of one request: its full context and its server session, if any."""
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 
-    context: np.ndarray
-    prompt_len: int
-    server_id: str = ""  # "" while the service has no valid copy
-    pending: list[int] = field(default_factory=list)  # produced since the last successful call
-    prefetched: Prefetched = field(default_factory=dict)  # trees drafted ahead for the next outcome
+
+class ClientSession:
+    """The client's view of one request: its full context and its server session, if any.
+
+    The context is kept as a list that a decode step appends its few tokens to: copying whole
+    contexts into new arrays every step would cost the decoder time quadratic in a request's
+    length. ``context`` makes an array of it (the local fallback and re-opens read it, rarely).
+    """
+
+    __slots__ = ("_tokens", "pending", "prefetched", "prompt_len", "server_id")
+
+    def __init__(self, context: Sequence[int] | np.ndarray, prompt_len: int) -> None:
+        self._tokens: list[int] = np.asarray(context, dtype=np.int32).tolist()
+        self.prompt_len = prompt_len
+        self.server_id = ""  # "" while the service has no valid copy
+        self.pending: list[int] = []  # produced since the last successful call
+        self.prefetched: Prefetched = {}  # trees drafted ahead for the next outcome
+
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+    @property
+    def context(self) -> np.ndarray:
+        return np.array(self._tokens, dtype=np.int32)
+
+    def tokens(self, start: int = 0) -> list[int]:
+        """The context's tokens from ``start`` on, as a new list."""
+        return self._tokens[start:]
+
+    def extend(self, new: Sequence[int] | np.ndarray) -> None:
+        """Append tokens the target produced (to the context, and to what the service has yet to hear)."""
+        values = new.tolist() if isinstance(new, np.ndarray) else [int(t) for t in new]
+        if values and not (min(values) >= _INT32_MIN and max(values) <= _INT32_MAX):
+            raise OverflowError(f"token ids must be int32, got {values}")
+        self._tokens.extend(values)
+        self.pending.extend(values)
 
 
 @dataclass
@@ -150,8 +179,7 @@ class _Core:
     def add_tokens(self, sessions: Sequence[ClientSession], new_tokens: Sequence[Sequence[int]]) -> None:
         for s, new in zip(sessions, new_tokens, strict=True):
             if len(new):
-                s.context = np.concatenate((s.context, np.asarray(new, dtype=np.int32)))
-                s.pending.extend(int(t) for t in new)
+                s.extend(new)
 
     def open_request(self, sessions: Sequence[ClientSession]) -> pb.OpenSessionsRequest | None:
         todo = [s for s in sessions if not s.server_id]
@@ -160,7 +188,7 @@ class _Core:
         ns = self.config.namespace
         return pb.OpenSessionsRequest(  # ids chosen here: an open given up on can still be closed
             sessions=[
-                pb.OpenSession(namespace=ns, prompt=s.context.tolist(), params=self.params, session_id=token_hex(16))
+                pb.OpenSession(namespace=ns, prompt=s.tokens(), params=self.params, session_id=token_hex(16))
                 for s in todo
             ]
         )
@@ -179,11 +207,11 @@ class _Core:
         """Book the server ids of an open request made for ``sessions`` (those without one);
         ``sizes``: their context sizes when it was sent (tokens added since are pending)."""
         todo = [s for s in sessions if not s.server_id]
-        sizes = [s.context.size for s in todo] if sizes is None else sizes
+        sizes = [len(s) for s in todo] if sizes is None else sizes
         for s, sid, size in zip(todo, resp.session_ids, sizes, strict=True):
             if s.prompt_len != size:
                 self.stats.reopened += 1
-            s.server_id, s.pending = sid, s.context[size:].tolist()
+            s.server_id, s.pending = sid, s.tokens(size)
 
     def draft_request(self, sessions: Sequence[ClientSession]) -> pb.DraftRequest | None:
         remote = [s for s in sessions if s.server_id]
@@ -278,11 +306,13 @@ class _Core:
         """Remote trees where the service answered, local ones everywhere else; ``book``: the
         call's outcome too (see :meth:`answered`)."""
         remote = [s for s in sessions if s.server_id]
+        drafted: list[DraftTree] = []
         got: dict[int, DraftTree] = {}
         if resp is not None:
             drafted = wire.trees_from_response(resp)
             if len(drafted) == len(remote):
-                got.update((id(s), t) for s, t in zip(remote, drafted, strict=True))
+                if len(remote) < len(sessions):
+                    got.update((id(s), t) for s, t in zip(remote, drafted, strict=True))
                 self.stats.remote += len(remote)
             else:  # not an answer to this call: the sessions' server copies are in doubt
                 logger.warning("draft call for %d sessions answered with %d trees", len(remote), len(drafted))
@@ -292,6 +322,8 @@ class _Core:
                 resp = None
         if book:
             self.answered(sessions, resp)
+        if resp is not None and len(remote) == len(sessions):  # the service answered for every sequence
+            return drafted
         out = []
         for s in sessions:
             tree = got.get(id(s))
@@ -631,7 +663,10 @@ class DraftClient:
         resp, late = self._draft(req, left) if req is not None and left > 0 else (None, None)
         if late is not None:
             self._core.missed(rest, late)
-        fresh = dict(zip(map(id, rest), self._core.trees(rest, resp, book=late is None), strict=True))
+        trees = self._core.trees(rest, resp, book=late is None)
+        if not ready:  # nothing was drafted ahead: every tree is fresh, in order
+            return trees
+        fresh = dict(zip(map(id, rest), trees, strict=True))
         ahead = [s for s in sessions if id(s) in ready]
         req = self._core.draft_request(ahead)
         if req is not None:
@@ -770,7 +805,7 @@ class DraftClient:
         req = self._core.open_request(todo)
         if req is not None:
             future = self._future("open", req, self.config.control_timeout_s)
-            self._opening = (todo, [s.context.size for s in todo], req, future)
+            self._opening = (todo, [len(s) for s in todo], req, future)
 
     def _close_abandoned(self) -> None:
         """Best effort, in the background: an unknown id (the server restarted) is fine too.
@@ -855,7 +890,10 @@ class AsyncDraftClient:
         resp, late = await self._draft(req, left) if req is not None and left > 0 else (None, None)
         if late is not None:
             self._core.missed(rest, late)
-        fresh = dict(zip(map(id, rest), self._core.trees(rest, resp, book=late is None), strict=True))
+        trees = self._core.trees(rest, resp, book=late is None)
+        if not ready:  # nothing was drafted ahead: every tree is fresh, in order
+            return trees
+        fresh = dict(zip(map(id, rest), trees, strict=True))
         ahead = [s for s in sessions if id(s) in ready]
         req = self._core.draft_request(ahead)
         if req is not None:
@@ -964,7 +1002,7 @@ class AsyncDraftClient:
         req = self._core.open_request(todo)
         if req is not None:
             task = self._future("open", req, self._core.config.control_timeout_s)
-            self._opening = (todo, [s.context.size for s in todo], req, task)
+            self._opening = (todo, [len(s) for s in todo], req, task)
 
     async def _open(self, sessions: Sequence[ClientSession]) -> None:
         req = self._core.open_request(sessions)
