@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -21,6 +23,23 @@ from cache_service.embedded_redis import free_port
 from cache_service.storage.redis_store import RedisStore
 from indexer.prior import PriorConfig, StaticPrior
 from tests.service.test_serve_metrics import _healthy
+
+
+def _free_pair() -> int:
+    """A port ``p`` with ``p`` and ``p + 1`` free (the workers' metrics ports), below the kernel's
+    ephemeral range: a port picked from that range may be taken by any outgoing connection (a
+    worker's to Redis) before the second worker binds it."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for _ in range(200):
+        p = random.randrange(max(1024, low - 10_000), low - 1)
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", p))
+                b.bind(("127.0.0.1", p + 1))
+            return p
+        except OSError:
+            continue
+    raise RuntimeError("no two free adjacent ports")
 
 
 def _children(pid: int) -> list[int]:
@@ -80,9 +99,7 @@ def _draft_on_new_connections(target: str, n: int) -> None:
 
 
 def test_two_workers_share_the_port_and_a_dead_one_is_replaced(tmp_path: Path) -> None:
-    port, metrics = free_port(), free_port()
-    while metrics + 1 == port:
-        metrics = free_port()
+    port, metrics = free_port(), _free_pair()
     cmd = [sys.executable, "-m", "cache_service.cli", "serve", "--processes", "2", "--port", str(port)]
     cmd += ["--data-dir", str(tmp_path), "--metrics-port", str(metrics), "--metrics-host", "127.0.0.1"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
