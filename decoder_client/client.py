@@ -128,7 +128,12 @@ class ClientSession:
 
     def extend(self, new: Sequence[int] | np.ndarray) -> None:
         """Append tokens the target produced (to the context, and to what the service has yet to hear)."""
-        values = new.tolist() if isinstance(new, np.ndarray) else [int(t) for t in new]
+        if isinstance(new, np.ndarray):
+            if new.dtype.kind not in "iu":
+                raise TypeError(f"token ids must be integers, got an array of {new.dtype}")
+            values = new.tolist()
+        else:
+            values = [int(t) for t in new]
         if values and not (min(values) >= _INT32_MIN and max(values) <= _INT32_MAX):
             raise OverflowError(f"token ids must be int32, got {values}")
         self._tokens.extend(values)

@@ -22,12 +22,14 @@ def test_a_session_grows_its_context_and_what_the_service_has_yet_to_hear() -> N
     assert before.tolist() == [5, 6, 7]  # an array read earlier is not changed by later tokens
 
 
-def test_an_id_outside_int32_is_refused_and_changes_nothing() -> None:
+def test_ids_outside_int32_or_not_integers_are_refused_and_change_nothing() -> None:
     s = ClientSession([1, 2], 2)
     with pytest.raises(OverflowError):
         s.extend([3, 2**31])
     with pytest.raises(OverflowError):
         s.extend([-(2**31) - 1])
+    with pytest.raises(TypeError):
+        s.extend(np.array([3.0]))
     assert s.context.tolist() == [1, 2] and s.pending == []
 
 
