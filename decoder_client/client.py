@@ -312,23 +312,21 @@ class _Core:
         call's outcome too (see :meth:`answered`)."""
         remote = [s for s in sessions if s.server_id]
         drafted: list[DraftTree] = []
-        got: dict[int, DraftTree] = {}
         if resp is not None:
             drafted = wire.trees_from_response(resp)
             if len(drafted) == len(remote):
-                if len(remote) < len(sessions):
-                    got.update((id(s), t) for s, t in zip(remote, drafted, strict=True))
                 self.stats.remote += len(remote)
             else:  # not an answer to this call: the sessions' server copies are in doubt
                 logger.warning("draft call for %d sessions answered with %d trees", len(remote), len(drafted))
                 if remote and not drafted and self.columns:
                     # A server that predates columnar calls reads none of them and drafts nothing.
                     self.columns = False
-                resp = None
+                resp, drafted = None, []
         if book:
             self.answered(sessions, resp)
         if resp is not None and len(remote) == len(sessions):  # the service answered for every sequence
             return drafted
+        got = dict(zip(map(id, remote), drafted, strict=True)) if resp is not None else {}
         out = []
         for s in sessions:
             tree = got.get(id(s))

@@ -33,8 +33,9 @@ def test_ids_outside_int32_or_not_integers_are_refused_and_change_nothing() -> N
     assert s.context.tolist() == [1, 2] and s.pending == []
 
 
-def test_a_long_request_costs_each_step_its_new_tokens_only() -> None:
-    # 20,000 steps of 3 tokens: with whole-context copies this moves ~1.2 G token copies.
+def test_a_long_request_built_step_by_step_keeps_every_token() -> None:
+    # 20,000 steps of 3 tokens (with whole-context copies, ~1.2 G token copies; the cost itself
+    # is measured outside the tests).
     s = ClientSession(np.zeros(1000, dtype=np.int32), 1000)
     step = [1, 2, 3]
     for _ in range(20_000):
