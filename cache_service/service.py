@@ -117,6 +117,19 @@ class SessionDelta:
 SessionChange = StoredSession | SessionDelta
 
 
+@dataclass(frozen=True)
+class Opening:
+    """An open call checked by :meth:`DraftService.prepare_open`: per item its drafter and
+    checked prompt (``None`` where the item repeats the open of a live session)."""
+
+    prepared: list[tuple[OpenItem, NamespaceDrafter, np.ndarray | None]]
+    principal: Principal | None
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(p.size for _, _, p in self.prepared if p is not None)
+
+
 class _DraftStep(NamedTuple):
     """One draft item after its session took its new tokens: the tree drafted ahead for the
     outcome, or ``None`` when it is still to be drafted."""
@@ -261,7 +274,13 @@ class DraftService:
 
     def open(self, items: list[OpenItem], *, principal: Principal | None = None) -> list[str]:
         """New sessions; an item whose client-chosen id names a live session of the same
-        namespace and tenant gets that session back (a repeated open is answered, not doubled)."""
+        namespace and tenant gets that session back (a repeated open is answered, not doubled).
+        :meth:`prepare_open`, :meth:`build_sessions` and :meth:`finish_open` in one go."""
+        return self.finish_open(self.prepare_open(items, principal=principal))
+
+    def prepare_open(self, items: list[OpenItem], *, principal: Principal | None = None) -> Opening:
+        """The first part of :meth:`open` (on the serving thread): every item checked, nothing
+        changed yet."""
         self._check_batch(len(items))
         tenant = "" if principal is None else principal.tenant
         chosen = [item.session_id for item in items if item.session_id]
@@ -279,20 +298,47 @@ class DraftService:
             if prompt.size > self.config.max_prompt_tokens:
                 raise ResourceExhausted(f"prompt of {prompt.size} tokens exceeds {self.config.max_prompt_tokens}")
             prepared.append((item, drafter, prompt))
-        fresh = [(item, drafter, p) for item, drafter, p in prepared if p is not None]
-        if principal is not None:
-            self._check_tenant(principal, len(fresh), sum(p.size for _, _, p in fresh))
-        self._make_room(sum(p.size for _, _, p in fresh))
+        opening = Opening(prepared, principal)
+        self._check_room(opening)
+        return opening
+
+    @staticmethod
+    def build_sessions(opening: Opening) -> list[Session | None]:
+        """The second part of :meth:`open`: the new sessions built (their prompts indexed),
+        touching no shared state, so a long prompt can be indexed on a worker thread while the
+        serving thread goes on (``None`` where an item repeats an open)."""
+        return [None if prompt is None else drafter.open(prompt) for _, drafter, prompt in opening.prepared]
+
+    def finish_open(self, opening: Opening, sessions: list[Session | None] | None = None) -> list[str]:
+        """The last part of :meth:`open` (on the serving thread): the sessions held, their ids
+        returned. Without ``sessions`` they are built now. Sessions built elsewhere meanwhile
+        have the limits checked again and a client-chosen id looked up again, as other calls
+        may have changed both while they were built."""
+        if sessions is None:
+            return self._hold(opening, self.build_sessions(opening), [False] * len(opening.prepared))
+        principal = opening.principal
+        tenant = "" if principal is None else principal.tenant
+        repeated = [
+            checked is not None and bool(item.session_id) and self._reopened(item, tenant)
+            for item, _, checked in opening.prepared
+        ]
+        self._check_room(opening, [not r for r in repeated])
+        return self._hold(opening, sessions, repeated)
+
+    def _hold(self, opening: Opening, sessions: list[Session | None], repeated: list[bool]) -> list[str]:
+        """The sessions built for ``opening`` held in memory, except where ``repeated`` says an
+        open of the same id came first; the call's session ids."""
+        tenant = "" if opening.principal is None else opening.principal.tenant
         ids = []
-        for item, drafter, checked in prepared:
-            if checked is None:
+        for (item, drafter, checked), session, again in zip(opening.prepared, sessions, repeated, strict=True):
+            if checked is None or session is None or again:
                 ids.append(item.session_id)
                 continue
             entry = SessionEntry(
                 sid=item.session_id or new_session_id(),
                 namespace=item.namespace,
                 drafter=drafter,
-                session=drafter.open(checked),
+                session=session,
                 params=item.params or self.config.default_params,
                 tenant=tenant,
             )
@@ -300,6 +346,14 @@ class DraftService:
             self._dirty.add(entry.sid)
             ids.append(entry.sid)
         return ids
+
+    def _check_room(self, opening: Opening, keep: list[bool] | None = None) -> None:
+        """The tenant's limits and the session memory, for the sessions ``opening`` adds (those
+        ``keep`` marks, all by default)."""
+        prompts = [p for j, (_, _, p) in enumerate(opening.prepared) if p is not None and (keep is None or keep[j])]
+        if opening.principal is not None:
+            self._check_tenant(opening.principal, len(prompts), sum(p.size for p in prompts))
+        self._make_room(sum(p.size for p in prompts))
 
     def _reopened(self, item: OpenItem, tenant: str) -> bool:
         """Whether a client-chosen id names a live session this open repeats; ``AlreadyExists``
@@ -507,13 +561,18 @@ class DraftService:
             raise NotFound(f"unknown or expired session {sid!r}")
         return entry
 
-    def _continue(self, sid: str, stored: StoredSession, principal: Principal | None) -> SessionEntry:
-        """A session held in memory again from what storage kept of it."""
+    def _continue(
+        self, sid: str, stored: StoredSession, principal: Principal | None, session: Session | None = None
+    ) -> SessionEntry:
+        """A session held in memory again from what storage kept of it (``session``: already
+        built from it by :meth:`read_stored`)."""
         if principal is not None and not principal.may_use(stored.namespace):
             raise NotFound(f"unknown or expired session {sid!r}")
         drafter = self.namespace(stored.namespace)
         tenant = "" if principal is None else principal.tenant
-        entry = SessionEntry(sid, stored.namespace, drafter, drafter.resume(stored.snapshot), stored.params, tenant)
+        if session is None:
+            session = drafter.resume(stored.snapshot)
+        entry = SessionEntry(sid, stored.namespace, drafter, session, stored.params, tenant)
         entry.stored_tokens = len(entry.session.context)  # storage holds what it was continued from
         entry.stored_table, entry.table_saved_at = entry.session.rejected.table.version, time.monotonic()
         self._make_room(len(entry.session.context))
@@ -529,21 +588,33 @@ class DraftService:
         """Which of ``sids`` (once each) this replica does not hold."""
         return [sid for sid in dict.fromkeys(sids) if not self.sessions.holds(sid)]
 
-    def read_stored(self, sids: Sequence[str]) -> dict[str, StoredSession]:
-        """What storage keeps of ``sids`` (those it has); safe on any thread."""
+    def read_stored(self, sids: Sequence[str]) -> dict[str, tuple[StoredSession, Session | None]]:
+        """What storage keeps of ``sids`` (those it has), each with the session built from it
+        (its prompt indexed); safe on any thread, as it changes nothing the service holds."""
         if self._persistence is None:
             return {}
         found = {sid: self._persistence.load_session(sid) for sid in sids}
-        return {sid: stored for sid, stored in found.items() if stored is not None}
+        return {sid: (stored, self._resumed(stored)) for sid, stored in found.items() if stored is not None}
 
-    def continue_stored(self, found: dict[str, StoredSession], *, principal: Principal | None = None) -> None:
+    def _resumed(self, stored: StoredSession) -> Session | None:
+        """The session ``stored`` continues, or ``None`` when it cannot be built here (an unknown
+        namespace, a snapshot that does not fit it): :meth:`continue_stored` then reports that
+        on the serving thread, after checking the caller may know of it."""
+        try:
+            return self.namespace(stored.namespace).resume(stored.snapshot)
+        except (NotFound, ValueError):
+            return None
+
+    def continue_stored(
+        self, found: dict[str, tuple[StoredSession, Session | None]], *, principal: Principal | None = None
+    ) -> None:
         """Hold sessions read by :meth:`read_stored` (on the serving thread); one that came
         back meanwhile, or that the caller may not use, is left alone (the call then answers
         for it as it would have)."""
-        for sid, stored in found.items():
+        for sid, (stored, session) in found.items():
             if self.sessions.holds(sid) or (principal is not None and not principal.may_use(stored.namespace)):
                 continue
-            self._continue(sid, stored, principal)
+            self._continue(sid, stored, principal, session)
 
     def take_changes(
         self, *, final: bool = False, budget_s: float | None = None

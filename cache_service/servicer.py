@@ -15,6 +15,11 @@ from cache_service.errors import InvalidArgument
 from cache_service.interceptor import Observer, status_of
 from cache_service.service import DraftService, named_sessions
 
+# An open call whose prompts hold at least this many tokens in all has them indexed on a worker
+# thread (a 128k-token prompt takes ~7 ms, which would stall every other call); shorter ones are
+# indexed at once, cheaper than handing them over.
+OFF_LOOP_TOKENS = 2048
+
 
 class DraftCacheServicer(pb_grpc.DraftCacheServicer):
     def __init__(self, service: DraftService, observe: Observer | None = None) -> None:
@@ -37,7 +42,11 @@ class DraftCacheServicer(pb_grpc.DraftCacheServicer):
         self, request: pb.OpenSessionsRequest, context: grpc.aio.ServicerContext
     ) -> pb.OpenSessionsResponse:
         items = convert.open_items(request, self._service.config.default_params)
-        return pb.OpenSessionsResponse(session_ids=self._service.open(items, principal=auth.current()))
+        opening = self._service.prepare_open(items, principal=auth.current())
+        sessions = None  # built here, at once
+        if opening.prompt_tokens >= OFF_LOOP_TOKENS:
+            sessions = await asyncio.to_thread(self._service.build_sessions, opening)
+        return pb.OpenSessionsResponse(session_ids=self._service.finish_open(opening, sessions))
 
     async def Draft(self, request: pb.DraftRequest, context: grpc.aio.ServicerContext) -> pb.DraftResponse:
         items, principal = convert.draft_items(request), auth.current()

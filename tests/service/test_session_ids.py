@@ -58,7 +58,7 @@ def test_closing_with_missing_ok_skips_unknown_sessions(running: Running) -> Non
 
 def test_an_open_given_up_on_is_closed_when_the_service_answers(running: Running) -> None:
     running.admin.CreateNamespace(pb.CreateNamespaceRequest(name="toy", vocab_size=50))
-    open_sessions = running.service.open
+    open_sessions = running.service.finish_open
     slow = {"on": True}
 
     def delayed(*args, **kwargs):  # type: ignore[no-untyped-def]
@@ -66,7 +66,7 @@ def test_an_open_given_up_on_is_closed_when_the_service_answers(running: Running
             time.sleep(0.3)  # past the client's open timeout: the client gives up, the server opens
         return open_sessions(*args, **kwargs)
 
-    running.service.open = delayed  # type: ignore[method-assign]
+    running.service.finish_open = delayed  # type: ignore[method-assign]
     client = DraftClient(ClientConfig(target=running.target, namespace="toy", control_timeout_s=0.1, retry_after_s=0))
     (session,) = client.open([[1, 2, 3, 1, 2]])
     assert client.stats.lost_opens == 1 and not session.server_id
