@@ -151,12 +151,12 @@ def run_decoder(config: LoadConfig, index: int) -> DecoderResult:
     first, cpu = time.monotonic(), time.process_time()
     stop = first + config.seconds
     while slots and time.monotonic() < stop:
+        result.started.append(time.monotonic() - first)
         began = time.perf_counter()
         before = client.stats.fallback
         trees = client.draft([s.handle for s in slots], [s.pending for s in slots])
         answered = time.perf_counter()
         result.latencies.append(answered - began)
-        result.started.append(time.monotonic() - first)
         result.steps += 1
         result.fallbacks += client.stats.fallback - before
         result.sequence_drafts += len(slots) - (client.stats.fallback - before)

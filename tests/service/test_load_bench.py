@@ -115,10 +115,10 @@ def test_verification_time_follows_each_answer(tmp_path: Path) -> None:
     finally:
         stop_service(running)
     assert result.steps >= 5 and result.fallbacks == 0
-    # ``started`` is taken once each draft is answered: from one answer to the next, the
-    # verification time and then the next draft's latency.
+    # ``started`` is taken as each step begins: from one start to the next, the draft's
+    # latency and then the verification time.
     periods = np.diff(result.started)
-    latencies = np.array(result.latencies[1:])
+    latencies = np.array(result.latencies[:-1])
     assert (periods >= latencies + 0.03 - 1e-4).all()
     assert result.steps <= 0.6 / (0.03 + float(np.median(latencies))) + 2
 
