@@ -339,21 +339,25 @@ class NamespaceDrafter:
         verified = [j for j, (s, _, _) in enumerate(items) if s.last_tree is not None]
         # By default the branches rejected are the best ones leaving the accepted path where
         # verification stopped, each extended by its best-scoring descendants.
-        found: dict[int, list[tuple[int, np.ndarray]]] = {}
+        found: dict[int, tuple[int, list[tuple[int, ...]]]] = {}
         if verified:
-            depths, rows = self._outcomes([items[j] for j in verified])
-            found = {j: [(depths[i], row) for row in rows[i]] for i, j in enumerate(verified)}
+            found = dict(zip(verified, self._outcomes([items[j] for j in verified]), strict=True))
         self._calibrate(items)
         for j, (session, new, rejected) in enumerate(items):
             ahead = select(session.prefetched, new) if session.prefetched else None
             if session.prefetched and session.last_tree is not None:
                 self.counters.ahead_hits += ahead is not None
                 self.counters.ahead_misses += ahead is None
-            branches = found.get(j, []) if rejected is None else rejected
             before = len(session.context)
             session.context.extend(new)
-            if branches:  # each keyed by the context tail where it branched off
-                session.rejected.record_at(session.context.tokens, [(before + at, b) for at, b in branches])
+            # Each branch is keyed by the context tail where it branched off.
+            if rejected is not None:
+                if rejected:
+                    session.rejected.record_at(session.context.tokens, [(before + at, b) for at, b in rejected])
+            elif j in found:
+                depth, followers = found[j]
+                if followers:
+                    session.rejected.record_followers(session.context.tokens, before + depth, followers)
             # A tree drafted ahead for this outcome is what the decoder verifies next.
             session.last_tree, session.guesses, session.prefetched = ahead, None, {}
             n_ctx, n_lifetime = session.hints  # a match that continues is the new tokens longer
@@ -377,9 +381,10 @@ class NamespaceDrafter:
 
     def _outcomes(
         self, items: Sequence[tuple[Session, np.ndarray, Branches | None]]
-    ) -> tuple[list[int], list[list[np.ndarray]]]:
+    ) -> list[tuple[int, list[tuple[int, ...]]]]:
         """Verifying each session's last tree against its new tokens: the accepted path's length
-        and (without branches given) the branches rejected where it stopped; counted."""
+        and (without branches given) the branches rejected where it stopped, as token tuples;
+        counted."""
         trees = [s.last_tree for s, _, _ in items if s.last_tree is not None]
         news = [new for _, new, _ in items]
         path_lengths, by_tier, rows, lengths, first_row = kernels.verification_outcomes(
@@ -400,9 +405,10 @@ class NamespaceDrafter:
         for t, n in enumerate(by_tier.tolist()):
             if n:
                 c.accepted[_TIER_NAMES[t]] += n
-        cut = [rows[r, :n] for r, n in enumerate(lengths.tolist())]
+        # Rows already cut to the rejected table's follower length; one conversion for all.
+        cut = [tuple(row[:n]) for row, n in zip(rows.tolist(), lengths.tolist(), strict=True)]
         bounds = first_row.tolist()
-        return path_lengths.tolist(), [cut[bounds[i] : bounds[i + 1]] for i in range(len(trees))]
+        return [(depth, cut[bounds[i] : bounds[i + 1]]) for i, depth in enumerate(path_lengths.tolist())]
 
     def prespeculate(self, session: Session, k: int, params: DraftParams) -> Prefetched:
         """Trees drafted ahead for the ``k`` likeliest outcomes of verifying the session's last

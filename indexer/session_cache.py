@@ -102,6 +102,17 @@ class RejectedCache:
     def record(self, context: np.ndarray, branch: np.ndarray) -> None:
         self.record_at(context, [(context.size, branch)])
 
+    def record_followers(self, tokens: np.ndarray, end: int, followers: Iterable[tuple[int, ...]]) -> None:
+        """:meth:`record_at` for branches that all leave after ``tokens[:end]``, given as
+        tuples already cut to ``follower_len`` (as verification outcomes come)."""
+        ll = self.table.config.leader_len
+        if end < ll:
+            return
+        leader = tuple(tokens[end - ll : end].tolist())
+        for follower in followers:
+            if follower:
+                self.table.add(leader, follower)
+
     def record_at(self, tokens: np.ndarray, branches: Iterable[tuple[int, np.ndarray]]) -> None:
         """:meth:`record` for each ``(end, branch)``: a branch rejected after ``tokens[:end]``.
         Branches that leave at the same place (a step's usually do) share one leader."""

@@ -173,3 +173,16 @@ def test_rejected_ignores_short_context_and_empty_branch():
     cache.record(_a([5, 6]), _a([]))
     # Neither call has both a full leader and a non-empty branch.
     assert len(cache.table) == 0
+
+
+def test_followers_recorded_at_one_place_match_branches_recorded_one_by_one():
+    config = LruTableConfig(leader_len=2, follower_len=3, max_followers=2)
+    tokens = _a([4, 5, 6, 7, 8])
+    by_branch, by_place = RejectedCache(config), RejectedCache(config)
+    branches = [_a([9, 8, 7]), _a([3]), _a([9, 8, 7])]
+    by_branch.record_at(tokens, [(3, b) for b in branches])
+    by_place.record_followers(tokens, 3, [tuple(b.tolist()) for b in branches])
+    assert by_place.table.items() == by_branch.table.items() == [((5, 6), [((3,), 1), ((9, 8, 7), 2)])]
+    by_place.record_followers(tokens, 1, [(1, 2)])  # no full leader before it: nothing kept
+    by_place.record_followers(tokens, 4, [()])  # an empty branch: nothing kept
+    assert by_place.table.items() == by_branch.table.items()
