@@ -62,16 +62,19 @@ def draft_items(req: pb.DraftRequest) -> list[DraftItem] | DraftColumns:
     )
 
 
-def draft_response(results: list[tuple[DraftTree, Prefetched]]) -> pb.DraftResponse:
-    """Trees, and what was drafted ahead when any item asked for it. The trees are written
-    straight in wire format (see :mod:`cache_service.wire`) and parsed once."""
-    resp = pb.DraftResponse.FromString(wire.encode_trees([t for t, _ in results]))
-    if any(ahead for _, ahead in results):
-        resp.prefetched.extend(
-            pb.Prefetched(items=[pb.Prefetch(accepted=list(path), tree=tree(t)) for path, t in ahead.items()])
-            for _, ahead in results
-        )
-    return resp
+def draft_response(results: list[tuple[DraftTree, Prefetched]]) -> wire.Encoded:
+    """Trees, and what was drafted ahead when any item asked for it, as an encoded
+    ``DraftResponse``: the trees are written straight in wire format (see
+    :mod:`cache_service.wire`), and sent as they are unless something was drafted ahead."""
+    trees = wire.encode_trees([t for t, _ in results])
+    if not any(ahead for _, ahead in results):
+        return wire.Encoded(trees)
+    resp = pb.DraftResponse.FromString(trees)
+    resp.prefetched.extend(
+        pb.Prefetched(items=[pb.Prefetch(accepted=list(path), tree=tree(t)) for path, t in ahead.items()])
+        for _, ahead in results
+    )
+    return wire.Encoded(resp.SerializeToString())
 
 
 def feedback_items(req: pb.FeedbackRequest) -> list[FeedbackItem]:

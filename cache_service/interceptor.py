@@ -11,7 +11,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from cache_service import errors
+from cache_service import errors, wire
 from cache_service.storage import errors as storage_errors
 
 logger = logging.getLogger(__name__)
@@ -110,7 +110,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 return response
 
             # Requests arrive as bytes and are parsed inside, so corrupt ones are refused clearly.
-            return grpc.unary_unary_rpc_method_handler(unary, None, handler.response_serializer)
+            return grpc.unary_unary_rpc_method_handler(unary, None, wire.serializer(handler.response_serializer))
         if handler.stream_stream is not None:
             inner_stream = handler.stream_stream
 
@@ -123,7 +123,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                         raise
                     await _abort(context, exc, method)
 
-            return grpc.stream_stream_rpc_method_handler(stream, None, handler.response_serializer)
+            return grpc.stream_stream_rpc_method_handler(stream, None, wire.serializer(handler.response_serializer))
         return handler
 
     def _report(self, method: str, code: str, began: float) -> None:

@@ -48,7 +48,7 @@ class DraftCacheServicer(pb_grpc.DraftCacheServicer):
             sessions = await asyncio.to_thread(self._service.build_sessions, opening)
         return pb.OpenSessionsResponse(session_ids=self._service.finish_open(opening, sessions))
 
-    async def Draft(self, request: pb.DraftRequest, context: grpc.aio.ServicerContext) -> pb.DraftResponse:
+    async def Draft(self, request: pb.DraftRequest, context: grpc.aio.ServicerContext) -> wire.Encoded:
         items, principal = convert.draft_items(request), auth.current()
         await self._continue_stored(named_sessions(items), principal)
         return convert.draft_response(self._service.draft_ahead(items, principal=principal, read_storage=False))
@@ -82,11 +82,11 @@ class DraftCacheServicer(pb_grpc.DraftCacheServicer):
 
     async def _one(
         self, req: pb.StreamRequest, kind: str | None, context: grpc.aio.ServicerContext
-    ) -> pb.StreamResponse:
+    ) -> pb.StreamResponse | wire.Encoded:
         """One stream request's answer."""
         rid = req.request_id
-        if kind == "draft":
-            return pb.StreamResponse(request_id=rid, draft=await self.Draft(req.draft, context))
+        if kind == "draft":  # sent as encoded, never parsed into a message here
+            return wire.stream_draft(rid, (await self.Draft(req.draft, context)).data)
         if kind == "open":
             return pb.StreamResponse(request_id=rid, open=await self.OpenSessions(req.open, context))
         if kind == "feedback":
@@ -97,7 +97,7 @@ class DraftCacheServicer(pb_grpc.DraftCacheServicer):
 
     async def Stream(
         self, request_iterator: AsyncIterator[pb.StreamRequest], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.StreamResponse]:
+    ) -> AsyncIterator[pb.StreamResponse | wire.Encoded]:
         task = asyncio.current_task()
         if task is None or self._draining:
             return

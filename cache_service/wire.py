@@ -10,13 +10,16 @@ for the same message (a test compares them), so they parse back into ``pb.DraftR
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 from numba import njit
 
 from indexer.tree_builder import DraftTree
 
+_TAG_REQUEST_ID = 0x08  # StreamResponse.request_id: field 1, varint
+_TAG_STREAM_DRAFT = 0x1A  # StreamResponse.draft: field 3, length-delimited
 _TAG_TREES = 0x0A  # DraftResponse.trees: field 1, length-delimited
 _TAG_TOKENS = 0x0A  # Tree.tokens: field 1, packed
 _TAG_PARENTS = 0x12  # Tree.parents: field 2, packed
@@ -122,6 +125,41 @@ def encode_trees(trees: Sequence[DraftTree]) -> bytes:
     sources = np.concatenate([t.sources for t in trees]).astype(np.uint8, copy=False)
     scores = np.concatenate([t.scores for t in trees]).astype("<f4", copy=False)
     return encode_tree_batch(tokens, parents, sources, scores.view(np.uint8), sizes).tobytes()
+
+
+class Encoded(NamedTuple):
+    """A response already in wire format: the server sends ``data`` as it is (see
+    :func:`serializer`), instead of parsing it into a message to serialise it again."""
+
+    data: bytes
+
+
+def serializer(serialize: Callable[[Any], bytes] | None) -> Callable[[Any], bytes] | None:
+    """A method's response serialiser that sends :class:`Encoded` responses unchanged."""
+    if serialize is None:
+        return None
+    inner = serialize
+
+    def write(message: Any) -> bytes:
+        return message.data if isinstance(message, Encoded) else inner(message)
+
+    return write
+
+
+def _varint(v: int) -> bytes:
+    out = bytearray()
+    while v >= 0x80:
+        out.append((v & 0x7F) | 0x80)
+        v >>= 7
+    out.append(v)
+    return bytes(out)
+
+
+def stream_draft(request_id: int, draft: bytes) -> Encoded:
+    """``StreamResponse(request_id=..., draft=...)`` on the wire, the draft given as its
+    encoded ``DraftResponse`` (as protobuf writes it: a zero id is left out)."""
+    head = (bytes((_TAG_REQUEST_ID,)) + _varint(request_id)) if request_id else b""
+    return Encoded(head + bytes((_TAG_STREAM_DRAFT,)) + _varint(len(draft)) + draft)
 
 
 def warm_up() -> None:

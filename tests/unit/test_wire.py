@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cache_service import convert
-from cache_service.wire import encode_trees
+from cache_service.wire import Encoded, encode_trees, serializer, stream_draft
 from indexer.tree_builder import DraftTree
 
 INT32 = st.integers(-(2**31), 2**31 - 1)
@@ -55,8 +55,32 @@ def test_draft_response_parses_back_to_the_same_trees():
         np.array([3, 1], dtype=np.uint8),
         np.array([0.5, 0.25], dtype=np.float32),
     )
-    resp = convert.draft_response([(a, {}), (DraftTree.empty(), {}), (b, {})])
+    encoded = convert.draft_response([(a, {}), (DraftTree.empty(), {}), (b, {})])
+    assert isinstance(encoded, Encoded)  # sent as it is
+    resp = pb.DraftResponse.FromString(encoded.data)
     assert [list(t.tokens) for t in resp.trees] == [[5, 6, 7], [], [9, 4]]
     assert [list(t.parents) for t in resp.trees] == [[-1, 0, 1], [], [-1, -1]]
     assert resp.trees[2].sources == b"\x03\x01" and list(resp.trees[2].scores) == [0.5, 0.25]
     assert len(resp.prefetched) == 0
+
+
+def test_draft_response_with_trees_drafted_ahead():
+    a, ahead = DraftTree.chain(np.array([5, 6], dtype=np.int32)), DraftTree.chain(np.array([8], dtype=np.int32))
+    resp = pb.DraftResponse.FromString(convert.draft_response([(a, {(5,): ahead}), (a, {})]).data)
+    assert [list(t.tokens) for t in resp.trees] == [[5, 6], [5, 6]]
+    assert [[(list(p.accepted), list(p.tree.tokens)) for p in f.items] for f in resp.prefetched] == [[([5], [8])], []]
+
+
+@settings(max_examples=200, deadline=None)
+@given(request_id=st.integers(0, 2**64 - 1), batch=st.lists(trees(), max_size=4))
+def test_stream_draft_bytes_equal_protobufs_own(request_id, batch):
+    draft = encode_trees(batch)
+    expected = pb.StreamResponse(request_id=request_id, draft=pb.DraftResponse.FromString(draft))
+    assert stream_draft(request_id, draft).data == expected.SerializeToString()
+
+
+def test_serializer_sends_encoded_responses_unchanged():
+    write = serializer(pb.EchoResponse.SerializeToString)
+    assert write is not None and serializer(None) is None
+    assert write(Encoded(b"\x0a\x01z")) == b"\x0a\x01z"
+    assert write(pb.EchoResponse(payload=b"z")) == b"\x0a\x01z"
