@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import numpy as np
 from numba import njit
 
-from indexer.tree_builder import DraftTree
+from indexer.tree_builder import DraftTree, whole_batch
 
 _TAG_REQUEST_ID = 0x08  # StreamResponse.request_id: field 1, varint
 _TAG_STREAM_DRAFT = 0x1A  # StreamResponse.draft: field 3, length-delimited
@@ -119,6 +119,12 @@ def encode_trees(trees: Sequence[DraftTree]) -> bytes:
     ``repeated Tree`` parses them)."""
     if not trees:
         return b""
+    batch = whole_batch(trees)
+    if batch is not None:  # a whole draft batch, in order: written from where it lies
+        scores = batch.scores.astype("<f4", copy=False)
+        return encode_tree_batch(
+            batch.tokens, batch.parents, batch.sources, scores.view(np.uint8), np.diff(batch.offsets)
+        ).tobytes()
     sizes = np.fromiter((len(t) for t in trees), dtype=np.int64, count=len(trees))
     tokens = np.concatenate([t.tokens for t in trees]).astype(np.int32, copy=False)
     parents = np.concatenate([t.parents for t in trees]).astype(np.int32, copy=False)

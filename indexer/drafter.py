@@ -27,7 +27,7 @@ from indexer.prior import StaticPrior
 from indexer.session import Guesses, Session, SessionSnapshot
 from indexer.session_cache import LruTableConfig
 from indexer.tokens import SEPARATOR, Namespace, as_tokens
-from indexer.tree_builder import DraftTree, Tier
+from indexer.tree_builder import DraftTree, Tier, TreeBatch
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +97,25 @@ class _Job(NamedTuple):
 
 def _joined(parts: list[np.ndarray], dtype: type) -> np.ndarray:
     return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype=dtype)
+
+
+def _stored(trees: list[DraftTree]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Trees as :func:`~indexer.kernels.tree.verification_outcomes` reads them: ``(tokens,
+    parents, scores, sources, starts, ends)``. Trees of one draft batch (a decoder's usual
+    step) are read where the batch holds them; others are joined."""
+    batch = trees[0].batch if trees else None
+    if batch is not None and all(t.batch is batch for t in trees):
+        rows = np.array([t.row for t in trees], dtype=np.int64)
+        return batch.tokens, batch.parents, batch.scores, batch.sources, batch.offsets[rows], batch.offsets[rows + 1]
+    ends = np.cumsum(np.array([len(t) for t in trees], dtype=np.int64))
+    return (
+        _joined([t.tokens for t in trees], np.int32),
+        _joined([t.parents for t in trees], np.int32),
+        _joined([t.scores for t in trees], np.float32),
+        _joined([t.sources for t in trees], np.uint8),
+        ends - np.array([len(t) for t in trees], dtype=np.int64),
+        ends,
+    )
 
 
 def warm_draft_step(lifetime: SearchArrays, threads: int = 1) -> None:
@@ -387,12 +406,14 @@ class NamespaceDrafter:
         counted."""
         trees = [s.last_tree for s, _, _ in items if s.last_tree is not None]
         news = [new for _, new, _ in items]
+        tok, par, sc, src, starts, ends = _stored(trees)
         path_lengths, by_tier, rows, lengths, first_row = kernels.verification_outcomes(
-            _joined([t.tokens for t in trees], np.int32),
-            _joined([t.parents for t in trees], np.int32),
-            _joined([t.scores for t in trees], np.float32),
-            _joined([t.sources for t in trees], np.uint8),
-            np.array([len(t) for t in trees], dtype=np.int64),
+            tok,
+            par,
+            sc,
+            src,
+            starts,
+            ends,
             _joined(news, np.int32),
             np.array([new.size for new in news], dtype=np.int64),
             np.array([_REJECTED_BRANCHES if rejected is None else 0 for _, _, rejected in items], dtype=np.int64),
@@ -485,10 +506,11 @@ class NamespaceDrafter:
         )
         bounds, found_n = ends.tolist(), lengths.tolist()
         guesses = Guesses(first_tok, guess, lengths)
+        drafted = TreeBatch(tokens, parents, sources, scores, ends)
         out = []
         for j in range(len(jobs)):
             a, b = bounds[j], bounds[j + 1]
-            tree = DraftTree(tokens[a:b], parents[a:b], sources[a:b], scores[a:b])
+            tree = DraftTree(tokens[a:b], parents[a:b], sources[a:b], scores[a:b], drafted, j)
             ns = found_n[j]
             out.append((tree, (guesses, j), (ns[Tier.CONTEXT], ns[Tier.LIFETIME_SA])))
         return out

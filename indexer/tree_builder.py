@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
@@ -60,6 +60,17 @@ class Candidates:
             raise ValueError("give exactly one of weights or probs")
 
 
+class TreeBatch(NamedTuple):
+    """Trees drafted together, stored end to end: tree ``j`` is ``[offsets[j], offsets[j + 1])``
+    of each array (what the batch draft step returns)."""
+
+    tokens: np.ndarray  # int32
+    parents: np.ndarray  # int32
+    sources: np.ndarray  # uint8
+    scores: np.ndarray  # float32
+    offsets: np.ndarray  # int64 (trees + 1,)
+
+
 @dataclass(frozen=True)
 class DraftTree:
     """A draft tree in wire order: parents precede children, -1 is the context's last token.
@@ -73,6 +84,10 @@ class DraftTree:
     parents: np.ndarray  # int32 (n,)
     sources: np.ndarray  # uint8 (n,) Tier values
     scores: np.ndarray  # float32 (n,) estimated probability that the node is accepted
+    # The batch the tree was drafted in and its place there (its arrays are views of the
+    # batch's), so that trees of one batch are read or sent together without being joined.
+    batch: TreeBatch | None = field(default=None, compare=False, repr=False)
+    row: int = field(default=-1, compare=False, repr=False)
 
     @classmethod
     def empty(cls) -> DraftTree:
@@ -102,6 +117,17 @@ class DraftTree:
         """Node indices of the longest root path equal to a prefix of ``target``."""
         path = kernels.accepted_path(self.tokens, self.parents, np.ascontiguousarray(target, dtype=np.int32))
         return list(path.tolist())
+
+
+def whole_batch(trees: Sequence[DraftTree]) -> TreeBatch | None:
+    """The batch ``trees`` are, when they are every tree of one batch in its order."""
+    batch = trees[0].batch if trees else None
+    if batch is None or len(trees) != batch.offsets.size - 1:
+        return None
+    for j, tree in enumerate(trees):
+        if tree.batch is not batch or tree.row != j:
+            return None
+    return batch
 
 
 def build_tree(

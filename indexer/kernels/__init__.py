@@ -122,8 +122,9 @@ def warm_up() -> None:
     sizes = one_tree[1:]
     root = np.array([-1], dtype=np.int32)
     verification_outcomes(
-        one, root, np.ones(1, dtype=np.float32), np.zeros(1, dtype=np.uint8), sizes, one, sizes, sizes, 2, 7
-    )
+        one, root, np.ones(1, dtype=np.float32), np.zeros(1, dtype=np.uint8), one_tree[:1], sizes, one, sizes, sizes,
+        2, 7,
+    )  # fmt: skip
     guesses = np.full((1, 7), -1, dtype=np.int64)
     calibrate(np.zeros((7, 5)), np.zeros((7, 5)), guesses, np.zeros((1, 7)), guesses, one_tree[:1], one_tree[:1], 4)
     draft_batch(*_tiny_draft())

@@ -483,18 +483,20 @@ def verification_outcomes(
     parents: np.ndarray,
     scores: np.ndarray,
     sources: np.ndarray,
-    tree_sizes: np.ndarray,
+    tree_starts: np.ndarray,
+    tree_ends: np.ndarray,
     produced: np.ndarray,
     produced_sizes: np.ndarray,
     limits: np.ndarray,
     width: int,
     n_tiers: int,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """:func:`verification_outcome` for many trees laid end to end (``tree_sizes[j]`` nodes
-    each), each verified against the next ``produced_sizes[j]`` tokens of ``produced``, with up
-    to ``limits[j]`` branches. Returns ``(path lengths, accepted nodes per source tier, branch
-    rows cut to ``width`` and padded with -1, their lengths, each tree's first row)``."""
-    n = tree_sizes.size
+    """:func:`verification_outcome` for many trees stored in shared arrays (tree ``j`` is
+    ``[tree_starts[j], tree_ends[j])`` of them), each verified against the next
+    ``produced_sizes[j]`` tokens of ``produced``, with up to ``limits[j]`` branches. Returns
+    ``(path lengths, accepted nodes per source tier, branch rows cut to ``width`` and padded
+    with -1, their lengths, each tree's first row)``."""
+    n = tree_starts.size
     path_lengths = np.zeros(n, dtype=np.int64)
     by_tier = np.zeros(n_tiers, dtype=np.int64)
     total = 0
@@ -503,9 +505,9 @@ def verification_outcomes(
     rows = np.full((total, width), -1, dtype=np.int32)
     lengths = np.zeros(total, dtype=np.int64)
     first_row = np.zeros(n + 1, dtype=np.int64)
-    r = t0 = p0 = 0
+    r = p0 = 0
     for j in range(n):
-        t1, p1 = t0 + tree_sizes[j], p0 + produced_sizes[j]
+        t0, t1, p1 = tree_starts[j], tree_ends[j], p0 + produced_sizes[j]
         path, branch, kept = verification_outcome(
             tokens[t0:t1], parents[t0:t1], scores[t0:t1], produced[p0:p1], limits[j]
         )
@@ -518,5 +520,5 @@ def verification_outcomes(
             lengths[r] = m
             r += 1
         first_row[j + 1] = r
-        t0, p0 = t1, p1
+        p0 = p1
     return path_lengths, by_tier, rows[:r], lengths[:r], first_row

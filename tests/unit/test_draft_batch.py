@@ -292,18 +292,33 @@ def test_a_batch_accepts_as_its_sessions_one_after_another(seed):
         assert a.tokens.tolist() == b.tokens.tolist() and a.scores.tolist() == b.scores.tolist()
 
 
-def test_batch_outcomes_are_each_trees_outcome():
+@pytest.mark.parametrize("where", ["joined", "in their batch, shuffled"])
+def test_batch_outcomes_are_each_trees_outcome(where):
     rng = np.random.default_rng(5)
     d, sessions = _world(4)
-    trees = d.draft_many([(s, DraftParams()) for s in sessions])
+    drafted = d.draft_many([(s, DraftParams()) for s in sessions])
+    if where == "joined":
+        trees = drafted
+        ends = np.cumsum([len(t) for t in trees], dtype=np.int64)
+        stored = tuple(
+            np.concatenate([getattr(t, f) for t in trees]) for f in ("tokens", "parents", "scores", "sources")
+        )
+        bounds = (ends - [len(t) for t in trees], ends)
+    else:  # read where the draft step left them, in another order
+        trees = [drafted[j] for j in rng.permutation(len(drafted))]
+        batch = trees[0].batch
+        assert batch is not None and all(t.batch is batch for t in trees)
+        rows = np.array([t.row for t in trees])
+        stored, bounds = (
+            (batch.tokens, batch.parents, batch.scores, batch.sources),
+            tuple(batch.offsets[rows + k] for k in (0, 1)),
+        )
     news = [_outcome(t, rng) for t in trees]
     limits = rng.integers(0, 5, size=len(trees))
     width = 3
-    lengths_of = np.array([len(t) for t in trees], dtype=np.int64)
     path_lengths, by_tier, rows, lengths, first_row = kernels.verification_outcomes(
-        np.concatenate([t.tokens for t in trees]), np.concatenate([t.parents for t in trees]),
-        np.concatenate([t.scores for t in trees]), np.concatenate([t.sources for t in trees]), lengths_of,
-        np.concatenate(news), np.array([n.size for n in news], dtype=np.int64), limits, width, len(Tier),
+        *stored, *bounds, np.concatenate(news), np.array([n.size for n in news], dtype=np.int64), limits, width,
+        len(Tier),
     )  # fmt: skip
     counted = np.zeros(len(Tier), dtype=np.int64)
     for j, (t, new) in enumerate(zip(trees, news, strict=True)):

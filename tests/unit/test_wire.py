@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from cache_service import convert
 from cache_service.wire import Encoded, encode_trees, serializer, stream_draft
-from indexer.tree_builder import DraftTree
+from indexer.tree_builder import DraftTree, TreeBatch, whole_batch
 
 INT32 = st.integers(-(2**31), 2**31 - 1)
 
@@ -84,3 +84,18 @@ def test_serializer_sends_encoded_responses_unchanged():
     assert write is not None and serializer(None) is None
     assert write(Encoded(b"\x0a\x01z")) == b"\x0a\x01z"
     assert write(pb.EchoResponse(payload=b"z")) == b"\x0a\x01z"
+
+
+@settings(max_examples=100, deadline=None)
+@given(batch=st.lists(trees(), min_size=1, max_size=6))
+def test_a_whole_draft_batch_is_written_from_its_arrays(batch):
+    # Trees drafted together lie end to end in one batch; written from there or joined, and in
+    # any order or selection, the bytes are protobuf's.
+    offsets = np.cumsum([0] + [len(t) for t in batch], dtype=np.int64)
+    arrays = [np.concatenate([getattr(t, f) for t in batch]) for f in ("tokens", "parents", "sources", "scores")]
+    stored = TreeBatch(*arrays, offsets)
+    views = [DraftTree(*(a[offsets[j] : offsets[j + 1]] for a in arrays), stored, j) for j in range(len(batch))]
+    assert whole_batch(views) is stored and whole_batch(views[::-1]) is (stored if len(views) == 1 else None)
+    assert encode_trees(views) == _reference(batch)
+    assert encode_trees(views[::-1]) == _reference(batch[::-1])
+    assert encode_trees(views[1:]) == _reference(batch[1:])
