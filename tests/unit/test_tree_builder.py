@@ -396,8 +396,11 @@ def _score_reference(parts, max_depth):
     for path, cell in per.items():
         score = min(sum(cell.values()), 1.0)
         if score > 0:
+            # The strongest tier, ties to the lower one; tiers within rounding of the best
+            # (the kernel scales a weight by confidence / total, here weight * confidence /
+            # total) may go either way.
             best = max(cell.values())
-            out[path] = (score, min(t for t, v in cell.items() if v == best))
+            out[path] = (score, sorted(t for t, v in cell.items() if v >= best * (1 - 1e-9)))
     return out
 
 
@@ -408,9 +411,9 @@ def test_node_scores_and_sources_match_a_plain_trie(parts, max_depth):
     expected = _score_reference(parts, max_depth)
     got = {p: (float(s), int(src)) for p, s, src in zip(_paths(tree), tree.scores, tree.sources, strict=True)}
     assert got.keys() == expected.keys()
-    for path, (score, source) in expected.items():
+    for path, (score, source) in expected.items():  # source: the tiers it may be
         assert got[path][0] == pytest.approx(score, rel=1e-5, abs=1e-6)
-        assert got[path][1] == source
+        assert got[path][1] in source
 
 
 def _stack_reference(parts, depth):
