@@ -107,13 +107,14 @@ def _stored(trees: list[DraftTree]) -> tuple[np.ndarray, np.ndarray, np.ndarray,
     if batch is not None and all(t.batch is batch for t in trees):
         rows = np.array([t.row for t in trees], dtype=np.int64)
         return batch.tokens, batch.parents, batch.scores, batch.sources, batch.offsets[rows], batch.offsets[rows + 1]
-    ends = np.cumsum(np.array([len(t) for t in trees], dtype=np.int64))
+    sizes = np.array([len(t) for t in trees], dtype=np.int64)
+    ends = np.cumsum(sizes)
     return (
         _joined([t.tokens for t in trees], np.int32),
         _joined([t.parents for t in trees], np.int32),
         _joined([t.scores for t in trees], np.float32),
         _joined([t.sources for t in trees], np.uint8),
-        ends - np.array([len(t) for t in trees], dtype=np.int64),
+        ends - sizes,
         ends,
     )
 
@@ -370,10 +371,9 @@ class NamespaceDrafter:
             before = len(session.context)
             session.context.extend(new)
             # Each branch is keyed by the context tail where it branched off.
-            if rejected is not None:
-                if rejected:
-                    session.rejected.record_at(session.context.tokens, [(before + at, b) for at, b in rejected])
-            elif j in found:
+            if rejected:
+                session.rejected.record_at(session.context.tokens, [(before + at, b) for at, b in rejected])
+            elif rejected is None and j in found:
                 depth, followers = found[j]
                 if followers:
                     session.rejected.record_followers(session.context.tokens, before + depth, followers)

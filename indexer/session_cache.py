@@ -9,6 +9,7 @@ pure function of what was added to it.
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -116,10 +117,6 @@ class RejectedCache:
     def record_at(self, tokens: np.ndarray, branches: Iterable[tuple[int, np.ndarray]]) -> None:
         """:meth:`record` for each ``(end, branch)``: a branch rejected after ``tokens[:end]``.
         Branches that leave at the same place (a step's usually do) share one leader."""
-        ll, fl = self.table.config.leader_len, self.table.config.follower_len
-        leader_end, leader = -1, ()
-        for end, branch in branches:
-            if end >= ll and branch.size:
-                if end != leader_end:
-                    leader_end, leader = end, tuple(tokens[end - ll : end].tolist())
-                self.table.add(leader, tuple(branch[:fl].tolist()))
+        fl = self.table.config.follower_len
+        for end, same_place in itertools.groupby(branches, key=lambda branch: branch[0]):
+            self.record_followers(tokens, end, [tuple(b[:fl].tolist()) for _, b in same_place])
