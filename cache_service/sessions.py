@@ -80,6 +80,7 @@ class SessionTable:
     def _drop(self, sid: str) -> SessionEntry:
         entry = self._entries.pop(sid)
         self.tokens -= entry.counted
+        entry.drafter.release(entry.session)  # its arrays leave the drafter's store
         return entry
 
     def get(self, sid: str) -> SessionEntry:

@@ -44,9 +44,10 @@ class Calibrator:
             self._hits, self._pred, guesses.tokens, guesses.predicted, guesses.lengths, rows, actual, self._buckets
         )
 
-    def counts(self) -> tuple[np.ndarray, np.ndarray]:
-        """``(accepted, predicted)`` per tier and bucket (copies, for compiled code)."""
-        return self._hits.copy(), self._pred.copy()
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(accepted, predicted)`` per tier and bucket, the arrays themselves (compiled steps
+        read them and count into them in place)."""
+        return self._hits, self._pred
 
     def table(self) -> dict[str, list[float]]:
         """Acceptance rate of first guesses per tier and match-length bucket (for metrics)."""

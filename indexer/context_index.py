@@ -7,9 +7,12 @@ its last ``n`` tokens occur, for the largest ``n``", and the continuations that 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from indexer import kernels
+from indexer.kernels.store import INDEXED, LEN, STATE_SIZE
 from indexer.suffix_array import SuffixIndex
 from indexer.tokens import SEPARATOR
 
@@ -26,27 +29,33 @@ class ContextIndex:
     (2, [[6, 7, 4]])
     """
 
-    def __init__(self, prompt: np.ndarray) -> None:
-        self._buf = np.empty(max(64, 2 * prompt.size), dtype=np.int32)
-        self._buf[: prompt.size] = prompt
-        self._len = int(prompt.size)
+    def __init__(self, prompt: np.ndarray, state: np.ndarray | None = None) -> None:
+        # Its length and indexed prefix live in ``state`` (a session's state vector, shared
+        # with compiled steps that extend the buffer in place; see indexer.kernels.store).
+        self.state = np.zeros(STATE_SIZE, dtype=np.int64) if state is None else state
+        self.buffer = np.empty(max(64, 2 * prompt.size), dtype=np.int32)
+        self.buffer[: prompt.size] = prompt
+        self.state[LEN] = prompt.size
         # The index covers the prompt minus its last token, so every indexed occurrence is
         # followed by at least one token and the context's own suffix never matches itself.
-        self._indexed = self._len - 1 if self._len > _MIN_INDEXED_PROMPT else 0
-        sa = SuffixIndex(prompt[: self._indexed]) if self._indexed else None
+        indexed = prompt.size - 1 if prompt.size > _MIN_INDEXED_PROMPT else 0
+        self.state[INDEXED] = indexed
+        sa = SuffixIndex(prompt[:indexed]) if indexed else None
         self._sa = (_EMPTY, _EMPTY) if sa is None else (sa.tokens, sa.suffix_array)  # tokens, suffix array
+        # Called with the new buffer when an extension outgrows the old one.
+        self.moved: Callable[[np.ndarray], None] | None = None
 
     def __len__(self) -> int:
-        return self._len
+        return int(self.state[LEN])
 
     @property
     def tokens(self) -> np.ndarray:
-        return self._buf[: self._len]
+        return self.buffer[: self.state[LEN]]
 
     @property
     def indexed(self) -> int:
         """How many leading tokens the prompt index covers (0: none)."""
-        return self._indexed
+        return int(self.state[INDEXED])
 
     @property
     def prompt_index(self) -> tuple[np.ndarray, np.ndarray]:
@@ -54,20 +63,23 @@ class ContextIndex:
         return self._sa
 
     def extend(self, tokens: np.ndarray) -> None:
-        need = self._len + tokens.size
-        if need > self._buf.size:
-            grown = np.empty(max(need, 2 * self._buf.size), dtype=np.int32)
-            grown[: self._len] = self._buf[: self._len]
-            self._buf = grown
-        self._buf[self._len : need] = tokens
-        self._len = need
+        size = len(self)
+        need = size + tokens.size
+        if need > self.buffer.size:
+            grown = np.empty(max(need, 2 * self.buffer.size), dtype=np.int32)
+            grown[:size] = self.buffer[:size]
+            self.buffer = grown
+            if self.moved is not None:
+                self.moved(grown)
+        self.buffer[size:need] = tokens
+        self.state[LEN] = need
 
     def lookup(self, *, max_len: int, depth: int, samples: int, hint: int = 0) -> tuple[int, np.ndarray, np.ndarray]:
         """``(n, rows, weights)``: continuations after earlier occurrences of the longest
         matching suffix (length ``n``, 0 if none). Each row is ``depth`` tokens, -1 padded."""
         sa_tokens, sa = self._sa
         return kernels.context_continuations(
-            self.tokens, sa_tokens, sa, self._indexed, max_len, hint, depth, samples, int(SEPARATOR)
+            self.tokens, sa_tokens, sa, self.indexed, max_len, hint, depth, samples, int(SEPARATOR)
         )
 
     def followers(
@@ -79,5 +91,5 @@ class ContextIndex:
         when asked from the context itself)."""
         sa_tokens, sa = self._sa
         return kernels.context_followers(
-            self.tokens, sa_tokens, sa, self._indexed, since, leader_len, follower_len, keep
+            self.tokens, sa_tokens, sa, self.indexed, since, leader_len, follower_len, keep
         )

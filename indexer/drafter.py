@@ -9,6 +9,7 @@ tree by its track record on this namespace, not by a hand-set weight.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 from collections.abc import Sequence
@@ -19,13 +20,15 @@ import numpy as np
 
 from indexer import kernels
 from indexer.calibration import Calibrator
-from indexer.kernels.draft import SEQ_COLUMNS
+from indexer.kernels import accept as accept_kernel
+from indexer.kernels.draft import JOB_COLUMNS
 from indexer.kernels.draft import SETTINGS as _SETTINGS
 from indexer.lifetime_index import LifetimeConfig, LifetimeMemory, SearchArrays, prompt_key
 from indexer.prespeculation import Prefetched, select, stopping_points
 from indexer.prior import StaticPrior
 from indexer.session import Guesses, Session, SessionSnapshot
 from indexer.session_cache import LruTableConfig
+from indexer.session_store import SessionStore
 from indexer.tokens import SEPARATOR, Namespace, as_tokens
 from indexer.tree_builder import DraftTree, Tier, TreeBatch
 
@@ -81,15 +84,15 @@ def _offset(offset: int, accepted: int) -> int:
 
 _TIERS = list(Tier)  # by value (Tier iterates in value order)
 _HALF_ARRAY = np.array([_HALF[t] for t in Tier], dtype=np.float64)
-_ONE_WEIGHT = np.ones(1)  # the exact tier's single row
 
 
 class _Job(NamedTuple):
-    """One tree to draft: the session, the context it is drafted after (the session's own, or
-    extended by a supposed verification outcome), root tokens to leave out, and limits."""
+    """One tree to draft: the session, tokens supposed to follow its context (a verification
+    outcome drafted ahead for; empty for the session's own next tree), root tokens to leave
+    out, and limits."""
 
     session: Session
-    context: np.ndarray
+    suffix: tuple[int, ...]
     exclude: tuple[int, ...]
     params: DraftParams
     depth: int
@@ -119,99 +122,46 @@ def _stored(trees: list[DraftTree]) -> tuple[np.ndarray, np.ndarray, np.ndarray,
     )
 
 
+def _guess_rows(guesses: list[tuple[Guesses, int] | None]) -> tuple[Guesses, list[int]]:
+    """Each session's first guesses as a row of one block (-1: none): the block the batch's
+    sessions were drafted in, or the blocks involved joined."""
+    blocks: dict[int, tuple[Guesses, int]] = {}  # by identity: the block and where it starts
+    for g in guesses:
+        if g is not None and id(g[0]) not in blocks:
+            blocks[id(g[0])] = (g[0], sum(b.tokens.shape[0] for b, _ in blocks.values()))
+    if len(blocks) == 1:
+        ((block, _),) = blocks.values()
+        return block, [-1 if g is None else g[1] for g in guesses]
+    if not blocks:
+        return _NO_GUESSES, [-1] * len(guesses)
+    joined = Guesses(*(np.concatenate([getattr(b, f) for b, _ in blocks.values()]) for f in Guesses._fields))
+    return joined, [-1 if g is None else blocks[id(g[0])][1] + g[1] for g in guesses]
+
+
+_NO_GUESSES = Guesses(
+    np.full((0, len(Tier)), -1, dtype=np.int64), np.zeros((0, len(Tier))), np.zeros((0, len(Tier)), dtype=np.int64)
+)
+
+
 def warm_draft_step(lifetime: SearchArrays, threads: int = 1) -> None:
     """Compile (or load) the batch draft step for these lifetime arrays before a request needs
     it: memory-mapped indexes are read-only, a type of their own to the compiler."""
-    empty = _Batch().arrays()
+    store = SessionStore()
+    jobs = np.zeros((0, len(JOB_COLUMNS)), dtype=np.int64)
     counts = np.zeros((len(_TIERS), 2))
+    settings = np.zeros(len(_SETTINGS), dtype=np.int64)
+    none = np.zeros(0, dtype=np.int32)
+    parts = (none, np.zeros(0), np.zeros((0, 5), dtype=np.int64), np.zeros(1, dtype=np.int64))
     for n in {1, threads}:
-        _draft_batch(empty, lifetime, np.zeros(len(_SETTINGS), dtype=np.int64), counts, counts, n)
+        kernels.draft_step(n)(jobs, np.zeros(0), none, none, *parts, store.i32, store.i64,
+                              *_lifetime_args(lifetime), settings, _HALF_ARRAY, counts, counts)  # fmt: skip
 
 
-def _draft_batch(
-    batch: tuple[np.ndarray, ...],
-    lifetime: SearchArrays,
-    settings: np.ndarray,
-    hits: np.ndarray,
-    pred: np.ndarray,
-    threads: int = 1,
-) -> tuple[np.ndarray, ...]:
-    """:func:`~indexer.kernels.draft.draft_batch` over packed jobs (:meth:`_Batch.arrays`),
-    on ``threads`` worker threads (a lone sequence is drafted on the calling thread; an empty
-    batch, as warming up sends, runs the step asked for)."""
-    seq, min_score, contexts, index_tokens, index_sa, exclude, part_rows, part_vals, part_meta, part_offsets = batch
-    a = lifetime
-    step = kernels.draft_step(1 if seq.shape[0] == 1 else threads)
-    return step(
-        seq, min_score, contexts, index_tokens, index_sa, exclude, part_rows, part_vals, part_meta, part_offsets,
+def _lifetime_args(a: SearchArrays) -> tuple:
+    return (
         a.main_tokens, a.main_sa, a.run_tokens, a.run_sa, a.run_offsets,
         a.table_keys, a.table_offsets, a.table_followers, a.table_probs, a.table_leader_len,
-        settings, _HALF_ARRAY, hits, pred,
     )  # fmt: skip
-
-
-class _Batch:
-    """Jobs laid out end to end for :func:`~indexer.kernels.draft.draft_batch`: one row of
-    integers per sequence, its context, its prompt index (once per session), the root tokens
-    it leaves out, and the tiers' parts found before the call."""
-
-    def __init__(self) -> None:
-        self.seq: list[tuple[int, ...]] = []
-        self.min_score: list[float] = []
-        self.contexts: list[np.ndarray] = []
-        self.index_tokens: list[np.ndarray] = []
-        self.index_sa: list[np.ndarray] = []
-        self.index_of: dict[int, tuple[int, int]] = {}  # by session identity
-        self.exclude: list[int] = []
-        self.rows: list[np.ndarray] = []
-        self.vals: list[np.ndarray] = []
-        self.meta: list[tuple[int, int, int, int, int]] = []
-        self.first_part: list[int] = []  # per sequence, where its parts start in ``meta``
-        self._context_at = self._index_at = 0
-
-    def add_sequence(self, job: _Job, *, since: int) -> None:
-        """A job; the parts added next belong to it."""
-        s, ctx = job.session, job.context
-        index = self.index_of.get(id(s))
-        if index is None:
-            sa_tokens, sa = s.context.prompt_index
-            index = self.index_of[id(s)] = (self._index_at, self._index_at + sa.size)
-            self.index_tokens.append(sa_tokens)
-            self.index_sa.append(sa)
-            self._index_at += sa.size
-        x = len(self.exclude)
-        at = self._context_at
-        self.seq.append(
-            (at, at + ctx.size, *index, s.context.indexed, since, *s.hints, job.depth, job.params.budget,
-             job.params.depth_reserve, x, x + len(job.exclude))
-        )  # fmt: skip
-        self.contexts.append(ctx)
-        self._context_at += ctx.size
-        self.exclude.extend(job.exclude)
-        self.min_score.append(job.params.min_score)
-        self.first_part.append(len(self.meta))
-
-    def add_part(self, rows: np.ndarray, values: np.ndarray, *, per_cell: bool, tier: Tier, n: int) -> None:
-        """The last sequence's ``rows`` of a tier found at match length ``n``, with per-row
-        weights or (``per_cell``) per-cell probabilities."""
-        k, width = rows.shape
-        self.rows.append(rows.ravel())
-        self.vals.append(values.ravel())
-        self.meta.append((k, width, int(per_cell), int(tier), n))
-
-    def arrays(self) -> tuple[np.ndarray, ...]:
-        return (
-            np.array(self.seq, dtype=np.int64).reshape(-1, len(SEQ_COLUMNS)),
-            np.array(self.min_score, dtype=np.float64),
-            _joined(self.contexts, np.int32),
-            _joined(self.index_tokens, np.int32),
-            _joined(self.index_sa, np.int32),
-            np.array(self.exclude, dtype=np.int32),
-            _joined(self.rows, np.int32),
-            _joined(self.vals, np.float64),
-            np.array(self.meta, dtype=np.int64).reshape(-1, 5),
-            np.array([*self.first_part, len(self.meta)], dtype=np.int64),
-        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -284,8 +234,9 @@ class NamespaceDrafter:
         dyn = config.dynamic
         values = {"max_match": config.max_match, "samples": config.samples, "context_samples": config.context_samples,
                   "leader_len": dyn.leader_len, "follower_len": dyn.follower_len, "max_followers": dyn.max_followers,
-                  "buckets": config.calibration_buckets, "stop": int(SEPARATOR)}  # fmt: skip
+                  "buckets": config.calibration_buckets, "stop": int(SEPARATOR), "window": dyn.window}  # fmt: skip
         self._settings = np.array([values[name] for name in _SETTINGS], dtype=np.int64)
+        self.store = SessionStore()  # the arrays of the sessions drafted for, by row
         kernels.warm_up()  # compile or load the compiled loops now, not on the first draft
         self.threads = 1
         if config.threads > 1:
@@ -317,13 +268,15 @@ class NamespaceDrafter:
         jobs = []
         for session, params in items:
             depth = min(params.max_depth, max(params.budget, 1))  # a path never holds more nodes than the tree
-            jobs.append(_Job(session, session.context.tokens, (), params, depth))
-        trees = []
-        for (session, _), (tree, guesses, hints) in zip(items, self._run(jobs, remember=True), strict=True):
-            session.last_tree, session.prefetched = tree, {}
-            session.guesses, session.hints = guesses, hints
-            trees.append(tree)
-        return trees
+            jobs.append(_Job(session, (), (), params, depth))
+        trees = self._run(jobs, remember=True)
+        for (session, _), (tree, guesses) in zip(items, trees, strict=True):
+            session.last_tree, session.prefetched, session.guesses = tree, {}, guesses
+        return [tree for tree, _ in trees]
+
+    def release(self, session: Session) -> None:
+        """The session is done with here (closed, or leaving memory): its row in the store goes."""
+        self.store.release(session)
 
     def accept(
         self,
@@ -350,86 +303,55 @@ class NamespaceDrafter:
         self.accept_many([(session, new, rejected)])
 
     def accept_many(self, items: Sequence[tuple[Session, np.ndarray, Branches | None]]) -> None:
-        """:meth:`accept_checked` for several sessions, each named once: where verification left
-        each last tree is found in one compiled pass over them all, and the calibration takes
-        every first guess at once."""
+        """:meth:`accept_checked` for several sessions, each named once, in one compiled call
+        (:func:`~indexer.kernels.accept.accept_batch`): where verification left each last tree,
+        the calibration of every first guess, the contexts extended and the branches rejected
+        where verification stopped (the best ones leaving the accepted path there, each
+        extended by its best-scoring descendants) recorded, unless the item names its own."""
         items = [item for item in items if item[1].size]
         if not items:
             return
-        verified = [j for j, (s, _, _) in enumerate(items) if s.last_tree is not None]
-        # By default the branches rejected are the best ones leaving the accepted path where
-        # verification stopped, each extended by its best-scoring descendants.
-        found: dict[int, tuple[int, list[tuple[int, ...]]]] = {}
-        if verified:
-            found = dict(zip(verified, self._outcomes([items[j] for j in verified]), strict=True))
-        self._calibrate(items)
-        for j, (session, new, rejected) in enumerate(items):
-            ahead = select(session.prefetched, new) if session.prefetched else None
-            if session.prefetched and session.last_tree is not None:
-                self.counters.ahead_hits += ahead is not None
-                self.counters.ahead_misses += ahead is None
-            before = len(session.context)
-            session.context.extend(new)
-            # Each branch is keyed by the context tail where it branched off.
-            if rejected:
+        sessions = [s for s, _, _ in items]
+        rows = [self.store.hold(s) for s in sessions]
+        trees = [s.last_tree for s in sessions if s.last_tree is not None]
+        tok, par, sc, src, starts, ends = _stored(trees)
+        block, guess_rows = _guess_rows([s.guesses for s in sessions])
+        sizes = [new.size for _, new, _ in items]
+        new_ends = np.cumsum(sizes).tolist()
+        table, t = [], 0
+        for j, (session, _, rejected) in enumerate(items):
+            tree_at = (-1, -1)
+            if session.last_tree is not None:
+                tree_at, t = (int(starts[t]), int(ends[t])), t + 1
+            branches = _REJECTED_BRANCHES if rejected is None else 0
+            table.append((rows[j], new_ends[j] - sizes[j], new_ends[j], *tree_at, guess_rows[j], branches))
+        by_tier = np.zeros(len(_TIERS), dtype=np.int64)
+        with self._lock:
+            steps, drafted, grown = accept_kernel.accept_batch(
+                np.array(table, dtype=np.int64).reshape(-1, len(accept_kernel.ITEM_COLUMNS)),
+                _joined([new for _, new, _ in items], np.int32), tok, par, sc, src, *block,
+                self.store.i32, self.store.i64, *self.calibrator.arrays(), self.config.calibration_buckets, by_tier,
+            )  # fmt: skip
+        c = self.counters
+        c.steps += steps
+        c.drafted += drafted
+        for tier, n in enumerate(by_tier.tolist()):
+            if n:
+                c.accepted[_TIER_NAMES[tier]] += n
+        for j in np.flatnonzero(grown).tolist():
+            self.store.follow(sessions[j], int(grown[j]))
+        for session, new, rejected in items:
+            ahead = None
+            if session.prefetched:
+                ahead = select(session.prefetched, new)
+                if session.last_tree is not None:
+                    c.ahead_hits += ahead is not None
+                    c.ahead_misses += ahead is None
+            if rejected:  # each branch is keyed by the context tail where it branched off
+                before = len(session.context) - new.size
                 session.rejected.record_at(session.context.tokens, [(before + at, b) for at, b in rejected])
-            elif rejected is None and j in found:
-                depth, followers = found[j]
-                if followers:
-                    session.rejected.record_followers(session.context.tokens, before + depth, followers)
             # A tree drafted ahead for this outcome is what the decoder verifies next.
             session.last_tree, session.guesses, session.prefetched = ahead, None, {}
-            n_ctx, n_lifetime = session.hints  # a match that continues is the new tokens longer
-            session.hints = (n_ctx + new.size if n_ctx else 0, n_lifetime + new.size if n_lifetime else 0)
-
-    def _calibrate(self, items: Sequence[tuple[Session, np.ndarray, Branches | None]]) -> None:
-        """Count each session's first guesses of its last draft against the first token the
-        target produced, in order, one compiled call per run of sessions drafted together."""
-        runs: list[tuple[Guesses, list[int], list[int]]] = []
-        for session, new, _ in items:
-            if session.guesses is None:
-                continue
-            block, row = session.guesses
-            if not runs or runs[-1][0] is not block:
-                runs.append((block, [], []))
-            runs[-1][1].append(row)
-            runs[-1][2].append(int(new[0]))
-        with self._lock:
-            for block, rows, actual in runs:
-                self.calibrator.update_rows(block, np.array(rows, dtype=np.int64), np.array(actual, dtype=np.int64))
-
-    def _outcomes(
-        self, items: Sequence[tuple[Session, np.ndarray, Branches | None]]
-    ) -> list[tuple[int, list[tuple[int, ...]]]]:
-        """Verifying each session's last tree against its new tokens: the accepted path's length
-        and (without branches given) the branches rejected where it stopped, as token tuples;
-        counted."""
-        trees = [s.last_tree for s, _, _ in items if s.last_tree is not None]
-        news = [new for _, new, _ in items]
-        tok, par, sc, src, starts, ends = _stored(trees)
-        path_lengths, by_tier, rows, lengths, first_row = kernels.verification_outcomes(
-            tok,
-            par,
-            sc,
-            src,
-            starts,
-            ends,
-            _joined(news, np.int32),
-            np.array([new.size for new in news], dtype=np.int64),
-            np.array([_REJECTED_BRANCHES if rejected is None else 0 for _, _, rejected in items], dtype=np.int64),
-            self.config.rejected.follower_len,
-            len(_TIERS),
-        )
-        c = self.counters
-        c.steps += len(trees)
-        c.drafted += sum(len(t) for t in trees)
-        for t, n in enumerate(by_tier.tolist()):
-            if n:
-                c.accepted[_TIER_NAMES[t]] += n
-        # Rows already cut to the rejected table's follower length; one conversion for all.
-        cut = [tuple(row[:n]) for row, n in zip(rows.tolist(), lengths.tolist(), strict=True)]
-        bounds = first_row.tolist()
-        return [(depth, cut[bounds[i] : bounds[i + 1]]) for i, depth in enumerate(path_lengths.tolist())]
 
     def prespeculate(self, session: Session, k: int, params: DraftParams) -> Prefetched:
         """Trees drafted ahead for the ``k`` likeliest outcomes of verifying the session's last
@@ -442,14 +364,10 @@ class NamespaceDrafter:
         if tree is not None and k > 0:
             # One level deeper: the bonus token becomes the root.
             depth = min(params.max_depth + 1, MAX_DEPTH, max(params.budget, 1))
-            ctx = session.context.tokens
             points = stopping_points(tree, k)
-            jobs = [
-                _Job(session, np.concatenate((ctx, np.array(path, dtype=np.int32))), tuple(kids), params, depth)
-                for path, kids in points
-            ]
+            jobs = [_Job(session, path, tuple(kids), params, depth) for path, kids in points]
             # The outcomes are only supposed: nothing learnt about them stays.
-            for (path, _), (drafted, _, _) in zip(points, self._run(jobs, remember=False), strict=True):
+            for (path, _), (drafted, _) in zip(points, self._run(jobs, remember=False), strict=True):
                 ahead[path] = drafted
         session.prefetched = ahead
         return ahead
@@ -467,6 +385,7 @@ class NamespaceDrafter:
         indexed together (one run of the lifetime memory's delta, not one each)."""
         added, exact = [], []
         for session, commit_from in closing:
+            self.release(session)  # a no-op where the caller released it already
             tokens = session.context.tokens
             if not 0 <= commit_from <= tokens.size:
                 raise ValueError(f"commit_from must be in [0, {tokens.size}], got {commit_from}")
@@ -479,55 +398,63 @@ class NamespaceDrafter:
 
     # -- tiers -------------------------------------------------------------------------------
 
-    def _run(
-        self, jobs: Sequence[_Job], *, remember: bool
-    ) -> list[tuple[DraftTree, tuple[Guesses, int], tuple[int, int]]]:
-        """Each job's tree, first guesses and hints, all drafted in one compiled call (see
-        :func:`~indexer.kernels.draft.draft_batch`). The tiers kept in Python objects (the
-        rejected table, the prior, the exact-prompt cache) are looked up here first; with
-        ``remember`` the exact tier keeps how far each output agrees with its cached one."""
-        batch = _Batch()
+    def _run(self, jobs: Sequence[_Job], *, remember: bool) -> list[tuple[DraftTree, tuple[Guesses, int]]]:
+        """Each job's tree and first guesses, all drafted in one compiled call (see
+        :func:`~indexer.kernels.draft.draft_batch`) over the sessions' arrays in the store;
+        only the static prior is looked up here first. With ``remember`` each session keeps
+        its match-length hints and how far its output agrees with an exact-prompt response."""
+        table: list[tuple[int, ...]] = []
+        suffix: list[int] = []
+        exclude: list[int] = []
+        prior = self.prior
+        rows: list[np.ndarray] = []
+        vals: list[np.ndarray] = []
+        meta: list[tuple[int, ...]] = []
+        first_part: list[int] = []
+        s_at = x_at = 0
         for job in jobs:
-            s, ctx = job.session, job.context
-            batch.add_sequence(job, since=max(0, s.prompt_len - self.config.dynamic.window))
-            found = s.rejected.table.candidates(ctx)
-            if found is not None:
-                batch.add_part(*found, per_cell=False, tier=Tier.REJECTED, n=s.rejected.table.config.leader_len)
-            hit = self.prior.lookup(ctx) if self.prior is not None else None
-            if hit is not None:
-                batch.add_part(hit.rows, hit.probs, per_cell=True, tier=Tier.PRIOR, n=hit.order)
-            exact = self._exact(s, ctx, job.depth, remember)
-            if exact is not None:
-                rest, n = exact
-                batch.add_part(rest[None, :], _ONE_WEIGHT, per_cell=False, tier=Tier.EXACT, n=n)
-        hits, predicted = self.calibrator.counts()
-        tokens, parents, sources, scores, ends, first_tok, guess, lengths = _draft_batch(
-            batch.arrays(), self.memory.search_arrays(), self._settings, hits, predicted, self.threads
+            p = job.params
+            table.append(
+                (self.store.hold(job.session), s_at, s_at + len(job.suffix), x_at, x_at + len(job.exclude), job.depth,
+                 p.budget, p.depth_reserve, int(remember))
+            )  # fmt: skip
+            s_at += len(job.suffix)
+            x_at += len(job.exclude)
+            suffix.extend(job.suffix)
+            exclude.extend(job.exclude)
+            first_part.append(len(meta))
+            if prior is not None:
+                ctx = job.session.context.tokens
+                hit = prior.lookup(np.concatenate((ctx, np.array(job.suffix, dtype=np.int32))) if job.suffix else ctx)
+                if hit is not None:
+                    k, width = hit.rows.shape
+                    rows.append(hit.rows.ravel())
+                    vals.append(hit.probs.ravel())
+                    meta.append((k, width, 1, int(Tier.PRIOR), hit.order))
+        first_part.append(len(meta))
+        step = kernels.draft_step(1 if len(jobs) == 1 else self.threads)
+        hits, predicted = self.calibrator.arrays()
+        tokens, parents, sources, scores, ends, first_tok, guess, lengths = step(
+            np.array(table, dtype=np.int64).reshape(-1, len(JOB_COLUMNS)),
+            np.array([job.params.min_score for job in jobs], dtype=np.float64),
+            np.array(suffix, dtype=np.int32),
+            np.array(exclude, dtype=np.int32),
+            _joined(rows, np.int32),
+            _joined(vals, np.float64),
+            np.array(meta, dtype=np.int64).reshape(-1, 5),
+            np.array(first_part, dtype=np.int64),
+            self.store.i32,
+            self.store.i64,
+            *_lifetime_args(self.memory.search_arrays()),
+            self._settings,
+            _HALF_ARRAY,
+            hits,
+            predicted,
         )
-        bounds, found_n = ends.tolist(), lengths.tolist()
+        bounds = ends.tolist()
         guesses = Guesses(first_tok, guess, lengths)
         drafted = TreeBatch(tokens, parents, sources, scores, ends)
-        out = []
-        for j in range(len(jobs)):
-            a, b = bounds[j], bounds[j + 1]
-            tree = DraftTree(tokens[a:b], parents[a:b], sources[a:b], scores[a:b], drafted, j)
-            ns = found_n[j]
-            out.append((tree, (guesses, j), (ns[Tier.CONTEXT], ns[Tier.LIFETIME_SA])))
-        return out
-
-    def _exact(self, s: Session, ctx: np.ndarray, depth: int, remember: bool) -> tuple[np.ndarray, int] | None:
-        """The rest of the response cached for an identical prompt, while the output so far
-        (``ctx`` past the prompt) agrees with it, and the match length it stands for."""
-        if s.exact is None:
-            return None
-        done = ctx[s.prompt_len :]
-        known = s.exact_agrees
-        if known < 0 or done.size >= s.exact.size:
-            return None
-        if known < done.size:  # only the tokens generated since the last check are compared
-            agrees = s.exact[known : done.size].tolist() == done[known:].tolist()  # a few tokens: lists beat numpy
-            if remember:
-                s.exact_agrees = int(done.size) if agrees else -1
-            if not agrees:
-                return None
-        return s.exact[done.size : done.size + depth], max(1, int(done.size) + 1)
+        return [
+            (DraftTree(tokens[a:b], parents[a:b], sources[a:b], scores[a:b], drafted, j), (guesses, j))
+            for j, (a, b) in enumerate(itertools.pairwise(bounds))
+        ]

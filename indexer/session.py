@@ -8,12 +8,14 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 
 from indexer.context_index import ContextIndex
+from indexer.kernels.store import EXACT_AGREES, HINT_CTX, HINT_LIFE, PROMPT_LEN, STATE_SIZE
 from indexer.prespeculation import Prefetched
 from indexer.session_cache import RejectedCache
 from indexer.tree_builder import DraftTree, Tier
 
 if TYPE_CHECKING:
     from indexer.drafter import DrafterConfig
+    from indexer.session_store import SessionStore
 
 TableItems = list[tuple[tuple[int, ...], list[tuple[tuple[int, ...], int]]]]
 
@@ -59,6 +61,10 @@ class SessionSnapshot:
 class Session:
     """One request being decoded: its context, rejected table, last draft.
 
+    What compiled steps read and update lives in arrays: the context buffer, the prompt index,
+    the rejected table and a state vector (lengths, hints; see :mod:`indexer.kernels.store`).
+    A drafter holds a session's arrays in its store (``row``) while it drafts for it.
+
     >>> from indexer.drafter import DrafterConfig
     >>> s = Session(np.array([1, 2, 3, 1, 2], dtype=np.int32), DrafterConfig(), None)
     >>> again = Session.restore(s.snapshot(), DrafterConfig(), None)
@@ -67,15 +73,38 @@ class Session:
     """
 
     def __init__(self, prompt: np.ndarray, config: DrafterConfig, exact: np.ndarray | None) -> None:
-        self.context = ContextIndex(prompt)
-        self.prompt_len = int(prompt.size)
+        self.state = np.zeros(STATE_SIZE, dtype=np.int64)
+        self.context = ContextIndex(prompt, self.state)
+        self.state[PROMPT_LEN] = prompt.size
         self.rejected = RejectedCache(config.rejected)
         self.exact = exact
-        self.exact_agrees = 0  # generated tokens known to equal the exact response's start; -1: they differ
         self.last_tree: DraftTree | None = None
         self.prefetched: Prefetched = {}  # trees drafted ahead for outcomes of last_tree
         self.guesses: tuple[Guesses, int] | None = None  # the last draft's batch and row in it
-        self.hints = (0, 0)  # last match lengths of the own-context and lifetime-suffix tiers (0: none)
+        self.row = -1  # in the store of the drafter holding its arrays (-1: none holds them)
+        self.store: SessionStore | None = None
+
+    @property
+    def prompt_len(self) -> int:
+        return int(self.state[PROMPT_LEN])
+
+    @property
+    def exact_agrees(self) -> int:
+        """Generated tokens known to equal the exact response's start; -1: they differ."""
+        return int(self.state[EXACT_AGREES])
+
+    @exact_agrees.setter
+    def exact_agrees(self, value: int) -> None:
+        self.state[EXACT_AGREES] = value
+
+    @property
+    def hints(self) -> tuple[int, int]:
+        """Last match lengths of the own-context and lifetime-suffix tiers (0: none)."""
+        return int(self.state[HINT_CTX]), int(self.state[HINT_LIFE])
+
+    @hints.setter
+    def hints(self, value: tuple[int, int]) -> None:
+        self.state[HINT_CTX], self.state[HINT_LIFE] = value
 
     @property
     def generated(self) -> np.ndarray:
@@ -92,7 +121,7 @@ class Session:
     def restore(cls, snap: SessionSnapshot, config: DrafterConfig, exact: np.ndarray | None) -> Session:
         session = cls(snap.context[: snap.prompt_len], config, exact)
         session.context.extend(snap.context[snap.prompt_len :])
-        for leader, followers in snap.rejected:
+        for leader, followers in snap.rejected:  # ValueError on a leader or follower that is no table's
             for follower, count in followers:
                 session.rejected.table.add(tuple(leader), tuple(follower), count)
         return session

@@ -5,19 +5,24 @@ A *leader* is the ``leader_len`` tokens before a position; its *followers* are t
 seeing a follower again) refreshes it, and the least recently updated leader (or follower of one
 leader) goes first when a capacity is reached. Lookups do not reorder anything, so a table is a
 pure function of what was added to it.
+
+The table lives in one int64 array (:mod:`indexer.kernels.lru`), so the compiled draft and
+accept steps read and update a batch's tables in place, with no interpreter work per session.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from indexer.kernels import lru
+
 Leader = tuple[int, ...]
 Follower = tuple[int, ...]
+_INT32_MAX = 2**31 - 1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,6 +38,13 @@ class LruTableConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
+def _ids(tokens: Sequence[int], what: str) -> np.ndarray:
+    out = np.asarray(tokens, dtype=np.int64)
+    if out.ndim != 1 or (out.size and (int(out.min()) < 0 or int(out.max()) > _INT32_MAX)):
+        raise ValueError(f"{what} must be token ids in [0, 2**31), got {tuple(tokens)}")
+    return out
+
+
 class LruTable:
     """Bounded leader -> followers map with per-follower hit counts.
 
@@ -44,48 +56,60 @@ class LruTable:
 
     def __init__(self, config: LruTableConfig) -> None:
         self.config = config
-        self._table: OrderedDict[Leader, OrderedDict[Follower, int]] = OrderedDict()
-        self.version = 0  # changes with every add (what was saved is told apart from what was not)
+        self.array = lru.new_table(config.leader_len, config.follower_len, config.max_followers, config.max_leaders)
+        # Called with the new array when an add outgrows the old one (a holder of the array,
+        # such as a session store, follows it).
+        self.moved: Callable[[np.ndarray], None] | None = None
 
     def __len__(self) -> int:
-        return len(self._table)
+        return int(self.array[lru.N])
+
+    @property
+    def version(self) -> int:
+        """Changes with every add (what was saved is told apart from what was not)."""
+        return int(self.array[lru.VERSION])
 
     def add(self, leader: Leader, follower: Follower, count: int = 1) -> None:
-        self.version += 1
-        followers = self._table.get(leader)
-        if followers is None:
-            followers = self._table[leader] = OrderedDict()
-            if len(self._table) > self.config.max_leaders:
-                self._table.popitem(last=False)
-        else:
-            self._table.move_to_end(leader)
-        followers[follower] = followers.pop(follower, 0) + count
-        if len(followers) > self.config.max_followers:
-            followers.popitem(last=False)
+        """Count ``follower`` (cut to ``follower_len``) after ``leader`` (``leader_len`` ids)."""
+        key, fol = _ids(leader, "a leader"), _ids(follower, "a follower")
+        if key.size != self.config.leader_len:
+            raise ValueError(f"a leader has {self.config.leader_len} tokens, got {tuple(leader)}")
+        if not fol.size:
+            raise ValueError("a follower needs at least one token")
+        self._add(key, fol, count)
+
+    def _add(self, key: np.ndarray, fol: np.ndarray, count: int) -> None:
+        before = self.array
+        # The same array comes back (as another ndarray object) unless the table grew.
+        self.array = lru.add(before, key, 0, fol, 0, fol.size, count)
+        if self.array.size != before.size and self.moved is not None:  # it grew
+            self.moved(self.array)
 
     def followers(self, leader: Leader) -> list[tuple[Follower, int]]:
-        followers = self._table.get(leader)
-        if followers is None:
+        """Most recent first."""
+        key = _ids(leader, "a leader")
+        if key.size != self.config.leader_len:
             return []
-        return list(reversed(followers.items()))
+        slot = lru.find(self.array, key, 0)
+        return [] if slot < 0 else _listed(*lru.followers_at(self.array, slot, True))
 
     def items(self) -> list[tuple[Leader, list[tuple[Follower, int]]]]:
         """Oldest leader first, each with its followers oldest first (replayable by ``add``)."""
-        return [(lead, list(fol.items())) for lead, fol in self._table.items()]
+        slots, keys = lru.leaders_oldest_first(self.array)
+        return [
+            (tuple(key), _listed(*lru.followers_at(self.array, slot, False)))
+            for slot, key in zip(slots.tolist(), keys.tolist(), strict=True)
+        ]
 
     def candidates(self, context: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
         """Followers of the context's last ``leader_len`` tokens as ``(rows, weights)``, or
         ``None`` when the leader is unknown."""
-        ll, fl = self.config.leader_len, self.config.follower_len
-        if not self._table or context.size < ll:  # most steps: nothing rejected yet
-            return None
-        found = self.followers(tuple(context[-ll:].tolist()))
-        if not found:
-            return None
-        rows = np.full((len(found), fl), -1, dtype=np.int32)
-        for i, (fol, _) in enumerate(found):
-            rows[i, : len(fol)] = fol
-        return rows, np.array([c for _, c in found], dtype=np.float64)
+        rows, weights = lru.candidates(self.array, np.ascontiguousarray(context, dtype=np.int32))
+        return (rows, weights) if rows.shape[0] else None
+
+
+def _listed(rows: np.ndarray, lengths: np.ndarray, counts: np.ndarray) -> list[tuple[Follower, int]]:
+    return [(tuple(row[:n]), c) for row, n, c in zip(rows.tolist(), lengths.tolist(), counts.tolist(), strict=True)]
 
 
 class RejectedCache:
@@ -109,10 +133,10 @@ class RejectedCache:
         ll = self.table.config.leader_len
         if end < ll:
             return
-        leader = tuple(tokens[end - ll : end].tolist())
+        leader = np.ascontiguousarray(tokens[end - ll : end], dtype=np.int64)
         for follower in followers:
             if follower:
-                self.table.add(leader, follower)
+                self.table._add(leader, np.array(follower, dtype=np.int64), 1)
 
     def record_at(self, tokens: np.ndarray, branches: Iterable[tuple[int, np.ndarray]]) -> None:
         """:meth:`record` for each ``(end, branch)``: a branch rejected after ``tokens[:end]``.

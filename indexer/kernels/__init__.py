@@ -14,6 +14,9 @@ from collections.abc import Callable
 import numba
 import numpy as np
 
+from indexer.kernels import lru
+from indexer.kernels import store as kstore
+from indexer.kernels.accept import accept_batch
 from indexer.kernels.draft import calibrate, draft_batch, draft_batch_parallel
 from indexer.kernels.search import (
     context_continuations,
@@ -56,6 +59,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 _THREADSAFE_LAYERS = ("omp", "tbb")
 
 __all__ = [
+    "accept_batch",
     "accepted_path",
     "calibrate",
     "context_continuations",
@@ -127,23 +131,52 @@ def warm_up() -> None:
     )  # fmt: skip
     guesses = np.full((1, 7), -1, dtype=np.int64)
     calibrate(np.zeros((7, 5)), np.zeros((7, 5)), guesses, np.zeros((1, 7)), guesses, one_tree[:1], one_tree[:1], 4)
-    draft_batch(*_tiny_draft())
+    args = _tiny_draft()
+    draft_batch(*args)
+    i32, i64 = args[8], args[9]
+    kstore.put_i32(i32, 0, kstore.get_i32(i32, 0))
+    kstore.put_i64(i64, 1, kstore.get_i64(i64, 1))
+    items = np.array([[0, 0, 1, 0, 1, 0, 4], [1, 1, 2, -1, -1, -1, 0]], dtype=np.int64)
+    accept_batch(
+        items, np.array([1, 9], np.int32), one, root, np.ones(1, np.float32), np.zeros(1, np.uint8), guesses,
+        np.zeros((1, 7)), guesses, i32, i64, np.zeros((7, 5)), np.zeros((7, 5)), 4, np.zeros(7, dtype=np.int64),
+    )  # fmt: skip
+    table = lru.new_table(2, 2, 2, 4)
+    for key in (toks, toks.astype(np.int64)):  # the accept step's and the table's own callers'
+        table = lru.add(table, key, 0, key, 1, 2, 1)
+    lru.followers_at(table, lru.find(table, key, 0), True)
+    lru.leaders_oldest_first(table)
+    lru.candidates(table, toks)
+
+
+def _tiny_store() -> tuple:
+    """Store lists holding two small sessions (compiled steps' argument types)."""
+    i32, i64 = kstore.new_lists()
+    toks = np.array([1, 2, 1, 2, 2147483647], dtype=np.int32)
+    sa = np.array([0, 2, 1, 3, 4], dtype=np.int32)
+    for row in range(2):
+        state = np.array([5, 5, 4, 0, 0, 0], dtype=np.int64)
+        table = lru.new_table(2, 2, 2, 4)
+        kstore.put_row(i32, i64, row, np.concatenate((toks, toks)), toks, sa, toks[:2].copy(), state, table)
+    return i32, i64
 
 
 def _tiny_draft() -> tuple:
-    """Arguments of a one-sequence :func:`draft_batch` call, to compile it."""
+    """Arguments of a two-tree :func:`draft_batch` call, to compile it."""
     toks = np.array([1, 2, 1, 2, 2147483647], dtype=np.int32)
     sa = np.array([0, 2, 1, 3, 4], dtype=np.int32)
     rows = np.array([[1, 2], [1, -1]], dtype=np.int32)
     one = np.array([1], dtype=np.int32)
     one_tree = np.array([0, 1], dtype=np.int64)
     offsets = np.array([0, 5], dtype=np.int64)
-    seq = np.array([[0, 5, 0, 5, 4, 0, 0, 0, 2, 4, 1, 0, 1]] * 2, dtype=np.int64)
+    jobs = np.array([[0, 0, 1, 0, 1, 2, 4, 1, 1], [1, 0, 0, 0, 0, 2, 4, 1, 0]], dtype=np.int64)
     part_meta = np.array([[2, 2, 1, 5, 1]], dtype=np.int64)
+    i32, i64 = _tiny_store()
     return (
-        seq, np.zeros(2), toks, toks, sa, one, rows.ravel(), np.ones(4), part_meta, np.array([0, 1, 1]),
+        jobs, np.zeros(2), one, one, rows.ravel(), np.ones(4), part_meta, np.array([0, 1, 1]), i32, i64,
         toks, sa, toks, sa, offsets, np.zeros(1, dtype=np.uint64), one_tree, rows, np.zeros((2, 2), dtype=np.uint16),
-        2, np.array([32, 4, 4, 2, 2, 2, 4, 2147483647], dtype=np.int64), np.ones(7), np.zeros((7, 5)), np.zeros((7, 5)),
+        2, np.array([32, 4, 4, 2, 2, 2, 4, 2147483647, 2048], dtype=np.int64), np.ones(7), np.zeros((7, 5)),
+        np.zeros((7, 5)),
     )  # fmt: skip
 
 

@@ -1,10 +1,9 @@
 """A batch's draft step in one compiled call: every tier searched for every sequence, each
 tier's confidence computed, the trees merged.
 
-The tiers that need the sequence's own state kept in Python (the rejected table, the static
-prior, the exact-prompt cache) are found beforehand and come in as ready parts; the rest (own
-context, dynamic followers, lifetime suffix indexes and frozen table) are searched here, so a
-sequence costs no interpreter work between its first search and its merged tree.
+Sessions are read where their store holds them (:mod:`indexer.kernels.store`): context, prompt
+index, rejected table, exact-prompt response and state, by row, so a sequence costs no
+interpreter work. Only the static prior's parts come in ready-made.
 """
 
 from __future__ import annotations
@@ -14,18 +13,36 @@ from typing import Any
 import numpy as np
 from numba import njit, prange
 
+from indexer.kernels import lru
 from indexer.kernels.search import context_continuations, context_followers, stacked_continuations
+from indexer.kernels.store import (
+    CTX,
+    EXACT,
+    EXACT_AGREES,
+    HINT_CTX,
+    HINT_LIFE,
+    I32_PER_ROW,
+    I64_PER_ROW,
+    INDEXED,
+    LEN,
+    PROMPT_LEN,
+    REJECTED_TABLE,
+    SA,
+    SA_TOKENS,
+    STATE,
+)
 from indexer.kernels.tables import find_leader
 from indexer.kernels.tree import merge_tree, stack_parts, tree_buffers
 
 # Tier values (indexer.tree_builder.Tier; a test keeps the two equal).
-DYNAMIC, CONTEXT, REJECTED, LIFETIME_SA, LIFETIME_NGRAM = 0, 1, 2, 3, 4
+DYNAMIC, CONTEXT, REJECTED, LIFETIME_SA, LIFETIME_NGRAM, PRIOR, EXACT_TIER = 0, 1, 2, 3, 4, 5, 6
 
-# Columns of the per-sequence ``seq`` table, and the ``settings`` vector's fields.
-SEQ_COLUMNS = ("ctx_start", "ctx_end", "index_start", "index_end", "indexed", "since", "context_hint",
-               "lifetime_hint", "depth", "budget", "depth_reserve", "exclude_start", "exclude_end")  # fmt: skip
+# Columns of the per-tree ``jobs`` table, and the ``settings`` vector's fields.
+JOB_COLUMNS = ("row", "suffix_start", "suffix_end", "exclude_start", "exclude_end", "depth", "budget",
+               "depth_reserve", "remember")  # fmt: skip
+ROW, SUFFIX_START, SUFFIX_END, EXCLUDE_START, EXCLUDE_END, DEPTH, BUDGET, DEPTH_RESERVE, REMEMBER = range(9)
 SETTINGS = ("max_match", "samples", "context_samples", "leader_len", "follower_len", "max_followers", "buckets",
-            "stop")  # fmt: skip
+            "stop", "window")  # fmt: skip
 
 
 @njit(cache=True, nogil=True)
@@ -116,11 +133,11 @@ def _extra_starts(extra_meta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 @njit(cache=True, nogil=True)
-def _slots(seq: np.ndarray) -> np.ndarray:
-    """Where each sequence's tree may start in the output buffers: room for its budget."""
-    slot = np.zeros(seq.shape[0] + 1, dtype=np.int64)
-    for j in range(seq.shape[0]):
-        slot[j + 1] = slot[j] + max(0, seq[j, 9])
+def _slots(jobs: np.ndarray) -> np.ndarray:
+    """Where each tree may start in the output buffers: room for its budget."""
+    slot = np.zeros(jobs.shape[0] + 1, dtype=np.int64)
+    for j in range(jobs.shape[0]):
+        slot[j + 1] = slot[j] + max(0, jobs[j, BUDGET])
     return slot
 
 
@@ -151,46 +168,89 @@ def _packed(
 
 
 @njit(cache=True, nogil=True)
+def job_context(i32: Any, i64: Any, row: int, suffix: np.ndarray) -> np.ndarray:
+    """A tree's context: the session's tokens, then ``suffix`` (a supposed verification
+    outcome, when drafting ahead)."""
+    base = i32[row * I32_PER_ROW + CTX][: i64[row * I64_PER_ROW + STATE][LEN]]
+    if suffix.size == 0:
+        return base
+    ctx = np.empty(base.size + suffix.size, dtype=np.int32)
+    ctx[: base.size] = base
+    ctx[base.size :] = suffix
+    return ctx
+
+
+@njit(cache=True, nogil=True)
+def _exact_rest(exact: np.ndarray, state: np.ndarray, ctx: np.ndarray, depth: int, remember: bool) -> tuple:
+    """The rest of the response cached for an identical prompt, while the output so far (``ctx``
+    past the prompt) agrees with it, and the match length it stands for (0: none). Only the
+    tokens generated since the last check are compared; with ``remember`` the state keeps how
+    far they agree."""
+    prompt_len = state[PROMPT_LEN]
+    done = ctx.size - prompt_len
+    known = state[EXACT_AGREES]
+    if exact.size == 0 or known < 0 or done >= exact.size:
+        return exact[:0], 0
+    if known < done:
+        for i in range(known, done):
+            if exact[i] != ctx[prompt_len + i]:
+                if remember:
+                    state[EXACT_AGREES] = -1
+                return exact[:0], 0
+        if remember:
+            state[EXACT_AGREES] = done
+    return exact[done : done + depth], max(1, done + 1)
+
+
+@njit(cache=True, nogil=True)
 def _draft_one(j: int, args: tuple, out: tuple) -> None:
-    """Sequence ``j`` of :func:`draft_batch` (``args``: its arguments; ``out``:
-    :func:`_outputs`): its tree written at ``slot[j]`` (``sizes[j]`` nodes) and its rows of
-    ``first_tok``, ``guess`` and ``lengths``. It writes nothing another sequence writes, so the
-    sequences may be drafted in any order, or at once."""
+    """Tree ``j`` of :func:`draft_batch` (``args``: its arguments; ``out``: :func:`_outputs`):
+    written at ``slot[j]`` (``sizes[j]`` nodes) with its rows of ``first_tok``, ``guess`` and
+    ``lengths``. It writes nothing another tree writes (apart from its session's exact-prompt
+    state, when it remembers, and a session has one such tree a call), so the trees may be
+    drafted in any order, or at once."""
     (
-        seq, min_score, contexts, index_tokens, index_sa, exclude, extra_rows, extra_vals, extra_meta,
-        extra_offsets, main_tokens, main_sa, run_tokens, run_sa, run_offsets, table_keys, table_offsets,
+        jobs, min_score, suffix, exclude, extra_rows, extra_vals, extra_meta, extra_offsets, i32, i64,
+        main_tokens, main_sa, run_tokens, run_sa, run_offsets, table_keys, table_offsets,
         table_followers, table_probs, table_ll, settings, half, hits, pred
     ) = args  # fmt: skip
     extra_ro, extra_vo, tokens, parents, sources, scores, slot, sizes, first_tok, guess, lengths = out
     n_tiers = half.size
     max_match, samples, ctx_samples = settings[0], settings[1], settings[2]
     leader_len, follower_len, max_followers = settings[3], settings[4], settings[5]
-    buckets, stop = settings[6], settings[7]
+    buckets, stop, window = settings[6], settings[7], settings[8]
     conf_of = np.zeros(n_tiers)
     at = np.zeros(3, dtype=np.int64)
-    ctx = contexts[seq[j, 0] : seq[j, 1]]
-    idx_tok = index_tokens[seq[j, 2] : seq[j, 3]]
-    idx_sa = index_sa[seq[j, 2] : seq[j, 3]]
-    indexed, since, depth, budget = seq[j, 4], seq[j, 5], seq[j, 8], seq[j, 9]
-    excl = exclude[seq[j, 11] : seq[j, 12]]
+    row = jobs[j, ROW]
+    state = i64[row * I64_PER_ROW + STATE]
+    ctx = job_context(i32, i64, row, suffix[jobs[j, SUFFIX_START] : jobs[j, SUFFIX_END]])
+    idx_tok = i32[row * I32_PER_ROW + SA_TOKENS]
+    idx_sa = i32[row * I32_PER_ROW + SA]
+    indexed, since = state[INDEXED], max(0, state[PROMPT_LEN] - window)
+    depth, budget = jobs[j, DEPTH], jobs[j, BUDGET]
+    excl = exclude[jobs[j, EXCLUDE_START] : jobs[j, EXCLUDE_END]]
     n_c, rows_c, w_c = context_continuations(
-        ctx, idx_tok, idx_sa, indexed, max_match, seq[j, 6], depth, ctx_samples, stop
+        ctx, idx_tok, idx_sa, indexed, max_match, state[HINT_CTX], depth, ctx_samples, stop
     )
     rows_d, w_d = context_followers(ctx, idx_tok, idx_sa, indexed, since, leader_len, follower_len, max_followers)
+    rejected = i64[row * I64_PER_ROW + REJECTED_TABLE]
+    rows_r, w_r = lru.candidates(rejected, ctx)
     best, rows_l, w_l = stacked_continuations(
-        main_tokens, main_sa, run_tokens, run_sa, run_offsets, ctx, max_match, seq[j, 7], depth, samples, stop
+        main_tokens, main_sa, run_tokens, run_sa, run_offsets, ctx, max_match, state[HINT_LIFE], depth, samples, stop
     )
     leader = -1
     if best > 0 and table_ll > 0 and best <= table_ll:
         leader = find_leader(ctx, table_ll, table_keys)
+    exact_rest, n_x = _exact_rest(i32[row * I32_PER_ROW + EXACT], state, ctx, depth, jobs[j, REMEMBER] != 0)
     e0, e1 = extra_offsets[j], extra_offsets[j + 1]
-    bound_r = rows_c.size + rows_d.size + rows_l.size + extra_ro[e1] - extra_ro[e0]
+    bound_r = rows_c.size + rows_d.size + rows_r.size + rows_l.size + exact_rest.size + extra_ro[e1] - extra_ro[e0]
     if leader >= 0:
         bound_r += (table_offsets[leader + 1] - table_offsets[leader]) * table_followers.shape[1]
+    bound_v = bound_r + rows_c.shape[0] + rows_d.shape[0] + rows_r.shape[0] + rows_l.shape[0] + 1 + e1 - e0
     rows_flat = np.empty(bound_r, dtype=np.int32)
-    vals_flat = np.empty(bound_r + rows_c.shape[0] + rows_d.shape[0] + rows_l.shape[0] + e1 - e0)
-    meta = np.zeros((5 + e1 - e0, 4), dtype=np.int64)
-    confs = np.zeros(5 + e1 - e0)
+    vals_flat = np.empty(bound_v)
+    meta = np.zeros((6 + e1 - e0, 4), dtype=np.int64)
+    confs = np.zeros(6 + e1 - e0)
     if n_c > 0:
         conf_of[CONTEXT] = _confidence(CONTEXT, n_c, half, hits, pred, buckets)
         lengths[j, CONTEXT] = n_c
@@ -201,36 +261,50 @@ def _draft_one(j: int, args: tuple, out: tuple) -> None:
         lengths[j, DYNAMIC] = leader_len
         _put(rows_d, w_d.reshape((-1, 1)), False, DYNAMIC, conf_of[DYNAMIC], excl, rows_flat, vals_flat, meta,
              confs, at)  # fmt: skip
-    for before in (True, False):
-        if not before:  # the lifetime tiers come after the rejected one, before the others
-            if leader >= 0:
-                lo, hi = table_offsets[leader], table_offsets[leader + 1]
-                conf_of[LIFETIME_NGRAM] = _confidence(LIFETIME_NGRAM, table_ll, half, hits, pred, buckets)
-                lengths[j, LIFETIME_NGRAM] = table_ll
-                probs = half_to_float(table_probs[lo:hi])
-                _put(table_followers[lo:hi], probs, True, LIFETIME_NGRAM, conf_of[LIFETIME_NGRAM], excl,
-                     rows_flat, vals_flat, meta, confs, at)  # fmt: skip
-            elif best > 0:
-                conf_of[LIFETIME_SA] = _confidence(LIFETIME_SA, best, half, hits, pred, buckets)
-                lengths[j, LIFETIME_SA] = best
-                _put(rows_l, w_l.reshape((-1, 1)), False, LIFETIME_SA, conf_of[LIFETIME_SA], excl,
-                     rows_flat, vals_flat, meta, confs, at)  # fmt: skip
-        for e in range(e0, e1):
-            tier = extra_meta[e, 3]
-            if (tier == REJECTED) != before:
-                continue
-            k, w, per_cell, n = extra_meta[e, 0], extra_meta[e, 1], extra_meta[e, 2] != 0, extra_meta[e, 4]
-            rows = extra_rows[extra_ro[e] : extra_ro[e + 1]].reshape((k, w))
-            vals = extra_vals[extra_vo[e] : extra_vo[e + 1]].reshape((k, w if per_cell else 1))
-            conf_of[tier] = _confidence(tier, n, half, hits, pred, buckets)
-            lengths[j, tier] = n
-            _put(rows, vals, per_cell, tier, conf_of[tier], excl, rows_flat, vals_flat, meta, confs, at)
+    if w_r.size:  # the rejected tier comes before the lifetime tiers, the others after
+        n_r = rejected[lru.LL]
+        conf_of[REJECTED] = _confidence(REJECTED, n_r, half, hits, pred, buckets)
+        lengths[j, REJECTED] = n_r
+        _put(rows_r, w_r.reshape((-1, 1)), False, REJECTED, conf_of[REJECTED], excl, rows_flat, vals_flat, meta,
+             confs, at)  # fmt: skip
+    if leader >= 0:
+        lo, hi = table_offsets[leader], table_offsets[leader + 1]
+        conf_of[LIFETIME_NGRAM] = _confidence(LIFETIME_NGRAM, table_ll, half, hits, pred, buckets)
+        lengths[j, LIFETIME_NGRAM] = table_ll
+        probs = half_to_float(table_probs[lo:hi])
+        _put(table_followers[lo:hi], probs, True, LIFETIME_NGRAM, conf_of[LIFETIME_NGRAM], excl, rows_flat,
+             vals_flat, meta, confs, at)  # fmt: skip
+    elif best > 0:
+        conf_of[LIFETIME_SA] = _confidence(LIFETIME_SA, best, half, hits, pred, buckets)
+        lengths[j, LIFETIME_SA] = best
+        _put(rows_l, w_l.reshape((-1, 1)), False, LIFETIME_SA, conf_of[LIFETIME_SA], excl, rows_flat, vals_flat,
+             meta, confs, at)  # fmt: skip
+    for e in range(e0, e1):
+        k, w, per_cell, tier, n = (
+            extra_meta[e, 0],
+            extra_meta[e, 1],
+            extra_meta[e, 2] != 0,
+            extra_meta[e, 3],
+            extra_meta[e, 4],
+        )
+        rows = extra_rows[extra_ro[e] : extra_ro[e + 1]].reshape((k, w))
+        vals = extra_vals[extra_vo[e] : extra_vo[e + 1]].reshape((k, w if per_cell else 1))
+        conf_of[tier] = _confidence(tier, n, half, hits, pred, buckets)
+        lengths[j, tier] = n
+        _put(rows, vals, per_cell, tier, conf_of[tier], excl, rows_flat, vals_flat, meta, confs, at)
+    if n_x > 0:
+        conf_of[EXACT_TIER] = _confidence(EXACT_TIER, n_x, half, hits, pred, buckets)
+        lengths[j, EXACT_TIER] = n_x
+        _put(exact_rest.reshape((1, -1)), np.ones((1, 1)), False, EXACT_TIER, conf_of[EXACT_TIER], excl, rows_flat,
+             vals_flat, meta, confs, at)  # fmt: skip
     n_parts = at[0]
     if n_parts > 0 and budget > 0 and depth > 0:
         rows, vals, is_max, tiers = stack_parts(
             rows_flat[: at[1]], vals_flat[: at[2]], meta[:n_parts], confs[:n_parts], depth
         )
-        tok, par, src, sc, ft, fv = merge_tree(rows, vals, is_max, tiers, n_tiers, budget, min_score[j], seq[j, 10])
+        tok, par, src, sc, ft, fv = merge_tree(
+            rows, vals, is_max, tiers, n_tiers, budget, min_score[j], jobs[j, DEPTH_RESERVE]
+        )
         k = tok.size
         a = slot[j]
         tokens[a : a + k] = tok
@@ -243,20 +317,22 @@ def _draft_one(j: int, args: tuple, out: tuple) -> None:
                 n = lengths[j, t]
                 first_tok[j, t] = ft[t]
                 guess[j, t] = fv[t] / conf_of[t] * (n / (n + half[t]))
+    if jobs[j, REMEMBER] != 0:  # where the next step's searches start
+        state[HINT_CTX], state[HINT_LIFE] = lengths[j, CONTEXT], lengths[j, LIFETIME_SA]
 
 
 @njit(cache=True, nogil=True)
-def _outputs(seq: np.ndarray, extra_meta: np.ndarray, n_tiers: int) -> tuple:
+def _outputs(jobs: np.ndarray, extra_meta: np.ndarray, n_tiers: int) -> tuple:
     """What :func:`_draft_one` reads besides the arguments and writes: the parts' starts, each
-    sequence's slot, the tree buffers, the trees' sizes and the per-tier guesses."""
-    n_seq = seq.shape[0]
+    tree's slot, the tree buffers, the trees' sizes and the per-tier guesses."""
+    n_jobs = jobs.shape[0]
     extra_ro, extra_vo = _extra_starts(extra_meta)
-    slot = _slots(seq)
-    tokens, parents, sources, scores = tree_buffers(int(slot[n_seq]))
-    sizes = np.zeros(n_seq, dtype=np.int64)
-    first_tok = np.full((n_seq, n_tiers), -1, dtype=np.int64)
-    guess = np.zeros((n_seq, n_tiers))
-    lengths = np.zeros((n_seq, n_tiers), dtype=np.int64)
+    slot = _slots(jobs)
+    tokens, parents, sources, scores = tree_buffers(int(slot[n_jobs]))
+    sizes = np.zeros(n_jobs, dtype=np.int64)
+    first_tok = np.full((n_jobs, n_tiers), -1, dtype=np.int64)
+    guess = np.zeros((n_jobs, n_tiers))
+    lengths = np.zeros((n_jobs, n_tiers), dtype=np.int64)
     return extra_ro, extra_vo, tokens, parents, sources, scores, slot, sizes, first_tok, guess, lengths
 
 
@@ -272,16 +348,16 @@ def _results(
 
 @njit(cache=True, nogil=True)
 def draft_batch(
-    seq: np.ndarray,
+    jobs: np.ndarray,
     min_score: np.ndarray,
-    contexts: np.ndarray,
-    index_tokens: np.ndarray,
-    index_sa: np.ndarray,
+    suffix: np.ndarray,
     exclude: np.ndarray,
     extra_rows: np.ndarray,
     extra_vals: np.ndarray,
     extra_meta: np.ndarray,
     extra_offsets: np.ndarray,
+    i32: Any,
+    i64: Any,
     main_tokens: np.ndarray,
     main_sa: np.ndarray,
     run_tokens: np.ndarray,
@@ -297,19 +373,21 @@ def draft_batch(
     hits: np.ndarray,
     pred: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Draft trees for a batch of sequences.
+    """Draft trees for a batch of jobs, each over a session its store holds.
 
-    Sequence ``j`` is row ``j`` of ``seq`` (columns :data:`SEQ_COLUMNS`): its context is
-    ``contexts[ctx_start:ctx_end]``; its prompt's suffix index (tokens and suffix array, empty
-    when the prompt is not indexed) is ``[index_start:index_end]`` of ``index_tokens`` and
-    ``index_sa``, covering the context's first ``indexed`` tokens; the dynamic tier counts
-    occurrences from ``since``; the hints are the last match lengths of the own-context and
-    lifetime-suffix tiers (0: none); the tree takes at most ``budget`` nodes, ``depth`` levels
-    and reserves ``depth_reserve`` nodes for its best chain, keeping nodes scoring above
-    ``min_score[j]``; root children whose token is in ``exclude[exclude_start:exclude_end]``
-    are left out. Its ready-made parts are ``extra_meta[extra_offsets[j]:extra_offsets[j + 1]]``
-    (columns rows, width, per_cell, tier, match length; tokens and values end to end in
-    ``extra_rows`` and ``extra_vals``), the rejected tier's placed before the lifetime tiers.
+    Job ``j`` is row ``j`` of ``jobs`` (columns :data:`JOB_COLUMNS`): the session at store row
+    ``row`` (its arrays in ``i32`` and ``i64``, see :mod:`indexer.kernels.store`), its context
+    extended by ``suffix[suffix_start:suffix_end]``; the tree takes at most ``budget`` nodes,
+    ``depth`` levels and reserves ``depth_reserve`` nodes for its best chain, keeping nodes
+    scoring above ``min_score[j]``; root children whose token is in
+    ``exclude[exclude_start:exclude_end]`` are left out; with ``remember`` the session's state
+    keeps how far its output agrees with an exact-prompt response and the match lengths its
+    own-context and lifetime-suffix searches found (where the next step's searches start). The session gives its own
+    context (prompt index and the rest), dynamic followers from ``settings``' window of the
+    prompt on, rejected table and exact-prompt response; the static prior's parts come ready
+    as ``extra_meta[extra_offsets[j]:extra_offsets[j + 1]]`` (columns rows, width, per_cell,
+    tier, match length; tokens and values end to end in ``extra_rows`` and ``extra_vals``).
+    Parts merge in tier order: own context, dynamic, rejected, lifetime, the ready parts, exact.
 
     The lifetime memory is the main suffix index and its delta runs (see
     :func:`~indexer.kernels.search.stacked_continuations`) plus the frozen table over the main
@@ -319,28 +397,28 @@ def draft_batch(
     calibration counts ``hits`` and ``pred`` (tiers x buckets + 1).
 
     Returns the trees end to end ``(tokens, parents, sources, scores, offsets)`` and, per
-    sequence and tier, ``first_token`` (-1: no first guess), the first guess's probability
+    tree and tier, ``first_token`` (-1: no first guess), the first guess's probability
     under that tier alone times the tier's prior (what calibration compares with the outcome),
     and the match length behind the tier (0: the tier found nothing).
     """
     args = (
-        seq, min_score, contexts, index_tokens, index_sa, exclude, extra_rows, extra_vals, extra_meta,
-        extra_offsets, main_tokens, main_sa, run_tokens, run_sa, run_offsets, table_keys, table_offsets,
+        jobs, min_score, suffix, exclude, extra_rows, extra_vals, extra_meta, extra_offsets, i32, i64,
+        main_tokens, main_sa, run_tokens, run_sa, run_offsets, table_keys, table_offsets,
         table_followers, table_probs, table_ll, settings, half, hits, pred
     )  # fmt: skip
-    out = _outputs(seq, extra_meta, half.size)
-    for j in range(seq.shape[0]):
+    out = _outputs(jobs, extra_meta, half.size)
+    for j in range(jobs.shape[0]):
         _draft_one(j, args, out)
     return _results(out)
 
 
 @njit(cache=True, nogil=True, parallel=True)
 def draft_batch_parallel(*args: Any) -> tuple:
-    """:func:`draft_batch` (the same arguments) with the sequences shared among the compiled
-    code's worker threads: the same trees, each sequence's depending on its own inputs only."""
-    seq, extra_meta, half = args[0], args[8], args[21]
-    out = _outputs(seq, extra_meta, half.size)
-    for j in prange(seq.shape[0]):
+    """:func:`draft_batch` (the same arguments) with the trees shared among the compiled
+    code's worker threads: the same trees, each depending on its own inputs only."""
+    jobs, extra_meta, half = args[0], args[6], args[21]
+    out = _outputs(jobs, extra_meta, half.size)
+    for j in prange(jobs.shape[0]):
         _draft_one(j, args, out)
     return _results(out)
 

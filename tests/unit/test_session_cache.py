@@ -129,6 +129,33 @@ def test_candidates_miss_and_short_context():
     assert t.candidates(_a([5])) is None
 
 
+def _check_against_model(t: LruTable, ops, leader_len: int) -> None:
+    cfg = t.config
+    model: dict = {}  # leader -> {follower: count}, both in update order (dicts keep insertion order)
+    for lead, fol, is_read in ops:
+        leader = (lead,) * leader_len
+        if is_read:  # reads never reorder
+            assert t.followers(leader) == list(reversed(model.get(leader, {}).items()))
+            continue
+        t.add(leader, (fol,))
+        fols = model.pop(leader, {})
+        fols[(fol,)] = fols.pop((fol,), 0) + 1
+        if len(fols) > cfg.max_followers:
+            fols.pop(next(iter(fols)))
+        model[leader] = fols
+        if len(model) > cfg.max_leaders:
+            model.pop(next(iter(model)))
+        # Capacities are never exceeded.
+        assert len(t) == len(model) <= cfg.max_leaders
+        assert all(len(f) <= cfg.max_followers for _, f in t.items())
+    # The table behaves exactly like a two-level least-recently-updated map with counts.
+    assert t.items() == [(lead, list(fols.items())) for lead, fols in model.items()]
+    # Every leader it holds is found by its key, every other one is not.
+    for lead in {op[0] for op in ops}:
+        leader = (lead,) * leader_len
+        assert t.followers(leader) == list(reversed(model.get(leader, {}).items()))
+
+
 @settings(max_examples=150, deadline=None)
 @given(
     max_leaders=st.integers(1, 4),
@@ -137,24 +164,32 @@ def test_candidates_miss_and_short_context():
 )
 def test_capacities_hold_under_many_operations(max_leaders, max_followers, ops):
     t = _table(leader_len=1, follower_len=1, max_leaders=max_leaders, max_followers=max_followers)
-    model: dict = {}  # leader -> {follower: count}, both in update order (dicts keep insertion order)
-    for lead, fol, is_read in ops:
-        if is_read:  # reads never reorder
-            t.followers((lead,))
-            continue
-        t.add((lead,), (fol,))
-        fols = model.pop((lead,), {})
-        fols[(fol,)] = fols.pop((fol,), 0) + 1
-        if len(fols) > max_followers:
-            fols.pop(next(iter(fols)))
-        model[(lead,)] = fols
-        if len(model) > max_leaders:
-            model.pop(next(iter(model)))
-        # Capacities are never exceeded.
-        assert len(t) <= max_leaders
-        assert all(len(f) <= max_followers for _, f in t.items())
-    # The table behaves exactly like a two-level least-recently-updated map with counts.
-    assert t.items() == [(lead, list(fols.items())) for lead, fols in model.items()]
+    _check_against_model(t, ops, 1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    max_leaders=st.integers(5, 70),
+    ops=st.lists(st.tuples(st.integers(0, 90), st.integers(0, 3), st.booleans()), min_size=50, max_size=400),
+)
+def test_a_table_that_grows_and_evicts_keeps_finding_its_leaders(max_leaders, ops):
+    # Room for the first few leaders, doubled as more come, then the oldest evicted: through
+    # all of it every key is found where it is (the hash index moves entries as keys leave).
+    t = _table(leader_len=2, follower_len=1, max_leaders=max_leaders, max_followers=2)
+    _check_against_model(t, ops, 2)
+
+
+def test_leaders_and_followers_of_the_wrong_shape_are_refused():
+    t = _table(leader_len=2, follower_len=3)
+    with pytest.raises(ValueError, match="leader has 2 tokens"):
+        t.add((1,), (2,))
+    with pytest.raises(ValueError, match="at least one token"):
+        t.add((1, 2), ())
+    with pytest.raises(ValueError, match="token ids"):
+        t.add((1, 2), (-1,))
+    t.add((1, 2), (3, 4, 5, 6, 7))  # a longer follower is cut, as recorded branches are
+    assert t.followers((1, 2)) == [((3, 4, 5), 1)]
+    assert len(t) == 1 and t.version == 1
 
 
 # -- RejectedCache ---------------------------------------------------------------------------
