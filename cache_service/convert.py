@@ -9,9 +9,8 @@ from draftcache.v1 import draftcache_pb2 as pb
 
 from cache_service import wire
 from cache_service.errors import InvalidArgument
-from cache_service.service import CloseItem, DraftColumns, DraftItem, FeedbackItem, NamespaceStats, OpenItem
+from cache_service.service import CloseItem, DraftColumns, Drafted, DraftItem, FeedbackItem, NamespaceStats, OpenItem
 from indexer.drafter import DraftParams
-from indexer.prespeculation import Prefetched
 from indexer.tree_builder import DraftTree
 
 _FEW = 32  # up to this many tokens, element by element beats a buffer copy
@@ -62,17 +61,17 @@ def draft_items(req: pb.DraftRequest) -> list[DraftItem] | DraftColumns:
     )
 
 
-def draft_response(results: list[tuple[DraftTree, Prefetched]]) -> wire.Encoded:
+def draft_response(results: Drafted) -> wire.Encoded:
     """Trees, and what was drafted ahead when any item asked for it, as an encoded
     ``DraftResponse``: the trees are written straight in wire format (see
     :mod:`cache_service.wire`), and sent as they are unless something was drafted ahead."""
-    trees = wire.encode_trees([t for t, _ in results])
-    if not any(ahead for _, ahead in results):
+    trees = wire.encode_trees(results.trees)
+    if results.ahead is None or not any(results.ahead):
         return wire.Encoded(trees)
     resp = pb.DraftResponse.FromString(trees)
     resp.prefetched.extend(
         pb.Prefetched(items=[pb.Prefetch(accepted=list(path), tree=tree(t)) for path, t in ahead.items()])
-        for _, ahead in results
+        for ahead in results.ahead
     )
     return wire.Encoded(resp.SerializeToString())
 

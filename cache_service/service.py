@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import NamedTuple, Protocol, TypeVar
+from typing import NamedTuple, Protocol, TypeVar, overload
 
 import numpy as np
 
@@ -137,6 +137,31 @@ class _DraftStep(NamedTuple):
     entry: SessionEntry
     lookahead: int
     tree: DraftTree | None
+
+
+class Drafted(Sequence[tuple[DraftTree, Prefetched]]):
+    """A draft call's answer, per item: its tree and the trees drafted ahead for it (``ahead``
+    ``None``: nothing was). The trees of a batch drafted together stay where the draft step
+    left them (:class:`~indexer.tree_builder.DraftedTrees`) until something asks for one."""
+
+    __slots__ = ("ahead", "trees")
+
+    def __init__(self, trees: Sequence[DraftTree], ahead: Sequence[Prefetched] | None = None) -> None:
+        self.trees, self.ahead = trees, ahead
+
+    def __len__(self) -> int:
+        return len(self.trees)
+
+    @overload
+    def __getitem__(self, j: int) -> tuple[DraftTree, Prefetched]: ...
+
+    @overload
+    def __getitem__(self, j: slice) -> list[tuple[DraftTree, Prefetched]]: ...
+
+    def __getitem__(self, j: int | slice) -> tuple[DraftTree, Prefetched] | list[tuple[DraftTree, Prefetched]]:
+        if isinstance(j, slice):
+            return [self[i] for i in range(*j.indices(len(self)))]
+        return self.trees[j], {} if self.ahead is None else self.ahead[j]
 
 
 class Persistence(Protocol):
@@ -385,7 +410,7 @@ class DraftService:
         *,
         principal: Principal | None = None,
         read_storage: bool = True,
-    ) -> list[tuple[DraftTree, Prefetched]]:
+    ) -> Drafted:
         """Like :meth:`draft`; each item's ``lookahead`` also drafts ahead for that many likely
         outcomes of verifying its tree. New tokens that match an outcome drafted ahead continue
         with the tree the decoder already holds (the subtree the outcome selects)."""
@@ -398,23 +423,35 @@ class DraftService:
                     raise InvalidArgument(f"lookahead must be in [0, {MAX_LOOKAHEAD}], got {item.lookahead}")
             resolved = [(self._entry(item.session_id, principal, read_storage), item) for item in items]
             checked = [(entry, self._new_tokens(entry, item.new_tokens), item.lookahead) for entry, item in resolved]
-        out: list[tuple[DraftTree, Prefetched]] = []
         # The sessions take their new tokens, then the trees still to draft are drafted
         # together, one compiled call per namespace for each. A session named twice sees its
         # first draft settled before its second item goes on, as if the items ran one by one.
-        for part in _rounds(checked):
-            self._accept([(entry, new, None) for entry, new, _ in part])
-            # A session with new tokens that holds a tree now had it drafted ahead for this outcome.
-            out.extend(
-                self._settle(
-                    [
-                        _DraftStep(entry, lookahead, entry.session.last_tree if new.size else None)
-                        for entry, new, lookahead in part
-                    ]
-                )
-            )
+        parts = [self._step(part) for part in _rounds(checked)]
+        out = (
+            parts[0]
+            if len(parts) == 1
+            else Drafted([t for p in parts for t in p.trees], [a for p in parts for _, a in p])
+        )
         self._drafts += len(out)
         return out
+
+    def _step(self, items: Sequence[tuple[SessionEntry, np.ndarray, int]]) -> Drafted:
+        """One round of a draft call (each session named once)."""
+        # Only a session holding trees drafted ahead can have its next tree once it took its
+        # tokens: the subtree its outcome selects.
+        ahead = any(entry.session.prefetched for entry, _, _ in items)
+        self._accept([(entry, new, None) for entry, new, _ in items])
+        drafter = items[0][0].drafter if items else None
+        if not ahead and all(k == 0 and e.drafter is drafter for e, _, k in items) and drafter is not None:
+            entries = [entry for entry, _, _ in items]  # the usual step: one namespace, nothing ahead
+            trees = drafter.draft_many([(entry.session, entry.params) for entry in entries])
+            self._touched(entries)
+            return Drafted(trees)
+        steps = [
+            _DraftStep(entry, k, entry.session.last_tree if new.size and entry.session.has_tree else None)
+            for entry, new, k in items
+        ]
+        return self._settle(steps)
 
     def _checked_columns(
         self, cols: DraftColumns, principal: Principal | None, read_storage: bool
@@ -468,7 +505,7 @@ class DraftService:
         for drafter, group in by_drafter.values():
             drafter.accept_many(group)
 
-    def _settle(self, steps: list[_DraftStep]) -> list[tuple[DraftTree, Prefetched]]:
+    def _settle(self, steps: list[_DraftStep]) -> Drafted:
         """Draft the trees of ``steps`` still to draft, one compiled call per namespace, then
         draft ahead where asked."""
         by_drafter: dict[int, list[_DraftStep]] = {}
@@ -479,15 +516,18 @@ class DraftService:
         for group in by_drafter.values():
             trees = group[0].entry.drafter.draft_many([(s.entry.session, s.entry.params) for s in group])
             drafted.update((s.entry.sid, tree) for s, tree in zip(group, trees, strict=True))
-        out = []
+        out, ahead = [], []
         for step in steps:
             entry, session = step.entry, step.entry.session
-            tree = step.tree if step.tree is not None else drafted[entry.sid]
-            ahead = entry.drafter.prespeculate(session, step.lookahead, entry.params) if step.lookahead else {}
-            out.append((tree, ahead))
-            self.sessions.touch(entry)
-            self._dirty.add(entry.sid)
-        return out
+            out.append(step.tree if step.tree is not None else drafted[entry.sid])
+            ahead.append(entry.drafter.prespeculate(session, step.lookahead, entry.params) if step.lookahead else {})
+        self._touched([step.entry for step in steps])
+        return Drafted(out, ahead)
+
+    def _touched(self, entries: Sequence[SessionEntry]) -> None:
+        """Sessions used now: most recently used, and changed since storage last took them."""
+        self.sessions.touch_many(entries)
+        self._dirty.update(entry.sid for entry in entries)
 
     def feedback(
         self, items: list[FeedbackItem], *, principal: Principal | None = None, read_storage: bool = True
@@ -505,9 +545,7 @@ class DraftService:
             checked.append((entry, new, rejected))
         for part in _rounds(checked):
             self._accept(part)
-        for entry, _, _ in checked:
-            self.sessions.touch(entry)
-            self._dirty.add(entry.sid)
+        self._touched([entry for entry, _, _ in checked])
 
     def close(
         self, items: list[CloseItem], *, principal: Principal | None = None, read_storage: bool = True

@@ -5,7 +5,7 @@ from __future__ import annotations
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from cache_service.errors import NotFound, ResourceExhausted
@@ -99,8 +99,15 @@ class SessionTable:
         return entry if entry is not None and time.monotonic() - entry.last_used <= self._ttl else None
 
     def touch(self, entry: SessionEntry) -> None:
-        entry.last_used = time.monotonic()
-        self._entries.move_to_end(entry.sid)
+        self.touch_many([entry])
+
+    def touch_many(self, entries: Sequence[SessionEntry]) -> None:
+        """The sessions used now, in order (the last one is the most recently used)."""
+        now = time.monotonic()
+        move = self._entries.move_to_end
+        for entry in entries:
+            entry.last_used = now
+            move(entry.sid)
 
     def pop(self, sid: str) -> SessionEntry:
         self.get(sid)

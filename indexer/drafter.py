@@ -9,7 +9,6 @@ tree by its track record on this namespace, not by a hand-set weight.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 from collections.abc import Sequence
@@ -21,16 +20,17 @@ import numpy as np
 from indexer import kernels
 from indexer.calibration import Calibrator
 from indexer.kernels import accept as accept_kernel
+from indexer.kernels import draft as draft_kernel
 from indexer.kernels.draft import JOB_COLUMNS
 from indexer.kernels.draft import SETTINGS as _SETTINGS
 from indexer.lifetime_index import LifetimeConfig, LifetimeMemory, SearchArrays, prompt_key
 from indexer.prespeculation import Prefetched, select, stopping_points
 from indexer.prior import StaticPrior
-from indexer.session import Guesses, Session, SessionSnapshot
+from indexer.session import Session, SessionSnapshot
 from indexer.session_cache import LruTableConfig
 from indexer.session_store import SessionStore
 from indexer.tokens import SEPARATOR, Namespace, as_tokens
-from indexer.tree_builder import DraftTree, Tier, TreeBatch
+from indexer.tree_builder import DraftedTrees, DraftTree, Tier, TreeBatch
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ MAX_BUDGET = 1024
 MAX_DEPTH = 128
 MAX_LOOKAHEAD = 16  # outcomes drafted ahead per step
 MIN_SKIP = 256  # a known leading part shorter than this is committed again (not worth a cut)
-_REJECTED_BRANCHES = 4  # branches remembered where verification left a tree
+_BRANCHES = 4  # rejected branches remembered where verification left a tree
 
 Branches = Sequence[tuple[int, np.ndarray]]  # rejected branches: (accepted tokens before it, its tokens)
 
@@ -100,47 +100,6 @@ class _Job(NamedTuple):
 
 def _joined(parts: list[np.ndarray], dtype: type) -> np.ndarray:
     return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype=dtype)
-
-
-def _stored(trees: list[DraftTree]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Trees as :func:`~indexer.kernels.tree.verification_outcomes` reads them: ``(tokens,
-    parents, scores, sources, starts, ends)``. Trees of one draft batch (a decoder's usual
-    step) are read where the batch holds them; others are joined."""
-    batch = trees[0].batch if trees else None
-    if batch is not None and all(t.batch is batch for t in trees):
-        rows = np.array([t.row for t in trees], dtype=np.int64)
-        return batch.tokens, batch.parents, batch.scores, batch.sources, batch.offsets[rows], batch.offsets[rows + 1]
-    sizes = np.array([len(t) for t in trees], dtype=np.int64)
-    ends = np.cumsum(sizes)
-    return (
-        _joined([t.tokens for t in trees], np.int32),
-        _joined([t.parents for t in trees], np.int32),
-        _joined([t.scores for t in trees], np.float32),
-        _joined([t.sources for t in trees], np.uint8),
-        ends - sizes,
-        ends,
-    )
-
-
-def _guess_rows(guesses: list[tuple[Guesses, int] | None]) -> tuple[Guesses, list[int]]:
-    """Each session's first guesses as a row of one block (-1: none): the block the batch's
-    sessions were drafted in, or the blocks involved joined."""
-    blocks: dict[int, tuple[Guesses, int]] = {}  # by identity: the block and where it starts
-    for g in guesses:
-        if g is not None and id(g[0]) not in blocks:
-            blocks[id(g[0])] = (g[0], sum(b.tokens.shape[0] for b, _ in blocks.values()))
-    if len(blocks) == 1:
-        ((block, _),) = blocks.values()
-        return block, [-1 if g is None else g[1] for g in guesses]
-    if not blocks:
-        return _NO_GUESSES, [-1] * len(guesses)
-    joined = Guesses(*(np.concatenate([getattr(b, f) for b, _ in blocks.values()]) for f in Guesses._fields))
-    return joined, [-1 if g is None else blocks[id(g[0])][1] + g[1] for g in guesses]
-
-
-_NO_GUESSES = Guesses(
-    np.full((0, len(Tier)), -1, dtype=np.int64), np.zeros((0, len(Tier))), np.zeros((0, len(Tier)), dtype=np.int64)
-)
 
 
 def warm_draft_step(lifetime: SearchArrays, threads: int = 1) -> None:
@@ -261,18 +220,17 @@ class NamespaceDrafter:
         """The draft tree for the session's current context."""
         return self.draft_many([(session, params)])[0]
 
-    def draft_many(self, items: Sequence[tuple[Session, DraftParams]]) -> list[DraftTree]:
+    def draft_many(self, items: Sequence[tuple[Session, DraftParams]]) -> DraftedTrees:
         """:meth:`draft` for several sessions (each named once) in one compiled call; each
-        session remembers its tree, and each tier's first guess for calibration once the
-        outcome is known."""
+        session keeps its tree, and each tier's first guess for calibration, until the outcome
+        is known."""
         jobs = []
         for session, params in items:
             depth = min(params.max_depth, max(params.budget, 1))  # a path never holds more nodes than the tree
             jobs.append(_Job(session, (), (), params, depth))
-        trees = self._run(jobs, remember=True)
-        for (session, _), (tree, guesses) in zip(items, trees, strict=True):
-            session.last_tree, session.prefetched, session.guesses = tree, {}, guesses
-        return [tree for tree, _ in trees]
+            if session.prefetched:
+                session.prefetched = {}
+        return self._run(jobs, remember=True)
 
     def release(self, session: Session) -> None:
         """The session is done with here (closed, or leaving memory): its row in the store goes."""
@@ -311,47 +269,42 @@ class NamespaceDrafter:
         items = [item for item in items if item[1].size]
         if not items:
             return
-        sessions = [s for s, _, _ in items]
-        rows = [self.store.hold(s) for s in sessions]
-        trees = [s.last_tree for s in sessions if s.last_tree is not None]
-        tok, par, sc, src, starts, ends = _stored(trees)
-        block, guess_rows = _guess_rows([s.guesses for s in sessions])
-        sizes = [new.size for _, new, _ in items]
-        new_ends = np.cumsum(sizes).tolist()
-        table, t = [], 0
-        for j, (session, _, rejected) in enumerate(items):
-            tree_at = (-1, -1)
-            if session.last_tree is not None:
-                tree_at, t = (int(starts[t]), int(ends[t])), t + 1
-            branches = _REJECTED_BRANCHES if rejected is None else 0
-            table.append((rows[j], new_ends[j] - sizes[j], new_ends[j], *tree_at, guess_rows[j], branches))
+        table, new_at = [], 0
+        for session, new, rejected in items:
+            branches = _BRANCHES if rejected is None else 0  # branches the item names are recorded here
+            table.append((self.store.hold(session), new_at, new_at + new.size, branches))
+            new_at += new.size
+        # A tree drafted ahead for this outcome is what the decoder verifies next.
+        ahead = [(s, select(s.prefetched, new)) for s, new, _ in items if s.prefetched]
+        c = self.counters
+        for s, tree in ahead:
+            if s.has_tree:
+                c.ahead_hits += tree is not None
+                c.ahead_misses += tree is None
         by_tier = np.zeros(len(_TIERS), dtype=np.int64)
         with self._lock:
             steps, drafted, grown = accept_kernel.accept_batch(
                 np.array(table, dtype=np.int64).reshape(-1, len(accept_kernel.ITEM_COLUMNS)),
-                _joined([new for _, new, _ in items], np.int32), tok, par, sc, src, *block,
-                self.store.i32, self.store.i64, *self.calibrator.arrays(), self.config.calibration_buckets, by_tier,
-            )  # fmt: skip
-        c = self.counters
+                _joined([new for _, new, _ in items], np.int32),
+                self.store.i32,
+                self.store.i64,
+                *self.calibrator.arrays(),
+                self.config.calibration_buckets,
+                by_tier,
+            )
         c.steps += steps
         c.drafted += drafted
         for tier, n in enumerate(by_tier.tolist()):
             if n:
                 c.accepted[_TIER_NAMES[tier]] += n
         for j in np.flatnonzero(grown).tolist():
-            self.store.follow(sessions[j], int(grown[j]))
+            self.store.follow(items[j][0], int(grown[j]))
         for session, new, rejected in items:
-            ahead = None
-            if session.prefetched:
-                ahead = select(session.prefetched, new)
-                if session.last_tree is not None:
-                    c.ahead_hits += ahead is not None
-                    c.ahead_misses += ahead is None
             if rejected:  # each branch is keyed by the context tail where it branched off
                 before = len(session.context) - new.size
                 session.rejected.record_at(session.context.tokens, [(before + at, b) for at, b in rejected])
-            # A tree drafted ahead for this outcome is what the decoder verifies next.
-            session.last_tree, session.guesses, session.prefetched = ahead, None, {}
+        for session, tree in ahead:
+            session.last_tree, session.prefetched = tree, {}
 
     def prespeculate(self, session: Session, k: int, params: DraftParams) -> Prefetched:
         """Trees drafted ahead for the ``k`` likeliest outcomes of verifying the session's last
@@ -367,7 +320,7 @@ class NamespaceDrafter:
             points = stopping_points(tree, k)
             jobs = [_Job(session, path, tuple(kids), params, depth) for path, kids in points]
             # The outcomes are only supposed: nothing learnt about them stays.
-            for (path, _), (drafted, _) in zip(points, self._run(jobs, remember=False), strict=True):
+            for (path, _), drafted in zip(points, self._run(jobs, remember=False), strict=True):
                 ahead[path] = drafted
         session.prefetched = ahead
         return ahead
@@ -398,63 +351,85 @@ class NamespaceDrafter:
 
     # -- tiers -------------------------------------------------------------------------------
 
-    def _run(self, jobs: Sequence[_Job], *, remember: bool) -> list[tuple[DraftTree, tuple[Guesses, int]]]:
-        """Each job's tree and first guesses, all drafted in one compiled call (see
+    def _run(self, jobs: Sequence[_Job], *, remember: bool) -> DraftedTrees:
+        """Each job's tree, all drafted in one compiled call (see
         :func:`~indexer.kernels.draft.draft_batch`) over the sessions' arrays in the store;
-        only the static prior is looked up here first. With ``remember`` each session keeps
-        its match-length hints and how far its output agrees with an exact-prompt response."""
-        table: list[tuple[int, ...]] = []
-        suffix: list[int] = []
-        exclude: list[int] = []
+        only the static prior is looked up here first. With ``remember`` each session keeps its
+        tree and first guesses, its match-length hints and how far its output agrees with an
+        exact-prompt response."""
+        sessions = [job.session for job in jobs]
+        rows = [self.store.hold(s) for s in sessions]
+        table = np.zeros((len(jobs), len(JOB_COLUMNS)), dtype=np.int64)
+        table[:, draft_kernel.ROW] = rows
+        table[:, draft_kernel.REMEMBER] = int(remember)
+        params = jobs[0].params if jobs else None
+        if all(job.params is params and job.depth == jobs[0].depth for job in jobs):
+            table[:, draft_kernel.DEPTH] = jobs[0].depth  # the usual batch: one request's settings
+            table[:, draft_kernel.BUDGET] = params.budget if params else 0
+            table[:, draft_kernel.DEPTH_RESERVE] = params.depth_reserve if params else 0
+            min_score = np.full(len(jobs), params.min_score if params else 0.0)
+        else:
+            table[:, draft_kernel.DEPTH] = [job.depth for job in jobs]
+            table[:, draft_kernel.BUDGET] = [job.params.budget for job in jobs]
+            table[:, draft_kernel.DEPTH_RESERVE] = [job.params.depth_reserve for job in jobs]
+            min_score = np.array([job.params.min_score for job in jobs], dtype=np.float64)
+        suffix, exclude = _columns(table, jobs)
+        parts = self._prior_parts(jobs)
+        step = kernels.draft_step(1 if len(jobs) == 1 else self.threads)
+        tokens, parents, sources, scores, ends, _, _, _, grown = step(
+            table, min_score, suffix, exclude, *parts, self.store.i32, self.store.i64,
+            *_lifetime_args(self.memory.search_arrays()), self._settings, _HALF_ARRAY, *self.calibrator.arrays(),
+        )  # fmt: skip
+        for j in np.flatnonzero(grown).tolist():
+            self.store.follow(sessions[j], int(grown[j]))
+        return DraftedTrees(TreeBatch(tokens, parents, sources, scores, ends))
+
+    def _prior_parts(self, jobs: Sequence[_Job]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The static prior's parts for the draft step: ``(rows, values, meta, first part per
+        job)`` (see :func:`~indexer.kernels.draft.draft_batch`)."""
         prior = self.prior
+        if prior is None:
+            return *_NO_PARTS, np.zeros(len(jobs) + 1, dtype=np.int64)
         rows: list[np.ndarray] = []
         vals: list[np.ndarray] = []
         meta: list[tuple[int, ...]] = []
         first_part: list[int] = []
-        s_at = x_at = 0
         for job in jobs:
-            p = job.params
-            table.append(
-                (self.store.hold(job.session), s_at, s_at + len(job.suffix), x_at, x_at + len(job.exclude), job.depth,
-                 p.budget, p.depth_reserve, int(remember))
-            )  # fmt: skip
-            s_at += len(job.suffix)
-            x_at += len(job.exclude)
-            suffix.extend(job.suffix)
-            exclude.extend(job.exclude)
             first_part.append(len(meta))
-            if prior is not None:
-                ctx = job.session.context.tokens
-                hit = prior.lookup(np.concatenate((ctx, np.array(job.suffix, dtype=np.int32))) if job.suffix else ctx)
-                if hit is not None:
-                    k, width = hit.rows.shape
-                    rows.append(hit.rows.ravel())
-                    vals.append(hit.probs.ravel())
-                    meta.append((k, width, 1, int(Tier.PRIOR), hit.order))
+            ctx = job.session.context.tokens
+            hit = prior.lookup(np.concatenate((ctx, np.array(job.suffix, dtype=np.int32))) if job.suffix else ctx)
+            if hit is not None:
+                k, width = hit.rows.shape
+                rows.append(hit.rows.ravel())
+                vals.append(hit.probs.ravel())
+                meta.append((k, width, 1, int(Tier.PRIOR), hit.order))
         first_part.append(len(meta))
-        step = kernels.draft_step(1 if len(jobs) == 1 else self.threads)
-        hits, predicted = self.calibrator.arrays()
-        tokens, parents, sources, scores, ends, first_tok, guess, lengths = step(
-            np.array(table, dtype=np.int64).reshape(-1, len(JOB_COLUMNS)),
-            np.array([job.params.min_score for job in jobs], dtype=np.float64),
-            np.array(suffix, dtype=np.int32),
-            np.array(exclude, dtype=np.int32),
+        return (
             _joined(rows, np.int32),
             _joined(vals, np.float64),
             np.array(meta, dtype=np.int64).reshape(-1, 5),
             np.array(first_part, dtype=np.int64),
-            self.store.i32,
-            self.store.i64,
-            *_lifetime_args(self.memory.search_arrays()),
-            self._settings,
-            _HALF_ARRAY,
-            hits,
-            predicted,
         )
-        bounds = ends.tolist()
-        guesses = Guesses(first_tok, guess, lengths)
-        drafted = TreeBatch(tokens, parents, sources, scores, ends)
-        return [
-            (DraftTree(tokens[a:b], parents[a:b], sources[a:b], scores[a:b], drafted, j), (guesses, j))
-            for j, (a, b) in enumerate(itertools.pairwise(bounds))
-        ]
+
+
+_NO_PARTS = (np.zeros(0, dtype=np.int32), np.zeros(0), np.zeros((0, 5), dtype=np.int64))
+
+
+def _columns(table: np.ndarray, jobs: Sequence[_Job]) -> tuple[np.ndarray, np.ndarray]:
+    """The jobs' suffixes and left-out root tokens end to end, their bounds written into
+    ``table`` (none for a session's own next tree)."""
+    if not any(job.suffix or job.exclude for job in jobs):
+        return _NO_TOKENS, _NO_TOKENS
+    suffix: list[int] = []
+    exclude: list[int] = []
+    for j, job in enumerate(jobs):
+        table[j, draft_kernel.SUFFIX_START] = len(suffix)
+        suffix.extend(job.suffix)
+        table[j, draft_kernel.SUFFIX_END] = len(suffix)
+        table[j, draft_kernel.EXCLUDE_START] = len(exclude)
+        exclude.extend(job.exclude)
+        table[j, draft_kernel.EXCLUDE_END] = len(exclude)
+    return np.array(suffix, dtype=np.int32), np.array(exclude, dtype=np.int32)
+
+
+_NO_TOKENS = np.zeros(0, dtype=np.int32)

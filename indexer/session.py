@@ -2,13 +2,27 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
 from indexer.context_index import ContextIndex
-from indexer.kernels.store import EXACT_AGREES, HINT_CTX, HINT_LIFE, PROMPT_LEN, STATE_SIZE
+from indexer.kernels import store as kstore
+from indexer.kernels.store import (
+    EXACT_AGREES,
+    FIRST_TOKEN,
+    GUESS,
+    GUESS_LENGTH,
+    GUESSED,
+    HINT_CTX,
+    HINT_LIFE,
+    N_TIERS,
+    PROMPT_LEN,
+    STATE_SIZE,
+    TREE_SIZE,
+)
 from indexer.prespeculation import Prefetched
 from indexer.session_cache import RejectedCache
 from indexer.tree_builder import DraftTree, Tier
@@ -18,6 +32,7 @@ if TYPE_CHECKING:
     from indexer.session_store import SessionStore
 
 TableItems = list[tuple[tuple[int, ...], list[tuple[tuple[int, ...], int]]]]
+_FIRST_TREE = 64  # nodes the last tree's buffer holds at first (it grows with larger trees)
 
 
 class Guess(NamedTuple):
@@ -78,11 +93,58 @@ class Session:
         self.state[PROMPT_LEN] = prompt.size
         self.rejected = RejectedCache(config.rejected)
         self.exact = exact
-        self.last_tree: DraftTree | None = None
+        self.state[TREE_SIZE] = -1
+        self.tree_buffer = np.zeros(4 * _FIRST_TREE, dtype=np.int32)  # the last tree (see kernels.store)
+        # Called with the new buffer when a tree set here outgrows the old one.
+        self.tree_moved: Callable[[np.ndarray], None] | None = None
         self.prefetched: Prefetched = {}  # trees drafted ahead for outcomes of last_tree
-        self.guesses: tuple[Guesses, int] | None = None  # the last draft's batch and row in it
         self.row = -1  # in the store of the drafter holding its arrays (-1: none holds them)
         self.store: SessionStore | None = None
+
+    @property
+    def has_tree(self) -> bool:
+        """Whether a tree waits for its verification outcome (see :attr:`last_tree`)."""
+        return bool(self.state[TREE_SIZE] >= 0)
+
+    @property
+    def last_tree(self) -> DraftTree | None:
+        """The tree drafted last, until the tokens verifying it come (a copy)."""
+        n = int(self.state[TREE_SIZE])
+        return None if n < 0 else DraftTree(*kstore.read_tree(self.tree_buffer, n))
+
+    @last_tree.setter
+    def last_tree(self, tree: DraftTree | None) -> None:
+        if tree is None:
+            self.state[TREE_SIZE] = -1
+            return
+        scores = np.ascontiguousarray(tree.scores, dtype=np.float32)
+        before = self.tree_buffer
+        self.tree_buffer = kstore.write_tree(
+            before, self.state, np.ascontiguousarray(tree.tokens, dtype=np.int32),
+            np.ascontiguousarray(tree.parents, dtype=np.int32), np.ascontiguousarray(tree.sources, dtype=np.int32),
+            scores,
+        )  # fmt: skip
+        if self.tree_buffer.size != before.size and self.tree_moved is not None:
+            self.tree_moved(self.tree_buffer)
+
+    @property
+    def guesses(self) -> tuple[Guesses, int] | None:
+        """Each tier's first guess at the last draft, kept for calibration, as row 0 of a
+        :class:`Guesses` (``None`` once the outcome came)."""
+        if not self.state[GUESSED]:
+            return None
+        s = self.state
+        return Guesses(
+            s[FIRST_TOKEN:GUESS][None, :].copy(),
+            s[GUESS:GUESS_LENGTH].view(np.float64)[None, :].copy(),
+            s[GUESS_LENGTH : GUESS_LENGTH + N_TIERS][None, :].copy(),
+        ), 0
+
+    @guesses.setter
+    def guesses(self, value: None) -> None:
+        if value is not None:
+            raise ValueError("guesses are kept by drafting; only forgetting them is allowed")
+        self.state[GUESSED] = 0
 
     @property
     def prompt_len(self) -> int:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from indexer.kernels import store as kstore
+from indexer.kernels.store import GREW_CONTEXT, GREW_TABLE, GREW_TREE
 from indexer.session import Session
 
 _EMPTY = np.zeros(0, dtype=np.int32)
@@ -55,11 +56,14 @@ class SessionStore:
         ctx, table = session.context, session.rejected.table
         sa_tokens, sa = ctx.prompt_index
         exact = _EMPTY if session.exact is None else session.exact
-        kstore.put_row(self.i32, self.i64, row, ctx.buffer, sa_tokens, sa, exact, session.state, table.array)
+        kstore.put_row(
+            self.i32, self.i64, row, ctx.buffer, sa_tokens, sa, exact, session.tree_buffer, session.state, table.array
+        )
         session.row, session.store = row, self
         at32, at64 = row * kstore.I32_PER_ROW, row * kstore.I64_PER_ROW
         ctx.moved = lambda buffer: kstore.put_i32(self.i32, at32 + kstore.CTX, buffer)
         table.moved = lambda array: kstore.put_i64(self.i64, at64 + kstore.REJECTED_TABLE, array)
+        session.tree_moved = lambda buffer: kstore.put_i32(self.i32, at32 + kstore.TREE, buffer)
         return row
 
     def release(self, session: Session) -> None:
@@ -67,19 +71,22 @@ class SessionStore:
         if session.store is not self:
             return
         row = session.row
-        kstore.put_row(self.i32, self.i64, row, _EMPTY, _EMPTY, _EMPTY, _EMPTY, _STATE, _STATE)
+        kstore.put_row(self.i32, self.i64, row, _EMPTY, _EMPTY, _EMPTY, _EMPTY, _EMPTY, _STATE, _STATE)
         session.row, session.store = -1, None
-        session.context.moved = session.rejected.table.moved = None
+        session.context.moved = session.rejected.table.moved = session.tree_moved = None
         self._free.append(row)
 
     def follow(self, session: Session, grown: int) -> None:
-        """Take up the arrays a compiled step replaced for a held session: ``grown`` has bit 1
-        for its context buffer, bit 2 for its rejected table."""
-        if grown & 1:
-            session.context.buffer = kstore.get_i32(self.i32, session.row * kstore.I32_PER_ROW + kstore.CTX)
-        if grown & 2:
-            at = session.row * kstore.I64_PER_ROW + kstore.REJECTED_TABLE
-            session.rejected.table.array = kstore.get_i64(self.i64, at)
+        """Take up the arrays a compiled step replaced for a held session: ``grown`` has bit
+        :data:`GREW_CONTEXT` for its context buffer, :data:`GREW_TABLE` for its rejected table,
+        :data:`GREW_TREE` for its last tree's buffer."""
+        at32, at64 = session.row * kstore.I32_PER_ROW, session.row * kstore.I64_PER_ROW
+        if grown & GREW_CONTEXT:
+            session.context.buffer = kstore.get_i32(self.i32, at32 + kstore.CTX)
+        if grown & GREW_TABLE:
+            session.rejected.table.array = kstore.get_i64(self.i64, at64 + kstore.REJECTED_TABLE)
+        if grown & GREW_TREE:
+            session.tree_buffer = kstore.get_i32(self.i32, at32 + kstore.TREE)
 
 
 _STATE = np.zeros(kstore.STATE_SIZE, dtype=np.int64)

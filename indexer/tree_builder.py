@@ -15,7 +15,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, overload
 
 import numpy as np
 
@@ -119,8 +119,40 @@ class DraftTree:
         return list(path.tolist())
 
 
+class DraftedTrees(Sequence[DraftTree]):
+    """The trees of one draft call, read where the call left them: each is made a
+    :class:`DraftTree` (views of the batch's arrays) only when asked for, so a batch sent as it
+    is never makes one."""
+
+    __slots__ = ("batch",)
+
+    def __init__(self, batch: TreeBatch) -> None:
+        self.batch = batch
+
+    def __len__(self) -> int:
+        return int(self.batch.offsets.size) - 1
+
+    @overload
+    def __getitem__(self, j: int) -> DraftTree: ...
+
+    @overload
+    def __getitem__(self, j: slice) -> list[DraftTree]: ...
+
+    def __getitem__(self, j: int | slice) -> DraftTree | list[DraftTree]:
+        if isinstance(j, slice):
+            return [self[i] for i in range(*j.indices(len(self)))]
+        if not -len(self) <= j < len(self):
+            raise IndexError(j)
+        j %= len(self)
+        b = self.batch
+        lo, hi = int(b.offsets[j]), int(b.offsets[j + 1])
+        return DraftTree(b.tokens[lo:hi], b.parents[lo:hi], b.sources[lo:hi], b.scores[lo:hi], b, j)
+
+
 def whole_batch(trees: Sequence[DraftTree]) -> TreeBatch | None:
     """The batch ``trees`` are, when they are every tree of one batch in its order."""
+    if isinstance(trees, DraftedTrees):
+        return trees.batch
     batch = trees[0].batch if trees else None
     if batch is None or len(trees) != batch.offsets.size - 1:
         return None

@@ -136,11 +136,13 @@ def warm_up() -> None:
     i32, i64 = args[8], args[9]
     kstore.put_i32(i32, 0, kstore.get_i32(i32, 0))
     kstore.put_i64(i64, 1, kstore.get_i64(i64, 1))
-    items = np.array([[0, 0, 1, 0, 1, 0, 4], [1, 1, 2, -1, -1, -1, 0]], dtype=np.int64)
-    accept_batch(
-        items, np.array([1, 9], np.int32), one, root, np.ones(1, np.float32), np.zeros(1, np.uint8), guesses,
-        np.zeros((1, 7)), guesses, i32, i64, np.zeros((7, 5)), np.zeros((7, 5)), 4, np.zeros(7, dtype=np.int64),
-    )  # fmt: skip
+    items = np.array([[0, 0, 1, 4], [1, 1, 2, 0]], dtype=np.int64)
+    counts = np.zeros((7, 5))
+    accept_batch(items, np.array([1, 9], np.int32), i32, i64, counts, counts.copy(), 4, np.zeros(7, np.int64))
+    tree = np.zeros(8, dtype=np.int32)
+    state = np.zeros(kstore.STATE_SIZE, dtype=np.int64)
+    kept = kstore.write_tree(tree, state, one, root, one, np.ones(1, dtype=np.float32))
+    kstore.read_tree(kept, 1)
     table = lru.new_table(2, 2, 2, 4)
     for key in (toks, toks.astype(np.int64)):  # the accept step's and the table's own callers'
         table = lru.add(table, key, 0, key, 1, 2, 1)
@@ -155,9 +157,11 @@ def _tiny_store() -> tuple:
     toks = np.array([1, 2, 1, 2, 2147483647], dtype=np.int32)
     sa = np.array([0, 2, 1, 3, 4], dtype=np.int32)
     for row in range(2):
-        state = np.array([5, 5, 4, 0, 0, 0], dtype=np.int64)
+        state = np.zeros(kstore.STATE_SIZE, dtype=np.int64)
+        state[: kstore.TREE_SIZE + 1] = [5, 5, 4, 0, 0, 0, -1]
         table = lru.new_table(2, 2, 2, 4)
-        kstore.put_row(i32, i64, row, np.concatenate((toks, toks)), toks, sa, toks[:2].copy(), state, table)
+        tree = np.zeros(8, dtype=np.int32)
+        kstore.put_row(i32, i64, row, np.concatenate((toks, toks)), toks, sa, toks[:2].copy(), tree, state, table)
     return i32, i64
 
 

@@ -10,13 +10,30 @@ import numpy as np
 from numba import njit
 
 from indexer.kernels import lru
-from indexer.kernels.store import CTX, HINT_CTX, HINT_LIFE, I32_PER_ROW, I64_PER_ROW, LEN, REJECTED_TABLE, STATE
+from indexer.kernels.store import (
+    CTX,
+    FIRST_TOKEN,
+    GREW_CONTEXT,
+    GREW_TABLE,
+    GUESS,
+    GUESS_LENGTH,
+    GUESSED,
+    HINT_CTX,
+    HINT_LIFE,
+    I32_PER_ROW,
+    I64_PER_ROW,
+    LEN,
+    N_TIERS,
+    REJECTED_TABLE,
+    STATE,
+    TREE,
+    TREE_SIZE,
+)
 from indexer.kernels.tree import verification_outcome
 
 # Columns of the per-session ``items`` table.
-ITEM_COLUMNS = ("row", "new_start", "new_end", "tree_start", "tree_end", "guess_row", "branches")
-ROW, NEW_START, NEW_END, TREE_START, TREE_END, GUESS_ROW, BRANCHES = range(7)
-GREW_CONTEXT, GREW_TABLE = 1, 2
+ITEM_COLUMNS = ("row", "new_start", "new_end", "branches")
+ROW, NEW_START, NEW_END, BRANCHES = range(4)
 
 
 @njit(cache=True, nogil=True)
@@ -39,16 +56,21 @@ def _extend(i32: Any, state: np.ndarray, row: int, new: np.ndarray) -> tuple[np.
 
 
 @njit(cache=True, nogil=True)
+def _calibrate(state: np.ndarray, actual: int, hits: np.ndarray, pred: np.ndarray, buckets: int) -> None:
+    """The session's kept first guesses counted against the token the target produced."""
+    guess = state[GUESS:GUESS_LENGTH].view(np.float64)
+    for t in range(N_TIERS):
+        token = state[FIRST_TOKEN + t]
+        if token >= 0:
+            b = min(state[GUESS_LENGTH + t], buckets)
+            pred[t, b] += guess[t]
+            hits[t, b] += token == actual
+
+
+@njit(cache=True, nogil=True)
 def accept_batch(
     items: np.ndarray,
     new: np.ndarray,
-    tree_tokens: np.ndarray,
-    tree_parents: np.ndarray,
-    tree_scores: np.ndarray,
-    tree_sources: np.ndarray,
-    first_tok: np.ndarray,
-    guess: np.ndarray,
-    lengths: np.ndarray,
     i32: Any,
     i64: Any,
     hits: np.ndarray,
@@ -59,15 +81,14 @@ def accept_batch(
     """Sessions take the tokens the target produced since their last draft, in order.
 
     Item ``j`` is row ``j`` of ``items`` (columns :data:`ITEM_COLUMNS`): the session at store
-    row ``row`` produced ``new[new_start:new_end]`` (at least one token). Its last tree is
-    ``[tree_start, tree_end)`` of the tree arrays (``tree_start`` -1: none): the accepted path
-    is found (its nodes counted per source tier into ``by_tier``) and, where verification left
-    the tree, its ``branches`` best rejected branches (see
-    :func:`~indexer.kernels.tree.verification_outcome`) are recorded in the rejected table under
-    the context's tail where they left. Its first guesses are row ``guess_row`` of
-    ``first_tok``, ``guess`` and ``lengths`` (-1: none), counted against the first token
-    produced into ``hits`` and ``pred`` per tier and match-length bucket. The context grows by
-    the tokens, and the match-length hints with it (a hint of 0 stays 0).
+    row ``row`` produced ``new[new_start:new_end]`` (at least one token). Its last tree, when it
+    has one, is verified: the accepted path is found (its nodes counted per source tier into
+    ``by_tier``) and, where verification left the tree, its ``branches`` best rejected branches
+    (see :func:`~indexer.kernels.tree.verification_outcome`) are recorded in the rejected table
+    under the context's tail where they left. Its kept first guesses are counted against the
+    first token produced into ``hits`` and ``pred`` per tier and match-length bucket. The
+    context grows by the tokens, the match-length hints with it (a hint of 0 stays 0), and the
+    tree and guesses are let go.
 
     Returns the trees verified, their nodes, and per item what had to grow (bits
     :data:`GREW_CONTEXT`, :data:`GREW_TABLE`): the store holds the new arrays.
@@ -78,26 +99,25 @@ def accept_batch(
     for j in range(n):
         row = items[j, ROW]
         produced = new[items[j, NEW_START] : items[j, NEW_END]]
-        t0, t1, g = items[j, TREE_START], items[j, TREE_END], items[j, GUESS_ROW]
+        state = i64[row * I64_PER_ROW + STATE]
+        size = state[TREE_SIZE]
         depth = 0
         branch = np.zeros((0, 0), dtype=np.int32)
         kept = np.zeros(0, dtype=np.int64)
-        if t0 >= 0:
+        if size >= 0:
+            tree = i32[row * I32_PER_ROW + TREE]
+            c = tree.size // 4
             path, branch, kept = verification_outcome(
-                tree_tokens[t0:t1], tree_parents[t0:t1], tree_scores[t0:t1], produced, items[j, BRANCHES]
-            )
+                tree[:size], tree[c : c + size], tree[3 * c : 3 * c + size].view(np.float32), produced,
+                items[j, BRANCHES],
+            )  # fmt: skip
             steps += 1
-            drafted += t1 - t0
+            drafted += size
             for i in range(path.size):
-                by_tier[tree_sources[t0 + path[i]]] += 1
+                by_tier[tree[2 * c + path[i]]] += 1
             depth = path.size
-        if g >= 0:
-            for t in range(first_tok.shape[1]):
-                if first_tok[g, t] >= 0:
-                    b = min(lengths[g, t], buckets)
-                    pred[t, b] += guess[g, t]
-                    hits[t, b] += first_tok[g, t] == produced[0]
-        state = i64[row * I64_PER_ROW + STATE]
+        if state[GUESSED]:
+            _calibrate(state, produced[0], hits, pred, buckets)
         before = state[LEN]
         buf, grew = _extend(i32, state, row, produced)
         if grew:
@@ -117,4 +137,6 @@ def accept_batch(
         hint_ctx, hint_life = state[HINT_CTX], state[HINT_LIFE]
         state[HINT_CTX] = hint_ctx + produced.size if hint_ctx else 0
         state[HINT_LIFE] = hint_life + produced.size if hint_life else 0
+        state[TREE_SIZE] = -1
+        state[GUESSED] = 0
     return steps, drafted, grown

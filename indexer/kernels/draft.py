@@ -19,6 +19,11 @@ from indexer.kernels.store import (
     CTX,
     EXACT,
     EXACT_AGREES,
+    FIRST_TOKEN,
+    GREW_TREE,
+    GUESS,
+    GUESS_LENGTH,
+    GUESSED,
     HINT_CTX,
     HINT_LIFE,
     I32_PER_ROW,
@@ -30,6 +35,8 @@ from indexer.kernels.store import (
     SA,
     SA_TOKENS,
     STATE,
+    TREE,
+    write_tree,
 )
 from indexer.kernels.tables import find_leader
 from indexer.kernels.tree import merge_tree, stack_parts, tree_buffers
@@ -214,7 +221,7 @@ def _draft_one(j: int, args: tuple, out: tuple) -> None:
         main_tokens, main_sa, run_tokens, run_sa, run_offsets, table_keys, table_offsets,
         table_followers, table_probs, table_ll, settings, half, hits, pred
     ) = args  # fmt: skip
-    extra_ro, extra_vo, tokens, parents, sources, scores, slot, sizes, first_tok, guess, lengths = out
+    extra_ro, extra_vo, tokens, parents, sources, scores, slot, sizes, first_tok, guess, lengths, _ = out
     n_tiers = half.size
     max_match, samples, ctx_samples = settings[0], settings[1], settings[2]
     leader_len, follower_len, max_followers = settings[3], settings[4], settings[5]
@@ -317,8 +324,27 @@ def _draft_one(j: int, args: tuple, out: tuple) -> None:
                 n = lengths[j, t]
                 first_tok[j, t] = ft[t]
                 guess[j, t] = fv[t] / conf_of[t] * (n / (n + half[t]))
-    if jobs[j, REMEMBER] != 0:  # where the next step's searches start
-        state[HINT_CTX], state[HINT_LIFE] = lengths[j, CONTEXT], lengths[j, LIFETIME_SA]
+    if jobs[j, REMEMBER] != 0:
+        _remember(j, state, i32, row * I32_PER_ROW + TREE, out)
+
+
+@njit(cache=True, nogil=True)
+def _remember(j: int, state: np.ndarray, i32: Any, at: int, out: tuple) -> None:
+    """Tree ``j``'s session keeps it, and its first guesses, until the outcome comes, and the
+    match lengths its searches found, where the next step's searches start."""
+    _, _, tokens, parents, sources, scores, slot, sizes, first_tok, guess, lengths, grown = out
+    state[HINT_CTX], state[HINT_LIFE] = lengths[j, CONTEXT], lengths[j, LIFETIME_SA]
+    a, k = slot[j], sizes[j]
+    held = i32[at]
+    kept = write_tree(held, state, tokens[a : a + k], parents[a : a + k], sources[a : a + k], scores[a : a + k])
+    if kept.size != held.size:  # it outgrew the session's buffer
+        i32[at] = kept
+        grown[j] = GREW_TREE
+    n_tiers = first_tok.shape[1]
+    state[FIRST_TOKEN : FIRST_TOKEN + n_tiers] = first_tok[j]
+    state[GUESS : GUESS + n_tiers].view(np.float64)[:] = guess[j]
+    state[GUESS_LENGTH : GUESS_LENGTH + n_tiers] = lengths[j]
+    state[GUESSED] = 1
 
 
 @njit(cache=True, nogil=True)
@@ -333,17 +359,16 @@ def _outputs(jobs: np.ndarray, extra_meta: np.ndarray, n_tiers: int) -> tuple:
     first_tok = np.full((n_jobs, n_tiers), -1, dtype=np.int64)
     guess = np.zeros((n_jobs, n_tiers))
     lengths = np.zeros((n_jobs, n_tiers), dtype=np.int64)
-    return extra_ro, extra_vo, tokens, parents, sources, scores, slot, sizes, first_tok, guess, lengths
+    grown = np.zeros(n_jobs, dtype=np.int64)
+    return extra_ro, extra_vo, tokens, parents, sources, scores, slot, sizes, first_tok, guess, lengths, grown
 
 
 @njit(cache=True, nogil=True)
-def _results(
-    out: tuple,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def _results(out: tuple) -> tuple:
     """:func:`draft_batch`'s return value from the written outputs."""
-    _, _, tokens, parents, sources, scores, slot, sizes, first_tok, guess, lengths = out
+    _, _, tokens, parents, sources, scores, slot, sizes, first_tok, guess, lengths, grown = out
     tokens, parents, sources, scores, offsets = _packed(tokens, parents, sources, scores, slot, sizes)
-    return tokens, parents, sources, scores, offsets, first_tok, guess, lengths
+    return tokens, parents, sources, scores, offsets, first_tok, guess, lengths, grown
 
 
 @njit(cache=True, nogil=True)
@@ -372,7 +397,7 @@ def draft_batch(
     half: np.ndarray,
     hits: np.ndarray,
     pred: np.ndarray,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+) -> tuple:
     """Draft trees for a batch of jobs, each over a session its store holds.
 
     Job ``j`` is row ``j`` of ``jobs`` (columns :data:`JOB_COLUMNS`): the session at store row
@@ -380,9 +405,10 @@ def draft_batch(
     extended by ``suffix[suffix_start:suffix_end]``; the tree takes at most ``budget`` nodes,
     ``depth`` levels and reserves ``depth_reserve`` nodes for its best chain, keeping nodes
     scoring above ``min_score[j]``; root children whose token is in
-    ``exclude[exclude_start:exclude_end]`` are left out; with ``remember`` the session's state
-    keeps how far its output agrees with an exact-prompt response and the match lengths its
-    own-context and lifetime-suffix searches found (where the next step's searches start). The session gives its own
+    ``exclude[exclude_start:exclude_end]`` are left out. With ``remember`` the session keeps
+    the tree and its first guesses (until :func:`~indexer.kernels.accept.accept_batch` takes
+    the outcome), how far its output agrees with an exact-prompt response and the match lengths
+    its own-context and lifetime-suffix searches found (where the next step's searches start). The session gives its own
     context (prompt index and the rest), dynamic followers from ``settings``' window of the
     prompt on, rejected table and exact-prompt response; the static prior's parts come ready
     as ``extra_meta[extra_offsets[j]:extra_offsets[j + 1]]`` (columns rows, width, per_cell,
@@ -396,10 +422,11 @@ def draft_batch(
     when it holds the leader. Confidence per tier: :func:`_confidence` over ``half`` and the
     calibration counts ``hits`` and ``pred`` (tiers x buckets + 1).
 
-    Returns the trees end to end ``(tokens, parents, sources, scores, offsets)`` and, per
-    tree and tier, ``first_token`` (-1: no first guess), the first guess's probability
-    under that tier alone times the tier's prior (what calibration compares with the outcome),
-    and the match length behind the tier (0: the tier found nothing).
+    Returns the trees end to end ``(tokens, parents, sources, scores, offsets)``; per tree and
+    tier, ``first_token`` (-1: no first guess), the first guess's probability under that tier
+    alone times the tier's prior (what calibration compares with the outcome), and the match
+    length behind the tier (0: the tier found nothing); and per tree whether its session's
+    tree buffer had to grow (the store holds the new one).
     """
     args = (
         jobs, min_score, suffix, exclude, extra_rows, extra_vals, extra_meta, extra_offsets, i32, i64,

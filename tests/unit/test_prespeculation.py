@@ -78,7 +78,10 @@ def test_drafting_ahead_leaves_the_session_as_it_was():
     assert ahead and len(ahead) <= 3
     # Same context, hints and current tree; only the trees drafted ahead are remembered.
     assert s.context.tokens.tolist() == before[0].tolist() and s.hints == before[1]
-    assert s.last_tree is tree and s.prefetched is ahead
+    kept = s.last_tree
+    assert kept is not None and s.prefetched is ahead
+    for name in ("tokens", "parents", "sources", "scores"):  # the session keeps a copy of its tree
+        assert getattr(kept, name).tolist() == getattr(tree, name).tolist(), name
 
 
 def test_tree_drafted_ahead_excludes_the_stopping_nodes_children():

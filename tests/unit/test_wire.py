@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cache_service import convert
+from cache_service.service import Drafted
 from cache_service.wire import Encoded, encode_trees, serializer, stream_draft
 from indexer.tree_builder import DraftTree, TreeBatch, whole_batch
 
@@ -55,7 +56,7 @@ def test_draft_response_parses_back_to_the_same_trees():
         np.array([3, 1], dtype=np.uint8),
         np.array([0.5, 0.25], dtype=np.float32),
     )
-    encoded = convert.draft_response([(a, {}), (DraftTree.empty(), {}), (b, {})])
+    encoded = convert.draft_response(Drafted([a, DraftTree.empty(), b]))
     assert isinstance(encoded, Encoded)  # sent as it is
     resp = pb.DraftResponse.FromString(encoded.data)
     assert [list(t.tokens) for t in resp.trees] == [[5, 6, 7], [], [9, 4]]
@@ -66,7 +67,7 @@ def test_draft_response_parses_back_to_the_same_trees():
 
 def test_draft_response_with_trees_drafted_ahead():
     a, ahead = DraftTree.chain(np.array([5, 6], dtype=np.int32)), DraftTree.chain(np.array([8], dtype=np.int32))
-    resp = pb.DraftResponse.FromString(convert.draft_response([(a, {(5,): ahead}), (a, {})]).data)
+    resp = pb.DraftResponse.FromString(convert.draft_response(Drafted([a, a], [{(5,): ahead}, {}])).data)
     assert [list(t.tokens) for t in resp.trees] == [[5, 6], [5, 6]]
     assert [[(list(p.accepted), list(p.tree.tokens)) for p in f.items] for f in resp.prefetched] == [[([5], [8])], []]
 
