@@ -119,7 +119,7 @@ def warm_draft_step(lifetime: SearchArrays, threads: int = 1) -> None:
 def _lifetime_args(a: SearchArrays) -> tuple:
     return (
         a.main_tokens, a.main_sa, a.run_tokens, a.run_sa, a.run_offsets,
-        a.table_keys, a.table_offsets, a.table_followers, a.table_probs, a.table_leader_len,
+        a.table_keys, a.table_offsets, a.table_followers, a.table_probs, a.table_leader_len, a.main_serial,
     )  # fmt: skip
 
 

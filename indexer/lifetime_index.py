@@ -21,6 +21,7 @@ differs from process to process.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import threading
 import time
 from collections import OrderedDict
@@ -56,6 +57,9 @@ class LifetimeConfig:
             raise ValueError("exact_entries and exact_max_tokens must be >= 0")
 
 
+_SERIALS = itertools.count(1)
+
+
 @dataclass(frozen=True)
 class LifetimeIndexes:
     """One immutable generation of rebuilt indexes."""
@@ -64,6 +68,9 @@ class LifetimeIndexes:
     table: NgramTable
     version: int  # buffer.appended when the snapshot was taken
     build_seconds: float
+    # Tells this generation from every other one in the process (a match found in one is
+    # carried to the next search only while the same generation serves).
+    serial: int = field(default_factory=lambda: next(_SERIALS), compare=False)
 
     @property
     def nbytes(self) -> int:
@@ -151,16 +158,17 @@ class SearchArrays(NamedTuple):
     table_followers: np.ndarray
     table_probs: np.ndarray
     table_leader_len: int
+    main_serial: int  # the main index's generation (0: none)
 
 
 def search_arrays(indexes: LifetimeIndexes | None, runs: StackedRuns = _NO_INDEX) -> SearchArrays:
     """:meth:`LifetimeMemory.search_arrays` for given main indexes and delta runs."""
     if indexes is None:
-        main, table, ll = (_NO_INDEX.tokens, _NO_INDEX.suffix_array), _NO_TABLE, 0
+        main, table, ll, serial = (_NO_INDEX.tokens, _NO_INDEX.suffix_array), _NO_TABLE, 0, 0
     else:
         main = (indexes.suffix.tokens, indexes.suffix.suffix_array)
-        table, ll = indexes.table.search_arrays(), indexes.table.config.leader_len
-    return SearchArrays(*main, runs.tokens, runs.suffix_array, runs.offsets, *table, ll)
+        table, ll, serial = indexes.table.search_arrays(), indexes.table.config.leader_len, indexes.serial
+    return SearchArrays(*main, runs.tokens, runs.suffix_array, runs.offsets, *table, ll, serial)
 
 
 def _occurs(index: SuffixIndex, pattern: np.ndarray) -> bool:
@@ -345,7 +353,7 @@ class LifetimeMemory:
         accepted since) only saves work."""
         indexes, runs = self._indexes, self._stacked
         main = _NO_INDEX if indexes is None else indexes.suffix
-        return kernels.stacked_continuations(
+        n, rows, weights, _ = kernels.stacked_continuations(
             main.tokens,
             main.suffix_array,
             runs.tokens,
@@ -358,6 +366,7 @@ class LifetimeMemory:
             samples,
             int(SEPARATOR),
         )
+        return n, rows, weights
 
     def search_arrays(self) -> SearchArrays:
         """The arrays a compiled draft step searches, as they stand now."""

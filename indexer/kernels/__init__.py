@@ -111,6 +111,9 @@ def warm_up() -> None:
     sample_rows(toks, sa, 0, 2, 1, 2, 2, 2147483647)
     offsets = np.array([0, 5], dtype=np.int64)
     stacked_continuations(toks, sa, toks, sa, offsets, np.array([1, 2], dtype=np.int32), 4, 0, 2, 2, 2147483647)
+    stacked_continuations(
+        toks, sa, toks, sa, offsets, np.array([1, 2], dtype=np.int32), 4, 0, 2, 2, 2147483647, (2, 1, 0, 5)
+    )
     find_leader(np.array([1, 2], dtype=np.int32), 2, np.zeros(1, dtype=np.uint64))
     hash_rows(np.zeros((1, 2), dtype=np.int32))
     rows = np.array([[1, 2], [1, -1]], dtype=np.int32)
@@ -179,7 +182,7 @@ def _tiny_draft() -> tuple:
     return (
         jobs, np.zeros(2), one, one, rows.ravel(), np.ones(4), part_meta, np.array([0, 1, 1]), i32, i64,
         toks, sa, toks, sa, offsets, np.zeros(1, dtype=np.uint64), one_tree, rows, np.zeros((2, 2), dtype=np.uint16),
-        2, np.array([32, 4, 4, 2, 2, 2, 4, 2147483647, 2048], dtype=np.int64), np.ones(7), np.zeros((7, 5)),
+        2, 1, np.array([32, 4, 4, 2, 2, 2, 4, 2147483647, 2048], dtype=np.int64), np.ones(7), np.zeros((7, 5)),
         np.zeros((7, 5)),
     )  # fmt: skip
 

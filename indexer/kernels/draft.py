@@ -30,6 +30,11 @@ from indexer.kernels.store import (
     I64_PER_ROW,
     INDEXED,
     LEN,
+    MATCH_AT,
+    MATCH_FIRST,
+    MATCH_LAST,
+    MATCH_LEN,
+    MATCH_SERIAL,
     PROMPT_LEN,
     REJECTED_TABLE,
     SA,
@@ -219,7 +224,7 @@ def _draft_one(j: int, args: tuple, out: tuple) -> None:
     (
         jobs, min_score, suffix, exclude, extra_rows, extra_vals, extra_meta, extra_offsets, i32, i64,
         main_tokens, main_sa, run_tokens, run_sa, run_offsets, table_keys, table_offsets,
-        table_followers, table_probs, table_ll, settings, half, hits, pred
+        table_followers, table_probs, table_ll, main_serial, settings, half, hits, pred
     ) = args  # fmt: skip
     extra_ro, extra_vo, tokens, parents, sources, scores, slot, sizes, first_tok, guess, lengths, _ = out
     n_tiers = half.size
@@ -242,9 +247,10 @@ def _draft_one(j: int, args: tuple, out: tuple) -> None:
     rows_d, w_d = context_followers(ctx, idx_tok, idx_sa, indexed, since, leader_len, follower_len, max_followers)
     rejected = i64[row * I64_PER_ROW + REJECTED_TABLE]
     rows_r, w_r = lru.candidates(rejected, ctx)
-    best, rows_l, w_l = stacked_continuations(
-        main_tokens, main_sa, run_tokens, run_sa, run_offsets, ctx, max_match, state[HINT_LIFE], depth, samples, stop
-    )
+    best, rows_l, w_l, main_match = stacked_continuations(
+        main_tokens, main_sa, run_tokens, run_sa, run_offsets, ctx, max_match, state[HINT_LIFE], depth, samples, stop,
+        _main_prior(state, ctx.size, main_serial),
+    )  # fmt: skip
     leader = -1
     if best > 0 and table_ll > 0 and best <= table_ll:
         leader = find_leader(ctx, table_ll, table_keys)
@@ -326,14 +332,28 @@ def _draft_one(j: int, args: tuple, out: tuple) -> None:
                 guess[j, t] = fv[t] / conf_of[t] * (n / (n + half[t]))
     if jobs[j, REMEMBER] != 0:
         _remember(j, state, i32, row * I32_PER_ROW + TREE, out)
+        # Where the next step's searches start: the match lengths found, and the main
+        # index's match with its rows.
+        state[HINT_CTX], state[HINT_LIFE] = lengths[j, CONTEXT], best
+        state[MATCH_SERIAL], state[MATCH_AT] = main_serial, ctx.size
+        state[MATCH_LEN], state[MATCH_FIRST], state[MATCH_LAST] = main_match
+
+
+@njit(cache=True, nogil=True)
+def _main_prior(state: np.ndarray, size: int, serial: int) -> tuple[int, int, int, int]:
+    """The lifetime main index's match at the session's last draft, carried to a context of
+    ``size`` tokens that extends that draft's, as :func:`stacked_continuations` takes it:
+    ``(hint, known, lo, hi)`` (``known`` 0: none, or the main index changed since)."""
+    n = state[MATCH_LEN]
+    if n == 0 or state[MATCH_SERIAL] != serial or size < state[MATCH_AT]:
+        return 0, 0, 0, 0
+    return n + size - state[MATCH_AT], n, state[MATCH_FIRST], state[MATCH_LAST]
 
 
 @njit(cache=True, nogil=True)
 def _remember(j: int, state: np.ndarray, i32: Any, at: int, out: tuple) -> None:
-    """Tree ``j``'s session keeps it, and its first guesses, until the outcome comes, and the
-    match lengths its searches found, where the next step's searches start."""
+    """Tree ``j``'s session keeps it, and its first guesses, until the outcome comes."""
     _, _, tokens, parents, sources, scores, slot, sizes, first_tok, guess, lengths, grown = out
-    state[HINT_CTX], state[HINT_LIFE] = lengths[j, CONTEXT], lengths[j, LIFETIME_SA]
     a, k = slot[j], sizes[j]
     held = i32[at]
     kept = write_tree(held, state, tokens[a : a + k], parents[a : a + k], sources[a : a + k], scores[a : a + k])
@@ -393,6 +413,7 @@ def draft_batch(
     table_followers: np.ndarray,
     table_probs: np.ndarray,
     table_ll: int,
+    main_serial: int,
     settings: np.ndarray,
     half: np.ndarray,
     hits: np.ndarray,
@@ -419,8 +440,10 @@ def draft_batch(
     :func:`~indexer.kernels.search.stacked_continuations`) plus the frozen table over the main
     index (``table_probs`` as float16 bits) whose leaders are ``table_ll`` tokens (0: no table).
     A lifetime match no longer than the table's leaders is answered by the table's followers
-    when it holds the leader. Confidence per tier: :func:`_confidence` over ``half`` and the
-    calibration counts ``hits`` and ``pred`` (tiers x buckets + 1).
+    when it holds the leader. ``main_serial`` names the main index's generation: a session's
+    match in it carries to its next search while the same one serves. Confidence per tier:
+    :func:`_confidence` over ``half`` and the calibration counts ``hits`` and ``pred`` (tiers x
+    buckets + 1).
 
     Returns the trees end to end ``(tokens, parents, sources, scores, offsets)``; per tree and
     tier, ``first_token`` (-1: no first guess), the first guess's probability under that tier
@@ -431,7 +454,7 @@ def draft_batch(
     args = (
         jobs, min_score, suffix, exclude, extra_rows, extra_vals, extra_meta, extra_offsets, i32, i64,
         main_tokens, main_sa, run_tokens, run_sa, run_offsets, table_keys, table_offsets,
-        table_followers, table_probs, table_ll, settings, half, hits, pred
+        table_followers, table_probs, table_ll, main_serial, settings, half, hits, pred
     )  # fmt: skip
     out = _outputs(jobs, extra_meta, half.size)
     for j in range(jobs.shape[0]):
@@ -443,7 +466,7 @@ def draft_batch(
 def draft_batch_parallel(*args: Any) -> tuple:
     """:func:`draft_batch` (the same arguments) with the trees shared among the compiled
     code's worker threads: the same trees, each depending on its own inputs only."""
-    jobs, extra_meta, half = args[0], args[6], args[21]
+    jobs, extra_meta, half = args[0], args[6], args[22]
     out = _outputs(jobs, extra_meta, half.size)
     for j in prange(jobs.shape[0]):
         _draft_one(j, args, out)

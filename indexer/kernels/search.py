@@ -80,43 +80,121 @@ def match_range(tokens: np.ndarray, sa: np.ndarray, pattern: np.ndarray, lo: int
 
 
 @njit(cache=True, nogil=True)
+def _compare_from(tokens: np.ndarray, start: int, pattern: np.ndarray, known: int) -> int:
+    """:func:`_compare` for a suffix known to start with ``pattern[:known]``."""
+    n = tokens.size
+    for j in range(known, pattern.size):
+        p = start + j
+        if p >= n:
+            return -1
+        x = tokens[p]
+        y = pattern[j]
+        if x != y:
+            return -1 if x < y else 1
+    return 0
+
+
+@njit(cache=True, nogil=True)
+def narrowed_range(
+    tokens: np.ndarray, sa: np.ndarray, pattern: np.ndarray, known: int, lo: int, hi: int
+) -> tuple[int, int]:
+    """:func:`match_range` where SA rows ``[lo, hi)`` are all those starting with
+    ``pattern[:known]`` (a match found before, now followed by more tokens): only they are
+    searched, only past the known part."""
+    if known >= pattern.size:
+        return lo, hi
+    a, b = lo, hi
+    while a < b:
+        mid = (a + b) >> 1
+        if _compare_from(tokens, sa[mid], pattern, known) < 0:
+            a = mid + 1
+        else:
+            b = mid
+    first = a
+    if first >= hi or _compare_from(tokens, sa[first], pattern, known) != 0:
+        return first, first
+    a, b = first + 1, hi
+    while a < b:
+        mid = (a + b) >> 1
+        if _compare_from(tokens, sa[mid], pattern, known) == 0:
+            a = mid + 1
+        else:
+            b = mid
+    return first, a
+
+
+@njit(cache=True, nogil=True)
+def _extends_left(tokens: np.ndarray, sa: np.ndarray, first: int, last: int, before: int) -> bool:
+    """Whether some occurrence in SA rows ``[first, last)`` follows the token ``before``."""
+    for r in range(first, last):
+        p = sa[r]
+        if p > 0 and tokens[p - 1] == before:
+            return True
+    return False
+
+
+_SCAN = 16  # a match in at most this many rows is extended by reading what precedes each
+
+
+@njit(cache=True, nogil=True)
 def longest_match(
-    tokens: np.ndarray, sa: np.ndarray, context: np.ndarray, max_len: int, min_len: int, hint: int
+    tokens: np.ndarray,
+    sa: np.ndarray,
+    context: np.ndarray,
+    max_len: int,
+    min_len: int,
+    hint: int,
+    known: int = 0,
+    lo: int = 0,
+    hi: int = 0,
 ) -> tuple[int, int, int]:
     """Longest ``n`` in ``[min_len, max_len]`` whose last-``n`` context tokens occur: ``(n, first, last)``.
 
     Matching is monotone in ``n``, so a binary search over ``n`` works; ``hint`` is probed first
-    (with ``hint + 1``), which settles the common case of a match that simply continued. A probe
-    only finds the first row; the range's end is found once, for the answer.
+    (with ``hint + 1``), which settles the common case of a match that simply continued. When
+    ``known`` > 0, SA rows ``[lo, hi)`` are all those starting with the hint's first ``known``
+    tokens (the match an earlier search found, before the tokens since), so the hint's probe
+    reads only them. A match held by a few rows is refuted one token longer by reading the
+    token before each occurrence. The answer does not depend on the hint, only its cost does.
     """
     hi_n = min(max_len, context.size)
     size = sa.size
     if hi_n < min_len or size == 0:
         return 0, 0, 0
-    best_n, best_f = 0, -1
+    best_n, best_f, best_l = 0, -1, -1
     lo_n = min_len - 1
     if min_len <= hint <= hi_n:
-        f = _first_row(tokens, sa, context[context.size - hint :], size)
-        if f < 0:
+        pattern = context[context.size - hint :]
+        if 0 < known <= hint and 0 <= lo < hi <= size:
+            f, last = narrowed_range(tokens, sa, pattern, known, lo, hi)
+        else:
+            f, last = match_range(tokens, sa, pattern, 0, size)
+        if f == last:
             hi_n = hint - 1
         else:
-            lo_n, best_n, best_f = hint, hint, f
+            lo_n, best_n, best_f, best_l = hint, hint, f, last
             if hint < hi_n:
-                f = _first_row(tokens, sa, context[context.size - hint - 1 :], size)
-                if f < 0:
+                before = context[context.size - hint - 1]
+                if last - f <= _SCAN and not _extends_left(tokens, sa, f, last, before):
                     hi_n = hint
                 else:
-                    lo_n, best_n, best_f = hint + 1, hint + 1, f
+                    f = _first_row(tokens, sa, context[context.size - hint - 1 :], size)
+                    if f < 0:
+                        hi_n = hint
+                    else:
+                        lo_n, best_n, best_f, best_l = hint + 1, hint + 1, f, -1
     while lo_n < hi_n:
         mid = (lo_n + hi_n + 1) >> 1
         f = _first_row(tokens, sa, context[context.size - mid :], size)
         if f >= 0:
-            lo_n, best_n, best_f = mid, mid, f
+            lo_n, best_n, best_f, best_l = mid, mid, f, -1
         else:
             hi_n = mid - 1
     if best_n == 0:
         return 0, 0, 0
-    return best_n, best_f, _range_end(tokens, sa, context[context.size - best_n :], best_f, size)
+    if best_l < 0:
+        best_l = _range_end(tokens, sa, context[context.size - best_n :], best_f, size)
+    return best_n, best_f, best_l
 
 
 @njit(cache=True, nogil=True)
@@ -182,14 +260,18 @@ def stacked_continuations(
     depth: int,
     samples: int,
     stop: int,
-) -> tuple[int, np.ndarray, np.ndarray]:
+    main_prior: tuple[int, int, int, int] = (0, 0, 0, 0),
+) -> tuple[int, np.ndarray, np.ndarray, tuple[int, int, int]]:
     """The longest match of the context's suffix over a main index and delta runs stacked end
     to end (run ``i``: tokens and SA ``[offsets[i], offsets[i + 1])``), and the continuations
-    after it: ``(n, rows, weights)``, ``n == 0`` when nothing matches.
+    after it: ``(n, rows, weights, main match)``, ``n == 0`` when nothing matches.
 
     Each index holding the longest match gets a share of the ``samples`` by how often it
     holds it, rounded up; a row stands for ``count / rows`` occurrences of its index. Later
-    indexes are searched only for matches at least as long as the best so far.
+    indexes are searched only for matches at least as long as the best so far. The main
+    index's own longest match ``(n, first row, end row)`` comes back too: ``main_prior``
+    ``(hint, known, lo, hi)`` passes one found before to the next search (see
+    :func:`longest_match`; ``known`` 0: none).
     """
     n_idx = offsets.size  # the main index, then offsets.size - 1 runs
     lens = np.zeros(n_idx, dtype=np.int64)
@@ -198,12 +280,17 @@ def stacked_continuations(
     best = 0
     for i in range(n_idx):
         tok, sa = _stacked_index(main_tokens, main_sa, run_tokens, run_sa, offsets, i)
-        n, f, last = longest_match(tok, sa, context, max_len, max(best, 1), hint)
+        if i == 0 and main_prior[1] > 0:
+            n, f, last = longest_match(tok, sa, context, max_len, 1, main_prior[0], main_prior[1], main_prior[2],
+                                       main_prior[3])  # fmt: skip
+        else:
+            n, f, last = longest_match(tok, sa, context, max_len, max(best, 1), hint)
         lens[i], firsts[i], lasts[i] = n, f, last
         if n > best:
             best = n
+    main_match = (lens[0], firsts[0], lasts[0])
     if best == 0:
-        return 0, np.zeros((0, depth), dtype=np.int32), np.zeros(0)
+        return 0, np.zeros((0, depth), dtype=np.int32), np.zeros(0), main_match
     total = 0
     for i in range(n_idx):
         if lens[i] == best:
@@ -224,7 +311,7 @@ def stacked_continuations(
         rows[at : at + k] = sample_rows(tok, sa, firsts[i], lasts[i], best, depth, k, stop)
         weights[at : at + k] = (lasts[i] - firsts[i]) / k
         at += k
-    return best, rows, weights
+    return best, rows, weights, main_match
 
 
 # -- own context ----------------------------------------------------------------------------------

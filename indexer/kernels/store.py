@@ -26,13 +26,17 @@ I64_PER_ROW = 2
 # last match lengths of the own-context and lifetime-suffix tiers (0: none), how many generated
 # tokens are known to equal the exact-prompt response's start (-1: they differ), the last
 # tree's nodes (-1: no tree), whether the last draft's first guesses are kept, and those: per
-# tier its first token (-1: none), probability (float64 bits) and match length.
+# tier its first token (-1: none), probability (float64 bits) and match length; then the
+# longest match the lifetime main index held at the last draft: the index's generation, the
+# context length then, the match length (0: none) and its SA rows.
 LEN, PROMPT_LEN, INDEXED, HINT_CTX, HINT_LIFE, EXACT_AGREES, TREE_SIZE, GUESSED = range(8)
 N_TIERS = 7
 FIRST_TOKEN = 8
 GUESS = FIRST_TOKEN + N_TIERS
 GUESS_LENGTH = GUESS + N_TIERS
-STATE_SIZE = GUESS_LENGTH + N_TIERS
+MATCH_SERIAL = GUESS_LENGTH + N_TIERS
+MATCH_AT, MATCH_LEN, MATCH_FIRST, MATCH_LAST = MATCH_SERIAL + 1, MATCH_SERIAL + 2, MATCH_SERIAL + 3, MATCH_SERIAL + 4
+STATE_SIZE = MATCH_SERIAL + 5
 
 # What a compiled step replaced with a larger array (bits of its ``grown`` output).
 GREW_CONTEXT, GREW_TABLE, GREW_TREE = 1, 2, 4

@@ -3,6 +3,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from indexer import kernels
 from indexer.ngram_table import lcp_array
 from indexer.suffix_array import SuffixIndex, build_suffix_array
 from indexer.tokens import SEPARATOR
@@ -279,6 +280,33 @@ def test_hint_never_changes_the_result(text, ctx, max_len, data):
     assert idx.longest_match(_a(ctx), max_len, min_len=min_len, hint=hint) == idx.longest_match(
         _a(ctx), max_len, min_len=min_len
     )
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    text=st.lists(st.sampled_from([0, 1, 2, 3, S]), min_size=1, max_size=80),
+    old=st.lists(st.integers(0, 3), min_size=1, max_size=10),
+    new=st.lists(st.integers(0, 3), max_size=4),
+    max_len=st.integers(1, 14),
+)
+def test_a_match_carried_from_the_last_step_finds_what_a_fresh_search_finds(text, old, new, max_len):
+    """The main index's match at the last step narrows the next step's first probe to its rows
+    (known tokens skipped); a range of a few rows is refuted one token longer by reading the
+    tokens before it. Neither may change the answer."""
+    idx = SuffixIndex(_a(text))
+    tokens, sa = idx.tokens, idx.suffix_array
+    n0, f0, l0 = kernels.longest_match(tokens, sa, _a(old), max_len, 1, 0)
+    ctx = _a(old + new)
+    want = kernels.longest_match(tokens, sa, ctx, max_len, 1, 0)
+    if n0:
+        carried = kernels.longest_match(tokens, sa, ctx, max_len, 1, n0 + len(new), n0, f0, l0)
+        assert carried == want
+    for hint in range(max_len + 2):  # refuting by the tokens before, from any hint
+        assert kernels.longest_match(tokens, sa, ctx, max_len, 1, hint) == want
+    if want[0]:  # the rows are exactly those holding the match
+        pattern = ctx[ctx.size - want[0] :].tolist()
+        held = [r for r in range(sa.size) if tokens[sa[r] : sa[r] + want[0]].tolist() == pattern]
+        assert held == list(range(want[1], want[2]))
 
 
 @settings(max_examples=100, deadline=None)
