@@ -184,16 +184,17 @@ def test_deadline_holds_against_a_slow_service(stream: bool) -> None:
 
 
 def test_a_late_draft_on_the_stream_still_counts_unless_it_fails() -> None:
-    # Stream request 1 is answered after 150 ms, past the 50 ms deadline; later ones at once.
+    # Stream request 1 is answered after 600 ms, past the 250 ms deadline; later ones at once
+    # (the deadline leaves a busy machine room to answer those in time).
     # The service applies a late request in order, so the session keeps its server copy: no
     # re-open, and the next tree is the next request's own (the late reply is dropped).
     for fail in (set(), {1}):
-        with _slow_server([0.15, 0.0], fail) as (port, servicer):
-            config = ClientConfig(target=f"127.0.0.1:{port}", namespace="toy", deadline_s=0.05, retry_after_s=0)
+        with _slow_server([0.6, 0.0], fail) as (port, servicer):
+            config = ClientConfig(target=f"127.0.0.1:{port}", namespace="toy", deadline_s=0.25, retry_after_s=0)
             client = DraftClient(config)
             (session,) = client.open([PROMPT])
             client.draft([session], [[]])  # late: the local drafter answers
-            time.sleep(0.2)  # the late reply arrives meanwhile
+            time.sleep(0.5)  # the late reply arrives meanwhile
             (second,) = client.draft([session], [[]])
             time.sleep(0.05)
             (third,) = client.draft([session], [[]])
@@ -205,10 +206,10 @@ def test_a_late_draft_on_the_stream_still_counts_unless_it_fails() -> None:
                 assert client.stats.fallback == 2 and servicer.opens == 2
                 assert third.tokens.tolist() == [2]
 
-            servicer.delays[:] = [0.15, 0.0]
+            servicer.delays[:] = [0.6, 0.0]
             opens = servicer.opens
             # A new client: new streams, numbered from 1 again.
-            tokens, _ = asyncio.run(_three_drafts_async(config, (0.2, 0.05)))
+            tokens, _ = asyncio.run(_three_drafts_async(config, (0.5, 0.05)))
             assert tokens == ([3] if not fail else [2])
             assert servicer.opens == opens + (1 if not fail else 2)
 
