@@ -16,7 +16,6 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -32,7 +31,8 @@ from cache_service.storage.stream_log import position, stream_id
 from indexer.drafter import DraftParams
 from indexer.lifetime_index import LifetimeIndexes, LogId
 from indexer.prior import StaticPrior
-from indexer.session import SessionSnapshot, TableItems
+from indexer.session import SessionSnapshot
+from indexer.session_cache import TableColumns
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ class RedisPersistence:
         snapshot = SessionSnapshot(
             context=np.array(state.context, dtype=np.int32),
             prompt_len=state.prompt_len,
-            rejected=_items(found.rej),
+            rejected=TableColumns.of_items(found.rej),
         )
         return StoredSession(state.namespace, snapshot, DraftParams(**params))
 
@@ -303,8 +303,3 @@ class RedisPersistence:
         prior.lookup(np.zeros(8, dtype=np.int32))  # compile the read-only variant now, not on a request
         service.set_prior(name, prior, version)
         logger.info("namespace %s: static prior version %d mapped from %s", name, version, self._prior_dir)
-
-
-def _items(table: Any) -> TableItems:
-    """Stored table items as the tuples ``LruTable.add`` takes."""
-    return [(tuple(leader), [(tuple(f), int(c)) for f, c in followers]) for leader, followers in table]

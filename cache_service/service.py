@@ -26,7 +26,8 @@ from indexer.drafter import MAX_LOOKAHEAD, Branches, DraftParams, NamespaceDraft
 from indexer.lifetime_index import LifetimeIndexes
 from indexer.prespeculation import Prefetched
 from indexer.prior import StaticPrior
-from indexer.session import Session, SessionSnapshot, TableItems
+from indexer.session import Session, SessionSnapshot
+from indexer.session_cache import TableColumns
 from indexer.tokens import Namespace, as_tokens
 from indexer.tree_builder import DraftTree
 
@@ -111,7 +112,7 @@ class SessionDelta:
 
     held: int
     tokens: np.ndarray
-    rejected: TableItems | None = None
+    rejected: TableColumns | None = None
 
 
 SessionChange = StoredSession | SessionDelta
@@ -700,7 +701,7 @@ class DraftService:
                 table_changed = table_due = True
             elif size > entry.stored_tokens or table_due:
                 new = session.context.tokens[entry.stored_tokens :].copy()
-                changed.append((sid, SessionDelta(entry.stored_tokens, new, table.items() if table_due else None)))
+                changed.append((sid, SessionDelta(entry.stored_tokens, new, table.columns() if table_due else None)))
             entry.stored_tokens = size
             if table_due:
                 entry.stored_table, entry.table_saved_at = table.version, now

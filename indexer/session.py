@@ -24,14 +24,13 @@ from indexer.kernels.store import (
     TREE_SIZE,
 )
 from indexer.prespeculation import Prefetched
-from indexer.session_cache import RejectedCache
+from indexer.session_cache import RejectedCache, TableColumns
 from indexer.tree_builder import DraftTree, Tier
 
 if TYPE_CHECKING:
     from indexer.drafter import DrafterConfig
     from indexer.session_store import SessionStore
 
-TableItems = list[tuple[tuple[int, ...], list[tuple[tuple[int, ...], int]]]]
 _FIRST_TREE = 64  # nodes the last tree's buffer holds at first (it grows with larger trees)
 
 
@@ -70,7 +69,7 @@ class SessionSnapshot:
 
     context: np.ndarray
     prompt_len: int
-    rejected: TableItems = field(default_factory=list)
+    rejected: TableColumns = field(default_factory=lambda: TableColumns.of_items([]))
 
 
 class Session:
@@ -176,14 +175,14 @@ class Session:
         return SessionSnapshot(
             context=self.context.tokens.copy(),
             prompt_len=self.prompt_len,
-            rejected=self.rejected.table.items(),
+            rejected=self.rejected.table.columns(),
         )
 
     @classmethod
     def restore(cls, snap: SessionSnapshot, config: DrafterConfig, exact: np.ndarray | None) -> Session:
         session = cls(snap.context[: snap.prompt_len], config, exact)
         session.context.extend(snap.context[snap.prompt_len :])
-        for leader, followers in snap.rejected:  # ValueError on a leader or follower that is no table's
+        for leader, followers in snap.rejected.items():  # ValueError on a leader or follower that is no table's
             for follower, count in followers:
                 session.rejected.table.add(tuple(leader), tuple(follower), count)
         return session

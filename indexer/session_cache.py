@@ -22,6 +22,7 @@ from indexer.kernels import lru
 
 Leader = tuple[int, ...]
 Follower = tuple[int, ...]
+TableItems = list[tuple[Leader, list[tuple[Follower, int]]]]  # LruTable.items()
 _INT32_MAX = 2**31 - 1
 
 
@@ -43,6 +44,73 @@ def _ids(tokens: Sequence[int], what: str) -> np.ndarray:
     if out.ndim != 1 or (out.size and (int(out.min()) < 0 or int(out.max()) > _INT32_MAX)):
         raise ValueError(f"{what} must be token ids in [0, 2**31), got {tuple(tokens)}")
     return out
+
+
+@dataclass(frozen=True, eq=False)
+class TableColumns:
+    """A table's entries as flat columns (the layout storage writes): per leader its length and
+    its number of followers, per follower its length and count, then the leaders' tokens and the
+    followers' tokens end to end. Least recently updated leader first, each leader's followers
+    oldest first, so adding them in order rebuilds the table, recency included.
+
+    >>> TableColumns.of_items([((1, 2), [((3, 4), 2), ((5,), 1)])]).follower_tokens.tolist()
+    [3, 4, 5]
+    """
+
+    leader_lens: np.ndarray
+    fanout: np.ndarray
+    follower_lens: np.ndarray
+    counts: np.ndarray
+    leader_tokens: np.ndarray
+    follower_tokens: np.ndarray
+
+    @classmethod
+    def of_items(cls, items: Iterable[tuple[Sequence[int], Sequence[tuple[Sequence[int], int]]]]) -> TableColumns:
+        leader_lens: list[int] = []
+        fanout: list[int] = []
+        follower_lens: list[int] = []
+        counts: list[int] = []
+        leader_tokens: list[int] = []
+        follower_tokens: list[int] = []
+        for leader, followers in items:
+            leader_lens.append(len(leader))
+            leader_tokens.extend(leader)
+            fanout.append(len(followers))
+            for follower, count in followers:
+                follower_lens.append(len(follower))
+                follower_tokens.extend(follower)
+                counts.append(count)
+        cols = (leader_lens, fanout, follower_lens, counts, leader_tokens, follower_tokens)
+        return cls(*(np.array(c, dtype=np.int64) for c in cols))
+
+    def __len__(self) -> int:
+        return int(self.leader_lens.size)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, TableColumns):
+            return NotImplemented
+        return all(np.array_equal(getattr(self, f), getattr(other, f)) for f in _COLUMNS)
+
+    __hash__ = None  # type: ignore[assignment]  # equal by value, and its arrays are mutable
+
+    def items(self) -> TableItems:
+        """Oldest leader first, each with its followers oldest first (replayable by ``add``)."""
+        lt, ft, f = 0, 0, 0
+        leader_tokens, follower_tokens = self.leader_tokens.tolist(), self.follower_tokens.tolist()
+        follower_lens, counts = self.follower_lens.tolist(), self.counts.tolist()
+        out: TableItems = []
+        for n_lead, n_fol in zip(self.leader_lens.tolist(), self.fanout.tolist(), strict=True):
+            followers = []
+            for length, count in zip(follower_lens[f : f + n_fol], counts[f : f + n_fol], strict=True):
+                followers.append((tuple(follower_tokens[ft : ft + length]), count))
+                ft += length
+            out.append((tuple(leader_tokens[lt : lt + n_lead]), followers))
+            lt += n_lead
+            f += n_fol
+        return out
+
+
+_COLUMNS = ("leader_lens", "fanout", "follower_lens", "counts", "leader_tokens", "follower_tokens")
 
 
 class LruTable:
@@ -93,13 +161,13 @@ class LruTable:
         slot = lru.find(self.array, key, 0)
         return [] if slot < 0 else _listed(*lru.followers_at(self.array, slot, True))
 
-    def items(self) -> list[tuple[Leader, list[tuple[Follower, int]]]]:
+    def items(self) -> TableItems:
         """Oldest leader first, each with its followers oldest first (replayable by ``add``)."""
-        slots, keys = lru.leaders_oldest_first(self.array)
-        return [
-            (tuple(key), _listed(*lru.followers_at(self.array, slot, False)))
-            for slot, key in zip(slots.tolist(), keys.tolist(), strict=True)
-        ]
+        return self.columns().items()
+
+    def columns(self) -> TableColumns:
+        """:meth:`items` as flat columns, read in one compiled pass."""
+        return TableColumns(*lru.columns(self.array))
 
     def candidates(self, context: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
         """Followers of the context's last ``leader_len`` tokens as ``(rows, weights)``, or

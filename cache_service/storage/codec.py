@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,9 +16,9 @@ import numpy as np
 
 from cache_service.storage import keys
 from cache_service.storage.errors import StorageCorrupt
+from indexer.session_cache import TableColumns, TableItems
 
-Row = tuple[int, ...]
-TableItems = list[tuple[Row, list[tuple[Row, int]]]]  # the shape of LruTable.items()
+Table = TableItems | TableColumns  # LruTable.items() or LruTable.columns()
 
 _LE_INT32 = np.dtype("<i4")
 _INT32_MAX = int(np.iinfo(np.int32).max)
@@ -65,15 +65,16 @@ def as_fields(value: object, *, what: str) -> dict[bytes, bytes]:
     return {as_bytes(k, what=what): as_bytes(v, what=what) for k, v in value.items()}
 
 
-def _int32_array(values: list[int], what: str) -> np.ndarray:
+def _int32_array(values: np.ndarray, what: str) -> np.ndarray:
     arr = np.asarray(values, dtype=np.int64)
     if arr.size and (arr.min() < -_INT32_MAX - 1 or arr.max() > _INT32_MAX):
         raise ValueError(f"{what}: values must fit in int32")
     return arr.astype(_LE_INT32)
 
 
-def encode_table(items: Sequence[tuple[Sequence[int], Sequence[tuple[Sequence[int], int]]]]) -> bytes:
-    """Serialize ``LruTable.items()`` (oldest leader first) into one compact blob.
+def encode_table(table: Table) -> bytes:
+    """Serialize a table (``LruTable.columns()``, or its ``items()``: oldest leader first) into
+    one compact blob.
 
     Layout: a 24-byte header, then little-endian int32 columns ``leader_lens``,
     ``followers_per_leader``, ``follower_lens``, ``counts``, ``leader_tokens``,
@@ -82,26 +83,26 @@ def encode_table(items: Sequence[tuple[Sequence[int], Sequence[tuple[Sequence[in
     >>> decode_table(encode_table([((1, 2), [((3, 4), 2), ((5,), 1)])]))
     [((1, 2), [((3, 4), 2), ((5,), 1)])]
     """
-    leader_lens: list[int] = []
-    fanout: list[int] = []
-    follower_lens: list[int] = []
-    counts: list[int] = []
-    leader_tokens: list[int] = []
-    follower_tokens: list[int] = []
-    for leader, followers in items:
-        leader_lens.append(len(leader))
-        leader_tokens.extend(leader)
-        fanout.append(len(followers))
-        for follower, count in followers:
-            if count < 0:
-                raise ValueError(f"follower counts must be >= 0, got {count}")
-            follower_lens.append(len(follower))
-            follower_tokens.extend(follower)
-            counts.append(min(int(count), _INT32_MAX))
+    cols = table if isinstance(table, TableColumns) else TableColumns.of_items(table)
+    if cols.counts.size and cols.counts.min() < 0:
+        raise ValueError(f"follower counts must be >= 0, got {int(cols.counts.min())}")
     header = _TABLE_HEADER.pack(
-        _TABLE_MAGIC, _TABLE_FORMAT, 0, len(leader_lens), len(counts), len(leader_tokens), len(follower_tokens)
+        _TABLE_MAGIC,
+        _TABLE_FORMAT,
+        0,
+        cols.leader_lens.size,
+        cols.counts.size,
+        cols.leader_tokens.size,
+        cols.follower_tokens.size,
     )
-    columns = (leader_lens, fanout, follower_lens, counts, leader_tokens, follower_tokens)
+    columns = (
+        cols.leader_lens,
+        cols.fanout,
+        cols.follower_lens,
+        np.minimum(cols.counts, _INT32_MAX),
+        cols.leader_tokens,
+        cols.follower_tokens,
+    )
     return header + b"".join(_int32_array(c, "table").tobytes() for c in columns)
 
 
@@ -127,21 +128,7 @@ def _table_columns(blob: bytes) -> list[np.ndarray]:
 
 def decode_table(blob: bytes) -> TableItems:
     """Inverse of :func:`encode_table`; replay with ``LruTable.add(leader, follower, count)``."""
-    leader_lens, fanout, follower_lens, counts, leader_tokens, follower_tokens = (
-        c.tolist() for c in _table_columns(blob)
-    )
-    items: TableItems = []
-    lt = ft = f = 0
-    for n_lead, n_fol in zip(leader_lens, fanout, strict=True):
-        leader = tuple(leader_tokens[lt : lt + n_lead])
-        lt += n_lead
-        followers = []
-        for length, count in zip(follower_lens[f : f + n_fol], counts[f : f + n_fol], strict=True):
-            followers.append((tuple(follower_tokens[ft : ft + length]), count))
-            ft += length
-        f += n_fol
-        items.append((leader, followers))
-    return items
+    return TableColumns(*(c.astype(np.int64) for c in _table_columns(blob))).items()
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)

@@ -17,7 +17,7 @@ import numpy as np
 
 from cache_service.storage import codec, keys, priors, sessions, stream_log
 from cache_service.storage.clients import StorageClient
-from cache_service.storage.codec import SessionState, TableItems
+from cache_service.storage.codec import SessionState, Table
 from cache_service.storage.errors import NamespaceConflict, StorageCorrupt, guarded
 from cache_service.storage.sessions import StoredSession
 from cache_service.storage.stream_log import LogEntry
@@ -201,8 +201,8 @@ class RedisStore:
     # -- sessions ---------------------------------------------------------------------------
 
     @guarded
-    def save_session(self, sid: str, state: SessionState, dyn: TableItems, rej: TableItems, ttl_s: float) -> None:
-        """Write a session's state and both tables (``LruTable.items()``) in one transaction.
+    def save_session(self, sid: str, state: SessionState, dyn: Table, rej: Table, ttl_s: float) -> None:
+        """Write a session's state and both tables (``LruTable.columns()`` or ``items()``) in one transaction.
 
         Every key of the session gets a fresh ``ttl_s``-second expiry.
         """

@@ -46,9 +46,9 @@ end
 return 1
 """
 
-SessionWrite = tuple[str, codec.SessionState, codec.TableItems, codec.TableItems]
+SessionWrite = tuple[str, codec.SessionState, codec.Table, codec.Table]
 # (session id, context tokens storage holds, tokens to append, new rejected table or None)
-SessionAppend = tuple[str, int, np.ndarray, codec.TableItems | None]
+SessionAppend = tuple[str, int, np.ndarray, codec.Table | None]
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -75,8 +75,8 @@ def save(
     client: StorageClient,
     sid: str,
     state: codec.SessionState,
-    dyn: codec.TableItems,
-    rej: codec.TableItems,
+    dyn: codec.Table,
+    rej: codec.Table,
     ttl_s: float,
 ) -> None:
     state_key, dyn_key, rej_key = keys.session_keys(sid)
@@ -116,7 +116,7 @@ def append_many(client: StorageClient, script: Script, appends: Sequence[Session
     session). Per session, whether it applied; one that did not needs a whole :func:`save`."""
     ms = ttl_ms(ttl_s)
 
-    def args(held: int, tokens: np.ndarray, rej: codec.TableItems | None) -> list[str | bytes | int]:
+    def args(held: int, tokens: np.ndarray, rej: codec.Table | None) -> list[str | bytes | int]:
         table = codec.encode_table(rej) if rej is not None else b""
         return [ms, 4 * held, codec.tokens_to_bytes(tokens), "1" if rej is not None else "0", table]
 

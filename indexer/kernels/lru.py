@@ -299,3 +299,30 @@ def leaders_oldest_first(t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     for i in range(k):
         keys[i] = t[HEADER + slots[i] * ll : HEADER + (slots[i] + 1) * ll]
     return slots, keys
+
+
+@njit(cache=True, nogil=True)
+def columns(t: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The whole table as flat columns, least recently updated leader first and each leader's
+    followers oldest first (the order that replays it by :func:`add`): ``(leader lengths,
+    followers per leader, follower lengths, counts, leader tokens, follower tokens)``."""
+    slots, keys = leaders_oldest_first(t)
+    n, fl, mf = slots.size, t[FL], t[MF]
+    stride = 3 + fl
+    _, _, _, fols = _regions(t)
+    fanout = np.empty(n, dtype=np.int64)
+    lengths = np.empty(n * mf, dtype=np.int64)
+    counts = np.empty(n * mf, dtype=np.int64)
+    tokens = np.empty(n * mf * fl, dtype=np.int64)
+    f = k = 0
+    for i in range(n):
+        base = fols + slots[i] * mf * stride
+        order = _by_recency(t, base, mf, stride, False)
+        fanout[i] = order.size
+        for o in order:
+            e = base + o * stride
+            lengths[f], counts[f] = t[e], t[e + 1]
+            f += 1
+            tokens[k : k + t[e]] = t[e + 3 : e + 3 + t[e]]
+            k += t[e]
+    return np.full(n, t[LL], dtype=np.int64), fanout, lengths[:f], counts[:f], keys.ravel(), tokens[:k]

@@ -61,7 +61,8 @@ def test_a_changed_table_waits_for_its_interval_and_keeps_the_session_pending() 
     time.sleep(0.35)
     ((_, delta),) = svc.take_changes()[0]
     assert isinstance(delta, SessionDelta) and delta.tokens.size == 0
-    assert delta.rejected == svc.sessions.get(sid).session.rejected.table.items() and delta.rejected
+    assert delta.rejected is not None and delta.rejected.items() == svc.sessions.get(sid).session.rejected.table.items()
+    assert len(delta.rejected)
     assert svc.take_changes() == ([], []) and sid not in svc._dirty
 
 

@@ -10,7 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cache_service.storage import StorageCorrupt, codec
-from indexer.session_cache import LruTable, LruTableConfig
+from indexer.kernels import lru
+from indexer.session_cache import LruTable, LruTableConfig, TableColumns
 
 
 def _table(seed: int, config: LruTableConfig) -> LruTable:
@@ -33,6 +34,23 @@ def test_lru_table_round_trip_replays_to_the_same_table() -> None:
         for follower, count in followers:
             replayed.add(leader, follower, count)
     assert replayed.items() == table.items()  # same order, so the same LRU victims next
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_tables_columns_are_its_entries_in_replay_order(seed: int) -> None:
+    config = LruTableConfig(leader_len=1 + seed, follower_len=3 + 2 * seed, max_leaders=16, max_followers=2 + seed)
+    table = _table(seed, config)  # more leaders than it keeps, and more followers per leader
+    slots, keys = lru.leaders_oldest_first(table.array)
+    read_slot_by_slot = []
+    for slot, key in zip(slots.tolist(), keys.tolist(), strict=True):
+        rows, lengths, counts = (x.tolist() for x in lru.followers_at(table.array, slot, False))
+        followers = [(tuple(r[:n]), c) for r, n, c in zip(rows, lengths, counts, strict=True)]
+        read_slot_by_slot.append((tuple(key), followers))
+    columns = table.columns()
+    assert len(columns) == len(table) == 16
+    assert columns.items() == read_slot_by_slot
+    assert codec.encode_table(columns) == codec.encode_table(read_slot_by_slot)
+    assert TableColumns.of_items(read_slot_by_slot).items() == read_slot_by_slot
 
 
 def test_empty_table_round_trips() -> None:
