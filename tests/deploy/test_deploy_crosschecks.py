@@ -33,6 +33,7 @@ from deploy_files import (
 )
 
 from cache_service.embedded_redis import free_port
+from tests.service.test_serve_metrics import READY_S
 
 
 @pytest.mark.parametrize("path", yaml_files(), ids=lambda p: str(p.relative_to(DEPLOY)))
@@ -131,7 +132,7 @@ def test_serve_starts_healthy_and_stops_on_the_artefact_settings(source: str, tm
     cmd = [sys.executable, "-m", "cache_service.cli", "serve"]  # no flags: all from the environment
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + READY_S  # the first server compiles every kernel first
         while True:
             check = subprocess.run([sys.executable, str(HEALTHCHECK)], env=env, capture_output=True, text=True)
             if check.returncode == 0:

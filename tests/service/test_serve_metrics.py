@@ -17,8 +17,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cache_service.embedded_redis import free_port
 
+# The first server a fresh checkout starts compiles every kernel before it serves: about a
+# minute on two busy cores. The bound only has to catch a server that never comes up.
+READY_S = 300
 
-def _healthy(target: str, proc: subprocess.Popen[bytes], timeout_s: float = 60) -> None:
+
+def _healthy(target: str, proc: subprocess.Popen[bytes], timeout_s: float = READY_S) -> None:
     health = health_pb2_grpc.HealthStub(grpc.insecure_channel(target))
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
