@@ -12,16 +12,7 @@ from numba import njit
 @njit(cache=True, nogil=True)
 def _compare(tokens: np.ndarray, start: int, pattern: np.ndarray) -> int:
     """Sign of ``tokens[start:start+m]`` versus ``pattern`` (a suffix that ends first is smaller)."""
-    n = tokens.size
-    for j in range(pattern.size):
-        p = start + j
-        if p >= n:
-            return -1
-        x = tokens[p]
-        y = pattern[j]
-        if x != y:
-            return -1 if x < y else 1
-    return 0
+    return _compare_from(tokens, start, pattern, 0)
 
 
 @njit(cache=True, nogil=True)
