@@ -28,6 +28,7 @@ from indexer.kernels.store import (
     STATE,
     TREE,
     TREE_SIZE,
+    tree_views,
 )
 from indexer.kernels.tree import verification_outcome
 
@@ -105,16 +106,12 @@ def accept_batch(
         branch = np.zeros((0, 0), dtype=np.int32)
         kept = np.zeros(0, dtype=np.int64)
         if size >= 0:
-            tree = i32[row * I32_PER_ROW + TREE]
-            c = tree.size // 4
-            path, branch, kept = verification_outcome(
-                tree[:size], tree[c : c + size], tree[3 * c : 3 * c + size].view(np.float32), produced,
-                items[j, BRANCHES],
-            )  # fmt: skip
+            tokens, parents, sources, scores = tree_views(i32[row * I32_PER_ROW + TREE], size)
+            path, branch, kept = verification_outcome(tokens, parents, scores, produced, items[j, BRANCHES])
             steps += 1
             drafted += size
             for i in range(path.size):
-                by_tier[tree[2 * c + path[i]]] += 1
+                by_tier[sources[path[i]]] += 1
             depth = path.size
         if state[GUESSED]:
             _calibrate(state, produced[0], hits, pred, buckets)

@@ -103,11 +103,6 @@ def put_i64(i64: typed.List, at: int, a: np.ndarray) -> None:
 
 
 @njit(cache=True, nogil=True)
-def tree_capacity(tree: np.ndarray) -> int:
-    return tree.size // 4
-
-
-@njit(cache=True, nogil=True)
 def write_tree(
     tree: np.ndarray,
     state: np.ndarray,
@@ -134,12 +129,15 @@ def write_tree(
 
 
 @njit(cache=True, nogil=True)
+def tree_views(tree: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The last tree's ``(tokens, parents, sources, scores)`` as views of its buffer (sources
+    as int32, scores as float32)."""
+    c = tree.size // 4
+    return tree[:n], tree[c : c + n], tree[2 * c : 2 * c + n], tree[3 * c : 3 * c + n].view(np.float32)
+
+
+@njit(cache=True, nogil=True)
 def read_tree(tree: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The last tree's ``(tokens, parents, sources, scores)``, copied out."""
-    c = tree.size // 4
-    return (
-        tree[:n].copy(),
-        tree[c : c + n].copy(),
-        tree[2 * c : 2 * c + n].astype(np.uint8),
-        tree[3 * c : 3 * c + n].copy().view(np.float32),
-    )
+    tokens, parents, sources, scores = tree_views(tree, n)
+    return tokens.copy(), parents.copy(), sources.astype(np.uint8), scores.copy()
