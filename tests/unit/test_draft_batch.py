@@ -1,6 +1,7 @@
 """The compiled batch draft step against a reference built from the single-tier searches and
 the tree merge, one session at a time."""
 
+import inspect
 from concurrent.futures import ThreadPoolExecutor
 
 import numba
@@ -372,3 +373,12 @@ def test_threaded_steps_from_several_threads_at_once():
 def test_draft_threads_must_be_positive():
     with pytest.raises(ValueError, match="threads"):
         DrafterConfig(threads=0)
+
+
+def test_threaded_step_takes_the_same_named_arguments():
+    """Named, like the one-thread step's: dispatching a star-args signature costs more than
+    the trees of a small batch."""
+    one = inspect.signature(kernels.draft_batch.py_func).parameters
+    shared = inspect.signature(kernels.draft_batch_parallel.py_func).parameters
+    assert list(shared) == list(one)
+    assert all(p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD for p in shared.values())
