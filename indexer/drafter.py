@@ -40,6 +40,17 @@ MAX_DEPTH = 128
 MAX_LOOKAHEAD = 16  # outcomes drafted ahead per step
 MIN_SKIP = 256  # a known leading part shorter than this is committed again (not worth a cut)
 _BRANCHES = 4  # rejected branches remembered where verification left a tree
+# Fewest sequences a worker thread of the threaded draft step takes: waking the threads costs
+# about as much as drafting two or three (compiled step over batch-32 calls of a loaded server,
+# 2 threads: 4 sequences 1.0-1.6x one thread's time, 6 sequences 0.75-0.85x, 32 0.7x).
+MIN_PER_THREAD = 3
+
+
+def step_threads(threads: int, sequences: int) -> int:
+    """Worker threads a draft step over ``sequences`` takes of the ``threads`` configured: no
+    more than gives each :data:`MIN_PER_THREAD` (1: the calling thread alone)."""
+    return max(1, min(threads, sequences // MIN_PER_THREAD))
+
 
 Branches = Sequence[tuple[int, np.ndarray]]  # rejected branches: (accepted tokens before it, its tokens)
 
@@ -150,7 +161,8 @@ class DrafterConfig:
     lifetime: LifetimeConfig = field(default_factory=LifetimeConfig)
     calibration_buckets: int = 16
     # Worker threads a batch's draft step shares its sequences among (1: the calling thread
-    # alone). The trees are the same either way; more threads shorten a large batch's step.
+    # alone), each taking at least MIN_PER_THREAD. The trees are the same either way; more
+    # threads shorten a large batch's step.
     threads: int = 1
 
     def __post_init__(self) -> None:
@@ -375,7 +387,7 @@ class NamespaceDrafter:
             min_score = np.array([job.params.min_score for job in jobs], dtype=np.float64)
         suffix, exclude = _columns(table, jobs)
         parts = self._prior_parts(jobs)
-        step = kernels.draft_step(1 if len(jobs) == 1 else self.threads)
+        step = kernels.draft_step(step_threads(self.threads, len(jobs)))
         tokens, parents, sources, scores, ends, _, _, _, grown = step(
             table, min_score, suffix, exclude, *parts, self.store.i32, self.store.i64,
             *_lifetime_args(self.memory.search_arrays()), self._settings, _HALF_ARRAY, *self.calibrator.arrays(),

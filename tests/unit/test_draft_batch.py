@@ -9,7 +9,15 @@ import numpy as np
 import pytest
 
 from indexer import kernels
-from indexer.drafter import _HALF, DrafterConfig, DraftParams, NamespaceDrafter, warm_draft_step
+from indexer.drafter import (
+    _HALF,
+    MIN_PER_THREAD,
+    DrafterConfig,
+    DraftParams,
+    NamespaceDrafter,
+    step_threads,
+    warm_draft_step,
+)
 from indexer.kernels import draft as draft_kernel
 from indexer.lifetime_index import LifetimeIndexes
 from indexer.ngram_table import NgramTable
@@ -382,3 +390,14 @@ def test_threaded_step_takes_the_same_named_arguments():
     shared = inspect.signature(kernels.draft_batch_parallel.py_func).parameters
     assert list(shared) == list(one)
     assert all(p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD for p in shared.values())
+
+
+@pytest.mark.parametrize(
+    ("configured", "sequences", "want"),
+    [(2, 0, 1), (2, 1, 1), (2, 5, 1), (2, 6, 2), (2, 32, 2), (4, 9, 3), (4, 32, 4), (1, 32, 1)],
+)
+def test_small_batches_draft_on_fewer_threads(configured, sequences, want):
+    """Waking worker threads costs about as much as two or three trees: each takes at least
+    MIN_PER_THREAD sequences."""
+    assert step_threads(configured, sequences) == want
+    assert want == 1 or sequences // want >= MIN_PER_THREAD
