@@ -493,7 +493,9 @@ def draft_batch_parallel(
     """:func:`draft_batch` (the same arguments) with the trees shared among the compiled
     code's worker threads: the same trees, each depending on its own inputs only. The
     arguments are named: dispatching a star-args signature costs about 0.2 ms a call, as much
-    as several trees.
+    as several trees. It is a second function, not ``draft_batch``'s compiled with other flags:
+    numba's on-disk cache keys a function by its code, not its flags, so the two would load
+    each other's machine code. A test holds the two parameter lists equal.
     """
     args = (
         jobs, min_score, suffix, exclude, extra_rows, extra_vals, extra_meta, extra_offsets, i32, i64,
