@@ -205,6 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add(bd, "--rebuild-every", type=int, default=300, help="steps between lifetime index rebuilds (0: never)")
     _add(bd, "--budget", type=int, default=64)
     _add(bd, "--draft-threads", type=int, default=1, help="worker threads one batch's draft step is shared among")
+    _add(bd, "--prior", type=Path, default=None, help="a static prior to draft from too (a `warm --out` file)")
 
     bg = sub.add_parser("bench-generate", help="tokens/s of real decoding: greedy vs prompt lookup vs draftcache")
     data = Path("../shared/data")
@@ -535,7 +536,9 @@ def cmd_bench_draft(a: argparse.Namespace) -> int:
         params=DraftParams(budget=a.budget),
         drafter=DrafterConfig(threads=a.draft_threads),
     )
-    print(json.dumps(run_draft_bench(conversations, replay_bench.namespace_of(conversations, vocab), config), indent=2))
+    prior = StaticPrior.from_bytes(a.prior.read_bytes()) if a.prior is not None else None
+    namespace = replay_bench.namespace_of(conversations, vocab)
+    print(json.dumps(run_draft_bench(conversations, namespace, config, prior), indent=2))
     return 0
 
 

@@ -24,6 +24,7 @@ from cache_service.service import CloseItem, DraftItem, DraftService, FeedbackIt
 from decoder_client.load_bench import Replayed, requests_of
 from decoder_client.traces import Conversation
 from indexer.drafter import DrafterConfig, DraftParams
+from indexer.prior import StaticPrior
 from indexer.tokens import Namespace
 
 
@@ -40,10 +41,15 @@ class DraftBenchConfig:
             raise ValueError("batch and steps must be >= 1 and rebuild_every >= 0")
 
 
-def run_draft_bench(conversations: list[Conversation], namespace: Namespace, config: DraftBenchConfig) -> dict:
-    """Step ``config.steps`` batches; per-sequence draft time (us), MAT and the trees' digest."""
+def run_draft_bench(
+    conversations: list[Conversation], namespace: Namespace, config: DraftBenchConfig, prior: StaticPrior | None = None
+) -> dict:
+    """Step ``config.steps`` batches; per-sequence draft time (us), MAT and the trees' digest.
+    With ``prior`` the namespace drafts from that static prior too."""
     service = DraftService(ServiceConfig(default_params=config.params, drafter=config.drafter))
     service.create_namespace(namespace.name, namespace.vocab_size)
+    if prior is not None:
+        service.set_prior(namespace.name, prior, 1)
     source = requests_of(conversations)  # every output segment once, then again (no end)
 
     def open_many(count: int) -> list[Replayed[str]]:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from cache_service.cli import main
@@ -11,6 +13,8 @@ from cache_service.draft_bench import DraftBenchConfig, run_draft_bench
 from cache_service.replay_bench import namespace_of
 from decoder_client.traces import read_traces
 from indexer.drafter import DraftParams
+from indexer.prior import PriorConfig, StaticPrior
+from indexer.tokens import SEPARATOR
 
 
 def test_draft_bench_steps_real_sequences_and_digests_the_trees(shared_data: Path) -> None:
@@ -45,3 +49,21 @@ def test_bench_draft_command_prints_the_report(shared_data: Path, capsys: pytest
     assert main(["bench-draft", str(traces), "--batch", "4", "--steps", "20", "--rebuild-every", "0"]) == 0
     out = capsys.readouterr().out
     assert '"trees_sha256"' in out and '"draft_us_per_sequence_p50"' in out
+
+
+def test_bench_draft_takes_a_static_prior_file(
+    shared_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    traces = shared_data / "traces/spec_bench_vicuna7b.jsonl.gz"
+    docs = [np.append(np.concatenate([s.tokens for s in c.segments]), SEPARATOR) for c in read_traces(traces, limit=60)]
+    prior = StaticPrior.build(np.concatenate(docs).astype(np.int32), PriorConfig(orders=(1, 2, 3)))
+    (tmp_path / "prior.bin").write_bytes(prior.to_bytes())
+    args = ["bench-draft", str(traces), "--batch", "4", "--steps", "30", "--rebuild-every", "0"]
+    reports = []
+    for extra in ([], ["--prior", str(tmp_path / "prior.bin")]):
+        assert main(args + extra) == 0
+        reports.append(json.loads(capsys.readouterr().out))
+    without, with_prior = reports
+    # The prior knows these very requests: it drafts other, longer-accepted trees.
+    assert with_prior["trees_sha256"] != without["trees_sha256"]
+    assert with_prior["mat"] > without["mat"]
