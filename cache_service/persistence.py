@@ -300,6 +300,5 @@ class RedisPersistence:
 
     def _set_mapped(self, service: DraftService, name: str, version: int) -> None:
         prior = prior_files.load(prior_files.folder_for(self._prior_dir or Path(), name, version))
-        prior.lookup(np.zeros(8, dtype=np.int32))  # compile the read-only variant now, not on a request
         service.set_prior(name, prior, version)
         logger.info("namespace %s: static prior version %d mapped from %s", name, version, self._prior_dir)

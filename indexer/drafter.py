@@ -121,9 +121,8 @@ def warm_draft_step(lifetime: SearchArrays, threads: int = 1) -> None:
     counts = np.zeros((len(_TIERS), 2))
     settings = np.zeros(len(_SETTINGS), dtype=np.int64)
     none = np.zeros(0, dtype=np.int32)
-    parts = (none, np.zeros(0), np.zeros((0, 5), dtype=np.int64), np.zeros(1, dtype=np.int64))
     for n in {1, threads}:
-        kernels.draft_step(n)(jobs, np.zeros(0), none, none, *parts, store.i32, store.i64,
+        kernels.draft_step(n)(jobs, np.zeros(0), none, none, *kernels.no_prior(), store.i32, store.i64,
                               *_lifetime_args(lifetime), settings, _HALF_ARRAY, counts, counts)  # fmt: skip
 
 
@@ -386,45 +385,15 @@ class NamespaceDrafter:
             table[:, draft_kernel.DEPTH_RESERVE] = [job.params.depth_reserve for job in jobs]
             min_score = np.array([job.params.min_score for job in jobs], dtype=np.float64)
         suffix, exclude = _columns(table, jobs)
-        parts = self._prior_parts(jobs)
+        prior = self.prior.kernel_args if self.prior is not None else kernels.no_prior()
         step = kernels.draft_step(step_threads(self.threads, len(jobs)))
         tokens, parents, sources, scores, ends, _, _, _, grown = step(
-            table, min_score, suffix, exclude, *parts, self.store.i32, self.store.i64,
+            table, min_score, suffix, exclude, *prior, self.store.i32, self.store.i64,
             *_lifetime_args(self.memory.search_arrays()), self._settings, _HALF_ARRAY, *self.calibrator.arrays(),
         )  # fmt: skip
         for j in np.flatnonzero(grown).tolist():
             self.store.follow(sessions[j], int(grown[j]))
         return DraftedTrees(TreeBatch(tokens, parents, sources, scores, ends))
-
-    def _prior_parts(self, jobs: Sequence[_Job]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """The static prior's parts for the draft step: ``(rows, values, meta, first part per
-        job)`` (see :func:`~indexer.kernels.draft.draft_batch`)."""
-        prior = self.prior
-        if prior is None:
-            return *_NO_PARTS, np.zeros(len(jobs) + 1, dtype=np.int64)
-        rows: list[np.ndarray] = []
-        vals: list[np.ndarray] = []
-        meta: list[tuple[int, ...]] = []
-        first_part: list[int] = []
-        for job in jobs:
-            first_part.append(len(meta))
-            ctx = job.session.context.tokens
-            hit = prior.lookup(np.concatenate((ctx, np.array(job.suffix, dtype=np.int32))) if job.suffix else ctx)
-            if hit is not None:
-                k, width = hit.rows.shape
-                rows.append(hit.rows.ravel())
-                vals.append(hit.probs.ravel())
-                meta.append((k, width, 1, int(Tier.PRIOR), hit.order))
-        first_part.append(len(meta))
-        return (
-            _joined(rows, np.int32),
-            _joined(vals, np.float64),
-            np.array(meta, dtype=np.int64).reshape(-1, 5),
-            np.array(first_part, dtype=np.int64),
-        )
-
-
-_NO_PARTS = (np.zeros(0, dtype=np.int32), np.zeros(0), np.zeros((0, 5), dtype=np.int64))
 
 
 def _columns(table: np.ndarray, jobs: Sequence[_Job]) -> tuple[np.ndarray, np.ndarray]:

@@ -66,6 +66,8 @@ class StaticPrior:
     _owner: np.ndarray = field(init=False, repr=False, compare=False)
     _slot: np.ndarray = field(init=False, repr=False, compare=False)
     _orders: np.ndarray = field(init=False, repr=False, compare=False)
+    # All of it as the batch draft step takes it (kernels.prior_args).
+    _kernel_args: tuple = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if list(self.tables) != sorted(self.tables, key=lambda t: -t.config.leader_len):
@@ -80,6 +82,17 @@ class StaticPrior:
         object.__setattr__(self, "_owner", owner[order])
         object.__setattr__(self, "_slot", slot[order])
         object.__setattr__(self, "_orders", np.array([t.config.leader_len for t in self.tables], np.int64))
+        self._set_kernel_args()
+
+    def _set_kernel_args(self) -> None:
+        tables = [t.search_arrays()[1:] for t in self.tables]
+        args = kernels.prior_args(self._orders, self._keys, self._owner, self._slot, tables)
+        object.__setattr__(self, "_kernel_args", args)
+
+    @property
+    def kernel_args(self) -> tuple:
+        """The prior as :func:`~indexer.kernels.draft.draft_batch` takes it (views, no copies)."""
+        return self._kernel_args
 
     @classmethod
     def build(cls, tokens: np.ndarray, config: PriorConfig) -> StaticPrior:
@@ -122,6 +135,7 @@ class StaticPrior:
                             ("_owner", owner), ("_slot", slot)):  # fmt: skip
             object.__setattr__(prior, name, value)
         object.__setattr__(prior, "_orders", np.array([t.config.leader_len for t in tables], np.int64))
+        prior._set_kernel_args()
         return prior
 
     def to_bytes(self) -> bytes:

@@ -17,7 +17,7 @@ import numpy as np
 from indexer.kernels import lru
 from indexer.kernels import store as kstore
 from indexer.kernels.accept import accept_batch
-from indexer.kernels.draft import calibrate, draft_batch, draft_batch_parallel
+from indexer.kernels.draft import calibrate, draft_batch, draft_batch_parallel, no_prior, prior_args
 from indexer.kernels.search import (
     context_continuations,
     context_followers,
@@ -78,7 +78,9 @@ __all__ = [
     "match_range",
     "merge_batch",
     "merge_tree",
+    "no_prior",
     "prefix_counts",
+    "prior_args",
     "prompt_lookup_start",
     "recent_followers",
     "rejected_branches",
@@ -136,7 +138,7 @@ def warm_up() -> None:
     calibrate(np.zeros((7, 5)), np.zeros((7, 5)), guesses, np.zeros((1, 7)), guesses, one_tree[:1], one_tree[:1], 4)
     args = _tiny_draft()
     draft_batch(*args)
-    i32, i64 = args[8], args[9]
+    i32, i64 = args[11], args[12]
     kstore.put_i32(i32, 0, kstore.get_i32(i32, 0))
     kstore.put_i64(i64, 1, kstore.get_i64(i64, 1))
     items = np.array([[0, 0, 1, 4], [1, 1, 2, 0]], dtype=np.int64)
@@ -177,10 +179,14 @@ def _tiny_draft() -> tuple:
     one_tree = np.array([0, 1], dtype=np.int64)
     offsets = np.array([0, 5], dtype=np.int64)
     jobs = np.array([[0, 0, 1, 0, 1, 2, 4, 1, 1], [1, 0, 0, 0, 0, 2, 4, 1, 0]], dtype=np.int64)
-    part_meta = np.array([[2, 2, 1, 5, 1]], dtype=np.int64)
+    key = hash_tokens(toks, 3, 1)  # a one-token prior leader: "2"
+    prior = prior_args(
+        np.array([1]), np.array([key], dtype=np.uint64), np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64),
+        [(one_tree, rows, np.zeros((2, 2), dtype=np.uint16))],
+    )  # fmt: skip
     i32, i64 = _tiny_store()
     return (
-        jobs, np.zeros(2), one, one, rows.ravel(), np.ones(4), part_meta, np.array([0, 1, 1]), i32, i64,
+        jobs, np.zeros(2), one, one, *prior, i32, i64,
         toks, sa, toks, sa, offsets, np.zeros(1, dtype=np.uint64), one_tree, rows, np.zeros((2, 2), dtype=np.uint16),
         2, 1, np.array([32, 4, 4, 2, 2, 2, 4, 2147483647, 2048], dtype=np.int64), np.ones(7), np.zeros((7, 5)),
         np.zeros((7, 5)),

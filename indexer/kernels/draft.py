@@ -2,16 +2,17 @@
 tier's confidence computed, the trees merged.
 
 Sessions are read where their store holds them (:mod:`indexer.kernels.store`): context, prompt
-index, rejected table, exact-prompt response and state, by row, so a sequence costs no
-interpreter work. Only the static prior's parts come in ready-made.
+index, rejected table, exact-prompt response and state, by row; the static prior's tables come
+as :func:`prior_args`. So a sequence costs no interpreter work.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, typed, types
 
 from indexer.kernels import lru
 from indexer.kernels.search import context_continuations, context_followers, stacked_continuations
@@ -43,7 +44,7 @@ from indexer.kernels.store import (
     TREE,
     write_tree,
 )
-from indexer.kernels.tables import find_leader
+from indexer.kernels.tables import find_leader, find_longest_leader
 from indexer.kernels.tree import merge_tree, stack_parts, tree_buffers
 
 # Tier values (indexer.tree_builder.Tier; a test keeps the two equal).
@@ -55,6 +56,49 @@ JOB_COLUMNS = ("row", "suffix_start", "suffix_end", "exclude_start", "exclude_en
 ROW, SUFFIX_START, SUFFIX_END, EXCLUDE_START, EXCLUDE_END, DEPTH, BUDGET, DEPTH_RESERVE, REMEMBER = range(9)
 SETTINGS = ("max_match", "samples", "context_samples", "leader_len", "follower_len", "max_followers", "buckets",
             "stop", "window")  # fmt: skip
+
+_RO_FOLLOWERS = types.Array(types.int32, 2, "C", readonly=True)
+_RO_PROBS = types.Array(types.uint16, 2, "C", readonly=True)
+_RO_OFFSETS = types.Array(types.int64, 1, "C", readonly=True)
+
+
+def _read_only(a: np.ndarray, dtype: type) -> np.ndarray:
+    out: np.ndarray = np.ascontiguousarray(a, dtype=dtype).view()
+    out.flags.writeable = False
+    return out
+
+
+def prior_args(
+    orders: np.ndarray,
+    keys: np.ndarray,
+    owner: np.ndarray,
+    slot: np.ndarray,
+    tables: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
+) -> tuple:
+    """A static prior as :func:`draft_batch` takes it: leader lengths per table (longest
+    first), every table's leader hashes sorted (``keys``) with the table (``owner``) and leader
+    (``slot``) of each, and per table ``(offsets, followers, probability bits)`` as
+    :meth:`~indexer.ngram_table.NgramTable.search_arrays` gives them. All read-only views in
+    typed lists, so built, loaded and memory-mapped priors, and no prior (empty ones), are one
+    type to the compiler: one compiled step serves them all."""
+    offsets = typed.List.empty_list(_RO_OFFSETS)
+    followers = typed.List.empty_list(_RO_FOLLOWERS)
+    probs = typed.List.empty_list(_RO_PROBS)
+    for off, fol, bits in tables:
+        offsets.append(_read_only(off, np.int64))
+        followers.append(_read_only(fol, np.int32))
+        probs.append(_read_only(bits, np.uint16))
+    return (
+        _read_only(orders, np.int64), _read_only(keys, np.uint64), _read_only(owner, np.int64),
+        _read_only(slot, np.int64), offsets, followers, probs,
+    )  # fmt: skip
+
+
+@functools.cache
+def no_prior() -> tuple:
+    """:func:`prior_args` of a namespace without a static prior (made once)."""
+    empty = np.zeros(0, dtype=np.int64)
+    return prior_args(empty, np.zeros(0, dtype=np.uint64), empty, empty, [])
 
 
 @njit(cache=True, nogil=True)
@@ -129,19 +173,6 @@ def _put(
     meta[p, 0], meta[p, 1], meta[p, 2], meta[p, 3] = kept, w, 1 if per_cell else 0, tier
     confs[p] = conf
     at[0], at[1], at[2] = p + 1, ro, vo
-
-
-@njit(cache=True, nogil=True)
-def _extra_starts(extra_meta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Where each ready-made part's tokens and values start."""
-    n_extra = extra_meta.shape[0]
-    extra_ro = np.zeros(n_extra + 1, dtype=np.int64)
-    extra_vo = np.zeros(n_extra + 1, dtype=np.int64)
-    for e in range(n_extra):
-        cells = extra_meta[e, 0] * extra_meta[e, 1]
-        extra_ro[e + 1] = extra_ro[e] + cells
-        extra_vo[e + 1] = extra_vo[e] + (cells if extra_meta[e, 2] else extra_meta[e, 0])
-    return extra_ro, extra_vo
 
 
 @njit(cache=True, nogil=True)
@@ -222,11 +253,11 @@ def _draft_one(j: int, args: tuple, out: tuple) -> None:
     state, when it remembers, and a session has one such tree a call), so the trees may be
     drafted in any order, or at once."""
     (
-        jobs, min_score, suffix, exclude, extra_rows, extra_vals, extra_meta, extra_offsets, i32, i64,
-        main_tokens, main_sa, run_tokens, run_sa, run_offsets, table_keys, table_offsets,
-        table_followers, table_probs, table_ll, main_serial, settings, half, hits, pred
+        jobs, min_score, suffix, exclude, prior_orders, prior_keys, prior_owner, prior_slot, prior_offsets,
+        prior_followers, prior_probs, i32, i64, main_tokens, main_sa, run_tokens, run_sa, run_offsets, table_keys,
+        table_offsets, table_followers, table_probs, table_ll, main_serial, settings, half, hits, pred
     ) = args  # fmt: skip
-    extra_ro, extra_vo, tokens, parents, sources, scores, slot, sizes, first_tok, guess, lengths, _ = out
+    tokens, parents, sources, scores, slot, sizes, first_tok, guess, lengths, _ = out
     n_tiers = half.size
     max_match, samples, ctx_samples = settings[0], settings[1], settings[2]
     leader_len, follower_len, max_followers = settings[3], settings[4], settings[5]
@@ -255,15 +286,22 @@ def _draft_one(j: int, args: tuple, out: tuple) -> None:
     if best > 0 and table_ll > 0 and best <= table_ll:
         leader = find_leader(ctx, table_ll, table_keys)
     exact_rest, n_x = _exact_rest(i32[row * I32_PER_ROW + EXACT], state, ctx, depth, jobs[j, REMEMBER] != 0)
-    e0, e1 = extra_offsets[j], extra_offsets[j + 1]
-    bound_r = rows_c.size + rows_d.size + rows_r.size + rows_l.size + exact_rest.size + extra_ro[e1] - extra_ro[e0]
+    hit = find_longest_leader(ctx, prior_orders, prior_keys, prior_owner)
+    p_table, p_lo, p_hi = 0, 0, 0
+    if hit >= 0:
+        p_table = prior_owner[hit]
+        p_offsets = prior_offsets[p_table]
+        p_lo, p_hi = p_offsets[prior_slot[hit]], p_offsets[prior_slot[hit] + 1]
+    bound_r = rows_c.size + rows_d.size + rows_r.size + rows_l.size + exact_rest.size
+    if hit >= 0:
+        bound_r += (p_hi - p_lo) * prior_followers[p_table].shape[1]
     if leader >= 0:
         bound_r += (table_offsets[leader + 1] - table_offsets[leader]) * table_followers.shape[1]
-    bound_v = bound_r + rows_c.shape[0] + rows_d.shape[0] + rows_r.shape[0] + rows_l.shape[0] + 1 + e1 - e0
+    bound_v = bound_r + rows_c.shape[0] + rows_d.shape[0] + rows_r.shape[0] + rows_l.shape[0] + 1
     rows_flat = np.empty(bound_r, dtype=np.int32)
     vals_flat = np.empty(bound_v)
-    meta = np.zeros((6 + e1 - e0, 4), dtype=np.int64)
-    confs = np.zeros(6 + e1 - e0)
+    meta = np.zeros((6, 4), dtype=np.int64)  # at most a part per tier, one of the two lifetime tiers
+    confs = np.zeros(6)
     if n_c > 0:
         conf_of[CONTEXT] = _confidence(CONTEXT, n_c, half, hits, pred, buckets)
         lengths[j, CONTEXT] = n_c
@@ -292,19 +330,13 @@ def _draft_one(j: int, args: tuple, out: tuple) -> None:
         lengths[j, LIFETIME_SA] = best
         _put(rows_l, w_l.reshape((-1, 1)), False, LIFETIME_SA, conf_of[LIFETIME_SA], excl, rows_flat, vals_flat,
              meta, confs, at)  # fmt: skip
-    for e in range(e0, e1):
-        k, w, per_cell, tier, n = (
-            extra_meta[e, 0],
-            extra_meta[e, 1],
-            extra_meta[e, 2] != 0,
-            extra_meta[e, 3],
-            extra_meta[e, 4],
-        )
-        rows = extra_rows[extra_ro[e] : extra_ro[e + 1]].reshape((k, w))
-        vals = extra_vals[extra_vo[e] : extra_vo[e + 1]].reshape((k, w if per_cell else 1))
-        conf_of[tier] = _confidence(tier, n, half, hits, pred, buckets)
-        lengths[j, tier] = n
-        _put(rows, vals, per_cell, tier, conf_of[tier], excl, rows_flat, vals_flat, meta, confs, at)
+    if hit >= 0:
+        n_p = prior_orders[p_table]
+        conf_of[PRIOR] = _confidence(PRIOR, n_p, half, hits, pred, buckets)
+        lengths[j, PRIOR] = n_p
+        probs = half_to_float(prior_probs[p_table][p_lo:p_hi])
+        _put(prior_followers[p_table][p_lo:p_hi], probs, True, PRIOR, conf_of[PRIOR], excl, rows_flat, vals_flat,
+             meta, confs, at)  # fmt: skip
     if n_x > 0:
         conf_of[EXACT_TIER] = _confidence(EXACT_TIER, n_x, half, hits, pred, buckets)
         lengths[j, EXACT_TIER] = n_x
@@ -353,7 +385,7 @@ def _main_prior(state: np.ndarray, size: int, serial: int) -> tuple[int, int, in
 @njit(cache=True, nogil=True)
 def _remember(j: int, state: np.ndarray, i32: Any, at: int, out: tuple) -> None:
     """Tree ``j``'s session keeps it, and its first guesses, until the outcome comes."""
-    _, _, tokens, parents, sources, scores, slot, sizes, first_tok, guess, lengths, grown = out
+    tokens, parents, sources, scores, slot, sizes, first_tok, guess, lengths, grown = out
     a, k = slot[j], sizes[j]
     held = i32[at]
     kept = write_tree(held, state, tokens[a : a + k], parents[a : a + k], sources[a : a + k], scores[a : a + k])
@@ -368,11 +400,10 @@ def _remember(j: int, state: np.ndarray, i32: Any, at: int, out: tuple) -> None:
 
 
 @njit(cache=True, nogil=True)
-def _outputs(jobs: np.ndarray, extra_meta: np.ndarray, n_tiers: int) -> tuple:
-    """What :func:`_draft_one` reads besides the arguments and writes: the parts' starts, each
-    tree's slot, the tree buffers, the trees' sizes and the per-tier guesses."""
+def _outputs(jobs: np.ndarray, n_tiers: int) -> tuple:
+    """What :func:`_draft_one` reads besides the arguments and writes: each tree's slot, the
+    tree buffers, the trees' sizes and the per-tier guesses."""
     n_jobs = jobs.shape[0]
-    extra_ro, extra_vo = _extra_starts(extra_meta)
     slot = _slots(jobs)
     tokens, parents, sources, scores = tree_buffers(int(slot[n_jobs]))
     sizes = np.zeros(n_jobs, dtype=np.int64)
@@ -380,13 +411,13 @@ def _outputs(jobs: np.ndarray, extra_meta: np.ndarray, n_tiers: int) -> tuple:
     guess = np.zeros((n_jobs, n_tiers))
     lengths = np.zeros((n_jobs, n_tiers), dtype=np.int64)
     grown = np.zeros(n_jobs, dtype=np.int64)
-    return extra_ro, extra_vo, tokens, parents, sources, scores, slot, sizes, first_tok, guess, lengths, grown
+    return tokens, parents, sources, scores, slot, sizes, first_tok, guess, lengths, grown
 
 
 @njit(cache=True, nogil=True)
 def _results(out: tuple) -> tuple:
     """:func:`draft_batch`'s return value from the written outputs."""
-    _, _, tokens, parents, sources, scores, slot, sizes, first_tok, guess, lengths, grown = out
+    tokens, parents, sources, scores, slot, sizes, first_tok, guess, lengths, grown = out
     tokens, parents, sources, scores, offsets = _packed(tokens, parents, sources, scores, slot, sizes)
     return tokens, parents, sources, scores, offsets, first_tok, guess, lengths, grown
 
@@ -397,10 +428,13 @@ def draft_batch(
     min_score: np.ndarray,
     suffix: np.ndarray,
     exclude: np.ndarray,
-    extra_rows: np.ndarray,
-    extra_vals: np.ndarray,
-    extra_meta: np.ndarray,
-    extra_offsets: np.ndarray,
+    prior_orders: np.ndarray,
+    prior_keys: np.ndarray,
+    prior_owner: np.ndarray,
+    prior_slot: np.ndarray,
+    prior_offsets: Any,
+    prior_followers: Any,
+    prior_probs: Any,
     i32: Any,
     i64: Any,
     main_tokens: np.ndarray,
@@ -429,12 +463,12 @@ def draft_batch(
     ``exclude[exclude_start:exclude_end]`` are left out. With ``remember`` the session keeps
     the tree and its first guesses (until :func:`~indexer.kernels.accept.accept_batch` takes
     the outcome), how far its output agrees with an exact-prompt response and the match lengths
-    its own-context and lifetime-suffix searches found (where the next step's searches start). The session gives its own
-    context (prompt index and the rest), dynamic followers from ``settings``' window of the
-    prompt on, rejected table and exact-prompt response; the static prior's parts come ready
-    as ``extra_meta[extra_offsets[j]:extra_offsets[j + 1]]`` (columns rows, width, per_cell,
-    tier, match length; tokens and values end to end in ``extra_rows`` and ``extra_vals``).
-    Parts merge in tier order: own context, dynamic, rejected, lifetime, the ready parts, exact.
+    its own-context and lifetime-suffix searches found (where the next step's searches start).
+    The session gives its own context (prompt index and the rest), dynamic followers from
+    ``settings``' window of the prompt on, rejected table and exact-prompt response. The static
+    prior (the ``prior_*`` arguments, see :func:`prior_args`) answers with the followers of the
+    longest of its leaders the context ends with. Parts merge in tier order: own context,
+    dynamic, rejected, lifetime, prior, exact.
 
     The lifetime memory is the main suffix index and its delta runs (see
     :func:`~indexer.kernels.search.stacked_continuations`) plus the frozen table over the main
@@ -452,11 +486,11 @@ def draft_batch(
     tree buffer had to grow (the store holds the new one).
     """
     args = (
-        jobs, min_score, suffix, exclude, extra_rows, extra_vals, extra_meta, extra_offsets, i32, i64,
-        main_tokens, main_sa, run_tokens, run_sa, run_offsets, table_keys, table_offsets,
-        table_followers, table_probs, table_ll, main_serial, settings, half, hits, pred
+        jobs, min_score, suffix, exclude, prior_orders, prior_keys, prior_owner, prior_slot, prior_offsets,
+        prior_followers, prior_probs, i32, i64, main_tokens, main_sa, run_tokens, run_sa, run_offsets, table_keys,
+        table_offsets, table_followers, table_probs, table_ll, main_serial, settings, half, hits, pred
     )  # fmt: skip
-    out = _outputs(jobs, extra_meta, half.size)
+    out = _outputs(jobs, half.size)
     for j in range(jobs.shape[0]):
         _draft_one(j, args, out)
     return _results(out)
@@ -468,10 +502,13 @@ def draft_batch_parallel(
     min_score: np.ndarray,
     suffix: np.ndarray,
     exclude: np.ndarray,
-    extra_rows: np.ndarray,
-    extra_vals: np.ndarray,
-    extra_meta: np.ndarray,
-    extra_offsets: np.ndarray,
+    prior_orders: np.ndarray,
+    prior_keys: np.ndarray,
+    prior_owner: np.ndarray,
+    prior_slot: np.ndarray,
+    prior_offsets: Any,
+    prior_followers: Any,
+    prior_probs: Any,
     i32: Any,
     i64: Any,
     main_tokens: np.ndarray,
@@ -498,11 +535,11 @@ def draft_batch_parallel(
     each other's machine code. A test holds the two parameter lists equal.
     """
     args = (
-        jobs, min_score, suffix, exclude, extra_rows, extra_vals, extra_meta, extra_offsets, i32, i64,
-        main_tokens, main_sa, run_tokens, run_sa, run_offsets, table_keys, table_offsets,
-        table_followers, table_probs, table_ll, main_serial, settings, half, hits, pred
+        jobs, min_score, suffix, exclude, prior_orders, prior_keys, prior_owner, prior_slot, prior_offsets,
+        prior_followers, prior_probs, i32, i64, main_tokens, main_sa, run_tokens, run_sa, run_offsets, table_keys,
+        table_offsets, table_followers, table_probs, table_ll, main_serial, settings, half, hits, pred
     )  # fmt: skip
-    out = _outputs(jobs, extra_meta, half.size)
+    out = _outputs(jobs, half.size)
     for j in prange(jobs.shape[0]):
         _draft_one(j, args, out)
     return _results(out)

@@ -8,7 +8,10 @@ import numpy as np
 import pytest
 
 from cache_service import prior_files
+from indexer import kernels
+from indexer.drafter import DrafterConfig, DraftParams, NamespaceDrafter
 from indexer.prior import PriorConfig, StaticPrior
+from indexer.tokens import Namespace
 
 
 def _prior() -> StaticPrior:
@@ -32,6 +35,34 @@ def test_mapped_prior_answers_like_the_original(tmp_path: Path) -> None:
         if a is not None and b is not None:
             assert (a.order, a.rows.tolist(), a.probs.tolist()) == (b.order, b.rows.tolist(), b.probs.tolist())
     assert mapped.source_tokens == prior.source_tokens and mapped.nbytes == prior.nbytes
+
+
+def test_built_restored_and_mapped_priors_draft_the_same_trees_with_one_compiled_step(tmp_path: Path) -> None:
+    """The draft step reads the prior's tables where they lie (mapped pages, not copies), and a
+    prior of any origin, or none, is one type to it: swapping priors never compiles on a request."""
+    prior = _prior()
+    folder = tmp_path / "ns" / "v1"
+    prior_files.save(prior, folder)
+    variants = {
+        "built": prior,
+        "restored": StaticPrior.from_bytes(prior.to_bytes()),
+        "mapped": prior_files.load(folder),
+    }
+    mapped_followers = variants["mapped"].tables[0].arrays()["followers"]
+    assert np.shares_memory(variants["mapped"].kernel_args[5][0], mapped_followers)
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, 30, int(rng.integers(2, 40))).astype(np.int32) for _ in range(12)]
+    trees = {}
+    compiled = None
+    for name, p in [*variants.items(), ("none", None)]:
+        drafter = NamespaceDrafter(Namespace(name="ns", vocab_size=30), DrafterConfig(), p)
+        sessions = [drafter.open(prompt) for prompt in prompts]
+        got = drafter.draft_many([(s, DraftParams()) for s in sessions])
+        trees[name] = [(t.tokens.tolist(), t.parents.tolist(), t.scores.tolist()) for t in got]
+        if compiled is None:
+            compiled = len(kernels.draft_batch.signatures)
+        assert len(kernels.draft_batch.signatures) == compiled, name
+    assert trees["built"] == trees["restored"] == trees["mapped"] != trees["none"]
 
 
 def test_saving_is_all_or_nothing_and_a_second_save_is_a_no_op(tmp_path: Path) -> None:
