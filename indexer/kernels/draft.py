@@ -287,14 +287,13 @@ def _draft_one(j: int, args: tuple, out: tuple) -> None:
         leader = find_leader(ctx, table_ll, table_keys)
     exact_rest, n_x = _exact_rest(i32[row * I32_PER_ROW + EXACT], state, ctx, depth, jobs[j, REMEMBER] != 0)
     hit = find_longest_leader(ctx, prior_orders, prior_keys, prior_owner)
-    p_table, p_lo, p_hi = 0, 0, 0
+    p_table, p_lo, p_hi, p_cells = 0, 0, 0, 0
     if hit >= 0:
         p_table = prior_owner[hit]
         p_offsets = prior_offsets[p_table]
         p_lo, p_hi = p_offsets[prior_slot[hit]], p_offsets[prior_slot[hit] + 1]
-    bound_r = rows_c.size + rows_d.size + rows_r.size + rows_l.size + exact_rest.size
-    if hit >= 0:
-        bound_r += (p_hi - p_lo) * prior_followers[p_table].shape[1]
+        p_cells = (p_hi - p_lo) * prior_followers[p_table].shape[1]
+    bound_r = rows_c.size + rows_d.size + rows_r.size + rows_l.size + exact_rest.size + p_cells
     if leader >= 0:
         bound_r += (table_offsets[leader + 1] - table_offsets[leader]) * table_followers.shape[1]
     bound_v = bound_r + rows_c.shape[0] + rows_d.shape[0] + rows_r.shape[0] + rows_l.shape[0] + 1
