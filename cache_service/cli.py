@@ -96,10 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add(r, "--min-score", type=float, default=0.0)
     _add(r, "--limit", type=int, default=None, help="replay only the first N conversations")
     _add(r, "--vocab-size", type=int, default=None, help="default: the tokenizer's, else the traces' max id + 1")
-    _add(r, "--baselines", default="", help="comma list: prompt-lookup,suffix-decoding")
+    _add(r, "--baselines", default="", help="comma list: prompt-lookup,suffix-decoding,rest")
     _add(r, "--lookahead", type=int, default=0, help="pre-speculation: outcomes drafted ahead per step")
     _add(r, "--suffix-factor", type=float, default=8.0)
     _add(r, "--suffix-min-prob", type=float, default=0.01)
+    _add(r, "--rest-datastore", type=Path, default=None, help="REST's datastore (built from --warm-corpus if missing)")
     _add(r, "--prior", type=Path, default=None, help="a prior file written by 'draftcache warm'")
     _add(r, "--warm-corpus", type=Path, default=None, help="warm a prior from this corpus first")
     _add(r, "--corpus-format", default="sharegpt", choices=warm.FORMATS)
@@ -410,6 +411,18 @@ def _replay_prior(a: argparse.Namespace, vocab_size: int) -> StaticPrior | None:
     return prior
 
 
+def _ensure_rest_datastore(a: argparse.Namespace) -> None:
+    """Build REST's datastore from the warming corpus unless the file is there already."""
+    path = a.rest_datastore
+    if path is None or path.exists():
+        return
+    if a.warm_corpus is None or a.tokenizer is None:
+        raise ValueError(f"{path} does not exist; --warm-corpus and --tokenizer build it")
+    logger.info("building REST's datastore %s from %s", path, a.warm_corpus)
+    tokens = replay_bench.build_rest_datastore(a.warm_corpus, a.corpus_format, a.tokenizer, path)
+    logger.info("REST's datastore: %d tokens", tokens)
+
+
 def cmd_replay(a: argparse.Namespace) -> int:
     config = replay_bench.ReplayConfig(
         params=DraftParams(budget=a.budget, max_depth=a.max_depth, min_score=a.min_score),
@@ -417,9 +430,12 @@ def cmd_replay(a: argparse.Namespace) -> int:
         baselines=tuple(b for b in str(a.baselines).split(",") if b),
         suffix_factor=a.suffix_factor,
         suffix_min_prob=a.suffix_min_prob,
+        rest_datastore=a.rest_datastore,
         lookahead=a.lookahead,
     )
     conversations = read_traces(a.traces, limit=a.limit)
+    if "rest" in config.baselines:
+        _ensure_rest_datastore(a)
     if not conversations:
         raise ValueError(f"{a.traces}: no conversations")
     vocab = a.vocab_size

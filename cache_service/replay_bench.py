@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cache_service import warm
 from decoder_client.baselines import (
     EngineDrafter,
     PromptLookupDrafter,
+    RestDrafter,
     SuffixDecodingDrafter,
+    rest_available,
     suffix_decoding_available,
 )
 from decoder_client.replay import ReplayDrafter, ReplayStats, replay
@@ -22,7 +26,7 @@ from indexer.tokens import Namespace
 
 logger = logging.getLogger(__name__)
 
-BASELINES = ("prompt-lookup", "suffix-decoding")
+BASELINES = ("prompt-lookup", "suffix-decoding", "rest")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,6 +37,9 @@ class ReplayConfig:
     # SuffixDecoding's best setting on our traces (its vLLM default is factor 1.0, p 0.1).
     suffix_factor: float = 8.0
     suffix_min_prob: float = 0.01
+    # REST: a draftretriever datastore file (see build_rest_datastore); its tree holds at most
+    # as many nodes as ours (params.budget; REST's default is 64 too).
+    rest_datastore: Path | None = None
     include_engine: bool = True  # off when draftcache is replayed through a remote service
     lookahead: int = 0  # pre-speculation: outcomes drafted ahead per step
 
@@ -42,6 +49,8 @@ class ReplayConfig:
             raise ValueError(f"unknown baselines {sorted(unknown)}; choose from {', '.join(BASELINES)}")
         if self.suffix_factor <= 0 or not 0 <= self.suffix_min_prob < 1:
             raise ValueError("suffix_factor must be > 0 and suffix_min_prob in [0, 1)")
+        if "rest" in self.baselines and self.rest_datastore is None:
+            raise ValueError("the rest baseline needs a datastore (--rest-datastore)")
 
 
 def namespace_of(conversations: list[Conversation], vocab_size: int | None) -> Namespace:
@@ -73,7 +82,44 @@ def drafters(namespace: Namespace, config: ReplayConfig, prior: StaticPrior | No
             )
         else:
             logger.warning("suffix-decoding baseline skipped: pip install arctic-inference==0.3.0")
+    if "rest" in config.baselines and config.rest_datastore is not None:
+        if rest_available():
+            out.append(RestDrafter(str(config.rest_datastore), choices=config.params.budget))
+        else:
+            logger.warning("rest baseline skipped: pip install draftretriever==0.1.1")
     return out
+
+
+def build_rest_datastore(corpus: Path, fmt: str, tokenizer: Path, out: Path, *, batch: int = 2048) -> int:
+    """Write REST's datastore for a corpus to ``out``: every document (of a ShareGPT corpus,
+    every turn, as REST's chat datastore holds) tokenized and added as one entry, then
+    suffix-sorted by ``draftretriever``. Returns the tokens written. The file appears whole or
+    not at all."""
+    import draftretriever
+
+    encode, vocab = warm.load_tokenizer(tokenizer)
+    tmp = out.with_name(out.name + ".tmp")
+    total = 0
+    writer = draftretriever.Writer(str(tmp), vocab_size=vocab)
+    try:
+        docs = warm.read_corpus(corpus, fmt, every_turn=True)
+        while chunk := [d for _, d in zip(range(batch), docs, strict=False)]:
+            for ids in encode(chunk):
+                if ids and (min(ids) < 0 or max(ids) >= vocab):
+                    raise warm.CorpusError(f"tokenizer produced ids outside [0, {vocab})")
+                if ids:
+                    writer.add_entry(ids)
+                    total += len(ids)
+        if total == 0:
+            raise warm.CorpusError(f"{corpus}: the corpus holds no documents")
+        writer.finalize()
+    except BaseException:
+        del writer  # it writes its file when dropped: drop it before removing that file
+        tmp.unlink(missing_ok=True)
+        raise
+    del writer
+    os.replace(tmp, out)
+    return total
 
 
 def ensure_namespace(target: str, namespace: Namespace) -> None:

@@ -63,15 +63,16 @@ def load_tokenizer(path: str | Path) -> tuple[Encoder, int]:
     return encode, int(tok.get_vocab_size(with_added_tokens=True))
 
 
-def read_corpus(path: str | Path, fmt: str) -> Iterator[str]:
-    """Documents of a corpus file, in order."""
+def read_corpus(path: str | Path, fmt: str, *, every_turn: bool = False) -> Iterator[str]:
+    """Documents of a corpus file, in order: of a ShareGPT corpus its assistant turns, or with
+    ``every_turn`` all its turns."""
     path = Path(path)
     if fmt not in FORMATS:
         raise CorpusError(f"unknown corpus format {fmt!r}; expected one of {', '.join(FORMATS)}")
     try:
         with _opened(path) as fh:
             if fmt == "sharegpt":
-                yield from _sharegpt(json.load(fh), path)
+                yield from _sharegpt(json.load(fh), path, every_turn)
             elif fmt == "jsonl":
                 for lineno, line in enumerate(fh, 1):
                     if line.strip():
@@ -101,10 +102,12 @@ def _sharegpt_turns(data: object, path: Path) -> Iterator[tuple[str, list]]:
         yield str(conv.get("id", i)), turns
 
 
-def _sharegpt(data: object, path: Path) -> Iterator[str]:
+def _sharegpt(data: object, path: Path, every_turn: bool) -> Iterator[str]:
     for _, turns in _sharegpt_turns(data, path):
         for turn in turns:
-            if isinstance(turn, dict) and turn.get("from") == "gpt" and isinstance(turn.get("value"), str):
+            if not isinstance(turn, dict) or not isinstance(turn.get("value"), str):
+                continue
+            if every_turn or turn.get("from") == "gpt":
                 yield turn["value"]
 
 

@@ -1,5 +1,5 @@
-"""Drafters to replay side by side: ours in-process, prompt lookup, and SuffixDecoding
-(``arctic-inference``, optional)."""
+"""Drafters to replay side by side: ours in-process, prompt lookup, and the peers SuffixDecoding
+(``arctic-inference``) and REST (``draftretriever``), both optional."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import numpy as np
 
 from indexer.drafter import DraftParams, NamespaceDrafter, Session
 from indexer.prompt_lookup import prompt_lookup
-from indexer.tree_builder import DraftTree
+from indexer.tree_builder import DraftTree, Tier
 
 
 class EngineDrafter:
@@ -134,6 +134,87 @@ class SuffixDecodingDrafter:
 def suffix_decoding_available() -> bool:
     try:
         import arctic_inference.suffix_decoding  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class RestDrafter:
+    """REST (retrieval-based speculative decoding) over a ``draftretriever`` datastore built from
+    a static corpus, driven as REST drives it: the context's last ``max_span`` tokens are looked
+    up, then one fewer, down to ``min_span``, until the retriever returns paths, and the trie of
+    those paths (at most ``choices`` nodes) is the tree. The datastore does not learn from the
+    requests. (PyPI's ``draftretriever`` 0.1.1 is ADED's build of REST's retriever: a tri-gram
+    table searched by MCTS, same interface.)"""
+
+    def __init__(self, datastore: str, *, choices: int = 64, max_span: int = 16, min_span: int = 2) -> None:
+        import draftretriever  # optional extra
+
+        if not 2 <= min_span <= max_span or choices < 1:  # the retriever aborts on a 1-token query
+            raise ValueError("REST needs 2 <= min_span <= max_span and choices >= 1")
+        self.name = f"rest(choices={choices},span={max_span}..{min_span})"
+        self._reader = draftretriever.Reader(index_file_path=datastore)
+        self._span = (max_span, min_span)
+        self._choices = choices
+        self._ctx = np.zeros(0, dtype=np.int32)
+        self.uncut = 0  # lookups whose trie the retriever could not cut to `choices` nodes
+
+    def start(self, prompt: np.ndarray) -> None:
+        self._ctx = prompt.copy()
+
+    def propose(self) -> DraftTree:
+        max_span, min_span = self._span
+        for span in range(min(max_span, self._ctx.size), min_span - 1, -1):
+            try:
+                paths = self._reader.search(self._ctx[-span:].tolist(), choices=self._choices)[0]
+            except ValueError:  # too many prefixes tied at the cut: try a shorter span
+                self.uncut += 1
+                continue
+            if paths:
+                return tree_of_paths(paths)
+        return DraftTree.empty()
+
+    def advance(self, tokens: np.ndarray) -> None:
+        self._ctx = np.concatenate((self._ctx, tokens))
+
+    def finish(self, commit_from: int) -> None:
+        self._ctx = np.zeros(0, dtype=np.int32)
+
+
+def tree_of_paths(paths: list[list[int]]) -> DraftTree:
+    """The trie of token paths (negative ids pad a path's end), nodes in first-seen order, so a
+    parent precedes its children.
+
+    >>> t = tree_of_paths([[5, 6, -2], [5, 7, 8], [9, -2, -2]])
+    >>> t.tokens.tolist(), t.parents.tolist()
+    ([5, 6, 7, 8, 9], [-1, 0, 0, 2, -1])
+    """
+    nodes: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
+    tokens: list[int] = []
+    parents: list[int] = []
+    for path in paths:
+        at = -1
+        for tok in path:
+            if tok < 0:
+                break
+            node = nodes.get((at, tok))
+            if node is None:
+                node = nodes[(at, tok)] = len(tokens)
+                tokens.append(tok)
+                parents.append(at)
+            at = node
+    n = len(tokens)
+    return DraftTree(
+        np.asarray(tokens, dtype=np.int32),
+        np.asarray(parents, dtype=np.int32),
+        np.full(n, Tier.PRIOR, dtype=np.uint8),
+        np.ones(n, dtype=np.float32),
+    )
+
+
+def rest_available() -> bool:
+    try:
+        import draftretriever  # noqa: F401
     except ImportError:
         return False
     return True

@@ -165,3 +165,69 @@ def test_warm_rejects_a_wrong_tokenizer(tmp_path: Path, capsys: pytest.CaptureFi
     assert main(args) == 2
     assert "tokenizer" in capsys.readouterr().err
     assert not out.exists()
+
+
+def _tokens(tokenizer: Path, text: str) -> list[int]:
+    from cache_service.warm import load_tokenizer
+
+    return load_tokenizer(tokenizer)[0]([text])[0]
+
+
+def test_replay_beside_rest_builds_its_datastore_from_every_turn(
+    tmp_path: Path, llama_tokenizer: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("draftretriever")
+    story = "Once upon a time there was a little cache that remembered every token it had ever seen."
+    question = "Please tell me the story about the little cache and what it remembered."
+    corpus = tmp_path / "c.json.gz"
+    with gzip.open(corpus, "wt") as fh:  # the story only as a user's turn: REST keeps every turn
+        turns = [{"from": "human", "value": story}, {"from": "gpt", "value": "ok"}]
+        json.dump([{"id": "0", "conversations": turns}], fh)
+    traces = _write_traces(
+        tmp_path / "t.jsonl.gz",
+        [
+            {
+                "id": "s",
+                "namespace": "llama2",
+                "category": "story",
+                "segments": [
+                    {"kind": "input", "tokens": _tokens(llama_tokenizer, question)},
+                    {"kind": "output", "tokens": _tokens(llama_tokenizer, story)},
+                ],
+            }
+        ],
+    )
+    store = tmp_path / "rest.idx"
+    args = ["replay", str(traces), "--baselines", "prompt-lookup,rest", "--rest-datastore", str(store)]
+    args += ["--warm-corpus", str(corpus), "--tokenizer", str(llama_tokenizer), "--json"]
+    assert main(args) == 0
+    assert store.exists() and not store.with_name(store.name + ".tmp").exists()
+    results = {r["drafter"].split("(")[0]: r for r in json.loads(capsys.readouterr().out)["results"]}
+    assert set(results) == {"draftcache", "prompt-lookup", "rest"}
+    # The output is the corpus's text: REST drafts it, prompt lookup has nothing to copy from.
+    assert results["rest"]["mat"] > 1.5 > results["prompt-lookup"]["mat"]
+    assert main([*args[:-1], "--json"]) == 0  # a second run reads the datastore it built
+
+
+def test_rest_needs_a_datastore_or_a_corpus(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("draftretriever")
+    traces = _write_traces(tmp_path / "t.jsonl.gz", CONVERSATIONS)
+    assert main(["replay", str(traces), "--baselines", "rest"]) == 2
+    assert "--rest-datastore" in capsys.readouterr().err
+    missing = tmp_path / "none.idx"
+    assert main(["replay", str(traces), "--baselines", "rest", "--rest-datastore", str(missing)]) == 2
+    assert "--warm-corpus" in capsys.readouterr().err and not missing.exists()
+
+
+def test_rest_datastore_from_a_corrupt_corpus_is_refused(tmp_path: Path, llama_tokenizer: Path) -> None:
+    pytest.importorskip("draftretriever")
+    from cache_service.replay_bench import build_rest_datastore
+    from cache_service.warm import CorpusError
+
+    corpus = tmp_path / "c.json.gz"
+    full = gzip.compress(json.dumps([{"conversations": [{"from": "gpt", "value": "x" * 5000}]}]).encode())
+    corpus.write_bytes(full[: len(full) // 2])
+    out = tmp_path / "rest.idx"
+    with pytest.raises(CorpusError, match=r"c\.json\.gz"):
+        build_rest_datastore(corpus, "sharegpt", llama_tokenizer, out)
+    assert not out.exists() and not out.with_name(out.name + ".tmp").exists()
