@@ -22,7 +22,7 @@ from cache_service.app import connect
 from cache_service.embedded_redis import free_port
 from cache_service.storage.redis_store import RedisStore
 from indexer.prior import PriorConfig, StaticPrior
-from tests.service.test_serve_metrics import _healthy
+from tests.service.test_serve_metrics import READY_S, _healthy
 
 
 def _free_pair() -> int:
@@ -80,6 +80,21 @@ def _drafts(metrics_port: int) -> float:
     return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith("draftcache_drafts_total"))
 
 
+def _both_up(metrics_port: int, proc: subprocess.Popen[bytes]) -> None:
+    """Wait until both workers serve their metrics (each starts them just before it reports
+    serving; the port's health answers as soon as either does)."""
+    deadline = time.monotonic() + READY_S
+    for port in (metrics_port, metrics_port + 1):
+        while True:
+            try:
+                _drafts(port)
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+
+
 def _draft_on_new_connections(target: str, n: int) -> None:
     for _ in range(n):  # a new channel is a new connection: the kernel picks a worker for it
         with grpc.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)]) as ch:
@@ -106,6 +121,7 @@ def test_two_workers_share_the_port_and_a_dead_one_is_replaced(tmp_path: Path) -
     target = f"127.0.0.1:{port}"
     try:
         _healthy(target, proc)
+        _both_up(metrics, proc)
         with grpc.insecure_channel(target) as ch:
             pb_grpc.AdminStub(ch).CreateNamespace(pb.CreateNamespaceRequest(name="toy", vocab_size=50))
         _draft_on_new_connections(target, 16)
