@@ -3,6 +3,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing as mp
+from multiprocessing.connection import Connection
+
 import numpy as np
 
 from indexer.drafter import DraftParams, NamespaceDrafter, Session
@@ -145,28 +149,36 @@ class RestDrafter:
     up, then one fewer, down to ``min_span``, until the retriever returns paths, and the trie of
     those paths (at most ``choices`` nodes) is the tree. The datastore does not learn from the
     requests. (PyPI's ``draftretriever`` 0.1.1 is ADED's build of REST's retriever: a tri-gram
-    table searched by MCTS, same interface.)"""
+    table searched by MCTS, same interface.)
 
-    def __init__(self, datastore: str, *, choices: int = 64, max_span: int = 16, min_span: int = 2) -> None:
-        import draftretriever  # optional extra
+    The retriever runs in a child process replaced between requests once it has searched
+    ``recycle`` times: the library keeps ~75 KB per search for good (measured), which a long
+    replay would pile up into tens of GB. A draft's time includes the round trip to the child.
+    """
 
-        if not 2 <= min_span <= max_span or choices < 1:  # the retriever aborts on a 1-token query
-            raise ValueError("REST needs 2 <= min_span <= max_span and choices >= 1")
+    def __init__(
+        self, datastore: str, *, choices: int = 64, max_span: int = 16, min_span: int = 2, recycle: int = 20_000
+    ) -> None:
+        if not 2 <= min_span <= max_span or choices < 1 or recycle < 1:  # a 1-token query aborts the retriever
+            raise ValueError("REST needs 2 <= min_span <= max_span, choices >= 1 and recycle >= 1")
         self.name = f"rest(choices={choices},span={max_span}..{min_span})"
-        self._reader = draftretriever.Reader(index_file_path=datastore)
+        self._reader = _ChildReader(datastore)
         self._span = (max_span, min_span)
         self._choices = choices
+        self._recycle = recycle
         self._ctx = np.zeros(0, dtype=np.int32)
         self.uncut = 0  # lookups whose trie the retriever could not cut to `choices` nodes
 
     def start(self, prompt: np.ndarray) -> None:
+        if self._reader.searches >= self._recycle:
+            self._reader.restart()
         self._ctx = prompt.copy()
 
     def propose(self) -> DraftTree:
         max_span, min_span = self._span
         for span in range(min(max_span, self._ctx.size), min_span - 1, -1):
             try:
-                paths = self._reader.search(self._ctx[-span:].tolist(), choices=self._choices)[0]
+                paths = self._reader.search(self._ctx[-span:].tolist(), self._choices)
             except ValueError:  # too many prefixes tied at the cut: try a shorter span
                 self.uncut += 1
                 continue
@@ -179,6 +191,73 @@ class RestDrafter:
 
     def finish(self, commit_from: int) -> None:
         self._ctx = np.zeros(0, dtype=np.int32)
+
+    def close(self) -> None:
+        self._reader.close()
+
+
+class _ChildReader:
+    """A ``draftretriever.Reader`` in a child process, searched over a pipe."""
+
+    def __init__(self, datastore: str) -> None:
+        self._datastore = datastore
+        self._ctx = mp.get_context("spawn")
+        self.searches = 0
+        self._start()
+
+    def _start(self) -> None:
+        self._conn, child = self._ctx.Pipe()
+        self._proc = self._ctx.Process(target=_serve_reader, args=(self._datastore, child), daemon=True)
+        self._proc.start()
+        child.close()
+        ok, msg = self._conn.recv()  # the datastore loaded, or why not
+        if not ok:
+            self.close()
+            raise OSError(f"{self._datastore}: {msg}")
+        self.searches = 0
+
+    def search(self, query: list[int], choices: int) -> list[list[int]]:
+        self.searches += 1
+        try:
+            self._conn.send((query, choices))
+            ok, out = self._conn.recv()
+        except (EOFError, OSError) as exc:  # the retriever aborted: its panics end the process
+            self.restart()
+            raise RuntimeError(f"the REST retriever died searching {query[-4:]}...") from exc
+        if not ok:
+            raise ValueError(out)
+        return out
+
+    def restart(self) -> None:
+        self.close()
+        self._start()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):  # a child that died reads nothing
+            self._conn.send(None)
+        self._conn.close()
+        self._proc.join(timeout=5)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join()
+
+
+def _serve_reader(datastore: str, conn: Connection) -> None:
+    """The child: load the datastore, then answer searches until told to stop."""
+    try:
+        import draftretriever
+
+        reader = draftretriever.Reader(index_file_path=datastore)
+    except Exception as exc:  # reported to the parent, which raises it
+        conn.send((False, f"{type(exc).__name__}: {exc}"))
+        return
+    conn.send((True, None))
+    while (msg := conn.recv()) is not None:
+        query, choices = msg
+        try:
+            conn.send((True, reader.search(query, choices=choices)[0]))
+        except ValueError as exc:
+            conn.send((False, str(exc)))
 
 
 def tree_of_paths(paths: list[list[int]]) -> DraftTree:
