@@ -252,7 +252,13 @@ def _serve_reader(datastore: str, conn: Connection) -> None:
         conn.send((False, f"{type(exc).__name__}: {exc}"))
         return
     conn.send((True, None))
-    while (msg := conn.recv()) is not None:
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:  # the parent is gone
+            return
+        if msg is None:
+            return
         query, choices = msg
         try:
             conn.send((True, reader.search(query, choices=choices)[0]))
