@@ -210,7 +210,10 @@ class _ChildReader:
         self._proc = self._ctx.Process(target=_serve_reader, args=(self._datastore, child), daemon=True)
         self._proc.start()
         child.close()
-        ok, msg = self._conn.recv()  # the datastore loaded, or why not
+        try:
+            ok, msg = self._conn.recv()  # the datastore loaded, or why not
+        except EOFError:  # the library aborts its process on a file it cannot parse
+            ok, msg = False, "not a draftretriever datastore (the retriever died loading it)"
         if not ok:
             self.close()
             raise OSError(f"{self._datastore}: {msg}")

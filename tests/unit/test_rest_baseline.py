@@ -102,9 +102,13 @@ def test_a_retriever_that_dies_is_replaced(datastore: str) -> None:
         reader.close()
 
 
-def test_a_missing_datastore_is_an_error(tmp_path: Path) -> None:
+def test_a_missing_or_corrupt_datastore_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(OSError, match=r"nothing\.idx"):
         RestDrafter(str(tmp_path / "nothing.idx"))
+    junk = tmp_path / "junk.idx"
+    junk.write_bytes(np.random.default_rng(0).integers(0, 256, 1000, dtype=np.uint8).tobytes())
+    with pytest.raises(OSError, match="not a draftretriever datastore"):
+        RestDrafter(str(junk))
 
 
 @pytest.mark.parametrize("kwargs", [{"min_span": 1}, {"max_span": 1, "min_span": 2}, {"choices": 0}, {"recycle": 0}])
