@@ -132,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add(sv, "--max-batch", type=int, default=256)
     _add(sv, "--max-sessions", type=int, default=100_000)
     _add(sv, "--processes", type=int, default=1, help="server processes sharing the port (one per core)")
+    _add(sv, "--worker-ports", type=int, default=None, help="process i also serves port BASE + i alone")
     _add(sv, "--draft-threads", type=int, default=1, help="worker threads one batch's draft step is shared among")
     _add(sv, "--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
     _add(sv, "--metrics-host", default="0.0.0.0")
@@ -339,11 +340,14 @@ def cmd_serve(a: argparse.Namespace) -> int:
         metrics_port=a.metrics_port,
         metrics_host=a.metrics_host,
     )
-    if a.processes > 1:
-        from cache_service.workers import serve_processes
+    from cache_service.workers import check_ports, serve_processes
 
-        serve_processes(config, a.processes, log_format=a.log_format, verbose=a.verbose)
+    if a.processes > 1:
+        serve_processes(config, a.processes, worker_ports=a.worker_ports, log_format=a.log_format, verbose=a.verbose)
     else:
+        check_ports(config, 1, a.worker_ports)
+        if a.worker_ports is not None:
+            config = replace(config, server=replace(config.server, own_port=a.worker_ports))
         asyncio.run(serve(config))
     return 0
 

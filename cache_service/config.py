@@ -59,6 +59,7 @@ class ServerConfig:
 
     host: str = "127.0.0.1"
     port: int = 50051  # 0 picks a free port (tests)
+    own_port: int | None = None  # also listen here, on a port this process alone serves
     max_message_bytes: int = 64 << 20
     grace_s: float = 5.0  # drain time on shutdown
     tokens_file: Path | None = None  # bearer tokens (cache_service.auth); None: no authentication
@@ -68,6 +69,10 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         _range("port", self.port, 0, 65535)
+        if self.own_port is not None:
+            _range("own_port", self.own_port, 1, 65535)
+            if self.own_port == self.port:
+                raise ValueError(f"own_port must differ from port, both are {self.port}")
         _range("max_message_bytes", self.max_message_bytes, 1024, 1 << 31)
         if self.grace_s < 0:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")

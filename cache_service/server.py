@@ -81,13 +81,24 @@ async def create_server(config: ServerConfig, service: DraftService, observe: Ob
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((*SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    address = f"{config.host}:{config.port}"
     credentials = server_credentials(config)
-    port = server.add_insecure_port(address) if credentials is None else server.add_secure_port(address, credentials)
-    if port == 0:
-        raise OSError(f"could not bind {config.host}:{config.port}")
+
+    def bind(port: int) -> int:
+        address = f"{config.host}:{port}"
+        if credentials is None:
+            bound = server.add_insecure_port(address)
+        else:
+            bound = server.add_secure_port(address, credentials)
+        if bound == 0:
+            raise OSError(f"could not bind {address}")
+        return bound
+
+    port = bind(config.port)
+    if config.own_port is not None:
+        bind(config.own_port)
     await server.start()
     started = Server(server, port, health_servicer, drafts)
     await started.set_serving(False)
-    logger.info("draftcache listening on %s:%d", config.host, port)
+    own = "" if config.own_port is None else f" and {config.host}:{config.own_port} (this process alone)"
+    logger.info("draftcache listening on %s:%d%s", config.host, port, own)
     return started

@@ -15,12 +15,15 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+import pytest
 from draftcache.v1 import draftcache_pb2 as pb
 from draftcache.v1 import draftcache_pb2_grpc as pb_grpc
 
-from cache_service.app import connect
+from cache_service.app import AppConfig, connect
+from cache_service.config import ServerConfig
 from cache_service.embedded_redis import free_port
 from cache_service.storage.redis_store import RedisStore
+from cache_service.workers import check_ports
 from indexer.prior import PriorConfig, StaticPrior
 from tests.service.test_serve_metrics import READY_S, _healthy
 
@@ -114,9 +117,12 @@ def _draft_on_new_connections(target: str, n: int) -> None:
 
 
 def test_two_workers_share_the_port_and_a_dead_one_is_replaced(tmp_path: Path) -> None:
-    port, metrics = free_port(), _free_pair()
+    port, metrics, own = free_port(), _free_pair(), _free_pair()
+    while abs(own - metrics) < 2:  # two pairs, apart
+        own = _free_pair()
     cmd = [sys.executable, "-m", "cache_service.cli", "serve", "--processes", "2", "--port", str(port)]
     cmd += ["--data-dir", str(tmp_path), "--metrics-port", str(metrics), "--metrics-host", "127.0.0.1"]
+    cmd += ["--worker-ports", str(own)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     target = f"127.0.0.1:{port}"
     try:
@@ -128,6 +134,10 @@ def test_two_workers_share_the_port_and_a_dead_one_is_replaced(tmp_path: Path) -
         # Both workers served some of the 16 connections (each reports its own drafts).
         per_worker = [_drafts(metrics), _drafts(metrics + 1)]
         assert sum(per_worker) == 16 and min(per_worker) > 0, per_worker
+        # Each worker's own port reaches that worker alone, whatever the connection.
+        _draft_on_new_connections(f"127.0.0.1:{own}", 3)
+        _draft_on_new_connections(f"127.0.0.1:{own + 1}", 5)
+        assert [_drafts(metrics), _drafts(metrics + 1)] == [per_worker[0] + 3, per_worker[1] + 5]
         # A published prior is saved once and mapped by both workers (its pages shared).
         store = RedisStore(connect((tmp_path / "redis" / "url").read_text()))
         prior = StaticPrior.build(np.array([40, 41, 42, 43] * 3, dtype=np.int32), PriorConfig(orders=(1, 2)))
@@ -170,3 +180,13 @@ def test_two_workers_share_the_port_and_a_dead_one_is_replaced(tmp_path: Path) -
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=90)
     assert proc.returncode == 0
+
+
+def test_overlapping_port_ranges_are_refused(tmp_path: Path) -> None:
+    config = AppConfig(server=ServerConfig(port=6000), metrics_port=7000)
+    check_ports(config, 4, 8000)  # 6000; 8000-8003; 7000-7003
+    for processes, worker_ports in ((4, 5997), (2, 6999), (4, 65533)):
+        with pytest.raises(ValueError):
+            check_ports(config, processes, worker_ports)
+    with pytest.raises(ValueError, match="own_port"):
+        ServerConfig(port=6000, own_port=6000)
