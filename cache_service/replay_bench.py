@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cache_service import warm
+from cache_service.index_bench import split_documents
 from decoder_client.baselines import (
     EngineDrafter,
     PromptLookupDrafter,
@@ -90,7 +91,7 @@ def drafters(namespace: Namespace, config: ReplayConfig, prior: StaticPrior | No
     return out
 
 
-def build_rest_datastore(corpus: Path, fmt: str, tokenizer: Path, out: Path, *, batch: int = 2048) -> int:
+def build_rest_datastore(corpus: Path, fmt: str, tokenizer: Path, out: Path) -> int:
     """Write REST's datastore for a corpus to ``out``: every document (of a ShareGPT corpus,
     every turn, as REST's chat datastore holds) tokenized and added as one entry, then
     suffix-sorted by ``draftretriever``. Returns the tokens written. The file appears whole or
@@ -98,20 +99,15 @@ def build_rest_datastore(corpus: Path, fmt: str, tokenizer: Path, out: Path, *, 
     import draftretriever
 
     encode, vocab = warm.load_tokenizer(tokenizer)
+    docs = split_documents(warm.tokenize_corpus(warm.read_corpus(corpus, fmt, every_turn=True), encode, vocab))
+    total = sum(doc.size for doc in docs)
+    if total == 0:
+        raise warm.CorpusError(f"{corpus}: the corpus holds no documents")
     tmp = out.with_name(out.name + ".tmp")
-    total = 0
     writer = draftretriever.Writer(str(tmp), vocab_size=vocab)
     try:
-        docs = warm.read_corpus(corpus, fmt, every_turn=True)
-        while chunk := [d for _, d in zip(range(batch), docs, strict=False)]:
-            for ids in encode(chunk):
-                if ids and (min(ids) < 0 or max(ids) >= vocab):
-                    raise warm.CorpusError(f"tokenizer produced ids outside [0, {vocab})")
-                if ids:
-                    writer.add_entry(ids)
-                    total += len(ids)
-        if total == 0:
-            raise warm.CorpusError(f"{corpus}: the corpus holds no documents")
+        for doc in docs:
+            writer.add_entry(doc.tolist())
         writer.finalize()
     except BaseException:
         del writer  # it writes its file when dropped: drop it before removing that file
