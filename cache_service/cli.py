@@ -330,6 +330,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         server=ServerConfig(
             host=a.host,
             port=a.port,
+            own_port=a.worker_ports if a.processes == 1 else None,  # workers: worker_config's
             tokens_file=a.tokens_file,
             tls_cert_file=a.tls_cert,
             tls_key_file=a.tls_key,
@@ -346,8 +347,6 @@ def cmd_serve(a: argparse.Namespace) -> int:
         serve_processes(config, a.processes, worker_ports=a.worker_ports, log_format=a.log_format, verbose=a.verbose)
     else:
         check_ports(config, 1, a.worker_ports)
-        if a.worker_ports is not None:
-            config = replace(config, server=replace(config.server, own_port=a.worker_ports))
         asyncio.run(serve(config))
     return 0
 
