@@ -167,7 +167,6 @@ class RestDrafter:
         self._choices = choices
         self._recycle = recycle
         self._ctx = np.zeros(0, dtype=np.int32)
-        self.uncut = 0  # lookups whose trie the retriever could not cut to `choices` nodes
 
     def start(self, prompt: np.ndarray) -> None:
         if self._reader.searches >= self._recycle:
@@ -180,7 +179,6 @@ class RestDrafter:
             try:
                 paths = self._reader.search(self._ctx[-span:].tolist(), self._choices)
             except ValueError:  # too many prefixes tied at the cut: try a shorter span
-                self.uncut += 1
                 continue
             if paths:
                 return tree_of_paths(paths)
