@@ -3,7 +3,8 @@ own-context scan, the draft-tree merge and suffix array construction. Everything
 
 Each kernel is plain Python over numpy arrays; ``NUMBA_DISABLE_JIT=1`` runs them uncompiled
 for debugging. Compiled code is cached beside the module, so only the first process on a machine
-pays the compile time; :func:`warm_up` pays it at start-up rather than on a first request.
+pays the compile time; :func:`warm_up` pays it at start-up rather than on a first request. A
+change to any kernel module recompiles every kernel (:mod:`indexer.kernels.cache`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,10 @@ from collections.abc import Callable
 import numba
 import numpy as np
 
+# First: the kernels' cache entries are located, and so stamped, as they are defined.
+from indexer.kernels import cache  # noqa: F401
+
+# isort: split
 from indexer.kernels import lru
 from indexer.kernels import store as kstore
 from indexer.kernels.accept import accept_batch
