@@ -30,11 +30,6 @@ def sources_digest(directory: Path) -> bytes:
     return digest.digest()
 
 
-def _package_of(py_file: str) -> Path | None:
-    directory = Path(py_file).resolve().parent
-    return directory if directory in _PACKAGES else None
-
-
 class _PackageStamped:
     """A numba cache locator for a function of a stamped package: its own file's stamp, then
     the package's :func:`sources_digest`. Functions elsewhere are left to numba's locators."""
@@ -42,13 +37,12 @@ class _PackageStamped:
     _py_file: str
 
     def get_source_stamp(self) -> Any:
-        package = _package_of(self._py_file)
         own = super().get_source_stamp()  # type: ignore[misc]
-        return own if package is None else (own, sources_digest(package))
+        return own, sources_digest(Path(self._py_file).resolve().parent)
 
     @classmethod
     def from_function(cls, py_func: Any, py_file: str) -> Any:
-        if _package_of(py_file) is None:
+        if Path(py_file).resolve().parent not in _PACKAGES:
             return None
         return super().from_function(py_func, py_file)  # type: ignore[misc]
 
