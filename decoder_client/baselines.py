@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
 import multiprocessing as mp
 from multiprocessing.connection import Connection
 
@@ -135,12 +136,16 @@ class SuffixDecodingDrafter:
         self._active = False
 
 
-def suffix_decoding_available() -> bool:
+def _importable(module: str) -> bool:
     try:
-        import arctic_inference.suffix_decoding  # noqa: F401
+        importlib.import_module(module)
     except ImportError:
         return False
     return True
+
+
+def suffix_decoding_available() -> bool:
+    return _importable("arctic_inference.suffix_decoding")
 
 
 class RestDrafter:
@@ -299,8 +304,4 @@ def tree_of_paths(paths: list[list[int]]) -> DraftTree:
 
 
 def rest_available() -> bool:
-    try:
-        import draftretriever  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return _importable("draftretriever")
