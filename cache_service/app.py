@@ -14,6 +14,7 @@ from apscheduler.schedulers.background import BackgroundScheduler
 
 import migrations
 from cache_service import wire
+from cache_service.compiles import CompileWatch
 from cache_service.config import EmbeddedRedisConfig, ServerConfig, ServiceConfig
 from cache_service.embedded_redis import EmbeddedRedis
 from cache_service.malloc import release_free_memory
@@ -78,6 +79,7 @@ class App:
         self.embedded: EmbeddedRedis | None = None
         self.scheduler = BackgroundScheduler(job_defaults={"coalesce": True, "max_instances": 1})
         self.metrics = Metrics()
+        self.compiles = CompileWatch(self.metrics.observe_compile)  # from serving on
         self.sessions_saved = time.monotonic()  # last successful session write-back
         self._last_rebuild: dict[str, float] = {}  # per namespace, when its last rebuild ended
         self.url = config.redis_url or ""
@@ -117,6 +119,7 @@ class App:
             port = self.metrics.serve(self.config.metrics_port, self.config.metrics_host)
             logger.info("metrics on http://%s:%d/metrics", self.config.metrics_host, port)
         await self.server.set_serving(True)  # indexes are loaded: ready
+        self.compiles.start()
         return self.server.port
 
     def _schedule(self) -> None:
@@ -196,6 +199,7 @@ class App:
     async def stop(self) -> None:
         """NOT_SERVING, drain in-flight calls, stop jobs, flush queued commits, stop Redis."""
         await self.server.stop(self.config.server.grace_s)
+        self.compiles.stop()
         self.scheduler.shutdown(wait=True)
         ttl = self.config.service.session_ttl_s
         changed, closed = self.service.take_changes(final=True)

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -54,12 +54,20 @@ class Metrics:
             buckets=REBUILD_BUCKETS,
             registry=self.registry,
         )
+        self.compiles_while_serving = Counter(
+            "draftcache_compiles_while_serving",
+            "Compiled loops built after start-up (the serving loop waits for each; see the log).",
+            registry=self.registry,
+        )
 
     def observe_rpc(self, method: str, code: str, seconds: float) -> None:
         self.rpc_seconds.labels(method.rsplit("/", 1)[-1], code).observe(seconds)
 
     def observe_rebuild(self, namespace: str, seconds: float) -> None:
         self.rebuild_seconds.labels(namespace).observe(seconds)
+
+    def observe_compile(self, seconds: float) -> None:
+        self.compiles_while_serving.inc()
 
     def watch(
         self,

@@ -55,6 +55,7 @@ def test_serve_exports_metrics_and_logs_json(tmp_path: Path) -> None:
         assert 'draftcache_sessions{namespace="toy"} 1.0' in text
         assert "draftcache_writeback_lag_seconds 0.0" in text
         assert "draftcache_session_save_age_seconds" in text
+        assert "draftcache_compiles_while_serving_total 0.0" in text  # start-up compiled it all
     finally:
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=60)
