@@ -166,6 +166,9 @@ class _Core:
         self.late: list[_LateCall] = []  # see :meth:`missed`
         self.columns = True  # draft calls in columns (False once a server showed it predates them)
         wire.warm_up()  # the response reader is compiled now, not on the first step's deadline
+        # And the fallback runs once: what it compiles (seconds on a fresh machine) must not
+        # land on the first step the service misses, when the decoder has no time to spare.
+        fallback(np.array([1, 2, 1], dtype=np.int32), 2)
         p = config.params
         self.params = pb.DraftParams(
             budget=p.budget, max_depth=p.max_depth, min_score=p.min_score, depth_reserve=p.depth_reserve

@@ -110,6 +110,11 @@ def warm_up() -> None:
     match_range(toks, sa, np.array([1], dtype=np.int32), 0, 5)
     sample_starts(sa, 0, 2, 2)
     lcp(toks, suffix_array(toks))
+    # A frozen table's build (indexer.ngram_table), with the types a rebuild passes.
+    follow = follower_lengths(toks, sa, 1, 1, 2147483647)
+    rep = np.array([0, 1], dtype=np.int64)
+    prefix_counts(lcp(toks, sa), follow, rep, 1, 1)
+    top_per_group(rep, follow[:2], 1)
     tail_matches(np.array([1, 2, 1], dtype=np.int32), 0, 4)
     context_continuations(toks, toks, sa, 4, 4, 0, 2, 2, 2147483647)
     context_followers(toks, toks, sa, 4, 0, 1, 1, 2)
@@ -159,6 +164,7 @@ def warm_up() -> None:
     lru.followers_at(table, lru.find(table, key, 0), True)
     lru.leaders_oldest_first(table)
     lru.candidates(table, toks)
+    lru.columns(table)  # a session's write-back
 
 
 def _tiny_store() -> tuple:
