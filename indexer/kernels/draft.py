@@ -121,7 +121,7 @@ def half_to_float(bits: np.ndarray) -> np.ndarray:
     return out
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def _confidence(tier: int, n: int, half: np.ndarray, hits: np.ndarray, pred: np.ndarray, buckets: int) -> float:
     """A tier's confidence at match length ``n``: its prior ``n / (n + half)`` times its
     calibration factor (accepted + 2) / (predicted + 2) for that length's bucket, at most 1."""
@@ -129,7 +129,7 @@ def _confidence(tier: int, n: int, half: np.ndarray, hits: np.ndarray, pred: np.
     return min(1.0, (n / (n + half[tier])) * ((hits[tier, b] + 2.0) / (pred[tier, b] + 2.0)))
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def _excluded(token: int, exclude: np.ndarray) -> bool:
     for e in range(exclude.size):  # noqa: SIM110 (compiled: a plain loop, no generator)
         if exclude[e] == token:
@@ -137,7 +137,7 @@ def _excluded(token: int, exclude: np.ndarray) -> bool:
     return False
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def _put(
     rows: np.ndarray,
     vals: np.ndarray,
@@ -223,7 +223,7 @@ def job_context(i32: Any, i64: Any, row: int, suffix: np.ndarray) -> np.ndarray:
     return ctx
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def _exact_rest(exact: np.ndarray, state: np.ndarray, ctx: np.ndarray, depth: int, remember: bool) -> tuple:
     """The rest of the response cached for an identical prompt, while the output so far (``ctx``
     past the prompt) agrees with it, and the match length it stands for (0: none). Only the
@@ -370,7 +370,7 @@ def _draft_one(j: int, args: tuple, out: tuple) -> None:
         state[MATCH_LEN], state[MATCH_FIRST], state[MATCH_LAST] = main_match
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def _main_prior(state: np.ndarray, size: int, serial: int) -> tuple[int, int, int, int]:
     """The lifetime main index's match at the session's last draft, carried to a context of
     ``size`` tokens that extends that draft's, as :func:`stacked_continuations` takes it:

@@ -9,13 +9,13 @@ from numba import njit
 # -- suffix array -------------------------------------------------------------------------------
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def _compare(tokens: np.ndarray, start: int, pattern: np.ndarray) -> int:
     """Sign of ``tokens[start:start+m]`` versus ``pattern`` (a suffix that ends first is smaller)."""
     return _compare_from(tokens, start, pattern, 0)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def _lower_bound(tokens: np.ndarray, sa: np.ndarray, pattern: np.ndarray, lo: int, hi: int) -> int:
     """The first SA row in ``[lo, hi)`` whose suffix is not smaller than ``pattern``."""
     while lo < hi:
@@ -27,7 +27,7 @@ def _lower_bound(tokens: np.ndarray, sa: np.ndarray, pattern: np.ndarray, lo: in
     return lo
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def _range_end(tokens: np.ndarray, sa: np.ndarray, pattern: np.ndarray, first: int, hi: int) -> int:
     """Given that row ``first`` starts with ``pattern``, the first row in ``(first, hi]`` that does
     not. Gallops from ``first``, then bisects: most ranges are short, so this reads a few rows
@@ -52,7 +52,7 @@ def _range_end(tokens: np.ndarray, sa: np.ndarray, pattern: np.ndarray, first: i
     return lo
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def _first_row(tokens: np.ndarray, sa: np.ndarray, pattern: np.ndarray, size: int) -> int:
     """The first SA row whose suffix starts with ``pattern``, or -1 when none does."""
     row = _lower_bound(tokens, sa, pattern, 0, size)
@@ -61,7 +61,7 @@ def _first_row(tokens: np.ndarray, sa: np.ndarray, pattern: np.ndarray, size: in
     return -1
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def match_range(tokens: np.ndarray, sa: np.ndarray, pattern: np.ndarray, lo: int, hi: int) -> tuple[int, int]:
     """SA rows in ``[lo, hi)`` whose suffixes start with ``pattern``, as ``(first, last)``."""
     first = _lower_bound(tokens, sa, pattern, lo, hi)
@@ -70,7 +70,7 @@ def match_range(tokens: np.ndarray, sa: np.ndarray, pattern: np.ndarray, lo: int
     return first, _range_end(tokens, sa, pattern, first, hi)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def _compare_from(tokens: np.ndarray, start: int, pattern: np.ndarray, known: int) -> int:
     """:func:`_compare` for a suffix known to start with ``pattern[:known]``."""
     n = tokens.size
@@ -85,7 +85,7 @@ def _compare_from(tokens: np.ndarray, start: int, pattern: np.ndarray, known: in
     return 0
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def narrowed_range(
     tokens: np.ndarray, sa: np.ndarray, pattern: np.ndarray, known: int, lo: int, hi: int
 ) -> tuple[int, int]:
@@ -114,7 +114,7 @@ def narrowed_range(
     return first, a
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def _extends_left(tokens: np.ndarray, sa: np.ndarray, first: int, last: int, before: int) -> bool:
     """Whether some occurrence in SA rows ``[first, last)`` follows the token ``before``."""
     for r in range(first, last):
