@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +37,14 @@ class Running:
     @property
     def admin(self) -> pb_grpc.AdminStub:
         return pb_grpc.AdminStub(self.channel)
+
+
+def eventually(check: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    """Wait until ``check()`` holds; fail after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.02)
 
 
 def start_service(config: ServiceConfig, port: int = 0) -> Running:

@@ -26,8 +26,6 @@ import json
 import pkgutil
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +35,9 @@ from draftcache.v1 import draftcache_pb2 as pb
 import indexer.kernels
 from cache_service.app import warm_up
 from cache_service.compiles import CompileWatch
-from tests.service.conftest import Replica
+from tests.service.conftest import Replica, eventually
 
+WAIT_S = 30.0  # for write-back, following and prior polling, with decoders' processes beside
 WIRE = {"server": "cache_service.wire", "client": "decoder_client.wire"}
 
 
@@ -54,14 +53,6 @@ def project_dispatchers(side: str) -> dict[str, Any]:
             if isinstance(value, numba.core.dispatcher.Dispatcher) and value.__module__ == module.__name__:
                 out[f"{module.__name__}.{name}"] = value
     return out
-
-
-def _eventually(check: Callable[[], bool], timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise TimeoutError("condition not reached in time")
-        time.sleep(0.05)
 
 
 def _cli(*args: str) -> None:
@@ -103,7 +94,7 @@ def server(url: str, traces: str, tokenizer: str, prior_file: str, shared_dir: s
         (ns,) = [n.name for n in a.admin.Namespaces(pb.NamespacesRequest()).namespaces]
         store = a.app.persistence.store
         version = store.put_prior(ns, Path(prior_file).read_bytes())
-        _eventually(lambda: a.admin.Stats(pb.StatsRequest(namespace=ns)).namespaces[0].prior_version == version)
+        eventually(lambda: a.admin.Stats(pb.StatsRequest(namespace=ns)).namespaces[0].prior_version == version, WAIT_S)
         a.admin.Rebuild(pb.RebuildRequest(namespace=ns))
         # A session drafted from the prior and the rebuilt memory, with a rejected branch,
         # written back, then continued on the other replica.
@@ -113,10 +104,10 @@ def server(url: str, traces: str, tokenizer: str, prior_file: str, shared_dir: s
         rejected = [pb.RejectedBranch(tokens=[int(tree.tokens[0]) if tree.tokens else 29871])]
         feedback = pb.FeedbackItem(session_id=sid, accepted=[13], rejected=rejected)
         a.stub.Feedback(pb.FeedbackRequest(items=[feedback]))
-        _eventually(lambda: (s := store.load_session(sid)) is not None and s.state.context.size == 6)
+        eventually(lambda: (s := store.load_session(sid)) is not None and s.state.context.size == 6, WAIT_S)
         b.stub.Draft(pb.DraftRequest(items=[pb.DraftItem(session_id=sid, new_tokens=[29892])]))
         b.stub.CloseSessions(pb.CloseSessionsRequest(sessions=[pb.CloseSession(session_id=sid, commit=True)]))
-        _eventually(lambda: a.admin.Stats(pb.StatsRequest()).pending_writes == 0)
+        eventually(lambda: a.admin.Stats(pb.StatsRequest()).pending_writes == 0, WAIT_S)
         return watch.report()
     finally:
         for replica in (a, b, c):

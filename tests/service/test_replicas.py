@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
@@ -17,7 +17,7 @@ from draftcache.v1 import draftcache_pb2 as pb
 from cache_service.config import EmbeddedRedisConfig
 from cache_service.embedded_redis import EmbeddedRedis
 from cache_service.storage.redis_store import RedisStore
-from tests.service.conftest import Replica
+from tests.service.conftest import Replica, eventually
 
 
 @pytest.fixture
@@ -28,13 +28,6 @@ def replicas(tmp_path: Path) -> Iterator[tuple[Replica, Replica]]:
     a.stop()
     b.stop()
     redis_server.stop()
-
-
-def _eventually(check: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.02)
 
 
 def _open(r: Replica, prompt: list[int]) -> str:
@@ -53,12 +46,12 @@ def _knows_namespace(r: Replica) -> bool:
 def test_session_continues_on_another_replica(replicas: tuple[Replica, Replica]) -> None:
     a, b = replicas
     a.admin.CreateNamespace(pb.CreateNamespaceRequest(name="toy", vocab_size=100))
-    _eventually(lambda: _knows_namespace(b))  # b learns the namespace from the shared registry
+    eventually(lambda: _knows_namespace(b))  # b learns the namespace from the shared registry
     sid = _open(a, [1, 2, 3, 4, 1, 2])
     assert _draft(a, sid, [])[:2] == [3, 4]
     _draft(a, sid, [3])  # the context on a is now 1 2 3 4 1 2 3
-    _eventually(lambda: a.app.persistence.store.load_session(sid) is not None)
-    _eventually(lambda: a.app.persistence.store.load_session(sid).state.context.size == 7)  # type: ignore[union-attr]
+    eventually(lambda: a.app.persistence.store.load_session(sid) is not None)
+    eventually(lambda: a.app.persistence.store.load_session(sid).state.context.size == 7)  # type: ignore[union-attr]
     # b never saw this session: it continues it from storage, context included ("1 2 3" -> 4).
     assert _draft(b, sid, [4])[:2] == [1, 2]
 
@@ -66,14 +59,14 @@ def test_session_continues_on_another_replica(replicas: tuple[Replica, Replica])
 def test_commit_on_one_replica_feeds_the_other(replicas: tuple[Replica, Replica]) -> None:
     a, b = replicas
     a.admin.CreateNamespace(pb.CreateNamespaceRequest(name="toy", vocab_size=100))
-    _eventually(lambda: _knows_namespace(b))
+    eventually(lambda: _knows_namespace(b))
     sid = _open(a, [10, 11, 12, 13])
     a.stub.CloseSessions(pb.CloseSessionsRequest(sessions=[pb.CloseSession(session_id=sid, commit=True)]))
 
     def b_drafts_from_it() -> bool:
         return _draft(b, _open(b, [9, 10, 11]), [])[:2] == [12, 13]
 
-    _eventually(b_drafts_from_it)  # b follows the shared lifetime log
+    eventually(b_drafts_from_it)  # b follows the shared lifetime log
     # Redis was up throughout: nothing is left waiting to be written.
     assert a.admin.Stats(pb.StatsRequest()).pending_writes == 0
 
@@ -89,7 +82,7 @@ def _replay_split(first: Replica, second: Replica, prompt: list[int], output: li
         if replica is first and second is not first and pos >= split * len(output):
             first.stub.Feedback(pb.FeedbackRequest(items=[pb.FeedbackItem(session_id=sid, accepted=new)]))
             new, size = [], len(prompt) + pos
-            _eventually(partial(_stored_context_is, store, sid, size))
+            eventually(partial(_stored_context_is, store, sid, size))
             replica = second
         tree = replica.stub.Draft(pb.DraftRequest(items=[pb.DraftItem(session_id=sid, new_tokens=new)])).trees[0]
         path = _accept(list(tree.tokens), list(tree.parents), output[pos:])
@@ -124,10 +117,10 @@ def test_a_session_split_across_replicas_drafts_as_well_as_unsplit(
 
     a, b = replicas
     a.admin.CreateNamespace(pb.CreateNamespaceRequest(name="toy", vocab_size=32000))
-    _eventually(lambda: _knows_namespace(b))
+    eventually(lambda: _knows_namespace(b))
     c = Replica(a.app.url)  # a third replica, fresh like a, for the unsplit run
     try:
-        _eventually(lambda: _knows_namespace(c))
+        eventually(lambda: _knows_namespace(c))
         requests = []
         for conv in read_traces(shared_data / "traces" / "spec_bench_vicuna7b.jsonl.gz", limit=12):
             inputs = [s for s in conv.segments if s.kind == "input"]
@@ -152,7 +145,7 @@ def test_sessions_that_leave_memory_continue_from_storage(replicas: tuple[Replic
         small.admin.CreateNamespace(pb.CreateNamespaceRequest(name="toy", vocab_size=100))
         old = _open(small, [1, 2, 3, 4, 1, 2, *([9] * 20)])
         _draft(small, old, [1, 2])  # context ... 9 1 2: "1 2" was followed by "3 4"
-        _eventually(lambda: _stored_context_is(small.app.persistence.store, old, 28))
+        eventually(lambda: _stored_context_is(small.app.persistence.store, old, 28))
         time.sleep(0.2)  # written behind: it may leave memory now
         _open(small, [7] * 30)  # 28 + 30 > 50: the older session leaves memory
         assert small.app.service.sessions.evicted == 1
@@ -169,9 +162,9 @@ def test_a_session_read_from_stalled_storage_does_not_hold_up_other_calls(tmp_pa
     a, b = Replica(redis_server.url), Replica(redis_server.url)
     try:
         a.admin.CreateNamespace(pb.CreateNamespaceRequest(name="toy", vocab_size=100))
-        _eventually(lambda: _knows_namespace(b))
+        eventually(lambda: _knows_namespace(b))
         moved = _open(a, [1, 2, 3, 4, 1, 2])
-        _eventually(lambda: a.app.persistence.store.load_session(moved) is not None)
+        eventually(lambda: a.app.persistence.store.load_session(moved) is not None)
         local = _open(b, [5, 6, 7, 5, 6])
         pool = ThreadPoolExecutor(2)
         os.kill(redis_server._proc.pid, signal.SIGSTOP)  # storage hangs: no reply, no error

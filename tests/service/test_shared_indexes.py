@@ -6,7 +6,7 @@ import fcntl
 import inspect
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +24,7 @@ from indexer import kernels
 from indexer.drafter import DrafterConfig, DraftParams, NamespaceDrafter
 from indexer.lifetime_index import LifetimeConfig, LifetimeMemory, next_generation
 from indexer.tokens import Namespace
-from tests.service.conftest import Replica
+from tests.service.conftest import Replica, eventually
 
 
 @pytest.fixture
@@ -137,11 +137,7 @@ class Worker(Replica):
         self.stub.CloseSessions(pb.CloseSessionsRequest(sessions=[close]))
 
 
-def _eventually(check: Callable[[], bool], timeout_s: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.02)
+WAIT_S = 15.0  # for another process's build to be adopted
 
 
 def test_workers_share_one_build_and_a_restarted_one_maps_it(redis_url: str, tmp_path: Path) -> None:
@@ -149,16 +145,16 @@ def test_workers_share_one_build_and_a_restarted_one_maps_it(redis_url: str, tmp
     a, b = Worker(redis_url, root), Worker(redis_url, root)
     try:
         a.admin.CreateNamespace(pb.CreateNamespaceRequest(name="toy", vocab_size=100))
-        _eventually(lambda: "toy" in b.app.service.namespace_names())
+        eventually(lambda: "toy" in b.app.service.namespace_names(), WAIT_S)
         a.commit([10, 11, 12, 13, 14])
         b.commit([20, 21, 22, 23, 24])
         # Each sees the other's request through the log, before any generation exists.
-        _eventually(lambda: a.draft([9, 20, 21])[:2] == [22, 23] and b.draft([9, 10, 11])[:2] == [12, 13])
+        eventually(lambda: a.draft([9, 20, 21])[:2] == [22, 23] and b.draft([9, 10, 11])[:2] == [12, 13], WAIT_S)
         a.admin.Rebuild(pb.RebuildRequest(namespace="toy"))
         built = a.app.persistence.shared
         assert built is not None and built.adopted("toy") is not None
         # b maps a's generation (no build of its own) and its delta empties.
-        _eventually(lambda: b.app.persistence.shared.adopted("toy") == built.adopted("toy"))  # type: ignore[union-attr]
+        eventually(lambda: b.app.persistence.shared.adopted("toy") == built.adopted("toy"), WAIT_S)  # type: ignore[union-attr]
         assert len(_folders(root)) == 1
         mem_b = b.app.service.namespace("toy").memory
         assert mem_b.delta_tokens() == 0 and mem_b.buffer is None
@@ -167,10 +163,10 @@ def test_workers_share_one_build_and_a_restarted_one_maps_it(redis_url: str, tmp
         assert b.draft([9, 10, 11])[:2] == [12, 13] and b.draft([9, 20, 21])[:2] == [22, 23]
         # A request after the generation lives in each delta until the next one.
         b.commit([30, 31, 32, 33])
-        _eventually(lambda: a.draft([9, 30, 31])[:2] == [32, 33])
+        eventually(lambda: a.draft([9, 30, 31])[:2] == [32, 33], WAIT_S)
         assert mem_b.delta_tokens() == 5
         b.admin.Rebuild(pb.RebuildRequest(namespace="toy"))  # b builds this time
-        _eventually(lambda: a.app.service.namespace("toy").memory.delta_tokens() == 0)
+        eventually(lambda: a.app.service.namespace("toy").memory.delta_tokens() == 0, WAIT_S)
         assert len(_folders(root)) == 2
         stats = a.admin.Stats(pb.StatsRequest(namespace="toy")).namespaces[0]
         assert stats.index_tokens == mem_b.indexes.suffix.size  # type: ignore[union-attr]
