@@ -20,11 +20,11 @@ KIND = "numba:compile"
 
 
 class CompileWatch(event.Listener):
-    """Between :meth:`start` and :meth:`stop`, each compilation numba finishes is logged and
-    passed to ``observe`` (its seconds). Compilations nest (a function compiles what it
+    """Between :meth:`start` and :meth:`stop`, each compilation numba finishes is logged (with
+    its seconds) and ``observe`` is called. Compilations nest (a function compiles what it
     calls, numba runs one at a time): the outermost one stands for them all."""
 
-    def __init__(self, observe: Callable[[float], None] | None = None) -> None:
+    def __init__(self, observe: Callable[[], None] | None = None) -> None:
         self.compiled: list[str] = []  # each as module.function(argument types)
         self._observe = observe
         self._started: list[float] = []
@@ -52,4 +52,4 @@ class CompileWatch(event.Listener):
         self.compiled.append(name)
         logger.warning("compiled %s while serving (%.2f s, calls waited): warm-up does not cover it", name, seconds)
         if self._observe is not None:
-            self._observe(seconds)
+            self._observe()

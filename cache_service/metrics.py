@@ -66,7 +66,7 @@ class Metrics:
     def observe_rebuild(self, namespace: str, seconds: float) -> None:
         self.rebuild_seconds.labels(namespace).observe(seconds)
 
-    def observe_compile(self, seconds: float) -> None:
+    def observe_compile(self) -> None:
         self.compiles_while_serving.inc()
 
     def watch(
