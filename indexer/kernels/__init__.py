@@ -109,11 +109,10 @@ def warm_up() -> None:
     longest_match(toks, sa, np.array([1, 2], dtype=np.int32), 4, 1, 0)
     match_range(toks, sa, np.array([1], dtype=np.int32), 0, 5)
     sample_starts(sa, 0, 2, 2)
-    lcp(toks, suffix_array(toks))
     # A frozen table's build (indexer.ngram_table), with the types a rebuild passes.
     follow = follower_lengths(toks, sa, 1, 1, 2147483647)
     rep = np.array([0, 1], dtype=np.int64)
-    prefix_counts(lcp(toks, sa), follow, rep, 1, 1)
+    prefix_counts(lcp(toks, suffix_array(toks)), follow, rep, 1, 1)
     top_per_group(rep, follow[:2], 1)
     tail_matches(np.array([1, 2, 1], dtype=np.int32), 0, 4)
     context_continuations(toks, toks, sa, 4, 4, 0, 2, 2, 2147483647)
