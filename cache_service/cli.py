@@ -13,6 +13,7 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -23,6 +24,7 @@ import numpy as np
 from cache_service import index_bench, logs, replay_bench, warm
 from cache_service.errors import DraftCacheError
 from cache_service.storage.errors import StorageError
+from decoder_client.replay import ReplayStats
 from decoder_client.traces import read_traces, write_traces
 from indexer.drafter import DrafterConfig, DraftParams
 from indexer.prior import PriorConfig, StaticPrior
@@ -95,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add(r, "--max-depth", type=int, default=32)
     _add(r, "--min-score", type=float, default=0.0)
     _add(r, "--limit", type=int, default=None, help="replay only the first N conversations")
+    r.add_argument("--namespace", default=None, help="replay only this namespace's conversations (default: each)")
     _add(r, "--vocab-size", type=int, default=None, help="default: the tokenizer's, else the traces' max id + 1")
     _add(r, "--baselines", default="", help="comma list: prompt-lookup,suffix-decoding,rest")
     _add(r, "--lookahead", type=int, default=0, help="pre-speculation: outcomes drafted ahead per step")
@@ -437,24 +440,52 @@ def cmd_replay(a: argparse.Namespace) -> int:
         lookahead=a.lookahead,
     )
     conversations = read_traces(a.traces, limit=a.limit)
-    if "rest" in config.baselines:
-        _ensure_rest_datastore(a)
+    if a.namespace is not None:
+        held = sorted({c.namespace for c in conversations})
+        conversations = [c for c in conversations if c.namespace == a.namespace]
+        if not conversations:
+            raise ValueError(f"{a.traces}: no conversations in namespace {a.namespace!r} (the traces hold {held})")
     if not conversations:
         raise ValueError(f"{a.traces}: no conversations")
+    names = list(dict.fromkeys(c.namespace for c in conversations))
+    one_tokenizer = [flag for flag, on in _TOKENIZER_BOUND.items() if on(a, config)]
+    if len(names) > 1 and one_tokenizer:
+        raise ValueError(
+            f"{', '.join(one_tokenizer)}: for one namespace's tokenizer, and the traces hold {names}; "
+            "pick one with --namespace"
+        )
     vocab = a.vocab_size
     if vocab is None and a.tokenizer is not None:
         vocab = warm.load_tokenizer(a.tokenizer)[1]
-    namespace = replay_bench.namespace_of(conversations, vocab)
-    # Through a service, its own priors apply (warmed into its storage); in-process, ours.
-    prior = None if a.target else _replay_prior(a, namespace.vocab_size)
-    gc.freeze()
-    drafter_list = [replay_bench.remote_drafter(a.target, namespace, config.params)] if a.target else []
+    groups = replay_bench.by_namespace(conversations, vocab)
+    if "rest" in config.baselines:
+        _ensure_rest_datastore(a)
     if a.target:
         config = replace(config, include_engine=False)
-    drafter_list += replay_bench.drafters(namespace, config, prior)
-    results = replay_bench.run_replay(conversations, drafter_list)
-    print(replay_bench.report(results, a.traces, as_json=a.json))
+    gc.freeze()
+    per_namespace = []
+    for namespace, part in groups:  # namespaces share nothing: each has drafters of its own
+        # Through a service, its own priors apply (warmed into its storage); in-process, ours.
+        prior = None if a.target else _replay_prior(a, namespace.vocab_size)
+        drafter_list = [replay_bench.remote_drafter(a.target, namespace, config.params)] if a.target else []
+        drafter_list += replay_bench.drafters(namespace, config, prior)
+        per_namespace.append((namespace.name, replay_bench.run_replay(part, drafter_list)))
+    if len(per_namespace) == 1:
+        print(replay_bench.report(per_namespace[0][1], a.traces, as_json=a.json))
+        return 0
+    merged = [ReplayStats.merged(stats) for stats in zip(*(results for _, results in per_namespace), strict=True)]
+    print(replay_bench.report(merged, a.traces, as_json=a.json, by_namespace=per_namespace))
     return 0
+
+
+# Replay options that hold for one namespace's tokenizer only.
+_TOKENIZER_BOUND: dict[str, Callable[[argparse.Namespace, replay_bench.ReplayConfig], bool]] = {
+    "--tokenizer": lambda a, _: a.tokenizer is not None,
+    "--vocab-size": lambda a, _: a.vocab_size is not None,
+    "--prior": lambda a, _: a.prior is not None,
+    "--warm-corpus": lambda a, _: a.warm_corpus is not None,
+    "the rest baseline": lambda _, config: "rest" in config.baselines,
+}
 
 
 def cmd_bench_index(a: argparse.Namespace) -> int:

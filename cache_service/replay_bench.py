@@ -54,15 +54,34 @@ class ReplayConfig:
             raise ValueError("the rest baseline needs a datastore (--rest-datastore)")
 
 
+def by_namespace(
+    conversations: list[Conversation], vocab_size: int | None = None
+) -> list[tuple[Namespace, list[Conversation]]]:
+    """The conversations of each namespace, namespaces in the order they first appear. Token ids
+    mean nothing across namespaces, so each is replayed on drafters of its own. A namespace's
+    vocabulary is ``vocab_size`` where given (it names one namespace's), else its largest id + 1."""
+    groups: dict[str, list[Conversation]] = {}
+    for c in conversations:
+        groups.setdefault(c.namespace, []).append(c)
+    if vocab_size is not None and len(groups) > 1:
+        raise ValueError(f"a vocabulary size names one namespace's; the traces hold {sorted(groups)}")
+    return [
+        (Namespace(name=name, vocab_size=vocab_size if vocab_size is not None else _largest_id(convs) + 1), convs)
+        for name, convs in groups.items()
+    ]
+
+
 def namespace_of(conversations: list[Conversation], vocab_size: int | None) -> Namespace:
-    names = {c.namespace for c in conversations}
-    if len(names) != 1:
-        raise ValueError(f"a replay covers one namespace; the traces hold {sorted(names)}")
-    if vocab_size is None:
-        vocab_size = 1 + max(
-            (int(s.tokens.max()) for c in conversations for s in c.segments if s.tokens.size), default=0
-        )
-    return Namespace(name=names.pop(), vocab_size=vocab_size)
+    """The one namespace ``conversations`` hold (a benchmark that drives one namespace)."""
+    groups = by_namespace(conversations, None)
+    if len(groups) != 1:
+        raise ValueError(f"this covers one namespace; the traces hold {sorted(ns.name for ns, _ in groups)}")
+    namespace = groups[0][0]
+    return namespace if vocab_size is None else Namespace(name=namespace.name, vocab_size=vocab_size)
+
+
+def _largest_id(conversations: list[Conversation]) -> int:
+    return max((int(s.tokens.max()) for c in conversations for s in c.segments if s.tokens.size), default=0)
 
 
 def drafters(namespace: Namespace, config: ReplayConfig, prior: StaticPrior | None) -> list[ReplayDrafter]:
@@ -147,10 +166,21 @@ def run_replay(conversations: list[Conversation], drafter_list: list[ReplayDraft
     return results
 
 
-def report(results: list[ReplayStats], trace: Path, *, as_json: bool) -> str:
+def report(
+    results: list[ReplayStats],
+    trace: Path,
+    *,
+    as_json: bool,
+    by_namespace: list[tuple[str, list[ReplayStats]]] | None = None,
+) -> str:
+    """The side-by-side table; with ``by_namespace`` (traces of several namespaces, ``results``
+    their merge) each namespace's MAT per drafter too."""
     rows = [r.summary() for r in results]
     if as_json:
-        return json.dumps({"trace": str(trace), "results": rows}, indent=2)
+        out: dict = {"trace": str(trace), "results": rows}
+        if by_namespace is not None:
+            out["by_namespace"] = {name: [r.summary() for r in part] for name, part in by_namespace}
+        return json.dumps(out, indent=2)
     cats = sorted({c for r in rows for c in r["mat_by_category"]})
     width = max(len(r["drafter"]) for r in rows) + 2
     lines = [f"trace: {trace}"]
@@ -167,6 +197,11 @@ def report(results: list[ReplayStats], trace: Path, *, as_json: bool) -> str:
                 f"{r['drafter']}: trees drafted ahead for {r['prespeculation_hit_rate']:.1%} of steps "
                 f"(drafting ahead p50 {r['draft_ahead_us_p50']:.0f} us, p99 {r['draft_ahead_us_p99']:.0f} us)"
             )
+    if by_namespace is not None:
+        lines.append("")
+        lines.append("MAT by namespace: " + " | ".join(r["drafter"] for r in rows))
+        for name, part in by_namespace:
+            lines.append(f"  {name:<16}" + "  ".join(f"{r.mat:.3f}" for r in part))
     lines.append("")
     lines.append("MAT by category: " + " | ".join(r["drafter"] for r in rows))
     for c in cats:

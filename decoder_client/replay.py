@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -59,6 +59,27 @@ class ReplayStats:
     latencies_us: list[float] = field(default_factory=list)
     ahead_us: list[float] = field(default_factory=list)  # drafting ahead, hidden behind verification
     ahead_hits: int = 0  # steps whose tree was drafted ahead
+
+    @classmethod
+    def merged(cls, parts: Sequence[ReplayStats]) -> ReplayStats:
+        """One drafter's replays of disjoint traffic (each namespace's, say) as one."""
+        if not parts:
+            raise ValueError("nothing to merge")
+        out = cls(parts[0].name)
+        for p in parts:
+            out.steps += p.steps
+            out.tokens += p.tokens
+            out.drafted += p.drafted
+            out.requests += p.requests
+            out.ahead_hits += p.ahead_hits
+            out.latencies_us += p.latencies_us
+            out.ahead_us += p.ahead_us
+            for c, (tokens, steps) in p.by_category.items():
+                out.by_category[c][0] += tokens
+                out.by_category[c][1] += steps
+            for tier, n in p.accepted_by_tier.items():
+                out.accepted_by_tier[tier] += n
+        return out
 
     @property
     def mat(self) -> float:

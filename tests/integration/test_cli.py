@@ -69,6 +69,63 @@ def test_replay_rejects_a_corrupt_trace(tmp_path: Path, capsys: pytest.CaptureFi
     assert "bad.jsonl:1" in capsys.readouterr().err  # the error names the file and line
 
 
+# A second tokenizer's traffic: its ids overlap toy's but mean other things. Its request "c"
+# repeats toy's output ids, which only a memory shared across namespaces could draft.
+OTHER = {
+    "id": "c",
+    "namespace": "other",
+    "category": "repeat",
+    "segments": [{"kind": "input", "tokens": [30, 31]}, {"kind": "output", "tokens": [1, 2, 3, 4, 5, 6, 7, 8, 9]}],
+}
+MIXED = [CONVERSATIONS[0], OTHER, CONVERSATIONS[1], {**OTHER, "id": "d"}]
+
+
+def _replay_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict:
+    assert main(["replay", *args, "--baselines", "prompt-lookup", "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def _drafts(by_namespace: dict) -> dict:
+    """What the drafters drafted, without their timings."""
+    return {ns: [{k: v for k, v in r.items() if "_us_" not in k} for r in rows] for ns, rows in by_namespace.items()}
+
+
+def test_replay_of_several_namespaces_keeps_them_apart(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    traces = _write_traces(tmp_path / "t.jsonl.gz", MIXED)
+    out = _replay_json(capsys, str(traces))
+    alone = {name: _replay_json(capsys, str(traces), "--namespace", name)["results"] for name in ("toy", "other")}
+    # Each namespace replays as it would alone, on drafters of its own: "other" draws nothing
+    # from toy's memory, though its first request repeats toy's ids.
+    assert list(out["by_namespace"]) == ["toy", "other"]  # in the order they first appear
+    assert _drafts(out["by_namespace"]) == _drafts(alone)
+    other = alone["other"][0]
+    assert other["requests"] == 2 and other["mat_by_category"]["repeat"] < 9 / 2  # its own history only
+    # The merged rows add the namespaces' tokens and steps up.
+    for j, row in enumerate(out["results"]):
+        parts = [alone[name][j] for name in ("toy", "other")]
+        assert row["drafter"] == parts[0]["drafter"]
+        assert row["output_tokens"] == sum(p["output_tokens"] for p in parts) == 36
+        assert row["steps"] == sum(p["steps"] for p in parts)
+        assert row["mat"] == pytest.approx(36 / row["steps"], abs=1e-4)
+    assert main(["replay", str(traces), "--baselines", "prompt-lookup"]) == 0
+    text = capsys.readouterr().out
+    assert "MAT by namespace" in text and "  other" in text
+
+
+def test_replay_options_for_one_tokenizer_need_one_namespace(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    traces = _write_traces(tmp_path / "t.jsonl.gz", MIXED)
+    for extra in (["--vocab-size", "100"], ["--prior", str(tmp_path / "p")], ["--warm-corpus", str(tmp_path / "c")]):
+        assert main(["replay", str(traces), *extra]) == 2
+        err = capsys.readouterr().err
+        assert extra[0] in err and "--namespace" in err and "'other'" in err
+    assert main(["replay", str(traces), "--namespace", "toy", "--vocab-size", "100", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["results"][0]["output_tokens"] == 18
+    assert main(["replay", str(traces), "--namespace", "nope"]) == 2
+    assert "no conversations in namespace 'nope'" in capsys.readouterr().err
+
+
 @pytest.fixture
 def llama_tokenizer(shared_data: Path) -> Path:
     return shared_data / "tokenizers" / "llama2-spm"

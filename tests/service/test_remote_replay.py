@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import json
+from dataclasses import replace
 from pathlib import Path
 
+import pytest
 from draftcache.v1 import draftcache_pb2 as pb
 
+from cache_service.cli import main
 from cache_service.config import ServiceConfig
 from decoder_client.baselines import EngineDrafter
 from decoder_client.remote import RemoteDrafter
 from decoder_client.replay import replay
-from decoder_client.traces import read_traces
+from decoder_client.traces import read_traces, write_traces
 from indexer.drafter import DrafterConfig, DraftParams, NamespaceDrafter
 from indexer.tokens import Namespace
 from tests.service.conftest import start_service, stop_service
@@ -36,3 +40,32 @@ def test_remote_replay_matches_in_process(shared_data: Path) -> None:
     assert over_grpc.steps == local.steps
     assert over_grpc.drafted == local.drafted
     assert over_grpc.mat == local.mat
+
+
+def test_remote_replay_of_several_namespaces(
+    tmp_path: Path, shared_data: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A trace of two tokenizers' traffic, interleaved, replays through the service as in process:
+    each namespace on its own memory there, the same trees."""
+    spec = read_traces(shared_data / "traces" / "spec_bench_vicuna7b.jsonl.gz", limit=6)
+    swe = read_traces(shared_data / "traces" / "swe_agent_dev.jsonl.gz", limit=1)
+    swe = [replace(c, segments=c.segments[:6]) for c in swe]  # its first turns: enough, and quick
+    traces = tmp_path / "mixed.jsonl"
+    write_traces([*spec[:3], *swe, *spec[3:]], traces)
+    assert main(["replay", str(traces), "--json"]) == 0
+    local = json.loads(capsys.readouterr().out)
+    running = start_service(ServiceConfig())
+    try:
+        assert main(["replay", str(traces), "--target", running.target, "--json"]) == 0
+        remote = json.loads(capsys.readouterr().out)
+        requests = {s.name: s.requests for s in running.service.stats()}
+    finally:
+        stop_service(running)
+    # Each namespace's memory holds its own requests only.
+    by_name = {name: rows[0]["requests"] for name, rows in local["by_namespace"].items()}
+    assert requests == by_name and by_name["smollm2"] == 3
+    assert list(remote["by_namespace"]) == list(local["by_namespace"]) == ["llama2", "smollm2"]
+    for name, rows in local["by_namespace"].items():
+        (ours,), (theirs,) = rows, remote["by_namespace"][name]
+        assert (theirs["steps"], theirs["drafted_per_step"]) == (ours["steps"], ours["drafted_per_step"])
+    assert remote["results"][0]["mat"] == local["results"][0]["mat"] > 1.5

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from decoder_client.baselines import EngineDrafter, PromptLookupDrafter
-from decoder_client.replay import replay
+from decoder_client.replay import ReplayStats, replay
 from decoder_client.traces import Conversation, Segment, read_traces
 from indexer.drafter import DrafterConfig, DraftParams, NamespaceDrafter
 from indexer.tokens import Namespace
@@ -231,3 +231,25 @@ def test_read_traces_truncated_gzip(tmp_path):
     # A cut-off gzip stream is reported as unreadable.
     with pytest.raises(ValueError, match="unreadable"):
         read_traces(path)
+
+
+def test_merged_stats_add_up_disjoint_replays():
+    a, b = ReplayStats("d"), ReplayStats("d")
+    a.steps, a.tokens, a.drafted, a.requests, a.ahead_hits = 4, 10, 40, 1, 2
+    b.steps, b.tokens, b.drafted, b.requests = 6, 20, 30, 2
+    a.by_category["x"] = [10, 4]
+    b.by_category["x"] = [5, 3]
+    b.by_category["y"] = [15, 3]
+    a.accepted_by_tier["CONTEXT"] = 3
+    b.accepted_by_tier["CONTEXT"] = 4
+    b.accepted_by_tier["PRIOR"] = 1
+    a.latencies_us, b.latencies_us = [1.0, 2.0], [3.0]
+    m = ReplayStats.merged([a, b])
+    assert (m.name, m.steps, m.tokens, m.drafted, m.requests, m.ahead_hits) == ("d", 10, 30, 70, 3, 2)
+    assert m.mat == 3.0
+    assert dict(m.by_category) == {"x": [15, 7], "y": [15, 3]}
+    assert dict(m.accepted_by_tier) == {"CONTEXT": 7, "PRIOR": 1}
+    assert m.latencies_us == [1.0, 2.0, 3.0]
+    assert a.steps == 4 and dict(a.by_category) == {"x": [10, 4]}  # the parts stay as they were
+    with pytest.raises(ValueError):
+        ReplayStats.merged([])
