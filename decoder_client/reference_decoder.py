@@ -23,10 +23,12 @@ attention) are refused, not approximated.
 
 from __future__ import annotations
 
+import inspect
 import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -39,6 +41,13 @@ from indexer.tree_builder import DraftTree
 Drafter = Callable[[np.ndarray], DraftTree]
 # Picks (accepted node indices, bonus token) from a tree and its logits over [root, nodes...].
 Chooser = Callable[[DraftTree, torch.Tensor], tuple[list[int], int]]
+
+
+def cache_kwargs(model: torch.nn.Module, cache: DynamicCache) -> dict[str, Any]:
+    """The KV cache as ``model``'s forward takes it: ``cache=`` where it names it so (newer
+    transformers, which deprecate the old name), else ``past_key_values=``."""
+    takes = inspect.signature(model.forward).parameters
+    return {"cache" if "cache" in takes else "past_key_values": cache}
 
 
 @dataclass
@@ -280,7 +289,7 @@ class ReferenceDecoder:
         cache = DynamicCache(config=self.model.config)
         if ids:
             tensor = torch.tensor([ids], dtype=torch.long, device=self.device)
-            self.model(input_ids=tensor, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            self.model(input_ids=tensor, **cache_kwargs(self.model, cache), use_cache=True, logits_to_keep=1)
         return cache
 
     def _step(self, cache: DynamicCache, root: int, tree: DraftTree, choose: Chooser) -> list[int]:
@@ -292,7 +301,7 @@ class ReferenceDecoder:
             input_ids=ids,
             attention_mask=tree_attention_mask(tree.parents, past, self.model.dtype, self.device),
             position_ids=tree_position_ids(tree.parents, past, self.device),
-            past_key_values=cache,
+            **cache_kwargs(self.model, cache),
             use_cache=True,
         ).logits
         path, bonus = choose(tree, logits[0])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -11,7 +12,13 @@ import pytest
 import torch
 from transformers import DynamicCache, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
-from decoder_client.reference_decoder import DecodeStats, ReferenceDecoder, greedy_accept, prune_cache
+from decoder_client.reference_decoder import (
+    DecodeStats,
+    ReferenceDecoder,
+    cache_kwargs,
+    greedy_accept,
+    prune_cache,
+)
 from decoder_client.tree_attention import check_parents, tree_attention_mask, tree_position_ids
 from indexer.prompt_lookup import prompt_lookup
 from indexer.tree_builder import DraftTree
@@ -155,13 +162,13 @@ def test_chain_tree_reproduces_causal_logits(tiny_llama: Callable[[str], LlamaFo
     full = model(ids).logits[0]
     past = 7
     cache = DynamicCache(config=model.config)
-    model(ids[:, :past], past_key_values=cache)
+    model(ids[:, :past], **cache_kwargs(model, cache))
     chain = np.arange(-1, ids.shape[1] - past - 2, dtype=np.int32)  # root + 4 chained nodes
     out = model(
         ids[:, past:],
         attention_mask=tree_attention_mask(chain, past),
         position_ids=tree_position_ids(chain, past),
-        past_key_values=cache,
+        **cache_kwargs(model, cache),
     ).logits[0]
     assert torch.allclose(out, full[past:], rtol=1e-5, atol=1e-6)
 
@@ -172,14 +179,14 @@ def test_branches_score_like_their_own_root_path(tiny_llama: Callable[[str], Lla
     past = torch.tensor([[3, 14, 15, 92]])
     root, toks = 65, [35, 89, 79, 32, 38]
     cache = DynamicCache(config=model.config)
-    model(past, past_key_values=cache)
+    model(past, **cache_kwargs(model, cache))
     block = torch.tensor([[root, *toks]])
     n = past.shape[1]
     out = model(
         block,
         attention_mask=tree_attention_mask(PARENTS, n),
         position_ids=tree_position_ids(PARENTS, n),
-        past_key_values=cache,
+        **cache_kwargs(model, cache),
     ).logits[0]
     # Each node's root path, as plain token sequences after the past and the root.
     paths = {0: [35], 1: [35, 89], 2: [79], 3: [35, 89, 32], 4: [35, 38]}
@@ -201,6 +208,23 @@ def test_tiny_decoder_matches_generate_for_every_drafter(tiny_llama: Callable[[s
         assert out == ref
         assert stats.new_tokens == n and sum(stats.accepted) + stats.steps >= n
     assert decoder.generate(prompt, n, drafter=None)[1].mat == 1.0  # no drafts: one token a step
+
+
+def test_cache_goes_by_the_name_the_model_takes_it(tiny_llama: Callable[[str], LlamaForCausalLM]) -> None:
+    class Old(torch.nn.Module):
+        def forward(self, input_ids: torch.Tensor, past_key_values: DynamicCache | None = None) -> None: ...
+
+    class New(torch.nn.Module):
+        def forward(self, input_ids: torch.Tensor, cache: DynamicCache | None = None) -> None: ...
+
+    cache = DynamicCache()
+    assert cache_kwargs(Old(), cache) == {"past_key_values": cache}
+    assert cache_kwargs(New(), cache) == {"cache": cache}
+    model = tiny_llama("sdpa")
+    with warnings.catch_warnings():  # no deprecated keyword reaches the installed transformers
+        warnings.simplefilter("error", FutureWarning)
+        out, _ = ReferenceDecoder(model).generate([5, 17, 99, 5, 17, 42, 8], 6, drafter=_lookup)
+    assert len(out) == 6
 
 
 @torch.inference_mode()
