@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
-from decoder_client.reference_decoder import cache_kwargs, prune_cache
+from decoder_client.reference_decoder import cache_keyword, prune_cache
 from decoder_client.tree_attention import tree_attention_mask, tree_position_ids
 from indexer.tree_builder import DraftTree, Tier
 
@@ -62,8 +62,8 @@ class CostCurve:
         dtype = next(model.parameters()).dtype
         best = dict.fromkeys(SIZES, float("inf"))
         with torch.inference_mode():
-            cache = DynamicCache()
-            model(input_ids=ids[:, :context], **cache_kwargs(model, cache), use_cache=True)
+            cache, cache_arg = DynamicCache(), cache_keyword(model)
+            model(input_ids=ids[:, :context], **{cache_arg: cache}, use_cache=True)
             for _ in range(repeats):
                 for n in SIZES:
                     chain = np.arange(-1, n - 2, dtype=np.int32)  # the root plus n - 1 nodes
@@ -74,7 +74,7 @@ class CostCurve:
                         input_ids=ids[:, context : context + n],
                         attention_mask=mask,
                         position_ids=positions,
-                        **cache_kwargs(model, cache),
+                        **{cache_arg: cache},
                         use_cache=True,
                     )
                     best[n] = min(best[n], time.perf_counter() - start)

@@ -28,7 +28,6 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch
@@ -43,11 +42,11 @@ Drafter = Callable[[np.ndarray], DraftTree]
 Chooser = Callable[[DraftTree, torch.Tensor], tuple[list[int], int]]
 
 
-def cache_kwargs(model: torch.nn.Module, cache: DynamicCache) -> dict[str, Any]:
-    """The KV cache as ``model``'s forward takes it: ``cache=`` where it names it so (newer
-    transformers, which deprecate the old name), else ``past_key_values=``."""
-    takes = inspect.signature(model.forward).parameters
-    return {"cache" if "cache" in takes else "past_key_values": cache}
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The keyword ``model``'s forward takes its KV cache by: ``cache`` where it names it so
+    (newer transformers, which deprecate the old name), else ``past_key_values``. Looked up once
+    per model, not per forward."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 @dataclass
@@ -244,6 +243,7 @@ class ReferenceDecoder:
         self.model = model.eval()
         self.tokenizer = tokenizer  # kept for callers that decode; generation works on ids
         self.vocab_size = int(model.config.get_text_config().vocab_size)
+        self._cache_keyword = cache_keyword(model)
 
     def generate(
         self,
@@ -289,7 +289,7 @@ class ReferenceDecoder:
         cache = DynamicCache(config=self.model.config)
         if ids:
             tensor = torch.tensor([ids], dtype=torch.long, device=self.device)
-            self.model(input_ids=tensor, **cache_kwargs(self.model, cache), use_cache=True, logits_to_keep=1)
+            self.model(input_ids=tensor, **{self._cache_keyword: cache}, use_cache=True, logits_to_keep=1)
         return cache
 
     def _step(self, cache: DynamicCache, root: int, tree: DraftTree, choose: Chooser) -> list[int]:
@@ -301,7 +301,7 @@ class ReferenceDecoder:
             input_ids=ids,
             attention_mask=tree_attention_mask(tree.parents, past, self.model.dtype, self.device),
             position_ids=tree_position_ids(tree.parents, past, self.device),
-            **cache_kwargs(self.model, cache),
+            **{self._cache_keyword: cache},
             use_cache=True,
         ).logits
         path, bonus = choose(tree, logits[0])

@@ -15,7 +15,7 @@ from transformers import DynamicCache, LlamaForCausalLM, PreTrainedModel, PreTra
 from decoder_client.reference_decoder import (
     DecodeStats,
     ReferenceDecoder,
-    cache_kwargs,
+    cache_keyword,
     greedy_accept,
     prune_cache,
 )
@@ -162,13 +162,13 @@ def test_chain_tree_reproduces_causal_logits(tiny_llama: Callable[[str], LlamaFo
     full = model(ids).logits[0]
     past = 7
     cache = DynamicCache(config=model.config)
-    model(ids[:, :past], **cache_kwargs(model, cache))
+    model(ids[:, :past], **{cache_keyword(model): cache})
     chain = np.arange(-1, ids.shape[1] - past - 2, dtype=np.int32)  # root + 4 chained nodes
     out = model(
         ids[:, past:],
         attention_mask=tree_attention_mask(chain, past),
         position_ids=tree_position_ids(chain, past),
-        **cache_kwargs(model, cache),
+        **{cache_keyword(model): cache},
     ).logits[0]
     assert torch.allclose(out, full[past:], rtol=1e-5, atol=1e-6)
 
@@ -179,14 +179,14 @@ def test_branches_score_like_their_own_root_path(tiny_llama: Callable[[str], Lla
     past = torch.tensor([[3, 14, 15, 92]])
     root, toks = 65, [35, 89, 79, 32, 38]
     cache = DynamicCache(config=model.config)
-    model(past, **cache_kwargs(model, cache))
+    model(past, **{cache_keyword(model): cache})
     block = torch.tensor([[root, *toks]])
     n = past.shape[1]
     out = model(
         block,
         attention_mask=tree_attention_mask(PARENTS, n),
         position_ids=tree_position_ids(PARENTS, n),
-        **cache_kwargs(model, cache),
+        **{cache_keyword(model): cache},
     ).logits[0]
     # Each node's root path, as plain token sequences after the past and the root.
     paths = {0: [35], 1: [35, 89], 2: [79], 3: [35, 89, 32], 4: [35, 38]}
@@ -217,9 +217,8 @@ def test_cache_goes_by_the_name_the_model_takes_it(tiny_llama: Callable[[str], L
     class New(torch.nn.Module):
         def forward(self, input_ids: torch.Tensor, cache: DynamicCache | None = None) -> None: ...
 
-    cache = DynamicCache()
-    assert cache_kwargs(Old(), cache) == {"past_key_values": cache}
-    assert cache_kwargs(New(), cache) == {"cache": cache}
+    assert cache_keyword(Old()) == "past_key_values"
+    assert cache_keyword(New()) == "cache"
     model = tiny_llama("sdpa")
     with warnings.catch_warnings():  # no deprecated keyword reaches the installed transformers
         warnings.simplefilter("error", FutureWarning)
