@@ -16,12 +16,33 @@ from indexer.tokens import SEPARATOR
 
 def build_suffix_array(tokens: np.ndarray) -> np.ndarray:
     """Start positions of all suffixes of ``tokens`` in lexicographic (signed int32) order, a
-    suffix before any longer one it begins (:func:`indexer.kernels.suffix_array`).
+    suffix before any longer one it begins; suffixes equal up to and including a separator in
+    text order (:func:`indexer.kernels.suffix_array`).
 
     >>> build_suffix_array(np.array([3, 1, 2, 1, 2], dtype=np.int32)).tolist()
     [3, 1, 4, 2, 0]
     """
     return kernels.suffix_array(np.ascontiguousarray(tokens, dtype=np.int32))
+
+
+def extend_suffix_array(tokens: np.ndarray, old_sa: np.ndarray, dropped: int, new: int) -> np.ndarray:
+    """:func:`build_suffix_array` of ``tokens`` from the suffix array of an older text, where
+    ``tokens`` are that text less its first ``dropped`` tokens, then ``new`` appended tokens
+    (:func:`indexer.kernels.merge_suffix_arrays`). Both parts must end with a separator.
+
+    >>> S = int(SEPARATOR)
+    >>> old = np.array([1, 2, S, 2, 1, S], dtype=np.int32)
+    >>> text = np.array([2, 1, S, 1, 2, 2, S], dtype=np.int32)  # old[3:], then "1 2 2"
+    >>> extend_suffix_array(text, build_suffix_array(old), 3, 4).tolist() == build_suffix_array(text).tolist()
+    True
+    """
+    tokens = np.ascontiguousarray(tokens, dtype=np.int32)
+    base = tokens.size - new
+    if new < 1 or base < 0 or dropped < 0 or old_sa.size - dropped != base:
+        raise ValueError(f"{old_sa.size} old tokens less {dropped}, then {new} new, cannot make {tokens.size}")
+    if tokens[-1] != SEPARATOR or (base > 0 and tokens[base - 1] != SEPARATOR):
+        raise ValueError("the kept and the appended tokens must each end with a separator")
+    return kernels.merge_suffix_arrays(tokens, old_sa, dropped, kernels.suffix_array(tokens[base:]))
 
 
 class SuffixIndex:

@@ -36,7 +36,7 @@ from indexer.kernels.search import (
     stacked_continuations,
     tail_matches,
 )
-from indexer.kernels.suffix_sort import lcp, suffix_array
+from indexer.kernels.suffix_sort import lcp, merge_suffix_arrays, suffix_array
 from indexer.kernels.tables import (
     find_leader,
     find_longest_leader,
@@ -82,6 +82,7 @@ __all__ = [
     "longest_match",
     "match_range",
     "merge_batch",
+    "merge_suffix_arrays",
     "merge_tree",
     "no_prior",
     "prefix_counts",
@@ -113,6 +114,7 @@ def warm_up() -> None:
     follow = follower_lengths(toks, sa, 1, 1, 2147483647)
     rep = np.array([0, 1], dtype=np.int64)
     prefix_counts(lcp(toks, suffix_array(toks)), follow, rep, 1, 1)
+    merge_suffix_arrays(toks, sa, 2, sa[:1])  # a rebuild that extends the last one
     top_per_group(rep, follow[:2], 1)
     tail_matches(np.array([1, 2, 1], dtype=np.int32), 0, 4)
     context_continuations(toks, toks, sa, 4, 4, 0, 2, 2, 2147483647)

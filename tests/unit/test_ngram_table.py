@@ -449,3 +449,26 @@ def test_every_kept_leader_is_found_including_high_hashes():
     for leader in np.unique(windows, axis=0)[:500]:
         # A leader that occurred (followed by a token) is always found by its own tokens.
         assert table.lookup(np.ascontiguousarray(leader)) is not None
+
+
+def _plain_sa_and_lcp(t):
+    """Plain lexicographic order reading on past separators, and its LCP (as arrays were once
+    sorted): the table must not depend on how rows equal through a separator are ordered."""
+    sa = sorted(range(len(t)), key=lambda i: t[i:])
+    lcp = [0]
+    for a, b in itertools.pairwise(sa):
+        k = 0
+        while a + k < len(t) and b + k < len(t) and t[a + k] == t[b + k]:
+            k += 1
+        lcp.append(k)
+    return _a(sa), _a(lcp)
+
+
+@settings(max_examples=150, deadline=None)
+@given(text=table_texts, cfg=table_configs)
+def test_table_is_the_same_whatever_order_separated_rows_take(text, cfg):
+    tokens = _a([*text, S])
+    ours = NgramTable.build(tokens, cfg)
+    plain = NgramTable.build_from_suffix_array(tokens, *_plain_sa_and_lcp(tokens.tolist()), cfg)
+    for name, array in ours.arrays().items():
+        assert array.tolist() == plain.arrays()[name].tolist(), name

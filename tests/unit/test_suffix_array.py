@@ -5,7 +5,7 @@ from hypothesis import strategies as st
 
 from indexer import kernels
 from indexer.ngram_table import lcp_array
-from indexer.suffix_array import SuffixIndex, build_suffix_array
+from indexer.suffix_array import SuffixIndex, build_suffix_array, extend_suffix_array
 from indexer.tokens import SEPARATOR
 
 S = int(SEPARATOR)
@@ -19,8 +19,15 @@ def _a(ids):
     return np.array(ids, dtype=np.int32)
 
 
+def _key(t, i):
+    """A suffix's sort key: its tokens up to and including the first separator (the whole rest
+    when there is none), then its position: suffixes equal through a separator sort by place."""
+    end = t.index(S, i) + 1 if S in t[i:] else len(t)
+    return (t[i:end], i)
+
+
 def _brute_sa(t):
-    return sorted(range(len(t)), key=lambda i: t[i:])
+    return sorted(range(len(t)), key=lambda i: _key(t, i))
 
 
 def _occurrences(text, pattern):
@@ -61,6 +68,8 @@ def _prefix_doubling(tokens):
     """An independent reference: prefix doubling over numpy ranks, O(n log^2 n)."""
     n = tokens.size
     rank = np.unique(tokens, return_inverse=True)[1].astype(np.int64) + 1
+    seps = np.flatnonzero(tokens == S)  # each separator a symbol of its own, rising along the text
+    rank[seps] = rank.max(initial=0) + 1 + np.arange(seps.size)
     k = 1
     while True:
         second = np.zeros(n, dtype=np.int64)
@@ -130,13 +139,74 @@ def test_lcp_array_matches_brute_force(t):
     lcp = lcp_array(text, sa)
     assert lcp.dtype == np.int32
 
-    def common(i, j):
+    def common(i, j):  # up to, not including, a separator: each is a symbol of its own
         k = 0
-        while i + k < len(t) and j + k < len(t) and t[i + k] == t[j + k]:
+        while i + k < len(t) and j + k < len(t) and t[i + k] == t[j + k] and t[i + k] != S:
             k += 1
         return k
 
     assert lcp.tolist() == [0 if r == 0 else common(int(sa[r - 1]), int(sa[r])) for r in range(len(t))]
+
+
+def test_separators_sort_by_place_and_nothing_after_one_decides():
+    # "1 S 2" (0) and "1 S 0" (3) are equal through their separators: by place, though "0" < "2".
+    # Plain lexicographic order would put 3 first.
+    sa = build_suffix_array(_a([1, S, 2, 1, S, 0, S])).tolist()
+    assert sa.index(0) < sa.index(3)
+    assert sa == _brute_sa([1, S, 2, 1, S, 0, S])
+
+
+# Request-shaped texts: pieces of small ids, each ending with a separator.
+requests = st.lists(st.lists(st.sampled_from([0, 1, 2, 3]), max_size=8), min_size=1, max_size=8)
+
+
+def _joined(reqs):
+    return [t for r in reqs for t in [*r, S]]
+
+
+@settings(max_examples=300, deadline=None)
+@given(old=requests, new=requests, data=st.data())
+def test_extending_equals_building_afresh(old, new, data):
+    """Dropping any head of the older text (even mid-request) and appending requests gives the
+    array a fresh build of the result gives."""
+    old_text, new_text = _joined(old), _joined(new)
+    dropped = data.draw(st.integers(0, len(old_text)))
+    text = old_text[dropped:] + new_text
+    got = extend_suffix_array(_a(text), build_suffix_array(_a(old_text)), dropped, len(new_text))
+    assert got.tolist() == build_suffix_array(_a(text)).tolist() == _brute_sa(text)
+
+
+def test_extending_refuses_parts_that_do_not_fit():
+    old = _a([1, 2, S])
+    sa = build_suffix_array(old)
+    with pytest.raises(ValueError, match="cannot make"):
+        extend_suffix_array(_a([2, S, 3, S]), sa, 0, 2)  # kept 3 old tokens + 2 new != 4
+    with pytest.raises(ValueError, match="each end with a separator"):
+        extend_suffix_array(_a([1, 2, S, 3]), sa, 0, 1)
+    with pytest.raises(ValueError, match="cannot make"):
+        extend_suffix_array(_a([1, 2, S]), sa, 0, 0)  # nothing new
+
+
+def _plain_sa(t):
+    """Plain lexicographic order, reading on past separators (how arrays were once sorted)."""
+    return sorted(range(len(t)), key=lambda i: t[i:])
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=requests, pattern=st.lists(st.integers(0, 3), min_size=1, max_size=5), depth=st.integers(1, 6))
+def test_searches_see_no_difference_from_plain_order(text, pattern, depth):
+    """Ranking separators apart changes no search: a pattern's rows are the same set and the
+    rows read off them (cut at a separator) are the same, row for row, so drafts are too."""
+    t = _joined(text)
+    ours, plain = build_suffix_array(_a(t)), _a(_plain_sa(t))
+    tokens = _a(t)
+    p = _a(pattern)
+    first, last = kernels.match_range(tokens, ours, p, 0, len(t))
+    assert (first, last) == kernels.match_range(tokens, plain, p, 0, len(t))
+    assert sorted(ours[first:last].tolist()) == sorted(plain[first:last].tolist())
+    for samples in (1, 2, 3, 64):
+        got = kernels.sample_rows(tokens, ours, first, last, len(pattern), depth, samples, S)
+        assert got.tolist() == kernels.sample_rows(tokens, plain, first, last, len(pattern), depth, samples, S).tolist()
 
 
 # -- SuffixIndex ---------------------------------------------------------------------------
@@ -401,3 +471,9 @@ def test_continuations_properties(text, data):
 def test_separator_sorts_above_vocabulary_ids(text):
     # Ids renumber by counting over their range; the separator far above them takes the last rank.
     assert build_suffix_array(_a(text)).tolist() == _brute_sa(text)
+
+
+def test_the_kernels_separator_is_the_request_separator():
+    from indexer.kernels import suffix_sort
+
+    assert suffix_sort.SEP == S
