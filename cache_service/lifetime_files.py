@@ -28,6 +28,8 @@ from indexer.ngram_table import NgramTable, NgramTableConfig
 from indexer.suffix_array import SuffixIndex
 from indexer.tokens import SEPARATOR
 
+# 2: suffix arrays rank separators apart, so a generation can be extended by the next one.
+FORMAT = 2
 CURRENT = "current.json"
 META = "generation.json"
 LOCK = "build.lock"
@@ -63,9 +65,11 @@ def save(indexes: LifetimeIndexes, *, log: str, through: LogId, ns_dir: Path) ->
         np.save(tmp / f"table_{key}.npy", array, allow_pickle=False)
     c = indexes.table.config
     meta = {
+        "format": FORMAT,
         "log": log,
         "through": list(through),
         "version": indexes.version,
+        "table_version": indexes.table_built_at,
         "build_seconds": indexes.build_seconds,
         "table": {"leader_len": c.leader_len, "follower_len": c.follower_len, "top_k": c.top_k}
         | {"min_count": c.min_count, "max_leaders": c.max_leaders},
@@ -111,6 +115,8 @@ def load(folder: Path) -> Generation:
         table = NgramTable.from_arrays(NgramTableConfig(**meta["table"]), arrays)
         through = (int(meta["through"][0]), int(meta["through"][1]))
         log, version, seconds = str(meta["log"]), int(meta["version"]), float(meta["build_seconds"])
+        table_version = int(meta.get("table_version", version))
+        extendable = meta.get("format") == FORMAT  # older ones sorted separators as tokens
     except (OSError, KeyError, IndexError, TypeError, json.JSONDecodeError) as exc:
         raise ValueError(f"{folder}: not a saved generation: {exc}") from exc
     if tokens.dtype != np.int32 or tokens.ndim != 1 or tokens.size == 0 or tokens[-1] != SEPARATOR:
@@ -118,7 +124,8 @@ def load(folder: Path) -> Generation:
     if sa.dtype != np.int32 or sa.shape != tokens.shape:
         raise ValueError(f"{folder}: the suffix array does not match the tokens")
     suffix = SuffixIndex(tokens, sa)
-    return Generation(LifetimeIndexes(suffix, table, version, seconds), log, through, folder)
+    indexes = LifetimeIndexes(suffix, table, version, seconds, table_version, extendable=extendable)
+    return Generation(indexes, log, through, folder)
 
 
 def prune(ns_dir: Path, keep: set[Path]) -> int:

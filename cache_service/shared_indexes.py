@@ -11,6 +11,7 @@ only the requests past that position. If the builder dies, the lock is free for 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import tempfile
 import threading
@@ -29,8 +30,10 @@ from indexer.lifetime_index import (
     LifetimeIndexes,
     LifetimeMemory,
     LogId,
+    appended_tokens,
     build_indexes,
     next_generation,
+    next_indexes,
     search_arrays,
 )
 from indexer.tokens import SEPARATOR
@@ -95,16 +98,20 @@ class SharedIndexes:
             if previous is not None and not requests:
                 return None
             through = position(last) if last is not None else (0, 0)
-            before = None if previous is None else previous.indexes.suffix.tokens
-            tokens = next_generation(before, requests, self.config.capacity_tokens)
-            version = (0 if previous is None else previous.indexes.version) + int(sum(r.size + 1 for r in requests))
-            built = build_indexes(tokens, self.config.table, version)
-            built = LifetimeIndexes(built.suffix, built.table, version, time.perf_counter() - start)
+            last_gen = None if previous is None else previous.indexes
+            capacity = self.config.capacity_tokens
+            tokens = next_generation(None if last_gen is None else last_gen.suffix.tokens, requests, capacity)
+            version = (0 if last_gen is None else last_gen.version) + int(sum(r.size + 1 for r in requests))
+            built = next_indexes(last_gen, tokens, appended_tokens(requests, capacity), self.config, version)
+            built = dataclasses.replace(built, build_seconds=time.perf_counter() - start)  # the log read too
             folder = lifetime_files.save(built, log=log, through=through, ns_dir=ns_dir)
             keep = {folder} | ({previous.folder} if previous is not None else set())
             lifetime_files.prune(ns_dir, keep)
             seconds = built.build_seconds
-            logger.info("published %s generation %s: %d tokens in %.2f s", ns, folder.name, tokens.size, seconds)
+            how = "extended" if built.extended else "sorted afresh"
+            logger.info(
+                "published %s generation %s: %d tokens in %.2f s (%s)", ns, folder.name, tokens.size, seconds, how
+            )
             return built
 
     def _read(self, ns: str, after: str) -> tuple[list[np.ndarray], str | None]:
@@ -127,7 +134,10 @@ class SharedIndexes:
             folder = lifetime_files.save(
                 build_indexes(tokens, self.config.table, 0), log="warm", through=(0, 0), ns_dir=Path(tmp)
             )
-            _warm_kernels(lifetime_files.load(folder).indexes, threads)
+            mapped = lifetime_files.load(folder).indexes
+            _warm_kernels(mapped, threads)
+            more = [np.array([6, 7], dtype=np.int32)]  # the next generation extends a mapped one
+            next_indexes(mapped, next_generation(tokens, more, 16), appended_tokens(more, 16), self.config, 3)
 
     def adopt(self, ns: str, memory: LifetimeMemory, *, threads: int = 1) -> Generation | None:
         """Serve the namespace's newest published generation if it is not the one served;

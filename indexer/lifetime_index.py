@@ -8,7 +8,13 @@ suffix array over both) while the older is at most twice the newer. Runs double 
 back, so there are O(log delta) of them and each token is re-indexed O(log delta) times.
 
 Rebuilds read a snapshot and swap the finished indexes in with one reference assignment, so
-readers never see a half-built index and never wait for a rebuild.
+readers never see a half-built index and never wait for a rebuild. A rebuild extends the last
+generation rather than sorting the whole buffer again (:func:`next_indexes`): the suffix array
+takes the requests finished since (the ring's overwritten head dropped) by a merge that costs
+about their size times a logarithm, not the buffer's size, and the frozen n-gram table, a
+frequency summary that a few more requests barely move, is rebuilt only once a set share of
+the buffer is new since it was. So rebuilds stay cheap however full the buffer is, and can run
+often enough to keep the delta small.
 
 Several processes can share one set of indexes instead of each building its own: a memory made
 with ``ring=False`` keeps no buffer and never rebuilds; it adopts indexes built elsewhere over a
@@ -34,7 +40,7 @@ import numpy as np
 from indexer import kernels
 from indexer.lifetime_buffer import LifetimeBuffer
 from indexer.ngram_table import NgramTable, NgramTableConfig, lcp_array, with_final_separator
-from indexer.suffix_array import SuffixIndex, build_suffix_array
+from indexer.suffix_array import SuffixIndex, build_suffix_array, extend_suffix_array
 from indexer.tokens import SEPARATOR
 
 
@@ -44,7 +50,10 @@ class LifetimeConfig:
 
     capacity_tokens: int = 16 << 20
     table: NgramTableConfig = field(default_factory=NgramTableConfig)
-    delta_max_tokens: int = 1 << 16  # past this, finished requests call for a full rebuild
+    delta_max_tokens: int = 1 << 16  # past this, finished requests call for a rebuild
+    # The n-gram table is rebuilt once this share of the indexed tokens is new since it was
+    # built (0: at every rebuild); in between, rebuilds carry it over.
+    table_refresh: float = 0.25
     exact_entries: int = 4096
     exact_max_tokens: int = 1 << 14  # longest response kept for exact-prompt hits
 
@@ -53,6 +62,8 @@ class LifetimeConfig:
             raise ValueError(f"capacity_tokens must be >= 2, got {self.capacity_tokens}")
         if self.delta_max_tokens < 1:
             raise ValueError(f"delta_max_tokens must be >= 1, got {self.delta_max_tokens}")
+        if not 0 <= self.table_refresh <= 1:
+            raise ValueError(f"table_refresh must be in [0, 1], got {self.table_refresh}")
         if self.exact_entries < 0 or self.exact_max_tokens < 0:
             raise ValueError("exact_entries and exact_max_tokens must be >= 0")
 
@@ -68,6 +79,11 @@ class LifetimeIndexes:
     table: NgramTable
     version: int  # buffer.appended when the snapshot was taken
     build_seconds: float
+    table_version: int | None = None  # the version its table was built at (None: this one)
+    extended: bool = False  # its suffix array extended the last generation's (not sorted afresh)
+    # Its suffix array ranks separators apart (every array this package sorts; a generation
+    # saved by an older release may not), so the next generation can extend it.
+    extendable: bool = True
     # Tells this generation from every other one in the process (a match found in one is
     # carried to the next search only while the same generation serves).
     serial: int = field(default_factory=lambda: next(_SERIALS), compare=False)
@@ -76,15 +92,61 @@ class LifetimeIndexes:
     def nbytes(self) -> int:
         return self.suffix.nbytes + self.table.nbytes
 
+    @property
+    def table_built_at(self) -> int:
+        return self.version if self.table_version is None else self.table_version
+
 
 def build_indexes(tokens: np.ndarray, table_config: NgramTableConfig, version: int) -> LifetimeIndexes:
-    """Suffix array and n-gram table over one snapshot (pure; run off the hot path)."""
+    """Suffix array and n-gram table over one snapshot, sorted afresh (pure; run off the hot
+    path)."""
     start = time.perf_counter()
     tokens = with_final_separator(tokens)  # an empty buffer indexes as one separator
     sa = build_suffix_array(tokens)
-    table = NgramTable.build_from_suffix_array(tokens, sa, lcp_array(tokens, sa), table_config)
+    table = _table(tokens, sa, table_config)
     suffix = SuffixIndex(tokens, sa)
     return LifetimeIndexes(suffix, table, version, time.perf_counter() - start)
+
+
+def _table(tokens: np.ndarray, sa: np.ndarray, config: NgramTableConfig) -> NgramTable:
+    return NgramTable.build_from_suffix_array(tokens, sa, lcp_array(tokens, sa), config)
+
+
+def next_indexes(
+    previous: LifetimeIndexes | None, tokens: np.ndarray, new: int, config: LifetimeConfig, version: int
+) -> LifetimeIndexes:
+    """The generation after ``previous`` over ``tokens``: ``previous``'s tokens less a head (the
+    ring's overwritten part), then ``new`` tokens of requests finished since, each ending with a
+    separator (pure; run off the hot path).
+
+    Its suffix array extends ``previous``'s when the kept part is exactly ``previous``'s tail
+    (:func:`~indexer.suffix_array.extend_suffix_array`), else is sorted afresh; either way it is
+    the array :func:`build_indexes` would make. The table is carried over until
+    ``config.table_refresh`` of the tokens are new since it was built.
+
+    >>> S = int(SEPARATOR)
+    >>> first = next_indexes(None, np.array([1, 2, S], np.int32), 3, LifetimeConfig(), 3)
+    >>> second = next_indexes(first, np.array([1, 2, S, 1, 3, S], np.int32), 3, LifetimeConfig(), 6)
+    >>> second.extended, second.table_built_at  # half the tokens are new: the table is due
+    (True, 6)
+    """
+    start = time.perf_counter()
+    tokens = with_final_separator(np.ascontiguousarray(tokens, dtype=np.int32))
+    kept = tokens.size - new
+    sa = None
+    if previous is not None and previous.extendable and new > 0 and 0 < kept <= previous.suffix.size:
+        dropped = previous.suffix.size - kept
+        if np.array_equal(tokens[:kept], previous.suffix.tokens[dropped:]):
+            sa = extend_suffix_array(tokens, previous.suffix.suffix_array, dropped, new)
+    extended = sa is not None
+    if sa is None:
+        sa = build_suffix_array(tokens)
+    if previous is not None and version - previous.table_built_at < config.table_refresh * tokens.size:
+        table, table_version = previous.table, previous.table_built_at
+    else:
+        table, table_version = _table(tokens, sa, config.table), None
+    seconds = time.perf_counter() - start
+    return LifetimeIndexes(SuffixIndex(tokens, sa), table, version, seconds, table_version, extended)
 
 
 @dataclass(frozen=True)
@@ -140,6 +202,16 @@ def next_generation(previous: np.ndarray | None, requests: list[np.ndarray], cap
         return np.zeros(0, dtype=np.int32)
     joined = np.concatenate(parts)
     return joined[-capacity:].copy() if joined.size > capacity else joined
+
+
+def appended_tokens(requests: list[np.ndarray], capacity: int) -> int:
+    """How many tokens :func:`next_generation` appends for ``requests`` (each cut to its last
+    ``capacity - 1`` tokens, then a separator), before the cut to ``capacity``.
+
+    >>> appended_tokens([np.array([1, 2], np.int32), np.array([3, 4, 5], np.int32)], 3)
+    6
+    """
+    return int(sum(min(r.size, capacity - 1) + 1 for r in requests))
 
 
 class SearchArrays(NamedTuple):
@@ -422,7 +494,9 @@ class LifetimeMemory:
         with self._rebuild_lock:
             with self._lock:
                 snapshot, version = self.buffer.snapshot(), self.buffer.appended
-            built = build_indexes(snapshot, self.config.table, version)
+            previous = self._indexes
+            new = version - (0 if previous is None else previous.version)
+            built = next_indexes(previous, snapshot, min(new, snapshot.size), self.config, version)
             with self._lock:
                 self._indexes = built
                 # Drop the delta parts the new main index now covers.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fcntl
 import inspect
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -22,7 +23,7 @@ from cache_service.storage.redis_store import RedisStore
 from cache_service.storage.stream_log import position
 from indexer import kernels
 from indexer.drafter import DrafterConfig, DraftParams, NamespaceDrafter
-from indexer.lifetime_index import LifetimeConfig, LifetimeMemory, next_generation
+from indexer.lifetime_index import LifetimeConfig, LifetimeMemory, build_indexes, next_generation
 from indexer.tokens import Namespace
 from tests.service.conftest import Replica, eventually
 
@@ -75,6 +76,34 @@ def test_generations_follow_the_log_and_are_mapped_read_only(store: RedisStore, 
     assert shared.adopt("toy", memory) is None  # already serving it
     assert memory.delta_tokens() == 0
     assert memory.indexes is not None and memory.indexes.suffix.size == gen.indexes.suffix.size
+
+
+def test_a_generation_extends_the_mapped_one_unless_an_older_release_wrote_it(
+    store: RedisStore, tmp_path: Path
+) -> None:
+    config = LifetimeConfig(capacity_tokens=12)
+    root = tmp_path / "lifetime"
+    shared = SharedIndexes(store, root, config)
+    store.append_requests("toy", [_req(1, 2, 3), _req(4, 5)])
+    first = shared.publish("toy")
+    assert first is not None and not first.extended
+    store.append_requests("toy", [_req(1, 2, 6, 7)])  # the head of the 12-token log falls out
+    second = shared.publish("toy")
+    assert second is not None and second.extended
+    fresh = build_indexes(second.suffix.tokens, config.table, second.version)
+    assert second.suffix.suffix_array.tolist() == fresh.suffix.suffix_array.tolist()
+    gen = shared.published("toy")
+    assert gen is not None and gen.indexes.extendable and gen.indexes.table_built_at == second.table_built_at
+    # Files written before separators were ranked apart carry no format: sorted afresh next.
+    meta_file = gen.folder / lifetime_files.META
+    meta = json.loads(meta_file.read_text())
+    del meta["format"], meta["table_version"]
+    meta_file.write_text(json.dumps(meta))
+    old = lifetime_files.load(gen.folder).indexes
+    assert not old.extendable and old.table_built_at == old.version
+    store.append_requests("toy", [_req(8, 9)])
+    third = shared.publish("toy")
+    assert third is not None and not third.extended
 
 
 def test_damaged_or_foreign_files_are_ignored_and_replaced(store: RedisStore, tmp_path: Path) -> None:

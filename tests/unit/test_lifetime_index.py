@@ -3,7 +3,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from indexer.lifetime_index import LifetimeConfig, LifetimeMemory, build_indexes, prompt_key
+from indexer.lifetime_index import LifetimeConfig, LifetimeMemory, build_indexes, next_indexes, prompt_key
 from indexer.ngram_table import NgramTableConfig
 from indexer.tokens import SEPARATOR
 
@@ -29,7 +29,14 @@ def _occurrences(mem, pattern):
 
 @pytest.mark.parametrize(
     "kw",
-    [{"capacity_tokens": 1}, {"delta_max_tokens": 0}, {"exact_entries": -1}, {"exact_max_tokens": -1}],
+    [
+        {"capacity_tokens": 1},
+        {"delta_max_tokens": 0},
+        {"exact_entries": -1},
+        {"exact_max_tokens": -1},
+        {"table_refresh": -0.1},
+        {"table_refresh": 1.5},
+    ],
 )
 def test_config_validation(kw):
     # Sizes outside their documented ranges are rejected.
@@ -294,3 +301,67 @@ def test_indexes_holding_the_match_share_the_samples_by_count():
     mem.commit(_a([0, 1, 2, 5]))
     n, rows, weights = mem.continuations(_a([0, 1, 2]), max_len=8, depth=1, samples=4)
     assert (n, rows.tolist(), weights.tolist()) == (3, [[5]], [1.0])
+
+
+SMALL_TABLE = NgramTableConfig(leader_len=1, follower_len=2, min_count=1)
+
+
+def _same_arrays(a, b):
+    return all(x.tolist() == b.table.arrays()[k].tolist() for k, x in a.table.arrays().items())
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    batches=st.lists(st.lists(st.lists(st.integers(0, 5), max_size=9), min_size=1, max_size=4), min_size=1, max_size=8),
+    capacity=st.integers(2, 48),
+)
+def test_rebuilds_extend_the_last_generation_and_equal_a_fresh_build(batches, capacity):
+    """Whatever the ring overwrote between rebuilds (nothing, a head cut mid-request, all of
+    it), a rebuild gives the suffix array a fresh sort of the buffer gives; it extends the last
+    generation whenever part of it is still held. With table_refresh 0 the table is rebuilt each
+    time and equals a fresh build's."""
+    mem = _mem(capacity_tokens=capacity, table=SMALL_TABLE, table_refresh=0.0)
+    previous = None
+    for batch in batches:
+        held_before = None if previous is None else mem.buffer.appended - previous.version
+        for request in batch:
+            mem.commit(_a(request))
+        built = mem.rebuild()
+        fresh = build_indexes(mem.buffer.snapshot(), SMALL_TABLE, mem.buffer.appended)
+        assert built.suffix.suffix_array.tolist() == fresh.suffix.suffix_array.tolist()
+        assert built.suffix.tokens.tolist() == fresh.suffix.tokens.tolist()
+        assert _same_arrays(built, fresh)
+        if previous is not None and previous.version > 0 and held_before is not None:
+            # Extended exactly when some of the last generation's tokens are still in the ring.
+            kept = built.suffix.size - (built.version - previous.version)
+            assert built.extended == (kept > 0)
+        previous = built
+
+
+def test_the_table_is_carried_until_enough_is_new():
+    config = LifetimeConfig(table=SMALL_TABLE, table_refresh=0.5)
+    first = next_indexes(None, _a([1, 2, S, 1, 2, S]), 6, config, 6)
+    assert (first.table_built_at, first.extended) == (6, False)
+    # 3 new of 9 tokens: under half, so the table stays as it was ("1" is still followed by "2").
+    second = next_indexes(first, _a([1, 2, S, 1, 2, S, 1, 3, S]), 3, config, 9)
+    assert second.extended and second.table is first.table and second.table_built_at == 6
+    assert second.table.lookup(_a([1]))[0].tolist() == [[2, -1]]
+    # 6 of 12 tokens new since the table was built: rebuilt, and now it knows "1 3".
+    third = next_indexes(second, _a([1, 2, S, 1, 2, S, 1, 3, S, 1, 3, S]), 3, config, 12)
+    assert third.table_built_at == 12 and third.table is not first.table
+    assert sorted(third.table.lookup(_a([1]))[0].tolist()) == [[2, -1], [3, -1]]
+
+
+def test_a_generation_that_does_not_fit_is_sorted_afresh():
+    config = LifetimeConfig(table=SMALL_TABLE)
+    first = next_indexes(None, _a([1, 2, S]), 3, config, 3)
+    # The kept part is not the last generation's tail: sorted afresh, still right.
+    other = next_indexes(first, _a([7, 8, S, 4, S]), 2, config, 5)
+    assert not other.extended
+    fresh = build_indexes(_a([7, 8, S, 4, S]), SMALL_TABLE, 5)
+    assert other.suffix.suffix_array.tolist() == fresh.suffix.suffix_array.tolist()
+    # An array from an older release (separators sorted as tokens) is never extended.
+    old = build_indexes(_a([1, 2, S]), SMALL_TABLE, 3)
+    older = type(old)(old.suffix, old.table, old.version, old.build_seconds, extendable=False)
+    assert not next_indexes(older, _a([1, 2, S, 4, S]), 2, config, 5).extended
+    assert next_indexes(first, _a([1, 2, S, 4, S]), 2, config, 5).extended
