@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 PRIOR_POLL_S = 2.0
 DELTA_CHECK_S = 1.0  # how often a delta past its limit is looked for
 TAKE_SLICE_S = 0.002  # longest the serving loop spends on one slice of a write-back round
-EARLY_REBUILD_GAP_S = 5.0  # least time between early rebuilds of one namespace
+EARLY_REBUILD_GAP_S = 1.0  # least time between early rebuilds of one namespace
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -171,9 +171,12 @@ class App:
 
     def _rebuild_large_deltas(self) -> None:
         """Rebuild early a namespace whose delta outgrew its limit (a burst of requests), but
-        leave at least twice the last build's time (and a few seconds) between builds: under
-        sustained heavy traffic rebuilds take at most a third of a core. With shared indexes,
-        also serve any generation another process published."""
+        leave at least twice the last build's time (and a second) between builds: under
+        sustained heavy traffic rebuilds take at most a third of a core. A rebuild extends the
+        last generation, at a cost that follows the delta, not the buffer, so under steady
+        traffic they come about once a second and keep the delta (searched by every draft)
+        near its limit. With shared indexes, also serve any generation another process
+        published."""
         self.persistence.adopt_published(self.service)
         now = time.monotonic()
         for name in self.service.namespace_names():
@@ -194,7 +197,17 @@ class App:
             release_free_memory()  # what the build allocated and freed
         if built is not None:  # this process built it (shared indexes: another may have)
             self.metrics.observe_rebuild(name, built.build_seconds)
-            logger.info("rebuilt %s%s: %d tokens in %.2f s", name, why, built.suffix.size, built.build_seconds)
+            how = "extended" if built.extended else "sorted afresh"
+            table = "new table" if built.table_version is None else "table carried over"
+            logger.info(
+                "rebuilt %s%s: %d tokens in %.2f s (%s, %s)",
+                name,
+                why,
+                built.suffix.size,
+                built.build_seconds,
+                how,
+                table,
+            )
 
     async def stop(self) -> None:
         """NOT_SERVING, drain in-flight calls, stop jobs, flush queued commits, stop Redis."""
