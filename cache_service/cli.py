@@ -235,6 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add(b, "--tokenizer", type=Path, required=_env("tokenizer") is None)
     _add(b, "--tokens", type=int, default=10_000_000, help="buffer size in tokens")
     _add(b, "--queries", type=int, default=20_000)
+    _add(b, "--delta", type=int, default=1 << 16, help="new tokens per timed extending rebuild, the buffer full")
+    _add(b, "--rounds", type=int, default=5, help="extending rebuilds timed beside sorting afresh (0: none)")
     b.add_argument("--json", action="store_true")
     return parser
 
@@ -493,13 +495,15 @@ def cmd_bench_index(a: argparse.Namespace) -> int:
 
     encode, vocab = warm.load_tokenizer(a.tokenizer)
     tokens = warm.tokenize_corpus(warm.read_corpus(a.corpus, a.format), encode, vocab)
-    config = index_bench.IndexBenchConfig(buffer_tokens=a.tokens, queries=a.queries)
+    config = index_bench.IndexBenchConfig(
+        buffer_tokens=a.tokens, queries=a.queries, delta_tokens=a.delta, rounds=a.rounds
+    )
     result = index_bench.run_index_bench(tokens, config)
     if a.json:
         print(json.dumps(result, indent=2))
     else:
         for key, value in result.items():
-            print(f"{key:<24}{value}")
+            print(f"{key:<28}{value}")
     return 0
 
 
