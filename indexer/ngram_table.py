@@ -145,74 +145,59 @@ class NgramTable:
         which must end with ``SEPARATOR`` (the end of the text then ends a follower exactly as
         a request boundary does)."""
         ll, fl = config.leader_len, config.follower_len
-        n = int(tokens.size)
-        if n == 0:
+        if tokens.size == 0:
             return cls._empty(config)
         if tokens[-1] != SEPARATOR:
             raise ValueError("tokens must end with SEPARATOR (see with_final_separator)")
-        follow_len = kernels.follower_lengths(tokens, sa, ll, fl, int(SEPARATOR))
-        # Leaders: runs of SA rows sharing their first ll tokens.
-        lead_start = lcp < ll
-        lead_id = np.cumsum(lead_start) - 1
-        lead_count = np.bincount(lead_id, weights=follow_len > 0).astype(np.int64)
-        keep = cls._top_leaders(lead_count, config)
-        # Kept leaders are whole runs of SA rows, so within the selection consecutive rows of
-        # one leader are still SA neighbours and their LCP still applies.
-        rows = np.flatnonzero(keep[lead_id])
-        if rows.size == 0:
+        flen = kernels.follower_lengths(tokens, sa, ll, fl, int(SEPARATOR))
+        firsts, lead_count = kernels.leader_runs(lcp, flen, ll)  # leaders: runs of SA rows
+        kept = np.flatnonzero(cls._kept_leaders(lead_count, config))
+        if kept.size == 0:
             return cls._empty(config)
-        lcp_sel, flen, lid = lcp[rows], follow_len[rows], lead_id[rows]
-        # Distinct followers: first row of each run sharing ll + its follower tokens.
-        rep = np.flatnonzero((lcp_sel < ll + flen) & (flen > 0))
-        counts = kernels.prefix_counts(lcp_sel, flen, rep, ll, fl)
-        score = counts.sum(axis=1, dtype=np.int64)  # expected accepted length, times leader count
-        best = kernels.top_per_group(lid[rep], score, config.top_k)
-        rep, counts = rep[best], counts[best]
-        return cls._assemble(tokens, sa[rows[rep]], lid[rep], counts, flen[rep], lead_count, config)
+        runs, starts, lens, counts = kernels.table_entries(lcp, flen, sa, firsts, kept, ll, fl, config.top_k)
+        if starts.size == 0:
+            return cls._empty(config)
+        return cls._assemble(tokens, starts, lead_count[runs].astype(np.int64), counts, lens, config)
 
     @staticmethod
-    def _top_leaders(lead_count: np.ndarray, config: NgramTableConfig) -> np.ndarray:
+    def _kept_leaders(lead_count: np.ndarray, config: NgramTableConfig) -> np.ndarray:
+        """Leaders seen at least ``min_count`` times; past ``max_leaders`` of them, the most
+        frequent, ties to the lexicographically smaller leader (the earlier run)."""
         keep = lead_count >= config.min_count
-        if int(keep.sum()) > config.max_leaders:
-            # Most frequent leaders win; ties go to the lexicographically smaller leader.
-            order = np.lexsort((np.arange(lead_count.size), -lead_count))[: config.max_leaders]
-            keep = np.zeros_like(keep)
-            keep[order] = True
-        return keep
+        n = int(keep.sum())
+        if n <= config.max_leaders:
+            return keep
+        cut = int(np.partition(lead_count[keep], n - config.max_leaders)[n - config.max_leaders])
+        above = keep & (lead_count > cut)  # fewer than max_leaders, with those at the cut: enough
+        ties = np.flatnonzero(keep & (lead_count == cut))[: config.max_leaders - int(above.sum())]
+        above[ties] = True
+        return above
 
     @classmethod
     def _assemble(
         cls,
         tokens: np.ndarray,
         starts: np.ndarray,
-        lid: np.ndarray,
+        totals: np.ndarray,
         counts: np.ndarray,
         flen: np.ndarray,
-        lead_count: np.ndarray,
         config: NgramTableConfig,
     ) -> NgramTable:
+        """The table from its entries: per entry a suffix start of its leader, the leader's
+        count, its prefix counts and follower length; a leader's entries together, best first."""
         ll, fl = config.leader_len, config.follower_len
-        starts = starts.astype(np.int64)
         leaders = tokens[starts[:, None] + np.arange(ll)]
         keys = leader_hashes(leaders)
         cols = starts[:, None] + ll + np.arange(fl)
         followers = tokens[np.minimum(cols, tokens.size - 1)].astype(np.int32)
         followers[np.arange(fl)[None, :] >= flen[:, None]] = -1
-        totals = lead_count[lid].astype(np.float32)
-        probs = (counts / totals[:, None]).astype(np.float16)
+        probs = (counts / totals[:, None].astype(np.float32)).astype(np.float16)
         # Group by key (hash order) keeping the per-leader score order inside each group.
         order = np.lexsort((np.arange(starts.size), keys))
-        keys, lid = keys[order], lid[order]
+        keys, totals = keys[order], totals[order]
         first = np.concatenate(([True], keys[1:] != keys[:-1]))
         offsets = np.append(np.flatnonzero(first), keys.size).astype(np.int64)
-        return cls(
-            config,
-            keys[first],
-            offsets,
-            lead_count[lid[first]].astype(np.int64),
-            followers[order],
-            probs[order],
-        )
+        return cls(config, keys[first], offsets, totals[first], followers[order], probs[order])
 
     @classmethod
     def _empty(cls, config: NgramTableConfig) -> NgramTable:

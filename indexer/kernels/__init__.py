@@ -43,8 +43,8 @@ from indexer.kernels.tables import (
     follower_lengths,
     hash_rows,
     hash_tokens,
-    prefix_counts,
-    top_per_group,
+    leader_runs,
+    table_entries,
 )
 from indexer.kernels.tree import (
     accepted_path,
@@ -79,13 +79,13 @@ __all__ = [
     "hash_rows",
     "hash_tokens",
     "lcp",
+    "leader_runs",
     "longest_match",
     "match_range",
     "merge_batch",
     "merge_suffix_arrays",
     "merge_tree",
     "no_prior",
-    "prefix_counts",
     "prior_args",
     "prompt_lookup_start",
     "recent_followers",
@@ -94,8 +94,8 @@ __all__ = [
     "sample_starts",
     "stacked_continuations",
     "suffix_array",
+    "table_entries",
     "tail_matches",
-    "top_per_group",
     "verification_outcome",
     "verification_outcomes",
     "warm_up",
@@ -112,10 +112,10 @@ def warm_up() -> None:
     sample_starts(sa, 0, 2, 2)
     # A frozen table's build (indexer.ngram_table), with the types a rebuild passes.
     follow = follower_lengths(toks, sa, 1, 1, 2147483647)
-    rep = np.array([0, 1], dtype=np.int64)
-    prefix_counts(lcp(toks, suffix_array(toks)), follow, rep, 1, 1)
+    common = lcp(toks, suffix_array(toks))
+    firsts, _ = leader_runs(common, follow, 1)
+    table_entries(common, follow, sa, firsts, np.array([0], dtype=np.int64), 1, 1, 1)
     merge_suffix_arrays(toks, sa, 2, sa[:1])  # a rebuild that extends the last one
-    top_per_group(rep, follow[:2], 1)
     tail_matches(np.array([1, 2, 1], dtype=np.int32), 0, 4)
     context_continuations(toks, toks, sa, 4, 4, 0, 2, 2, 2147483647)
     context_followers(toks, toks, sa, 4, 0, 1, 1, 2)

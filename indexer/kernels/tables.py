@@ -1,5 +1,5 @@
-"""Compiled passes for frozen n-gram tables: follower lengths, prefix counts, per-leader
-top-k, and the leader hashes used to find them."""
+"""Compiled passes for frozen n-gram tables: follower lengths, leader runs, each kept leader's
+top-k followers with their prefix counts, and the leader hashes used to find them."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ from numba import njit
 
 @njit(cache=True, nogil=True)
 def follower_lengths(tokens: np.ndarray, sa: np.ndarray, leader_len: int, follower_len: int, stop: int) -> np.ndarray:
-    """Per SA row: how many follower tokens (at most ``follower_len``) follow a clean leader of
-    ``leader_len`` tokens at that suffix before a token >= ``stop`` (0 if the leader isn't clean)."""
-    out = np.zeros(sa.size, dtype=np.int64)
+    """Per SA row: how many follower tokens (at most ``follower_len``, at most 64) follow a clean
+    leader of ``leader_len`` tokens at that suffix before a token >= ``stop`` (0 if the leader
+    isn't clean). One byte a row: a table's build holds this for every token."""
+    out = np.zeros(sa.size, dtype=np.uint8)
     n = tokens.size
     want = leader_len + follower_len
     for i in range(sa.size):
@@ -27,44 +28,96 @@ def follower_lengths(tokens: np.ndarray, sa: np.ndarray, leader_len: int, follow
 
 
 @njit(cache=True, nogil=True)
-def prefix_counts(lcp: np.ndarray, flen: np.ndarray, rep: np.ndarray, leader_len: int, follower_len: int) -> np.ndarray:
-    """For each representative row, the size of its run of rows sharing ``leader_len + j``
-    tokens (counting rows with at least ``j`` follower tokens), for ``j = 1 .. follower_len``."""
-    m = lcp.size
-    counts = np.zeros((rep.size, follower_len), dtype=np.int32)
-    for j in range(1, follower_len + 1):
-        rp = 0
-        cnt = 0
-        for i in range(m + 1):
-            if i == m or (i > 0 and lcp[i] < leader_len + j):
-                while rp < rep.size and rep[rp] < i:
-                    if flen[rep[rp]] >= j:
-                        counts[rp, j - 1] = cnt
-                    rp += 1
-                cnt = 0
-            if i < m and flen[i] >= j:
-                cnt += 1
-    return counts
+def leader_runs(lcp: np.ndarray, flen: np.ndarray, leader_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """The runs of SA rows sharing their first ``leader_len`` tokens (a leader each): their
+    first rows (and the row count at the end), and per run how many of its rows have a
+    follower (``flen > 0``)."""
+    n = lcp.size
+    runs = 0
+    for i in range(n):
+        if i == 0 or lcp[i] < leader_len:
+            runs += 1
+    firsts = np.empty(runs + 1, dtype=np.int32)
+    counts = np.zeros(runs, dtype=np.int32)
+    r = -1
+    for i in range(n):
+        if i == 0 or lcp[i] < leader_len:
+            r += 1
+            firsts[r] = i
+        if flen[i] > 0:
+            counts[r] += 1
+    firsts[runs] = n
+    return firsts, counts
 
 
 @njit(cache=True, nogil=True)
-def top_per_group(group: np.ndarray, score: np.ndarray, k: int) -> np.ndarray:
-    """Indices of the ``k`` highest scores within each run of equal ``group`` values (runs are
-    contiguous), ties to the lower index, in (group, -score, index) order."""
-    out = np.empty(group.size, dtype=np.int64)
-    taken = 0
-    start = 0
-    n = group.size
-    while start < n:
-        stop = start + 1
-        while stop < n and group[stop] == group[start]:
-            stop += 1
-        order = np.argsort(-score[start:stop], kind="mergesort")
-        for t in range(min(k, order.size)):
-            out[taken] = start + order[t]
-            taken += 1
-        start = stop
-    return out[:taken]
+def table_entries(
+    lcp: np.ndarray,
+    flen: np.ndarray,
+    sa: np.ndarray,
+    firsts: np.ndarray,
+    kept: np.ndarray,
+    leader_len: int,
+    follower_len: int,
+    top_k: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """For each kept leader run (``kept`` indexes ``firsts``), its ``top_k`` distinct followers
+    by expected accepted length: ``(run, start, flen, counts)`` per entry, runs in order, each
+    run's entries best first (ties to the earlier row). ``start`` is a suffix start of the
+    follower's leader, ``counts[e, j]`` how many of the run's rows share the leader and the
+    follower's first ``j + 1`` tokens.
+
+    A distinct follower is the first row of each block of rows sharing the leader and its whole
+    follower (``lcp < leader_len + flen``). Each run is done on its own, in one scratch of its
+    size, so nothing of the text's size is allocated."""
+    longest = 0
+    for r in kept:
+        longest = max(longest, firsts[r + 1] - firsts[r])
+    reps = np.empty(longest, dtype=np.int64)
+    scratch = np.zeros((longest, follower_len), dtype=np.int32)
+    score = np.empty(longest, dtype=np.int64)
+    taken = np.zeros(longest, dtype=np.bool_)
+    cap = kept.size * top_k
+    run_of = np.empty(cap, dtype=np.int64)
+    starts = np.empty(cap, dtype=np.int64)
+    lens = np.empty(cap, dtype=np.int64)
+    counts = np.zeros((cap, follower_len), dtype=np.int32)
+    e = 0
+    for r in kept:
+        a, b = firsts[r], firsts[r + 1]
+        m = 0
+        for i in range(a, b):
+            if flen[i] > 0 and (i == a or lcp[i] < leader_len + flen[i]):
+                reps[m] = i
+                m += 1
+        scratch[:m] = 0
+        for j in range(1, follower_len + 1):  # blocks of rows sharing leader + j tokens
+            rp = 0
+            cnt = 0
+            for i in range(a, b + 1):
+                if i == b or (i > a and lcp[i] < leader_len + j):
+                    while rp < m and reps[rp] < i:
+                        if flen[reps[rp]] >= j:
+                            scratch[rp, j - 1] = cnt
+                        rp += 1
+                    cnt = 0
+                if i < b and flen[i] >= j:
+                    cnt += 1
+        for t in range(m):
+            score[t] = scratch[t].sum()
+            taken[t] = False
+        for _ in range(min(top_k, m)):
+            best = -1
+            for t in range(m):
+                if not taken[t] and (best < 0 or score[t] > score[best]):
+                    best = t
+            taken[best] = True
+            run_of[e] = r
+            starts[e] = sa[reps[best]]
+            lens[e] = flen[reps[best]]
+            counts[e] = scratch[best]
+            e += 1
+    return run_of[:e], starts[:e], lens[:e], counts[:e]
 
 
 # -- hashing --------------------------------------------------------------------------------------

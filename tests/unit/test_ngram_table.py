@@ -472,3 +472,18 @@ def test_table_is_the_same_whatever_order_separated_rows_take(text, cfg):
     plain = NgramTable.build_from_suffix_array(tokens, *_plain_sa_and_lcp(tokens.tolist()), cfg)
     for name, array in ours.arrays().items():
         assert array.tolist() == plain.arrays()[name].tolist(), name
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    counts=st.lists(st.integers(0, 6), max_size=60),
+    max_leaders=st.integers(1, 20),
+    min_count=st.integers(1, 3),
+)
+def test_kept_leaders_are_the_most_frequent_ties_to_the_earlier(counts, max_leaders, min_count):
+    lead_count = np.array(counts, dtype=np.int32)
+    config = NgramTableConfig(max_leaders=max_leaders, min_count=min_count)
+    eligible = [i for i, c in enumerate(counts) if c >= min_count]
+    # By count, most first; among equal counts the earlier leader (smaller in SA order) first.
+    want = sorted(sorted(eligible, key=lambda i: (-counts[i], i))[:max_leaders])
+    assert np.flatnonzero(NgramTable._kept_leaders(lead_count, config)).tolist() == want
