@@ -36,6 +36,9 @@ PRIOR_POLL_S = 2.0
 DELTA_CHECK_S = 1.0  # how often a delta past its limit is looked for
 TAKE_SLICE_S = 0.002  # longest the serving loop spends on one slice of a write-back round
 EARLY_REBUILD_GAP_S = 1.0  # least time between early rebuilds of one namespace
+# With shared indexes every generation is also written whole to the lifetime folder (8 bytes a
+# token: 134 MB for a full buffer), so they come less often.
+SHARED_EARLY_REBUILD_GAP_S = 5.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -175,14 +178,15 @@ class App:
         sustained heavy traffic rebuilds take at most a third of a core. A rebuild extends the
         last generation, at a cost that follows the delta, not the buffer, so under steady
         traffic they come about once a second and keep the delta (searched by every draft)
-        near its limit. With shared indexes, also serve any generation another process
-        published."""
+        near its limit; shared generations, written whole to disk, at most every few seconds.
+        With shared indexes, also serve any generation another process published."""
         self.persistence.adopt_published(self.service)
         now = time.monotonic()
+        shared = self.persistence.shared is not None
         for name in self.service.namespace_names():
             memory = self.service.namespace(name).memory
             built = memory.indexes
-            gap = max(EARLY_REBUILD_GAP_S, 2 * built.build_seconds) if built is not None else 0.0
+            gap = early_rebuild_gap(None if built is None else built.build_seconds, shared=shared)
             if memory.needs_rebuild() and now - self._last_rebuild.get(name, 0.0) >= gap:
                 self._rebuild_one(name, " early")
 
@@ -224,6 +228,20 @@ class App:
         await asyncio.to_thread(self.persistence.sync, self.service)
         if self.embedded is not None:
             await asyncio.to_thread(self.embedded.stop)
+
+
+def early_rebuild_gap(last_build_seconds: float | None, *, shared: bool) -> float:
+    """Least seconds from a namespace's last rebuild to an early one: twice the last build's
+    time (rebuilds then take at most a third of a core), and at least a second, or
+    :data:`SHARED_EARLY_REBUILD_GAP_S` when every generation is written to disk; none before
+    the first build.
+
+    >>> early_rebuild_gap(0.2, shared=False), early_rebuild_gap(3.0, shared=False), early_rebuild_gap(0.2, shared=True)
+    (1.0, 6.0, 5.0)
+    """
+    if last_build_seconds is None:
+        return 0.0
+    return max(SHARED_EARLY_REBUILD_GAP_S if shared else EARLY_REBUILD_GAP_S, 2 * last_build_seconds)
 
 
 def warm_up(threads: int = 1) -> None:
