@@ -200,7 +200,7 @@ class App:
             self._last_rebuild[name] = time.monotonic()
             release_free_memory()  # what the build allocated and freed
         if built is not None:  # this process built it (shared indexes: another may have)
-            self.metrics.observe_rebuild(name, built.build_seconds)
+            self.metrics.observe_rebuild(name, built)
             how = "extended" if built.extended else "sorted afresh"
             table = "new table" if built.table_version is None else "table carried over"
             logger.info(

@@ -18,6 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from cache_service.service import DraftService
+from indexer.lifetime_index import LifetimeIndexes
 
 # Draft calls take tens of microseconds to tens of milliseconds.
 LATENCY_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0, 5.0)
@@ -49,8 +50,10 @@ class Metrics:
         )
         self.rebuild_seconds = Histogram(
             "draftcache_rebuild_seconds",
-            "Lifetime index rebuilds (suffix array + n-gram table), by namespace.",
-            ("namespace",),
+            "Lifetime index rebuilds, by namespace and how the suffix array was made (extended: the "
+            "last generation's merged with what is new; sorted: the whole buffer afresh), their "
+            "n-gram table rebuilt or carried over (table: new / carried).",
+            ("namespace", "suffix", "table"),
             buckets=REBUILD_BUCKETS,
             registry=self.registry,
         )
@@ -63,8 +66,10 @@ class Metrics:
     def observe_rpc(self, method: str, code: str, seconds: float) -> None:
         self.rpc_seconds.labels(method.rsplit("/", 1)[-1], code).observe(seconds)
 
-    def observe_rebuild(self, namespace: str, seconds: float) -> None:
-        self.rebuild_seconds.labels(namespace).observe(seconds)
+    def observe_rebuild(self, namespace: str, built: LifetimeIndexes) -> None:
+        suffix = "extended" if built.extended else "sorted"
+        table = "new" if built.table_version is None else "carried"
+        self.rebuild_seconds.labels(namespace, suffix, table).observe(built.build_seconds)
 
     def observe_compile(self) -> None:
         self.compiles_while_serving.inc()

@@ -90,8 +90,15 @@ def test_rebuilds_and_stream_messages_are_timed(served) -> None:  # type: ignore
     drafter = service.namespace("ns")
     drafter.memory.commit(np.arange(40, dtype=np.int32))
     metrics = Metrics()
-    metrics.observe_rebuild("ns", drafter.memory.rebuild().build_seconds)
-    assert metrics.rebuild_seconds.labels("ns")._sum.get() >= 0  # observed once
+    metrics.observe_rebuild("ns", drafter.memory.rebuild())  # the first: sorted, its table new
+    drafter.memory.commit(np.arange(3, dtype=np.int32))
+    metrics.observe_rebuild("ns", drafter.memory.rebuild())  # 4 new of 45 tokens: extended, table kept
+
+    def count(suffix: str, table: str) -> float | None:
+        labels = {"namespace": "ns", "suffix": suffix, "table": table}
+        return metrics.registry.get_sample_value("draftcache_rebuild_seconds_count", labels)
+
+    assert (count("sorted", "new"), count("extended", "carried"), count("extended", "new")) == (1.0, 1.0, None)
     requests = iter(
         [
             pb.StreamRequest(
@@ -103,4 +110,4 @@ def test_rebuilds_and_stream_messages_are_timed(served) -> None:  # type: ignore
     assert resp.open.session_ids
     m = _scrape(port)
     assert m[("draftcache_rpc_seconds_count", (("code", "OK"), ("method", "Stream.open")))] == 1
-    assert m[("draftcache_buffer_tokens", (("namespace", "ns"),))] == 41  # 40 tokens and a separator
+    assert m[("draftcache_buffer_tokens", (("namespace", "ns"),))] == 45  # 40 tokens, 3, each with a separator
