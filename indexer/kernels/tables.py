@@ -51,6 +51,42 @@ def leader_runs(lcp: np.ndarray, flen: np.ndarray, leader_len: int) -> tuple[np.
 
 
 @njit(cache=True, nogil=True)
+def _distinct_followers(
+    lcp: np.ndarray,
+    flen: np.ndarray,
+    a: int,
+    b: int,
+    leader_len: int,
+    follower_len: int,
+    reps: np.ndarray,
+    counts: np.ndarray,
+) -> int:
+    """The distinct followers of the leader run of SA rows ``[a, b)``: each one's first row in
+    ``reps`` and in ``counts[t, j]`` how many of the run's rows share the leader and its first
+    ``j + 1`` tokens. Returns how many there are. A distinct follower is the first row of each
+    block of rows sharing the leader and its whole follower (``lcp < leader_len + flen``)."""
+    m = 0
+    for i in range(a, b):
+        if flen[i] > 0 and (i == a or lcp[i] < leader_len + flen[i]):
+            reps[m] = i
+            m += 1
+    counts[:m] = 0
+    for j in range(1, follower_len + 1):  # blocks of rows sharing leader + j tokens
+        rp = 0
+        cnt = 0
+        for i in range(a, b + 1):
+            if i == b or (i > a and lcp[i] < leader_len + j):
+                while rp < m and reps[rp] < i:
+                    if flen[reps[rp]] >= j:
+                        counts[rp, j - 1] = cnt
+                    rp += 1
+                cnt = 0
+            if i < b and flen[i] >= j:
+                cnt += 1
+    return m
+
+
+@njit(cache=True, nogil=True)
 def table_entries(
     lcp: np.ndarray,
     flen: np.ndarray,
@@ -62,14 +98,11 @@ def table_entries(
     top_k: int,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """For each kept leader run (``kept`` indexes ``firsts``), its ``top_k`` distinct followers
-    by expected accepted length: ``(run, start, flen, counts)`` per entry, runs in order, each
-    run's entries best first (ties to the earlier row). ``start`` is a suffix start of the
-    follower's leader, ``counts[e, j]`` how many of the run's rows share the leader and the
-    follower's first ``j + 1`` tokens.
-
-    A distinct follower is the first row of each block of rows sharing the leader and its whole
-    follower (``lcp < leader_len + flen``). Each run is done on its own, in one scratch of its
-    size, so nothing of the text's size is allocated."""
+    by expected accepted length (the sum of their prefix counts): ``(run, start, flen, counts)``
+    per entry, runs in order, each run's entries best first (ties to the earlier row). ``start``
+    is a suffix start of the follower's leader, ``counts[e, j]`` how many of the run's rows share
+    the leader and the follower's first ``j + 1`` tokens. Each run is done on its own, in one
+    scratch of its size, so nothing of the text's size is allocated."""
     longest = 0
     for r in kept:
         longest = max(longest, firsts[r + 1] - firsts[r])
@@ -78,31 +111,11 @@ def table_entries(
     score = np.empty(longest, dtype=np.int64)
     taken = np.zeros(longest, dtype=np.bool_)
     cap = kept.size * top_k
-    run_of = np.empty(cap, dtype=np.int64)
-    starts = np.empty(cap, dtype=np.int64)
-    lens = np.empty(cap, dtype=np.int64)
+    run_of, starts, lens = np.empty(cap, np.int64), np.empty(cap, np.int64), np.empty(cap, np.int64)
     counts = np.zeros((cap, follower_len), dtype=np.int32)
     e = 0
     for r in kept:
-        a, b = firsts[r], firsts[r + 1]
-        m = 0
-        for i in range(a, b):
-            if flen[i] > 0 and (i == a or lcp[i] < leader_len + flen[i]):
-                reps[m] = i
-                m += 1
-        scratch[:m] = 0
-        for j in range(1, follower_len + 1):  # blocks of rows sharing leader + j tokens
-            rp = 0
-            cnt = 0
-            for i in range(a, b + 1):
-                if i == b or (i > a and lcp[i] < leader_len + j):
-                    while rp < m and reps[rp] < i:
-                        if flen[reps[rp]] >= j:
-                            scratch[rp, j - 1] = cnt
-                        rp += 1
-                    cnt = 0
-                if i < b and flen[i] >= j:
-                    cnt += 1
+        m = _distinct_followers(lcp, flen, firsts[r], firsts[r + 1], leader_len, follower_len, reps, scratch)
         for t in range(m):
             score[t] = scratch[t].sum()
             taken[t] = False
@@ -112,9 +125,7 @@ def table_entries(
                 if not taken[t] and (best < 0 or score[t] > score[best]):
                     best = t
             taken[best] = True
-            run_of[e] = r
-            starts[e] = sa[reps[best]]
-            lens[e] = flen[reps[best]]
+            run_of[e], starts[e], lens[e] = r, sa[reps[best]], flen[reps[best]]
             counts[e] = scratch[best]
             e += 1
     return run_of[:e], starts[:e], lens[:e], counts[:e]
