@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from indexer.lifetime_index import LifetimeConfig, LifetimeMemory, build_indexes
-from indexer.ngram_table import NgramTable, NgramTableConfig, lcp_array
+from indexer.lifetime_index import LifetimeConfig, LifetimeMemory, build_indexes, build_table
+from indexer.ngram_table import NgramTableConfig
 from indexer.tokens import SEPARATOR
 
 
@@ -54,8 +54,7 @@ def run_index_bench(corpus: np.ndarray, config: IndexBenchConfig) -> dict:
     held_out = np.concatenate(docs[len(loaded) :] or [corpus[-config.context * 4 :]])
     if held_out.size <= config.context:
         raise ValueError("the corpus is too small for the requested buffer: nothing left to query with")
-    lifetime = LifetimeConfig(capacity_tokens=used + 1, table=config.table, delta_max_tokens=max(1, used))
-    memory = LifetimeMemory(lifetime)
+    memory = LifetimeMemory(LifetimeConfig(capacity_tokens=used + 1, table=config.table, delta_max_tokens=max(1, used)))
     memory.commit_many(loaded)
     start = time.perf_counter()
     built = memory.rebuild()
@@ -122,7 +121,7 @@ def _extending_rounds(memory: LifetimeMemory, docs: list[np.ndarray], config: In
         build_indexes(tokens, config.table, built.version)
         afresh.append(time.perf_counter() - start)
         start = time.perf_counter()
-        NgramTable.build_from_suffix_array(tokens, sa, lcp_array(tokens, sa), config.table)
+        build_table(tokens, sa, config.table)
         tables.append(time.perf_counter() - start)
     if not extend:
         return {}

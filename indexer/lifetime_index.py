@@ -103,12 +103,13 @@ def build_indexes(tokens: np.ndarray, table_config: NgramTableConfig, version: i
     start = time.perf_counter()
     tokens = with_final_separator(tokens)  # an empty buffer indexes as one separator
     sa = build_suffix_array(tokens)
-    table = _table(tokens, sa, table_config)
+    table = build_table(tokens, sa, table_config)
     suffix = SuffixIndex(tokens, sa)
     return LifetimeIndexes(suffix, table, version, time.perf_counter() - start)
 
 
-def _table(tokens: np.ndarray, sa: np.ndarray, config: NgramTableConfig) -> NgramTable:
+def build_table(tokens: np.ndarray, sa: np.ndarray, config: NgramTableConfig) -> NgramTable:
+    """The frozen n-gram table over ``tokens`` from their suffix array (its LCP computed here)."""
     return NgramTable.build_from_suffix_array(tokens, sa, lcp_array(tokens, sa), config)
 
 
@@ -144,7 +145,7 @@ def next_indexes(
     if previous is not None and version - previous.table_built_at < config.table_refresh * tokens.size:
         table, table_version = previous.table, previous.table_built_at
     else:
-        table, table_version = _table(tokens, sa, config.table), None
+        table, table_version = build_table(tokens, sa, config.table), None
     seconds = time.perf_counter() - start
     return LifetimeIndexes(SuffixIndex(tokens, sa), table, version, seconds, table_version, extended)
 
