@@ -517,11 +517,18 @@ class DraftService:
         for group in by_drafter.values():
             trees = group[0].entry.drafter.draft_many([(s.entry.session, s.entry.params) for s in group])
             drafted.update((s.entry.sid, tree) for s, tree in zip(group, trees, strict=True))
-        out, ahead = [], []
-        for step in steps:
-            entry, session = step.entry, step.entry.session
-            out.append(step.tree if step.tree is not None else drafted[entry.sid])
-            ahead.append(entry.drafter.prespeculate(session, step.lookahead, entry.params) if step.lookahead else {})
+        out = [step.tree if step.tree is not None else drafted[step.entry.sid] for step in steps]
+        # Then the trees drafted ahead, one compiled call per namespace for all of them.
+        ahead: list[Prefetched] = [{} for _ in steps]
+        asking: dict[int, tuple[NamespaceDrafter, list[int]]] = {}
+        for j, step in enumerate(steps):
+            if step.lookahead:
+                asking.setdefault(id(step.entry.drafter), (step.entry.drafter, []))[1].append(j)
+        for drafter, js in asking.values():
+            found = drafter.prespeculate_many([(steps[j].entry.session, steps[j].lookahead, steps[j].entry.params)
+                                               for j in js])  # fmt: skip
+            for j, prefetched in zip(js, found, strict=True):
+                ahead[j] = prefetched
         self._touched([step.entry for step in steps])
         return Drafted(out, ahead)
 

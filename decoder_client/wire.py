@@ -16,6 +16,7 @@ import numpy as np
 from draftcache.v1 import draftcache_pb2 as pb
 from numba import njit
 
+from indexer.prespeculation import subtree
 from indexer.tree_builder import DraftTree
 
 _VARINT, _FIXED64, _LENGTH, _FIXED32 = 0, 1, 2, 5
@@ -197,5 +198,11 @@ def trees_from_response(resp: pb.DraftResponse) -> list[DraftTree]:
 
 
 def warm_up() -> None:
-    """Compile (or load from cache) the reader now, not on a first response."""
-    trees_from_response(pb.DraftResponse(trees=[pb.Tree(tokens=[1], parents=[-1], sources=b"\x01", scores=[0.5])]))
+    """Compile (or load from cache) the reader now, not on a first response; and the cut of a
+    tree drafted ahead to the subtree an outcome selects, for trees read here (read-only
+    arrays) and those made from messages."""
+    (tree,) = trees_from_response(
+        pb.DraftResponse(trees=[pb.Tree(tokens=[1], parents=[-1], sources=b"\x01", scores=[0.5])])
+    )
+    for t in (tree, DraftTree(tree.tokens.copy(), tree.parents.copy(), tree.sources.copy(), tree.scores.copy())):
+        subtree(t, 1)

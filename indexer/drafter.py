@@ -24,7 +24,7 @@ from indexer.kernels import draft as draft_kernel
 from indexer.kernels.draft import JOB_COLUMNS
 from indexer.kernels.draft import SETTINGS as _SETTINGS
 from indexer.lifetime_index import LifetimeConfig, LifetimeMemory, SearchArrays, prompt_key
-from indexer.prespeculation import Prefetched, select, stopping_points
+from indexer.prespeculation import Prefetched, select
 from indexer.prior import StaticPrior
 from indexer.session import Session, SessionSnapshot
 from indexer.session_cache import LruTableConfig
@@ -321,20 +321,47 @@ class NamespaceDrafter:
         """Trees drafted ahead for the ``k`` likeliest outcomes of verifying the session's last
         tree (see :mod:`indexer.prespeculation`); the next :meth:`accept` goes on with the one
         the outcome selects. Session state is left as it was, apart from remembering them."""
-        if not 0 <= k <= MAX_LOOKAHEAD:
-            raise ValueError(f"lookahead must be in [0, {MAX_LOOKAHEAD}], got {k}")
-        tree = session.last_tree
-        ahead: Prefetched = {}
-        if tree is not None and k > 0:
-            # One level deeper: the bonus token becomes the root.
-            depth = min(params.max_depth + 1, MAX_DEPTH, max(params.budget, 1))
-            points = stopping_points(tree, k)
-            jobs = [_Job(session, path, tuple(kids), params, depth) for path, kids in points]
-            # The outcomes are only supposed: nothing learnt about them stays.
-            for (path, _), drafted in zip(points, self._run(jobs, remember=False), strict=True):
-                ahead[path] = drafted
-        session.prefetched = ahead
-        return ahead
+        return self.prespeculate_many([(session, k, params)])[0]
+
+    def prespeculate_many(self, items: Sequence[tuple[Session, int, DraftParams]]) -> list[Prefetched]:
+        """:meth:`prespeculate` for several sessions ``(session, k, params)``, each named once:
+        the stopping points of all their trees found, and every tree drafted ahead for them, in
+        one compiled call each."""
+        for _, k, _ in items:
+            if not 0 <= k <= MAX_LOOKAHEAD:
+                raise ValueError(f"lookahead must be in [0, {MAX_LOOKAHEAD}], got {k}")
+        rows = np.array([self.store.hold(s) for s, _, _ in items], dtype=np.int64)
+        ks = np.array([k for _, k, _ in items], dtype=np.int64)
+        owner, path_tokens, path_ends, kid_tokens, kid_ends = kernels.stopping_points_rows(
+            self.store.i32, self.store.i64, rows, ks
+        )
+        # One tree per stopping point, its context extended by the point's path and its root
+        # leaving out that node's children; one level deeper: the bonus token becomes the root.
+        table = np.zeros((owner.size, len(JOB_COLUMNS)), dtype=np.int64)
+        table[:, draft_kernel.ROW] = rows[owner]
+        table[:, draft_kernel.SUFFIX_START] = np.concatenate(([0], path_ends[:-1]))
+        table[:, draft_kernel.SUFFIX_END] = path_ends
+        table[:, draft_kernel.EXCLUDE_START] = np.concatenate(([0], kid_ends[:-1]))
+        table[:, draft_kernel.EXCLUDE_END] = kid_ends
+        limits = np.array(
+            [(min(p.max_depth + 1, MAX_DEPTH, max(p.budget, 1)), p.budget, p.depth_reserve) for _, _, p in items],
+            dtype=np.int64,
+        ).reshape(-1, 3)
+        table[:, draft_kernel.DEPTH] = limits[owner, 0]
+        table[:, draft_kernel.BUDGET] = limits[owner, 1]
+        table[:, draft_kernel.DEPTH_RESERVE] = limits[owner, 2]
+        min_score = np.array([p.min_score for _, _, p in items], dtype=np.float64)[owner]
+        sessions = [items[j][0] for j in owner.tolist()]
+        # The outcomes are only supposed: nothing learnt about them stays (remember off).
+        drafted = self._step(sessions, table, min_score, path_tokens, kid_tokens) if owner.size else ()
+        out: list[Prefetched] = [{} for _ in items]
+        paths, start = path_tokens.tolist(), 0
+        for i, (j, end) in enumerate(zip(owner.tolist(), path_ends.tolist(), strict=True)):
+            out[j][tuple(paths[start:end])] = drafted[i]
+            start = end
+        for (session, _, _), ahead in zip(items, out, strict=True):
+            session.prefetched = ahead
+        return out
 
     def close(self, session: Session, *, commit: bool = True, commit_from: int = 0) -> np.ndarray | None:
         """Finish a request; with ``commit`` its tokens from ``commit_from`` join the lifetime
@@ -385,8 +412,19 @@ class NamespaceDrafter:
             table[:, draft_kernel.DEPTH_RESERVE] = [job.params.depth_reserve for job in jobs]
             min_score = np.array([job.params.min_score for job in jobs], dtype=np.float64)
         suffix, exclude = _columns(table, jobs)
+        return self._step(sessions, table, min_score, suffix, exclude)
+
+    def _step(
+        self,
+        sessions: Sequence[Session],
+        table: np.ndarray,
+        min_score: np.ndarray,
+        suffix: np.ndarray,
+        exclude: np.ndarray,
+    ) -> DraftedTrees:
+        """The compiled draft step over a jobs table (row ``j`` drafts for ``sessions[j]``)."""
         prior = self.prior.kernel_args if self.prior is not None else kernels.no_prior()
-        step = kernels.draft_step(step_threads(self.threads, len(jobs)))
+        step = kernels.draft_step(step_threads(self.threads, len(table)))
         tokens, parents, sources, scores, ends, _, _, _, grown = step(
             table, min_score, suffix, exclude, *prior, self.store.i32, self.store.i64,
             *_lifetime_args(self.memory.search_arrays()), self._settings, _HALF_ARRAY, *self.calibrator.arrays(),

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from indexer import kernels
 from indexer.tree_builder import DraftTree
 
 Prefetched = dict[tuple[int, ...], DraftTree]  # accepted draft tokens -> tree drafted after them
@@ -32,26 +33,21 @@ def stopping_points(tree: DraftTree, k: int) -> list[tuple[tuple[int, ...], froz
     >>> [(path, sorted(kids)) for path, kids in stopping_points(t, 2)]  # 5 then stop: .5
     [((5,), [6]), ((5, 6), [])]
     """
-    if k <= 0:
-        return []
-    n = len(tree)
-    parents = tree.parents.tolist()
-    tokens = tree.tokens.tolist()
-    score = [1.0, *tree.scores.astype(np.float64).tolist()]  # slot 0 is the root
-    ends = score.copy()
-    children: list[set[int]] = [set() for _ in range(n + 1)]
-    for i, p in enumerate(parents):
-        ends[p + 1] -= score[i + 1]
-        children[p + 1].add(tokens[i])
-    order = sorted(range(n + 1), key=lambda slot: (-ends[slot], slot))[:k]
-    out = []
-    for slot in order:
-        path: list[int] = []
-        node = slot - 1
-        while node >= 0:
-            path.append(tokens[node])
-            node = parents[node]
-        out.append((tuple(reversed(path)), frozenset(children[slot])))
+    path_tokens, path_ends, kid_tokens, kid_ends = kernels.stopping_points(
+        tree.tokens, tree.parents, np.ascontiguousarray(tree.scores, dtype=np.float32), k
+    )
+    return points(path_tokens, path_ends, kid_tokens, kid_ends)
+
+
+def points(
+    path_tokens: np.ndarray, path_ends: np.ndarray, kid_tokens: np.ndarray, kid_ends: np.ndarray
+) -> list[tuple[tuple[int, ...], frozenset[int]]]:
+    """Stopping points as :func:`~indexer.kernels.ahead.stopping_points` lays them end to end."""
+    paths, kids = path_tokens.tolist(), kid_tokens.tolist()
+    out, p0, k0 = [], 0, 0
+    for p1, k1 in zip(path_ends.tolist(), kid_ends.tolist(), strict=True):
+        out.append((tuple(paths[p0:p1]), frozenset(kids[k0:k1])))
+        p0, k0 = p1, k1
     return out
 
 
@@ -65,22 +61,10 @@ def subtree(tree: DraftTree, token: int) -> DraftTree | None:
     >>> s.tokens.tolist(), s.parents.tolist()
     ([6, 7, 8], [-1, -1, 0])
     """
-    parents = tree.parents
-    roots = np.flatnonzero((parents == -1) & (tree.tokens == token))
-    if roots.size == 0:
+    found, idx, parents = kernels.subtree_nodes(tree.tokens, tree.parents, token)
+    if not found:
         return None
-    keep = np.zeros(len(tree), dtype=bool)
-    inside = np.zeros(len(tree), dtype=bool)
-    inside[roots[0]] = True
-    for i, p in enumerate(parents.tolist()):  # parents precede children
-        if p >= 0 and inside[p]:
-            inside[i] = keep[i] = True
-    idx = np.flatnonzero(keep)
-    remap = np.full(len(tree), -1, dtype=np.int32)
-    remap[idx] = np.arange(idx.size, dtype=np.int32)
-    old = parents[idx]
-    new_parents = np.where(old == roots[0], -1, remap[np.maximum(old, 0)]).astype(np.int32)
-    return DraftTree(tree.tokens[idx], new_parents, tree.sources[idx], tree.scores[idx])
+    return DraftTree(tree.tokens[idx], parents, tree.sources[idx], tree.scores[idx])
 
 
 def select(prefetched: Prefetched, produced: np.ndarray | Sequence[int]) -> DraftTree | None:

@@ -22,6 +22,7 @@ from indexer.kernels import cache  # noqa: F401
 from indexer.kernels import lru
 from indexer.kernels import store as kstore
 from indexer.kernels.accept import accept_batch
+from indexer.kernels.ahead import stopping_points, stopping_points_rows, subtree_nodes
 from indexer.kernels.draft import calibrate, draft_batch, draft_batch_parallel, no_prior, prior_args
 from indexer.kernels.search import (
     context_continuations,
@@ -93,6 +94,9 @@ __all__ = [
     "sample_rows",
     "sample_starts",
     "stacked_continuations",
+    "stopping_points",
+    "stopping_points_rows",
+    "subtree_nodes",
     "suffix_array",
     "table_entries",
     "tail_matches",
@@ -159,6 +163,9 @@ def warm_up() -> None:
     state = np.zeros(kstore.STATE_SIZE, dtype=np.int64)
     kept = kstore.write_tree(tree, state, one, root, one, np.ones(1, dtype=np.float32))
     kstore.read_tree(kept, 1)
+    stopping_points(one, root, np.ones(1, dtype=np.float32), 2)
+    subtree_nodes(one, root, 1)
+    stopping_points_rows(i32, i64, one_tree, np.array([2, 2], dtype=np.int64))
     table = lru.new_table(2, 2, 2, 4)
     for key in (toks, toks.astype(np.int64)):  # the accept step's and the table's own callers'
         table = lru.add(table, key, 0, key, 1, 2, 1)

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from indexer.drafter import DrafterConfig, DraftParams, NamespaceDrafter
+from indexer.drafter import DrafterConfig, DraftParams, NamespaceDrafter, _Job
 from indexer.prespeculation import select, stopping_points, subtree
 from indexer.tokens import Namespace
 from indexer.tree_builder import DraftTree
@@ -121,3 +121,90 @@ def test_lookahead_out_of_range():
     d.draft(s, PARAMS)
     with pytest.raises(ValueError, match="lookahead"):
         d.prespeculate(s, 17, PARAMS)
+
+
+# -- compiled stopping points and subtrees against plain references -------------------------------
+
+
+def _reference_points(tree, k):
+    """Stopping points computed plainly: every node's chance of ending there, sorted."""
+    n = len(tree)
+    parents, tokens = tree.parents.tolist(), tree.tokens.tolist()
+    score = [1.0, *tree.scores.astype(np.float64).tolist()]
+    ends = score.copy()
+    children = [set() for _ in range(n + 1)]
+    for i, p in enumerate(parents):
+        ends[p + 1] -= score[i + 1]
+        children[p + 1].add(tokens[i])
+    out = []
+    for slot in sorted(range(n + 1), key=lambda s: (-ends[s], s))[: max(k, 0)]:
+        path, node = [], slot - 1
+        while node >= 0:
+            path.append(tokens[node])
+            node = parents[node]
+        out.append((tuple(reversed(path)), frozenset(children[slot])))
+    return out
+
+
+def _random_tree(rng, n):
+    """A tree of ``n`` nodes, parents first, children of a node with distinct tokens and scores
+    never above their parent's (some of them tied)."""
+    tokens, parents, scores = [], [], []
+    for i in range(n):
+        p = int(rng.integers(-1, i)) if i else -1
+        taken = {tokens[j] for j in range(i) if parents[j] == p}
+        t = int(rng.choice([x for x in range(12) if x not in taken])) if len(taken) < 12 else None
+        if t is None:
+            break
+        top = 1.0 if p < 0 else scores[p]
+        scores.append(float(np.float32(top * rng.choice([1.0, 0.5, rng.random()]))))
+        tokens.append(t)
+        parents.append(p)
+    return _tree(tokens, parents, scores)
+
+
+def test_compiled_stopping_points_and_subtrees_match_references():
+    rng = np.random.default_rng(7)
+    for _ in range(300):
+        tree = _random_tree(rng, int(rng.integers(0, 40)))
+        for k in (0, 1, 3, 16):
+            assert stopping_points(tree, k) == _reference_points(tree, k)
+        for token in range(12):
+            got = subtree(tree, token)
+            roots = np.flatnonzero((tree.parents == -1) & (tree.tokens == token))
+            if roots.size == 0:
+                assert got is None
+                continue
+            # Below the root child: its descendants, re-rooted, in order.
+            inside = {int(roots[0])}
+            kept = []
+            for i, p in enumerate(tree.parents.tolist()):
+                if p in inside:
+                    inside.add(i)
+                    kept.append(i)
+            assert got is not None and got.tokens.tolist() == tree.tokens[kept].tolist()
+            assert got.scores.tolist() == tree.scores[kept].tolist()
+            new_at = {old: new for new, old in enumerate(kept)}
+            want = [-1 if p == roots[0] else new_at[p] for p in tree.parents[kept].tolist()]
+            assert got.parents.tolist() == want
+
+
+def test_drafting_ahead_for_many_sessions_equals_each_point_drafted_alone():
+    prompts = [[1, 2, 3, 4, 1, 2, 3, 5, 1, 2], [7, 8, 9, 7, 8, 9, 7, 8, 9, 7], [4, 4, 5, 4, 4, 5, 4], [3, 1]]
+    ks = [3, 1, 0, 4]
+    d = NamespaceDrafter(NS, DrafterConfig())
+    sessions = [d.open(_a(p)) for p in prompts]
+    for s in sessions[:3]:  # the last session has no tree: nothing is drafted ahead for it
+        d.draft(s, PARAMS)
+    trees = [s.last_tree for s in sessions]
+    together = d.prespeculate_many([(s, k, PARAMS) for s, k in zip(sessions, ks, strict=True)])
+    assert [len(a) for a in together] == [3, 1, 0, 0]
+    depth = PARAMS.max_depth + 1
+    for s, k, tree, ahead in zip(sessions, ks, trees, together, strict=True):
+        assert s.prefetched is ahead
+        points = _reference_points(tree, k) if tree is not None else []
+        assert list(ahead) == [path for path, _ in points]  # best first
+        for path, kids in points:  # each drafted on its own: the context extended, the children left out
+            (alone,) = d._run([_Job(s, path, tuple(kids), PARAMS, depth)], remember=False)
+            for name in ("tokens", "parents", "sources", "scores"):
+                assert getattr(ahead[path], name).tolist() == getattr(alone, name).tolist(), name
