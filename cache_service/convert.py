@@ -68,12 +68,7 @@ def draft_response(results: Drafted) -> wire.Encoded:
     trees = wire.encode_trees(results.trees)
     if results.ahead is None or not any(results.ahead):
         return wire.Encoded(trees)
-    resp = pb.DraftResponse.FromString(trees)
-    resp.prefetched.extend(
-        pb.Prefetched(items=[pb.Prefetch(accepted=list(path), tree=tree(t)) for path, t in ahead.items()])
-        for ahead in results.ahead
-    )
-    return wire.Encoded(resp.SerializeToString())
+    return wire.Encoded(trees + wire.encode_prefetched(results.ahead))
 
 
 def feedback_items(req: pb.FeedbackRequest) -> list[FeedbackItem]:

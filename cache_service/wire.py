@@ -4,13 +4,15 @@ Building ``pb.Tree`` messages field by field costs about 8 us per tree (four Pyt
 the message); a decode step of 32 sequences spends a quarter of a millisecond on it. The wire
 format of ``repeated Tree trees = 1`` is simple enough to write directly: per tree a
 length-delimited submessage holding packed varints (tokens, parents), the sources as bytes and
-the scores as packed little-endian float32. The bytes are exactly what protobuf itself writes
-for the same message (a test compares them), so they parse back into ``pb.DraftResponse``.
+the scores as packed little-endian float32. The trees drafted ahead (``repeated Prefetched
+prefetched = 2``: per item its accepted paths, packed, each with a tree) are written the same
+way. The bytes are exactly what protobuf itself writes for the same message (tests compare
+them), so they parse back into ``pb.DraftResponse``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -25,6 +27,10 @@ _TAG_TOKENS = 0x0A  # Tree.tokens: field 1, packed
 _TAG_PARENTS = 0x12  # Tree.parents: field 2, packed
 _TAG_SOURCES = 0x1A  # Tree.sources: field 3, bytes
 _TAG_SCORES = 0x22  # Tree.scores: field 4, packed float
+_TAG_PREFETCHED = 0x12  # DraftResponse.prefetched: field 2, length-delimited
+_TAG_PREFETCH_ITEMS = 0x0A  # Prefetched.items: field 1, length-delimited
+_TAG_ACCEPTED = 0x0A  # Prefetch.accepted: field 1, packed
+_TAG_PREFETCH_TREE = 0x12  # Prefetch.tree: field 2, length-delimited
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -60,57 +66,139 @@ def _packed_size(values: np.ndarray, lo: int, hi: int) -> int:
 
 
 @njit(cache=True, nogil=True)
+def _tree_body(tokens: np.ndarray, parents: np.ndarray, at: int, n: int) -> tuple[int, int, int]:
+    """A ``Tree`` message of nodes ``[at, at + n)``: its packed tokens' and parents' byte
+    lengths and its body's."""
+    tok_len = _packed_size(tokens, at, at + n)
+    par_len = _packed_size(parents, at, at + n)
+    body = 0
+    if n:  # proto3 leaves empty fields out
+        body += 1 + _varint_size(tok_len) + tok_len
+        body += 1 + _varint_size(par_len) + par_len
+        body += 1 + _varint_size(n) + n
+        body += 1 + _varint_size(4 * n) + 4 * n
+    return tok_len, par_len, body
+
+
+@njit(cache=True, nogil=True)
+def _put_tree_body(
+    buf: np.ndarray,
+    w: int,
+    tokens: np.ndarray,
+    parents: np.ndarray,
+    sources: np.ndarray,
+    score_bytes: np.ndarray,
+    at: int,
+    n: int,
+    tok_len: int,
+    par_len: int,
+) -> int:
+    """Write the body :func:`_tree_body` measured at ``w``; returns the next position."""
+    if n == 0:
+        return w
+    buf[w] = _TAG_TOKENS
+    w = _put_varint(buf, w + 1, tok_len)
+    for i in range(at, at + n):
+        w = _put_varint(buf, w, tokens[i])
+    buf[w] = _TAG_PARENTS
+    w = _put_varint(buf, w + 1, par_len)
+    for i in range(at, at + n):
+        w = _put_varint(buf, w, parents[i])
+    buf[w] = _TAG_SOURCES
+    w = _put_varint(buf, w + 1, n)
+    for i in range(at, at + n):
+        buf[w] = sources[i]
+        w += 1
+    buf[w] = _TAG_SCORES
+    w = _put_varint(buf, w + 1, 4 * n)
+    for i in range(4 * at, 4 * (at + n)):
+        buf[w] = score_bytes[i]
+        w += 1
+    return w
+
+
+@njit(cache=True, nogil=True)
 def encode_tree_batch(
     tokens: np.ndarray, parents: np.ndarray, sources: np.ndarray, score_bytes: np.ndarray, sizes: np.ndarray
 ) -> np.ndarray:
     """``repeated Tree`` (field 1) for trees stored back to back: ``sizes[k]`` nodes each, with
     ``score_bytes`` the float32 scores viewed as bytes."""
     count = sizes.size
-    tok_len = np.empty(count, dtype=np.int64)
-    par_len = np.empty(count, dtype=np.int64)
-    body = np.empty(count, dtype=np.int64)
+    lens = np.empty((count, 3), dtype=np.int64)  # per tree: packed tokens, packed parents, body
     total = 0
     at = 0
     for k in range(count):
-        n = sizes[k]
-        tok_len[k] = _packed_size(tokens, at, at + n)
-        par_len[k] = _packed_size(parents, at, at + n)
-        b = 0
-        if n:  # proto3 leaves empty fields out
-            b += 1 + _varint_size(tok_len[k]) + tok_len[k]
-            b += 1 + _varint_size(par_len[k]) + par_len[k]
-            b += 1 + _varint_size(n) + n
-            b += 1 + _varint_size(4 * n) + 4 * n
-        body[k] = b
-        total += 1 + _varint_size(b) + b
-        at += n
+        lens[k, 0], lens[k, 1], lens[k, 2] = _tree_body(tokens, parents, at, sizes[k])
+        total += 1 + _varint_size(lens[k, 2]) + lens[k, 2]
+        at += sizes[k]
     buf = np.empty(total, dtype=np.uint8)
     w = 0
     at = 0
     for k in range(count):
-        n = sizes[k]
         buf[w] = _TAG_TREES
-        w = _put_varint(buf, w + 1, body[k])
-        if n:
-            buf[w] = _TAG_TOKENS
-            w = _put_varint(buf, w + 1, tok_len[k])
-            for i in range(at, at + n):
-                w = _put_varint(buf, w, tokens[i])
-            buf[w] = _TAG_PARENTS
-            w = _put_varint(buf, w + 1, par_len[k])
-            for i in range(at, at + n):
-                w = _put_varint(buf, w, parents[i])
-            buf[w] = _TAG_SOURCES
-            w = _put_varint(buf, w + 1, n)
-            for i in range(at, at + n):
-                buf[w] = sources[i]
-                w += 1
-            buf[w] = _TAG_SCORES
-            w = _put_varint(buf, w + 1, 4 * n)
-            for i in range(4 * at, 4 * (at + n)):
-                buf[w] = score_bytes[i]
-                w += 1
-        at += n
+        w = _put_varint(buf, w + 1, lens[k, 2])
+        w = _put_tree_body(buf, w, tokens, parents, sources, score_bytes, at, sizes[k], lens[k, 0], lens[k, 1])
+        at += sizes[k]
+    return buf
+
+
+@njit(cache=True, nogil=True)
+def encode_prefetched_batch(
+    per_item: np.ndarray,
+    path_tokens: np.ndarray,
+    path_ends: np.ndarray,
+    tokens: np.ndarray,
+    parents: np.ndarray,
+    sources: np.ndarray,
+    score_bytes: np.ndarray,
+    sizes: np.ndarray,
+) -> np.ndarray:
+    """``repeated Prefetched prefetched`` (field 2): item ``i`` holds the next ``per_item[i]``
+    entries, entry ``e`` the accepted path ending at ``path_ends[e]`` in ``path_tokens`` and a
+    tree of ``sizes[e]`` nodes (stored back to back, as :func:`encode_tree_batch` takes them)."""
+    entries = sizes.size
+    lens = np.empty((entries, 5), dtype=np.int64)  # tokens, parents, tree body, path, entry body
+    at = 0
+    p0 = 0
+    for e in range(entries):
+        lens[e, 0], lens[e, 1], lens[e, 2] = _tree_body(tokens, parents, at, sizes[e])
+        lens[e, 3] = _packed_size(path_tokens, p0, path_ends[e])
+        body = 1 + _varint_size(lens[e, 2]) + lens[e, 2]  # the tree, set even when empty
+        if path_ends[e] > p0:
+            body += 1 + _varint_size(lens[e, 3]) + lens[e, 3]
+        lens[e, 4] = body
+        at += sizes[e]
+        p0 = path_ends[e]
+    item_body = np.zeros(per_item.size, dtype=np.int64)
+    total = 0
+    e = 0
+    for i in range(per_item.size):
+        for _ in range(per_item[i]):
+            item_body[i] += 1 + _varint_size(lens[e, 4]) + lens[e, 4]
+            e += 1
+        total += 1 + _varint_size(item_body[i]) + item_body[i]
+    buf = np.empty(total, dtype=np.uint8)
+    w = 0
+    e = 0
+    at = 0
+    p0 = 0
+    for i in range(per_item.size):
+        buf[w] = _TAG_PREFETCHED
+        w = _put_varint(buf, w + 1, item_body[i])
+        for _ in range(per_item[i]):
+            buf[w] = _TAG_PREFETCH_ITEMS
+            w = _put_varint(buf, w + 1, lens[e, 4])
+            if path_ends[e] > p0:
+                buf[w] = _TAG_ACCEPTED
+                w = _put_varint(buf, w + 1, lens[e, 3])
+                for j in range(p0, path_ends[e]):
+                    w = _put_varint(buf, w, path_tokens[j])
+            buf[w] = _TAG_PREFETCH_TREE
+            w = _put_varint(buf, w + 1, lens[e, 2])
+            w = _put_tree_body(buf, w, tokens, parents, sources, score_bytes, at, sizes[e], lens[e, 0], lens[e, 1])
+            at += sizes[e]
+            p0 = path_ends[e]
+            e += 1
     return buf
 
 
@@ -131,6 +219,28 @@ def encode_trees(trees: Sequence[DraftTree]) -> bytes:
     sources = np.concatenate([t.sources for t in trees]).astype(np.uint8, copy=False)
     scores = np.concatenate([t.scores for t in trees]).astype("<f4", copy=False)
     return encode_tree_batch(tokens, parents, sources, scores.view(np.uint8), sizes).tobytes()
+
+
+def encode_prefetched(ahead: Sequence[Mapping[tuple[int, ...], DraftTree]]) -> bytes:
+    """What was drafted ahead for each item, as ``DraftResponse.prefetched`` on the wire (after
+    the trees, the whole response: protobuf writes its fields in number order)."""
+    per_item = np.fromiter((len(a) for a in ahead), dtype=np.int64, count=len(ahead))
+    paths = [path for a in ahead for path in a]
+    trees = [t for a in ahead for t in a.values()]
+    path_ends = np.cumsum([len(p) for p in paths], dtype=np.int64)
+    path_tokens = np.fromiter((x for p in paths for x in p), dtype=np.int32, count=int(path_ends[-1]) if paths else 0)
+    sizes = np.fromiter((len(t) for t in trees), dtype=np.int64, count=len(trees))
+    if trees:
+        tokens = np.concatenate([t.tokens for t in trees]).astype(np.int32, copy=False)
+        parents = np.concatenate([t.parents for t in trees]).astype(np.int32, copy=False)
+        sources = np.concatenate([t.sources for t in trees]).astype(np.uint8, copy=False)
+        scores = np.concatenate([t.scores for t in trees]).astype("<f4", copy=False)
+    else:
+        tokens = parents = np.zeros(0, dtype=np.int32)
+        sources, scores = np.zeros(0, dtype=np.uint8), np.zeros(0, dtype="<f4")
+    return encode_prefetched_batch(
+        per_item, path_tokens, path_ends, tokens, parents, sources, scores.view(np.uint8), sizes
+    ).tobytes()
 
 
 class Encoded(NamedTuple):
@@ -169,5 +279,7 @@ def stream_draft(request_id: int, draft: bytes) -> Encoded:
 
 
 def warm_up() -> None:
-    """Compile (or load from cache) the encoder now, not on a first request."""
-    encode_trees([DraftTree.chain(np.array([1, 2], dtype=np.int32)), DraftTree.empty()])
+    """Compile (or load from cache) the encoders now, not on a first request."""
+    trees = [DraftTree.chain(np.array([1, 2], dtype=np.int32)), DraftTree.empty()]
+    encode_trees(trees)
+    encode_prefetched([{(): trees[0], (1,): trees[1]}, {}])

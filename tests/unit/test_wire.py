@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from cache_service import convert
 from cache_service.service import Drafted
-from cache_service.wire import Encoded, encode_trees, serializer, stream_draft
+from cache_service.wire import Encoded, encode_prefetched, encode_trees, serializer, stream_draft
 from indexer.tree_builder import DraftTree, TreeBatch, whole_batch
 
 INT32 = st.integers(-(2**31), 2**31 - 1)
@@ -35,6 +35,29 @@ def _reference(batch: list[DraftTree]) -> bytes:
 def test_bytes_equal_protobufs_own(batch):
     # Any int32 (negative ids take ten bytes), empty trees (an empty submessage), any float bits.
     assert encode_trees(batch) == _reference(batch)
+
+
+@st.composite
+def drafted_ahead(draw):
+    """Per item, trees drafted ahead keyed by accepted paths (the empty path too), or none."""
+    items = []
+    for _ in range(draw(st.integers(0, 6))):
+        paths = draw(st.lists(st.lists(INT32, max_size=5).map(tuple), max_size=4, unique=True))
+        items.append({path: draw(trees()) for path in paths})
+    return items
+
+
+@settings(max_examples=300, deadline=None)
+@given(batch=st.lists(trees(), max_size=6), ahead=drafted_ahead())
+def test_trees_drafted_ahead_are_written_as_protobuf_writes_them(batch, ahead):
+    want = pb.DraftResponse(
+        trees=[convert.tree(t) for t in batch],
+        prefetched=[
+            pb.Prefetched(items=[pb.Prefetch(accepted=list(p), tree=convert.tree(t)) for p, t in a.items()])
+            for a in ahead
+        ],
+    )
+    assert encode_trees(batch) + encode_prefetched(ahead) == want.SerializeToString()
 
 
 def test_varint_boundaries():
