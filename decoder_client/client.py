@@ -303,10 +303,10 @@ class _Core:
         if resp is None:
             self.in_doubt(remote)
             return
-        ahead = list(resp.prefetched) or [None] * len(remote)
+        ahead = wire.prefetched_from_response(resp) if len(resp.prefetched) else [{} for _ in remote]
         for s, more in zip(remote, ahead, strict=True):
             s.pending = []
-            s.prefetched = {} if more is None else {tuple(p.accepted): tree_from_proto(p.tree) for p in more.items}
+            s.prefetched = more
 
     def trees(
         self, sessions: Sequence[ClientSession], resp: pb.DraftResponse | None, *, book: bool = True

@@ -98,9 +98,7 @@ def _read_trees(
     offsets: np.ndarray,
 ) -> tuple[int, int]:
     """:func:`decode_tree_batch` into arrays of ``buf.size`` nodes: ``(trees, error)``."""
-    size = cap = buf.size
-    bits = np.empty(1, dtype=np.uint32)  # a little-endian float32's bits, read through ...
-    as_float = bits.view(np.float32)  # ... this view
+    size = buf.size
     counts = np.zeros(4, dtype=np.int64)  # of the tree being read: tokens, parents, sources, scores
     trees = 0
     at = 0
@@ -117,73 +115,195 @@ def _read_trees(
         n, at = _length(buf, at, size)
         if at < 0:
             return 0, 1
-        end = at + n
-        base = offsets[trees]
-        counts[:] = 0
-        while at < end:
-            key, at = _varint(buf, at, end)
-            if at < 0:
-                return 0, 1
-            f, wt = key >> 3, key & 7
-            if f in (1, 2) and wt in (_VARINT, _LENGTH):  # tokens, parents: packed or one by one
-                stop = end
-                if wt == _LENGTH:
-                    m, at = _length(buf, at, end)
-                    if at < 0:
-                        return 0, 1
-                    stop = at + m
-                out = tokens if f == 1 else parents
-                while at < stop:
-                    v, at = _varint(buf, at, stop)
-                    if at < 0 or base + counts[f - 1] >= cap:
-                        return 0, 1
-                    out[base + counts[f - 1]] = _int32(v)
-                    counts[f - 1] += 1
-                    if wt == _VARINT:
-                        break
-            elif f == 3 and wt == _LENGTH:  # sources: bytes, a singular field (the last one counts)
+        nodes, error = _read_tree(buf, at, at + n, offsets[trees], tokens, parents, sources, scores, counts)
+        if error:
+            return 0, error
+        at += n
+        trees += 1
+        offsets[trees] = offsets[trees - 1] + nodes
+    return trees, 0
+
+
+@njit(cache=True, nogil=True)
+def _read_tree(
+    buf: np.ndarray,
+    at: int,
+    end: int,
+    base: int,
+    tokens: np.ndarray,
+    parents: np.ndarray,
+    sources: np.ndarray,
+    scores: np.ndarray,
+    counts: np.ndarray,
+) -> tuple[int, int]:
+    """The ``Tree`` message in ``buf[at:end]`` written from node ``base`` on (the arrays hold
+    ``buf.size`` nodes): ``(nodes, error)``, error as :func:`decode_tree_batch` gives it."""
+    cap = buf.size  # a node takes at least one byte of each field
+    bits = np.empty(1, dtype=np.uint32)  # a little-endian float32's bits, read through ...
+    as_float = bits.view(np.float32)  # ... this view
+    counts[:] = 0
+    while at < end:
+        key, at = _varint(buf, at, end)
+        if at < 0:
+            return 0, 1
+        f, wt = key >> 3, key & 7
+        if f in (1, 2) and wt in (_VARINT, _LENGTH):  # tokens, parents: packed or one by one
+            stop = end
+            if wt == _LENGTH:
                 m, at = _length(buf, at, end)
-                if at < 0 or base + m > cap:
-                    return 0, 1
-                for i in range(m):
-                    sources[base + i] = buf[at + i]
-                counts[2] = m
-                at += m
-            elif f == 4 and wt in (_FIXED32, _LENGTH):  # scores: packed or one by one
-                m = 4
-                if wt == _LENGTH:
-                    m, at = _length(buf, at, end)
-                    if at < 0 or m % 4:
-                        return 0, 1
-                if at + m > end or base + counts[3] + m // 4 > cap:
-                    return 0, 1
-                for i in range(m // 4):
-                    j = at + 4 * i
-                    bits[0] = (
-                        np.uint32(buf[j])
-                        | np.uint32(buf[j + 1]) << np.uint32(8)
-                        | np.uint32(buf[j + 2]) << np.uint32(16)
-                        | np.uint32(buf[j + 3]) << np.uint32(24)
-                    )
-                    scores[base + counts[3] + i] = as_float[0]
-                counts[3] += m // 4
-                at += m
-            else:
-                at = _skip(buf, at, end, wt)
                 if at < 0:
                     return 0, 1
-        if at != end:
-            return 0, 1
-        n_nodes = counts[0]  # sources and scores are optional: all there or none
-        if counts[1] != n_nodes or counts[2] not in (0, n_nodes) or counts[3] not in (0, n_nodes):
-            return 0, 2
-        if counts[2] == 0:
-            sources[base : base + n_nodes] = 0
-        if counts[3] == 0:
-            scores[base : base + n_nodes] = 0.0
-        trees += 1
-        offsets[trees] = base + n_nodes
-    return trees, 0
+                stop = at + m
+            out = tokens if f == 1 else parents
+            while at < stop:
+                v, at = _varint(buf, at, stop)
+                if at < 0 or base + counts[f - 1] >= cap:
+                    return 0, 1
+                out[base + counts[f - 1]] = _int32(v)
+                counts[f - 1] += 1
+                if wt == _VARINT:
+                    break
+        elif f == 3 and wt == _LENGTH:  # sources: bytes, a singular field (the last one counts)
+            m, at = _length(buf, at, end)
+            if at < 0 or base + m > cap:
+                return 0, 1
+            for i in range(m):
+                sources[base + i] = buf[at + i]
+            counts[2] = m
+            at += m
+        elif f == 4 and wt in (_FIXED32, _LENGTH):  # scores: packed or one by one
+            m = 4
+            if wt == _LENGTH:
+                m, at = _length(buf, at, end)
+                if at < 0 or m % 4:
+                    return 0, 1
+            if at + m > end or base + counts[3] + m // 4 > cap:
+                return 0, 1
+            for i in range(m // 4):
+                j = at + 4 * i
+                bits[0] = (
+                    np.uint32(buf[j])
+                    | np.uint32(buf[j + 1]) << np.uint32(8)
+                    | np.uint32(buf[j + 2]) << np.uint32(16)
+                    | np.uint32(buf[j + 3]) << np.uint32(24)
+                )
+                scores[base + counts[3] + i] = as_float[0]
+            counts[3] += m // 4
+            at += m
+        else:
+            at = _skip(buf, at, end, wt)
+            if at < 0:
+                return 0, 1
+    if at != end:
+        return 0, 1
+    n_nodes = counts[0]  # sources and scores are optional: all there or none
+    if counts[1] != n_nodes or counts[2] not in (0, n_nodes) or counts[3] not in (0, n_nodes):
+        return 0, 2
+    if counts[2] == 0:
+        sources[base : base + n_nodes] = 0
+    if counts[3] == 0:
+        scores[base : base + n_nodes] = 0.0
+    return n_nodes, 0
+
+
+@njit(cache=True, nogil=True)
+def decode_prefetched_batch(
+    buf: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+    """Every ``Prefetched`` in field 2 of a serialized ``DraftResponse``: ``(per_item,
+    path_tokens, path_ends, tokens, parents, sources, scores, offsets, error)``; item ``i``
+    holds the next ``per_item[i]`` entries, entry ``e`` the accepted path ending at
+    ``path_ends[e]`` and the tree of nodes ``[offsets[e], offsets[e + 1])``. ``error`` as
+    :func:`decode_tree_batch` gives it."""
+    size = cap = buf.size
+    per_item = np.zeros(cap, dtype=np.int64)
+    path_tokens = np.empty(cap, dtype=np.int32)
+    path_ends = np.zeros(cap, dtype=np.int64)
+    tokens = np.empty(cap, dtype=np.int32)
+    parents = np.empty(cap, dtype=np.int32)
+    sources = np.empty(cap, dtype=np.uint8)
+    scores = np.empty(cap, dtype=np.float32)
+    offsets = np.zeros(cap + 1, dtype=np.int64)
+    counts = np.zeros(4, dtype=np.int64)
+    items = entries = paths = 0
+    at = 0
+    while at < size:
+        key, at = _varint(buf, at, size)
+        if at < 0:
+            break
+        field, wire_type = key >> 3, key & 7
+        if field != 2 or wire_type != _LENGTH:  # the trees, or a field this reader does not know
+            at = _skip(buf, at, size, wire_type)
+            if at < 0:
+                break
+            continue
+        n, at = _length(buf, at, size)
+        if at < 0:
+            break
+        item_end = at + n
+        while 0 <= at < item_end:  # Prefetched: its items (field 1)
+            key, at = _varint(buf, at, item_end)
+            if at < 0:
+                break
+            if key != (1 << 3 | _LENGTH):
+                at = _skip(buf, at, item_end, key & 7)
+                continue
+            m, at = _length(buf, at, item_end)
+            if at < 0:
+                break
+            entry_end = at + m
+            nodes = 0
+            while 0 <= at < entry_end:  # Prefetch: accepted (1), tree (2)
+                key, at = _varint(buf, at, entry_end)
+                if at < 0:
+                    break
+                f, wt = key >> 3, key & 7
+                if f == 1 and wt in (_VARINT, _LENGTH):
+                    stop = entry_end
+                    if wt == _LENGTH:
+                        k, at = _length(buf, at, entry_end)
+                        stop = at + k
+                    while 0 <= at < stop:
+                        v, at = _varint(buf, at, stop)
+                        if at < 0 or paths >= cap:
+                            at = -1
+                            break
+                        path_tokens[paths] = _int32(v)
+                        paths += 1
+                        if wt == _VARINT:
+                            break
+                elif f == 2 and wt == _LENGTH:  # the tree (the last one counts)
+                    k, at = _length(buf, at, entry_end)
+                    if at < 0:
+                        break
+                    nodes, error = _read_tree(
+                        buf, at, at + k, offsets[entries], tokens, parents, sources, scores, counts
+                    )
+                    if error:
+                        return per_item[:0], path_tokens[:0], path_ends[:0], tokens[:0], parents[:0], \
+                            sources[:0], scores[:0], offsets[:1], error  # fmt: skip
+                    at += k
+                else:
+                    at = _skip(buf, at, entry_end, wt)
+            if at != entry_end:
+                at = -1
+                break
+            path_ends[entries] = paths
+            offsets[entries + 1] = offsets[entries] + nodes
+            entries += 1
+            per_item[items] += 1
+        if at != item_end:
+            at = -1
+            break
+        items += 1
+    if at != size:
+        return per_item[:0], path_tokens[:0], path_ends[:0], tokens[:0], parents[:0], sources[:0], scores[:0], \
+            offsets[:1], 1  # fmt: skip
+    total = offsets[entries]
+    return (
+        per_item[:items], path_tokens[:paths], path_ends[:entries], tokens[:total], parents[:total],
+        sources[:total], scores[:total], offsets[: entries + 1], 0,
+    )  # fmt: skip
 
 
 def trees_from_response(resp: pb.DraftResponse) -> list[DraftTree]:
@@ -197,12 +317,33 @@ def trees_from_response(resp: pb.DraftResponse) -> list[DraftTree]:
     return [DraftTree(tokens[a:b], parents[a:b], sources[a:b], scores[a:b]) for a, b in itertools.pairwise(ends)]
 
 
+def prefetched_from_response(resp: pb.DraftResponse) -> list[dict[tuple[int, ...], DraftTree]]:
+    """Per item, the trees drafted ahead by accepted path, read in one compiled pass over the
+    response's bytes; ``ValueError`` if they are malformed."""
+    buf = np.frombuffer(resp.SerializeToString(), dtype=np.uint8)
+    per_item, path_tokens, path_ends, tokens, parents, sources, scores, offsets, error = decode_prefetched_batch(buf)
+    if error:
+        raise ValueError("malformed draft response" if error == 1 else "a draft tree's fields differ in length")
+    paths, ends, nodes = path_tokens.tolist(), path_ends.tolist(), offsets.tolist()
+    out: list[dict[tuple[int, ...], DraftTree]] = []
+    e = start = 0
+    for count in per_item.tolist():
+        ahead = {}
+        for _ in range(count):
+            a, b = nodes[e], nodes[e + 1]
+            ahead[tuple(paths[start : ends[e]])] = DraftTree(tokens[a:b], parents[a:b], sources[a:b], scores[a:b])
+            start = ends[e]
+            e += 1
+        out.append(ahead)
+    return out
+
+
 def warm_up() -> None:
-    """Compile (or load from cache) the reader now, not on a first response; and the cut of a
-    tree drafted ahead to the subtree an outcome selects, for trees read here (read-only
-    arrays) and those made from messages."""
-    (tree,) = trees_from_response(
-        pb.DraftResponse(trees=[pb.Tree(tokens=[1], parents=[-1], sources=b"\x01", scores=[0.5])])
-    )
-    for t in (tree, DraftTree(tree.tokens.copy(), tree.parents.copy(), tree.sources.copy(), tree.scores.copy())):
+    """Compile (or load from cache) the readers now, not on a first response; and the cut of a
+    tree drafted ahead to the subtree an outcome selects."""
+    one = pb.Tree(tokens=[1], parents=[-1], sources=b"\x01", scores=[0.5])
+    resp = pb.DraftResponse(trees=[one], prefetched=[pb.Prefetched(items=[pb.Prefetch(accepted=[2], tree=one)])])
+    (tree,) = trees_from_response(resp)
+    (ahead,) = prefetched_from_response(resp)
+    for t in (tree, *ahead.values()):
         subtree(t, 1)

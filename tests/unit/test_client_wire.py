@@ -6,7 +6,12 @@ from draftcache.v1 import draftcache_pb2 as pb
 from google.protobuf.message import DecodeError
 
 from decoder_client.client import tree_from_proto
-from decoder_client.wire import decode_tree_batch, trees_from_response
+from decoder_client.wire import (
+    decode_prefetched_batch,
+    decode_tree_batch,
+    prefetched_from_response,
+    trees_from_response,
+)
 
 
 def _tree(rng: np.random.Generator, n: int) -> pb.Tree:
@@ -96,3 +101,47 @@ def test_a_tree_whose_fields_disagree_is_an_error() -> None:
     resp = pb.DraftResponse(trees=[pb.Tree(tokens=[1, 2], parents=[-1], sources=b"\x00\x00", scores=[1.0, 1.0])])
     with pytest.raises(ValueError, match="differ in length"):
         trees_from_response(resp)
+
+
+def _ahead_by_protobuf(resp: pb.DraftResponse) -> list[dict[tuple[int, ...], object]]:
+    return [{tuple(p.accepted): tree_from_proto(p.tree) for p in more.items} for more in resp.prefetched]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_trees_drafted_ahead_read_from_the_wire_equal_protobufs(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    prefetched = []
+    for _ in range(int(rng.integers(0, 12))):  # per item: none, or trees under distinct paths (the empty one too)
+        paths = {tuple(rng.integers(-(2**31), 2**31 - 1, size=int(rng.integers(0, 4))).tolist()) for _ in range(3)}
+        items = [pb.Prefetch(accepted=list(p), tree=_tree(rng, int(rng.integers(0, 30)))) for p in paths]
+        if rng.random() < 0.2:
+            items.append(pb.Prefetch(accepted=[5]))  # no tree set: an empty one
+        prefetched.append(pb.Prefetched(items=items))
+    resp = pb.DraftResponse(trees=[_tree(rng, 4)], prefetched=prefetched)
+    got, want = prefetched_from_response(resp), _ahead_by_protobuf(resp)
+    assert [list(a) for a in got] == [list(b) for b in want]  # the same paths, in order
+    for a, b in zip(got, want, strict=True):
+        _same(list(a.values()), list(b.values()))
+
+
+def test_unpacked_accepted_paths_and_unknown_fields_read_as_protobuf_reads_them() -> None:
+    tree = _tree(np.random.default_rng(3), 5).SerializeToString()
+    entry = b"".join(_field(1, 0, _varint(t)) for t in (4, -7))  # the path one token at a time
+    entry += _field(9, 2, _varint(2) + b"zz") + _field(2, 2, _varint(len(tree)) + tree)
+    item = _field(1, 2, _varint(len(entry)) + entry) + _field(6, 0, _varint(3))
+    raw = _field(2, 2, _varint(len(item)) + item) + _field(2, 2, _varint(0)) + _field(8, 5, bytes(4))
+    resp = pb.DraftResponse.FromString(raw)
+    got = prefetched_from_response(resp)
+    assert [list(a) for a in got] == [[(4, -7)], []]
+    _same(list(got[0].values()), list(_ahead_by_protobuf(resp)[0].values()))
+
+
+def test_damaged_prefetched_bytes_are_refused() -> None:
+    rng = np.random.default_rng(4)
+    resp = pb.DraftResponse(prefetched=[pb.Prefetched(items=[pb.Prefetch(accepted=[1, 2], tree=_tree(rng, 6))])])
+    raw = resp.SerializeToString()
+    for cut in range(1, len(raw)):
+        # Protobuf refuses every cut of this message; so does the reader.
+        with pytest.raises(DecodeError):
+            pb.DraftResponse.FromString(raw[:cut])
+        assert decode_prefetched_batch(np.frombuffer(raw[:cut], dtype=np.uint8))[-1] != 0
