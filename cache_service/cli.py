@@ -211,6 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add(bd, "--budget", type=int, default=64)
     _add(bd, "--draft-threads", type=int, default=1, help="worker threads one batch's draft step is shared among")
     _add(bd, "--prior", type=Path, default=None, help="a static prior to draft from too (a `warm --out` file)")
+    _add(bd, "--lookahead", type=int, default=0, help="pre-speculation: outcomes drafted ahead per step")
 
     bg = sub.add_parser("bench-generate", help="tokens/s of real decoding: greedy vs prompt lookup vs draftcache")
     data = Path("../shared/data")
@@ -587,6 +588,7 @@ def cmd_bench_draft(a: argparse.Namespace) -> int:
         batch=a.batch,
         steps=a.steps,
         rebuild_every=a.rebuild_every,
+        lookahead=a.lookahead,
         params=DraftParams(budget=a.budget),
         drafter=DrafterConfig(threads=a.draft_threads),
     )

@@ -23,7 +23,7 @@ from cache_service.config import ServiceConfig
 from cache_service.service import CloseItem, DraftItem, DraftService, FeedbackItem, OpenItem
 from decoder_client.load_bench import Replayed, requests_of
 from decoder_client.traces import Conversation
-from indexer.drafter import DrafterConfig, DraftParams
+from indexer.drafter import MAX_LOOKAHEAD, DrafterConfig, DraftParams
 from indexer.prior import StaticPrior
 from indexer.tokens import Namespace
 
@@ -33,12 +33,15 @@ class DraftBenchConfig:
     batch: int = 32
     steps: int = 1200
     rebuild_every: int = 300  # steps between lifetime index rebuilds (0: never)
+    lookahead: int = 0  # pre-speculation: outcomes each step drafts ahead for
     params: DraftParams = field(default_factory=DraftParams)
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
 
     def __post_init__(self) -> None:
         if self.batch < 1 or self.steps < 1 or self.rebuild_every < 0:
             raise ValueError("batch and steps must be >= 1 and rebuild_every >= 0")
+        if not 0 <= self.lookahead <= MAX_LOOKAHEAD:
+            raise ValueError(f"lookahead must be in [0, {MAX_LOOKAHEAD}], got {self.lookahead}")
 
 
 def run_draft_bench(
@@ -65,7 +68,7 @@ def run_draft_bench(
     draft_cpu = 0.0  # CPU seconds of the draft calls (less disturbed by other processes than wall time)
     rebuilds: list[float] = []
     for step in range(config.steps):
-        items = [DraftItem(s.handle, np.array(s.pending, dtype=np.int32)) for s in slots]
+        items = [DraftItem(s.handle, np.array(s.pending, dtype=np.int32), config.lookahead) for s in slots]
         began, cpu = time.perf_counter(), time.process_time()
         results = service.draft_ahead(items)
         per_sequence.append((time.perf_counter() - began) / len(items))
@@ -92,6 +95,7 @@ def run_draft_bench(
             service.namespace(namespace.name).memory.rebuild()
             rebuilds.append(time.perf_counter() - began)
     us = np.array(per_sequence) * 1e6
+    c = service.namespace(namespace.name).counters
     return {
         "batch": config.batch,
         "steps": config.steps,
@@ -103,6 +107,8 @@ def run_draft_bench(
         "turnover_us_per_sequence": round(turnover * 1e6 / max(1, sequence_steps), 1),
         "rebuild_ms_mean": round(float(np.mean(rebuilds)) * 1e3, 1) if rebuilds else 0.0,
         "mat": round(produced / max(1, sequence_steps), 4),
+        # outcomes a tree had been drafted ahead for, of those verified (lookahead only)
+        "ahead_hit_rate": round(c.ahead_hits / max(1, c.ahead_hits + c.ahead_misses), 4) if config.lookahead else None,
         "requests_finished": finished,
         "trees_sha256": digest.hexdigest()[:16],
     }

@@ -42,6 +42,22 @@ def test_draft_bench_config_is_checked() -> None:
         DraftBenchConfig(batch=0)
     with pytest.raises(ValueError):
         DraftBenchConfig(rebuild_every=-1)
+    with pytest.raises(ValueError, match="lookahead"):
+        DraftBenchConfig(lookahead=17)
+
+
+def test_draft_bench_drafts_ahead_when_asked(shared_data: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    traces = shared_data / "traces/spec_bench_vicuna7b.jsonl.gz"
+    args = ["bench-draft", str(traces), "--batch", "8", "--steps", "60", "--rebuild-every", "0"]
+    reports = []
+    for extra in ([], ["--lookahead", "2"]):
+        assert main(args + extra) == 0
+        reports.append(json.loads(capsys.readouterr().out))
+    plain, ahead = reports
+    assert plain["ahead_hit_rate"] is None
+    # Outcomes drafted ahead for were verified, and their trees served: some, not all, hit.
+    assert 0 < ahead["ahead_hit_rate"] < 1
+    assert ahead["trees_sha256"] != plain["trees_sha256"]
 
 
 def test_bench_draft_command_prints_the_report(shared_data: Path, capsys: pytest.CaptureFixture[str]) -> None:
