@@ -470,7 +470,9 @@ def cmd_replay(a: argparse.Namespace) -> int:
     for namespace, part in groups:  # namespaces share nothing: each has drafters of its own
         # Through a service, its own priors apply (warmed into its storage); in-process, ours.
         prior = None if a.target else _replay_prior(a, namespace.vocab_size)
-        drafter_list = [replay_bench.remote_drafter(a.target, namespace, config.params)] if a.target else []
+        drafter_list = (
+            [replay_bench.remote_drafter(a.target, namespace, config.params, config.lookahead)] if a.target else []
+        )
         drafter_list += replay_bench.drafters(namespace, config, prior)
         per_namespace.append((namespace.name, replay_bench.run_replay(part, drafter_list)))
     if len(per_namespace) == 1:

@@ -148,12 +148,13 @@ def ensure_namespace(target: str, namespace: Namespace) -> None:
         pb_grpc.AdminStub(channel).CreateNamespace(request, timeout=30)
 
 
-def remote_drafter(target: str, namespace: Namespace, params: DraftParams) -> ReplayDrafter:
-    """draftcache through a running service; the namespace is created there if missing."""
+def remote_drafter(target: str, namespace: Namespace, params: DraftParams, lookahead: int = 0) -> ReplayDrafter:
+    """draftcache through a running service (drafting ahead for ``lookahead`` outcomes a step);
+    the namespace is created there if missing."""
     from decoder_client.remote import RemoteDrafter
 
     ensure_namespace(target, namespace)
-    return RemoteDrafter(target, namespace.name, params)
+    return RemoteDrafter(target, namespace.name, params, lookahead=lookahead)
 
 
 def run_replay(conversations: list[Conversation], drafter_list: list[ReplayDrafter]) -> list[ReplayStats]:

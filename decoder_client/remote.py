@@ -1,7 +1,11 @@
 """Replaying through a running service: the same drafter protocol, over gRPC.
 
 Each step sends the tokens produced since the previous draft in the draft call itself (so
-contexts stay server-side and one round trip serves a step), exactly as a decoder does.
+contexts stay server-side and one round trip serves a step), exactly as a decoder does. With
+``lookahead`` each call also drafts ahead for that many outcomes of the tree it returns; when the
+next step's tokens are an outcome drafted ahead for, the service answers with that tree (the
+subtree it selects), as the engine in process does. Drafting ahead happens inside the call here,
+so its time counts in the call's.
 """
 
 from __future__ import annotations
@@ -12,15 +16,22 @@ from draftcache.v1 import draftcache_pb2 as pb
 from draftcache.v1 import draftcache_pb2_grpc as pb_grpc
 
 from decoder_client.client import tree_from_proto
+from decoder_client.wire import prefetched_from_response
 from indexer.drafter import DraftParams
+from indexer.prespeculation import Prefetched, select
 from indexer.tree_builder import DraftTree
 
 
 class RemoteDrafter:
     """A replay drafter backed by a draftcache service at ``target`` (``host:port``)."""
 
-    def __init__(self, target: str, namespace: str, params: DraftParams, *, timeout_s: float = 30.0) -> None:
+    def __init__(
+        self, target: str, namespace: str, params: DraftParams, *, timeout_s: float = 30.0, lookahead: int = 0
+    ) -> None:
         self.name = f"draftcache@{target}"
+        self.lookahead = lookahead  # outcomes drafted ahead per step (0: no pre-speculation)
+        self.last_was_ahead = False
+        self._ahead: Prefetched = {}
         self._channel = grpc.insecure_channel(target)
         self._stub = pb_grpc.DraftCacheStub(self._channel)
         self._namespace = namespace
@@ -39,12 +50,19 @@ class RemoteDrafter:
             sessions=[pb.OpenSession(namespace=self._namespace, prompt=prompt.tolist(), params=self._params)]
         )
         self._sid = self._stub.OpenSessions(req, timeout=self._timeout).session_ids[0]
-        self._pending = []
+        self._pending, self._ahead = [], {}
 
     def propose(self) -> DraftTree:
-        req = pb.DraftRequest(items=[pb.DraftItem(session_id=self._sid, new_tokens=self._pending)])
+        # The service goes on with a tree drafted ahead when these tokens are its outcome.
+        self.last_was_ahead = bool(self._pending) and select(self._ahead, self._pending) is not None
+        item = pb.DraftItem(session_id=self._sid, new_tokens=self._pending, lookahead=self.lookahead)
         self._pending = []
-        return tree_from_proto(self._stub.Draft(req, timeout=self._timeout).trees[0])
+        resp = self._stub.Draft(pb.DraftRequest(items=[item]), timeout=self._timeout)
+        self._ahead = prefetched_from_response(resp)[0] if len(resp.prefetched) else {}
+        return tree_from_proto(resp.trees[0])
+
+    def draft_ahead(self) -> None:
+        """Nothing to do: the draft call drafted ahead already."""
 
     def advance(self, tokens: np.ndarray) -> None:
         self._pending.extend(tokens.tolist())

@@ -42,6 +42,24 @@ def test_remote_replay_matches_in_process(shared_data: Path) -> None:
     assert over_grpc.mat == local.mat
 
 
+def test_remote_replay_drafting_ahead_matches_in_process(shared_data: Path) -> None:
+    convs = read_traces(shared_data / "traces" / "spec_bench_vicuna7b.jsonl.gz", limit=12)
+    engine = NamespaceDrafter(Namespace(name="llama2", vocab_size=32000), DrafterConfig())
+    local = replay(convs, EngineDrafter(engine, DraftParams(), rebuild=False, lookahead=2))
+    running = start_service(ServiceConfig())
+    try:
+        running.admin.CreateNamespace(pb.CreateNamespaceRequest(name="llama2", vocab_size=32000))
+        remote = RemoteDrafter(running.target, "llama2", DraftParams(), lookahead=2)
+        over_grpc = replay(convs, remote)
+        remote.close()
+    finally:
+        stop_service(running)
+    # The same outcomes were drafted ahead for, and the same trees served after them.
+    assert local.ahead_hits > 0
+    assert (over_grpc.ahead_hits, over_grpc.steps, over_grpc.drafted) == (local.ahead_hits, local.steps, local.drafted)
+    assert over_grpc.mat == local.mat
+
+
 def test_remote_replay_of_several_namespaces(
     tmp_path: Path, shared_data: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
