@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import numpy as np
 
@@ -95,18 +94,6 @@ def _offset(offset: int, accepted: int) -> int:
 
 _TIERS = list(Tier)  # by value (Tier iterates in value order)
 _HALF_ARRAY = np.array([_HALF[t] for t in Tier], dtype=np.float64)
-
-
-class _Job(NamedTuple):
-    """One tree to draft: the session, tokens supposed to follow its context (a verification
-    outcome drafted ahead for; empty for the session's own next tree), root tokens to leave
-    out, and limits."""
-
-    session: Session
-    suffix: tuple[int, ...]
-    exclude: tuple[int, ...]
-    params: DraftParams
-    depth: int
 
 
 def _joined(parts: list[np.ndarray], dtype: type) -> np.ndarray:
@@ -235,13 +222,14 @@ class NamespaceDrafter:
         """:meth:`draft` for several sessions (each named once) in one compiled call; each
         session keeps its tree, and each tier's first guess for calibration, until the outcome
         is known."""
-        jobs = []
-        for session, params in items:
-            depth = min(params.max_depth, max(params.budget, 1))  # a path never holds more nodes than the tree
-            jobs.append(_Job(session, (), (), params, depth))
+        sessions = [session for session, _ in items]
+        for session in sessions:
             if session.prefetched:
                 session.prefetched = {}
-        return self._run(jobs, remember=True)
+        rows = np.array([self.store.hold(s) for s in sessions], dtype=np.int64)
+        # A path never holds more nodes than the tree.
+        table, min_score = _jobs(rows, [p for _, p in items], lambda p: min(p.max_depth, max(p.budget, 1)), True)
+        return self._step(sessions, table, min_score, _NO_TOKENS, _NO_TOKENS)
 
     def release(self, session: Session) -> None:
         """The session is done with here (closed, or leaving memory): its row in the store goes."""
@@ -337,23 +325,17 @@ class NamespaceDrafter:
         )
         # One tree per stopping point, its context extended by the point's path and its root
         # leaving out that node's children; one level deeper: the bonus token becomes the root.
-        table = np.zeros((owner.size, len(JOB_COLUMNS)), dtype=np.int64)
-        table[:, draft_kernel.ROW] = rows[owner]
+        # The outcomes are only supposed: nothing learnt about them stays (remember off).
+        per_item, min_score = _jobs(
+            rows, [p for _, _, p in items], lambda p: min(p.max_depth + 1, MAX_DEPTH, max(p.budget, 1)), False
+        )
+        table = per_item[owner]
         table[:, draft_kernel.SUFFIX_START] = np.concatenate(([0], path_ends[:-1]))
         table[:, draft_kernel.SUFFIX_END] = path_ends
         table[:, draft_kernel.EXCLUDE_START] = np.concatenate(([0], kid_ends[:-1]))
         table[:, draft_kernel.EXCLUDE_END] = kid_ends
-        limits = np.array(
-            [(min(p.max_depth + 1, MAX_DEPTH, max(p.budget, 1)), p.budget, p.depth_reserve) for _, _, p in items],
-            dtype=np.int64,
-        ).reshape(-1, 3)
-        table[:, draft_kernel.DEPTH] = limits[owner, 0]
-        table[:, draft_kernel.BUDGET] = limits[owner, 1]
-        table[:, draft_kernel.DEPTH_RESERVE] = limits[owner, 2]
-        min_score = np.array([p.min_score for _, _, p in items], dtype=np.float64)[owner]
         sessions = [items[j][0] for j in owner.tolist()]
-        # The outcomes are only supposed: nothing learnt about them stays (remember off).
-        drafted = self._step(sessions, table, min_score, path_tokens, kid_tokens) if owner.size else ()
+        drafted = self._step(sessions, table, min_score[owner], path_tokens, kid_tokens) if owner.size else ()
         out: list[Prefetched] = [{} for _ in items]
         paths, start = path_tokens.tolist(), 0
         for i, (j, end) in enumerate(zip(owner.tolist(), path_ends.tolist(), strict=True)):
@@ -389,31 +371,6 @@ class NamespaceDrafter:
 
     # -- tiers -------------------------------------------------------------------------------
 
-    def _run(self, jobs: Sequence[_Job], *, remember: bool) -> DraftedTrees:
-        """Each job's tree, all drafted in one compiled call (see
-        :func:`~indexer.kernels.draft.draft_batch`) over the sessions' arrays in the store;
-        only the static prior is looked up here first. With ``remember`` each session keeps its
-        tree and first guesses, its match-length hints and how far its output agrees with an
-        exact-prompt response."""
-        sessions = [job.session for job in jobs]
-        rows = [self.store.hold(s) for s in sessions]
-        table = np.zeros((len(jobs), len(JOB_COLUMNS)), dtype=np.int64)
-        table[:, draft_kernel.ROW] = rows
-        table[:, draft_kernel.REMEMBER] = int(remember)
-        params = jobs[0].params if jobs else None
-        if all(job.params is params and job.depth == jobs[0].depth for job in jobs):
-            table[:, draft_kernel.DEPTH] = jobs[0].depth  # the usual batch: one request's settings
-            table[:, draft_kernel.BUDGET] = params.budget if params else 0
-            table[:, draft_kernel.DEPTH_RESERVE] = params.depth_reserve if params else 0
-            min_score = np.full(len(jobs), params.min_score if params else 0.0)
-        else:
-            table[:, draft_kernel.DEPTH] = [job.depth for job in jobs]
-            table[:, draft_kernel.BUDGET] = [job.params.budget for job in jobs]
-            table[:, draft_kernel.DEPTH_RESERVE] = [job.params.depth_reserve for job in jobs]
-            min_score = np.array([job.params.min_score for job in jobs], dtype=np.float64)
-        suffix, exclude = _columns(table, jobs)
-        return self._step(sessions, table, min_score, suffix, exclude)
-
     def _step(
         self,
         sessions: Sequence[Session],
@@ -422,7 +379,10 @@ class NamespaceDrafter:
         suffix: np.ndarray,
         exclude: np.ndarray,
     ) -> DraftedTrees:
-        """The compiled draft step over a jobs table (row ``j`` drafts for ``sessions[j]``)."""
+        """Each job's tree, all drafted in one compiled call (see
+        :func:`~indexer.kernels.draft.draft_batch`) over the sessions' arrays in the store: row
+        ``j`` of the jobs table (see :func:`_jobs`) drafts for ``sessions[j]``; only the static
+        prior is looked up here first."""
         prior = self.prior.kernel_args if self.prior is not None else kernels.no_prior()
         step = kernels.draft_step(step_threads(self.threads, len(table)))
         tokens, parents, sources, scores, ends, _, _, _, grown = step(
@@ -434,21 +394,26 @@ class NamespaceDrafter:
         return DraftedTrees(TreeBatch(tokens, parents, sources, scores, ends))
 
 
-def _columns(table: np.ndarray, jobs: Sequence[_Job]) -> tuple[np.ndarray, np.ndarray]:
-    """The jobs' suffixes and left-out root tokens end to end, their bounds written into
-    ``table`` (none for a session's own next tree)."""
-    if not any(job.suffix or job.exclude for job in jobs):
-        return _NO_TOKENS, _NO_TOKENS
-    suffix: list[int] = []
-    exclude: list[int] = []
-    for j, job in enumerate(jobs):
-        table[j, draft_kernel.SUFFIX_START] = len(suffix)
-        suffix.extend(job.suffix)
-        table[j, draft_kernel.SUFFIX_END] = len(suffix)
-        table[j, draft_kernel.EXCLUDE_START] = len(exclude)
-        exclude.extend(job.exclude)
-        table[j, draft_kernel.EXCLUDE_END] = len(exclude)
-    return np.array(suffix, dtype=np.int32), np.array(exclude, dtype=np.int32)
+def _jobs(
+    rows: np.ndarray, params: Sequence[DraftParams], depth: Callable[[DraftParams], int], remember: bool
+) -> tuple[np.ndarray, np.ndarray]:
+    """A jobs table for the draft step, a job per store row ``rows[j]`` drafting with
+    ``params[j]`` to ``depth(params[j])`` levels (no suffix, nothing left out), and each job's
+    least score. With ``remember`` each session keeps its tree and first guesses, its
+    match-length hints and how far its output agrees with an exact-prompt response."""
+    table = np.zeros((rows.size, len(JOB_COLUMNS)), dtype=np.int64)
+    table[:, draft_kernel.ROW] = rows
+    table[:, draft_kernel.REMEMBER] = int(remember)
+    first = params[0] if params else None
+    if first is None or all(p is first for p in params):  # the usual batch: one request's settings
+        table[:, draft_kernel.DEPTH] = depth(first) if first else 0
+        table[:, draft_kernel.BUDGET] = first.budget if first else 0
+        table[:, draft_kernel.DEPTH_RESERVE] = first.depth_reserve if first else 0
+        return table, np.full(rows.size, first.min_score if first else 0.0)
+    table[:, draft_kernel.DEPTH] = [depth(p) for p in params]
+    table[:, draft_kernel.BUDGET] = [p.budget for p in params]
+    table[:, draft_kernel.DEPTH_RESERVE] = [p.depth_reserve for p in params]
+    return table, np.array([p.min_score for p in params], dtype=np.float64)
 
 
 _NO_TOKENS = np.zeros(0, dtype=np.int32)

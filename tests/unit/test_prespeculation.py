@@ -1,7 +1,8 @@
 import numpy as np
 import pytest
 
-from indexer.drafter import DrafterConfig, DraftParams, NamespaceDrafter, _Job
+from indexer.drafter import DrafterConfig, DraftParams, NamespaceDrafter
+from indexer.kernels import draft as draft_kernel
 from indexer.prespeculation import select, stopping_points, subtree
 from indexer.tokens import Namespace
 from indexer.tree_builder import DraftTree
@@ -205,6 +206,18 @@ def test_drafting_ahead_for_many_sessions_equals_each_point_drafted_alone():
         points = _reference_points(tree, k) if tree is not None else []
         assert list(ahead) == [path for path, _ in points]  # best first
         for path, kids in points:  # each drafted on its own: the context extended, the children left out
-            (alone,) = d._run([_Job(s, path, tuple(kids), PARAMS, depth)], remember=False)
+            (alone,) = _drafted_alone(d, s, path, kids, depth)
             for name in ("tokens", "parents", "sources", "scores"):
                 assert getattr(ahead[path], name).tolist() == getattr(alone, name).tolist(), name
+
+
+def _drafted_alone(d, s, path, kids, depth):
+    """One tree for the session's context extended by ``path``, its root leaving out ``kids``:
+    a one-job table for the compiled step, written column by column."""
+    job = np.zeros((1, len(draft_kernel.JOB_COLUMNS)), dtype=np.int64)
+    job[0, draft_kernel.ROW] = d.store.hold(s)
+    job[0, draft_kernel.SUFFIX_END] = len(path)
+    job[0, draft_kernel.EXCLUDE_END] = len(kids)
+    job[0, draft_kernel.DEPTH], job[0, draft_kernel.BUDGET] = depth, PARAMS.budget
+    job[0, draft_kernel.DEPTH_RESERVE] = PARAMS.depth_reserve
+    return d._step([s], job, np.full(1, PARAMS.min_score), _a(path), _a(sorted(kids)))
