@@ -202,23 +202,32 @@ def encode_prefetched_batch(
     return buf
 
 
+def _laid_out(trees: Sequence[DraftTree]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The trees' nodes end to end as the encoders take them: tokens, parents, sources, the
+    scores' little-endian float32 bytes, and each tree's size. A whole draft batch, in order, is
+    read from where it lies."""
+    batch = whole_batch(trees) if trees else None
+    if batch is not None:
+        tokens, parents, sources, scores = batch.tokens, batch.parents, batch.sources, batch.scores
+        sizes = np.diff(batch.offsets)
+    elif trees:
+        sizes = np.fromiter((len(t) for t in trees), dtype=np.int64, count=len(trees))
+        tokens = np.concatenate([t.tokens for t in trees]).astype(np.int32, copy=False)
+        parents = np.concatenate([t.parents for t in trees]).astype(np.int32, copy=False)
+        sources = np.concatenate([t.sources for t in trees]).astype(np.uint8, copy=False)
+        scores = np.concatenate([t.scores for t in trees])
+    else:
+        tokens = parents = np.zeros(0, dtype=np.int32)
+        sources, scores, sizes = np.zeros(0, dtype=np.uint8), np.zeros(0, dtype=np.float32), np.zeros(0, np.int64)
+    return tokens, parents, sources, scores.astype("<f4", copy=False).view(np.uint8), sizes
+
+
 def encode_trees(trees: Sequence[DraftTree]) -> bytes:
     """The trees as ``DraftResponse.trees`` on the wire (any message whose field 1 is
     ``repeated Tree`` parses them)."""
     if not trees:
         return b""
-    batch = whole_batch(trees)
-    if batch is not None:  # a whole draft batch, in order: written from where it lies
-        scores = batch.scores.astype("<f4", copy=False)
-        return encode_tree_batch(
-            batch.tokens, batch.parents, batch.sources, scores.view(np.uint8), np.diff(batch.offsets)
-        ).tobytes()
-    sizes = np.fromiter((len(t) for t in trees), dtype=np.int64, count=len(trees))
-    tokens = np.concatenate([t.tokens for t in trees]).astype(np.int32, copy=False)
-    parents = np.concatenate([t.parents for t in trees]).astype(np.int32, copy=False)
-    sources = np.concatenate([t.sources for t in trees]).astype(np.uint8, copy=False)
-    scores = np.concatenate([t.scores for t in trees]).astype("<f4", copy=False)
-    return encode_tree_batch(tokens, parents, sources, scores.view(np.uint8), sizes).tobytes()
+    return encode_tree_batch(*_laid_out(trees)).tobytes()
 
 
 def encode_prefetched(ahead: Sequence[Mapping[tuple[int, ...], DraftTree]]) -> bytes:
@@ -226,21 +235,10 @@ def encode_prefetched(ahead: Sequence[Mapping[tuple[int, ...], DraftTree]]) -> b
     the trees, the whole response: protobuf writes its fields in number order)."""
     per_item = np.fromiter((len(a) for a in ahead), dtype=np.int64, count=len(ahead))
     paths = [path for a in ahead for path in a]
-    trees = [t for a in ahead for t in a.values()]
     path_ends = np.cumsum([len(p) for p in paths], dtype=np.int64)
     path_tokens = np.fromiter((x for p in paths for x in p), dtype=np.int32, count=int(path_ends[-1]) if paths else 0)
-    sizes = np.fromiter((len(t) for t in trees), dtype=np.int64, count=len(trees))
-    if trees:
-        tokens = np.concatenate([t.tokens for t in trees]).astype(np.int32, copy=False)
-        parents = np.concatenate([t.parents for t in trees]).astype(np.int32, copy=False)
-        sources = np.concatenate([t.sources for t in trees]).astype(np.uint8, copy=False)
-        scores = np.concatenate([t.scores for t in trees]).astype("<f4", copy=False)
-    else:
-        tokens = parents = np.zeros(0, dtype=np.int32)
-        sources, scores = np.zeros(0, dtype=np.uint8), np.zeros(0, dtype="<f4")
-    return encode_prefetched_batch(
-        per_item, path_tokens, path_ends, tokens, parents, sources, scores.view(np.uint8), sizes
-    ).tobytes()
+    trees = _laid_out([t for a in ahead for t in a.values()])
+    return encode_prefetched_batch(per_item, path_tokens, path_ends, *trees).tobytes()
 
 
 class Encoded(NamedTuple):
