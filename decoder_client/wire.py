@@ -225,7 +225,7 @@ def decode_prefetched_batch(
     scores = np.empty(cap, dtype=np.float32)
     offsets = np.zeros(cap + 1, dtype=np.int64)
     counts = np.zeros(4, dtype=np.int64)
-    items = entries = paths = 0
+    items = entries = paths = error = 0
     at = 0
     while at < size:
         key, at = _varint(buf, at, size)
@@ -279,10 +279,7 @@ def decode_prefetched_batch(
                     nodes, error = _read_tree(
                         buf, at, at + k, offsets[entries], tokens, parents, sources, scores, counts
                     )
-                    if error:
-                        return per_item[:0], path_tokens[:0], path_ends[:0], tokens[:0], parents[:0], \
-                            sources[:0], scores[:0], offsets[:1], error  # fmt: skip
-                    at += k
+                    at = -1 if error else at + k
                 else:
                     at = _skip(buf, at, entry_end, wt)
             if at != entry_end:
@@ -296,9 +293,9 @@ def decode_prefetched_batch(
             at = -1
             break
         items += 1
-    if at != size:
+    if error or at != size:
         return per_item[:0], path_tokens[:0], path_ends[:0], tokens[:0], parents[:0], sources[:0], scores[:0], \
-            offsets[:1], 1  # fmt: skip
+            offsets[:1], error if error else 1  # fmt: skip
     total = offsets[entries]
     return (
         per_item[:items], path_tokens[:paths], path_ends[:entries], tokens[:total], parents[:total],
@@ -306,13 +303,18 @@ def decode_prefetched_batch(
     )  # fmt: skip
 
 
+def _check(error: int) -> None:
+    """A reader's error code (see :func:`decode_tree_batch`) as ``ValueError``."""
+    if error:
+        raise ValueError("malformed draft response" if error == 1 else "a draft tree's fields differ in length")
+
+
 def trees_from_response(resp: pb.DraftResponse) -> list[DraftTree]:
     """The response's trees, read in one compiled pass over its bytes (its prefetched trees are
     left out); ``ValueError`` if a tree's fields disagree."""
     buf = np.frombuffer(resp.SerializeToString(), dtype=np.uint8)
     tokens, parents, sources, scores, offsets, error = decode_tree_batch(buf)
-    if error:
-        raise ValueError("malformed draft response" if error == 1 else "a draft tree's fields differ in length")
+    _check(error)
     ends = offsets.tolist()
     return [DraftTree(tokens[a:b], parents[a:b], sources[a:b], scores[a:b]) for a, b in itertools.pairwise(ends)]
 
@@ -322,8 +324,7 @@ def prefetched_from_response(resp: pb.DraftResponse) -> list[dict[tuple[int, ...
     response's bytes; ``ValueError`` if they are malformed."""
     buf = np.frombuffer(resp.SerializeToString(), dtype=np.uint8)
     per_item, path_tokens, path_ends, tokens, parents, sources, scores, offsets, error = decode_prefetched_batch(buf)
-    if error:
-        raise ValueError("malformed draft response" if error == 1 else "a draft tree's fields differ in length")
+    _check(error)
     paths, ends, nodes = path_tokens.tolist(), path_ends.tolist(), offsets.tolist()
     out: list[dict[tuple[int, ...], DraftTree]] = []
     e = start = 0
