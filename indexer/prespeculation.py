@@ -36,16 +36,9 @@ def stopping_points(tree: DraftTree, k: int) -> list[tuple[tuple[int, ...], froz
     path_tokens, path_ends, kid_tokens, kid_ends = kernels.stopping_points(
         tree.tokens, tree.parents, np.ascontiguousarray(tree.scores, dtype=np.float32), k
     )
-    return points(path_tokens, path_ends, kid_tokens, kid_ends)
-
-
-def points(
-    path_tokens: np.ndarray, path_ends: np.ndarray, kid_tokens: np.ndarray, kid_ends: np.ndarray
-) -> list[tuple[tuple[int, ...], frozenset[int]]]:
-    """Stopping points as :func:`~indexer.kernels.ahead.stopping_points` lays them end to end."""
     paths, kids = path_tokens.tolist(), kid_tokens.tolist()
     out, p0, k0 = [], 0, 0
-    for p1, k1 in zip(path_ends.tolist(), kid_ends.tolist(), strict=True):
+    for p1, k1 in zip(path_ends.tolist(), kid_ends.tolist(), strict=True):  # laid end to end
         out.append((tuple(paths[p0:p1]), frozenset(kids[k0:k1])))
         p0, k0 = p1, k1
     return out
