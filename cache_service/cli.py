@@ -212,6 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add(bd, "--draft-threads", type=int, default=1, help="worker threads one batch's draft step is shared among")
     _add(bd, "--prior", type=Path, default=None, help="a static prior to draft from too (a `warm --out` file)")
     _add(bd, "--lookahead", type=int, default=0, help="pre-speculation: outcomes drafted ahead per step")
+    _add(bd, "--step-ms", type=float, default=0.0, help="idle time between steps (the target's verification)")
 
     bg = sub.add_parser("bench-generate", help="tokens/s of real decoding: greedy vs prompt lookup vs draftcache")
     data = Path("../shared/data")
@@ -591,6 +592,7 @@ def cmd_bench_draft(a: argparse.Namespace) -> int:
         steps=a.steps,
         rebuild_every=a.rebuild_every,
         lookahead=a.lookahead,
+        step_interval_s=a.step_ms / 1e3,
         params=DraftParams(budget=a.budget),
         drafter=DrafterConfig(threads=a.draft_threads),
     )

@@ -5,7 +5,11 @@ sharing the CPU.
 Each step drafts for every sequence of the batch (sending the tokens produced since its last
 step), judges the accepted length against the recorded continuation, and replaces the requests
 that finished (closed with commit, so the lifetime memory fills as it would in service); the
-lifetime indexes are rebuilt every ``rebuild_every`` steps. Reports the time one sequence-draft
+lifetime indexes are rebuilt every ``rebuild_every`` steps. ``step_interval_s`` stands for the
+target's verification time, as in bench-load: the next step starts that long after the last draft
+returned, the process idle meanwhile. On a shared host a sequence-draft then costs more than back
+to back (the caches and predictors the draft path warmed are partly lost while it waits); the
+trees stay the same. Reports the time one sequence-draft
 takes (a batch call's time over its size), the time finishing and opening requests adds per
 sequence-draft (indexing the finished ones included), the rebuilds' time, and a digest of every
 tree, so two builds can be compared side by side and checked to draft the same trees.
@@ -34,12 +38,13 @@ class DraftBenchConfig:
     steps: int = 1200
     rebuild_every: int = 300  # steps between lifetime index rebuilds (0: never)
     lookahead: int = 0  # pre-speculation: outcomes each step drafts ahead for
+    step_interval_s: float = 0.0  # idle time from a draft's return to the next step (the verification)
     params: DraftParams = field(default_factory=DraftParams)
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
 
     def __post_init__(self) -> None:
-        if self.batch < 1 or self.steps < 1 or self.rebuild_every < 0:
-            raise ValueError("batch and steps must be >= 1 and rebuild_every >= 0")
+        if self.batch < 1 or self.steps < 1 or self.rebuild_every < 0 or self.step_interval_s < 0:
+            raise ValueError("batch and steps must be >= 1, rebuild_every and step_interval_s >= 0")
         if not 0 <= self.lookahead <= MAX_LOOKAHEAD:
             raise ValueError(f"lookahead must be in [0, {MAX_LOOKAHEAD}], got {self.lookahead}")
 
@@ -71,7 +76,8 @@ def run_draft_bench(
         items = [DraftItem(s.handle, np.array(s.pending, dtype=np.int32), config.lookahead) for s in slots]
         began, cpu = time.perf_counter(), time.process_time()
         results = service.draft_ahead(items)
-        per_sequence.append((time.perf_counter() - began) / len(items))
+        answered = time.perf_counter()
+        per_sequence.append((answered - began) / len(items))
         draft_cpu += time.process_time() - cpu
         still: list[Replayed[str]] = []
         done: list[Replayed[str]] = []
@@ -94,11 +100,14 @@ def run_draft_bench(
             began = time.perf_counter()
             service.namespace(namespace.name).memory.rebuild()
             rebuilds.append(time.perf_counter() - began)
+        if config.step_interval_s:
+            time.sleep(max(0.0, answered + config.step_interval_s - time.perf_counter()))
     us = np.array(per_sequence) * 1e6
     c = service.namespace(namespace.name).counters
     return {
         "batch": config.batch,
         "steps": config.steps,
+        "step_interval_ms": config.step_interval_s * 1e3,
         "draft_us_per_sequence_p50": round(float(np.percentile(us, 50)), 1),
         "draft_us_per_sequence_p99": round(float(np.percentile(us, 99)), 1),
         "draft_us_per_sequence_mean": round(float(us.mean()), 1),

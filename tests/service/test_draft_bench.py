@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -83,3 +84,19 @@ def test_bench_draft_takes_a_static_prior_file(
     # The prior knows these very requests: it drafts other, longer-accepted trees.
     assert with_prior["trees_sha256"] != without["trees_sha256"]
     assert with_prior["mat"] > without["mat"]
+
+
+def test_draft_bench_idles_between_steps_without_changing_the_trees(shared_data: Path) -> None:
+    conversations = read_traces(shared_data / "traces/spec_bench_vicuna7b.jsonl.gz", limit=20)
+    namespace = namespace_of(conversations, 32000)
+    back_to_back = run_draft_bench(conversations, namespace, DraftBenchConfig(batch=4, steps=30, rebuild_every=0))
+    began = time.perf_counter()
+    idle = run_draft_bench(
+        conversations, namespace, DraftBenchConfig(batch=4, steps=30, rebuild_every=0, step_interval_s=0.01)
+    )
+    # Each of the 29 steps after the first waited its 10 ms; the drafting itself is the same.
+    assert time.perf_counter() - began >= 29 * 0.01
+    assert idle["step_interval_ms"] == 10.0 and back_to_back["step_interval_ms"] == 0.0
+    assert idle["trees_sha256"] == back_to_back["trees_sha256"]
+    with pytest.raises(ValueError):
+        DraftBenchConfig(step_interval_s=-0.001)
