@@ -9,10 +9,12 @@ lifetime indexes are rebuilt every ``rebuild_every`` steps. ``step_interval_s`` 
 target's verification time, as in bench-load: the next step starts that long after the last draft
 returned, the process idle meanwhile. On a shared host a sequence-draft then costs more than back
 to back (the caches and predictors the draft path warmed are partly lost while it waits); the
-trees stay the same. Reports the time one sequence-draft
-takes (a batch call's time over its size), the time finishing and opening requests adds per
-sequence-draft (indexing the finished ones included), the rebuilds' time, and a digest of every
-tree, so two builds can be compared side by side and checked to draft the same trees.
+trees stay the same.
+
+Reports the time one sequence-draft takes (a batch call's time over its size), the time finishing
+and opening requests adds per sequence-draft (indexing the finished ones included), the rebuilds'
+time, and a digest of every tree, so two builds can be compared side by side and checked to draft
+the same trees.
 """
 
 from __future__ import annotations

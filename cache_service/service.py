@@ -498,38 +498,28 @@ class DraftService:
 
     def _accept(self, items: Sequence[tuple[SessionEntry, np.ndarray, Branches | None]]) -> None:
         """Sessions (each named once) take their checked new tokens, one call per namespace."""
-        by_drafter: dict[int, tuple[NamespaceDrafter, list[tuple[Session, np.ndarray, Branches | None]]]] = {}
-        for entry, new, rejected in items:
+        for entry, new, _ in items:
             if new.size:
-                by_drafter.setdefault(id(entry.drafter), (entry.drafter, []))[1].append((entry.session, new, rejected))
                 self.sessions.grow(entry, int(new.size))
-        for drafter, group in by_drafter.values():
-            drafter.accept_many(group)
+        for drafter, js in _per_drafter([entry for entry, _, _ in items], [new.size > 0 for _, new, _ in items]):
+            drafter.accept_many([(items[j][0].session, items[j][1], items[j][2]) for j in js])
 
     def _settle(self, steps: list[_DraftStep]) -> Drafted:
         """Draft the trees of ``steps`` still to draft, one compiled call per namespace, then
         draft ahead where asked."""
-        by_drafter: dict[int, list[_DraftStep]] = {}
-        for step in steps:
-            if step.tree is None:
-                by_drafter.setdefault(id(step.entry.drafter), []).append(step)
-        drafted: dict[str, DraftTree] = {}
-        for group in by_drafter.values():
-            trees = group[0].entry.drafter.draft_many([(s.entry.session, s.entry.params) for s in group])
-            drafted.update((s.entry.sid, tree) for s, tree in zip(group, trees, strict=True))
-        out = [step.tree if step.tree is not None else drafted[step.entry.sid] for step in steps]
+        entries = [step.entry for step in steps]
+        drafted: dict[int, DraftTree] = {}
+        for drafter, js in _per_drafter(entries, [step.tree is None for step in steps]):
+            trees = drafter.draft_many([(entries[j].session, entries[j].params) for j in js])
+            drafted.update(zip(js, trees, strict=True))
+        out = [step.tree if step.tree is not None else drafted[j] for j, step in enumerate(steps)]
         # Then the trees drafted ahead, one compiled call per namespace for all of them.
         ahead: list[Prefetched] = [{} for _ in steps]
-        asking: dict[int, tuple[NamespaceDrafter, list[int]]] = {}
-        for j, step in enumerate(steps):
-            if step.lookahead:
-                asking.setdefault(id(step.entry.drafter), (step.entry.drafter, []))[1].append(j)
-        for drafter, js in asking.values():
-            found = drafter.prespeculate_many([(steps[j].entry.session, steps[j].lookahead, steps[j].entry.params)
-                                               for j in js])  # fmt: skip
+        for drafter, js in _per_drafter(entries, [step.lookahead > 0 for step in steps]):
+            found = drafter.prespeculate_many([(entries[j].session, steps[j].lookahead, entries[j].params) for j in js])
             for j, prefetched in zip(js, found, strict=True):
                 ahead[j] = prefetched
-        self._touched([step.entry for step in steps])
+        self._touched(entries)
         return Drafted(out, ahead)
 
     def _touched(self, entries: Sequence[SessionEntry]) -> None:
@@ -784,6 +774,15 @@ class DraftService:
 
 
 _Item = TypeVar("_Item", bound=tuple)
+
+
+def _per_drafter(entries: Sequence[SessionEntry], wanted: Sequence[bool]) -> list[tuple[NamespaceDrafter, list[int]]]:
+    """The indices of the ``wanted`` entries, grouped by their namespace's drafter (in order)."""
+    groups: dict[int, tuple[NamespaceDrafter, list[int]]] = {}
+    for j, (entry, want) in enumerate(zip(entries, wanted, strict=True)):
+        if want:
+            groups.setdefault(id(entry.drafter), (entry.drafter, []))[1].append(j)
+    return list(groups.values())
 
 
 def _rounds(items: Sequence[_Item]) -> Iterator[Sequence[_Item]]:
