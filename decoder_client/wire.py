@@ -89,6 +89,30 @@ def decode_tree_batch(
 
 
 @njit(cache=True, nogil=True)
+def _read_int32s(
+    buf: np.ndarray, at: int, end: int, wire_type: int, out: np.ndarray, n: int, cap: int
+) -> tuple[int, int]:
+    """A repeated int32 field's values after its key at ``at``: packed (``_LENGTH``) or one
+    (``_VARINT``), written to ``out`` from index ``n`` on, below ``cap``. Returns the position
+    after them (-1 when malformed, past ``end`` or past ``cap``) and the next free index."""
+    stop = end
+    if wire_type == _LENGTH:
+        m, at = _length(buf, at, end)
+        if at < 0:
+            return -1, n
+        stop = at + m
+    while at < stop:
+        v, at = _varint(buf, at, stop)
+        if at < 0 or n >= cap:
+            return -1, n
+        out[n] = _int32(v)
+        n += 1
+        if wire_type == _VARINT:
+            break
+    return at, n
+
+
+@njit(cache=True, nogil=True)
 def _read_trees(
     buf: np.ndarray,
     tokens: np.ndarray,
@@ -148,21 +172,10 @@ def _read_tree(
             return 0, 1
         f, wt = key >> 3, key & 7
         if f in (1, 2) and wt in (_VARINT, _LENGTH):  # tokens, parents: packed or one by one
-            stop = end
-            if wt == _LENGTH:
-                m, at = _length(buf, at, end)
-                if at < 0:
-                    return 0, 1
-                stop = at + m
-            out = tokens if f == 1 else parents
-            while at < stop:
-                v, at = _varint(buf, at, stop)
-                if at < 0 or base + counts[f - 1] >= cap:
-                    return 0, 1
-                out[base + counts[f - 1]] = _int32(v)
-                counts[f - 1] += 1
-                if wt == _VARINT:
-                    break
+            at, got = _read_int32s(buf, at, end, wt, tokens if f == 1 else parents, base + counts[f - 1], cap)
+            if at < 0:
+                return 0, 1
+            counts[f - 1] = got - base
         elif f == 3 and wt == _LENGTH:  # sources: bytes, a singular field (the last one counts)
             m, at = _length(buf, at, end)
             if at < 0 or base + m > cap:
@@ -259,19 +272,7 @@ def decode_prefetched_batch(
                     break
                 f, wt = key >> 3, key & 7
                 if f == 1 and wt in (_VARINT, _LENGTH):
-                    stop = entry_end
-                    if wt == _LENGTH:
-                        k, at = _length(buf, at, entry_end)
-                        stop = at + k
-                    while 0 <= at < stop:
-                        v, at = _varint(buf, at, stop)
-                        if at < 0 or paths >= cap:
-                            at = -1
-                            break
-                        path_tokens[paths] = _int32(v)
-                        paths += 1
-                        if wt == _VARINT:
-                            break
+                    at, paths = _read_int32s(buf, at, entry_end, wt, path_tokens, paths, cap)
                 elif f == 2 and wt == _LENGTH:  # the tree (the last one counts)
                     k, at = _length(buf, at, entry_end)
                     if at < 0:
