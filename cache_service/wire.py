@@ -66,6 +66,17 @@ def _packed_size(values: np.ndarray, lo: int, hi: int) -> int:
 
 
 @njit(cache=True, nogil=True)
+def _put_packed(buf: np.ndarray, w: int, tag: int, values: np.ndarray, lo: int, hi: int, length: int) -> int:
+    """Write a packed field of ``values[lo:hi]`` (``length``: their :func:`_packed_size`) at
+    ``w``; returns the next position."""
+    buf[w] = tag
+    w = _put_varint(buf, w + 1, length)
+    for i in range(lo, hi):
+        w = _put_varint(buf, w, values[i])
+    return w
+
+
+@njit(cache=True, nogil=True)
 def _tree_body(tokens: np.ndarray, parents: np.ndarray, at: int, n: int) -> tuple[int, int, int]:
     """A ``Tree`` message of nodes ``[at, at + n)``: its packed tokens' and parents' byte
     lengths and its body's."""
@@ -96,14 +107,8 @@ def _put_tree_body(
     """Write the body :func:`_tree_body` measured at ``w``; returns the next position."""
     if n == 0:
         return w
-    buf[w] = _TAG_TOKENS
-    w = _put_varint(buf, w + 1, tok_len)
-    for i in range(at, at + n):
-        w = _put_varint(buf, w, tokens[i])
-    buf[w] = _TAG_PARENTS
-    w = _put_varint(buf, w + 1, par_len)
-    for i in range(at, at + n):
-        w = _put_varint(buf, w, parents[i])
+    w = _put_packed(buf, w, _TAG_TOKENS, tokens, at, at + n, tok_len)
+    w = _put_packed(buf, w, _TAG_PARENTS, parents, at, at + n, par_len)
     buf[w] = _TAG_SOURCES
     w = _put_varint(buf, w + 1, n)
     for i in range(at, at + n):
@@ -189,10 +194,7 @@ def encode_prefetched_batch(
             buf[w] = _TAG_PREFETCH_ITEMS
             w = _put_varint(buf, w + 1, lens[e, 4])
             if path_ends[e] > p0:
-                buf[w] = _TAG_ACCEPTED
-                w = _put_varint(buf, w + 1, lens[e, 3])
-                for j in range(p0, path_ends[e]):
-                    w = _put_varint(buf, w, path_tokens[j])
+                w = _put_packed(buf, w, _TAG_ACCEPTED, path_tokens, p0, path_ends[e], lens[e, 3])
             buf[w] = _TAG_PREFETCH_TREE
             w = _put_varint(buf, w + 1, lens[e, 2])
             w = _put_tree_body(buf, w, tokens, parents, sources, score_bytes, at, sizes[e], lens[e, 0], lens[e, 1])
