@@ -28,7 +28,7 @@ rm -rf "$OUT"; mkdir -p "$OUT"
 SERVER_PID=""
 cleanup() { [ -z "$SERVER_PID" ] || kill "$SERVER_PID" 2>/dev/null || true; wait 2>/dev/null || true; }
 trap cleanup EXIT
-port() { python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+source deploy/bench_common.sh
 
 python - "$CORPUS" "$TOKENIZER" "$OUT/sharegpt.jsonl" <<'EOF'
 import sys
@@ -53,8 +53,7 @@ for T in $THREADS; do
   "${ON_SERVER[@]}" "$BIN" serve --port "$PORT" --data-dir "$OUT/data_$T" --draft-threads "$T" \
     >"$OUT/serve_$T.log" 2>&1 &
   SERVER_PID=$!
-  for _ in $(seq 600); do python deploy/healthcheck.py "127.0.0.1:$PORT" >/dev/null 2>&1 && break; sleep 0.5; done
-  python deploy/healthcheck.py "127.0.0.1:$PORT" >/dev/null || { echo "service did not become healthy" >&2; exit 1; }
+  wait_healthy "$PORT"
   "${ON_LOAD[@]}" "$BIN" bench-rpc "$OUT/sharegpt.jsonl" --target "127.0.0.1:$PORT" --tokenizer "$TOKENIZER" \
     --batch 32 --steps 400 >"$OUT/rpc_$T.json"
   "${ON_LOAD[@]}" "$BIN" bench-load "$OUT/sharegpt.jsonl" --target "127.0.0.1:$PORT" --tokenizer "$TOKENIZER" \

@@ -24,7 +24,7 @@ TRACES=${TRACES:-../shared/data/traces/spec_bench_vicuna7b.jsonl.gz}
 OUT=${OUT:-scale}
 BIN=${DRAFTCACHE:-draftcache}
 rm -rf "$OUT"; mkdir -p "$OUT/redis"
-port() { python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+source deploy/bench_common.sh
 REDIS_PORT=$(port)
 REDIS_BIN=$(python -c 'from cache_service.embedded_redis import find_server_binary; print(find_server_binary())')
 URL="redis://127.0.0.1:$REDIS_PORT/0"
@@ -50,10 +50,6 @@ EOF
 }
 keep_log save
 
-wait_healthy() {  # $1: port; deploy/healthcheck.py exits 0 once the service answers SERVING
-  for _ in $(seq 600); do python deploy/healthcheck.py "127.0.0.1:$1" >/dev/null 2>&1 && return; sleep 0.5; done
-  echo "service did not become healthy" >&2; exit 1
-}
 wait_listeners() {  # $1: port, $2: how many processes must be listening on it (SO_REUSEPORT)
   python - "$1" "$2" <<'EOF'
 import sys, time

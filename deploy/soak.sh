@@ -17,7 +17,7 @@ TOKENIZER=${TOKENIZER:-../shared/data/tokenizers/smollm2}
 OUT=${OUT:-soak}
 BIN=${DRAFTCACHE:-draftcache}
 mkdir -p "$OUT/redis"
-port() { python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+source deploy/bench_common.sh
 REDIS_PORT=$(port); P1=$(port); P2=$(port)
 REDIS_BIN=$(python -c 'from cache_service.embedded_redis import find_server_binary; print(find_server_binary())')
 URL="redis://127.0.0.1:$REDIS_PORT/0"
@@ -34,10 +34,6 @@ start_replica() {  # $1: port, $2: log
   "$BIN" serve --port "$1" --redis-url "$URL" >>"$2" 2>&1 &
   echo $!
 }
-wait_healthy() {  # $1: port; deploy/healthcheck.py exits 0 once the service answers SERVING
-  for _ in $(seq 120); do python deploy/healthcheck.py "127.0.0.1:$1" >/dev/null 2>&1 && return; sleep 0.5; done
-  echo "replica did not become healthy" >&2; exit 1
-}
 cleanup() {  # the fault loop restarts processes in a subshell: their pids are in files
   kill "$R1" "$(cat "$OUT/replica2.pid")" "$(cat "$OUT/redis.pid")" 2>/dev/null || true
   wait 2>/dev/null || true
@@ -47,14 +43,14 @@ trap cleanup EXIT
 start_redis
 R1=$(start_replica "$P1" "$OUT/replica1.log"); R2=$(start_replica "$P2" "$OUT/replica2.log")
 echo "$R2" >"$OUT/replica2.pid"
-wait_healthy "$P1"; wait_healthy "$P2"
+wait_healthy "$P1" 120; wait_healthy "$P2" 120
 
 faults() {
   sleep $((SECONDS_TOTAL / 4)); echo "$(date +%T) fault: redis SIGKILL" >>"$OUT/faults.log"
   kill -9 "$REDIS_PID"; sleep 5; start_redis; echo "$(date +%T) redis back" >>"$OUT/faults.log"
   sleep $((SECONDS_TOTAL / 4 - 5)); echo "$(date +%T) fault: replica 2 SIGKILL" >>"$OUT/faults.log"
   kill -9 "$R2"; sleep 5; R2=$(start_replica "$P2" "$OUT/replica2.log"); echo "$R2" >"$OUT/replica2.pid"
-  wait_healthy "$P2"
+  wait_healthy "$P2" 120
   echo "$(date +%T) replica 2 back (pid $R2)" >>"$OUT/faults.log"
   sleep $((SECONDS_TOTAL / 4 - 5)); echo "$(date +%T) fault: redis SIGKILL" >>"$OUT/faults.log"
   kill -9 "$REDIS_PID"; sleep 5; start_redis; echo "$(date +%T) redis back" >>"$OUT/faults.log"
