@@ -13,16 +13,16 @@ from pathlib import Path
 from apscheduler.schedulers.background import BackgroundScheduler
 
 import migrations
-from cache_service import wire
-from cache_service.compiles import CompileWatch
 from cache_service.config import EmbeddedRedisConfig, ServerConfig, ServiceConfig
-from cache_service.embedded_redis import EmbeddedRedis
-from cache_service.malloc import release_free_memory
+from cache_service.domain.service import DraftService, SessionChange
+from cache_service.host.compiles import CompileWatch
+from cache_service.host.embedded_redis import EmbeddedRedis
+from cache_service.host.malloc import release_free_memory
+from cache_service.host.shared_indexes import SharedIndexes
 from cache_service.metrics import Metrics
 from cache_service.persistence import RedisPersistence
-from cache_service.server import create_server
-from cache_service.service import DraftService, SessionChange
-from cache_service.shared_indexes import SharedIndexes
+from cache_service.rpc import wire
+from cache_service.rpc.server import create_server
 from cache_service.storage import keys
 from cache_service.storage.clients import StorageClient
 from cache_service.storage.connect import connect, redact

@@ -21,17 +21,19 @@ from typing import TYPE_CHECKING
 import grpc
 import numpy as np
 
-from cache_service import index_bench, logs, replay_bench, warm
-from cache_service.errors import DraftCacheError
+from benchmarks import index_bench, replay_bench
+from benchmarks.replay import ReplayStats
+from benchmarks.traces import read_traces, write_traces
+from cache_service import logs
+from cache_service.admin import warm
+from cache_service.domain.errors import DraftCacheError
 from cache_service.storage.errors import StorageError
-from decoder_client.replay import ReplayStats
-from decoder_client.traces import read_traces, write_traces
 from indexer.drafter import DrafterConfig, DraftParams
 from indexer.prior import PriorConfig, StaticPrior
 from indexer.tokens import Namespace
 
 if TYPE_CHECKING:
-    from decoder_client.load_bench import LoadConfig
+    from benchmarks.load_bench import LoadConfig
 
 logger = logging.getLogger("draftcache")
 
@@ -348,7 +350,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         metrics_port=a.metrics_port,
         metrics_host=a.metrics_host,
     )
-    from cache_service.workers import check_ports, serve_processes
+    from cache_service.host.workers import check_ports, serve_processes
 
     if a.processes > 1:
         serve_processes(config, a.processes, worker_ports=a.worker_ports, log_format=a.log_format, verbose=a.verbose)
@@ -512,8 +514,8 @@ def cmd_bench_index(a: argparse.Namespace) -> int:
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
+    from benchmarks.generate import InProcessDrafter, ServiceDrafter, run_generate
     from decoder_client.client import ClientConfig
-    from decoder_client.generate import InProcessDrafter, ServiceDrafter, run_generate
     from decoder_client.models import load_model
 
     model, tokenizer = load_model(a.model, a.tokenizer)
@@ -542,7 +544,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
 
 def cmd_bench_generate(a: argparse.Namespace) -> int:
-    from decoder_client.generate_bench import BenchConfig, report, run_bench
+    from benchmarks.generate_bench import BenchConfig, report, run_bench
     from decoder_client.models import load_model
 
     config = BenchConfig(
@@ -567,7 +569,7 @@ def cmd_bench_generate(a: argparse.Namespace) -> int:
 def cmd_bench_rpc(a: argparse.Namespace) -> int:
     import json
 
-    from decoder_client.rpc_bench import run_rpc_bench
+    from benchmarks.rpc_bench import run_rpc_bench
 
     conversations = read_traces(a.traces, limit=max(a.batch, 1))
     vocab = warm.load_tokenizer(a.tokenizer)[1] if a.tokenizer is not None else None
@@ -583,7 +585,7 @@ def cmd_bench_rpc(a: argparse.Namespace) -> int:
 def cmd_bench_draft(a: argparse.Namespace) -> int:
     import json
 
-    from cache_service.draft_bench import DraftBenchConfig, run_draft_bench
+    from benchmarks.draft_bench import DraftBenchConfig, run_draft_bench
 
     conversations = read_traces(a.traces)
     vocab = warm.load_tokenizer(a.tokenizer)[1] if a.tokenizer is not None else None
@@ -605,7 +607,7 @@ def cmd_bench_draft(a: argparse.Namespace) -> int:
 def cmd_bench_load(a: argparse.Namespace) -> int:
     import json
 
-    from decoder_client.load_bench import run_load
+    from benchmarks.load_bench import run_load
 
     targets = tuple(a.target or ["127.0.0.1:50051"])
     encode, vocab = warm.load_tokenizer(a.tokenizer) if a.tokenizer is not None else (None, None)
@@ -628,7 +630,7 @@ def cmd_bench_load(a: argparse.Namespace) -> int:
 
 
 def _load_config(a: argparse.Namespace, targets: tuple[str, ...], namespace: str, traces: Path) -> LoadConfig:
-    from decoder_client.load_bench import LoadConfig
+    from benchmarks.load_bench import LoadConfig
 
     return LoadConfig(
         targets=targets,

@@ -62,7 +62,7 @@ class ServerConfig:
     own_port: int | None = None  # also listen here, on a port this process alone serves
     max_message_bytes: int = 64 << 20
     grace_s: float = 5.0  # drain time on shutdown
-    tokens_file: Path | None = None  # bearer tokens (cache_service.auth); None: no authentication
+    tokens_file: Path | None = None  # bearer tokens (cache_service.rpc.auth); None: no authentication
     tls_cert_file: Path | None = None  # PEM certificate chain; with the key, serve TLS
     tls_key_file: Path | None = None
     tls_client_ca_file: Path | None = None  # require client certificates signed by this CA (mTLS)

@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from cache_service.service import DraftService
+from cache_service.domain.service import DraftService
 from indexer.lifetime_index import LifetimeIndexes
 
 # Draft calls take tens of microseconds to tens of milliseconds.

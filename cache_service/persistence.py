@@ -4,7 +4,7 @@ Commits are written behind (a bounded queue drained by the sync job), so closing
 waits on Redis; while Redis is down they stay queued and are flushed when it returns. The same
 job follows the lifetime log for requests other replicas committed, skipping its own entries,
 and reloads a namespace's static prior when a new version is published. With
-:class:`~cache_service.shared_indexes.SharedIndexes` the processes of a host share one build of
+:class:`~cache_service.host.shared_indexes.SharedIndexes` the processes of a host share one build of
 the lifetime indexes, and each keeps only the requests past the shared generation.
 """
 
@@ -19,10 +19,10 @@ from pathlib import Path
 
 import numpy as np
 
-from cache_service import prior_files
-from cache_service.errors import Unavailable
-from cache_service.service import DraftService, SessionChange, SessionDelta, StoredSession
-from cache_service.shared_indexes import SharedIndexes
+from cache_service.domain.errors import Unavailable
+from cache_service.domain.service import DraftService, SessionChange, SessionDelta, StoredSession
+from cache_service.host import prior_files
+from cache_service.host.shared_indexes import SharedIndexes
 from cache_service.storage.codec import SessionState
 from cache_service.storage.errors import StorageError, StorageUnavailable
 from cache_service.storage.redis_store import RedisStore
@@ -41,7 +41,7 @@ FLUSH_BATCH = 256  # queued commits appended to the log per call
 
 
 class RedisPersistence:
-    """The service's :class:`~cache_service.service.Persistence` on a :class:`RedisStore`."""
+    """The service's :class:`~cache_service.domain.service.Persistence` on a :class:`RedisStore`."""
 
     def __init__(
         self,

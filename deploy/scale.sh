@@ -26,7 +26,7 @@ BIN=${DRAFTCACHE:-draftcache}
 rm -rf "$OUT"; mkdir -p "$OUT/redis"
 source deploy/bench_common.sh
 REDIS_PORT=$(port)
-REDIS_BIN=$(python -c 'from cache_service.embedded_redis import find_server_binary; print(find_server_binary())')
+REDIS_BIN=$(python -c 'from cache_service.host.embedded_redis import find_server_binary; print(find_server_binary())')
 URL="redis://127.0.0.1:$REDIS_PORT/0"
 "$REDIS_BIN" --bind 127.0.0.1 --port "$REDIS_PORT" --dir "$OUT/redis" --save "" >"$OUT/redis.log" 2>&1 &
 REDIS_PID=$!

@@ -19,7 +19,7 @@ BIN=${DRAFTCACHE:-draftcache}
 mkdir -p "$OUT/redis"
 source deploy/bench_common.sh
 REDIS_PORT=$(port); P1=$(port); P2=$(port)
-REDIS_BIN=$(python -c 'from cache_service.embedded_redis import find_server_binary; print(find_server_binary())')
+REDIS_BIN=$(python -c 'from cache_service.host.embedded_redis import find_server_binary; print(find_server_binary())')
 URL="redis://127.0.0.1:$REDIS_PORT/0"
 
 start_redis() {

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from decoder_client.generate import InProcessDrafter, run_generate
+from benchmarks.generate import InProcessDrafter, run_generate
 from indexer.drafter import DraftParams
 
 PROMPT = "Repeat exactly: alpha beta gamma delta. Then repeat it again: alpha beta gamma delta."

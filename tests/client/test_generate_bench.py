@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from decoder_client.generate_bench import (
+from benchmarks.generate_bench import (
     AGENTIC,
     LOOKUP,
     OURS,

@@ -32,7 +32,7 @@ from deploy_files import (
     yaml_files,
 )
 
-from cache_service.embedded_redis import free_port
+from cache_service.host.embedded_redis import free_port
 from tests.service.test_serve_metrics import READY_S
 
 

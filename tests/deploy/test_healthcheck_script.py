@@ -17,8 +17,8 @@ import pytest
 from deploy_files import HEALTHCHECK
 
 from cache_service.config import ServerConfig, ServiceConfig
-from cache_service.server import Server, create_server
-from cache_service.service import DraftService
+from cache_service.domain.service import DraftService
+from cache_service.rpc.server import Server, create_server
 
 T = TypeVar("T")
 

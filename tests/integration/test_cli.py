@@ -168,7 +168,7 @@ def test_warm_lifetime_appends_documents_to_the_log(
     tmp_path: Path, llama_tokenizer: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from cache_service.config import EmbeddedRedisConfig
-    from cache_service.embedded_redis import EmbeddedRedis
+    from cache_service.host.embedded_redis import EmbeddedRedis
     from cache_service.storage.connect import connect
     from cache_service.storage.redis_store import RedisStore
 
@@ -225,7 +225,7 @@ def test_warm_rejects_a_wrong_tokenizer(tmp_path: Path, capsys: pytest.CaptureFi
 
 
 def _tokens(tokenizer: Path, text: str) -> list[int]:
-    from cache_service.warm import load_tokenizer
+    from cache_service.admin.warm import load_tokenizer
 
     return load_tokenizer(tokenizer)[0]([text])[0]
 
@@ -278,8 +278,8 @@ def test_rest_needs_a_datastore_or_a_corpus(tmp_path: Path, capsys: pytest.Captu
 
 def test_rest_datastore_from_a_corrupt_corpus_is_refused(tmp_path: Path, llama_tokenizer: Path) -> None:
     pytest.importorskip("draftretriever")
-    from cache_service.replay_bench import build_rest_datastore
-    from cache_service.warm import CorpusError
+    from benchmarks.replay_bench import build_rest_datastore
+    from cache_service.admin.warm import CorpusError
 
     corpus = tmp_path / "c.json.gz"
     full = gzip.compress(json.dumps([{"conversations": [{"from": "gpt", "value": "x" * 5000}]}]).encode())

@@ -7,9 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from cache_service import warm
-from cache_service.replay_bench import build_rest_datastore
-from decoder_client.baselines import (
+from benchmarks.baselines import (
     EngineDrafter,
     PromptLookupDrafter,
     RestDrafter,
@@ -17,8 +15,10 @@ from decoder_client.baselines import (
     rest_available,
     suffix_decoding_available,
 )
-from decoder_client.replay import replay
-from decoder_client.traces import read_traces
+from benchmarks.replay import replay
+from benchmarks.replay_bench import build_rest_datastore
+from benchmarks.traces import read_traces
+from cache_service.admin import warm
 from indexer.drafter import DrafterConfig, DraftParams, NamespaceDrafter
 from indexer.prior import PriorConfig
 from indexer.tokens import Namespace

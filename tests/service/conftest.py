@@ -15,8 +15,8 @@ from draftcache.v1 import draftcache_pb2_grpc as pb_grpc
 
 from cache_service.app import App, AppConfig
 from cache_service.config import ServerConfig, ServiceConfig
-from cache_service.server import Server, create_server
-from cache_service.service import DraftService
+from cache_service.domain.service import DraftService
+from cache_service.rpc.server import Server, create_server
 
 
 @dataclass

@@ -34,11 +34,11 @@ from draftcache.v1 import draftcache_pb2 as pb
 
 import indexer.kernels
 from cache_service.app import warm_up
-from cache_service.compiles import CompileWatch
+from cache_service.host.compiles import CompileWatch
 from tests.service.conftest import Replica, eventually
 
 WAIT_S = 30.0  # for write-back, following and prior polling, with decoders' processes beside
-WIRE = {"server": "cache_service.wire", "client": "decoder_client.wire"}
+WIRE = {"server": "cache_service.rpc.wire", "client": "decoder_client.wire"}
 
 
 def project_dispatchers(side: str) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from draftcache.v1 import draftcache_pb2 as pb
 from draftcache.v1 import draftcache_pb2_grpc as pb_grpc
 
 from cache_service.config import ServiceConfig
-from cache_service.embedded_redis import free_port
+from cache_service.host.embedded_redis import free_port
 from decoder_client.client import ClientConfig, ClientStats, DraftClient
 from tests.service.conftest import start_service, stop_service
 
@@ -510,7 +510,7 @@ def test_sessions_closed_while_the_service_is_skipped_are_closed_at_shutdown(run
 
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "unary"])
 def test_a_server_that_predates_columnar_calls_gets_items(monkeypatch, stream: bool) -> None:  # type: ignore[no-untyped-def]
-    from cache_service.servicer import DraftCacheServicer
+    from cache_service.rpc.servicer import DraftCacheServicer
 
     plain = DraftCacheServicer.Draft
 
@@ -553,8 +553,8 @@ def test_columnar_calls_draft_what_item_calls_draft() -> None:
 def _first_close_fails(monkeypatch) -> list[list[tuple[str, bool, list[int]]]]:  # type: ignore[no-untyped-def]
     """The service's CloseSessions fails once (UNAVAILABLE), then works; each call's sessions
     ``(id, commit, new tokens)`` are recorded in the list returned."""
-    from cache_service.errors import Unavailable
-    from cache_service.servicer import DraftCacheServicer
+    from cache_service.domain.errors import Unavailable
+    from cache_service.rpc.servicer import DraftCacheServicer
 
     plain = DraftCacheServicer.CloseSessions
     calls: list[list[tuple[str, bool, list[int]]]] = []
@@ -594,7 +594,7 @@ def test_a_close_that_fails_in_the_background_ends_the_copy_without_commit(monke
 
 
 def test_a_session_opened_without_waiting_drafts_locally_until_its_open_lands(running) -> None:  # type: ignore[no-untyped-def]
-    from cache_service.servicer import DraftCacheServicer
+    from cache_service.rpc.servicer import DraftCacheServicer
 
     _ns(running.target)
     gate = threading.Event()

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from cache_service.config import EmbeddedRedisConfig, ServiceConfig
-from cache_service.embedded_redis import EmbeddedRedis
-from cache_service.errors import InvalidArgument, Unavailable
+from cache_service.domain.errors import InvalidArgument, Unavailable
+from cache_service.domain.service import CloseItem, DraftItem, DraftService, OpenItem
+from cache_service.host.embedded_redis import EmbeddedRedis
 from cache_service.persistence import RedisPersistence
-from cache_service.service import CloseItem, DraftItem, DraftService, OpenItem
 from cache_service.storage.connect import connect
 from cache_service.storage.redis_store import RedisStore
 from indexer import lifetime_index

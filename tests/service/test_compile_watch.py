@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from numba import njit
 
-from cache_service.compiles import CompileWatch
+from cache_service.host.compiles import CompileWatch
 from cache_service.metrics import Metrics
 
 
@@ -28,7 +28,7 @@ def test_a_compilation_while_watched_is_logged_and_counted(caplog: pytest.LogCap
     watch.start()
     watch.start()  # once is enough: not watched twice
     try:
-        with caplog.at_level(logging.WARNING, logger="cache_service.compiles"):
+        with caplog.at_level(logging.WARNING, logger="cache_service.host.compiles"):
             late(np.ones(3))
             late(np.ones(3))  # compiled already: nothing more
             before(np.ones(3))

@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from benchmarks.draft_bench import DraftBenchConfig, run_draft_bench
+from benchmarks.replay_bench import namespace_of
+from benchmarks.traces import read_traces
 from cache_service.cli import main
-from cache_service.draft_bench import DraftBenchConfig, run_draft_bench
-from cache_service.replay_bench import namespace_of
-from decoder_client.traces import read_traces
 from indexer.drafter import DraftParams
 from indexer.prior import PriorConfig, StaticPrior
 from indexer.tokens import SEPARATOR

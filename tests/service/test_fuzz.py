@@ -13,10 +13,10 @@ from draftcache.v1 import draftcache_pb2 as pb
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from benchmarks.remote import RemoteDrafter
+from benchmarks.replay import replay
+from benchmarks.traces import read_traces
 from cache_service.config import ServiceConfig
-from decoder_client.remote import RemoteDrafter
-from decoder_client.replay import replay
-from decoder_client.traces import read_traces
 from indexer.drafter import DraftParams
 from tests.service.conftest import Running, start_service, stop_service
 

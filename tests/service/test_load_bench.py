@@ -10,11 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cache_service import warm
+from benchmarks.load_bench import DecoderResult, LoadConfig, requests_of, run_decoder, run_load, summarise
+from benchmarks.rpc_bench import run_rpc_bench
+from benchmarks.traces import Conversation, Segment, read_traces, sharegpt_conversations, write_traces
+from cache_service.admin import warm
 from cache_service.config import ServiceConfig
-from decoder_client.load_bench import DecoderResult, LoadConfig, requests_of, run_decoder, run_load, summarise
-from decoder_client.rpc_bench import run_rpc_bench
-from decoder_client.traces import Conversation, Segment, read_traces, write_traces
 from tests.service.conftest import start_service, stop_service
 
 
@@ -227,7 +227,7 @@ def test_sharegpt_corpus_becomes_requests_never_seen_before(tmp_path: Path, shar
     with gzip.open(path, "wt", encoding="utf-8") as fh:
         json.dump(corpus, fh)
     encode, vocab = warm.load_tokenizer(shared_data / "tokenizers" / "llama2-spm")
-    found = warm.sharegpt_conversations(path, encode, vocab, namespace="llama2-spm", limit=2)
+    found = sharegpt_conversations(path, encode, vocab, namespace="llama2-spm", limit=2)
     assert [c.id for c in found] == ["a", "c"]
     assert [s.kind for s in found[1].segments] == ["input", "input", "output", "input", "output"]
     assert found[1].segments[2].tokens.tolist() == encode(["Four."])[0]
@@ -242,4 +242,4 @@ def test_sharegpt_corpus_becomes_requests_never_seen_before(tmp_path: Path, shar
     assert prompt.tolist() == [t for s in found[1].segments[:4] for t in s.tokens.tolist()]
     with pytest.raises(warm.CorpusError, match="JSON list"):
         path.write_bytes(gzip.compress(b'{"not": "a list"}'))
-        warm.sharegpt_conversations(path, encode, vocab, namespace="x", limit=1)
+        sharegpt_conversations(path, encode, vocab, namespace="x", limit=1)

@@ -15,9 +15,9 @@ from draftcache.v1 import draftcache_pb2_grpc as pb_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from cache_service.config import ServerConfig, ServiceConfig
+from cache_service.domain.service import DraftService
 from cache_service.metrics import Metrics
-from cache_service.server import create_server
-from cache_service.service import DraftService
+from cache_service.rpc.server import create_server
 
 
 class _Queue:

@@ -16,7 +16,7 @@ import numpy as np
 from draftcache.v1 import draftcache_pb2 as pb
 
 from cache_service.config import EmbeddedRedisConfig, ServiceConfig
-from cache_service.embedded_redis import EmbeddedRedis
+from cache_service.host.embedded_redis import EmbeddedRedis
 from indexer.prior import PriorConfig, StaticPrior
 from tests.service.conftest import start_service, stop_service
 

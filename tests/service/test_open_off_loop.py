@@ -11,8 +11,8 @@ import numpy as np
 from draftcache.v1 import draftcache_pb2 as pb
 
 from cache_service.config import ServiceConfig
-from cache_service.service import Opening
-from cache_service.servicer import OFF_LOOP_TOKENS
+from cache_service.domain.service import Opening
+from cache_service.rpc.servicer import OFF_LOOP_TOKENS
 from indexer import kernels
 from indexer.session import Session
 from tests.service.conftest import Running, start_service, stop_service

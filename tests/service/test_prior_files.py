@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cache_service import prior_files
+from cache_service.host import prior_files
 from indexer import kernels
 from indexer.drafter import DrafterConfig, DraftParams, NamespaceDrafter
 from indexer.prior import PriorConfig, StaticPrior

@@ -21,9 +21,9 @@ from draftcache.v1 import draftcache_pb2_grpc as pb_grpc
 
 from cache_service.app import AppConfig, connect
 from cache_service.config import ServerConfig
-from cache_service.embedded_redis import free_port
+from cache_service.host.embedded_redis import free_port
+from cache_service.host.workers import check_ports
 from cache_service.storage.redis_store import RedisStore
-from cache_service.workers import check_ports
 from indexer.prior import PriorConfig, StaticPrior
 from tests.service.test_serve_metrics import READY_S, _healthy
 

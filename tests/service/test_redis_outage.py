@@ -17,7 +17,7 @@ from draftcache.v1 import draftcache_pb2_grpc as pb_grpc
 
 from cache_service.app import App, AppConfig, connect
 from cache_service.config import ServerConfig, ServiceConfig
-from cache_service.embedded_redis import find_server_binary, free_port
+from cache_service.host.embedded_redis import find_server_binary, free_port
 from cache_service.storage.redis_store import RedisStore
 
 

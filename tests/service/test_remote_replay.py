@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 from draftcache.v1 import draftcache_pb2 as pb
 
+from benchmarks.baselines import EngineDrafter
+from benchmarks.remote import RemoteDrafter
+from benchmarks.replay import replay
+from benchmarks.traces import read_traces, write_traces
 from cache_service.cli import main
 from cache_service.config import ServiceConfig
-from decoder_client.baselines import EngineDrafter
-from decoder_client.remote import RemoteDrafter
-from decoder_client.replay import replay
-from decoder_client.traces import read_traces, write_traces
 from indexer.drafter import DrafterConfig, DraftParams, NamespaceDrafter
 from indexer.tokens import Namespace
 from tests.service.conftest import start_service, stop_service

@@ -15,7 +15,7 @@ import pytest
 from draftcache.v1 import draftcache_pb2 as pb
 
 from cache_service.config import EmbeddedRedisConfig
-from cache_service.embedded_redis import EmbeddedRedis
+from cache_service.host.embedded_redis import EmbeddedRedis
 from cache_service.storage.redis_store import RedisStore
 from tests.service.conftest import Replica, eventually
 
@@ -113,7 +113,7 @@ def _accept(tokens: list[int], parents: list[int], target: list[int]) -> list[in
 def test_a_session_split_across_replicas_drafts_as_well_as_unsplit(
     replicas: tuple[Replica, Replica], shared_data: Path
 ) -> None:
-    from decoder_client.traces import read_traces
+    from benchmarks.traces import read_traces
 
     a, b = replicas
     a.admin.CreateNamespace(pb.CreateNamespaceRequest(name="toy", vocab_size=32000))

@@ -19,7 +19,7 @@ from draftcache.v1 import draftcache_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cache_service.app import connect
-from cache_service.embedded_redis import free_port
+from cache_service.host.embedded_redis import free_port
 from cache_service.storage.redis_store import RedisStore
 from indexer.prior import PriorConfig, StaticPrior
 from indexer.tree_builder import Tier

@@ -9,7 +9,7 @@ import pytest
 import migrations
 from cache_service.app import connect, prepare_schema
 from cache_service.config import EmbeddedRedisConfig
-from cache_service.embedded_redis import EmbeddedRedis
+from cache_service.host.embedded_redis import EmbeddedRedis
 from cache_service.storage.errors import SchemaMismatch
 
 

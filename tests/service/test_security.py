@@ -17,10 +17,10 @@ from draftcache.v1 import draftcache_pb2 as pb
 from draftcache.v1 import draftcache_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cache_service.auth import TokenTable
 from cache_service.config import ServerConfig, ServiceConfig
-from cache_service.server import create_server
-from cache_service.service import DraftService
+from cache_service.domain.service import DraftService
+from cache_service.rpc.auth import TokenTable
+from cache_service.rpc.server import create_server
 from decoder_client.client import ClientConfig, DraftClient
 
 TOKENS = {

@@ -15,7 +15,7 @@ from draftcache.v1 import draftcache_pb2 as pb
 from draftcache.v1 import draftcache_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cache_service.embedded_redis import free_port
+from cache_service.host.embedded_redis import free_port
 
 # The first server a fresh checkout starts compiles every kernel before it serves: about a
 # minute on two busy cores. The bound only has to catch a server that never comes up.

@@ -7,7 +7,7 @@ import time
 import numpy as np
 
 from cache_service.config import ServiceConfig
-from cache_service.service import CloseItem, DraftItem, DraftService, OpenItem
+from cache_service.domain.service import CloseItem, DraftItem, DraftService, OpenItem
 
 
 def _held(svc: DraftService) -> int:

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from cache_service.config import EmbeddedRedisConfig, ServiceConfig
-from cache_service.embedded_redis import EmbeddedRedis
+from cache_service.domain.service import DraftItem, DraftService, OpenItem, SessionDelta, StoredSession
+from cache_service.host.embedded_redis import EmbeddedRedis
 from cache_service.persistence import RedisPersistence
-from cache_service.service import DraftItem, DraftService, OpenItem, SessionDelta, StoredSession
 from cache_service.storage.connect import connect
 from cache_service.storage.redis_store import RedisStore
 

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 from draftcache.v1 import draftcache_pb2 as pb
 
-from cache_service import lifetime_files
 from cache_service.config import EmbeddedRedisConfig
-from cache_service.embedded_redis import EmbeddedRedis
-from cache_service.shared_indexes import SharedIndexes
+from cache_service.host import lifetime_files
+from cache_service.host.embedded_redis import EmbeddedRedis
+from cache_service.host.shared_indexes import SharedIndexes
 from cache_service.storage.connect import connect
 from cache_service.storage.redis_store import RedisStore
 from cache_service.storage.stream_log import position
@@ -213,7 +213,7 @@ def test_workers_share_one_build_and_a_restarted_one_maps_it(redis_url: str, tmp
 def test_freed_heap_goes_back_to_the_os_after_a_build() -> None:
     import platform
 
-    from cache_service.malloc import release_free_memory
+    from cache_service.host.malloc import release_free_memory
 
     assert release_free_memory() == (platform.libc_ver()[0] == "glibc")
 

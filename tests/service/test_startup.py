@@ -10,7 +10,7 @@ import pytest
 from draftcache.v1 import draftcache_pb2 as pb
 
 from cache_service.config import EmbeddedRedisConfig
-from cache_service.embedded_redis import EmbeddedRedis
+from cache_service.host.embedded_redis import EmbeddedRedis
 from indexer import kernels
 from tests.service.conftest import Replica
 

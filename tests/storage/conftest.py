@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from redis.cluster import RedisCluster
 
-from cache_service import embedded_redis
-from cache_service.errors import Unavailable
+from cache_service.domain.errors import Unavailable
+from cache_service.host import embedded_redis
 from cache_service.storage import RedisStore, StoreConfig
 from cache_service.storage.clients import StorageClient
 from cache_service.storage.connect import connect

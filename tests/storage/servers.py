@@ -13,7 +13,7 @@ from typing import Any
 
 import redis
 
-from cache_service.embedded_redis import free_port
+from cache_service.host.embedded_redis import free_port
 
 SLOTS = 16384
 BUS_OFFSET = 10000  # a cluster node's bus listens this far above its port (no --cluster-port before Redis 7)

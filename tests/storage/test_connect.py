@@ -7,7 +7,7 @@ import re
 import pytest
 import redis
 
-from cache_service.embedded_redis import free_port
+from cache_service.host.embedded_redis import free_port
 from cache_service.storage import StorageError, StorageUnavailable
 from cache_service.storage.connect import connect, parse_url, redact
 

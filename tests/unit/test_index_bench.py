@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from cache_service.index_bench import IndexBenchConfig, run_index_bench
+from benchmarks.index_bench import IndexBenchConfig, run_index_bench
 from indexer.tokens import SEPARATOR
 
 

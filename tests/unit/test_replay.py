@@ -4,9 +4,9 @@ import json
 import numpy as np
 import pytest
 
-from decoder_client.baselines import EngineDrafter, PromptLookupDrafter
-from decoder_client.replay import ReplayStats, replay
-from decoder_client.traces import Conversation, Segment, read_traces
+from benchmarks.baselines import EngineDrafter, PromptLookupDrafter
+from benchmarks.replay import ReplayStats, replay
+from benchmarks.traces import Conversation, Segment, read_traces
 from indexer.drafter import DrafterConfig, DraftParams, NamespaceDrafter
 from indexer.tokens import Namespace
 from indexer.tree_builder import DraftTree

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from decoder_client.baselines import RestDrafter, _ChildReader, tree_of_paths
+from benchmarks.baselines import RestDrafter, _ChildReader, tree_of_paths
 from indexer.tree_builder import Tier
 
 draftretriever = pytest.importorskip("draftretriever")

@@ -13,7 +13,7 @@ import numpy as np
 from draftcache.v1 import draftcache_pb2 as pb
 from draftcache.v1 import draftcache_pb2_grpc as pb_grpc
 
-from decoder_client.traces import Conversation
+from benchmarks.traces import Conversation
 
 
 class StreamCaller:

@@ -17,7 +17,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from decoder_client.traces import Conversation
+from benchmarks.traces import Conversation
 from indexer.tree_builder import DraftTree, Tier
 
 

@@ -17,10 +17,10 @@ from typing import NamedTuple, Protocol, TypeVar, overload
 
 import numpy as np
 
-from cache_service.auth import Principal
 from cache_service.config import ServiceConfig
-from cache_service.errors import AlreadyExists, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
-from cache_service.sessions import SessionEntry, SessionTable, new_session_id
+from cache_service.domain.errors import AlreadyExists, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
+from cache_service.domain.sessions import SessionEntry, SessionTable, new_session_id
+from cache_service.rpc.auth import Principal
 from cache_service.storage.keys import MAX_NAME_LEN, check_name
 from indexer.drafter import MAX_LOOKAHEAD, Branches, DraftParams, NamespaceDrafter
 from indexer.lifetime_index import LifetimeIndexes

@@ -8,7 +8,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from cache_service.errors import NotFound, ResourceExhausted
+from cache_service.domain.errors import NotFound, ResourceExhausted
 from indexer.drafter import DraftParams, NamespaceDrafter, Session
 
 
@@ -43,7 +43,7 @@ class SessionTable:
     >>> table.get("nope")
     Traceback (most recent call last):
     ...
-    cache_service.errors.NotFound: unknown or expired session 'nope'
+    cache_service.domain.errors.NotFound: unknown or expired session 'nope'
     """
 
     def __init__(self, *, max_sessions: int, ttl_s: float) -> None:

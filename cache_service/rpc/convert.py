@@ -7,9 +7,17 @@ from collections.abc import Sequence
 import numpy as np
 from draftcache.v1 import draftcache_pb2 as pb
 
-from cache_service import wire
-from cache_service.errors import InvalidArgument
-from cache_service.service import CloseItem, DraftColumns, Drafted, DraftItem, FeedbackItem, NamespaceStats, OpenItem
+from cache_service.domain.errors import InvalidArgument
+from cache_service.domain.service import (
+    CloseItem,
+    DraftColumns,
+    Drafted,
+    DraftItem,
+    FeedbackItem,
+    NamespaceStats,
+    OpenItem,
+)
+from cache_service.rpc import wire
 from indexer.drafter import DraftParams
 from indexer.tree_builder import DraftTree
 
@@ -64,7 +72,7 @@ def draft_items(req: pb.DraftRequest) -> list[DraftItem] | DraftColumns:
 def draft_response(results: Drafted) -> wire.Encoded:
     """Trees, and what was drafted ahead when any item asked for it, as an encoded
     ``DraftResponse``: the trees are written straight in wire format (see
-    :mod:`cache_service.wire`), and sent as they are unless something was drafted ahead."""
+    :mod:`cache_service.rpc.wire`), and sent as they are unless something was drafted ahead."""
     trees = wire.encode_trees(results.trees)
     if results.ahead is None or not any(results.ahead):
         return wire.Encoded(trees)

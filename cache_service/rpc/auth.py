@@ -27,7 +27,7 @@ from typing import Any
 
 import grpc
 
-from cache_service.errors import PermissionDenied, Unauthenticated
+from cache_service.domain.errors import PermissionDenied, Unauthenticated
 
 OPEN_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.")
 ADMIN_PREFIX = "/draftcache.v1.Admin/"

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cache_service.prior_files import safe_name
+from cache_service.host.prior_files import safe_name
 from indexer.lifetime_index import LifetimeIndexes, LogId
 from indexer.ngram_table import NgramTable, NgramTableConfig
 from indexer.suffix_array import SuffixIndex

@@ -16,7 +16,7 @@ from pathlib import Path
 import redis
 
 from cache_service.config import EmbeddedRedisConfig
-from cache_service.errors import Unavailable
+from cache_service.domain.errors import Unavailable
 
 logger = logging.getLogger(__name__)
 

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import gzip
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from cache_service.admin import warm
 
 
 @dataclass(frozen=True)
@@ -81,3 +83,22 @@ def _segment(obj: dict) -> Segment:
     if tokens.ndim != 1 or (tokens.size and (tokens.min() < 0 or tokens.max() >= 2**31 - 1)):
         raise ValueError("segment tokens must be a flat list of non-negative int32 ids")
     return Segment(kind, tokens.astype(np.int32))
+
+
+def sharegpt_conversations(
+    path: str | Path, encode: Callable[[list[str]], list[list[int]]], vocab_size: int, *, namespace: str, limit: int
+) -> list[Conversation]:
+    """The first ``limit`` ShareGPT conversations with an assistant turn after a prompt, as
+    traces: each turn tokenized on its own, assistant turns as outputs, every other turn as input
+    (load benchmarks replay them as requests nobody has sent before)."""
+    picked = warm.sharegpt_dialogues(path, limit=limit)
+    ids = iter(encode([text for _, kept in picked for _, text in kept]))
+    return [
+        Conversation(
+            id=cid,
+            namespace=namespace,
+            category="sharegpt",
+            segments=tuple(Segment(kind, warm.checked_ids(next(ids), vocab_size).astype(np.int32)) for kind, _ in kept),
+        )
+        for cid, kept in picked
+    ]

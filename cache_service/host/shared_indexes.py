@@ -20,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from cache_service import lifetime_files
-from cache_service.lifetime_files import Generation
+from cache_service.host import lifetime_files
+from cache_service.host.lifetime_files import Generation
 from cache_service.storage.redis_store import RedisStore
 from cache_service.storage.stream_log import position, stream_id
 from indexer.drafter import warm_draft_step

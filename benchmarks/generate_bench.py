@@ -29,8 +29,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from benchmarks.generate import InProcessDrafter
 from decoder_client.cost_model import AcceptanceModel, CalibratedDrafter, CalibrationConfig, CostCurve
-from decoder_client.generate import InProcessDrafter
 from decoder_client.reference_decoder import ReferenceDecoder
 from indexer.drafter import DrafterConfig, DraftParams, NamespaceDrafter
 from indexer.tokens import Namespace

@@ -10,11 +10,11 @@ from draftcache.v1 import draftcache_pb2_grpc as pb_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from cache_service.auth import AuthInterceptor, TokenTable
 from cache_service.config import ServerConfig
-from cache_service.interceptor import ErrorInterceptor, Observer
-from cache_service.service import DraftService
-from cache_service.servicer import AdminServicer, DraftCacheServicer
+from cache_service.domain.service import DraftService
+from cache_service.rpc.auth import AuthInterceptor, TokenTable
+from cache_service.rpc.interceptor import ErrorInterceptor, Observer
+from cache_service.rpc.servicer import AdminServicer, DraftCacheServicer
 
 logger = logging.getLogger(__name__)
 

@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from benchmarks.load_bench import Replayed, requests_of
+from benchmarks.traces import Conversation
 from cache_service.config import ServiceConfig
-from cache_service.service import CloseItem, DraftItem, DraftService, FeedbackItem, OpenItem
-from decoder_client.load_bench import Replayed, requests_of
-from decoder_client.traces import Conversation
+from cache_service.domain.service import CloseItem, DraftItem, DraftService, FeedbackItem, OpenItem
 from indexer.drafter import MAX_LOOKAHEAD, DrafterConfig, DraftParams
 from indexer.prior import StaticPrior
 from indexer.tokens import Namespace

@@ -9,7 +9,7 @@ in another from its stored copy. The supervisor starts the embedded Redis when n
 restarts a worker that dies, and on SIGTERM or SIGINT stops them all gracefully. Static priors
 and lifetime indexes, the largest things a process holds, are written once into shared folders
 and memory-mapped by every worker (one worker at a time builds the lifetime indexes:
-:mod:`cache_service.shared_indexes`).
+:mod:`cache_service.host.shared_indexes`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from multiprocessing.process import BaseProcess
 
 from cache_service import logs
 from cache_service.app import AppConfig
-from cache_service.embedded_redis import EmbeddedRedis
+from cache_service.host.embedded_redis import EmbeddedRedis
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,6 @@ from typing import IO
 
 import numpy as np
 
-from decoder_client.traces import Conversation, Segment
 from indexer.prior import PriorConfig, StaticPrior
 from indexer.tokens import SEPARATOR
 
@@ -111,12 +110,10 @@ def _sharegpt(data: object, path: Path, every_turn: bool) -> Iterator[str]:
                 yield turn["value"]
 
 
-def sharegpt_conversations(
-    path: str | Path, encode: Encoder, vocab_size: int, *, namespace: str, limit: int
-) -> list[Conversation]:
-    """The first ``limit`` ShareGPT conversations with an assistant turn after a prompt, as
-    traces: each turn tokenized on its own, assistant turns as outputs, every other turn as
-    input (load benchmarks replay them as requests nobody has sent before)."""
+def sharegpt_dialogues(path: str | Path, *, limit: int) -> list[tuple[str, list[tuple[str, str]]]]:
+    """The first ``limit`` ShareGPT conversations with an assistant turn after a prompt: each as
+    its id and its non-empty turns, ``("output", text)`` for an assistant turn and ``("input",
+    text)`` for any other (load benchmarks replay them as requests nobody has sent before)."""
     path = Path(path)
     try:
         with _opened(path) as fh:
@@ -134,19 +131,17 @@ def sharegpt_conversations(
             picked.append((cid, kept))
         if len(picked) >= limit:
             break
-    ids = iter(encode([text for _, kept in picked for _, text in kept]))
-    return [
-        Conversation(
-            id=cid,
-            namespace=namespace,
-            category="sharegpt",
-            segments=tuple(Segment(kind, _checked_ids(next(ids), vocab_size).astype(np.int32)) for kind, _ in kept),
-        )
-        for cid, kept in picked
-    ]
+    return picked
 
 
-def _checked_ids(ids: list[int], vocab_size: int) -> np.ndarray:
+def split_documents(tokens: np.ndarray) -> list[np.ndarray]:
+    """A tokenized corpus (documents each followed by a separator) cut back into its documents."""
+    cuts = np.flatnonzero(tokens == SEPARATOR)
+    starts = np.concatenate(([0], cuts[:-1] + 1))
+    return [tokens[a:b] for a, b in zip(starts.tolist(), cuts.tolist(), strict=True) if b > a]
+
+
+def checked_ids(ids: list[int], vocab_size: int) -> np.ndarray:
     """A tokenizer's ids as an int64 array, every one inside the vocabulary."""
     arr = np.asarray(ids, dtype=np.int64)
     if arr.size and (arr.min() < 0 or arr.max() >= vocab_size):
@@ -180,7 +175,7 @@ def tokenize_corpus(
     def flush() -> None:
         nonlocal n_docs, n_tokens
         for ids in encode(pending):
-            arr = _checked_ids(ids, vocab_size)
+            arr = checked_ids(ids, vocab_size)
             chunks.append(np.append(arr, SEPARATOR).astype(np.int32))
             n_tokens += arr.size
         n_docs += len(pending)

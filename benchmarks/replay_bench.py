@@ -9,9 +9,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cache_service import warm
-from cache_service.index_bench import split_documents
-from decoder_client.baselines import (
+from benchmarks.baselines import (
     EngineDrafter,
     PromptLookupDrafter,
     RestDrafter,
@@ -19,8 +17,10 @@ from decoder_client.baselines import (
     rest_available,
     suffix_decoding_available,
 )
-from decoder_client.replay import ReplayDrafter, ReplayStats, replay
-from decoder_client.traces import Conversation
+from benchmarks.replay import ReplayDrafter, ReplayStats, replay
+from benchmarks.traces import Conversation
+from cache_service.admin import warm
+from cache_service.admin.warm import split_documents
 from indexer.drafter import DrafterConfig, DraftParams, NamespaceDrafter
 from indexer.prior import StaticPrior
 from indexer.tokens import Namespace
@@ -151,7 +151,7 @@ def ensure_namespace(target: str, namespace: Namespace) -> None:
 def remote_drafter(target: str, namespace: Namespace, params: DraftParams, lookahead: int = 0) -> ReplayDrafter:
     """draftcache through a running service (drafting ahead for ``lookahead`` outcomes a step);
     the namespace is created there if missing."""
-    from decoder_client.remote import RemoteDrafter
+    from benchmarks.remote import RemoteDrafter
 
     ensure_namespace(target, namespace)
     return RemoteDrafter(target, namespace.name, params, lookahead=lookahead)

@@ -10,10 +10,10 @@ import grpc
 from draftcache.v1 import draftcache_pb2 as pb
 from draftcache.v1 import draftcache_pb2_grpc as pb_grpc
 
-from cache_service import auth, convert, wire
-from cache_service.errors import InvalidArgument
-from cache_service.interceptor import Observer, status_of
-from cache_service.service import DraftService, named_sessions
+from cache_service.domain.errors import InvalidArgument
+from cache_service.domain.service import DraftService, named_sessions
+from cache_service.rpc import auth, convert, wire
+from cache_service.rpc.interceptor import Observer, status_of
 
 # An open call whose prompts hold at least this many tokens in all has them indexed on a worker
 # thread (a 128k-token prompt takes ~7 ms, which would stall every other call); shorter ones are

@@ -11,7 +11,8 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from cache_service import errors, wire
+from cache_service.domain import errors
+from cache_service.rpc import wire
 from cache_service.storage import errors as storage_errors
 
 logger = logging.getLogger(__name__)

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from cache_service.admin.warm import split_documents
 from indexer.lifetime_index import LifetimeConfig, LifetimeMemory, build_indexes, build_table
 from indexer.ngram_table import NgramTableConfig
-from indexer.tokens import SEPARATOR
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,12 +35,6 @@ class IndexBenchConfig:
             raise ValueError("buffer_tokens >= 1000, queries >= 1 and context >= 1 required")
         if self.delta_tokens < 1 or self.rounds < 0:
             raise ValueError("delta_tokens >= 1 and rounds >= 0 required")
-
-
-def split_documents(tokens: np.ndarray) -> list[np.ndarray]:
-    cuts = np.flatnonzero(tokens == SEPARATOR)
-    starts = np.concatenate(([0], cuts[:-1] + 1))
-    return [tokens[a:b] for a, b in zip(starts.tolist(), cuts.tolist(), strict=True) if b > a]
 
 
 def run_index_bench(corpus: np.ndarray, config: IndexBenchConfig) -> dict:

@@ -32,8 +32,8 @@ import numpy as np
 from draftcache.v1 import draftcache_pb2 as pb
 from draftcache.v1 import draftcache_pb2_grpc as pb_grpc
 
+from benchmarks.traces import Conversation, iter_traces
 from decoder_client.client import ClientConfig, ClientSession, DraftClient
-from decoder_client.traces import Conversation, iter_traces
 from indexer.drafter import DraftParams
 from indexer.tree_builder import DraftTree
 
