@@ -1,5 +1,6 @@
-"""Domain errors. The servicer raises these (or ``ValueError`` from the indexer); the one error
-interceptor maps them to gRPC status codes."""
+"""Domain errors: what a client can be told went wrong. The service raises these (a
+``ValueError`` from the indexer's checks of client input becomes :class:`InvalidArgument` where
+the service calls it); the one error interceptor maps them to gRPC status codes."""
 
 from __future__ import annotations
 

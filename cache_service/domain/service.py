@@ -18,10 +18,10 @@ from typing import NamedTuple, Protocol, TypeVar, overload
 import numpy as np
 
 from cache_service.config import ServiceConfig
+from cache_service.domain import names
 from cache_service.domain.errors import AlreadyExists, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
 from cache_service.domain.sessions import SessionEntry, SessionTable, new_session_id
 from cache_service.rpc.auth import Principal
-from cache_service.storage.keys import MAX_NAME_LEN, check_name
 from indexer.drafter import MAX_LOOKAHEAD, Branches, DraftParams, NamespaceDrafter
 from indexer.lifetime_index import LifetimeIndexes
 from indexer.prespeculation import Prefetched
@@ -32,9 +32,6 @@ from indexer.tokens import Namespace, as_tokens
 from indexer.tree_builder import DraftTree
 
 logger = logging.getLogger(__name__)
-
-MIN_CLIENT_ID = 16  # characters of a client-chosen session id: long enough not to collide by chance
-
 
 @dataclass(frozen=True)
 class OpenItem:
@@ -211,8 +208,8 @@ class DraftService:
     ) -> NamespaceDrafter:
         if principal is not None:
             principal.check_namespace(name)
+        names.namespace_name(name)
         try:
-            check_name(name, what="namespace")
             namespace = Namespace(name=name, vocab_size=vocab_size)
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from exc
@@ -384,13 +381,7 @@ class DraftService:
     def _reopened(self, item: OpenItem, tenant: str) -> bool:
         """Whether a client-chosen id names a live session this open repeats; ``AlreadyExists``
         when it names someone else's."""
-        sid = item.session_id
-        if not MIN_CLIENT_ID <= len(sid) <= MAX_NAME_LEN:
-            raise InvalidArgument(f"a client-chosen session id needs {MIN_CLIENT_ID}-{MAX_NAME_LEN} characters")
-        try:
-            check_name(sid, what="session id")
-        except ValueError as exc:
-            raise InvalidArgument(str(exc)) from exc
+        sid = names.client_session_id(item.session_id)
         try:
             entry = self.sessions.get(sid)
         except NotFound:
@@ -589,7 +580,7 @@ class DraftService:
         except NotFound:
             stored = None
             if read_storage and self._persistence is not None:
-                stored = self._persistence.load_session(sid)
+                stored = self._persistence.load_session(names.session_id(sid))
             if stored is None:
                 raise
             return self._continue(sid, stored, principal)
@@ -607,7 +598,10 @@ class DraftService:
         drafter = self.namespace(stored.namespace)
         tenant = "" if principal is None else principal.tenant
         if session is None:
-            session = drafter.resume(stored.snapshot)
+            try:
+                session = drafter.resume(stored.snapshot)
+            except ValueError as exc:  # a stored context outside the namespace's vocabulary
+                raise InvalidArgument(f"session {sid!r} cannot continue here: {exc}") from exc
         entry = SessionEntry(sid, stored.namespace, drafter, session, stored.params, tenant)
         entry.stored_tokens = len(entry.session.context)  # storage holds what it was continued from
         entry.stored_table, entry.table_saved_at = entry.session.rejected.table.version, time.monotonic()
@@ -629,7 +623,7 @@ class DraftService:
         (its prompt indexed); safe on any thread, as it changes nothing the service holds."""
         if self._persistence is None:
             return {}
-        found = {sid: self._persistence.load_session(sid) for sid in sids}
+        found = {sid: self._persistence.load_session(names.session_id(sid)) for sid in sids}
         return {sid: (stored, self._resumed(stored)) for sid, stored in found.items() if stored is not None}
 
     def _resumed(self, stored: StoredSession) -> Session | None:

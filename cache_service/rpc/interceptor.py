@@ -1,4 +1,9 @@
-"""The one place where domain errors become gRPC status codes."""
+"""The one place where domain errors become gRPC status codes.
+
+Only the errors a client can be told about (:mod:`cache_service.domain.errors`, and storage
+trouble) get a code of their own; anything else is a bug in the service and ends as INTERNAL
+with its traceback logged, never passed off as the caller's mistake.
+"""
 
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ _CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (storage_errors.StorageUnavailable, grpc.StatusCode.UNAVAILABLE),
     (storage_errors.SchemaMismatch, grpc.StatusCode.FAILED_PRECONDITION),
     (storage_errors.NamespaceConflict, grpc.StatusCode.ALREADY_EXISTS),
+    (errors.InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
     (errors.NotFound, grpc.StatusCode.NOT_FOUND),
     (errors.AlreadyExists, grpc.StatusCode.ALREADY_EXISTS),
     (errors.ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
@@ -28,7 +34,6 @@ _CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (errors.FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
     (errors.Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
     (errors.PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
-    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),  # InvalidArgument and the indexer's checks
 ]
 
 
@@ -55,7 +60,7 @@ async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: 
 Observer = Callable[[str, str, float], None]  # (method, status code name, seconds)
 
 
-class MalformedRequest(ValueError):
+class MalformedRequest(errors.InvalidArgument):
     """Bytes that do not parse as the method's request message."""
 
 
