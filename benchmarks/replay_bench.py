@@ -148,6 +148,22 @@ def ensure_namespace(target: str, namespace: Namespace) -> None:
         pb_grpc.AdminStub(channel).CreateNamespace(request, timeout=30)
 
 
+def service_vocab(target: str, name: str) -> int | None:
+    """The vocabulary the service at ``target`` holds for namespace ``name`` (None: no such namespace)."""
+    import grpc
+    from draftcache.v1 import draftcache_pb2 as pb
+    from draftcache.v1 import draftcache_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(target) as channel:
+        try:
+            stats = pb_grpc.AdminStub(channel).Stats(pb.StatsRequest(namespace=name), timeout=30)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:  # type: ignore[attr-defined]
+                return None
+            raise
+    return next((int(i.vocab_size) for i in stats.namespaces if i.name == name), None)
+
+
 def remote_drafter(target: str, namespace: Namespace, params: DraftParams, lookahead: int = 0) -> ReplayDrafter:
     """draftcache through a running service (drafting ahead for ``lookahead`` outcomes a step);
     the namespace is created there if missing."""

@@ -1,0 +1,417 @@
+"""The tools' subcommands: ``replay``, ``generate`` and the ``bench-*`` benchmarks.
+
+They drive the drafter in process, the service through the client, or a real model; modules that
+need the decoder side (torch, transformers) are imported inside the command that uses them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import tempfile
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from benchmarks import replay_bench
+from benchmarks.replay import ReplayStats
+from benchmarks.traces import read_traces, sharegpt_conversations, write_traces
+from cache_service.admin import warm
+from cache_service.admin.commands import prior_args, prior_config, read_prior, warm_prior, write_atomic
+from cache_service.admin.options import add, non_negative, positive
+from indexer.drafter import DrafterConfig, DraftParams
+from indexer.tokens import Namespace
+
+if TYPE_CHECKING:
+    from benchmarks.load_bench import LoadConfig
+    from indexer.prior import StaticPrior
+
+logger = logging.getLogger("draftcache")
+SHARED = Path("../shared/data")
+
+
+def _replay_args(r: argparse.ArgumentParser) -> None:
+    r.add_argument("traces", type=Path, help="trace file: one JSON conversation per line (.gz read transparently)")
+    add(r, "--target", default=None, help="host:port of a running service (default: the engine in-process)")
+    add(r, "--budget", type=positive, default=64, help="draft tree size in tokens (at least 1)")
+    add(r, "--max-depth", type=positive, default=32, help="deepest path of a tree")
+    add(r, "--min-score", type=float, default=0.0, help="nodes scoring below this are not drafted")
+    add(r, "--limit", type=positive, default=None, help="replay only the first N conversations")
+    r.add_argument("--namespace", default=None, help="replay only this namespace's conversations (default: each)")
+    add(
+        r,
+        "--vocab-size",
+        type=positive,
+        default=None,
+        help="default: the tokenizer's, else the service's namespace (--target), else the traces' max id + 1",
+    )
+    add(r, "--baselines", default="", help="comma list: prompt-lookup,suffix-decoding,rest")
+    add(r, "--lookahead", type=non_negative, default=0, help="pre-speculation: outcomes drafted ahead per step")
+    add(r, "--suffix-factor", type=float, default=8.0, help="SuffixDecoding's max_spec_factor")
+    add(r, "--suffix-min-prob", type=float, default=0.01, help="SuffixDecoding's min_token_prob")
+    add(r, "--rest-datastore", type=Path, default=None, help="REST's datastore (built from --warm-corpus if missing)")
+    add(r, "--prior", type=Path, default=None, help="a prior file written by 'draftcache warm --out'")
+    add(r, "--warm-corpus", type=Path, default=None, help="warm a prior from this corpus first")
+    add(r, "--corpus-format", default="sharegpt", choices=warm.FORMATS, help="format of --warm-corpus")
+    add(r, "--tokenizer", type=Path, default=None, help="tokenizer folder of the traces' namespace")
+    add(r, "--prior-cache", type=Path, default=None, help="reuse / store the warmed prior here")
+    prior_args(r)
+    r.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def _replay_prior(a: argparse.Namespace, vocab_size: int) -> StaticPrior | None:
+    if a.prior is not None:
+        return read_prior(a.prior)
+    if a.warm_corpus is None:
+        return None
+    if a.prior_cache is not None and a.prior_cache.exists():
+        logger.info("using cached prior %s", a.prior_cache)
+        return read_prior(a.prior_cache)
+    if a.tokenizer is None:
+        raise ValueError("--warm-corpus needs --tokenizer (the traces' tokenizer)")
+    prior = warm_prior(a.warm_corpus, a.corpus_format, a.tokenizer, prior_config(a), vocab_size=vocab_size)
+    if a.prior_cache is not None:
+        write_atomic(a.prior_cache, prior.to_bytes())
+    return prior
+
+
+def _ensure_rest_datastore(a: argparse.Namespace) -> None:
+    """Build REST's datastore from the warming corpus unless the file is there already."""
+    path = a.rest_datastore
+    if path is None or path.exists():
+        return
+    if a.warm_corpus is None or a.tokenizer is None:
+        raise ValueError(f"{path} does not exist; --warm-corpus and --tokenizer build it")
+    logger.info("building REST's datastore %s from %s", path, a.warm_corpus)
+    tokens = replay_bench.build_rest_datastore(a.warm_corpus, a.corpus_format, a.tokenizer, path)
+    logger.info("REST's datastore: %d tokens", tokens)
+
+
+# Replay options that hold for one namespace's tokenizer only.
+_TOKENIZER_BOUND: dict[str, Callable[[argparse.Namespace, replay_bench.ReplayConfig], bool]] = {
+    "--tokenizer": lambda a, _: a.tokenizer is not None,
+    "--vocab-size": lambda a, _: a.vocab_size is not None,
+    "--prior": lambda a, _: a.prior is not None,
+    "--warm-corpus": lambda a, _: a.warm_corpus is not None,
+    "the rest baseline": lambda _, config: "rest" in config.baselines,
+}
+
+
+def _replay_groups(a: argparse.Namespace, config: replay_bench.ReplayConfig) -> list[tuple[Namespace, list]]:
+    """The traces' conversations by namespace, each with its vocabulary: the flag's, the
+    tokenizer's, else the service's own namespace (so ids are checked as it checks them), else a
+    guess from the largest id."""
+    conversations = read_traces(a.traces, limit=a.limit)
+    if a.namespace is not None:
+        held = sorted({c.namespace for c in conversations})
+        conversations = [c for c in conversations if c.namespace == a.namespace]
+        if not conversations:
+            raise ValueError(f"{a.traces}: no conversations in namespace {a.namespace!r} (the traces hold {held})")
+    if not conversations:
+        raise ValueError(f"{a.traces}: no conversations")
+    names = list(dict.fromkeys(c.namespace for c in conversations))
+    one_tokenizer = [flag for flag, on in _TOKENIZER_BOUND.items() if on(a, config)]
+    if len(names) > 1 and one_tokenizer:
+        raise ValueError(
+            f"{', '.join(one_tokenizer)}: for one namespace's tokenizer, and the traces hold {names}; "
+            "pick one with --namespace"
+        )
+    vocab = a.vocab_size
+    if vocab is None and a.tokenizer is not None:
+        vocab = warm.load_tokenizer(a.tokenizer)[1]
+    groups = replay_bench.by_namespace(conversations, vocab)
+    if vocab is None and a.target:
+        served = [replay_bench.service_vocab(a.target, ns.name) for ns, _ in groups]
+        groups = [
+            (ns if size is None else Namespace(name=ns.name, vocab_size=size), part)
+            for (ns, part), size in zip(groups, served, strict=True)
+        ]
+    return groups
+
+
+def cmd_replay(a: argparse.Namespace) -> int:
+    config = replay_bench.ReplayConfig(
+        params=DraftParams(budget=a.budget, max_depth=a.max_depth, min_score=a.min_score),
+        drafter=DrafterConfig(),
+        baselines=tuple(b for b in str(a.baselines).split(",") if b),
+        suffix_factor=a.suffix_factor,
+        suffix_min_prob=a.suffix_min_prob,
+        rest_datastore=a.rest_datastore,
+        lookahead=a.lookahead,
+    )
+    groups = _replay_groups(a, config)
+    if "rest" in config.baselines:
+        _ensure_rest_datastore(a)
+    if a.target:
+        config = replace(config, include_engine=False)
+    gc.freeze()
+    per_namespace = []
+    for namespace, part in groups:  # namespaces share nothing: each has drafters of its own
+        # Through a service, its own priors apply (warmed into its storage); in-process, ours.
+        prior = None if a.target else _replay_prior(a, namespace.vocab_size)
+        drafter_list = (
+            [replay_bench.remote_drafter(a.target, namespace, config.params, config.lookahead)] if a.target else []
+        )
+        drafter_list += replay_bench.drafters(namespace, config, prior)
+        per_namespace.append((namespace.name, replay_bench.run_replay(part, drafter_list)))
+    if len(per_namespace) == 1:
+        print(replay_bench.report(per_namespace[0][1], a.traces, as_json=a.json))
+        return 0
+    merged = [ReplayStats.merged(stats) for stats in zip(*(results for _, results in per_namespace), strict=True)]
+    print(replay_bench.report(merged, a.traces, as_json=a.json, by_namespace=per_namespace))
+    return 0
+
+
+def _generate_args(g: argparse.ArgumentParser) -> None:
+    add(g, "--prompt", required=True, help="the user message")
+    add(g, "--model", type=Path, default=None, help="local Hugging Face model folder (default: SmolLM2-135M)")
+    add(g, "--tokenizer", type=Path, default=SHARED / "tokenizers/smollm2", help="the model's tokenizer folder")
+    add(g, "--target", default=None, help="draft through this service (default: the engine in-process)")
+    add(g, "--max-new-tokens", type=positive, default=128, help="tokens generated")
+    add(g, "--budget", type=positive, default=64, help="most draft tokens per tree")
+    g.add_argument("--no-cost-aware", action="store_true", help="verify whole trees, whatever they cost")
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    from benchmarks.generate import InProcessDrafter, ServiceDrafter, run_generate
+    from decoder_client.client import ClientConfig
+    from decoder_client.models import load_model
+
+    model, tokenizer = load_model(a.model, a.tokenizer)
+    params = DraftParams(budget=a.budget)
+    vocab = len(tokenizer)
+    drafter: InProcessDrafter | ServiceDrafter
+    if a.target:
+        replay_bench.ensure_namespace(a.target, Namespace(name="generate", vocab_size=vocab))
+        drafter = ServiceDrafter(ClientConfig(target=a.target, namespace="generate", params=params))
+    else:
+        drafter = InProcessDrafter(vocab, params)
+    result = run_generate(
+        model, tokenizer, a.prompt, drafter, max_new_tokens=a.max_new_tokens, cost_aware=not a.no_cost_aware
+    )
+    if isinstance(drafter, ServiceDrafter):
+        drafter.finish()
+    print(result["text"])
+    print()
+    for name in ("vanilla", "transformers-prompt-lookup", "draftcache"):
+        print(f"{name:<28}{result[name]['tokens_per_s']:>8.2f} tokens/s")
+    ours = result["draftcache"]
+    print(
+        f"MAT {ours['mat']}, accepted draft tokens by tier {ours['accepted_by_tier']}, identical {result['identical']}"
+    )
+    return 0 if result["identical"] else 1
+
+
+def _bench_generate_args(bg: argparse.ArgumentParser) -> None:
+    add(bg, "--model", type=Path, default=None, help="local Hugging Face model folder (default: SmolLM2-135M)")
+    add(bg, "--tokenizer", type=Path, default=SHARED / "tokenizers/smollm2", help="the model's tokenizer folder")
+    add(bg, "--spec-bench", type=Path, default=SHARED / "traces/spec_bench_vicuna7b.jsonl.gz", help="Spec-Bench trace")
+    add(bg, "--llama-tokenizer", type=Path, default=SHARED / "tokenizers/llama2-spm", help="the Spec-Bench ids'")
+    add(bg, "--agentic-traces", type=Path, default=SHARED / "traces/swe_agent_dev.jsonl.gz", help="agent traces")
+    add(bg, "--per-category", type=positive, default=3, help="Spec-Bench prompts per task group")
+    add(bg, "--max-new-tokens", type=positive, default=128, help="tokens generated per prompt")
+    add(bg, "--agentic-families", type=non_negative, default=3, help="agent tasks, each asked --agentic-repeats times")
+    add(bg, "--agentic-repeats", type=positive, default=3, help="times each agent task is asked")
+    add(bg, "--rounds", type=positive, default=2, help="runs of every method on every prompt; the fastest counts")
+    add(bg, "--agentic-prompt-tokens", type=positive, default=512, help="an agent task's user turn is cut to this")
+    add(bg, "--budget", type=positive, default=64, help="most draft tokens per tree before cutting")
+    add(bg, "--prior", type=Path, default=Path("data/prior-smollm2.npz"), help="static prior, used if present")
+    bg.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def cmd_bench_generate(a: argparse.Namespace) -> int:
+    from benchmarks.generate_bench import BenchConfig, report, run_bench
+    from decoder_client.models import load_model
+
+    config = BenchConfig(
+        spec_bench=a.spec_bench,
+        agentic=a.agentic_traces,
+        llama_tokenizer=a.llama_tokenizer,
+        per_category=a.per_category,
+        max_new_tokens=a.max_new_tokens,
+        agentic_families=a.agentic_families,
+        agentic_repeats=a.agentic_repeats,
+        rounds=a.rounds,
+        agentic_prompt_tokens=a.agentic_prompt_tokens,
+        budget=a.budget,
+    )
+    prior = read_prior(a.prior) if a.prior is not None and a.prior.is_file() else None
+    model, tokenizer = load_model(a.model, a.tokenizer)
+    result = run_bench(model, tokenizer, config, prior)
+    print(report(result, as_json=a.json))
+    return 0 if result["lossless"] else 1
+
+
+def _bench_rpc_args(rb: argparse.ArgumentParser) -> None:
+    rb.add_argument("traces", type=Path, help="prompts come from these conversations")
+    add(rb, "--target", default="127.0.0.1:50051", help="host:port of the service")
+    add(rb, "--tokenizer", type=Path, default=None, help="tokenizer of the traces' namespace (its vocabulary)")
+    add(rb, "--steps", type=positive, default=2000, help="draft calls timed")
+    add(rb, "--batch", type=positive, default=32, help="sequences per draft call")
+    rb.add_argument("--during-rebuild", action="store_true", help="measure again while indexes rebuild back to back")
+
+
+def cmd_bench_rpc(a: argparse.Namespace) -> int:
+    from benchmarks.rpc_bench import run_rpc_bench
+
+    conversations = read_traces(a.traces, limit=max(a.batch, 1))
+    vocab = warm.load_tokenizer(a.tokenizer)[1] if a.tokenizer is not None else None
+    namespace = replay_bench.namespace_of(conversations, vocab)
+    replay_bench.ensure_namespace(a.target, namespace)
+    result = run_rpc_bench(
+        a.target, namespace.name, conversations, steps=a.steps, batch=a.batch, during_rebuild=a.during_rebuild
+    )
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+def _bench_load_args(bl: argparse.ArgumentParser) -> None:
+    bl.add_argument("traces", type=Path, help="requests come from these conversations")
+    add(
+        bl,
+        "--format",
+        default="trace",
+        choices=("trace", "sharegpt"),
+        help="sharegpt: a ShareGPT corpus, its first --conversations tokenized as requests never seen before",
+    )
+    add(bl, "--conversations", type=positive, default=4000, help="ShareGPT conversations taken (--format sharegpt)")
+    bl.add_argument("--target", action="append", help="a replica (repeat for several; default 127.0.0.1:50051)")
+    add(bl, "--tokenizer", type=Path, default=None, help="tokenizer of the traces' namespace (its vocabulary)")
+    add(bl, "--decoders", type=positive, default=8, help="decoder processes")
+    add(bl, "--batch", type=positive, default=32, help="sequences each decoder steps")
+    add(bl, "--seconds", type=float, default=30.0, help="how long the load runs")
+    add(bl, "--step-ms", type=float, default=0.0, help="the target's verification time per step (0: back to back)")
+    add(bl, "--deadline-ms", type=float, default=50.0, help="client deadline; past it the fallback drafts")
+    add(bl, "--budget", type=positive, default=64, help="draft tree size in tokens")
+    add(bl, "--passes", type=non_negative, default=1, help="times each decoder replays its requests (0: no end)")
+    add(bl, "--lookahead", type=non_negative, default=0, help="pre-speculation: outcomes drafted ahead per step")
+    add(bl, "--timeline", type=float, default=0.0, help="also report each window of this many seconds (0: none)")
+    bl.add_argument("--unary", action="store_true", help="one unary call per draft instead of the stream")
+    bl.add_argument("--watch-pid", type=int, action="append", default=[], help="sample this process's memory and CPU")
+
+
+def cmd_bench_load(a: argparse.Namespace) -> int:
+    from benchmarks.load_bench import run_load
+
+    targets = tuple(a.target or ["127.0.0.1:50051"])
+    encode, vocab = warm.load_tokenizer(a.tokenizer) if a.tokenizer is not None else (None, None)
+    with tempfile.TemporaryDirectory(prefix="draftcache-load-") as tmp:
+        traces = a.traces
+        if a.format == "sharegpt":  # tokenized once here; the decoders read it as traces
+            if encode is None or vocab is None:
+                raise ValueError("bench-load --format sharegpt needs --tokenizer")
+            name = "".join(c if c.isalnum() or c in "-_." else "-" for c in a.tokenizer.resolve().name)
+            found = sharegpt_conversations(a.traces, encode, vocab, namespace=name, limit=a.conversations)
+            traces = Path(tmp) / "sharegpt.jsonl"
+            write_traces(found, traces)
+        conversations = read_traces(traces)
+        namespace = replay_bench.namespace_of(conversations, vocab)
+        for target in targets:
+            replay_bench.ensure_namespace(target, namespace)
+        report = run_load(_load_config(a, targets, namespace.name, traces))
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+def _load_config(a: argparse.Namespace, targets: tuple[str, ...], namespace: str, traces: Path) -> LoadConfig:
+    from benchmarks.load_bench import LoadConfig
+
+    return LoadConfig(
+        targets=targets,
+        namespace=namespace,
+        traces=traces,
+        decoders=a.decoders,
+        batch=a.batch,
+        seconds=a.seconds,
+        step_interval_s=a.step_ms / 1e3,
+        deadline_s=a.deadline_ms / 1e3,
+        params=DraftParams(budget=a.budget),
+        watch_pids=tuple(a.watch_pid),
+        passes=a.passes,
+        lookahead=a.lookahead,
+        timeline_s=a.timeline,
+        stream=not a.unary,
+    )
+
+
+def _bench_draft_args(bd: argparse.ArgumentParser) -> None:
+    bd.add_argument("traces", type=Path, help="requests come from these conversations")
+    add(bd, "--tokenizer", type=Path, default=None, help="tokenizer of the traces' namespace (its vocabulary)")
+    add(bd, "--batch", type=positive, default=32, help="sequences stepped together")
+    add(bd, "--steps", type=positive, default=1200, help="batch steps timed")
+    add(bd, "--rebuild-every", type=non_negative, default=300, help="steps between lifetime rebuilds (0: never)")
+    add(bd, "--budget", type=positive, default=64, help="draft tree size in tokens")
+    add(bd, "--draft-threads", type=positive, default=1, help="worker threads one batch's draft step is shared among")
+    add(bd, "--prior", type=Path, default=None, help="a static prior to draft from too (a `warm --out` file)")
+    add(bd, "--lookahead", type=non_negative, default=0, help="pre-speculation: outcomes drafted ahead per step")
+    add(bd, "--step-ms", type=float, default=0.0, help="idle time between steps (the target's verification)")
+
+
+def cmd_bench_draft(a: argparse.Namespace) -> int:
+    from benchmarks.draft_bench import DraftBenchConfig, run_draft_bench
+
+    conversations = read_traces(a.traces)
+    vocab = warm.load_tokenizer(a.tokenizer)[1] if a.tokenizer is not None else None
+    config = DraftBenchConfig(
+        batch=a.batch,
+        steps=a.steps,
+        rebuild_every=a.rebuild_every,
+        lookahead=a.lookahead,
+        step_interval_s=a.step_ms / 1e3,
+        params=DraftParams(budget=a.budget),
+        drafter=DrafterConfig(threads=a.draft_threads),
+    )
+    prior = read_prior(a.prior) if a.prior is not None else None
+    namespace = replay_bench.namespace_of(conversations, vocab)
+    print(json.dumps(run_draft_bench(conversations, namespace, config, prior), indent=2))
+    return 0
+
+
+def _bench_index_args(b: argparse.ArgumentParser) -> None:
+    add(b, "--corpus", type=Path, required=True, help="real text to fill the buffer with")
+    add(b, "--format", default="sharegpt", choices=warm.FORMATS, help="corpus format")
+    add(b, "--tokenizer", type=Path, required=True, help="tokenizer folder of the corpus")
+    add(b, "--tokens", type=positive, default=10_000_000, help="buffer size in tokens")
+    add(b, "--queries", type=positive, default=20_000, help="lookups timed")
+    add(b, "--delta", type=positive, default=1 << 16, help="new tokens per timed extending rebuild, the buffer full")
+    add(b, "--rounds", type=non_negative, default=5, help="extending rebuilds timed beside sorting afresh (0: none)")
+    b.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def cmd_bench_index(a: argparse.Namespace) -> int:
+    from benchmarks import index_bench
+
+    encode, vocab = warm.load_tokenizer(a.tokenizer)
+    tokens = warm.tokenize_corpus(warm.read_corpus(a.corpus, a.format), encode, vocab)
+    config = index_bench.IndexBenchConfig(
+        buffer_tokens=a.tokens, queries=a.queries, delta_tokens=a.delta, rounds=a.rounds
+    )
+    result = index_bench.run_index_bench(tokens, config)
+    if a.json:
+        print(json.dumps(result, indent=2))
+    else:
+        for key, value in result.items():
+            print(f"{key:<28}{value}")
+    return 0
+
+
+_COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
+    "replay": (_replay_args, cmd_replay),
+    "generate": (_generate_args, cmd_generate),
+    "bench-generate": (_bench_generate_args, cmd_bench_generate),
+    "bench-rpc": (_bench_rpc_args, cmd_bench_rpc),
+    "bench-load": (_bench_load_args, cmd_bench_load),
+    "bench-draft": (_bench_draft_args, cmd_bench_draft),
+    "bench-index": (_bench_index_args, cmd_bench_index),
+}
+
+
+def add_arguments(name: str, p: argparse.ArgumentParser) -> None:
+    _COMMANDS[name][0](p)
+
+
+def run(name: str, a: argparse.Namespace) -> int:
+    return _COMMANDS[name][1](a)

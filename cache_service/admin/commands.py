@@ -1,0 +1,331 @@
+"""The server's subcommands: ``serve``, ``warm``, ``migrate``, ``sessions``, ``stats``, ``rebuild``.
+
+Configuration dataclasses are built here from the flags and passed whole. Heavy modules (the
+server, numba kernels, tokenizers) are imported inside the command that needs them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from cache_service.admin.options import add, positive
+from cache_service.admin.warm import FORMATS as CORPUS_FORMATS
+
+if TYPE_CHECKING:
+    from indexer.prior import PriorConfig, StaticPrior
+
+logger = logging.getLogger("draftcache")
+
+
+def prior_args(p: argparse.ArgumentParser) -> None:
+    """The prior's shape: shared by ``warm`` and the tools that warm a prior themselves."""
+    add(p, "--orders", default="1,2,3,4", help="leader lengths of the prior's tables")
+    add(p, "--follower-len", type=positive, default=8, help="tokens kept after each leader")
+    add(p, "--top-k", type=positive, default=4, help="followers kept per leader")
+    add(p, "--max-leaders", type=positive, default=1 << 18, help="leaders kept per order (the most frequent)")
+
+
+def prior_config(a: argparse.Namespace) -> PriorConfig:
+    from indexer.prior import PriorConfig
+
+    orders = tuple(int(x) for x in str(a.orders).split(",") if x)
+    return PriorConfig(orders=orders, follower_len=a.follower_len, top_k=a.top_k, max_leaders=a.max_leaders)
+
+
+def storage_args(p: argparse.ArgumentParser) -> None:
+    add(
+        p,
+        "--redis-url",
+        default=None,
+        help="storage: redis://[user:pass@]host:port/db, rediss:// (TLS, ?ssl_ca_certs=...), "
+        "redis+cluster://host:port,host:port, redis+sentinel://host:port/service[/db]; default: the embedded one",
+    )
+    add(p, "--data-dir", type=Path, default=Path("data"), help="where the embedded Redis keeps its files")
+
+
+def target_args(p: argparse.ArgumentParser, default: str | None = "127.0.0.1:50051") -> None:
+    """How to reach a running service: address, bearer token, TLS."""
+    add(p, "--target", default=default, help="host:port of the service")
+    add(p, "--token", default=None, help="bearer token, when the service authenticates (--tokens-file)")
+    add(p, "--tls-ca", type=Path, default=None, help="PEM root certificate: reach the service over TLS")
+
+
+def redis_url(a: argparse.Namespace) -> str:
+    """``--redis-url``, else the URL the embedded server of ``--data-dir`` published."""
+    if a.redis_url:
+        return str(a.redis_url)
+    published = a.data_dir / "redis" / "url"
+    if not published.exists():
+        raise ValueError(
+            f"no --redis-url and no running embedded Redis in {a.data_dir} (start 'draftcache serve' first)"
+        )
+    return published.read_text().strip()
+
+
+def tokenize(corpus: Path, fmt: str, tokenizer: Path, vocab_size: int | None = None) -> tuple[object, int]:
+    """The corpus's documents as one array (each followed by a separator), and the vocabulary."""
+    from tqdm import tqdm
+
+    from cache_service.admin import warm
+
+    encode, vocab = warm.load_tokenizer(tokenizer)
+    if vocab_size is not None and vocab_size != vocab:
+        raise warm.CorpusError(f"tokenizer {tokenizer} has {vocab} ids but the namespace has {vocab_size}")
+    with tqdm(desc=f"tokenizing {corpus.name}", unit=" docs", file=sys.stderr, disable=None) as bar:
+
+        def progress(docs: int, tokens: int) -> None:
+            bar.update(docs - bar.n)
+            bar.set_postfix(tokens=f"{tokens / 1e6:.1f}M")
+
+        return warm.tokenize_corpus(warm.read_corpus(corpus, fmt), encode, vocab, progress=progress), vocab
+
+
+def warm_prior(
+    corpus: Path, fmt: str, tokenizer: Path, config: PriorConfig, *, vocab_size: int | None = None
+) -> StaticPrior:
+    from cache_service.admin import warm
+
+    start = time.perf_counter()
+    tokens, _ = tokenize(corpus, fmt, tokenizer, vocab_size)
+    prior = warm.build_prior(tokens, config)  # type: ignore[arg-type]
+    logger.info(
+        "prior: %d corpus tokens -> %.1f MB of tables in %.1f s",
+        tokens.size,  # type: ignore[attr-defined]
+        prior.nbytes / 1e6,
+        time.perf_counter() - start,
+    )
+    return prior
+
+
+def read_prior(path: Path) -> StaticPrior:
+    """A prior file written by ``warm --out``; anything else is a clear error."""
+    from indexer.prior import StaticPrior
+
+    try:
+        return StaticPrior.from_bytes(path.read_bytes())
+    except (ValueError, KeyError, EOFError, OSError) as exc:
+        if isinstance(exc, FileNotFoundError):
+            raise
+        raise ValueError(f"{path} is not a prior file (write one with 'draftcache warm --out'): {exc}") from exc
+
+
+def write_atomic(path: Path, blob: bytes) -> None:
+    """Write a file whole or not at all: a crash never leaves a truncated prior behind."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(blob)
+    os.replace(tmp, path)
+
+
+def _serve_args(p: argparse.ArgumentParser) -> None:
+    add(p, "--host", default="127.0.0.1", help="address to listen on")
+    add(p, "--port", type=int, default=50051, help="port to listen on (0: any free port)")
+    storage_args(p)
+    add(p, "--rebuild-interval", type=float, default=30.0, help="seconds between index rebuilds")
+    add(p, "--session-ttl", type=float, default=3600.0, help="idle seconds before a session expires")
+    add(p, "--max-batch", type=positive, default=256, help="most items in one call")
+    add(p, "--max-sessions", type=positive, default=100_000, help="most live sessions in one process")
+    add(p, "--processes", type=positive, default=1, help="server processes sharing the port (one per core)")
+    add(p, "--worker-ports", type=int, default=None, help="process i also serves port BASE + i alone")
+    add(p, "--draft-threads", type=positive, default=1, help="worker threads one batch's draft step is shared among")
+    add(p, "--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
+    add(p, "--metrics-host", default="0.0.0.0", help="address of the metrics endpoint")
+    add(p, "--tokens-file", type=Path, default=None, help="bearer tokens of tenants (JSON); default: no auth")
+    add(p, "--tls-cert", type=Path, default=None, help="PEM certificate chain: serve TLS")
+    add(p, "--tls-key", type=Path, default=None, help="PEM private key of --tls-cert")
+    add(p, "--tls-client-ca", type=Path, default=None, help="require client certificates from this CA (mTLS)")
+
+
+def _warm_args(p: argparse.ArgumentParser) -> None:
+    add(p, "--namespace", required=True, help="the namespace (one tokenizer) the prior is for")
+    add(p, "--tokenizer", type=Path, required=True, help="tokenizer folder (tokenizer.model or tokenizer.json)")
+    add(p, "--corpus", type=Path, required=True, help="corpus file (.gz read transparently)")
+    add(p, "--format", default="sharegpt", choices=CORPUS_FORMATS, help="corpus format")
+    add(p, "--out", type=Path, default=None, help="write a prior file instead of publishing to Redis")
+    p.add_argument(
+        "--lifetime",
+        action="store_true",
+        help="append the corpus documents to the namespace's lifetime log (as finished requests) instead",
+    )
+    storage_args(p)
+    prior_args(p)
+
+
+def _migrate_args(p: argparse.ArgumentParser) -> None:
+    storage_args(p)
+    p.add_argument("--dry-run", action="store_true", help="only say what would be applied")
+
+
+def _sessions_args(p: argparse.ArgumentParser) -> None:
+    storage_args(p)
+    add(p, "--match", default="*", help="glob over session ids")
+    add(p, "--limit", type=int, default=100, help="most sessions listed")
+
+
+def _admin_args(p: argparse.ArgumentParser) -> None:
+    target_args(p)
+    add(p, "--namespace", default="", help="one namespace (default: all)")
+
+
+def cmd_warm(a: argparse.Namespace) -> int:
+    if a.lifetime:
+        return _warm_lifetime(a)
+    prior = warm_prior(a.corpus, a.format, a.tokenizer, prior_config(a))
+    blob = prior.to_bytes()
+    if a.out is not None:
+        write_atomic(a.out, blob)
+        where = str(a.out)
+    else:  # publish: the namespace is registered with the tokenizer's vocabulary, then the blob
+        from cache_service.admin import warm
+        from cache_service.app import connect
+        from cache_service.storage.redis_store import RedisStore
+
+        store = RedisStore(connect(redis_url(a)))
+        store.register_namespace(a.namespace, warm.load_tokenizer(a.tokenizer)[1])
+        where = f"Redis, version {store.put_prior(a.namespace, blob)}"
+    print(f"namespace {a.namespace}: prior of {prior.source_tokens} tokens, {prior.nbytes / 1e6:.1f} MB -> {where}")
+    return 0
+
+
+def _warm_lifetime(a: argparse.Namespace) -> int:
+    """Append a corpus's documents to a namespace's lifetime log, as if each were a finished
+    request: replicas following the log draft from them (the log keeps its token cap)."""
+    from cache_service.admin import warm
+    from cache_service.app import connect
+    from cache_service.storage.redis_store import RedisStore
+
+    if a.out is not None:
+        raise warm.CorpusError("--lifetime appends to the log in Redis; it writes no file (drop --out)")
+    tokens, vocab = tokenize(a.corpus, a.format, a.tokenizer)
+    store = RedisStore(connect(redis_url(a)))
+    store.register_namespace(a.namespace, vocab)
+    docs = warm.split_documents(tokens)  # type: ignore[arg-type]
+    for start in range(0, len(docs), 256):
+        store.append_requests(a.namespace, docs[start : start + 256])
+    entries, held = store.log_size(a.namespace)
+    print(f"namespace {a.namespace}: {len(docs)} documents appended; the log holds {entries} requests, {held} tokens")
+    return 0
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    import asyncio
+
+    from cache_service.app import AppConfig, serve
+    from cache_service.config import EmbeddedRedisConfig, ServerConfig, ServiceConfig
+    from cache_service.host.workers import check_ports, serve_processes
+    from indexer.drafter import DrafterConfig
+
+    config = AppConfig(
+        service=ServiceConfig(
+            drafter=DrafterConfig(threads=a.draft_threads),
+            rebuild_interval_s=a.rebuild_interval,
+            session_ttl_s=a.session_ttl,
+            max_batch=a.max_batch,
+            max_sessions=a.max_sessions,
+        ),
+        server=ServerConfig(
+            host=a.host,
+            port=a.port,
+            own_port=a.worker_ports if a.processes == 1 else None,  # workers: worker_config's
+            tokens_file=a.tokens_file,
+            tls_cert_file=a.tls_cert,
+            tls_key_file=a.tls_key,
+            tls_client_ca_file=a.tls_client_ca,
+        ),
+        redis_url=a.redis_url,
+        embedded=EmbeddedRedisConfig(data_dir=a.data_dir / "redis"),
+        metrics_port=a.metrics_port,
+        metrics_host=a.metrics_host,
+    )
+    if a.processes > 1:
+        serve_processes(config, a.processes, worker_ports=a.worker_ports, log_format=a.log_format, verbose=a.verbose)
+    else:
+        check_ports(config, 1, a.worker_ports)
+        asyncio.run(serve(config))
+    return 0
+
+
+def cmd_migrate(a: argparse.Namespace) -> int:
+    import migrations
+    from cache_service.app import connect
+
+    print(migrations.run_migrate(connect(redis_url(a)), dry_run=a.dry_run))
+    return 0
+
+
+def cmd_sessions(a: argparse.Namespace) -> int:
+    from cache_service.app import connect
+    from cache_service.storage.redis_store import RedisStore
+
+    store = RedisStore(connect(redis_url(a)))
+    ids = store.session_ids(a.match)
+    print(f"{len(ids)} sessions in storage")
+    for sid in ids[: a.limit]:
+        found = store.load_session(sid)
+        if found is not None:  # it may expire between the scan and the read
+            state = found.state
+            print(f"{sid}  {state.namespace}  {state.context.size} tokens ({state.prompt_len} prompt)")
+    return 0
+
+
+def channel(a: argparse.Namespace):  # type: ignore[no-untyped-def]
+    """A channel to ``--target``, over TLS when ``--tls-ca`` is given."""
+    import grpc
+
+    if a.tls_ca is None:
+        return grpc.insecure_channel(a.target)
+    return grpc.secure_channel(a.target, grpc.ssl_channel_credentials(root_certificates=a.tls_ca.read_bytes()))
+
+
+def call_metadata(a: argparse.Namespace) -> tuple[tuple[str, str], ...]:
+    """The bearer token as call metadata, as a decoder sends it."""
+    return (("authorization", f"Bearer {a.token}"),) if a.token else ()
+
+
+def cmd_admin(a: argparse.Namespace) -> int:
+    from draftcache.v1 import draftcache_pb2 as pb
+    from draftcache.v1 import draftcache_pb2_grpc as pb_grpc
+
+    meta = call_metadata(a)
+    with channel(a) as ch:
+        admin = pb_grpc.AdminStub(ch)
+        if a.command == "rebuild":
+            infos = admin.Rebuild(pb.RebuildRequest(namespace=a.namespace), timeout=600, metadata=meta).namespaces
+        else:
+            stats = admin.Stats(pb.StatsRequest(namespace=a.namespace), timeout=30, metadata=meta)
+            print(
+                f"sessions {stats.sessions}, drafts {stats.drafts}, commits waiting for storage {stats.pending_writes}"
+            )
+            infos = stats.namespaces
+    for i in infos:
+        print(
+            f"{i.name}: vocab {i.vocab_size}, {i.buffered_tokens} buffered tokens in {i.requests} requests, "
+            f"index {i.index_tokens} tokens ({i.last_rebuild_seconds:.2f} s), prior v{i.prior_version}, "
+            f"{i.sessions} sessions"
+        )
+    return 0
+
+
+_COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
+    "serve": (_serve_args, cmd_serve),
+    "warm": (_warm_args, cmd_warm),
+    "migrate": (_migrate_args, cmd_migrate),
+    "sessions": (_sessions_args, cmd_sessions),
+    "stats": (_admin_args, cmd_admin),
+    "rebuild": (_admin_args, cmd_admin),
+}
+
+
+def add_arguments(name: str, p: argparse.ArgumentParser) -> None:
+    _COMMANDS[name][0](p)
+
+
+def run(name: str, a: argparse.Namespace) -> int:
+    return _COMMANDS[name][1](a)

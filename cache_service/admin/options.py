@@ -1,0 +1,63 @@
+"""Command-line options shared by the subcommands: defaults from ``DRAFTCACHE_*`` variables,
+every default shown in ``--help``.
+
+>>> import os
+>>> os.environ["DRAFTCACHE_BUDGET"] = "32"
+>>> p = argparse.ArgumentParser()
+>>> add(p, "--budget", type=int, default=64, help="draft tokens")
+>>> p.parse_args([]).budget, p.parse_args(["--budget", "8"]).budget
+(32, 8)
+>>> del os.environ["DRAFTCACHE_BUDGET"]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows every option's default (``(default: ...)``), except where there is none to show."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if action.default in (None, False, argparse.SUPPRESS) or "%(default)" in text or action.required:
+            return text
+        return super()._get_help_string(action)
+
+
+def env(name: str, default: str | None = None) -> str | None:
+    """``DRAFTCACHE_<NAME>`` (dashes become underscores), else ``default``."""
+    return os.environ.get("DRAFTCACHE_" + name.upper().replace("-", "_"), default)
+
+
+def add(p: argparse.ArgumentParser, flag: str, **kw: Any) -> None:
+    """An option whose default comes from the environment when set there."""
+    value = env(flag.lstrip("-"))
+    if value is not None:
+        kw["default"] = kw["type"](value) if "type" in kw else value
+        kw.pop("required", None)
+    if "help" not in kw:
+        raise ValueError(f"{flag}: every option needs help text")
+    p.add_argument(flag, **kw)
+
+
+def positive(text: str) -> int:
+    """An integer of at least 1 (argparse turns the ValueError into a usage error).
+
+    >>> positive("3")
+    3
+    """
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def non_negative(text: str) -> int:
+    """An integer of at least 0."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return value

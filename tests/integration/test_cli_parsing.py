@@ -1,0 +1,93 @@
+"""The ``draftcache`` command's surface: help for every option, defaults shown, bad values refused
+before any work, and a clear word when an optional extra is missing."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cache_service.cli import COMMANDS, build_parser, main
+
+
+def _subparsers() -> dict[str, argparse.ArgumentParser]:
+    action = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(action.choices)
+
+
+def test_every_subcommand_is_in_the_table_and_every_option_has_help() -> None:
+    parsers = _subparsers()
+    assert set(parsers) == set(COMMANDS)
+    for name, parser in parsers.items():
+        for action in parser._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            assert action.help, f"draftcache {name} {action.option_strings or action.dest}: no help text"
+
+
+def test_help_shows_the_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["replay", "--help"])
+    text = capsys.readouterr().out
+    assert "(default: 64)" in text  # --budget
+    assert "(default: 32)" in text  # --max-depth
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["replay", "t.jsonl", "--budget", "0"],
+        ["replay", "t.jsonl", "--lookahead", "-1"],
+        ["bench-draft", "t.jsonl", "--batch", "0"],
+        ["serve", "--max-batch", "0"],
+    ],
+)
+def test_out_of_range_values_are_usage_errors(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    assert "must be at least" in capsys.readouterr().err
+
+
+def test_a_prior_that_is_not_a_prior_file_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    traces = tmp_path / "t.jsonl"
+    traces.write_text('{"id": "a", "namespace": "toy", "segments": [{"kind": "output", "tokens": [1, 2]}]}\n')
+    bogus = tmp_path / "prior.npz"
+    bogus.write_bytes(b"not a prior at all")
+    assert main(["replay", str(traces), "--prior", str(bogus)]) == 2
+    err = capsys.readouterr().err
+    assert "is not a prior file" in err and "draftcache warm --out" in err
+
+
+def _run(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+
+
+def test_a_missing_extra_is_named() -> None:
+    # torch made unimportable, as on a server-only install.
+    done = _run(
+        "import sys; sys.modules['torch'] = None\n"
+        "from cache_service.cli import main\n"
+        "sys.exit(main(['generate', '--prompt', 'hi']))"
+    )
+    assert done.returncode == 2, done.stderr
+    assert "pip install 'draftcache[decoder]'" in done.stderr
+
+
+def test_server_commands_load_no_tool_modules() -> None:
+    done = _run(
+        "import sys\n"
+        "from cache_service.cli import main\n"
+        "for argv in (['--help'], ['serve', '--help'], ['stats', '--help'], ['warm', '--help']):\n"
+        "    try:\n"
+        "        main(argv)\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        "loaded = [m for m in ('torch', 'transformers', 'benchmarks', 'decoder_client') if m in sys.modules]\n"
+        "print(loaded)\n"
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]"
