@@ -77,7 +77,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     """The parser. Given the command line, only the subcommand it names loads its module and its
     options (the others show their one-line help); without one, every subcommand is complete."""
     parser = argparse.ArgumentParser(
-        prog="draftcache", description="draftcache: a shared drafting cache for model-free speculative decoding", formatter_class=HelpFormatter
+        prog="draftcache",
+        description="draftcache: a shared drafting cache for model-free speculative decoding",
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     add(parser, "--log-format", default="text", choices=("text", "json"), help="json: one object per line")
