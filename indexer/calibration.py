@@ -2,15 +2,45 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import NamedTuple
 
 import numpy as np
 
 from indexer import kernels
 from indexer.tree_builder import Tier
 
-if TYPE_CHECKING:
-    from indexer.session import Guesses
+
+class Guess(NamedTuple):
+    """A tier's most likely first token at the last draft, kept for calibration."""
+
+    tier: Tier
+    n: int
+    token: int
+    predicted: float
+
+
+class Guesses(NamedTuple):
+    """Every tier's first guess in one batch of drafts, by sequence and tier value: the token
+    (-1: the tier had none), its probability and the match length it was found at.
+
+    >>> g = Guesses(np.array([[7, -1]]), np.array([[0.5, 0.0]]), np.array([[2, 0]]))
+    >>> g.of(0)  # the second tier had no guess
+    [Guess(tier=<Tier.DYNAMIC: 0>, n=2, token=7, predicted=0.5)]
+    """
+
+    tokens: np.ndarray  # int64 (sequences, tiers)
+    predicted: np.ndarray  # float64 (sequences, tiers)
+    lengths: np.ndarray  # int64 (sequences, tiers)
+
+    def of(self, j: int) -> list[Guess]:
+        """Sequence ``j``'s guesses, one per tier that had one."""
+        return [
+            Guess(Tier(t), n, tok, p)
+            for t, (tok, p, n) in enumerate(
+                zip(self.tokens[j].tolist(), self.predicted[j].tolist(), self.lengths[j].tolist(), strict=True)
+            )
+            if tok >= 0
+        ]
 
 
 class Calibrator:

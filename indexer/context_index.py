@@ -7,8 +7,6 @@ its last ``n`` tokens occur, for the largest ``n``", and the continuations that 
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 
 from indexer import kernels
@@ -42,8 +40,6 @@ class ContextIndex:
         self.state[INDEXED] = indexed
         sa = SuffixIndex(prompt[:indexed]) if indexed else None
         self._sa = (_EMPTY, _EMPTY) if sa is None else (sa.tokens, sa.suffix_array)  # tokens, suffix array
-        # Called with the new buffer when an extension outgrows the old one.
-        self.moved: Callable[[np.ndarray], None] | None = None
 
     def __len__(self) -> int:
         return int(self.state[LEN])
@@ -68,9 +64,7 @@ class ContextIndex:
         if need > self.buffer.size:
             grown = np.empty(max(need, 2 * self.buffer.size), dtype=np.int32)
             grown[:size] = self.buffer[:size]
-            self.buffer = grown
-            if self.moved is not None:
-                self.moved(grown)
+            self.buffer = grown  # a new object: a store listing the old one lists this one instead
         self.buffer[size:need] = tokens
         self.state[LEN] = need
 

@@ -204,7 +204,7 @@ class NamespaceDrafter:
 
     def open(self, prompt: np.ndarray | list[int]) -> Session:
         tokens = as_tokens(prompt, self.namespace.vocab_size, what="prompt")
-        return Session(tokens, self.config, self.memory.exact_response(prompt_key(tokens)))
+        return Session(tokens, self.config.rejected, self.memory.exact_response(prompt_key(tokens)))
 
     def resume(self, snapshot: SessionSnapshot) -> Session:
         """A session continued from :meth:`Session.snapshot` (taken here or on another replica)."""
@@ -212,7 +212,7 @@ class NamespaceDrafter:
         if not 0 <= snapshot.prompt_len <= context.size:
             raise ValueError(f"prompt_len {snapshot.prompt_len} outside a context of {context.size} tokens")
         prompt = context[: snapshot.prompt_len]
-        return Session.restore(snapshot, self.config, self.memory.exact_response(prompt_key(prompt)))
+        return Session.restore(snapshot, self.config.rejected, self.memory.exact_response(prompt_key(prompt)))
 
     def draft(self, session: Session, params: DraftParams) -> DraftTree:
         """The draft tree for the session's current context."""

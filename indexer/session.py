@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
+from indexer.calibration import Guesses
 from indexer.context_index import ContextIndex
 from indexer.kernels import store as kstore
 from indexer.kernels.store import (
@@ -24,42 +23,10 @@ from indexer.kernels.store import (
     TREE_SIZE,
 )
 from indexer.prespeculation import Prefetched
-from indexer.session_cache import RejectedCache, TableColumns
-from indexer.tree_builder import DraftTree, Tier
-
-if TYPE_CHECKING:
-    from indexer.drafter import DrafterConfig
-    from indexer.session_store import SessionStore
+from indexer.session_cache import LruTableConfig, RejectedCache, TableColumns
+from indexer.tree_builder import DraftTree
 
 _FIRST_TREE = 64  # nodes the last tree's buffer holds at first (it grows with larger trees)
-
-
-class Guess(NamedTuple):
-    """A tier's most likely first token at the last draft, kept for calibration."""
-
-    tier: Tier
-    n: int
-    token: int
-    predicted: float
-
-
-class Guesses(NamedTuple):
-    """Every tier's first guess in one batch of drafts, by sequence and tier value: the token
-    (-1: the tier had none), its probability and the match length it was found at."""
-
-    tokens: np.ndarray  # int64 (sequences, tiers)
-    predicted: np.ndarray  # float64 (sequences, tiers)
-    lengths: np.ndarray  # int64 (sequences, tiers)
-
-    def of(self, j: int) -> list[Guess]:
-        """Sequence ``j``'s guesses, one per tier that had one."""
-        return [
-            Guess(Tier(t), n, tok, p)
-            for t, (tok, p, n) in enumerate(
-                zip(self.tokens[j].tolist(), self.predicted[j].tolist(), self.lengths[j].tolist(), strict=True)
-            )
-            if tok >= 0
-        ]
 
 
 @dataclass(frozen=True)
@@ -77,28 +44,25 @@ class Session:
 
     What compiled steps read and update lives in arrays: the context buffer, the prompt index,
     the rejected table and a state vector (lengths, hints; see :mod:`indexer.kernels.store`).
-    A drafter holds a session's arrays in its store (``row``) while it drafts for it.
+    A drafter lists a session's arrays in its store (:mod:`indexer.session_store`) while it
+    drafts for it; the session itself knows nothing of stores. ``rejected`` sizes its rejected
+    table; ``exact`` is the response an identical prompt got before, if one did.
 
-    >>> from indexer.drafter import DrafterConfig
-    >>> s = Session(np.array([1, 2, 3, 1, 2], dtype=np.int32), DrafterConfig(), None)
-    >>> again = Session.restore(s.snapshot(), DrafterConfig(), None)
+    >>> s = Session(np.array([1, 2, 3, 1, 2], dtype=np.int32), LruTableConfig(), None)
+    >>> again = Session.restore(s.snapshot(), LruTableConfig(), None)
     >>> again.context.tokens.tolist(), again.prompt_len
     ([1, 2, 3, 1, 2], 5)
     """
 
-    def __init__(self, prompt: np.ndarray, config: DrafterConfig, exact: np.ndarray | None) -> None:
+    def __init__(self, prompt: np.ndarray, rejected: LruTableConfig, exact: np.ndarray | None) -> None:
         self.state = np.zeros(STATE_SIZE, dtype=np.int64)
         self.context = ContextIndex(prompt, self.state)
         self.state[PROMPT_LEN] = prompt.size
-        self.rejected = RejectedCache(config.rejected)
+        self.rejected = RejectedCache(rejected)
         self.exact = exact
         self.state[TREE_SIZE] = -1
         self.tree_buffer = np.zeros(4 * _FIRST_TREE, dtype=np.int32)  # the last tree (see kernels.store)
-        # Called with the new buffer when a tree set here outgrows the old one.
-        self.tree_moved: Callable[[np.ndarray], None] | None = None
         self.prefetched: Prefetched = {}  # trees drafted ahead for outcomes of last_tree
-        self.row = -1  # in the store of the drafter holding its arrays (-1: none holds them)
-        self.store: SessionStore | None = None
 
     @property
     def has_tree(self) -> bool:
@@ -117,14 +81,15 @@ class Session:
             self.state[TREE_SIZE] = -1
             return
         scores = np.ascontiguousarray(tree.scores, dtype=np.float32)
-        before = self.tree_buffer
-        self.tree_buffer = kstore.write_tree(
-            before, self.state, np.ascontiguousarray(tree.tokens, dtype=np.int32),
+        written = kstore.write_tree(
+            self.tree_buffer, self.state, np.ascontiguousarray(tree.tokens, dtype=np.int32),
             np.ascontiguousarray(tree.parents, dtype=np.int32), np.ascontiguousarray(tree.sources, dtype=np.int32),
             scores,
         )  # fmt: skip
-        if self.tree_buffer.size != before.size and self.tree_moved is not None:
-            self.tree_moved(self.tree_buffer)
+        # The same buffer comes back (as another ndarray object) unless it grew; keeping the
+        # object tells a store listing it that nothing was replaced.
+        if written.size != self.tree_buffer.size:
+            self.tree_buffer = written
 
     @property
     def guesses(self) -> tuple[Guesses, int] | None:
@@ -179,8 +144,8 @@ class Session:
         )
 
     @classmethod
-    def restore(cls, snap: SessionSnapshot, config: DrafterConfig, exact: np.ndarray | None) -> Session:
-        session = cls(snap.context[: snap.prompt_len], config, exact)
+    def restore(cls, snap: SessionSnapshot, rejected: LruTableConfig, exact: np.ndarray | None) -> Session:
+        session = cls(snap.context[: snap.prompt_len], rejected, exact)
         session.context.extend(snap.context[snap.prompt_len :])
         for leader, followers in snap.rejected.items():  # ValueError on a leader or follower that is no table's
             for follower, count in followers:

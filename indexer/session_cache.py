@@ -13,7 +13,7 @@ accept steps read and update a batch's tables in place, with no interpreter work
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -125,9 +125,6 @@ class LruTable:
     def __init__(self, config: LruTableConfig) -> None:
         self.config = config
         self.array = lru.new_table(config.leader_len, config.follower_len, config.max_followers, config.max_leaders)
-        # Called with the new array when an add outgrows the old one (a holder of the array,
-        # such as a session store, follows it).
-        self.moved: Callable[[np.ndarray], None] | None = None
 
     def __len__(self) -> int:
         return int(self.array[lru.N])
@@ -147,11 +144,11 @@ class LruTable:
         self._add(key, fol, count)
 
     def _add(self, key: np.ndarray, fol: np.ndarray, count: int) -> None:
-        before = self.array
-        # The same array comes back (as another ndarray object) unless the table grew.
-        self.array = lru.add(before, key, 0, fol, 0, fol.size, count)
-        if self.array.size != before.size and self.moved is not None:  # it grew
-            self.moved(self.array)
+        added = lru.add(self.array, key, 0, fol, 0, fol.size, count)
+        # The same array comes back (as another ndarray object) unless the table grew; keeping
+        # the object tells a holder of it (a session store) that nothing was replaced.
+        if added.size != self.array.size:
+            self.array = added
 
     def followers(self, leader: Leader) -> list[tuple[Follower, int]]:
         """Most recent first."""

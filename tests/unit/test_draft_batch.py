@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from indexer import kernels
+from indexer.calibration import Guess
 from indexer.drafter import (
     _HALF,
     MIN_PER_THREAD,
@@ -23,7 +24,7 @@ from indexer.lifetime_index import LifetimeIndexes
 from indexer.ngram_table import NgramTable
 from indexer.prespeculation import stopping_points
 from indexer.prior import PriorConfig, StaticPrior
-from indexer.session import Guess, Session
+from indexer.session import Session
 from indexer.suffix_array import SuffixIndex
 from indexer.tokens import SEPARATOR, Namespace
 from indexer.tree_builder import Candidates, Tier, merge_candidates

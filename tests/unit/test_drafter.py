@@ -1,11 +1,10 @@
 import numpy as np
 import pytest
 
-from indexer.calibration import Calibrator
+from indexer.calibration import Calibrator, Guesses
 from indexer.drafter import DrafterConfig, DraftParams, NamespaceDrafter
 from indexer.lifetime_index import prompt_key
 from indexer.prior import PriorConfig, StaticPrior
-from indexer.session import Guesses
 from indexer.tokens import SEPARATOR, Namespace
 from indexer.tree_builder import Tier
 
