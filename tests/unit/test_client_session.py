@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from draftcache.v1 import draftcache_pb2 as pb
 
-from decoder_client.client import ClientConfig, ClientSession, _Core, prompt_lookup_fallback
+from decoder_client.client import ClientConfig, ClientSession, prompt_lookup_fallback
+from decoder_client.client.core import ClientCore
 from indexer.tree_builder import DraftTree
 
 
@@ -45,7 +46,7 @@ def test_a_long_request_built_step_by_step_keeps_every_token() -> None:
 
 
 def test_trees_come_back_in_order_with_fallbacks_where_the_service_had_no_copy() -> None:
-    core = _Core(ClientConfig(target="x", namespace="ns"), prompt_lookup_fallback)
+    core = ClientCore(ClientConfig(target="x", namespace="ns"), prompt_lookup_fallback)
     remote, local = ClientSession([1, 2, 3, 1, 2], 5), ClientSession([4, 5, 6, 4, 5], 5)
     remote.server_id = "a"
     resp = pb.DraftResponse(trees=[pb.Tree(tokens=[9], parents=[-1], sources=b"\x01", scores=[0.5])])

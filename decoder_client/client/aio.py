@@ -1,0 +1,236 @@
+"""``AsyncDraftClient``: the client for a decoder on an asyncio loop (``grpc.aio`` calls and
+:mod:`~decoder_client.client.aio_stream`'s streams)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Sequence
+from functools import partial
+from typing import Any
+
+import grpc
+import numpy as np
+from draftcache.v1 import draftcache_pb2 as pb
+from draftcache.v1 import draftcache_pb2_grpc as pb_grpc
+
+from decoder_client.client.aio_stream import AsyncStream, within
+from decoder_client.client.config import RECONNECT_OPTIONS, ClientConfig
+from decoder_client.client.core import ClientCore, ClientStats, Fallback, prompt_lookup_fallback
+from decoder_client.client.plan import CatchUp, Draft, DraftAhead, Drafted, Effect, Reopen, draft_step
+from decoder_client.client.protocol import UNARY, lane_of
+from decoder_client.client.session import ClientSession
+from indexer.tree_builder import DraftTree
+
+
+class AsyncDraftClient:
+    """The asyncio twin of :class:`DraftClient` (same bookkeeping, ``grpc.aio`` transport)."""
+
+    def __init__(self, config: ClientConfig, fallback: Fallback = prompt_lookup_fallback) -> None:
+        self._core = ClientCore(config, fallback)
+        creds = config.credentials()
+        self._channel = (
+            grpc.aio.insecure_channel(config.target, options=RECONNECT_OPTIONS)
+            if creds is None
+            else grpc.aio.secure_channel(config.target, creds, options=RECONNECT_OPTIONS)
+        )
+        self._stub = pb_grpc.DraftCacheStub(self._channel)
+        self._streams: dict[str, AsyncStream] = {}  # by lane
+        self._inflight: tuple[list[ClientSession], asyncio.Future] | None = None
+        self._opening: tuple[list[ClientSession], list[int], pb.OpenSessionsRequest, asyncio.Future] | None = None
+        self._background: set[asyncio.Future] = set()
+        self._closing: set[asyncio.Future] = set()  # background closes (booked as each ends)
+
+    @property
+    def stats(self) -> ClientStats:
+        return self._core.stats
+
+    async def open(self, prompts: Sequence[Sequence[int] | np.ndarray], *, wait: bool = True) -> list[ClientSession]:
+        """See :meth:`DraftClient.open`."""
+        sessions = [ClientSession(np.asarray(p, dtype=np.int32), len(p)) for p in prompts]
+        if wait:
+            await self._open(sessions)
+        else:
+            self._reopen(sessions)
+        return sessions
+
+    async def draft(self, sessions: Sequence[ClientSession], new_tokens: Sequence[Sequence[int]]) -> list[DraftTree]:
+        """See :meth:`DraftClient.draft`."""
+        step = draft_step(self._core, sessions, new_tokens)
+        drafted = None
+        while True:
+            try:
+                effect = step.send(drafted)
+            except StopIteration as done:
+                return done.value
+            drafted = await self._perform(effect)
+
+    async def _perform(self, effect: Effect) -> Drafted | None:
+        """See :meth:`DraftClient._perform` (the asyncio client books its closes as each ends)."""
+        match effect:
+            case CatchUp(end):
+                await self._settle(end)
+                await self._check_late()
+            case Reopen(sessions):
+                self._reopen(sessions)
+            case Draft(req, left):
+                return await self._draft(req, left)
+            case DraftAhead(sessions, req):
+                self._inflight = (sessions, self._future("draft", req, self._core.config.control_timeout_s))
+        return None
+
+    async def _settle(self, end: float | None = None) -> None:
+        if self._inflight is None:
+            return
+        sessions, task = self._inflight
+        self._inflight = None
+        resp = None
+        wait = self._core.config.deadline_s if end is None else max(0.0, end - time.monotonic())
+        try:
+            resp = await asyncio.wait_for(asyncio.shield(task), timeout=wait)
+        except TimeoutError:
+            self._core.failed(None)
+            if self._core.config.stream:  # it still counts, once answered
+                self._core.missed(sessions, task)
+                return
+            task.cancel()
+        except grpc.RpcError as exc:
+            self._core.failed(exc)
+        self._core.answered(sessions, resp)
+
+    async def _draft(self, req: pb.DraftRequest, left: float) -> Drafted:
+        """See :meth:`DraftClient._draft`."""
+        cfg = self._core.config
+        if not cfg.stream:
+            return Drafted(await self._call("draft", req, left))
+        task = self._future("draft", req, cfg.control_timeout_s)
+        try:
+            return Drafted(await asyncio.wait_for(asyncio.shield(task), left))
+        except TimeoutError:
+            self._core.failed(None)
+            return Drafted(None, task)
+        except grpc.RpcError as exc:
+            self._core.failed(exc)
+            return Drafted(None)
+
+    async def _check_late(self, wait_for: Sequence[ClientSession] | None = ()) -> None:
+        """See :meth:`DraftClient._check_late`."""
+        for pairs, task in self._core.due(wait_for):
+            await asyncio.wait({task})  # at most until its deadline
+            if task.cancelled() or task.exception() is not None:
+                self._core.late_failed(pairs)
+
+    def add_tokens(self, sessions: Sequence[ClientSession], new_tokens: Sequence[Sequence[int]]) -> None:
+        """See :meth:`DraftClient.add_tokens`."""
+        self._core.add_tokens(sessions, new_tokens)
+
+    async def close(self, sessions: Sequence[ClientSession], *, commit: bool = True) -> None:
+        await self._settle()
+        await self._check_late(sessions)
+        await self._land_reopen()
+        close = self._core.close_request(sessions, commit)
+        if close is not None:  # in the background: committing indexes the requests first
+            task = self._future("close", close, self._core.config.control_timeout_s)
+            task.add_done_callback(partial(self._closed, close))
+            self._closing.add(task)
+
+    def _closed(self, req: pb.CloseSessionsRequest, task: asyncio.Future) -> None:
+        self._closing.discard(task)
+        self._core.close_settled(req, asyncio.CancelledError() if task.cancelled() else task.exception())
+
+    async def shutdown(self) -> None:
+        """See :meth:`DraftClient.shutdown`."""
+        await self._settle()
+        await self._check_late(None)
+        await self._land_reopen()
+        if self._closing:
+            await asyncio.wait(set(self._closing), timeout=self._core.config.control_timeout_s)
+            for task in list(self._closing):  # still not answered: given up on
+                task.cancel()
+            await asyncio.sleep(0)  # their callbacks book them
+        req = self._core.abandoned_request(now=True)
+        if req is not None:
+            await self._call("close", req, self._core.config.control_timeout_s)
+        if self._background:
+            await asyncio.wait(self._background, timeout=self._core.config.control_timeout_s)
+        for stream in self._streams.values():
+            await stream.close(self._core.config.control_timeout_s)
+        self._streams.clear()
+        await self._channel.close()
+
+    async def _land_reopen(self) -> None:
+        if self._opening is not None:  # let a re-open in flight land, so its copy is closed too
+            with contextlib.suppress(grpc.RpcError, TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._opening[3]), self._core.config.control_timeout_s)
+            self._reopen([])
+
+    def _reopen(self, sessions: Sequence[ClientSession]) -> None:
+        """See :meth:`DraftClient._reopen`."""
+        if self._opening is not None:
+            todo, sizes, req, task = self._opening
+            if not task.done():
+                return
+            self._opening = None
+            exc = task.exception()
+            if exc is None:
+                self._core.opened(todo, task.result(), sizes)
+                self._close_abandoned()
+            elif isinstance(exc, grpc.RpcError):
+                self._core.open_failed(req, exc)
+        todo = [s for s in sessions if not s.server_id]
+        req = self._core.open_request(todo)
+        if req is not None:
+            task = self._future("open", req, self._core.config.control_timeout_s)
+            self._opening = (todo, [len(s) for s in todo], req, task)
+
+    async def _open(self, sessions: Sequence[ClientSession]) -> None:
+        req = self._core.open_request(sessions)
+        if req is not None:
+            try:
+                resp = await self._request("open", req, self._core.config.control_timeout_s)
+            except grpc.RpcError as exc:  # grpc.aio.AioRpcError is one
+                self._core.open_failed(req, exc)
+                return
+            self._core.opened(sessions, resp)
+            self._close_abandoned()
+
+    def _close_abandoned(self) -> None:
+        """Best effort, not awaited: an unknown id (the server restarted) is fine too."""
+        abandoned = self._core.abandoned_request()
+        if abandoned is not None:
+            task = self._future("close", abandoned, self._core.config.control_timeout_s)
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())  # failures are fine
+            self._background = {t for t in self._background if not t.done()} | {task}
+
+    def _stream(self, kind: str) -> AsyncStream:
+        """See :meth:`DraftClient._stream`."""
+        lane = lane_of(kind)
+        stream = self._streams.get(lane)
+        if stream is None or stream.error is not None:
+            if stream is not None:
+                stream.cancel()
+            stream = self._streams[lane] = AsyncStream(self._stub, self._core.config.metadata)
+        return stream
+
+    def _future(self, kind: str, req: Any, timeout: float) -> asyncio.Future:
+        """A call under way (a task that raises the call's ``grpc.RpcError``)."""
+        cfg = self._core.config
+        if cfg.stream:
+            stream = self._stream(kind)
+            return asyncio.ensure_future(within(stream, stream.call(kind, req), timeout))
+        return asyncio.ensure_future(getattr(self._stub, UNARY[kind])(req, timeout=timeout, metadata=cfg.metadata))
+
+    async def _request(self, kind: str, req: Any, timeout: float) -> Any:
+        cfg = self._core.config
+        if cfg.stream:
+            stream = self._stream(kind)
+            return await within(stream, stream.call(kind, req), timeout)
+        return await getattr(self._stub, UNARY[kind])(req, timeout=timeout, metadata=cfg.metadata)
+
+    async def _call(self, kind: str, req: Any, timeout: float) -> Any:
+        try:
+            return await self._request(kind, req, timeout)
+        except grpc.RpcError as exc:  # grpc.aio.AioRpcError is one
+            self._core.failed(exc)
+            return None

@@ -1,0 +1,62 @@
+"""The client's settings: where the service is, how long a step may wait for it, how to reach it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from indexer.drafter import MAX_LOOKAHEAD, DraftParams
+
+# Reconnect quickly after an outage: the fallback covers the gap, not a long backoff.
+RECONNECT_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClientConfig:
+    """One draft client's settings.
+
+    >>> ClientConfig(target="127.0.0.1:50051", namespace="llama2", deadline_s=0.003).lookahead
+    0
+    """
+
+    target: str
+    namespace: str
+    params: DraftParams = field(default_factory=DraftParams)
+    deadline_s: float = 0.005  # per draft call; past it the fallback answers
+    control_timeout_s: float = 1.0  # open / close calls
+    retry_after_s: float = 0.5  # after a failure, skip the service this long
+    lookahead: int = 0  # pre-speculation: outcomes drafted ahead per step (0: off)
+    stream: bool = True  # calls on two bidirectional streams (False: one unary call each)
+    token: str = ""  # bearer token, when the service authenticates callers
+    tls_root_cert_file: str = ""  # PEM CA of the service's certificate: use TLS
+    tls_cert_file: str = ""  # this client's certificate and key, for mutual TLS
+    tls_key_file: str = ""
+
+    def __post_init__(self) -> None:
+        if self.deadline_s <= 0 or self.control_timeout_s <= 0 or self.retry_after_s < 0:
+            raise ValueError("deadlines must be > 0 and retry_after_s >= 0")
+        if not 0 <= self.lookahead <= MAX_LOOKAHEAD:
+            raise ValueError(f"lookahead must be in [0, {MAX_LOOKAHEAD}], got {self.lookahead}")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ValueError("a client certificate needs its key (and the other way round)")
+        if self.tls_cert_file and not self.tls_root_cert_file:
+            raise ValueError("mutual TLS needs tls_root_cert_file too")
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {self.token}"),) if self.token else ()
+
+    def credentials(self) -> grpc.ChannelCredentials | None:
+        """TLS credentials from the configured PEM files; None: plaintext."""
+        if not self.tls_root_cert_file:
+            return None
+        read = lambda path: Path(path).read_bytes() if path else None  # noqa: E731
+        return grpc.ssl_channel_credentials(
+            read(self.tls_root_cert_file), read(self.tls_key_file), read(self.tls_cert_file)
+        )

@@ -1,0 +1,267 @@
+"""The client's bookkeeping without I/O: what each server copy has heard, which calls to make,
+what their answers (or failures) mean, and the local fallback drafts.
+
+Both clients share it: they only perform the calls it asks for and hand it their outcomes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from secrets import token_hex
+from typing import Any
+
+import grpc
+import numpy as np
+from draftcache.v1 import draftcache_pb2 as pb
+
+from decoder_client import wire
+from decoder_client.client.config import ClientConfig
+from decoder_client.client.session import ClientSession
+from indexer.prespeculation import select
+from indexer.prompt_lookup import prompt_lookup
+from indexer.tree_builder import DraftTree
+
+logger = logging.getLogger(__name__)
+
+Fallback = Callable[[np.ndarray, int], DraftTree]
+
+
+def prompt_lookup_fallback(context: np.ndarray, budget: int) -> DraftTree:
+    """The local drafter: a prompt-lookup chain of at most ``budget`` tokens."""
+    return DraftTree.chain(prompt_lookup(context, num_tokens=max(0, min(budget, 10))))
+
+
+@dataclass
+class ClientStats:
+    remote: int = 0  # trees that came from the service
+    fallback: int = 0  # trees the local drafter made
+    failures: int = 0  # calls that failed or missed their deadline
+    reopened: int = 0
+    ahead_hits: int = 0  # trees that were drafted ahead (no wait)
+    ahead_misses: int = 0  # outcomes nothing had been drafted ahead for
+    lost_opens: int = 0  # opens given up on (deadline): the service may hold copies until they expire
+
+
+_LateCall = tuple[list[tuple[ClientSession, str]], Any]  # (sessions with their server ids, the call)
+
+
+class ClientCore:
+    """The client's bookkeeping without I/O, shared by the sync and the asyncio client."""
+
+    def __init__(self, config: ClientConfig, fallback: Fallback) -> None:
+        self.config = config
+        self.stats = ClientStats()
+        self.fallback = fallback
+        self.down_until = 0.0
+        self.abandoned: list[str] = []  # server sessions given up on (closed when the service answers)
+        self.late: list[_LateCall] = []  # see :meth:`missed`
+        self.columns = True  # draft calls in columns (False once a server showed it predates them)
+        wire.warm_up()  # the response reader is compiled now, not on the first step's deadline
+        # And the fallback runs once: what it compiles (seconds on a fresh machine) must not
+        # land on the first step the service misses, when the decoder has no time to spare.
+        fallback(np.array([1, 2, 1], dtype=np.int32), 2)
+        p = config.params
+        self.params = pb.DraftParams(
+            budget=p.budget, max_depth=p.max_depth, min_score=p.min_score, depth_reserve=p.depth_reserve
+        )
+
+    def available(self) -> bool:
+        return time.monotonic() >= self.down_until
+
+    def failed(self, exc: grpc.RpcError | None) -> None:
+        """A call failed (``None``: it missed its deadline in the background)."""
+        self.stats.failures += 1
+        self.down_until = time.monotonic() + self.config.retry_after_s
+        why = "deadline" if exc is None else exc.code()
+        logger.debug("draftcache call failed (%s); local drafts for %.1f s", why, self.config.retry_after_s)
+
+    def add_tokens(self, sessions: Sequence[ClientSession], new_tokens: Sequence[Sequence[int]]) -> None:
+        for s, new in zip(sessions, new_tokens, strict=True):
+            if len(new):
+                s.extend(new)
+
+    def open_request(self, sessions: Sequence[ClientSession]) -> pb.OpenSessionsRequest | None:
+        todo = [s for s in sessions if not s.server_id]
+        if not todo or not self.available():
+            return None
+        ns = self.config.namespace
+        return pb.OpenSessionsRequest(  # ids chosen here: an open given up on can still be closed
+            sessions=[
+                pb.OpenSession(namespace=ns, prompt=s.tokens(), params=self.params, session_id=token_hex(16))
+                for s in todo
+            ]
+        )
+
+    def open_failed(self, req: pb.OpenSessionsRequest, exc: grpc.RpcError) -> None:
+        """An open call failed: the service may still have made the sessions (a missed deadline
+        above all), so they are closed, if they exist, once it answers again."""
+        self.failed(exc)
+        if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
+            self.stats.lost_opens += len(req.sessions)
+        self.abandoned.extend(s.session_id for s in req.sessions)
+
+    def opened(
+        self, sessions: Sequence[ClientSession], resp: pb.OpenSessionsResponse, sizes: Sequence[int] | None = None
+    ) -> None:
+        """Book the server ids of an open request made for ``sessions`` (those without one);
+        ``sizes``: their context sizes when it was sent (tokens added since are pending)."""
+        todo = [s for s in sessions if not s.server_id]
+        sizes = [len(s) for s in todo] if sizes is None else sizes
+        for s, sid, size in zip(todo, resp.session_ids, sizes, strict=True):
+            if s.prompt_len != size:
+                self.stats.reopened += 1
+            s.server_id, s.pending = sid, s.tokens(size)
+
+    def draft_request(self, sessions: Sequence[ClientSession]) -> pb.DraftRequest | None:
+        remote = [s for s in sessions if s.server_id]
+        if not remote or not self.available():
+            return None
+        k = self.config.lookahead
+        if not self.columns:
+            return pb.DraftRequest(
+                items=[pb.DraftItem(session_id=s.server_id, new_tokens=s.pending, lookahead=k) for s in remote]
+            )
+        pending = [s.pending for s in remote]
+        return pb.DraftRequest(
+            columns=pb.DraftColumns(
+                session_ids=[s.server_id for s in remote],
+                new_token_counts=[len(p) for p in pending],
+                new_tokens=[t for p in pending for t in p],
+                lookahead=[k] * len(remote) if k else [],
+            )
+        )
+
+    def split_ahead(
+        self, sessions: Sequence[ClientSession], new_tokens: Sequence[Sequence[int]]
+    ) -> tuple[dict[int, DraftTree], list[ClientSession]]:
+        """Trees already drafted ahead for what each session just produced, by session, and the
+        sessions that still need a draft call."""
+        ready: dict[int, DraftTree] = {}
+        rest = []
+        for s, new in zip(sessions, new_tokens, strict=True):
+            tree = select(s.prefetched, new) if s.server_id and s.prefetched and len(new) else None
+            s.prefetched = {}
+            if tree is None:
+                if self.config.lookahead and s.server_id and len(new):
+                    self.stats.ahead_misses += 1
+                rest.append(s)
+            else:
+                self.stats.ahead_hits += 1
+                self.stats.remote += 1
+                ready[id(s)] = tree
+        return ready, rest
+
+    def in_doubt(self, sessions: Sequence[ClientSession]) -> None:
+        """Their server copies may have missed tokens: they are closed, and the sessions
+        re-opened with their full context later."""
+        for s in sessions:
+            if s.server_id:
+                self.abandoned.append(s.server_id)
+                s.server_id = ""
+
+    def missed(self, sessions: Sequence[ClientSession], call: Any) -> None:
+        """A draft ``call`` missed its deadline on a stream. It still reaches the service, which
+        answers in order: its tokens join the server copies before anything sent after it, so
+        the sessions keep them. The call is kept, with their server ids, to put them in doubt
+        should it fail after all (:meth:`due`, :meth:`late_failed`)."""
+        pairs = []
+        for s in sessions:
+            if s.server_id:
+                s.pending, s.prefetched = [], {}
+                pairs.append((s, s.server_id))
+        self.late.append((pairs, call))
+
+    def due(self, wait_for: Sequence[ClientSession] | None) -> list[_LateCall]:
+        """The late calls to book now: those that ended, and those of ``wait_for`` (None: all),
+        which the caller waits for; the others stay."""
+        waiting = None if wait_for is None else {id(s) for s in wait_for}
+        due: list[_LateCall] = []
+        keep: list[_LateCall] = []
+        for pairs, call in self.late:
+            now = waiting is None or call.done() or any(id(s) in waiting for s, _ in pairs)
+            (due if now else keep).append((pairs, call))
+        self.late = keep
+        return due
+
+    def late_failed(self, pairs: Sequence[tuple[ClientSession, str]]) -> None:
+        """A late call failed after all: the sessions still on the copies it went to are in doubt."""
+        self.in_doubt([s for s, sid in pairs if s.server_id == sid])
+
+    def answered(self, sessions: Sequence[ClientSession], resp: pb.DraftResponse | None) -> None:
+        """Book a draft call's outcome: tokens delivered and trees drafted ahead, or the
+        sessions' server copies in doubt."""
+        remote = [s for s in sessions if s.server_id]
+        if resp is None:
+            self.in_doubt(remote)
+            return
+        ahead = wire.prefetched_from_response(resp) if len(resp.prefetched) else [{} for _ in remote]
+        for s, more in zip(remote, ahead, strict=True):
+            s.pending = []
+            s.prefetched = more
+
+    def trees(
+        self, sessions: Sequence[ClientSession], resp: pb.DraftResponse | None, *, book: bool = True
+    ) -> list[DraftTree]:
+        """Remote trees where the service answered, local ones everywhere else; ``book``: the
+        call's outcome too (see :meth:`answered`)."""
+        remote = [s for s in sessions if s.server_id]
+        drafted: list[DraftTree] = []
+        if resp is not None:
+            drafted = wire.trees_from_response(resp)
+            if len(drafted) == len(remote):
+                self.stats.remote += len(remote)
+            else:  # not an answer to this call: the sessions' server copies are in doubt
+                logger.warning("draft call for %d sessions answered with %d trees", len(remote), len(drafted))
+                if remote and not drafted and self.columns:
+                    # A server that predates columnar calls reads none of them and drafts nothing.
+                    self.columns = False
+                resp, drafted = None, []
+        if book:
+            self.answered(sessions, resp)
+        if resp is not None and len(remote) == len(sessions):  # the service answered for every sequence
+            return drafted
+        got = dict(zip(map(id, remote), drafted, strict=True)) if resp is not None else {}
+        out = []
+        for s in sessions:
+            tree = got.get(id(s))
+            if tree is None:
+                self.stats.fallback += 1
+                tree = self.fallback(s.context, self.config.params.budget)
+            out.append(tree)
+        return out
+
+    def abandoned_request(self, *, now: bool = False) -> pb.CloseSessionsRequest | None:
+        """Close (without commit) the server sessions given up on, once the service is used
+        again (``now``: anyway, the client is shutting down)."""
+        if not self.abandoned or not (now or self.available()):
+            return None
+        ids, self.abandoned = self.abandoned, []
+        return pb.CloseSessionsRequest(
+            sessions=[pb.CloseSession(session_id=sid, commit=False, missing_ok=True) for sid in ids]
+        )
+
+    def close_request(self, sessions: Sequence[ClientSession], commit: bool) -> pb.CloseSessionsRequest | None:
+        """One call ending the sessions' server copies, each with its last step's tokens."""
+        live = [s for s in sessions if s.server_id]
+        if not self.available():  # the service is being skipped: close them once it is used again
+            self.in_doubt(live)
+            return None
+        if not live:
+            return None
+        close = pb.CloseSessionsRequest(
+            sessions=[pb.CloseSession(session_id=s.server_id, commit=commit, new_tokens=s.pending) for s in live]
+        )
+        for s in live:
+            s.pending = []
+        return close
+
+    def close_settled(self, req: pb.CloseSessionsRequest, exc: BaseException | None) -> None:
+        """Book a close call run in the background: when it failed, its sessions are closed
+        (without commit) once the service is used again, or at shutdown."""
+        if exc is not None:
+            if isinstance(exc, grpc.RpcError):
+                self.failed(exc)
+            self.abandoned.extend(c.session_id for c in req.sessions)

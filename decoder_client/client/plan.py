@@ -1,0 +1,118 @@
+"""One decode step's draft as a plan of I/O steps, written once for the sync and asyncio clients.
+
+:func:`draft_step` is a generator: it books everything in the core itself and yields an
+effect each time the step needs the service (wait for earlier calls, re-open sessions, a draft
+call, a call drafting ahead). The client performs the effect with its own transport and sends
+back what a :class:`Draft` got (nothing, for the others), so the order of a step lives here
+and a client holds only I/O.
+
+>>> from decoder_client.client.config import ClientConfig
+>>> from decoder_client.client.core import ClientCore, prompt_lookup_fallback
+>>> core = ClientCore(ClientConfig(target="x", namespace="ns"), prompt_lookup_fallback)
+>>> s = ClientSession([1, 2, 3, 1, 2], 5)  # no server copy yet: the step drafts locally
+>>> step = draft_step(core, [s], [[]])
+>>> [type(next(step)).__name__, type(step.send(None)).__name__]
+['CatchUp', 'Reopen']
+>>> try:
+...     step.send(None)
+... except StopIteration as done:
+...     done.value[0].tokens.tolist()
+[3, 1, 2]
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from draftcache.v1 import draftcache_pb2 as pb
+
+from decoder_client.client.core import ClientCore
+from decoder_client.client.session import ClientSession
+from indexer.tree_builder import DraftTree
+
+
+@dataclass(frozen=True)
+class CatchUp:
+    """Book the calls earlier steps left under way, waiting for them at most until ``end``
+    (``time.monotonic()``)."""
+
+    end: float
+
+
+@dataclass(frozen=True)
+class Reopen:
+    """Start opening (in the background) those of ``sessions`` without a server copy, once no
+    earlier open is under way; book an earlier one that ended."""
+
+    sessions: Sequence[ClientSession]
+
+
+@dataclass(frozen=True)
+class Draft:
+    """Send ``request`` and wait at most ``left`` seconds for its reply: send back a
+    :class:`Drafted`."""
+
+    request: pb.DraftRequest
+    left: float
+
+
+@dataclass(frozen=True)
+class DraftAhead:
+    """Send ``request`` for ``sessions`` without waiting: it is settled at the next step's
+    :class:`CatchUp`."""
+
+    sessions: list[ClientSession]
+    request: pb.DraftRequest
+
+
+Effect = CatchUp | Reopen | Draft | DraftAhead
+
+
+@dataclass(frozen=True)
+class Drafted:
+    """What a :class:`Draft` got: the reply (None: the call failed or was late) and, on a
+    stream, the call still under way after missing its time (see :meth:`ClientCore.missed`)."""
+
+    response: pb.DraftResponse | None
+    late: Any = None
+
+
+def draft_step(
+    core: ClientCore, sessions: Sequence[ClientSession], new_tokens: Sequence[Sequence[int]]
+) -> Generator[Effect, Drafted | None, list[DraftTree]]:
+    """Append each session's new tokens, then one tree per session (remote or fallback).
+
+    A session whose outcome was drafted ahead gets that tree at once; the call delivering its
+    tokens (and drafting ahead for its next outcome) is yielded as :class:`DraftAhead`.
+    """
+    end = time.monotonic() + core.config.deadline_s
+    yield CatchUp(end)
+    core.add_tokens(sessions, new_tokens)
+    yield Reopen(sessions)
+    ready, rest = core.split_ahead(sessions, new_tokens)
+    trees = yield from _draft_rest(core, rest, end)
+    if not ready:  # nothing was drafted ahead: every tree is fresh, in order
+        return trees
+    fresh = dict(zip(map(id, rest), trees, strict=True))
+    ahead = [s for s in sessions if id(s) in ready]
+    req = core.draft_request(ahead)
+    if req is not None:
+        yield DraftAhead(ahead, req)
+    return [ready[id(s)] if id(s) in ready else fresh[id(s)] for s in sessions]
+
+
+def _draft_rest(
+    core: ClientCore, rest: list[ClientSession], end: float
+) -> Generator[Effect, Drafted | None, list[DraftTree]]:
+    """Trees for the sessions nothing was drafted ahead for: one call within what is left of
+    the step's deadline, the fallback wherever it does not answer."""
+    req = core.draft_request(rest)
+    left = end - time.monotonic()
+    got = (yield Draft(req, left)) if req is not None and left > 0 else None
+    resp, late = (got.response, got.late) if got is not None else (None, None)
+    if late is not None:
+        core.missed(rest, late)
+    return core.trees(rest, resp, book=late is None)

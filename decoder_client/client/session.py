@@ -1,0 +1,58 @@
+"""``ClientSession``: the client's view of one request."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from indexer.prespeculation import Prefetched
+
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+
+
+class ClientSession:
+    """The client's view of one request: its full context and its server session, if any.
+
+    The context is kept as a list that a decode step appends its few tokens to: copying whole
+    contexts into new arrays every step would cost the decoder time quadratic in a request's
+    length. ``context`` makes an array of it (the local fallback and re-opens read it, rarely).
+
+    >>> s = ClientSession([5, 6, 7], prompt_len=3)
+    >>> s.extend([8])
+    >>> s.context.tolist(), s.pending
+    ([5, 6, 7, 8], [8])
+    """
+
+    __slots__ = ("_tokens", "pending", "prefetched", "prompt_len", "server_id")
+
+    def __init__(self, context: Sequence[int] | np.ndarray, prompt_len: int) -> None:
+        self._tokens: list[int] = np.asarray(context, dtype=np.int32).tolist()
+        self.prompt_len = prompt_len
+        self.server_id = ""  # "" while the service has no valid copy
+        self.pending: list[int] = []  # produced since the last successful call
+        self.prefetched: Prefetched = {}  # trees drafted ahead for the next outcome
+
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+    @property
+    def context(self) -> np.ndarray:
+        return np.array(self._tokens, dtype=np.int32)
+
+    def tokens(self, start: int = 0) -> list[int]:
+        """The context's tokens from ``start`` on, as a new list."""
+        return self._tokens[start:]
+
+    def extend(self, new: Sequence[int] | np.ndarray) -> None:
+        """Append tokens the target produced (to the context, and to what the service has yet to hear)."""
+        if isinstance(new, np.ndarray):
+            if new.dtype.kind not in "iu":
+                raise TypeError(f"token ids must be integers, got an array of {new.dtype}")
+            values = new.tolist()
+        else:
+            values = [int(t) for t in new]
+        if values and not (min(values) >= _INT32_MIN and max(values) <= _INT32_MAX):
+            raise OverflowError(f"token ids must be int32, got {values}")
+        self._tokens.extend(values)
+        self.pending.extend(values)

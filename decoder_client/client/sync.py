@@ -1,0 +1,271 @@
+"""``DraftClient``: the client for a decoder that calls from threads (``grpc`` futures and
+:mod:`~decoder_client.client.stream`'s threaded streams)."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+import numpy as np
+from draftcache.v1 import draftcache_pb2 as pb
+from draftcache.v1 import draftcache_pb2_grpc as pb_grpc
+
+from decoder_client.client.config import RECONNECT_OPTIONS, ClientConfig
+from decoder_client.client.core import ClientCore, ClientStats, Fallback, prompt_lookup_fallback
+from decoder_client.client.plan import CatchUp, Draft, DraftAhead, Drafted, Effect, Reopen, draft_step
+from decoder_client.client.protocol import UNARY, lane_of
+from decoder_client.client.session import ClientSession
+from decoder_client.client.stream import Stream, StreamFuture
+from indexer.tree_builder import DraftTree
+
+
+class DraftClient:
+    """The sync client; see :mod:`decoder_client.client`.
+
+    >>> client = DraftClient(ClientConfig(target="127.0.0.1:50051", namespace="llama2"))  # doctest: +SKIP
+    >>> sessions = client.open([[1, 2, 3]])  # doctest: +SKIP
+    >>> trees = client.draft(sessions, [[]])  # doctest: +SKIP
+    """
+
+    def __init__(self, config: ClientConfig, fallback: Fallback = prompt_lookup_fallback) -> None:
+        self._core = ClientCore(config, fallback)
+        creds = config.credentials()
+        self._channel = (
+            grpc.insecure_channel(config.target, options=RECONNECT_OPTIONS)
+            if creds is None
+            else grpc.secure_channel(config.target, creds, options=RECONNECT_OPTIONS)
+        )
+        self._stub = pb_grpc.DraftCacheStub(self._channel)
+        self._streams: dict[str, Stream] = {}  # by lane
+        self._inflight: tuple[list[ClientSession], grpc.Future | StreamFuture] | None = None
+        self._opening: (
+            tuple[list[ClientSession], list[int], pb.OpenSessionsRequest, grpc.Future | StreamFuture] | None
+        ) = None
+        self._background: list[grpc.Future | StreamFuture] = []  # calls nobody waits for (kept until done)
+        self._closing: list[tuple[pb.CloseSessionsRequest, grpc.Future | StreamFuture]] = []
+
+    @property
+    def config(self) -> ClientConfig:
+        return self._core.config
+
+    @property
+    def stats(self) -> ClientStats:
+        return self._core.stats
+
+    def open(self, prompts: Sequence[Sequence[int] | np.ndarray], *, wait: bool = True) -> list[ClientSession]:
+        """A session per prompt. With ``wait`` the call returns once the service holds them;
+        without, they are opened in the background (now, or with a later draft call while
+        another open is under way) and draft locally until then: a decoder admitting requests
+        into a running batch never waits on the service."""
+        sessions = [ClientSession(np.asarray(p, dtype=np.int32), len(p)) for p in prompts]
+        if wait:
+            self._open(sessions)
+        else:
+            self._reopen(sessions)
+        return sessions
+
+    def draft(self, sessions: Sequence[ClientSession], new_tokens: Sequence[Sequence[int]]) -> list[DraftTree]:
+        """Append each session's new tokens, then one tree per session (remote or fallback).
+
+        With ``lookahead``, a session whose outcome was drafted ahead gets that tree at once;
+        the call that delivers its tokens and drafts ahead for its next outcome runs in the
+        background (while the target verifies) and is settled at the next call.
+        """
+        step = draft_step(self._core, sessions, new_tokens)
+        drafted = None
+        while True:
+            try:
+                effect = step.send(drafted)
+            except StopIteration as done:
+                return done.value
+            drafted = self._perform(effect)
+
+    def _perform(self, effect: Effect) -> Drafted | None:
+        """One I/O step of :func:`~decoder_client.client.plan.draft_step`."""
+        match effect:
+            case CatchUp(end):
+                self._settle(end)
+                self._check_late()
+                self._reap()
+            case Reopen(sessions):
+                self._reopen(sessions)
+            case Draft(req, left):
+                return self._draft(req, left)
+            case DraftAhead(sessions, req):
+                self._inflight = (sessions, self._future("draft", req, self.config.control_timeout_s))
+        return None
+
+    def _settle(self, end: float | None = None) -> None:
+        """Wait (at most until ``end``, or the deadline) for the background call of the
+        previous step."""
+        if self._inflight is None:
+            return
+        sessions, future = self._inflight
+        self._inflight = None
+        wait = self.config.deadline_s if end is None else max(0.0, end - time.monotonic())
+        try:
+            resp = future.result(timeout=wait)
+        except grpc.FutureTimeoutError:
+            self._core.failed(None)
+            if isinstance(future, StreamFuture):  # it still counts, once answered
+                self._core.missed(sessions, future)
+                return
+            future.cancel()
+            resp = None
+        except grpc.RpcError as exc:
+            self._core.failed(exc)
+            resp = None
+        self._core.answered(sessions, resp)
+
+    def _draft(self, req: pb.DraftRequest, left: float) -> Drafted:
+        """The reply within ``left``, or None; on a stream, a call that missed ``left`` is
+        returned too: the service still applies it (see :meth:`ClientCore.missed`)."""
+        if not self.config.stream:
+            return Drafted(self._call("draft", req, left))
+        reply = self._stream("draft").call("draft", req, self.config.control_timeout_s)
+        try:
+            return Drafted(reply.result(timeout=left))
+        except grpc.FutureTimeoutError:
+            self._core.failed(None)
+            return Drafted(None, reply)
+        except grpc.RpcError as exc:
+            self._core.failed(exc)
+            return Drafted(None)
+
+    def _check_late(self, wait_for: Sequence[ClientSession] | None = ()) -> None:
+        """Book the late draft calls that ended: the sessions of one that failed (or got no
+        answer in time) are put in doubt. Those of ``wait_for`` (None: all) are waited for."""
+        for pairs, future in self._core.due(wait_for):
+            try:
+                future.result()  # at most until its deadline
+            except grpc.RpcError:
+                self._core.late_failed(pairs)
+
+    def add_tokens(self, sessions: Sequence[ClientSession], new_tokens: Sequence[Sequence[int]]) -> None:
+        """Record tokens produced without asking for a draft (a request's last step): they go
+        with the next call, a close included."""
+        self._core.add_tokens(sessions, new_tokens)
+
+    def close(self, sessions: Sequence[ClientSession], *, commit: bool = True) -> None:
+        """End the requests; with ``commit`` the service adds them to its lifetime memory. One
+        call carries their last step's tokens and runs in the background: its outcome is booked
+        at the next call (a failed close ends the server copies without commit later)."""
+        self._settle()
+        self._check_late(sessions)  # their tokens must be in before the close (another stream)
+        self._land_reopen()
+        self._reap()
+        close = self._core.close_request(sessions, commit)
+        if close is not None:  # in the background: committing indexes the requests first
+            self._closing.append((close, self._future("close", close, self.config.control_timeout_s)))
+
+    def _reap(self, *, wait: bool = False) -> None:
+        """Book the background closes that ended (``wait``: all of them, each at most until its
+        deadline)."""
+        pending = []
+        for req, future in self._closing:
+            if not (wait or future.done()):
+                pending.append((req, future))
+                continue
+            try:
+                future.result()
+                self._core.close_settled(req, None)
+            except (grpc.RpcError, grpc.FutureTimeoutError, grpc.FutureCancelledError) as exc:
+                self._core.close_settled(req, exc)
+        self._closing = pending
+
+    def shutdown(self) -> None:
+        """Settle calls in flight, close the server copies given up on, close the channel."""
+        self._settle()
+        self._check_late(None)
+        self._land_reopen()
+        self._reap(wait=True)
+        req = self._core.abandoned_request(now=True)
+        if req is not None:
+            self._call("close", req, self.config.control_timeout_s)
+        for future in self._background:
+            with contextlib.suppress(grpc.RpcError, grpc.FutureTimeoutError, grpc.FutureCancelledError):
+                future.result(timeout=self.config.control_timeout_s)
+        for stream in self._streams.values():
+            stream.close(self.config.control_timeout_s)
+        self._streams.clear()
+        self._channel.close()
+
+    def _land_reopen(self) -> None:
+        """Let a re-open in flight land, so its copy is closed too."""
+        if self._opening is not None:
+            with contextlib.suppress(grpc.RpcError, grpc.FutureTimeoutError):
+                self._opening[3].result(timeout=self.config.control_timeout_s)
+            self._reopen([])
+
+    def _open(self, sessions: Sequence[ClientSession]) -> None:
+        req = self._core.open_request(sessions)
+        if req is None:
+            return
+        try:
+            resp = self._request("open", req, self.config.control_timeout_s)
+        except grpc.RpcError as exc:
+            self._core.open_failed(req, exc)
+            return
+        self._core.opened(sessions, resp)
+        self._close_abandoned()
+
+    def _reopen(self, sessions: Sequence[ClientSession]) -> None:
+        """Sessions without a server copy (the service failed or restarted) are re-opened with
+        their full context in the background, never inside a draft call's deadline (a long
+        context takes a while to send and index): they draft locally until it is done."""
+        if self._opening is not None:
+            todo, sizes, req, future = self._opening
+            if not future.done():
+                return
+            self._opening = None
+            try:
+                self._core.opened(todo, future.result(), sizes)
+                self._close_abandoned()
+            except grpc.RpcError as exc:
+                self._core.open_failed(req, exc)
+        todo = [s for s in sessions if not s.server_id]
+        req = self._core.open_request(todo)
+        if req is not None:
+            future = self._future("open", req, self.config.control_timeout_s)
+            self._opening = (todo, [len(s) for s in todo], req, future)
+
+    def _close_abandoned(self) -> None:
+        """Best effort, in the background: an unknown id (the server restarted) is fine too.
+        The future is kept until done: gRPC cancels a call whose future is garbage-collected."""
+        req = self._core.abandoned_request()
+        if req is not None:
+            future = self._future("close", req, self.config.control_timeout_s)
+            self._background = [f for f in self._background if not f.done()] + [future]
+
+    def _stream(self, kind: str) -> Stream:
+        """The live stream of ``kind``'s lane (another one when it broke)."""
+        lane = lane_of(kind)
+        stream = self._streams.get(lane)
+        if stream is None or stream.error is not None:
+            if stream is not None:
+                stream.close(0)
+            stream = self._streams[lane] = Stream(self._stub, self.config.metadata)
+        return stream
+
+    def _future(self, kind: str, req: Any, timeout: float) -> grpc.Future | StreamFuture:
+        """A call under way: on its lane's stream, or unary."""
+        if self.config.stream:
+            return self._stream(kind).call(kind, req, timeout)
+        return getattr(self._stub, UNARY[kind]).future(req, timeout=timeout, metadata=self.config.metadata)
+
+    def _request(self, kind: str, req: Any, timeout: float) -> Any:
+        """The reply within ``timeout``; raises the call's ``grpc.RpcError``."""
+        if self.config.stream:
+            return self._stream(kind).call(kind, req, timeout).result()
+        return getattr(self._stub, UNARY[kind])(req, timeout=timeout, metadata=self.config.metadata)
+
+    def _call(self, kind: str, req: Any, timeout: float) -> Any:
+        """:meth:`_request`, or None when it failed (the service is then skipped a while)."""
+        try:
+            return self._request(kind, req, timeout)
+        except grpc.RpcError as exc:
+            self._core.failed(exc)
+            return None
