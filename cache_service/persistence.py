@@ -20,19 +20,16 @@ from pathlib import Path
 import numpy as np
 
 from cache_service.domain.errors import Unavailable
-from cache_service.domain.service import DraftService, SessionChange, SessionDelta, StoredSession
+from cache_service.domain.service import DraftService, SessionChange, SessionDelta
 from cache_service.host import prior_files
 from cache_service.host.shared_indexes import SharedIndexes
-from cache_service.storage.codec import SessionState
 from cache_service.storage.errors import StorageError, StorageUnavailable
 from cache_service.storage.redis_store import RedisStore
 from cache_service.storage.sessions import SessionAppend, SessionWrite
+from cache_service.storage.stored_session import StoredSession
 from cache_service.storage.stream_log import position, stream_id
-from indexer.drafter import DraftParams
 from indexer.lifetime_index import LifetimeIndexes, LogId
 from indexer.prior import StaticPrior
-from indexer.session import SessionSnapshot
-from indexer.session_cache import TableColumns
 
 logger = logging.getLogger(__name__)
 
@@ -96,23 +93,13 @@ class RedisPersistence:
 
     def load_session(self, sid: str) -> StoredSession | None:
         try:
-            found = self.store.load_session(sid)
+            return self.store.load_session(sid)
         except StorageUnavailable as exc:
             raise Unavailable(f"storage unavailable: {exc}") from exc
-        if found is None:
-            return None
-        state = found.state
-        params = dict(state.params)
-        snapshot = SessionSnapshot(
-            context=np.array(state.context, dtype=np.int32),
-            prompt_len=state.prompt_len,
-            rejected=TableColumns.of_items(found.rej),
-        )
-        return StoredSession(state.namespace, snapshot, DraftParams(**params))
 
     def save_sessions(self, changed: list[tuple[str, SessionChange]], closed: list[str], ttl_s: float) -> list[str]:
         """Write session changes and drop closed sessions. A whole session is one transaction
-        (state and both tables); a :class:`SessionDelta` appends its tokens (and replaces the
+        (state and rejected table); a :class:`SessionDelta` appends its tokens (and replaces the
         rejected table when given) only where storage holds exactly the context it extends.
         Returns the sessions where it did not (expired or lost meanwhile): write them whole."""
         writes: list[SessionWrite] = []
@@ -121,12 +108,7 @@ class RedisPersistence:
             if isinstance(change, SessionDelta):
                 appends.append((sid, change.held, change.tokens, change.rejected))
                 continue
-            snap = change.snapshot
-            params = dict(vars(change.params))  # flat: asdict's deep copy costs more
-            state = SessionState(
-                namespace=change.namespace, context=snap.context, prompt_len=snap.prompt_len, params=params
-            )
-            writes.append((sid, state, [], snap.rejected))  # dynamic: rebuilt from tokens
+            writes.append((sid, change))
         for start in range(0, len(writes), SAVE_BATCH):  # pipelined, a bounded batch per round trip
             self.store.save_sessions(writes[start : start + SAVE_BATCH], ttl_s)
         missed: list[str] = []

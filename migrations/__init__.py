@@ -1,24 +1,30 @@
 """Redis key-schema versions: an ordered list of idempotent migrations and their runner.
 
 >>> import migrations
->>> from cache_service.storage.connect import connect
->>> print(migrations.run_migrate(connect("redis://127.0.0.1:6379/0"), dry_run=True))  # doctest: +SKIP
-schema v0, code v2; would apply:
+Migrations import nothing of the service (redis-py only): the service imports them.
+
+>>> import redis
+>>> print(migrations.run_migrate(redis.Redis(), dry_run=True))  # doctest: +SKIP
+schema v0, code v3; would apply:
   v1: initial key layout
   v2: token counters for lifetime logs (cap by tokens)
+  v3: session dynamic-table keys dropped (never read)
 """
 
 from __future__ import annotations
 
-from cache_service.storage.clients import StorageClient
-from cache_service.storage.errors import guarded
 from migrations.base import Migration
+from migrations.clients import Client
+from migrations.errors import MigrationInProgress, SchemaMismatch, StorageError, guarded
 from migrations.runner import LATEST, MIGRATIONS, apply, check, migration_lock, plan, stored_version
 
 __all__ = [
     "LATEST",
     "MIGRATIONS",
     "Migration",
+    "MigrationInProgress",
+    "SchemaMismatch",
+    "StorageError",
     "apply",
     "check",
     "migration_lock",
@@ -29,7 +35,7 @@ __all__ = [
 
 
 @guarded
-def run_migrate(client: StorageClient, *, dry_run: bool) -> str:
+def run_migrate(client: Client, *, dry_run: bool) -> str:
     """Bring the schema to :data:`LATEST` (or only say what that would take); a report.
 
     Raises ``SchemaMismatch`` for a newer stored schema, ``MigrationInProgress`` if another

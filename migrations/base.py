@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from cache_service.storage.clients import StorageClient
+from migrations.clients import Client
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -21,7 +21,7 @@ class Migration:
 
     version: int
     description: str
-    apply: Callable[[StorageClient], None]
+    apply: Callable[[Client], None]
 
     def __post_init__(self) -> None:
         if self.version < 1:

@@ -12,15 +12,18 @@ import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
-from cache_service.storage import keys
-from cache_service.storage.clients import StorageClient
-from cache_service.storage.errors import MigrationInProgress, SchemaMismatch, StorageCorrupt, guarded
-from migrations import v001_initial, v002_log_token_counts
+from migrations import keys, v001_initial, v002_log_token_counts, v003_drop_session_dyn
 from migrations.base import Migration
+from migrations.clients import Client
+from migrations.errors import MigrationInProgress, SchemaMismatch, StorageCorrupt, guarded
 
 logger = logging.getLogger(__name__)
 
-MIGRATIONS: tuple[Migration, ...] = (v001_initial.MIGRATION, v002_log_token_counts.MIGRATION)
+MIGRATIONS: tuple[Migration, ...] = (
+    v001_initial.MIGRATION,
+    v002_log_token_counts.MIGRATION,
+    v003_drop_session_dyn.MIGRATION,
+)
 LATEST = MIGRATIONS[-1].version
 LOCK_TTL_MS = 60_000
 
@@ -43,7 +46,7 @@ def _check_sequence(migrations: Sequence[Migration]) -> None:
 
 
 @guarded
-def stored_version(client: StorageClient) -> int:
+def stored_version(client: Client) -> int:
     """The schema version recorded in Redis; 0 for a database draftcache never touched."""
     raw = client.get(keys.SCHEMA_VERSION)
     if raw is None:
@@ -68,11 +71,11 @@ def _refuse_newer(stored: int, migrations: Sequence[Migration]) -> None:
 
 
 @guarded
-def plan(client: StorageClient, migrations: Sequence[Migration] = MIGRATIONS) -> list[Migration]:
+def plan(client: Client, migrations: Sequence[Migration] = MIGRATIONS) -> list[Migration]:
     """The migrations ``apply`` would run, in order (a dry run: writes nothing).
 
     >>> [str(m) for m in plan(connect("redis://127.0.0.1:6379/0"))]  # doctest: +SKIP
-    ['v1: initial key layout', 'v2: token counters for lifetime logs (cap by tokens)']
+    ['v1: initial key layout', 'v2: token counters for lifetime logs (cap by tokens)', 'v3: ...']
     """
     _check_sequence(migrations)
     stored = stored_version(client)
@@ -81,7 +84,7 @@ def plan(client: StorageClient, migrations: Sequence[Migration] = MIGRATIONS) ->
 
 
 @contextmanager
-def migration_lock(client: StorageClient, ttl_ms: int = LOCK_TTL_MS) -> Iterator[str]:
+def migration_lock(client: Client, ttl_ms: int = LOCK_TTL_MS) -> Iterator[str]:
     """Hold the migration lock; yields this holder's token. Raises :class:`MigrationInProgress`."""
     token = uuid.uuid4().hex
     if not client.set(keys.MIGRATION_LOCK, token, nx=True, px=ttl_ms):
@@ -94,7 +97,7 @@ def migration_lock(client: StorageClient, ttl_ms: int = LOCK_TTL_MS) -> Iterator
 
 @guarded
 def apply(
-    client: StorageClient, migrations: Sequence[Migration] = MIGRATIONS, *, lock_ttl_ms: int = LOCK_TTL_MS
+    client: Client, migrations: Sequence[Migration] = MIGRATIONS, *, lock_ttl_ms: int = LOCK_TTL_MS
 ) -> list[Migration]:
     """Run every pending migration in order; returns those applied (``[]`` when up to date).
 
@@ -115,7 +118,7 @@ def apply(
 
 
 @guarded
-def check(client: StorageClient, migrations: Sequence[Migration] = MIGRATIONS) -> int:
+def check(client: Client, migrations: Sequence[Migration] = MIGRATIONS) -> int:
     """Return the stored schema version if this build serves it, else raise :class:`SchemaMismatch`.
 
     A newer stored version means an older build must not write to it; an older one means

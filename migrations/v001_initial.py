@@ -1,4 +1,4 @@
-"""v1: the initial key layout (``cache_service.storage.keys``, layout ``v1``).
+"""v1: the initial key layout (layout ``v1``).
 
 Namespace registry hash, per-namespace lifetime log streams capped by entry count, chunked
 priors, session keys. Nothing needs creating: recording version 1 is the whole step.
@@ -6,11 +6,11 @@ priors, session keys. Nothing needs creating: recording version 1 is the whole s
 
 from __future__ import annotations
 
-from cache_service.storage.clients import StorageClient
 from migrations.base import Migration
+from migrations.clients import Client
 
 
-def apply(client: StorageClient) -> None:
+def apply(client: Client) -> None:
     """Nothing to create: every v1 key is made on first write."""
 
 

@@ -9,9 +9,9 @@ written under v1 by summing its entries. Re-running it recomputes the same sums.
 
 from __future__ import annotations
 
-from cache_service.storage import keys
-from cache_service.storage.clients import StorageClient
+from migrations import keys
 from migrations.base import Migration
+from migrations.clients import Client
 
 # KEYS[1] stream, KEYS[2] counter. One script per log, so no append lands between sum and set.
 _RECOUNT_LUA = """
@@ -34,11 +34,11 @@ return total
 """
 
 
-def apply(client: StorageClient) -> None:
+def apply(client: Client) -> None:
     recount = client.register_script(_RECOUNT_LUA)
-    for key in client.scan_iter(match=keys.LOG_PATTERN, count=1000, _type="stream"):
+    for key in client.scan_iter(match=keys.V1_LOG_PATTERN, count=1000, _type="stream"):
         ns = keys.tag_of(key)
-        recount(keys=[keys.log(ns), keys.log_tokens(ns)])
+        recount(keys=[keys.v1_log(ns), keys.v1_log_tokens(ns)])
 
 
 MIGRATION = Migration(version=2, description="token counters for lifetime logs (cap by tokens)", apply=apply)

@@ -22,16 +22,18 @@ from cache_service.domain import names
 from cache_service.domain.errors import AlreadyExists, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
 from cache_service.domain.sessions import SessionEntry, SessionTable, new_session_id
 from cache_service.rpc.auth import Principal
+from cache_service.storage.stored_session import StoredSession
 from indexer.drafter import MAX_LOOKAHEAD, Branches, DraftParams, NamespaceDrafter
 from indexer.lifetime_index import LifetimeIndexes
 from indexer.prespeculation import Prefetched
 from indexer.prior import StaticPrior
-from indexer.session import Session, SessionSnapshot
+from indexer.session import Session
 from indexer.session_cache import TableColumns
 from indexer.tokens import Namespace, as_tokens
 from indexer.tree_builder import DraftTree
 
 logger = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class OpenItem:
@@ -91,15 +93,6 @@ class NamespaceStats:
     last_rebuild_seconds: float
     prior_version: int
     sessions: int
-
-
-@dataclass(frozen=True)
-class StoredSession:
-    """A session as storage keeps it, for another replica (or a restart) to continue."""
-
-    namespace: str
-    snapshot: SessionSnapshot
-    params: DraftParams
 
 
 @dataclass(frozen=True)

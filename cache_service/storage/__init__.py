@@ -5,7 +5,7 @@
 16777216
 """
 
-from cache_service.storage.codec import SessionState, TableItems, decode_table, encode_table
+from cache_service.storage.codec import TableItems, decode_table, encode_table
 from cache_service.storage.errors import (
     MigrationInProgress,
     NamespaceConflict,
@@ -15,7 +15,7 @@ from cache_service.storage.errors import (
     StorageUnavailable,
 )
 from cache_service.storage.redis_store import RedisStore, StoreConfig
-from cache_service.storage.sessions import StoredSession
+from cache_service.storage.stored_session import StoredSession
 from cache_service.storage.stream_log import LogEntry
 
 __all__ = [
@@ -24,7 +24,6 @@ __all__ = [
     "NamespaceConflict",
     "RedisStore",
     "SchemaMismatch",
-    "SessionState",
     "StorageCorrupt",
     "StorageError",
     "StorageUnavailable",

@@ -31,9 +31,9 @@ def transaction(client: StorageClient, key: str) -> Transaction:
     (:data:`CLUSTER_TRANSACTIONS`), else a plain transaction on the node that owns the slot.
 
     >>> with transaction(client, keys.session_state("s")) as pipe:  # doctest: +SKIP
-    ...     pipe.get(keys.session_dyn("s"))
+    ...     pipe.hgetall(keys.session_state("s"))
     ...     pipe.get(keys.session_rej("s"))
-    ...     dyn, rej = pipe.execute()
+    ...     fields, rej = pipe.execute()
     """
     if not isinstance(client, RedisCluster) or CLUSTER_TRANSACTIONS:
         return client.pipeline(transaction=True)

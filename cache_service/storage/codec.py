@@ -1,4 +1,5 @@
-"""Pure byte layouts of what draftcache stores: token arrays, LRU tables, session state.
+"""Pure byte layouts of what draftcache stores: token arrays and LRU tables (a session's whole
+layout is :mod:`cache_service.storage.stored_session`).
 
 Every ``decode_*`` raises :class:`~cache_service.storage.errors.StorageCorrupt` on input it did
 not produce; every ``encode_*`` raises ``ValueError`` on input it cannot represent.
@@ -6,15 +7,10 @@ not produce; every ``encode_*`` raises ``ValueError`` on input it cannot represe
 
 from __future__ import annotations
 
-import json
 import struct
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
-from cache_service.storage import keys
 from cache_service.storage.errors import StorageCorrupt
 from indexer.session_cache import TableColumns, TableItems
 
@@ -26,7 +22,6 @@ _TABLE_MAGIC = b"DCLT"
 _TABLE_FORMAT = 1
 # magic, format, reserved, leaders, followers, leader tokens, follower tokens
 _TABLE_HEADER = struct.Struct("<4sHHIIII")
-STATE_FORMAT = b"1"
 
 
 def tokens_to_bytes(tokens: np.ndarray) -> bytes:
@@ -126,66 +121,16 @@ def _table_columns(blob: bytes) -> list[np.ndarray]:
     return columns
 
 
+def decode_columns(blob: bytes) -> TableColumns:
+    """Inverse of :func:`encode_table`, as columns (int64, as ``TableColumns.of_items`` makes them)."""
+    return TableColumns(*(c.astype(np.int64) for c in _table_columns(blob)))
+
+
 def decode_table(blob: bytes) -> TableItems:
     """Inverse of :func:`encode_table`; replay with ``LruTable.add(leader, follower, count)``."""
-    return TableColumns(*(c.astype(np.int64) for c in _table_columns(blob))).items()
+    return decode_columns(blob).items()
 
 
-@dataclass(frozen=True, kw_only=True, eq=False)
-class SessionState:
-    """What a replica needs to resume a session: its namespace, context and draft parameters.
-
-    ``context`` is the prompt followed by the tokens generated so far; ``params`` is any JSON
-    object (draft budget, depth, ...).
-
-    >>> s = SessionState(namespace="llama2", context=np.array([5, 6, 7], np.int32), prompt_len=2)
-    >>> decode_state(encode_state(s)).context.tolist()
-    [5, 6, 7]
-    """
-
-    namespace: str
-    context: np.ndarray
-    prompt_len: int
-    params: Mapping[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        keys.check_name(self.namespace, what="namespace")
-        if not isinstance(self.context, np.ndarray) or self.context.dtype != np.int32 or self.context.ndim != 1:
-            raise ValueError("context must be a 1-D int32 numpy array")
-        if not 0 <= self.prompt_len <= self.context.size:
-            raise ValueError(f"prompt_len must be in [0, {self.context.size}], got {self.prompt_len}")
-        if not isinstance(self.params, Mapping):
-            raise ValueError("params must be a mapping")
-
-
-def encode_state(state: SessionState) -> dict[bytes, bytes]:
-    """Hash fields for a session's ``state`` key."""
-    try:
-        params = json.dumps(dict(state.params), sort_keys=True, allow_nan=False)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"params must be JSON-serialisable: {exc}") from exc
-    return {
-        b"fmt": STATE_FORMAT,
-        b"namespace": state.namespace.encode(),
-        b"context": tokens_to_bytes(state.context),
-        b"prompt_len": str(state.prompt_len).encode(),
-        b"params": params.encode(),
-    }
-
-
-def decode_state(fields: Mapping[bytes, bytes]) -> SessionState:
-    """Inverse of :func:`encode_state`."""
-    if fields.get(b"fmt") != STATE_FORMAT:
-        raise StorageCorrupt(f"session state has format {fields.get(b'fmt')!r}, expected {STATE_FORMAT!r}")
-    try:
-        params = json.loads(fields[b"params"])
-        if not isinstance(params, dict):
-            raise ValueError("params is not a JSON object")
-        return SessionState(
-            namespace=fields[b"namespace"].decode(),
-            context=tokens_from_bytes(fields[b"context"], what="session context"),
-            prompt_len=int(fields[b"prompt_len"]),
-            params=params,
-        )
-    except (KeyError, ValueError, UnicodeDecodeError) as exc:
-        raise StorageCorrupt(f"session state does not decode: {exc!r}") from exc
+def empty_columns() -> TableColumns:
+    """A table with no entries."""
+    return TableColumns.of_items([])

@@ -1,97 +1,35 @@
-"""Typed storage errors, and the one place where redis-py exceptions become them.
+"""Typed storage errors. The common ones, and the translation of redis-py exceptions into them,
+come from :mod:`migrations.errors` (migrations sit below the service and share them); the store
+adds its own kinds here.
 
 The service maps these to gRPC codes: :class:`StorageUnavailable` -> UNAVAILABLE, the rest ->
-INTERNAL (or FAILED_PRECONDITION for :class:`SchemaMismatch` and :class:`NamespaceConflict`).
+INTERNAL (or FAILED_PRECONDITION for :class:`SchemaMismatch`, ALREADY_EXISTS for
+:class:`NamespaceConflict`).
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
-from typing import ParamSpec, TypeVar
-
-from redis import exceptions as rexc
-
-P = ParamSpec("P")
-R = TypeVar("R")
-
-# Errors that mean "Redis cannot answer right now" rather than "the request or the data is wrong":
-# a dead or slow server, a replica that is still loading its dataset, a failover in progress.
-_UNAVAILABLE: tuple[type[Exception], ...] = (
-    rexc.ConnectionError,  # includes BusyLoadingError (server loading its RDB/AOF)
-    rexc.TimeoutError,
-    rexc.ReadOnlyError,  # we are talking to a replica after a failover
-    rexc.ClusterDownError,
-    rexc.TryAgainError,
-    rexc.MasterDownError,
+from migrations.errors import (
+    MigrationInProgress,
+    SchemaMismatch,
+    StorageCorrupt,
+    StorageError,
+    StorageUnavailable,
+    guarded,
+    translate,
 )
 
-
-class StorageError(Exception):
-    """Base class of every error raised by ``cache_service.storage`` and ``migrations``."""
-
-
-class StorageUnavailable(StorageError):
-    """Redis could not be reached or could not answer in time; retrying later may succeed."""
-
-
-class StorageCorrupt(StorageError):
-    """Stored data does not decode: wrong type, bad length, checksum mismatch, missing part."""
-
-
-class SchemaMismatch(StorageError):
-    """The stored key-schema version is not the one this code serves.
-
-    ``stored`` is the version found in Redis (0 when none), ``expected`` the one the code knows.
-    """
-
-    def __init__(self, message: str, *, stored: int, expected: int) -> None:
-        super().__init__(message)
-        self.stored = stored
-        self.expected = expected
+__all__ = [
+    "MigrationInProgress",
+    "NamespaceConflict",
+    "SchemaMismatch",
+    "StorageCorrupt",
+    "StorageError",
+    "StorageUnavailable",
+    "guarded",
+    "translate",
+]
 
 
 class NamespaceConflict(StorageError):
     """A namespace is already registered with a different vocabulary size."""
-
-
-class MigrationInProgress(StorageError):
-    """Another process holds the migration lock (or this one lost it)."""
-
-
-def translate(exc: rexc.RedisError | rexc.RedisClusterException) -> StorageError | None:
-    """The domain error for a redis-py exception, or ``None`` when it is a bug to re-raise.
-
-    A cluster client also raises ``RedisClusterException`` (not a ``RedisError``): when no
-    node owns a slot, or when no seed node answered while it (re)learned the slots.
-
-    >>> type(translate(rexc.TimeoutError("slow"))).__name__
-    'StorageUnavailable'
-    >>> type(translate(rexc.ResponseError("WRONGTYPE Operation against a key"))).__name__
-    'StorageCorrupt'
-    """
-    if isinstance(exc, _UNAVAILABLE):
-        return StorageUnavailable(f"redis unavailable: {exc}")
-    if isinstance(exc, rexc.SlotNotCoveredError) or (
-        isinstance(exc, rexc.RedisClusterException) and isinstance(exc.__cause__, _UNAVAILABLE)
-    ):
-        return StorageUnavailable(f"redis cluster unavailable: {exc}")
-    if isinstance(exc, rexc.ResponseError) and str(exc).startswith(("WRONGTYPE", "CORRUPT")):
-        return StorageCorrupt(str(exc))
-    return None
-
-
-def guarded(fn: Callable[P, R]) -> Callable[P, R]:
-    """Decorate a storage call so redis-py errors surface as :class:`StorageError` subclasses."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-        try:
-            return fn(*args, **kwargs)
-        except (rexc.RedisError, rexc.RedisClusterException) as exc:
-            mapped = translate(exc)
-            if mapped is None:
-                raise
-            raise mapped from exc
-
-    return wrapper

@@ -1,7 +1,8 @@
 """Every Redis key draftcache uses, in one place.
 
 Layout (``v1`` is the key-layout generation; the *schema* version that migrations track is the
-separate integer under :data:`SCHEMA_VERSION`)::
+separate integer under :data:`SCHEMA_VERSION`; that key and the migration lock belong to
+:mod:`migrations.keys` and are listed here so this table shows every key)::
 
     draftcache:schema_version                          string  integer, see migrations/
     {draftcache:schema_version}:migration_lock         string  SET NX PX token while migrating
@@ -15,14 +16,14 @@ separate integer under :data:`SCHEMA_VERSION`)::
     draftcache:v1:ns:{<ns>}:prior:<version>:meta       hash    parts, size, part_size, blake2b
     draftcache:v1:ns:{<ns>}:prior:<version>:<part>     string  one chunk of the blob
     draftcache:v1:session:{<sid>}:state                hash    namespace, context, prompt_len, params
-    draftcache:v1:session:{<sid>}:dyn                  string  dynamic table (codec.encode_table)
     draftcache:v1:session:{<sid>}:rej                  string  rejected table (codec.encode_table)
 
 The ``{...}`` hash tags put all of one namespace's keys, and all of one session's keys, in one
 Redis Cluster slot, so the multi-key transactions and scripts over them are legal on a cluster.
 The migration lock is tagged with the whole schema-version key name (a key without a tag hashes
 whole), so the script that records a step under the lock touches one slot too. The namespace
-registry is only ever used on its own.
+registry is only ever used on its own. (Up to schema v2 a session also had an always-empty
+``:dyn`` key; migration v3 deletes those.)
 A tenant-scoped namespace is simply named ``<tenant>/<namespace>``.
 """
 
@@ -30,14 +31,14 @@ from __future__ import annotations
 
 import re
 
+from migrations.keys import MIGRATION_LOCK, SCHEMA_VERSION
+
+__all__ = ["MIGRATION_LOCK", "SCHEMA_VERSION"]  # with every name below: the one key table
+
 PREFIX = "draftcache"
 LAYOUT = "v1"
 _BASE = f"{PREFIX}:{LAYOUT}"
 
-SCHEMA_VERSION = f"{PREFIX}:schema_version"
-# Same slot as SCHEMA_VERSION. (Builds before Redis Cluster support locked draftcache:migration_lock:
-# do not run `draftcache migrate` from an old and a new build at the same moment.)
-MIGRATION_LOCK = f"{{{SCHEMA_VERSION}}}:migration_lock"
 NAMESPACES = f"{_BASE}:namespaces"
 
 MAX_NAME_LEN = 128
@@ -129,17 +130,13 @@ def session_state(sid: str) -> str:
     return f"{_session(sid)}:state"
 
 
-def session_dyn(sid: str) -> str:
-    return f"{_session(sid)}:dyn"
-
-
 def session_rej(sid: str) -> str:
     return f"{_session(sid)}:rej"
 
 
-def session_keys(sid: str) -> tuple[str, str, str]:
-    """All keys of one session: state, dynamic table, rejected table."""
-    return session_state(sid), session_dyn(sid), session_rej(sid)
+def session_keys(sid: str) -> tuple[str, str]:
+    """All keys of one session: state, rejected table."""
+    return session_state(sid), session_rej(sid)
 
 
 def session_state_pattern(match: str = "*") -> str:

@@ -17,9 +17,8 @@ import numpy as np
 
 from cache_service.storage import codec, keys, priors, sessions, stream_log
 from cache_service.storage.clients import StorageClient
-from cache_service.storage.codec import SessionState, Table
 from cache_service.storage.errors import NamespaceConflict, StorageCorrupt, guarded
-from cache_service.storage.sessions import StoredSession
+from cache_service.storage.stored_session import StoredSession
 from cache_service.storage.stream_log import LogEntry
 from indexer.tokens import MAX_VOCAB_SIZE
 
@@ -201,12 +200,12 @@ class RedisStore:
     # -- sessions ---------------------------------------------------------------------------
 
     @guarded
-    def save_session(self, sid: str, state: SessionState, dyn: Table, rej: Table, ttl_s: float) -> None:
-        """Write a session's state and both tables (``LruTable.columns()`` or ``items()``) in one transaction.
+    def save_session(self, sid: str, session: StoredSession, ttl_s: float) -> None:
+        """Write a session's state and rejected table in one transaction.
 
         Every key of the session gets a fresh ``ttl_s``-second expiry.
         """
-        sessions.save(self.client, sid, state, dyn, rej, ttl_s)
+        sessions.save(self.client, sid, session, ttl_s)
 
     @guarded
     def save_sessions(self, writes: list[sessions.SessionWrite], ttl_s: float) -> None:

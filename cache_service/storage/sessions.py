@@ -1,30 +1,29 @@
-"""A session's durable copy: state hash plus dynamic and rejected tables, all under one TTL."""
+"""A session's durable copy: its state hash and rejected table, both under one TTL."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 from redis.cluster import RedisCluster
 from redis.commands.core import Script
 
-from cache_service.storage import codec, keys
+from cache_service.storage import codec, keys, stored_session
 from cache_service.storage.clients import StorageClient, transaction
+from cache_service.storage.stored_session import StoredSession
 
-# KEYS: state, dyn, rej (one slot); ARGV[1] expiry ms, [2] dyn blob, [3] rej blob, then the
-# state's field/value pairs. The same writes as :func:`save`, atomic per session, so many
-# sessions can go in one pipelined round trip.
+# KEYS: state, rej (one slot); ARGV[1] expiry ms, [2] rej blob, then the state's field/value
+# pairs. The same writes as :func:`save`, atomic per session, so many sessions can go in one
+# pipelined round trip.
 SAVE_LUA = """
 redis.call('DEL', KEYS[1])
-redis.call('HSET', KEYS[1], unpack(ARGV, 4))
+redis.call('HSET', KEYS[1], unpack(ARGV, 3))
 redis.call('PEXPIRE', KEYS[1], ARGV[1])
 redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[1])
-redis.call('SET', KEYS[3], ARGV[3], 'PX', ARGV[1])
 return 1
 """
 
-# KEYS: state, dyn, rej (one slot); ARGV[1] expiry ms, [2] bytes of context storage should hold,
+# KEYS: state, rej (one slot); ARGV[1] expiry ms, [2] bytes of context storage should hold,
 # [3] tokens to append, [4] "1" when [5] (a rejected-table blob) replaces the stored table.
 # Appends only onto exactly the context the writer last saved; 0 (nothing written) when the
 # session is gone or its context differs, and the writer saves the whole session instead.
@@ -37,27 +36,17 @@ if string.len(ARGV[3]) > 0 then
   redis.call('HSET', KEYS[1], 'context', ctx .. ARGV[3])
 end
 redis.call('PEXPIRE', KEYS[1], ARGV[1])
-redis.call('PEXPIRE', KEYS[2], ARGV[1])
 if ARGV[4] == '1' then
-  redis.call('SET', KEYS[3], ARGV[5], 'PX', ARGV[1])
+  redis.call('SET', KEYS[2], ARGV[5], 'PX', ARGV[1])
 else
-  redis.call('PEXPIRE', KEYS[3], ARGV[1])
+  redis.call('PEXPIRE', KEYS[2], ARGV[1])
 end
 return 1
 """
 
-SessionWrite = tuple[str, codec.SessionState, codec.Table, codec.Table]
+SessionWrite = tuple[str, StoredSession]
 # (session id, context tokens storage holds, tokens to append, new rejected table or None)
 SessionAppend = tuple[str, int, np.ndarray, codec.Table | None]
-
-
-@dataclass(frozen=True, kw_only=True, eq=False)
-class StoredSession:
-    """A loaded session; replay the tables into ``LruTable``s with ``add(leader, follower, count)``."""
-
-    state: codec.SessionState
-    dyn: codec.TableItems
-    rej: codec.TableItems
 
 
 def ttl_ms(ttl_s: float) -> int:
@@ -71,23 +60,14 @@ def ttl_ms(ttl_s: float) -> int:
     return max(1, round(ttl_s * 1000))
 
 
-def save(
-    client: StorageClient,
-    sid: str,
-    state: codec.SessionState,
-    dyn: codec.Table,
-    rej: codec.Table,
-    ttl_s: float,
-) -> None:
-    state_key, dyn_key, rej_key = keys.session_keys(sid)
-    fields = codec.encode_state(state)
-    dyn_blob, rej_blob = codec.encode_table(dyn), codec.encode_table(rej)
+def save(client: StorageClient, sid: str, session: StoredSession, ttl_s: float) -> None:
+    state_key, rej_key = keys.session_keys(sid)
+    fields, rej_blob = stored_session.encode(session)
     ms = ttl_ms(ttl_s)
     with transaction(client, state_key) as pipe:
         pipe.delete(state_key)  # no fields survive from an older format
         pipe.hset(state_key, mapping={k: v for k, v in fields.items()})
         pipe.pexpire(state_key, ms)
-        pipe.set(dyn_key, dyn_blob, px=ms)
         pipe.set(rej_key, rej_blob, px=ms)
         pipe.execute()
 
@@ -97,14 +77,14 @@ def save_many(client: StorageClient, script: Script, writes: Sequence[SessionWri
     (``script`` is :data:`SAVE_LUA` registered on ``client``). On a cluster, where sessions live
     on different nodes, one transaction per session."""
     if isinstance(client, RedisCluster):
-        for sid, state, dyn, rej in writes:
-            save(client, sid, state, dyn, rej, ttl_s)
+        for sid, session in writes:
+            save(client, sid, session, ttl_s)
         return
     ms = ttl_ms(ttl_s)
     pipe = client.pipeline(transaction=False)
-    for sid, state, dyn, rej in writes:
-        fields: list[str | bytes] = [x for kv in codec.encode_state(state).items() for x in kv]
-        args: list[str | bytes | int] = [ms, codec.encode_table(dyn), codec.encode_table(rej), *fields]
+    for sid, session in writes:
+        fields, rej_blob = stored_session.encode(session)
+        args: list[str | bytes | int] = [ms, rej_blob, *(x for kv in fields.items() for x in kv)]
         script(keys=list(keys.session_keys(sid)), args=args, client=pipe)
     pipe.execute()
 
@@ -132,22 +112,17 @@ def append_many(client: StorageClient, script: Script, appends: Sequence[Session
 
 
 def load(client: StorageClient, sid: str) -> StoredSession | None:
-    state_key, dyn_key, rej_key = keys.session_keys(sid)
+    state_key, rej_key = keys.session_keys(sid)
     with transaction(client, state_key) as pipe:
         pipe.hgetall(state_key)
-        pipe.get(dyn_key)
         pipe.get(rej_key)
-        fields, dyn_blob, rej_blob = pipe.execute()
+        fields, rej_blob = pipe.execute()
     if not fields:
         return None
     where = f"session {sid!r}"
-    # The tables share the state's expiry; one that is missing anyway loads as empty (a cache
-    # may lose entries, and the dynamic table refills from the context).
-    return StoredSession(
-        state=codec.decode_state(codec.as_fields(fields, what=where)),
-        dyn=codec.decode_table(codec.as_bytes(dyn_blob, what=where)) if dyn_blob is not None else [],
-        rej=codec.decode_table(codec.as_bytes(rej_blob, what=where)) if rej_blob is not None else [],
-    )
+    # The table shares the state's expiry; one that is missing anyway loads as empty.
+    rej = codec.as_bytes(rej_blob, what=where) if rej_blob is not None else None
+    return stored_session.decode(codec.as_fields(fields, what=where), rej)
 
 
 def touch(client: StorageClient, sid: str, ttl_s: float) -> bool:

@@ -164,8 +164,8 @@ def test_round_trip_and_recovery_from_lost_storage(store: RedisStore) -> None:
         assert flush() == []
     live = svc.sessions.get(sid).session
     got = store.load_session(sid)
-    assert got is not None and got.state.context.tolist() == [*PROMPT, 6, 7, 8, 9] == live.context.tokens.tolist()
-    assert got.rej == live.rejected.table.items() and got.rej
+    assert got is not None and got.snapshot.context.tolist() == [*PROMPT, 6, 7, 8, 9] == live.context.tokens.tolist()
+    assert got.snapshot.rejected.items() == live.rejected.table.items() and len(got.snapshot.rejected)
     # Storage loses everything (a restart without persistence): the next append is refused and
     # the session is written whole on the following flush.
     store.client.flushdb()
@@ -173,5 +173,5 @@ def test_round_trip_and_recovery_from_lost_storage(store: RedisStore) -> None:
     assert flush() == [sid]
     assert flush() == []
     got = store.load_session(sid)
-    assert got is not None and got.state.context.tolist() == [*PROMPT, 6, 7, 8, 9, 10]
-    assert got.rej == svc.sessions.get(sid).session.rejected.table.items()
+    assert got is not None and got.snapshot.context.tolist() == [*PROMPT, 6, 7, 8, 9, 10]
+    assert got.snapshot.rejected.items() == svc.sessions.get(sid).session.rejected.table.items()

@@ -15,6 +15,7 @@ import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 from redis.cluster import RedisCluster
 
@@ -23,6 +24,10 @@ from cache_service.host import embedded_redis
 from cache_service.storage import RedisStore, StoreConfig
 from cache_service.storage.clients import StorageClient
 from cache_service.storage.connect import connect
+from cache_service.storage.stored_session import StoredSession
+from indexer.drafter import DraftParams
+from indexer.session import SessionSnapshot
+from indexer.session_cache import TableColumns, TableItems
 from tests.storage.servers import Cluster, RedisServer, TlsFiles, make_tls_files, tls_supported
 
 URL_ENV = "DRAFTCACHE_TEST_REDIS_URL"
@@ -157,3 +162,9 @@ def dedicated_server(server_binary: Path, tmp_path: Path) -> Iterator[Callable[.
     yield start
     for server in started:
         server.stop()
+
+
+def stored(context: list[int], prompt_len: int, rejected: TableItems | None = None) -> StoredSession:
+    """A stored session of namespace ``n`` with the given context and rejected table."""
+    snapshot = SessionSnapshot(np.array(context, np.int32), prompt_len, TableColumns.of_items(rejected or []))
+    return StoredSession("n", snapshot, DraftParams())

@@ -16,8 +16,9 @@ from redis.cluster import RedisCluster
 
 import migrations
 from cache_service.app import prepare_schema
-from cache_service.storage import RedisStore, SessionState, StorageUnavailable, clients, keys
+from cache_service.storage import RedisStore, StorageUnavailable, clients, keys
 from cache_service.storage.connect import connect
+from tests.storage.conftest import stored
 from tests.storage.servers import Cluster
 
 
@@ -39,9 +40,9 @@ def _one_per_master(cluster: RedisCluster, key: Callable[[str], str], prefix: st
 
 
 def test_prepare_schema_initialises_a_fresh_cluster(cluster: RedisCluster) -> None:
-    assert prepare_schema(cluster) == migrations.LATEST == 2
-    assert cluster.get(keys.SCHEMA_VERSION) == b"2" and cluster.get(keys.MIGRATION_LOCK) is None
-    assert prepare_schema(cluster) == 2  # a second replica starting finds it done
+    assert prepare_schema(cluster) == migrations.LATEST == 3
+    assert cluster.get(keys.SCHEMA_VERSION) == b"3" and cluster.get(keys.MIGRATION_LOCK) is None
+    assert prepare_schema(cluster) == 3  # a second replica starting finds it done
 
 
 def test_v1_logs_on_every_master_are_migrated(cluster: RedisCluster) -> None:
@@ -50,18 +51,28 @@ def test_v1_logs_on_every_master_are_migrated(cluster: RedisCluster) -> None:
         for n in range(i + 1):
             cluster.xadd(keys.log(ns), {"n": n + 1, "tokens": np.arange(n + 1, dtype="<i4").tobytes()})
     cluster.set(keys.SCHEMA_VERSION, 1)
-    assert migrations.run_migrate(cluster, dry_run=False).splitlines()[-1] == "schema now v2"
-    assert prepare_schema(cluster) == 2
+    assert migrations.run_migrate(cluster, dry_run=False).splitlines()[-1] == "schema now v3"
+    assert prepare_schema(cluster) == 3
     store = RedisStore(cluster)
     assert [store.log_size(ns) for ns in namespaces] == [(1, 1), (2, 3), (3, 6)]
+
+
+def test_v2_dynamic_table_keys_on_every_master_are_dropped(cluster: RedisCluster) -> None:
+    sids = _one_per_master(cluster, keys.session_state, "s-")
+    store = RedisStore(cluster)
+    for sid in sids:  # sessions as v2 replicas saved them: with an (empty) dynamic table
+        store.save_session(sid, stored([1, 2], 1), ttl_s=60)
+        cluster.set(f"draftcache:v1:session:{{{sid}}}:dyn", b"", px=60_000)
+    cluster.set(keys.SCHEMA_VERSION, 2)
+    assert migrations.run_migrate(cluster, dry_run=False).splitlines()[-1] == "schema now v3"
+    assert not list(cluster.scan_iter(match="*:dyn")) and store.session_ids() == sorted(sids)
 
 
 def test_session_listing_scans_every_master(cluster: RedisCluster) -> None:
     store = RedisStore(cluster)
     sids = _one_per_master(cluster, keys.session_state, "sess-")
-    state = SessionState(namespace="n", context=np.array([1], np.int32), prompt_len=1)
     for sid in sids:
-        store.save_session(sid, state, [], [], ttl_s=60)
+        store.save_session(sid, stored([1], 1), ttl_s=60)
     assert store.session_ids() == sids
 
 
@@ -77,11 +88,10 @@ def test_transactions_run_on_the_slot_owner_without_cluster_pipelines(
     v1, v2 = store.put_prior("n", b"one"), store.put_prior("n", b"two")
     assert store.rollback_prior("n") == v1 and store.get_prior("n") == (v1, b"one")
     assert store.rollback_prior("n") == v2
-    state = SessionState(namespace="n", context=np.array([1, 2], np.int32), prompt_len=1)
-    store.save_session("s", state, [((1,), [((2,), 1)])], [], ttl_s=60)
+    store.save_session("s", stored([1, 2], 1, [((1,), [((2,), 1)])]), ttl_s=60)
     loaded = store.load_session("s")
-    assert loaded is not None and loaded.dyn == [((1,), [((2,), 1)])]
-    assert store.touch_session("s", 120) and 115_000 < cluster.pttl(keys.session_dyn("s")) <= 120_000
+    assert loaded is not None and loaded.snapshot.rejected.items() == [((1,), [((2,), 1)])]
+    assert store.touch_session("s", 120) and 115_000 < cluster.pttl(keys.session_rej("s")) <= 120_000
 
 
 def test_a_dead_master_fails_fast_and_returns_with_its_data(dedicated_cluster: Callable[..., Cluster]) -> None:

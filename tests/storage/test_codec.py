@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
+from dataclasses import replace
 
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cache_service.storage import StorageCorrupt, codec
+from cache_service.storage import StorageCorrupt, codec, stored_session
+from cache_service.storage.stored_session import StoredSession
+from indexer.drafter import DraftParams
 from indexer.kernels import lru
+from indexer.session import SessionSnapshot
 from indexer.session_cache import LruTable, LruTableConfig, TableColumns
 
 
@@ -107,35 +112,43 @@ def test_tokens_round_trip_little_endian() -> None:
         codec.tokens_to_bytes(np.array([1, 2], dtype=np.int64))
 
 
-def test_session_state_round_trip() -> None:
-    state = codec.SessionState(
-        namespace="acme/llama2",
-        context=np.array([5, 6, 7, 8], np.int32),
-        prompt_len=3,
-        params={"budget": 64, "min_score": 0.5, "tiers": ["dyn", "prior"]},
-    )
-    back = codec.decode_state(codec.encode_state(state))
-    assert (back.namespace, back.prompt_len, dict(back.params)) == (state.namespace, 3, dict(state.params))
-    assert back.context.tolist() == [5, 6, 7, 8]
+def _stored(context: list[int], prompt_len: int) -> StoredSession:
+    snapshot = SessionSnapshot(context=np.array(context, np.int32), prompt_len=prompt_len)
+    return StoredSession("acme/llama2", snapshot, DraftParams(budget=64, min_score=0.5))
 
 
-def test_session_state_is_validated() -> None:
+def test_stored_session_round_trip() -> None:
+    session = _stored([5, 6, 7, 8], 3)
+    fields, rej = stored_session.encode(session)
+    assert json.loads(fields[b"params"]) == {"budget": 64, "depth_reserve": 8, "max_depth": 32, "min_score": 0.5}
+    back = stored_session.decode(fields, rej)
+    assert (back.namespace, back.snapshot.prompt_len, back.params) == ("acme/llama2", 3, session.params)
+    assert back.snapshot.context.tolist() == [5, 6, 7, 8] and back.snapshot.context.flags.writeable
+    assert back.snapshot.rejected == session.snapshot.rejected
+    assert stored_session.decode(fields, None).snapshot.rejected == codec.empty_columns()  # a lost table
+
+
+def test_a_context_that_is_not_int32_is_not_encoded() -> None:
+    session = _stored([1], 0)
     with pytest.raises(ValueError):
-        codec.SessionState(namespace="n", context=np.array([1], np.int32), prompt_len=2)
-    with pytest.raises(ValueError):
-        codec.SessionState(namespace="n", context=np.array([1], np.int64), prompt_len=0)
-    with pytest.raises(ValueError):
-        codec.encode_state(
-            codec.SessionState(namespace="n", context=np.zeros(0, np.int32), prompt_len=0, params={"x": {1}})
-        )
+        stored_session.encode(replace(session, snapshot=replace(session.snapshot, context=np.array([1], np.int64))))
 
 
 @pytest.mark.parametrize("field", [b"fmt", b"namespace", b"context", b"prompt_len", b"params"])
 def test_broken_session_state_is_corrupt(field: bytes) -> None:
-    fields = codec.encode_state(codec.SessionState(namespace="n", context=np.array([1, 2], np.int32), prompt_len=1))
+    fields, rej = stored_session.encode(_stored([1, 2], 1))
     broken = {**fields, field: b"\xff{"}
     with pytest.raises(StorageCorrupt):
-        codec.decode_state(broken)
+        stored_session.decode(broken, rej)
     missing = {k: v for k, v in fields.items() if k != field}
     with pytest.raises(StorageCorrupt):
-        codec.decode_state(missing)
+        stored_session.decode(missing, rej)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [(b"prompt_len", b"3"), (b"params", b'{"budget": -1}'), (b"params", b"[]")]
+)
+def test_session_state_out_of_range_is_corrupt(field: bytes, value: bytes) -> None:
+    fields, rej = stored_session.encode(_stored([1, 2], 1))
+    with pytest.raises(StorageCorrupt):
+        stored_session.decode({**fields, field: value}, rej)

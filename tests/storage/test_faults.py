@@ -15,7 +15,8 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from cache_service.storage import RedisStore, SessionState, StorageUnavailable, errors
+from cache_service.storage import RedisStore, StorageUnavailable, errors
+from tests.storage.conftest import stored
 from tests.storage.servers import RedisServer
 
 
@@ -31,8 +32,7 @@ def test_killed_server_fails_fast_and_restarts_with_its_data(dedicated_server: C
     store.register_namespace("n", 32000)
     ids = store.append_requests("n", [np.array([1, 2, 3], np.int32), np.array([4], np.int32)])
     version = store.put_prior("n", b"prior" * 1000)
-    state = SessionState(namespace="n", context=np.array([1, 2, 3], np.int32), prompt_len=2)
-    store.save_session("s", state, [((1,), [((2, 3), 4)])], [], ttl_s=600)
+    store.save_session("s", stored([1, 2, 3], 2, [((1,), [((2, 3), 4)])]), ttl_s=600)
 
     server.kill()
     calls = [
@@ -56,8 +56,8 @@ def test_killed_server_fails_fast_and_restarts_with_its_data(dedicated_server: C
     assert store.namespaces() == {"n": 32000}
     assert store.get_prior("n") == (version, b"prior" * 1000)
     loaded = store.load_session("s")
-    assert loaded is not None and loaded.dyn == [((1,), [((2, 3), 4)])]
-    assert loaded.state.context.tolist() == [1, 2, 3]
+    assert loaded is not None and loaded.snapshot.rejected.items() == [((1,), [((2, 3), 4)])]
+    assert loaded.snapshot.context.tolist() == [1, 2, 3]
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,6 @@ def test_keys_are_versioned_and_tagged() -> None:
     assert keys.log("acme/llama2") == "draftcache:v1:ns:{acme/llama2}:log"
     assert keys.session_keys("s1") == (
         "draftcache:v1:session:{s1}:state",
-        "draftcache:v1:session:{s1}:dyn",
         "draftcache:v1:session:{s1}:rej",
     )
     assert keys.SCHEMA_VERSION == "draftcache:schema_version"

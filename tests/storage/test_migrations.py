@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ast
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,6 +12,7 @@ import pytest
 import migrations
 from cache_service.storage import MigrationInProgress, RedisStore, SchemaMismatch, keys
 from cache_service.storage.clients import StorageClient
+from tests.storage.conftest import stored
 
 
 def _v1_log(client: StorageClient, ns: str, requests: list[list[int]]) -> None:
@@ -19,13 +22,13 @@ def _v1_log(client: StorageClient, ns: str, requests: list[list[int]]) -> None:
 
 
 def test_fresh_database_plans_everything_and_applies_to_latest(client: StorageClient) -> None:
-    assert [m.version for m in migrations.plan(client)] == [1, 2]
+    assert [m.version for m in migrations.plan(client)] == [1, 2, 3]
     with pytest.raises(SchemaMismatch) as info:
         migrations.check(client)
-    assert (info.value.stored, info.value.expected) == (0, 2)
-    assert [m.version for m in migrations.apply(client)] == [1, 2]
-    assert client.get(keys.SCHEMA_VERSION) == b"2"
-    assert migrations.check(client) == 2 == migrations.LATEST
+    assert (info.value.stored, info.value.expected) == (0, 3)
+    assert [m.version for m in migrations.apply(client)] == [1, 2, 3]
+    assert client.get(keys.SCHEMA_VERSION) == b"3"
+    assert migrations.check(client) == 3 == migrations.LATEST
     assert migrations.apply(client) == []  # a second run is a no-op
     assert migrations.plan(client) == []
     assert client.get(keys.MIGRATION_LOCK) is None  # released
@@ -37,8 +40,8 @@ def test_v1_data_is_converted_and_preserved(client: StorageClient, store: RedisS
     _v1_log(client, "acme/b", [[5] * 10])
     client.hset(keys.NAMESPACES, "a", 100)
     before = client.xrange(keys.log("a"))
-    assert [m.version for m in migrations.plan(client)] == [2]
-    assert [m.version for m in migrations.apply(client)] == [2]
+    assert [m.version for m in migrations.plan(client)] == [2, 3]
+    assert [m.version for m in migrations.apply(client)] == [2, 3]
     assert client.xrange(keys.log("a")) == before  # entries untouched
     assert store.log_size("a") == (3, 4) and store.log_size("acme/b") == (1, 10)
     assert store.namespaces() == {"a": 100}
@@ -53,12 +56,52 @@ def test_rerunning_v2_recomputes_the_same_counts(client: StorageClient, store: R
     assert store.log_size("a") == (1, 5)
 
 
+def _v2_session(client: StorageClient, store: RedisStore, sid: str) -> None:
+    """A session as v2 replicas saved it: state and rejected table, plus an empty dynamic table."""
+    store.save_session(sid, stored([1, 2, 3], 2, [((1,), [((2,), 1)])]), ttl_s=600)
+    client.set(f"draftcache:v1:session:{{{sid}}}:dyn", b"DCLT\x01" + bytes(19), px=600_000)
+
+
+def test_v3_drops_the_dynamic_table_keys_and_nothing_else(client: StorageClient, store: RedisStore) -> None:
+    client.set(keys.SCHEMA_VERSION, 2)
+    sids = [f"s-{i:04d}" for i in range(1500)]  # more than one SCAN step and one round of deletes
+    for sid in sids:
+        _v2_session(client, store, sid)
+    client.set("draftcache:v1:session:{odd}:dyn:note", b"kept")  # matches no v2 key: left alone
+    before = {sid: store.load_session(sid) for sid in sids[:3]}
+    assert [m.version for m in migrations.apply(client)] == [3]
+    assert not list(client.scan_iter(match="*:dyn"))
+    assert client.get("draftcache:v1:session:{odd}:dyn:note") == b"kept"
+    assert store.session_ids() == sids  # every session still there, with its expiry and table
+    for sid, was in before.items():
+        now = store.load_session(sid)
+        assert now is not None and was is not None
+        assert now.snapshot.rejected == was.snapshot.rejected and client.pttl(keys.session_rej(sid)) > 590_000
+
+
+def test_rerunning_v3_finds_nothing_to_delete(client: StorageClient, store: RedisStore) -> None:
+    migrations.apply(client)
+    _v2_session(client, store, "late")  # written by a v2 replica still draining
+    migrations.MIGRATIONS[2].apply(client)
+    migrations.MIGRATIONS[2].apply(client)  # as after a crash before the version was recorded
+    assert not list(client.scan_iter(match="*:dyn")) and store.session_ids() == ["late"]
+
+
+def test_migrations_import_nothing_of_the_service() -> None:
+    # Migrations must keep their meaning as the service moves on: redis-py and themselves only.
+    for path in Path(migrations.__file__).parent.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        imported = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+        imported += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+        assert not [m for m in imported if m.split(".")[0] == "cache_service"], path.name
+
+
 def test_a_newer_schema_is_refused(client: StorageClient) -> None:
     client.set(keys.SCHEMA_VERSION, 99)
     for call in (migrations.check, migrations.plan, migrations.apply):
         with pytest.raises(SchemaMismatch, match="newer") as info:
             call(client)
-        assert (info.value.stored, info.value.expected) == (99, 2)
+        assert (info.value.stored, info.value.expected) == (99, 3)
     with pytest.raises(SchemaMismatch):
         migrations.run_migrate(client, dry_run=False)
     assert client.get(keys.SCHEMA_VERSION) == b"99"
@@ -70,24 +113,25 @@ def test_dry_run_changes_nothing(client: StorageClient) -> None:
     snapshot = {k: client.dump(k) for k in client.scan_iter()}
     report = migrations.run_migrate(client, dry_run=True)
     assert report.splitlines() == [
-        "schema v1, code v2; would apply:",
+        "schema v1, code v3; would apply:",
         "  v2: token counters for lifetime logs (cap by tokens)",
+        "  v3: session dynamic-table keys dropped (never read)",
     ]
     assert {k: client.dump(k) for k in client.scan_iter()} == snapshot
 
 
 def test_run_migrate_reports(client: StorageClient) -> None:
     report = migrations.run_migrate(client, dry_run=False)
-    assert report.splitlines()[0] == "schema v0, code v2; applied:"
-    assert report.splitlines()[-1] == "schema now v2"
-    assert migrations.run_migrate(client, dry_run=False) == "schema v2, code v2; up to date"
+    assert report.splitlines()[0] == "schema v0, code v3; applied:"
+    assert report.splitlines()[-1] == "schema now v3"
+    assert migrations.run_migrate(client, dry_run=False) == "schema v3, code v3; up to date"
 
 
 def test_one_migrator_at_a_time(client: StorageClient) -> None:
     with migrations.migration_lock(client), pytest.raises(MigrationInProgress):
         migrations.apply(client)
     assert client.get(keys.SCHEMA_VERSION) is None
-    assert [m.version for m in migrations.apply(client)] == [1, 2]
+    assert [m.version for m in migrations.apply(client)] == [1, 2, 3]
 
 
 def test_a_migrator_that_lost_its_lock_records_nothing(client: StorageClient) -> None:

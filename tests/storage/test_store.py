@@ -5,9 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cache_service.storage import NamespaceConflict, RedisStore, SessionState, StorageCorrupt, StoreConfig, keys
+from cache_service.storage import NamespaceConflict, RedisStore, StorageCorrupt, StoreConfig, keys
 from cache_service.storage.clients import StorageClient
 from cache_service.storage.connect import connect
+from tests.storage.conftest import stored
 
 
 def test_register_and_list_namespaces(store: RedisStore) -> None:
@@ -59,10 +60,9 @@ def test_a_resp3_client_reads_the_same(backend_url: str, store: RedisStore) -> N
     assert [e.tokens.tolist() for e in resp3.follow("n", "0", block_ms=10)] == [[1, 2]]
     assert resp3.follow("n", ids[-1], block_ms=10) == []
     assert resp3.register_namespace("n", 7) and store.namespaces() == resp3.namespaces() == {"n": 7}
-    state = SessionState(namespace="n", context=np.array([1, 2], np.int32), prompt_len=1)
-    resp3.save_session("s", state, [((1,), [((2,), 1)])], [], ttl_s=10)
+    resp3.save_session("s", stored([1, 2], 1, [((1,), [((2,), 1)])]), ttl_s=10)
     loaded = resp3.load_session("s")
-    assert loaded is not None and loaded.dyn == [((1,), [((2,), 1)])]
+    assert loaded is not None and loaded.snapshot.rejected.items() == [((1,), [((2,), 1)])]
     version = resp3.put_prior("n", b"abc")
     assert resp3.get_prior("n") == (version, b"abc")
     assert resp3.session_ids() == ["s"]

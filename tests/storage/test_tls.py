@@ -11,8 +11,9 @@ import pytest
 
 import migrations
 from cache_service.app import prepare_schema
-from cache_service.storage import RedisStore, SessionState, StorageUnavailable
+from cache_service.storage import RedisStore, StorageUnavailable
 from cache_service.storage.connect import connect
+from tests.storage.conftest import stored
 from tests.storage.servers import Cluster, RedisServer, TlsFiles
 
 USER = ("tls-app", "tls-secret")
@@ -34,10 +35,9 @@ def _round_trip(store: RedisStore) -> None:
     assert [e.id for e in store.read_log("n")] == ids
     version = store.put_prior("n", b"prior" * 100)
     assert store.get_prior("n") == (version, b"prior" * 100)
-    state = SessionState(namespace="n", context=np.array([1, 2], np.int32), prompt_len=1)
-    store.save_session("s", state, [((1,), [((2,), 3)])], [], ttl_s=60)
+    store.save_session("s", stored([1, 2], 1, [((1,), [((2,), 3)])]), ttl_s=60)
     loaded = store.load_session("s")
-    assert loaded is not None and loaded.dyn == [((1,), [((2,), 3)])]
+    assert loaded is not None and loaded.snapshot.rejected.items() == [((1,), [((2,), 3)])]
     assert store.session_ids() == ["s"]
 
 
