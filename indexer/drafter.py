@@ -203,7 +203,11 @@ class NamespaceDrafter:
                 logger.warning("the compiled code's threading layer is not thread-safe: drafting on one thread")
 
     def open(self, prompt: np.ndarray | list[int]) -> Session:
-        tokens = as_tokens(prompt, self.namespace.vocab_size, what="prompt")
+        return self.open_checked(as_tokens(prompt, self.namespace.vocab_size, what="prompt"))
+
+    def open_checked(self, tokens: np.ndarray) -> Session:
+        """:meth:`open` for a prompt already checked against the namespace (as :meth:`accept_checked`
+        takes tokens): a contiguous int32 array with every id in the vocabulary."""
         return Session(tokens, self.config.rejected, self.memory.exact_response(prompt_key(tokens)))
 
     def resume(self, snapshot: SessionSnapshot) -> Session:
