@@ -255,6 +255,7 @@ def warm_up(threads: int = 1) -> None:
 
 async def serve(config: AppConfig) -> None:
     """Run until SIGINT or SIGTERM."""
+    kernels.prefer_passive_workers()
     app = App(config)
     port = await app.start()
     print(f"draftcache serving on {config.server.host}:{port} (storage {redact(app.url)})", flush=True)

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from indexer import kernels
+
 SHARED = Path(os.environ.get("DRAFTCACHE_SHARED", Path(__file__).resolve().parents[2] / "shared"))
 
 
@@ -17,6 +19,10 @@ def shared_data() -> Path:
     if not (data / "traces").is_dir():
         pytest.skip(f"real traces not found under {data} (set DRAFTCACHE_SHARED)")
     return data
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    kernels.prefer_passive_workers()  # as the service does, before any threaded draft step
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

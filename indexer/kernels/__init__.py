@@ -56,11 +56,6 @@ from indexer.kernels.tree import (
     verification_outcomes,
 )
 
-# Worker threads of the threaded draft step sleep between calls instead of spinning (GNU
-# OpenMP's default): a service's event loop and other processes need that CPU more. Read when
-# the threading layer first loads, at the first threaded call.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 # Threading layers that take threaded calls from several threads at once ("workqueue" aborts).
 _THREADSAFE_LAYERS = ("omp", "tbb")
 
@@ -87,6 +82,7 @@ __all__ = [
     "merge_suffix_arrays",
     "merge_tree",
     "no_prior",
+    "prefer_passive_workers",
     "prior_args",
     "prompt_lookup_start",
     "recent_followers",
@@ -210,6 +206,15 @@ def _tiny_draft() -> tuple:
         2, 1, np.array([32, 4, 4, 2, 2, 2, 4, 2147483647, 2048], dtype=np.int64), np.ones(7), np.zeros((7, 5)),
         np.zeros((7, 5)),
     )  # fmt: skip
+
+
+def prefer_passive_workers() -> None:
+    """Let the threaded draft step's worker threads sleep between calls instead of spinning
+    (GNU OpenMP's default), unless the environment already chose: a service's event loop and
+    other processes need that CPU more. Entry points call it, before any threaded call: OpenMP
+    reads ``OMP_WAIT_POLICY`` once, when the threading layer first loads, and the variable is
+    the whole process's, which importing a library must leave alone."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def warm_up_threads() -> bool:

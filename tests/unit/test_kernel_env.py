@@ -1,0 +1,33 @@
+"""Importing the kernels leaves the process environment alone; entry points choose the worker
+threads' wait policy explicitly."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+_SCRIPT = """
+import os
+import indexer.kernels as kernels
+before = os.environ.get("OMP_WAIT_POLICY")
+kernels.prefer_passive_workers()
+print(before, os.environ.get("OMP_WAIT_POLICY"))
+"""
+
+
+def _run(env: dict[str, str]) -> str:
+    done = subprocess.run(
+        [sys.executable, "-c", _SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def test_importing_the_kernels_sets_nothing_and_the_entry_point_call_does():
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    assert _run(env) == "None PASSIVE"
+
+
+def test_a_policy_the_environment_chose_is_kept():
+    assert _run({**os.environ, "OMP_WAIT_POLICY": "ACTIVE"}) == "ACTIVE ACTIVE"
