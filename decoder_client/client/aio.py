@@ -17,7 +17,7 @@ from draftcache.v1 import draftcache_pb2_grpc as pb_grpc
 
 from decoder_client.client.aio_stream import AsyncStream, within
 from decoder_client.client.config import RECONNECT_OPTIONS, ClientConfig
-from decoder_client.client.core import ClientCore, ClientStats, Fallback, prompt_lookup_fallback
+from decoder_client.client.core import ClientCore, ClientStats, Fallback, Reopening, prompt_lookup_fallback
 from decoder_client.client.plan import CatchUp, Draft, DraftAhead, Drafted, Effect, Reopen, draft_step
 from decoder_client.client.protocol import UNARY, lane_of
 from decoder_client.client.session import ClientSession
@@ -38,7 +38,7 @@ class AsyncDraftClient:
         self._stub = pb_grpc.DraftCacheStub(self._channel)
         self._streams: dict[str, AsyncStream] = {}  # by lane
         self._inflight: tuple[list[ClientSession], asyncio.Future] | None = None
-        self._opening: tuple[list[ClientSession], list[int], pb.OpenSessionsRequest, asyncio.Future] | None = None
+        self._opening: tuple[Reopening, asyncio.Future] | None = None
         self._background: set[asyncio.Future] = set()
         self._closing: set[asyncio.Future] = set()  # background closes (booked as each ends)
 
@@ -162,27 +162,29 @@ class AsyncDraftClient:
     async def _land_reopen(self) -> None:
         if self._opening is not None:  # let a re-open in flight land, so its copy is closed too
             with contextlib.suppress(grpc.RpcError, TimeoutError):
-                await asyncio.wait_for(asyncio.shield(self._opening[3]), self._core.config.control_timeout_s)
+                await asyncio.wait_for(asyncio.shield(self._opening[1]), self._core.config.control_timeout_s)
             self._reopen([])
 
     def _reopen(self, sessions: Sequence[ClientSession]) -> None:
         """See :meth:`DraftClient._reopen`."""
         if self._opening is not None:
-            todo, sizes, req, task = self._opening
-            if not task.done():
+            if not self._opening[1].done():
                 return
-            self._opening = None
-            exc = task.exception()
-            if exc is None:
-                self._core.opened(todo, task.result(), sizes)
-                self._close_abandoned()
-            elif isinstance(exc, grpc.RpcError):
-                self._core.open_failed(req, exc)
-        todo = [s for s in sessions if not s.server_id]
-        req = self._core.open_request(todo)
-        if req is not None:
-            task = self._future("open", req, self._core.config.control_timeout_s)
-            self._opening = (todo, [len(s) for s in todo], req, task)
+            self._land_opening(*self._opening)
+        opening = self._core.reopen_request(sessions)
+        if opening is not None:
+            task = self._future("open", opening.request, self._core.config.control_timeout_s)
+            self._opening = (opening, task)
+
+    def _land_opening(self, opening: Reopening, task: asyncio.Future) -> None:
+        """See :meth:`DraftClient._land_opening`."""
+        self._opening = None
+        exc = task.exception()
+        if exc is None:
+            self._core.opened(opening.sessions, task.result(), opening.sizes)
+            self._close_abandoned()
+        elif isinstance(exc, grpc.RpcError):
+            self._core.open_failed(opening.request, exc)
 
     async def _open(self, sessions: Sequence[ClientSession]) -> None:
         req = self._core.open_request(sessions)

@@ -48,6 +48,16 @@ class ClientStats:
 _LateCall = tuple[list[tuple[ClientSession, str]], Any]  # (sessions with their server ids, the call)
 
 
+@dataclass(frozen=True)
+class Reopening:
+    """An open sent in the background: the sessions it is for, their context sizes when it was
+    sent (tokens added since stay pending) and the request (its copies are closed if it fails)."""
+
+    sessions: list[ClientSession]
+    sizes: list[int]
+    request: pb.OpenSessionsRequest
+
+
 class ClientCore:
     """The client's bookkeeping without I/O, shared by the sync and the asyncio client."""
 
@@ -114,6 +124,12 @@ class ClientCore:
             if s.prompt_len != size:
                 self.stats.reopened += 1
             s.server_id, s.pending = sid, s.tokens(size)
+
+    def reopen_request(self, sessions: Sequence[ClientSession]) -> Reopening | None:
+        """An open, to send in the background, of those of ``sessions`` without a server copy."""
+        todo = [s for s in sessions if not s.server_id]
+        req = self.open_request(todo)
+        return None if req is None else Reopening(todo, [len(s) for s in todo], req)
 
     def draft_request(self, sessions: Sequence[ClientSession]) -> pb.DraftRequest | None:
         remote = [s for s in sessions if s.server_id]

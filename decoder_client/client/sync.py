@@ -14,7 +14,7 @@ from draftcache.v1 import draftcache_pb2 as pb
 from draftcache.v1 import draftcache_pb2_grpc as pb_grpc
 
 from decoder_client.client.config import RECONNECT_OPTIONS, ClientConfig
-from decoder_client.client.core import ClientCore, ClientStats, Fallback, prompt_lookup_fallback
+from decoder_client.client.core import ClientCore, ClientStats, Fallback, Reopening, prompt_lookup_fallback
 from decoder_client.client.plan import CatchUp, Draft, DraftAhead, Drafted, Effect, Reopen, draft_step
 from decoder_client.client.protocol import UNARY, lane_of
 from decoder_client.client.session import ClientSession
@@ -41,9 +41,7 @@ class DraftClient:
         self._stub = pb_grpc.DraftCacheStub(self._channel)
         self._streams: dict[str, Stream] = {}  # by lane
         self._inflight: tuple[list[ClientSession], grpc.Future | StreamFuture] | None = None
-        self._opening: (
-            tuple[list[ClientSession], list[int], pb.OpenSessionsRequest, grpc.Future | StreamFuture] | None
-        ) = None
+        self._opening: tuple[Reopening, grpc.Future | StreamFuture] | None = None
         self._background: list[grpc.Future | StreamFuture] = []  # calls nobody waits for (kept until done)
         self._closing: list[tuple[pb.CloseSessionsRequest, grpc.Future | StreamFuture]] = []
 
@@ -197,7 +195,7 @@ class DraftClient:
         """Let a re-open in flight land, so its copy is closed too."""
         if self._opening is not None:
             with contextlib.suppress(grpc.RpcError, grpc.FutureTimeoutError):
-                self._opening[3].result(timeout=self.config.control_timeout_s)
+                self._opening[1].result(timeout=self.config.control_timeout_s)
             self._reopen([])
 
     def _open(self, sessions: Sequence[ClientSession]) -> None:
@@ -217,20 +215,21 @@ class DraftClient:
         their full context in the background, never inside a draft call's deadline (a long
         context takes a while to send and index): they draft locally until it is done."""
         if self._opening is not None:
-            todo, sizes, req, future = self._opening
-            if not future.done():
+            if not self._opening[1].done():
                 return
-            self._opening = None
-            try:
-                self._core.opened(todo, future.result(), sizes)
-                self._close_abandoned()
-            except grpc.RpcError as exc:
-                self._core.open_failed(req, exc)
-        todo = [s for s in sessions if not s.server_id]
-        req = self._core.open_request(todo)
-        if req is not None:
-            future = self._future("open", req, self.config.control_timeout_s)
-            self._opening = (todo, [len(s) for s in todo], req, future)
+            self._land_opening(*self._opening)
+        opening = self._core.reopen_request(sessions)
+        if opening is not None:
+            self._opening = (opening, self._future("open", opening.request, self.config.control_timeout_s))
+
+    def _land_opening(self, opening: Reopening, future: grpc.Future | StreamFuture) -> None:
+        """Book the background open that ended."""
+        self._opening = None
+        try:
+            self._core.opened(opening.sessions, future.result(), opening.sizes)
+            self._close_abandoned()
+        except grpc.RpcError as exc:
+            self._core.open_failed(opening.request, exc)
 
     def _close_abandoned(self) -> None:
         """Best effort, in the background: an unknown id (the server restarted) is fine too.
