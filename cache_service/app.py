@@ -14,7 +14,8 @@ from apscheduler.schedulers.background import BackgroundScheduler
 
 import migrations
 from cache_service.config import EmbeddedRedisConfig, ServerConfig, ServiceConfig
-from cache_service.domain.service import DraftService, SessionChange
+from cache_service.domain.changes import Changes
+from cache_service.domain.service import DraftService
 from cache_service.host.compiles import CompileWatch
 from cache_service.host.embedded_redis import EmbeddedRedis
 from cache_service.host.malloc import release_free_memory
@@ -28,6 +29,7 @@ from cache_service.storage.clients import StorageClient
 from cache_service.storage.connect import connect, redact
 from cache_service.storage.errors import MigrationInProgress, StorageError
 from cache_service.storage.redis_store import RedisStore, StoreConfig
+from cache_service.sync import StorageSync
 from indexer import kernels
 
 logger = logging.getLogger(__name__)
@@ -100,20 +102,20 @@ class App:
         lifetime_dir = self.config.lifetime_dir
         lifetime = self.config.service.drafter.lifetime
         self.persistence = RedisPersistence(
-            store,
-            max_pending=self.config.service.max_pending_writes,
-            prior_dir=self.config.prior_dir,
-            shared=None if lifetime_dir is None else SharedIndexes(store, lifetime_dir, lifetime),
+            store, max_pending=self.config.service.max_pending_writes, prior_dir=self.config.prior_dir
         )
+        self.shared = None if lifetime_dir is None else SharedIndexes(store, lifetime_dir, lifetime)
         self.service = DraftService(self.config.service, self.persistence, shared_lifetime=lifetime_dir is not None)
+        self.sync = StorageSync(self.service, self.persistence, self.shared)
+        self.service.refresh = self.sync.refresh
         # The compiled loops are built (or loaded from numba's cache) here, off the event loop and
         # before serving: on a fresh machine that takes tens of seconds, which the first
         # CreateNamespace would otherwise spend on the loop with every other call waiting.
         threads = self.config.service.drafter.threads
         await asyncio.to_thread(warm_up, threads)
-        if self.persistence.shared is not None:
-            await asyncio.to_thread(self.persistence.shared.warm, threads)
-        await asyncio.to_thread(self.persistence.restore, self.service)
+        if self.shared is not None:
+            await asyncio.to_thread(self.shared.warm, threads)
+        await asyncio.to_thread(self.sync.restore)
         release_free_memory()  # the log read back and the builds done to restore it
         self._schedule()
         self.server = await create_server(self.config.server, self.service, self.metrics.observe_rpc)
@@ -127,11 +129,11 @@ class App:
 
     def _schedule(self) -> None:
         cfg = self.config.service
-        self.scheduler.add_job(self.persistence.sync, "interval", seconds=cfg.follow_interval_s, args=[self.service])
+        self.scheduler.add_job(self.sync.sync, "interval", seconds=cfg.follow_interval_s)
         self.scheduler.add_job(self._save_sessions, "interval", seconds=cfg.flush_interval_s)
         self.scheduler.add_job(self._rebuild, "interval", seconds=cfg.rebuild_interval_s)
         self.scheduler.add_job(self._rebuild_large_deltas, "interval", seconds=DELTA_CHECK_S)
-        self.scheduler.add_job(self.persistence.reload_priors, "interval", seconds=PRIOR_POLL_S, args=[self.service])
+        self.scheduler.add_job(self.sync.reload_priors, "interval", seconds=PRIOR_POLL_S)
         self.scheduler.start()
 
     def _save_sessions(self) -> None:
@@ -153,7 +155,7 @@ class App:
     async def _requeue(self, sids: list[str], closed: list[str]) -> None:
         self.service.requeue(sids, closed)
 
-    async def _take_changes(self) -> tuple[list[tuple[str, SessionChange]], list[str]]:
+    async def _take_changes(self) -> Changes:
         """One round of changes, taken a slice at a time with the loop serving calls in between
         (the whole round at once held every call up 7 ms at the median and 75 ms at worst,
         every write-back period, under 8 x 32 decoders: rejected tables are slow to copy)."""
@@ -169,7 +171,7 @@ class App:
         """Rebuild the namespaces that have new requests since their last index."""
         for name in self.service.namespace_names():
             memory = self.service.namespace(name).memory
-            if memory.delta_tokens() > 0 or self.persistence.shared is not None:  # shared: new in the log?
+            if memory.delta_tokens() > 0 or self.shared is not None:  # shared: new in the log?
                 self._rebuild_one(name, "")
 
     def _rebuild_large_deltas(self) -> None:
@@ -180,9 +182,9 @@ class App:
         traffic they come about once a second and keep the delta (searched by every draft)
         near its limit; shared generations, written whole to disk, at most every few seconds.
         With shared indexes, also serve any generation another process published."""
-        self.persistence.adopt_published(self.service)
+        self.sync.adopt_published()
         now = time.monotonic()
-        shared = self.persistence.shared is not None
+        shared = self.shared is not None
         for name in self.service.namespace_names():
             memory = self.service.namespace(name).memory
             built = memory.indexes
@@ -192,7 +194,7 @@ class App:
 
     def _rebuild_one(self, name: str, why: str) -> None:
         try:
-            built = self.persistence.rebuild(self.service, name)
+            built = self.sync.rebuild(name)
         except StorageError as exc:  # shared indexes are built from the log in storage
             logger.warning("rebuild of %s deferred: %s", name, exc)
             return
@@ -225,7 +227,7 @@ class App:
             self.service.requeue(missed)
             changed, _ = self.service.take_changes(final=True)
             await asyncio.to_thread(self.persistence.save_sessions, changed, [], ttl)
-        await asyncio.to_thread(self.persistence.sync, self.service)
+        await asyncio.to_thread(self.sync.sync)
         if self.embedded is not None:
             await asyncio.to_thread(self.embedded.stop)
 

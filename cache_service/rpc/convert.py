@@ -8,7 +8,7 @@ import numpy as np
 from draftcache.v1 import draftcache_pb2 as pb
 
 from cache_service.domain.errors import InvalidArgument
-from cache_service.domain.service import (
+from cache_service.domain.items import (
     CloseItem,
     DraftColumns,
     Drafted,

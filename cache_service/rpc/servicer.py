@@ -11,7 +11,8 @@ from draftcache.v1 import draftcache_pb2 as pb
 from draftcache.v1 import draftcache_pb2_grpc as pb_grpc
 
 from cache_service.domain.errors import InvalidArgument
-from cache_service.domain.service import DraftService, named_sessions
+from cache_service.domain.items import named_sessions
+from cache_service.domain.service import DraftService
 from cache_service.rpc import auth, convert, wire
 from cache_service.rpc.interceptor import Observer, status_of
 

@@ -104,7 +104,7 @@ def server(url: str, traces: str, tokenizer: str, prior_file: str, shared_dir: s
         rejected = [pb.RejectedBranch(tokens=[int(tree.tokens[0]) if tree.tokens else 29871])]
         feedback = pb.FeedbackItem(session_id=sid, accepted=[13], rejected=rejected)
         a.stub.Feedback(pb.FeedbackRequest(items=[feedback]))
-        eventually(lambda: (s := store.load_session(sid)) is not None and s.state.context.size == 6, WAIT_S)
+        eventually(lambda: (s := store.load_session(sid)) is not None and s.snapshot.context.size == 6, WAIT_S)
         b.stub.Draft(pb.DraftRequest(items=[pb.DraftItem(session_id=sid, new_tokens=[29892])]))
         b.stub.CloseSessions(pb.CloseSessionsRequest(sessions=[pb.CloseSession(session_id=sid, commit=True)]))
         eventually(lambda: a.admin.Stats(pb.StatsRequest()).pending_writes == 0, WAIT_S)

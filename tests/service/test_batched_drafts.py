@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 
 from cache_service.config import ServiceConfig
-from cache_service.domain.service import CloseItem, DraftColumns, DraftItem, DraftService, OpenItem
+from cache_service.domain.items import CloseItem, DraftColumns, DraftItem, OpenItem
+from cache_service.domain.service import DraftService
 from indexer.drafter import DraftParams
 
 _RNG = np.random.default_rng(7)

@@ -12,7 +12,8 @@ import pytest
 
 from cache_service.config import EmbeddedRedisConfig, ServiceConfig
 from cache_service.domain.errors import InvalidArgument, Unavailable
-from cache_service.domain.service import CloseItem, DraftItem, DraftService, OpenItem
+from cache_service.domain.items import CloseItem, DraftItem, OpenItem
+from cache_service.domain.service import DraftService
 from cache_service.host.embedded_redis import EmbeddedRedis
 from cache_service.persistence import RedisPersistence
 from cache_service.storage.connect import connect

@@ -11,7 +11,7 @@ import numpy as np
 from draftcache.v1 import draftcache_pb2 as pb
 
 from cache_service.config import ServiceConfig
-from cache_service.domain.service import Opening
+from cache_service.domain.items import Opening
 from cache_service.rpc.servicer import OFF_LOOP_TOKENS
 from indexer import kernels
 from indexer.session import Session

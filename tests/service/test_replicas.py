@@ -51,7 +51,7 @@ def test_session_continues_on_another_replica(replicas: tuple[Replica, Replica])
     assert _draft(a, sid, [])[:2] == [3, 4]
     _draft(a, sid, [3])  # the context on a is now 1 2 3 4 1 2 3
     eventually(lambda: a.app.persistence.store.load_session(sid) is not None)
-    eventually(lambda: a.app.persistence.store.load_session(sid).state.context.size == 7)  # type: ignore[union-attr]
+    eventually(lambda: a.app.persistence.store.load_session(sid).snapshot.context.size == 7)  # type: ignore[union-attr]
     # b never saw this session: it continues it from storage, context included ("1 2 3" -> 4).
     assert _draft(b, sid, [4])[:2] == [1, 2]
 
@@ -94,7 +94,7 @@ def _replay_split(first: Replica, second: Replica, prompt: list[int], output: li
 
 def _stored_context_is(store: RedisStore, sid: str, size: int) -> bool:
     found = store.load_session(sid)
-    return found is not None and found.state.context.size == size
+    return found is not None and found.snapshot.context.size == size
 
 
 def _accept(tokens: list[int], parents: list[int], target: list[int]) -> list[int]:

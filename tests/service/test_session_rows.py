@@ -7,7 +7,8 @@ import time
 import numpy as np
 
 from cache_service.config import ServiceConfig
-from cache_service.domain.service import CloseItem, DraftItem, DraftService, OpenItem
+from cache_service.domain.items import CloseItem, DraftItem, OpenItem
+from cache_service.domain.service import DraftService
 
 
 def _held(svc: DraftService) -> int:

@@ -12,11 +12,14 @@ import numpy as np
 import pytest
 
 from cache_service.config import EmbeddedRedisConfig, ServiceConfig
-from cache_service.domain.service import DraftItem, DraftService, OpenItem, SessionDelta, StoredSession
+from cache_service.domain.changes import SessionDelta
+from cache_service.domain.items import DraftItem, OpenItem
+from cache_service.domain.service import DraftService
 from cache_service.host.embedded_redis import EmbeddedRedis
 from cache_service.persistence import RedisPersistence
 from cache_service.storage.connect import connect
 from cache_service.storage.redis_store import RedisStore
+from cache_service.storage.stored_session import StoredSession
 
 PROMPT = [1, 2, 3, 4, 1, 2, 3, 5, 1, 2]
 
@@ -57,13 +60,13 @@ def test_a_changed_table_waits_for_its_interval_and_keeps_the_session_pending() 
     assert isinstance(delta, SessionDelta) and delta.tokens.tolist() == [6] and delta.rejected is None
     # Not due yet: nothing to write, but the session stays pending (and in memory).
     assert svc.take_changes() == ([], [])
-    assert sid in svc._dirty
+    assert svc.changes.pending(sid)
     time.sleep(0.35)
     ((_, delta),) = svc.take_changes()[0]
     assert isinstance(delta, SessionDelta) and delta.tokens.size == 0
     assert delta.rejected is not None and delta.rejected.items() == svc.sessions.get(sid).session.rejected.table.items()
     assert len(delta.rejected)
-    assert svc.take_changes() == ([], []) and sid not in svc._dirty
+    assert svc.take_changes() == ([], []) and not svc.changes.pending(sid)
 
 
 def test_final_takes_every_table_and_requeue_rewrites_whole() -> None:
@@ -110,7 +113,7 @@ def test_a_round_taken_in_slices_takes_what_one_call_takes() -> None:
     while not slices or sliced.taking:
         slices.append(_taken(sliced.take_changes(budget_s=0.0)[0]))  # no budget: one session a slice
     assert len(slices) == len(ids) and {k: v for part in slices for k, v in part.items()} == whole
-    assert not sliced._dirty and sliced.take_changes() == ([], [])
+    assert not len(sliced.changes) and sliced.take_changes() == ([], [])
 
     # Changes between slices: a session already taken gains tokens (taken next round), one not
     # yet taken gains tokens (taken with the rest in its slice); none is taken twice or lost.
@@ -137,7 +140,7 @@ def test_a_slice_stops_at_its_budget() -> None:
     for sid in ids:
         _step(svc, sid, [5])
     changed, _ = svc.take_changes(budget_s=0.0)
-    assert len(changed) == 1 and svc.taking and len(svc._dirty) == 29  # the rest stay changed
+    assert len(changed) == 1 and svc.taking and len(svc.changes) == 29  # the rest stay changed
 
 
 @pytest.fixture

@@ -180,10 +180,10 @@ def test_workers_share_one_build_and_a_restarted_one_maps_it(redis_url: str, tmp
         # Each sees the other's request through the log, before any generation exists.
         eventually(lambda: a.draft([9, 20, 21])[:2] == [22, 23] and b.draft([9, 10, 11])[:2] == [12, 13], WAIT_S)
         a.admin.Rebuild(pb.RebuildRequest(namespace="toy"))
-        built = a.app.persistence.shared
+        built = a.app.shared
         assert built is not None and built.adopted("toy") is not None
         # b maps a's generation (no build of its own) and its delta empties.
-        eventually(lambda: b.app.persistence.shared.adopted("toy") == built.adopted("toy"), WAIT_S)  # type: ignore[union-attr]
+        eventually(lambda: b.app.shared.adopted("toy") == built.adopted("toy"), WAIT_S)  # type: ignore[union-attr]
         assert len(_folders(root)) == 1
         mem_b = b.app.service.namespace("toy").memory
         assert mem_b.delta_tokens() == 0 and mem_b.buffer is None

@@ -7,7 +7,7 @@ from draftcache.v1 import draftcache_pb2 as pb
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cache_service.domain.service import Drafted
+from cache_service.domain.items import Drafted
 from cache_service.rpc import convert
 from cache_service.rpc.wire import Encoded, encode_prefetched, encode_trees, serializer, stream_draft
 from indexer.tree_builder import DraftTree, TreeBatch, whole_batch

@@ -1,0 +1,76 @@
+"""Admission: the limits a call must fit before it changes anything (batch size, tokens per
+call, prompt size, a tenant's own limits, the session memory)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from cache_service.config import ServiceConfig
+from cache_service.domain.errors import ResourceExhausted
+from cache_service.domain.items import Opening
+from cache_service.domain.sessions import SessionTable
+from cache_service.rpc.auth import Principal
+
+
+class Admission:
+    """Checks a call against the service's limits. ``may_leave(sid)`` says whether a session
+    may leave memory to make room (one whose changes storage has not taken may not)."""
+
+    def __init__(self, config: ServiceConfig, sessions: SessionTable, may_leave: Callable[[str], bool]) -> None:
+        self._config = config
+        self._sessions = sessions
+        self._may_leave = may_leave
+
+    def batch(self, size: int) -> None:
+        if size > self._config.max_batch:
+            raise ResourceExhausted(f"batch of {size} exceeds the limit of {self._config.max_batch}")
+
+    def new_tokens(self, count: int) -> None:
+        """The most new tokens one session may bring in one call."""
+        if count > self._config.max_new_tokens:
+            raise ResourceExhausted(f"{count} new tokens in one call exceed {self._config.max_new_tokens}")
+
+    def prompt(self, size: int) -> None:
+        if size > self._config.max_prompt_tokens:
+            raise ResourceExhausted(f"prompt of {size} tokens exceeds {self._config.max_prompt_tokens}")
+
+    def room_for(self, opening: Opening, keep: list[bool] | None = None) -> None:
+        """The tenant's limits and the session memory, for the sessions ``opening`` adds (those
+        ``keep`` marks, all by default)."""
+        prompts = [p for j, (_, _, p) in enumerate(opening.prepared) if p is not None and (keep is None or keep[j])]
+        if opening.principal is not None:
+            self.tenant(opening.principal, len(prompts), sum(p.size for p in prompts))
+        self.make_room(sum(p.size for p in prompts))
+
+    def make_room(self, tokens: int) -> None:
+        """Keep sessions' context tokens in memory under the limit: the least recently used
+        sessions that may leave memory do (a later call continues them from storage, or,
+        without storage, their clients re-open them)."""
+        limit = self._config.max_session_tokens
+        if tokens > limit:
+            raise ResourceExhausted(f"{tokens} prompt tokens exceed the session memory of {limit} tokens")
+        if self._sessions.tokens + tokens <= limit:
+            return
+        self._sessions.expire()
+        if not self._sessions.make_room(tokens, limit, self._may_leave):
+            held = self._sessions.tokens
+            raise ResourceExhausted(
+                f"sessions hold {held} tokens; {tokens} more exceed {limit} (none can leave memory yet)"
+            )
+
+    def tenant(self, principal: Principal, sessions: int, tokens: int) -> None:
+        """The tenant's own limits (sessions, context tokens held) with ``sessions`` more."""
+        limits = principal.limits
+        if not limits.max_sessions and not limits.max_session_tokens:
+            return
+        self._sessions.expire()
+        held, held_tokens = self._sessions.tenant_usage(principal.tenant)
+        if limits.max_sessions and held + sessions > limits.max_sessions:
+            raise ResourceExhausted(
+                f"tenant {principal.tenant!r} holds {held} sessions; its limit is {limits.max_sessions}"
+            )
+        if limits.max_session_tokens and held_tokens + tokens > limits.max_session_tokens:
+            raise ResourceExhausted(
+                f"tenant {principal.tenant!r} sessions hold {held_tokens} tokens; its limit is "
+                f"{limits.max_session_tokens}"
+            )

@@ -1,0 +1,138 @@
+"""Write-behind change tracking: which sessions changed since storage last took them, and what
+to write for each (the whole session, or what it gained since).
+
+Everything here runs on the thread that serves calls (a snapshot must not race a draft); the
+writing itself happens elsewhere, from what :meth:`ChangeTracker.take` hands over.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from cache_service.domain.errors import NotFound
+from cache_service.domain.sessions import SessionEntry, SessionTable
+from cache_service.storage.stored_session import StoredSession
+from indexer.session_cache import TableColumns
+
+
+@dataclass(frozen=True)
+class SessionDelta:
+    """What a session gained since storage last took it: ``tokens`` to append after the
+    ``held`` context tokens storage has, and its whole rejected table when that is due."""
+
+    held: int
+    tokens: np.ndarray
+    rejected: TableColumns | None = None
+
+
+SessionChange = StoredSession | SessionDelta
+Changes = tuple[list[tuple[str, SessionChange]], list[str]]  # (changed sessions, ids closed)
+
+
+class ChangeTracker:
+    """The sessions of a :class:`SessionTable` changed since storage last took them, and the
+    ids closed since. A rejected table is written at most every ``table_flush_interval_s``."""
+
+    def __init__(self, sessions: SessionTable, table_flush_interval_s: float) -> None:
+        self._sessions = sessions
+        self._table_interval = table_flush_interval_s
+        self._dirty: set[str] = set()  # sessions changed since storage last saw them
+        self._round: list[str] = []  # dirty sessions a round with a budget has still to look at
+        self._closed: set[str] = set()
+
+    def changed(self, sids: Iterable[str]) -> None:
+        self._dirty.update(sids)
+
+    def closed(self, sid: str) -> None:
+        self._dirty.discard(sid)
+        self._closed.add(sid)
+
+    def pending(self, sid: str) -> bool:
+        """Whether the session has changes storage has not taken (it must not leave memory)."""
+        return sid in self._dirty
+
+    def __len__(self) -> int:
+        return len(self._dirty)
+
+    @property
+    def taking(self) -> bool:
+        """Whether a round of :meth:`take` with a budget has sessions left to look at."""
+        return bool(self._round)
+
+    def take(self, *, final: bool = False, budget_s: float | None = None) -> Changes:
+        """Changes of sessions since storage last took them, and ids closed since.
+
+        A session storage does not hold yet (or holds a different context of) is taken whole;
+        one it holds gives only its new tokens, plus its rejected table when that changed and
+        the table interval passed since it was last written (always when ``final``). A table
+        change not due yet keeps the session pending (it does not leave memory either).
+
+        With ``budget_s``, a call stops looking at sessions once that long has passed (after
+        one at least), so the calls it serves wait that long at most; :attr:`taking` says
+        whether the sessions changed when the round began are all taken.
+        """
+        began = now = time.monotonic()
+        if budget_s is None:
+            todo, self._round = list(self._dirty), []
+        else:
+            if not self._round:
+                self._round = list(self._dirty)
+            todo = self._round
+        changed: list[tuple[str, SessionChange]] = []
+        done = 0
+        for sid in todo:
+            if budget_s is not None and done and time.monotonic() - began >= budget_s:
+                break
+            done += 1
+            if sid not in self._dirty:
+                continue  # closed, or taken by a call without a budget, since the round began
+            self._dirty.discard(sid)
+            try:
+                entry = self._sessions.get(sid)
+            except NotFound:
+                continue  # expired meanwhile
+            change = self._take_one(entry, now, final)
+            if change is not None:
+                changed.append((sid, change))
+        if budget_s is not None:
+            del self._round[:done]
+        closed = list(self._closed)
+        self._closed.clear()
+        return changed, closed
+
+    def _take_one(self, entry: SessionEntry, now: float, final: bool) -> SessionChange | None:
+        """What to write of one changed session (``None``: nothing yet), marked as taken."""
+        session = entry.session
+        size = len(session.context)
+        table = session.rejected.table
+        table_changed = table.version != entry.stored_table
+        table_due = table_changed and (final or now - entry.table_saved_at >= self._table_interval)
+        change: SessionChange | None = None
+        if not 0 < entry.stored_tokens <= size:
+            change = StoredSession(entry.namespace, session.snapshot(), entry.params)
+            table_changed = table_due = True
+        elif size > entry.stored_tokens or table_due:
+            new = session.context.tokens[entry.stored_tokens :].copy()
+            change = SessionDelta(entry.stored_tokens, new, table.columns() if table_due else None)
+        entry.stored_tokens = size
+        if table_due:
+            entry.stored_table, entry.table_saved_at = table.version, now
+        elif table_changed:
+            self._dirty.add(entry.sid)  # pending: looked at again next round
+        return change
+
+    def requeue(self, sids: Iterable[str], closed: Iterable[str] = ()) -> None:
+        """Put back changes storage could not take: the sessions are written whole next time,
+        as what storage holds of them is unknown."""
+        for sid in sids:
+            try:
+                entry = self._sessions.get(sid)
+            except NotFound:
+                continue
+            entry.stored_tokens, entry.stored_table = 0, -1
+            self._dirty.add(sid)
+        self._closed.update(closed)

@@ -1,0 +1,64 @@
+"""The namespaces a service drafts in: one drafter each, with the version of its static prior."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from cache_service.domain import names
+from cache_service.domain.errors import AlreadyExists, InvalidArgument, NotFound
+from indexer.drafter import DrafterConfig, NamespaceDrafter
+from indexer.prior import StaticPrior
+from indexer.tokens import Namespace
+
+logger = logging.getLogger(__name__)
+
+
+class Namespaces:
+    """Drafters by namespace name. ``own_ring``: each builds its own lifetime indexes (else
+    they are adopted from a host's shared build)."""
+
+    def __init__(self, config: DrafterConfig, *, own_ring: bool) -> None:
+        self._config = config
+        self._own_ring = own_ring
+        self._drafters: dict[str, NamespaceDrafter] = {}
+        self._prior_versions: dict[str, int] = {}
+        self._lock = threading.Lock()  # creations come from worker threads too
+
+    def create(self, name: str, vocab_size: int) -> tuple[NamespaceDrafter, bool]:
+        """The namespace's drafter, and whether it is new; :class:`AlreadyExists` when it exists
+        with another vocabulary size."""
+        names.namespace_name(name)
+        try:
+            namespace = Namespace(name=name, vocab_size=vocab_size)
+        except ValueError as exc:  # the vocabulary size
+            raise InvalidArgument(str(exc)) from exc
+        with self._lock:
+            existing = self._drafters.get(name)
+            if existing is not None:
+                if existing.namespace.vocab_size != vocab_size:
+                    raise AlreadyExists(
+                        f"namespace {name!r} exists with vocab_size {existing.namespace.vocab_size}, not {vocab_size}"
+                    )
+                return existing, False
+            drafter = NamespaceDrafter(namespace, self._config, own_ring=self._own_ring)
+            self._drafters[name] = drafter
+        logger.info("namespace %s (vocab %d) ready", name, vocab_size)
+        return drafter, True
+
+    def get(self, name: str) -> NamespaceDrafter:
+        drafter = self._drafters.get(name)
+        if drafter is None:
+            raise NotFound(f"unknown namespace {name!r}")
+        return drafter
+
+    def names(self) -> list[str]:
+        return sorted(self._drafters)
+
+    def set_prior(self, name: str, prior: StaticPrior | None, version: int) -> None:
+        """Swap a namespace's static prior (one reference assignment: drafts never wait)."""
+        self.get(name).prior = prior
+        self._prior_versions[name] = version
+
+    def prior_version(self, name: str) -> int:
+        return self._prior_versions.get(name, 0)

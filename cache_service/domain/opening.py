@@ -1,0 +1,109 @@
+"""Opening sessions in three parts: checked and limits applied (:meth:`Opener.prepare`), built
+(:meth:`Opener.build`, anywhere: a long prompt is indexed off the serving thread), then held
+(:meth:`Opener.finish`). A client-chosen id that names a live session of the same namespace
+and tenant gets that session back: a repeated open is answered, not doubled."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from cache_service.domain import names, tokens
+from cache_service.domain.admission import Admission
+from cache_service.domain.changes import ChangeTracker
+from cache_service.domain.errors import AlreadyExists, InvalidArgument, NotFound
+from cache_service.domain.items import Opening, OpenItem
+from cache_service.domain.namespaces import Namespaces
+from cache_service.domain.sessions import SessionEntry, SessionTable, new_session_id
+from cache_service.rpc.auth import Principal
+from indexer.drafter import DraftParams, NamespaceDrafter
+from indexer.session import Session
+
+
+class Opener:
+    """Opens sessions into ``sessions``, each marked changed (storage has none of it yet)."""
+
+    def __init__(
+        self,
+        default_params: DraftParams,
+        namespaces: Namespaces,
+        sessions: SessionTable,
+        admission: Admission,
+        changes: ChangeTracker,
+    ) -> None:
+        self._default_params = default_params
+        self._namespaces = namespaces
+        self._sessions = sessions
+        self._admission = admission
+        self._changes = changes
+
+    def prepare(self, items: list[OpenItem], principal: Principal | None) -> Opening:
+        """Every item checked (on the serving thread), nothing changed yet."""
+        self._admission.batch(len(items))
+        tenant = "" if principal is None else principal.tenant
+        chosen = [item.session_id for item in items if item.session_id]
+        if len(set(chosen)) != len(chosen):
+            raise InvalidArgument("session ids chosen in one call must differ")
+        prepared: list[tuple[OpenItem, NamespaceDrafter, np.ndarray | None]] = []
+        for item in items:
+            if principal is not None:
+                principal.check_namespace(item.namespace)
+            drafter = self._namespaces.get(item.namespace)
+            if item.session_id and self._reopened(item, tenant):
+                prepared.append((item, drafter, None))
+                continue
+            prompt = tokens.checked(item.prompt, drafter, "prompt")
+            self._admission.prompt(prompt.size)
+            prepared.append((item, drafter, prompt))
+        opening = Opening(prepared, principal)
+        self._admission.room_for(opening)
+        return opening
+
+    @staticmethod
+    def build(opening: Opening) -> list[Session | None]:
+        """The new sessions built (their prompts indexed), touching no shared state, so a long
+        prompt can be indexed on a worker thread while the serving thread goes on (``None``
+        where an item repeats an open)."""
+        return [None if prompt is None else drafter.open_checked(prompt) for _, drafter, prompt in opening.prepared]
+
+    def finish(self, opening: Opening, sessions: list[Session | None], *, built_now: bool) -> list[str]:
+        """The sessions held (on the serving thread), their ids returned. Sessions built
+        elsewhere meanwhile (not ``built_now``) have the limits checked again and a
+        client-chosen id looked up again, as other calls may have changed both while they
+        were built."""
+        if built_now:
+            return self._hold(opening, sessions, [False] * len(opening.prepared))
+        tenant = "" if opening.principal is None else opening.principal.tenant
+        repeated = [
+            checked is not None and bool(item.session_id) and self._reopened(item, tenant)
+            for item, _, checked in opening.prepared
+        ]
+        self._admission.room_for(opening, [not r for r in repeated])
+        return self._hold(opening, sessions, repeated)
+
+    def _hold(self, opening: Opening, sessions: list[Session | None], repeated: list[bool]) -> list[str]:
+        """The sessions built for ``opening`` held in memory, except where ``repeated`` says an
+        open of the same id came first; the call's session ids."""
+        tenant = "" if opening.principal is None else opening.principal.tenant
+        ids = []
+        for (item, drafter, checked), session, again in zip(opening.prepared, sessions, repeated, strict=True):
+            if checked is None or session is None or again:
+                ids.append(item.session_id)
+                continue
+            params = item.params or self._default_params
+            entry = SessionEntry(item.session_id or new_session_id(), item.namespace, drafter, session, params, tenant)
+            self._sessions.add(entry)
+            self._changes.changed([entry.sid])
+            ids.append(entry.sid)
+        return ids
+
+    def _reopened(self, item: OpenItem, tenant: str) -> bool:
+        """Whether a client-chosen id names a live session this open repeats; ``AlreadyExists``
+        when it names someone else's."""
+        sid = names.client_session_id(item.session_id)
+        try:
+            entry = self._sessions.get(sid)
+        except NotFound:
+            return False
+        if entry.namespace != item.namespace or entry.tenant != tenant:
+            raise AlreadyExists("that session id is taken")
+        return True

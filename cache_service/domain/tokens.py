@@ -1,0 +1,68 @@
+"""The one check of the tokens a client sends, at the service boundary: every id in its
+namespace's vocabulary (:func:`indexer.tokens.as_tokens`), its ``ValueError`` reported to the
+client as :class:`InvalidArgument`. The indexer's ``*_checked`` calls then take them as they are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from cache_service.domain.errors import InvalidArgument
+from cache_service.domain.items import DraftColumns
+from cache_service.domain.sessions import SessionEntry
+from indexer.drafter import MAX_LOOKAHEAD, NamespaceDrafter
+from indexer.tokens import as_tokens
+
+
+def checked(tokens: np.ndarray | Sequence[int], drafter: NamespaceDrafter, what: str) -> np.ndarray:
+    """``tokens`` as a contiguous int32 array of ids in the drafter's vocabulary."""
+    try:
+        return as_tokens(tokens, drafter.namespace.vocab_size, what=what)
+    except ValueError as exc:
+        raise InvalidArgument(f"namespace {drafter.namespace.name}: {exc}") from exc
+
+
+def lookahead(value: int) -> int:
+    if not 0 <= value <= MAX_LOOKAHEAD:
+        raise InvalidArgument(f"lookahead must be in [0, {MAX_LOOKAHEAD}], got {value}")
+    return value
+
+
+def column_shapes(cols: DraftColumns) -> np.ndarray:
+    """A columnar batch's shapes checked (one count and lookahead per session, counts adding
+    up to the tokens sent, lookahead in range); its lookahead, zeros when none was sent."""
+    n = len(cols.session_ids)
+    counts, tokens, ahead = cols.counts, cols.tokens, cols.lookahead
+    if counts.shape != (n,):
+        raise InvalidArgument(f"{counts.size} new-token counts for {n} sessions")
+    if ahead is None or not ahead.size:
+        ahead = np.zeros(n, dtype=np.int64)
+    elif ahead.shape != (n,):
+        raise InvalidArgument(f"{ahead.size} lookahead values for {n} sessions")
+    if tokens.ndim != 1:
+        raise InvalidArgument(f"new tokens must be a flat array, got shape {tokens.shape}")
+    if n and (int(counts.min()) < 0 or int(counts.sum()) != tokens.size):
+        raise InvalidArgument(f"new-token counts must add up to the {tokens.size} tokens sent")
+    if not n and tokens.size:
+        raise InvalidArgument(f"{tokens.size} new tokens for no session")
+    if n and (int(ahead.min()) < 0 or int(ahead.max()) > MAX_LOOKAHEAD):
+        raise InvalidArgument(f"lookahead must be in [0, {MAX_LOOKAHEAD}]")
+    return ahead
+
+
+def column_tokens(cols: DraftColumns, entries: Sequence[SessionEntry]) -> list[np.ndarray]:
+    """Each session's new tokens of a batch whose shapes :func:`column_shapes` checked, every
+    id checked against its session's vocabulary. Sessions of one vocabulary (the usual batch)
+    are checked in one pass; the error names the session and position of the first bad id."""
+    bounds = [0, *np.cumsum(cols.counts).tolist()]
+    parts = [cols.tokens[bounds[j] : bounds[j + 1]] for j in range(len(entries))]
+    drafters = {id(entry.drafter): entry.drafter for entry in entries}
+    if len(drafters) == 1:
+        try:
+            as_tokens(cols.tokens, entries[0].drafter.namespace.vocab_size, what="new tokens")
+            return parts
+        except ValueError:
+            pass  # found again below, session by session, to say where
+    return [checked(part, entry.drafter, "new tokens") for part, entry in zip(parts, entries, strict=True)]
