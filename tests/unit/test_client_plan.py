@@ -1,0 +1,121 @@
+"""One decode step's draft plan, driven by hand: the effects it asks a client for, in order, and
+the trees it returns for what each effect got. No server, no transport."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Generator, Sequence
+
+import numpy as np
+from draftcache.v1 import draftcache_pb2 as pb
+
+from decoder_client.client import ClientConfig, ClientSession, prompt_lookup_fallback
+from decoder_client.client.core import ClientCore
+from decoder_client.client.plan import CatchUp, Draft, DraftAhead, Drafted, Effect, Reopen, draft_step
+from indexer.tree_builder import DraftTree
+
+Step = Generator[Effect, Drafted | None, list[DraftTree]]
+
+
+def _core(*, deadline_s: float = 0.005, lookahead: int = 0) -> ClientCore:
+    config = ClientConfig(target="unused", namespace="ns", deadline_s=deadline_s, lookahead=lookahead)
+    return ClientCore(config, prompt_lookup_fallback)
+
+
+def _remote(context: list[int], server_id: str) -> ClientSession:
+    s = ClientSession(context, len(context))
+    s.server_id = server_id
+    return s
+
+
+def _tree(*tokens: int) -> DraftTree:
+    return DraftTree.chain(np.array(tokens, dtype=np.int32))
+
+
+def _answer(*trees: list[int]) -> pb.DraftResponse:
+    return pb.DraftResponse(trees=[pb.Tree(tokens=t, parents=list(range(-1, len(t) - 1))) for t in trees])
+
+
+def _run(step: Step, replies: Sequence[Drafted | None]) -> tuple[list[Effect], list[DraftTree]]:
+    """Every effect the step yields, answering the i-th with ``replies[i]`` (None past the end)."""
+    effects: list[Effect] = []
+    try:
+        effect = next(step)
+        while True:
+            effects.append(effect)
+            effect = step.send(replies[len(effects) - 1] if len(effects) <= len(replies) else None)
+    except StopIteration as done:
+        return effects, done.value
+
+
+def test_a_step_catches_up_reopens_then_sends_the_new_tokens_within_the_deadline() -> None:
+    core = _core(deadline_s=0.5)
+    s = _remote([1, 2, 3], "a")
+    before = time.monotonic()
+    effects, trees = _run(draft_step(core, [s], [[4, 5]]), [None, None, Drafted(_answer([6, 7]))])
+    catch_up, reopen, draft = effects
+    assert isinstance(catch_up, CatchUp) and before + 0.5 <= catch_up.end <= time.monotonic() + 0.5
+    assert isinstance(reopen, Reopen) and list(reopen.sessions) == [s]
+    # The tokens are in the context before the call: a re-open would send them too.
+    assert isinstance(draft, Draft) and 0 < draft.left <= 0.5
+    assert list(draft.request.columns.session_ids) == ["a"] and list(draft.request.columns.new_tokens) == [4, 5]
+    assert [t.tokens.tolist() for t in trees] == [[6, 7]]
+    assert s.context.tolist() == [1, 2, 3, 4, 5] and s.pending == []  # the service has them
+    assert core.stats.remote == 1 and core.stats.fallback == 0
+
+
+def test_sessions_without_a_server_copy_draft_locally_and_need_no_call() -> None:
+    core = _core()
+    s = ClientSession([1, 2, 3, 1, 2], 5)
+    effects, trees = _run(draft_step(core, [s], [[]]), [])
+    assert [type(e) for e in effects] == [CatchUp, Reopen]  # no draft call
+    assert trees[0].tokens.tolist() == [3, 1, 2]  # prompt lookup: "1 2" was followed by "3 1 2"
+    assert core.stats.fallback == 1
+
+
+def test_a_failed_call_falls_back_and_puts_the_server_copy_in_doubt() -> None:
+    core = _core()
+    s = _remote([1, 2, 1], "a")
+    effects, trees = _run(draft_step(core, [s], [[2]]), [None, None, Drafted(None)])
+    assert isinstance(effects[-1], Draft)
+    assert trees[0].tokens.tolist() == [1, 2]  # the fallback's
+    # The copy may have missed the token: it is closed and the session re-opened later.
+    assert s.server_id == "" and core.abandoned == ["a"]
+
+
+def test_a_call_late_on_a_stream_keeps_the_copy_and_is_watched() -> None:
+    core = _core()
+    s = _remote([1, 2, 1], "a")
+    late = object()  # the call still under way; the plan only keeps it
+    _, trees = _run(draft_step(core, [s], [[2]]), [None, None, Drafted(None, late)])
+    assert trees[0].tokens.tolist() == [1, 2]  # the fallback answers this step
+    # The service applies the late call before anything sent after it: its tokens count as sent.
+    assert s.server_id == "a" and s.pending == [] and core.abandoned == []
+    assert core.late == [([(s, "a")], late)]
+
+
+def test_a_catch_up_that_spends_the_deadline_leaves_no_time_for_a_call() -> None:
+    core = _core(deadline_s=0.001)
+    s = _remote([1, 2, 1], "a")
+    step = draft_step(core, [s], [[2]])
+    assert isinstance(next(step), CatchUp)
+    time.sleep(0.002)  # as a slow earlier call would
+    effects, trees = _run(step, [])
+    assert [type(e) for e in effects] == [Reopen]
+    assert trees[0].tokens.tolist() == [1, 2] and s.pending == [2]  # sent with the next call
+
+
+def test_trees_drafted_ahead_answer_at_once_and_their_tokens_go_in_the_background() -> None:
+    core = _core(lookahead=1)
+    hit, miss = _remote([1, 2], "h"), _remote([3, 4], "m")
+    hit.prefetched = {(): _tree(7, 8, 9)}  # drafted for "7 accepted as the bonus token"
+    miss.prefetched = {(): _tree(5)}
+    effects, trees = _run(draft_step(core, [hit, miss], [[7], [6]]), [None, None, Drafted(_answer([60]))])
+    _, _, draft, ahead = effects
+    assert isinstance(draft, Draft) and list(draft.request.columns.session_ids) == ["m"]
+    assert isinstance(ahead, DraftAhead) and ahead.sessions == [hit]
+    assert list(ahead.request.columns.new_tokens) == [7] and list(ahead.request.columns.lookahead) == [1]
+    # In the sessions' order: the tree below 7 drafted ahead, then the fresh one.
+    assert [t.tokens.tolist() for t in trees] == [[8, 9], [60]]
+    assert (core.stats.ahead_hits, core.stats.ahead_misses) == (1, 1)
+    assert hit.pending == [7]  # until the background call is settled
