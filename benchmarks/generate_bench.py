@@ -92,7 +92,7 @@ def pick(items: list[Any], n: int, *, held_out: bool = False) -> list[Any]:
     (tuning prompts never measured).
 
     >>> pick(list(range(10)), 3), pick(list(range(10)), 2, held_out=True)
-    ([0, 3, 6], [1, 5])
+    ([0, 3, 6], [1, 6])
     """
     chosen = spread(items, n)
     if not held_out:
@@ -120,7 +120,7 @@ def spec_bench_prompts(
 
 
 def chatml_turns(text: str) -> list[tuple[str, str]]:
-    """``(role, content)`` of a ChatML transcript (an open last turn is dropped).
+    r"""``(role, content)`` of a ChatML transcript (an open last turn is dropped).
 
     >>> chatml_turns("<|im_start|>system\nBe brief<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
     [('system', 'Be brief'), ('user', 'Hi')]
