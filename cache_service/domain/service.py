@@ -298,7 +298,7 @@ class DraftService:
         try:
             entry = self.sessions.get(sid)
         except NotFound:
-            stored = self._continuing.load(sid) if read_storage else None
+            stored = self._continuing.load(sid) if read_storage and self._persistence is not None else None
             if stored is None:
                 raise
             return self._continuing.hold(sid, stored, principal)
