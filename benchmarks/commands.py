@@ -22,6 +22,7 @@ from benchmarks.traces import read_traces, sharegpt_conversations, write_traces
 from cache_service.admin import warm
 from cache_service.admin.commands import prior_args, prior_config, read_prior, warm_prior, write_atomic
 from cache_service.admin.options import add, non_negative, positive
+from indexer import kernels
 from indexer.drafter import DrafterConfig, DraftParams
 from indexer.tokens import Namespace
 
@@ -414,4 +415,5 @@ def add_arguments(name: str, p: argparse.ArgumentParser) -> None:
 
 
 def run(name: str, a: argparse.Namespace) -> int:
+    kernels.prefer_passive_workers()  # drafting threads wait as they do in the service
     return _COMMANDS[name][1](a)
