@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Iterable
 
 from cache_service.domain import names
 from cache_service.domain.errors import AlreadyExists, InvalidArgument, NotFound
+from cache_service.domain.items import NamespaceStats
+from cache_service.domain.ports import Logged
 from indexer.drafter import DrafterConfig, NamespaceDrafter
 from indexer.prior import StaticPrior
 from indexer.tokens import Namespace
@@ -62,3 +65,25 @@ class Namespaces:
 
     def prior_version(self, name: str) -> int:
         return self._prior_versions.get(name, 0)
+
+    def stats(self, name: str, sessions: int) -> NamespaceStats:
+        """The namespace's figures, with the ``sessions`` it has open."""
+        d = self.get(name)
+        built = d.memory.indexes
+        return NamespaceStats(
+            name=name,
+            vocab_size=d.namespace.vocab_size,
+            buffered_tokens=d.memory.buffered_tokens,
+            requests=d.memory.requests,
+            index_tokens=0 if built is None else built.suffix.size,
+            last_rebuild_seconds=0.0 if built is None else built.build_seconds,
+            prior_version=self.prior_version(name),
+            sessions=sessions,
+        )
+
+    def mark_logged(self, logged: Iterable[Logged]) -> None:
+        """Record where requests committed here fall in their namespace's lifetime log."""
+        for ns, requests, ids in logged:
+            memory = self.get(ns).memory
+            for request, log_id in zip(requests, ids, strict=True):
+                memory.mark_logged(request, log_id)

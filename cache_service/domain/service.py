@@ -104,12 +104,8 @@ class DraftService:
     def mark_logged(self, logged: Iterable[Logged]) -> None:
         """Where this process's commits fall in the lifetime log (shared indexes only: an adopted
         generation then replaces them)."""
-        if not self.shared_lifetime:
-            return
-        for ns, requests, ids in logged:
-            memory = self.namespace(ns).memory
-            for request, log_id in zip(requests, ids, strict=True):
-                memory.mark_logged(request, log_id)
+        if self.shared_lifetime:
+            self.namespaces.mark_logged(logged)
 
     def stats(self, name: str = "", *, principal: Principal | None = None) -> list[NamespaceStats]:
         """Per namespace; a caller limited to some namespaces sees only those."""
@@ -117,21 +113,7 @@ class DraftService:
             principal.check_namespace(name)
         names_ = [name] if name else [n for n in self.namespace_names() if principal is None or principal.may_use(n)]
         sessions = self.sessions.count_by_namespace()
-        return [self._stats(n, sessions.get(n, 0)) for n in names_]
-
-    def _stats(self, name: str, sessions: int) -> NamespaceStats:
-        d = self.namespace(name)
-        built = d.memory.indexes
-        return NamespaceStats(
-            name=name,
-            vocab_size=d.namespace.vocab_size,
-            buffered_tokens=d.memory.buffered_tokens,
-            requests=d.memory.requests,
-            index_tokens=0 if built is None else built.suffix.size,
-            last_rebuild_seconds=0.0 if built is None else built.build_seconds,
-            prior_version=self.prior_version(name),
-            sessions=sessions,
-        )
+        return [self.namespaces.stats(n, sessions.get(n, 0)) for n in names_]
 
     @property
     def drafts(self) -> int:
