@@ -1,0 +1,70 @@
+"""Persistence hands back data and keeps no hold on the service: what a flush wrote, what other
+replicas committed, what an adopted generation covers. StorageSync applies it. On a real Redis."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cache_service.config import EmbeddedRedisConfig, ServiceConfig
+from cache_service.domain.service import DraftService
+from cache_service.host.embedded_redis import EmbeddedRedis
+from cache_service.persistence import RedisPersistence
+from cache_service.storage.connect import connect
+from cache_service.storage.redis_store import RedisStore
+from cache_service.sync import StorageSync
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[RedisStore]:
+    server = EmbeddedRedis(EmbeddedRedisConfig(data_dir=tmp_path, appendonly=False)).start()
+    yield RedisStore(connect(server.url))
+    server.stop()
+
+
+def _tokens(*ids: int) -> np.ndarray:
+    return np.array(ids, dtype=np.int32)
+
+
+def test_commits_come_back_as_written_and_only_others_are_followed(store: RedisStore) -> None:
+    mine, theirs = RedisPersistence(store, max_pending=10), RedisPersistence(store, max_pending=10)
+    mine.read_log("a")  # both follow the log from its start
+    theirs.read_log("a")
+    (logged,) = mine.requests_committed("a", [_tokens(1, 2), _tokens(3)])
+    ns, requests, ids = logged
+    assert ns == "a" and [r.tolist() for r in requests] == [[1, 2], [3]] and ids[0] < ids[1]
+    assert mine.follow("a") == ([], [])  # its own entries are skipped
+    got, at = theirs.follow("a")
+    assert [r.tolist() for r in got] == [[1, 2], [3]] and at == ids
+    assert theirs.follow("a") == ([], [])  # each entry once
+    theirs.requests_committed("a", [_tokens(4)])
+    theirs.requests_committed("a", [_tokens(5)])
+    later = mine.follow("a", covered=ids[1])  # entries up to covered are indexed already
+    assert [r.tolist() for r in later[0]] == [[4], [5]]
+
+
+def test_skip_to_moves_the_cursor_past_a_generation(store: RedisStore) -> None:
+    mine, theirs = RedisPersistence(store, max_pending=10), RedisPersistence(store, max_pending=10)
+    mine.read_log("a")
+    ((_, _, ids),) = theirs.requests_committed("a", [_tokens(1), _tokens(2), _tokens(3)])
+    mine.skip_to("a", ids[1])
+    assert [r.tolist() for r in mine.follow("a")[0]] == [[3]]
+
+
+def test_sync_applies_what_persistence_reads(store: RedisStore) -> None:
+    other = RedisPersistence(store, max_pending=10)
+    store.register_namespace("a", 10)
+    other.requests_committed("a", [_tokens(1, 2, 3)])
+    persistence = RedisPersistence(store, max_pending=10)
+    service = DraftService(ServiceConfig(), persistence)
+    sync = StorageSync(service, persistence, None)
+    sync.restore()  # the namespace and its log, from storage
+    assert service.namespace_names() == ["a"] and service.namespace("a").memory.requests == 1
+    store.register_namespace("b", 20)  # registered elsewhere
+    other.requests_committed("a", [_tokens(4, 5)])
+    sync.sync()
+    assert service.namespace_names() == ["a", "b"] and service.namespace("a").memory.requests == 2
+    assert all(held is not service for held in vars(persistence).values())  # no hold on the service
