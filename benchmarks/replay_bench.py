@@ -158,7 +158,7 @@ def service_vocab(target: str, name: str) -> int | None:
         try:
             stats = pb_grpc.AdminStub(channel).Stats(pb.StatsRequest(namespace=name), timeout=30)
         except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.NOT_FOUND:  # type: ignore[attr-defined]
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
                 return None
             raise
     return next((int(i.vocab_size) for i in stats.namespaces if i.name == name), None)

@@ -92,7 +92,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     return parser
 
 
-def _clear_exit(command: str, exc: BaseException) -> int:
+def _clear_exit(command: str, exc: BaseException | str) -> int:
     print(f"draftcache {command}: error: {exc}", file=sys.stderr)
     return 2
 
@@ -124,7 +124,7 @@ def _known_failure(command: str, exc: Exception) -> int:
     from cache_service.storage.errors import StorageError
 
     if isinstance(exc, grpc.RpcError):
-        print(f"draftcache {command}: {exc.code().name}: {exc.details()}", file=sys.stderr)  # type: ignore[attr-defined]
+        print(f"draftcache {command}: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 2
     if isinstance(exc, ValueError | OSError | DraftCacheError | StorageError):
         return _clear_exit(command, exc)

@@ -19,6 +19,8 @@ from cache_service.admin.options import add, positive
 from cache_service.admin.warm import FORMATS as CORPUS_FORMATS
 
 if TYPE_CHECKING:
+    import grpc
+
     from indexer.prior import PriorConfig, StaticPrior
 
 logger = logging.getLogger("draftcache")
@@ -285,7 +287,7 @@ def cmd_sessions(a: argparse.Namespace) -> int:
     return 0
 
 
-def channel(a: argparse.Namespace):  # type: ignore[no-untyped-def]
+def channel(a: argparse.Namespace) -> grpc.Channel:
     """A channel to ``--target``, over TLS when ``--tls-ca`` is given."""
     import grpc
 
