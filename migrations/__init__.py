@@ -1,8 +1,8 @@
 """Redis key-schema versions: an ordered list of idempotent migrations and their runner.
 
->>> import migrations
 Migrations import nothing of the service (redis-py only): the service imports them.
 
+>>> import migrations
 >>> import redis
 >>> print(migrations.run_migrate(redis.Redis(), dry_run=True))  # doctest: +SKIP
 schema v0, code v3; would apply:

@@ -282,8 +282,7 @@ def cmd_sessions(a: argparse.Namespace) -> int:
     for sid in ids[: a.limit]:
         found = store.load_session(sid)
         if found is not None:  # it may expire between the scan and the read
-            state = found.state
-            print(f"{sid}  {state.namespace}  {state.context.size} tokens ({state.prompt_len} prompt)")
+            print(f"{sid}  {found.namespace}  {found.context.size} tokens ({found.prompt_len} prompt)")
     return 0
 
 

@@ -9,7 +9,7 @@ from cache_service.config import ServiceConfig
 from cache_service.domain.errors import ResourceExhausted
 from cache_service.domain.items import Opening
 from cache_service.domain.sessions import SessionTable
-from cache_service.rpc.auth import Principal
+from cache_service.domain.tenants import Principal
 
 
 class Admission:

@@ -16,7 +16,7 @@ from cache_service.domain import names
 from cache_service.domain.errors import InvalidArgument, NotFound
 from cache_service.domain.namespaces import Namespaces
 from cache_service.domain.sessions import SessionEntry, SessionTable
-from cache_service.rpc.auth import Principal
+from cache_service.domain.tenants import Principal
 from cache_service.storage.stored_session import StoredSession
 from indexer.session import Session
 

@@ -8,7 +8,7 @@ from typing import overload
 
 import numpy as np
 
-from cache_service.rpc.auth import Principal
+from cache_service.domain.tenants import Principal
 from indexer.drafter import DraftParams, NamespaceDrafter
 from indexer.prespeculation import Prefetched
 from indexer.tree_builder import DraftTree

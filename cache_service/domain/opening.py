@@ -14,7 +14,7 @@ from cache_service.domain.errors import AlreadyExists, InvalidArgument, NotFound
 from cache_service.domain.items import Opening, OpenItem
 from cache_service.domain.namespaces import Namespaces
 from cache_service.domain.sessions import SessionEntry, SessionTable, new_session_id
-from cache_service.rpc.auth import Principal
+from cache_service.domain.tenants import Principal
 from indexer.drafter import DraftParams, NamespaceDrafter
 from indexer.session import Session
 

@@ -36,7 +36,7 @@ from cache_service.domain.namespaces import Namespaces
 from cache_service.domain.opening import Opener
 from cache_service.domain.ports import Logged, Persistence
 from cache_service.domain.sessions import SessionEntry, SessionTable
-from cache_service.rpc.auth import Principal
+from cache_service.domain.tenants import Principal
 from cache_service.storage.stored_session import StoredSession
 from indexer.drafter import NamespaceDrafter
 from indexer.prior import StaticPrior

@@ -16,53 +16,21 @@ need a token (probes).
 from __future__ import annotations
 
 import contextvars
-import enum
 import hashlib
 import hmac
 import json
 from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
 
 from cache_service.domain.errors import PermissionDenied, Unauthenticated
+from cache_service.domain.tenants import Principal, Role, TenantLimits
 
 OPEN_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.")
 ADMIN_PREFIX = "/draftcache.v1.Admin/"
-
-
-class Role(enum.Enum):
-    DECODER = "decoder"
-    ADMIN = "admin"
-
-
-@dataclass(frozen=True, kw_only=True)
-class TenantLimits:
-    max_sessions: int = 0  # 0: only the service-wide limit
-    max_session_tokens: int = 0  # context tokens held by the tenant's open sessions; 0: no limit
-
-    def __post_init__(self) -> None:
-        if self.max_sessions < 0 or self.max_session_tokens < 0:
-            raise ValueError("tenant limits must be >= 0")
-
-
-@dataclass(frozen=True)
-class Principal:
-    """An authenticated caller."""
-
-    tenant: str
-    role: Role
-    namespaces: frozenset[str] | None = None  # None: every namespace
-    limits: TenantLimits = field(default_factory=TenantLimits)
-
-    def may_use(self, namespace: str) -> bool:
-        return self.namespaces is None or namespace in self.namespaces
-
-    def check_namespace(self, namespace: str) -> None:
-        if not self.may_use(namespace):
-            raise PermissionDenied(f"tenant {self.tenant!r} may not use namespace {namespace!r}")
 
 
 @dataclass(frozen=True)

@@ -45,12 +45,6 @@ class StoredSession:
     def prompt_len(self) -> int:
         return self.snapshot.prompt_len
 
-    @property
-    def state(self) -> StoredSession:
-        """Itself. The ``sessions`` command still reads ``found.state.namespace`` (``.context``,
-        ``.prompt_len``) from the older split model; drop this once it reads the session."""
-        return self
-
 
 def encode(session: StoredSession) -> tuple[dict[bytes, bytes], bytes]:
     """The state hash's fields and the rejected table's blob; ``ValueError`` for a context
