@@ -259,18 +259,52 @@ class StatsRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("namespaces", "sessions", "drafts", "pending_writes", "schema")
+    __slots__ = ("namespaces", "sessions", "drafts", "pending_writes", "schema", "storage")
     NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     DRAFTS_FIELD_NUMBER: _ClassVar[int]
     PENDING_WRITES_FIELD_NUMBER: _ClassVar[int]
     SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_FIELD_NUMBER: _ClassVar[int]
     namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceInfo]
     sessions: int
     drafts: int
     pending_writes: int
     schema: str
-    def __init__(self, namespaces: _Optional[_Iterable[_Union[NamespaceInfo, _Mapping]]] = ..., sessions: _Optional[int] = ..., drafts: _Optional[int] = ..., pending_writes: _Optional[int] = ..., schema: _Optional[str] = ...) -> None: ...
+    storage: StorageHealth
+    def __init__(self, namespaces: _Optional[_Iterable[_Union[NamespaceInfo, _Mapping]]] = ..., sessions: _Optional[int] = ..., drafts: _Optional[int] = ..., pending_writes: _Optional[int] = ..., schema: _Optional[str] = ..., storage: _Optional[_Union[StorageHealth, _Mapping]] = ...) -> None: ...
+
+class StorageHealth(_message.Message):
+    __slots__ = ("available", "last_error", "unavailable_seconds", "journaled_commits", "journal_bytes", "journal_capacity_bytes", "disk_full", "embedded_restarts")
+    AVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    UNAVAILABLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    JOURNALED_COMMITS_FIELD_NUMBER: _ClassVar[int]
+    JOURNAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    JOURNAL_CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_FULL_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDED_RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    available: bool
+    last_error: str
+    unavailable_seconds: float
+    journaled_commits: int
+    journal_bytes: int
+    journal_capacity_bytes: int
+    disk_full: bool
+    embedded_restarts: int
+    def __init__(self, available: _Optional[bool] = ..., last_error: _Optional[str] = ..., unavailable_seconds: _Optional[float] = ..., journaled_commits: _Optional[int] = ..., journal_bytes: _Optional[int] = ..., journal_capacity_bytes: _Optional[int] = ..., disk_full: _Optional[bool] = ..., embedded_restarts: _Optional[int] = ...) -> None: ...
+
+class DeleteNamespaceRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class DeleteNamespaceResponse(_message.Message):
+    __slots__ = ("sessions_closed",)
+    SESSIONS_CLOSED_FIELD_NUMBER: _ClassVar[int]
+    sessions_closed: int
+    def __init__(self, sessions_closed: _Optional[int] = ...) -> None: ...
 
 class RebuildRequest(_message.Message):
     __slots__ = ("namespace",)

@@ -341,6 +341,11 @@ class AdminStub:
                 request_serializer=draftcache_dot_v1_dot_draftcache__pb2.RebuildRequest.SerializeToString,
                 response_deserializer=draftcache_dot_v1_dot_draftcache__pb2.RebuildResponse.FromString,
                 _registered_method=True)
+        self.DeleteNamespace = channel.unary_unary(
+                '/draftcache.v1.Admin/DeleteNamespace',
+                request_serializer=draftcache_dot_v1_dot_draftcache__pb2.DeleteNamespaceRequest.SerializeToString,
+                response_deserializer=draftcache_dot_v1_dot_draftcache__pb2.DeleteNamespaceResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -370,6 +375,13 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DeleteNamespace(self, request, context):
+        """Every key of the namespace (log, priors, sessions, registration) and its drafter are removed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -392,6 +404,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.Rebuild,
                     request_deserializer=draftcache_dot_v1_dot_draftcache__pb2.RebuildRequest.FromString,
                     response_serializer=draftcache_dot_v1_dot_draftcache__pb2.RebuildResponse.SerializeToString,
+            ),
+            'DeleteNamespace': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteNamespace,
+                    request_deserializer=draftcache_dot_v1_dot_draftcache__pb2.DeleteNamespaceRequest.FromString,
+                    response_serializer=draftcache_dot_v1_dot_draftcache__pb2.DeleteNamespaceResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -502,6 +519,33 @@ class Admin:
             '/draftcache.v1.Admin/Rebuild',
             draftcache_dot_v1_dot_draftcache__pb2.RebuildRequest.SerializeToString,
             draftcache_dot_v1_dot_draftcache__pb2.RebuildResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteNamespace(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/draftcache.v1.Admin/DeleteNamespace',
+            draftcache_dot_v1_dot_draftcache__pb2.DeleteNamespaceRequest.SerializeToString,
+            draftcache_dot_v1_dot_draftcache__pb2.DeleteNamespaceResponse.FromString,
             options,
             channel_credentials,
             insecure,
