@@ -81,6 +81,7 @@ class AsyncDraftClient:
         return None
 
     async def _settle(self, end: float | None = None) -> None:
+        """See :meth:`DraftClient._settle`."""
         if self._inflight is None:
             return
         sessions, task = self._inflight
@@ -90,11 +91,9 @@ class AsyncDraftClient:
         try:
             resp = await asyncio.wait_for(asyncio.shield(task), timeout=wait)
         except TimeoutError:
-            self._core.failed(None)
-            if self._core.config.stream:  # it still counts, once answered
-                self._core.missed(sessions, task)
-                return
-            task.cancel()
+            if not self._core.ahead_late(sessions, task):
+                task.cancel()
+            return
         except grpc.RpcError as exc:
             self._core.failed(exc)
         self._core.answered(sessions, resp)

@@ -178,6 +178,17 @@ class ClientCore:
                 self.abandoned.append(s.server_id)
                 s.server_id = ""
 
+    def ahead_late(self, sessions: Sequence[ClientSession], call: Any) -> bool:
+        """The call drafting ahead for ``sessions`` got no reply by the next step's deadline.
+        On a stream it still counts once answered, so it is kept (True; see :meth:`missed`);
+        a unary call is given up on and the copies are in doubt (False: the caller cancels it)."""
+        self.failed(None)
+        if self.config.stream:
+            self.missed(sessions, call)
+            return True
+        self.answered(sessions, None)
+        return False
+
     def missed(self, sessions: Sequence[ClientSession], call: Any) -> None:
         """A draft ``call`` missed its deadline on a stream. It still reaches the service, which
         answers in order: its tokens join the server copies before anything sent after it, so

@@ -107,12 +107,9 @@ class DraftClient:
         try:
             resp = future.result(timeout=wait)
         except grpc.FutureTimeoutError:
-            self._core.failed(None)
-            if isinstance(future, StreamFuture):  # it still counts, once answered
-                self._core.missed(sessions, future)
-                return
-            future.cancel()
-            resp = None
+            if not self._core.ahead_late(sessions, future):
+                future.cancel()
+            return
         except grpc.RpcError as exc:
             self._core.failed(exc)
             resp = None

@@ -1,0 +1,50 @@
+"""The client core's booking of calls that ended in the background: re-opens, and calls
+drafting ahead that missed the next step's deadline. No server, no transport."""
+
+from __future__ import annotations
+
+from draftcache.v1 import draftcache_pb2 as pb
+
+from decoder_client.client import ClientConfig, ClientSession, prompt_lookup_fallback
+from decoder_client.client.core import ClientCore
+
+
+def _core(*, stream: bool = True) -> ClientCore:
+    return ClientCore(ClientConfig(target="unused", namespace="ns", stream=stream), prompt_lookup_fallback)
+
+
+def _remote(context: list[int], server_id: str) -> ClientSession:
+    s = ClientSession(context, len(context))
+    s.server_id = server_id
+    return s
+
+
+def test_a_reopen_covers_sessions_without_a_copy_and_keeps_later_tokens_pending() -> None:
+    core = _core()
+    kept, lost = _remote([1, 2], "a"), ClientSession([3, 4, 5], 2)  # lost: decoded past its prompt
+    opening = core.reopen_request([kept, lost])
+    assert opening is not None and opening.sessions == [lost] and opening.sizes == [3]
+    assert [list(o.prompt) for o in opening.request.sessions] == [[3, 4, 5]]
+    lost.extend([6])  # produced while the open was under way
+    core.opened(opening.sessions, pb.OpenSessionsResponse(session_ids=["b"]), opening.sizes)
+    assert lost.server_id == "b" and lost.pending == [6]
+    assert core.stats.reopened == 1  # opened with more than its prompt
+    assert core.reopen_request([kept, lost]) is None  # nothing left to open
+
+
+def test_a_late_call_drafting_ahead_on_a_stream_is_kept() -> None:
+    core = _core(stream=True)
+    s = _remote([1, 2], "a")
+    s.pending = [3]
+    call = object()
+    assert core.ahead_late([s], call) is True  # the caller keeps it under way
+    assert s.server_id == "a" and s.pending == [] and core.late == [([(s, "a")], call)]
+    assert core.stats.failures == 1 and not core.available()  # skipped a while all the same
+
+
+def test_a_late_unary_call_drafting_ahead_is_given_up_on() -> None:
+    core = _core(stream=False)
+    s = _remote([1, 2], "a")
+    assert core.ahead_late([s], object()) is False  # the caller cancels it
+    # It may or may not have reached the service: the copy is closed, the session re-opened.
+    assert s.server_id == "" and core.abandoned == ["a"] and core.late == []
