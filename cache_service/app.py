@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -246,13 +248,35 @@ def early_rebuild_gap(last_build_seconds: float | None, *, shared: bool) -> floa
     return max(SHARED_EARLY_REBUILD_GAP_S if shared else EARLY_REBUILD_GAP_S, 2 * last_build_seconds)
 
 
-def warm_up(threads: int = 1) -> None:
+def warm_up(threads: int = 1, *, report_every_s: float = 15.0) -> None:
     """Compile (or load) every compiled loop the service runs: drafting (on ``threads`` worker
-    threads too, when more than one) and the reply encoder."""
-    kernels.warm_up()
+    threads too, when more than one) and the reply encoder. Loading from numba's cache takes a
+    few seconds; compiling, on a machine's first start, a minute or two: the log says which it is
+    and how long it has taken, so a first start is not mistaken for a hang."""
+    steps: list[tuple[str, Callable[[], object]]] = [
+        ("drafting kernels", kernels.warm_up),
+        ("reply encoder", wire.warm_up),
+    ]
     if threads > 1:
-        kernels.warm_up_threads()
-    wire.warm_up()
+        steps.insert(1, ("threaded draft step", kernels.warm_up_threads))
+    start = time.monotonic()
+    done = threading.Event()
+
+    def heartbeat() -> None:
+        while not done.wait(report_every_s):
+            logger.info(
+                "still compiling (%.0f s so far; the compiled code is cached for later starts)",
+                time.monotonic() - start,
+            )
+
+    threading.Thread(target=heartbeat, name="compile-progress", daemon=True).start()
+    try:
+        for i, (what, step) in enumerate(steps, 1):
+            logger.info("compiling or loading %s (%d of %d)", what, i, len(steps))
+            step()
+    finally:
+        done.set()
+    logger.info("compiled loops ready in %.1f s", time.monotonic() - start)
 
 
 async def serve(config: AppConfig) -> None:
