@@ -8,7 +8,7 @@ import contextlib
 import time
 from collections.abc import Sequence
 from functools import partial
-from typing import Any
+from typing import Any, assert_never
 
 import grpc
 import numpy as np
@@ -78,6 +78,8 @@ class AsyncDraftClient:
                 return await self._draft(req, left)
             case DraftAhead(sessions, req):
                 self._inflight = (sessions, self._future("draft", req, self._core.config.control_timeout_s))
+            case _:  # every effect is handled above (mypy checks it)
+                assert_never(effect)
         return None
 
     async def _settle(self, end: float | None = None) -> None:

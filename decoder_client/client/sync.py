@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, assert_never
 
 import grpc
 import numpy as np
@@ -94,6 +94,8 @@ class DraftClient:
                 return self._draft(req, left)
             case DraftAhead(sessions, req):
                 self._inflight = (sessions, self._future("draft", req, self.config.control_timeout_s))
+            case _:  # every effect is handled above (mypy checks it)
+                assert_never(effect)
         return None
 
     def _settle(self, end: float | None = None) -> None:
