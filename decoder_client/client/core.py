@@ -36,10 +36,12 @@ def prompt_lookup_fallback(context: np.ndarray, budget: int) -> DraftTree:
 
 @dataclass
 class ClientStats:
+    """What a client's steps came to, counted since it was made."""
+
     remote: int = 0  # trees that came from the service
     fallback: int = 0  # trees the local drafter made
     failures: int = 0  # calls that failed or missed their deadline
-    reopened: int = 0
+    reopened: int = 0  # sessions opened with more than their prompt (an earlier copy was lost)
     ahead_hits: int = 0  # trees that were drafted ahead (no wait)
     ahead_misses: int = 0  # outcomes nothing had been drafted ahead for
     lost_opens: int = 0  # opens given up on (deadline): the service may hold copies until they expire
