@@ -10,6 +10,7 @@ separate integer under :data:`SCHEMA_VERSION`; that key and the migration lock b
     draftcache:v1:ns:{<ns>}:log                        stream  lifetime log, one entry per request
     draftcache:v1:ns:{<ns>}:log:tokens                 string  tokens currently in the log
     draftcache:v1:ns:{<ns>}:log:identity               string  random id of this log (SET NX)
+    draftcache:v1:ns:{<ns>}:log:writers                hash    writer id -> highest commit seq appended (TTL)
     draftcache:v1:ns:{<ns>}:prior:seq                  string  last prior version handed out
     draftcache:v1:ns:{<ns>}:prior:current              string  version replicas serve
     draftcache:v1:ns:{<ns>}:prior:previous             string  version kept for rollback
@@ -93,6 +94,16 @@ def log_identity(ns: str) -> str:
     """A random id set once per log: files indexing a log's positions name the log they index,
     so positions of a different (say flushed and refilled) log are never taken for them."""
     return f"{_ns(ns)}:log:identity"
+
+
+def log_writers(ns: str) -> str:
+    """Per commit writer (one service process), the highest commit number it appended to
+    :func:`log`: a journal replayed after an uncertain append skips what the log holds.
+
+    >>> log_writers("llama2")
+    'draftcache:v1:ns:{llama2}:log:writers'
+    """
+    return f"{_ns(ns)}:log:writers"
 
 
 LOG_PATTERN = f"{_BASE}:ns:{{*}}:log"  # SCAN pattern matching every namespace's log stream

@@ -36,6 +36,9 @@ class StoreConfig:
     """
 
     max_log_tokens: int = 16 << 20  # per namespace, the lifetime buffer's capacity
+    # How long a log remembers the commit numbers of a writer that stopped appending: a journal
+    # replayed later than this after an uncertain append may add that append's commits twice.
+    writer_ttl_s: int = 30 * 24 * 3600
     prior_part_bytes: int = 64 * MiB
     prior_staging_ttl_s: int = 3600  # an unpublished upload disappears after this
     read_batch: int = 1024  # log entries per read, keys per SCAN step
@@ -49,6 +52,8 @@ class StoreConfig:
             raise ValueError(f"prior_staging_ttl_s must be >= 1, got {self.prior_staging_ttl_s}")
         if self.read_batch < 1:
             raise ValueError(f"read_batch must be >= 1, got {self.read_batch}")
+        if self.writer_ttl_s < 1:
+            raise ValueError(f"writer_ttl_s must be >= 1, got {self.writer_ttl_s}")
 
 
 class RedisStore:
@@ -68,6 +73,7 @@ class RedisStore:
         self.client = client
         self.config = config or StoreConfig()
         self._append = client.register_script(stream_log.APPEND_LUA)
+        self._append_once = client.register_script(stream_log.APPEND_ONCE_LUA)
         self._save_sessions = client.register_script(sessions.SAVE_LUA)
         self._append_sessions = client.register_script(sessions.APPEND_LUA)
 
@@ -126,6 +132,23 @@ class RedisStore:
         if not requests:
             return []
         return stream_log.append(self._append, ns, requests, cap)
+
+    @guarded
+    def append_commits(self, ns: str, commits: list[stream_log.Commit]) -> list[str | None]:
+        """Append commits identified by ``(writer, seq)``, each writer's in increasing ``seq``,
+        skipping those the log already took (an append whose answer was lost, replayed from a
+        journal): per commit its stream id, or ``None`` when skipped. Trims as
+        :meth:`append_requests` does, atomically with the appends."""
+        for writer, seq, tokens in commits:
+            if len(writer) != 16 or seq < 0:
+                raise ValueError("a commit is a 16-byte writer id and a seq >= 0")
+            if not isinstance(tokens, np.ndarray) or tokens.dtype != np.int32 or tokens.ndim != 1:
+                raise ValueError("every request must be a 1-D int32 numpy array")
+        if not commits:
+            return []
+        return stream_log.append_once(
+            self._append_once, ns, commits, self.config.max_log_tokens, self.config.writer_ttl_s
+        )
 
     @guarded
     def read_log(self, ns: str, after_id: str = "0", count: int | None = None) -> list[LogEntry]:

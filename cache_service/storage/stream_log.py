@@ -18,8 +18,8 @@ from cache_service.storage import codec, keys
 from cache_service.storage.clients import StorageClient, transaction
 from cache_service.storage.errors import StorageCorrupt
 
-# KEYS[1] stream, KEYS[2] token counter; ARGV[1] cap, then (tokens, n) per request.
-APPEND_LUA = """
+# Shared by both append scripts: the running token total, read before the appends...
+_TOTAL_LUA = """
 local function count_of(fields)
   for j = 1, #fields, 2 do
     if fields[j] == 'n' then return tonumber(fields[j + 1]) end
@@ -38,10 +38,9 @@ if not total then
 end
 local cap = tonumber(ARGV[1])
 local ids = {}
-for i = 2, #ARGV, 2 do
-  ids[#ids + 1] = redis.call('XADD', KEYS[1], '*', 'n', ARGV[i + 1], 'tokens', ARGV[i])
-  total = total + tonumber(ARGV[i + 1])
-end
+"""
+# ... and the trim to the cap, after them.
+_TRIM_LUA = """
 local last = nil
 while total > cap do
   local batch = redis.call('XRANGE', KEYS[1], last and ('(' .. last) or '-', '+', 'COUNT', 256)
@@ -62,6 +61,42 @@ end
 redis.call('SET', KEYS[2], string.format('%d', total))
 return ids
 """
+
+# KEYS[1] stream, KEYS[2] token counter; ARGV[1] cap, then (tokens, n) per request.
+APPEND_LUA = (
+    _TOTAL_LUA
+    + """
+for i = 2, #ARGV, 2 do
+  ids[#ids + 1] = redis.call('XADD', KEYS[1], '*', 'n', ARGV[i + 1], 'tokens', ARGV[i])
+  total = total + tonumber(ARGV[i + 1])
+end
+"""
+    + _TRIM_LUA
+)
+
+# Commits with ids, each appended at most once. KEYS[1] stream, KEYS[2] token counter, KEYS[3]
+# writers (writer -> highest seq appended); ARGV[1] cap, ARGV[2] the writers hash's TTL in
+# seconds, then (tokens, n, writer, seq) per commit, each writer's in increasing seq. A commit
+# whose seq is not above its writer's recorded one is in the log already: its id is ''.
+APPEND_ONCE_LUA = (
+    _TOTAL_LUA
+    + """
+for i = 3, #ARGV, 4 do
+  local seen = tonumber(redis.call('HGET', KEYS[3], ARGV[i + 2]) or '-1')
+  if tonumber(ARGV[i + 3]) > seen then
+    ids[#ids + 1] = redis.call('XADD', KEYS[1], '*', 'n', ARGV[i + 1], 'tokens', ARGV[i])
+    redis.call('HSET', KEYS[3], ARGV[i + 2], ARGV[i + 3])
+    total = total + tonumber(ARGV[i + 1])
+  else
+    ids[#ids + 1] = ''
+  end
+end
+redis.call('EXPIRE', KEYS[3], ARGV[2])
+"""
+    + _TRIM_LUA
+)
+
+Commit = tuple[bytes, int, np.ndarray]  # writer id, its commit number, the request's tokens
 
 _STREAM_ID = re.compile(r"\d+(-\d+)?")
 
@@ -102,6 +137,17 @@ def append(script: Script, ns: str, requests: list[np.ndarray], max_tokens: int)
         args += [codec.tokens_to_bytes(kept), int(kept.size)]
     ids = script(keys=[keys.log(ns), keys.log_tokens(ns)], args=args)
     return [i.decode() for i in ids]
+
+
+def append_once(script: Script, ns: str, commits: list[Commit], max_tokens: int, ttl_s: int) -> list[str | None]:
+    """Append commits not yet in the log (see :data:`APPEND_ONCE_LUA`) and trim; per commit its
+    stream id, or ``None`` when the log held it already."""
+    args: list[bytes | int] = [max_tokens, ttl_s]
+    for writer, seq, tokens in commits:
+        kept = tokens[-max_tokens:] if tokens.size > max_tokens else tokens
+        args += [codec.tokens_to_bytes(kept), int(kept.size), writer, int(seq)]
+    ids = script(keys=[keys.log(ns), keys.log_tokens(ns), keys.log_writers(ns)], args=args)
+    return [i.decode() or None for i in ids]
 
 
 def _entry(raw_id: object, raw_fields: object) -> LogEntry:

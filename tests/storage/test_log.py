@@ -132,3 +132,18 @@ def test_corrupt_entries_are_reported(store: RedisStore, client: StorageClient) 
     client.set(keys.log("ns"), b"not a stream")
     with pytest.raises(StorageCorrupt):
         store.read_log("ns")
+
+
+def test_commits_with_ids_are_appended_once(store: RedisStore, client: StorageClient) -> None:
+    a, b = b"a" * 16, b"b" * 16
+    first = store.append_commits("ns", [(a, 0, _req(1)), (a, 1, _req(2)), (b, 0, _req(3))])
+    assert all(first)
+    # A replay of an append whose answer was lost (and b's next commit): only the new one lands.
+    again = store.append_commits("ns", [(a, 0, _req(1)), (a, 1, _req(2)), (b, 1, _req(4))])
+    assert again[:2] == [None, None] and again[2] is not None
+    assert [e.tokens.tolist() for e in store.read_log("ns")] == [[1], [2], [3], [4]]
+    assert store.log_size("ns") == (4, 4)  # the token counter counts what was appended
+    # Each namespace remembers its own writers, for a while (hash-tagged with the namespace).
+    assert client.hgetall(keys.log_writers("ns")) == {a: b"1", b: b"1"}
+    assert 0 < client.ttl(keys.log_writers("ns")) <= store.config.writer_ttl_s
+    assert all(store.append_commits("other", [(a, 0, _req(1))]))
