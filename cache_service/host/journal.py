@@ -1,0 +1,229 @@
+"""A local write-ahead journal of acknowledged commits not yet in Redis.
+
+While storage cannot take a commit, the commit is appended here and fsynced before the close
+call is answered; the service replays the journal into the lifetime log when storage returns
+(and at start), and empties the file once every record is in Redis.
+
+File format: a sequence of records, each ``MAGIC | length u32 | crc32 u32 | payload`` (little
+endian), the CRC over the payload. Payload: ``writer`` (16 bytes, one random id per service
+process), ``seq`` u64 (that writer's commit counter, increasing), the namespace's length u16
+and UTF-8 name, then the request's int32 tokens. ``(writer, seq)`` is the commit's id: the log
+append script records each writer's highest ``seq`` per namespace and skips what it has seen,
+so a replay appends each commit once (:mod:`cache_service.storage.stream_log`).
+
+A record torn by a crash mid-write, or damaged later, fails its CRC: it is skipped with a log
+line, and reading resumes at the next record's magic.
+
+>>> record = JournalRecord(b"w" * 16, 7, "llama2", np.array([5, 6], np.int32))
+>>> [(r.seq, r.namespace, r.tokens.tolist()) for r in read_records(encode(record) + b"torn")[0]]
+[(7, 'llama2', [5, 6])]
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import struct
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"DCJ1"
+HEADER = struct.Struct("<4sII")  # magic, payload length, crc32 of the payload
+HEAD = struct.Struct("<16sQH")  # writer, seq, namespace length
+MAX_PAYLOAD = 1 << 30
+COMPACT_MIN_BYTES = 1 << 20  # dead bytes worth a rewrite of the live records
+
+
+class JournalError(Exception):
+    """A commit could not be journaled; ``disk_full``: the disk has no room left."""
+
+    def __init__(self, message: str, *, disk_full: bool = False) -> None:
+        super().__init__(message)
+        self.disk_full = disk_full
+
+
+@dataclass(frozen=True)
+class JournalRecord:
+    """One acknowledged commit: who wrote it, its number, its namespace and tokens."""
+
+    writer: bytes
+    seq: int
+    namespace: str
+    tokens: np.ndarray
+
+    @property
+    def commit_id(self) -> str:
+        return f"{self.writer.hex()}:{self.seq}"
+
+
+def encode(record: JournalRecord) -> bytes:
+    name = record.namespace.encode()
+    tokens = np.ascontiguousarray(record.tokens, dtype="<i4").tobytes()
+    payload = HEAD.pack(record.writer, record.seq, len(name)) + name + tokens
+    return HEADER.pack(MAGIC, len(payload), zlib.crc32(payload)) + payload
+
+
+def _decode(payload: bytes) -> JournalRecord:
+    writer, seq, n = HEAD.unpack_from(payload)
+    name = payload[HEAD.size : HEAD.size + n].decode()
+    tokens = np.frombuffer(payload, dtype="<i4", offset=HEAD.size + n).astype(np.int32)
+    return JournalRecord(writer, seq, name, tokens)
+
+
+def read_records(data: bytes) -> tuple[list[JournalRecord], list[str]]:
+    """The intact records in ``data`` and a note for each stretch skipped (torn or corrupt)."""
+    records: list[JournalRecord] = []
+    skipped: list[str] = []
+    at = 0
+    while at < len(data):
+        problem = None
+        if len(data) - at < HEADER.size:
+            problem = f"torn header at byte {at}"
+        else:
+            magic, size, crc = HEADER.unpack_from(data, at)
+            end = at + HEADER.size + size
+            payload = data[at + HEADER.size : end]
+            if magic != MAGIC or size > MAX_PAYLOAD or size < HEAD.size:
+                problem = f"no record at byte {at}"
+            elif end > len(data):
+                problem = f"torn record at byte {at} ({len(data) - at} of {end - at} bytes)"
+            elif zlib.crc32(payload) != crc:
+                problem = f"record at byte {at} fails its checksum"
+            else:
+                try:
+                    records.append(_decode(payload))
+                    at = end
+                    continue
+                except (struct.error, UnicodeDecodeError, ValueError) as exc:
+                    problem = f"record at byte {at} does not decode ({exc})"
+        resume = data.find(MAGIC, at + 1)
+        skipped.append(f"{problem}: {(resume if resume >= 0 else len(data)) - at} bytes skipped")
+        if resume < 0:
+            break
+        at = resume
+    return records, skipped
+
+
+class Journal:
+    """The journal file at ``path``, at most ``capacity_bytes`` long.
+
+    :meth:`open` locks it (one process per journal) and returns the records a previous run left;
+    :meth:`append` makes records durable; :meth:`drained` tells it which records are still not
+    in Redis, so it can empty or compact the file.
+    """
+
+    def __init__(self, path: Path, capacity_bytes: int) -> None:
+        if capacity_bytes < 1:
+            raise ValueError(f"capacity_bytes must be >= 1, got {capacity_bytes}")
+        self.path = path
+        self.capacity_bytes = capacity_bytes
+        self._fd = -1
+        self._size = 0
+
+    @property
+    def size_bytes(self) -> int:
+        return self._size
+
+    def open(self) -> list[JournalRecord]:
+        """Lock the file and read what it holds; torn or corrupt records are logged and left out
+        (the file is rewritten with the intact ones)."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._fd)
+            self._fd = -1
+            raise JournalError(f"{self.path} is in use by another process") from None
+        _fsync_dir(self.path.parent)
+        data = self.path.read_bytes()
+        records, skipped = read_records(data)
+        for note in skipped:
+            logger.warning("commit journal %s: %s", self.path, note)
+        self._size = len(data)
+        if skipped:
+            self._rewrite(records)
+        if records:
+            logger.info("commit journal %s holds %d commits not yet stored", self.path, len(records))
+        return records
+
+    def append(self, records: Sequence[JournalRecord]) -> None:
+        """Write and fsync ``records``; :class:`JournalError` (nothing written) when the journal
+        is full or the disk refuses."""
+        data = b"".join(encode(r) for r in records)
+        if self._size + len(data) > self.capacity_bytes:
+            raise JournalError(
+                f"commit journal full ({self._size} of {self.capacity_bytes} bytes) while storage is unavailable"
+            )
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self._fd, view) :]
+            os.fsync(self._fd)
+        except OSError as exc:
+            self._truncate(self._size)  # no torn record before the next one
+            full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+            raise JournalError(f"commit journal write failed: {exc}", disk_full=full) from exc
+        self._size += len(data)
+
+    def drained(self, live: Sequence[JournalRecord]) -> None:
+        """Records not in ``live`` are in Redis: empty the file when nothing is left, rewrite it
+        when most of it is dead."""
+        if not live:
+            if self._size:
+                self._truncate(0)
+            return
+        live_bytes = sum(HEADER.size + HEAD.size + len(r.namespace.encode()) + 4 * r.tokens.size for r in live)
+        if self._size - live_bytes > max(live_bytes, COMPACT_MIN_BYTES):
+            self._rewrite(live)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)  # releases the lock
+            self._fd = -1
+
+    def _truncate(self, size: int) -> None:
+        try:
+            os.ftruncate(self._fd, size)
+            os.fsync(self._fd)
+            self._size = size
+        except OSError as exc:  # the records stay; a replay skips what Redis has
+            logger.warning("commit journal %s: could not truncate to %d bytes: %s", self.path, size, exc)
+
+    def _rewrite(self, records: Sequence[JournalRecord]) -> None:
+        """Replace the file with ``records`` (a new file renamed over the old one)."""
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        data = b"".join(encode(r) for r in records)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                os.write(fd, data)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, self.path)
+            _fsync_dir(self.path.parent)
+        except OSError as exc:
+            logger.warning("commit journal %s: compaction failed, keeping the file: %s", self.path, exc)
+            tmp.unlink(missing_ok=True)
+            return
+        os.close(self._fd)
+        self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND)
+        fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        self._size = len(data)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
