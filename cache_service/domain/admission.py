@@ -1,12 +1,13 @@
 """Admission: the limits a call must fit before it changes anything (batch size, tokens per
-call, prompt size, a tenant's own limits, the session memory)."""
+call, prompt size, a tenant's own limits, the session memory). The transport checks a request's
+sizes here before it builds anything from it (see :mod:`cache_service.rpc.servicer`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 from cache_service.config import ServiceConfig
-from cache_service.domain.errors import ResourceExhausted
+from cache_service.domain.errors import InvalidArgument, ResourceExhausted
 from cache_service.domain.items import Opening
 from cache_service.domain.sessions import SessionTable
 from cache_service.domain.tenants import Principal
@@ -24,6 +25,22 @@ class Admission:
     def batch(self, size: int) -> None:
         if size > self._config.max_batch:
             raise ResourceExhausted(f"batch of {size} exceeds the limit of {self._config.max_batch}")
+
+    def columns(self, sessions: int, counts: int, lookahead: int, tokens: int) -> None:
+        """A columnar draft's sizes, from the lengths of its columns alone (before any array is
+        built from them): the batch, one count (and one lookahead, when sent) per session, and
+        no more new tokens than the sessions may bring."""
+        self.batch(sessions)
+        if counts != sessions:
+            raise InvalidArgument(f"{counts} new-token counts for {sessions} sessions")
+        if lookahead not in (0, sessions):
+            raise InvalidArgument(f"{lookahead} lookahead values for {sessions} sessions")
+        if tokens and not sessions:
+            raise InvalidArgument(f"{tokens} new tokens for no session")
+        if tokens > sessions * self._config.max_new_tokens:
+            raise ResourceExhausted(
+                f"{tokens} new tokens for {sessions} sessions exceed {self._config.max_new_tokens} per session"
+            )
 
     def new_tokens(self, count: int) -> None:
         """The most new tokens one session may bring in one call."""

@@ -113,7 +113,7 @@ class ChangeTracker:
         table_due = table_changed and (final or now - entry.table_saved_at >= self._table_interval)
         change: SessionChange | None = None
         if not 0 < entry.stored_tokens <= size:
-            change = StoredSession(entry.namespace, session.snapshot(), entry.params)
+            change = StoredSession(entry.namespace, session.snapshot(), entry.params, entry.tenant)
             table_changed = table_due = True
         elif size > entry.stored_tokens or table_due:
             new = session.context.tokens[entry.stored_tokens :].copy()

@@ -16,7 +16,7 @@ from cache_service.domain import names
 from cache_service.domain.errors import InvalidArgument, NotFound
 from cache_service.domain.namespaces import Namespaces
 from cache_service.domain.sessions import SessionEntry, SessionTable
-from cache_service.domain.tenants import Principal
+from cache_service.domain.tenants import Principal, owns
 from cache_service.storage.stored_session import StoredSession
 from indexer.session import Session
 
@@ -42,11 +42,18 @@ class Continuing:
         """What storage keeps of ``sid``; an id no storage key could hold is refused."""
         return self._load(names.session_id(sid))
 
-    def read(self, sids: Sequence[str]) -> Found:
+    def read(self, sids: Sequence[str], *, build: bool = True) -> Found:
         """What storage keeps of ``sids`` (those it has), each with the session built from it
-        (its prompt indexed); safe on any thread, as it changes nothing held in memory."""
-        found = {sid: self.load(sid) for sid in sids}
-        return {sid: (stored, self._resumed(stored)) for sid, stored in found.items() if stored is not None}
+        (its prompt indexed; without ``build``, ``None``); safe on any thread, as it changes
+        nothing held in memory. Every id is checked before storage is asked for any."""
+        for sid in sids:
+            names.session_id(sid)
+        found = {sid: self._load(sid) for sid in sids}
+        return {
+            sid: (stored, self._resumed(stored) if build else None)
+            for sid, stored in found.items()
+            if stored is not None
+        }
 
     def _resumed(self, stored: StoredSession) -> Session | None:
         """The session ``stored`` continues, or ``None`` when it cannot be built here (an unknown
@@ -59,10 +66,10 @@ class Continuing:
 
     def hold_found(self, found: Found, principal: Principal | None) -> None:
         """Hold sessions :meth:`read` found (on the serving thread); one that came back
-        meanwhile, or that the caller may not use, is left alone (the call then answers for
-        it as it would have)."""
+        meanwhile, or that is not the caller's (another tenant's, or in a namespace it may not
+        use), is left alone (the call then answers for it as it would have)."""
         for sid, (stored, session) in found.items():
-            if self._sessions.holds(sid) or (principal is not None and not principal.may_use(stored.namespace)):
+            if self._sessions.holds(sid) or not owns(principal, stored.tenant, stored.namespace):
                 continue
             self.hold(sid, stored, principal, session)
 
@@ -70,17 +77,17 @@ class Continuing:
         self, sid: str, stored: StoredSession, principal: Principal | None, session: Session | None = None
     ) -> SessionEntry:
         """A session held in memory again from what storage kept of it (``session``: already
-        built from it by :meth:`read`)."""
-        if principal is not None and not principal.may_use(stored.namespace):
+        built from it by :meth:`read`). Another tenant's session is reported as unknown, as
+        for a live one: its existence is not disclosed, and it stays as stored."""
+        if not owns(principal, stored.tenant, stored.namespace):
             raise NotFound(f"unknown or expired session {sid!r}")
         drafter = self._namespaces.get(stored.namespace)
-        tenant = "" if principal is None else principal.tenant
         if session is None:
             try:
                 session = drafter.resume(stored.snapshot)
             except ValueError as exc:  # a stored context outside the namespace's vocabulary
                 raise InvalidArgument(f"session {sid!r} cannot continue here: {exc}") from exc
-        entry = SessionEntry(sid, stored.namespace, drafter, session, stored.params, tenant)
+        entry = SessionEntry(sid, stored.namespace, drafter, session, stored.params, stored.tenant)
         entry.stored_tokens = len(entry.session.context)  # storage holds what it was continued from
         entry.stored_table, entry.table_saved_at = entry.session.rejected.table.version, time.monotonic()
         self._make_room(len(entry.session.context))

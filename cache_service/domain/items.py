@@ -77,10 +77,12 @@ class NamespaceStats:
 @dataclass(frozen=True)
 class Opening:
     """An open call checked by :meth:`DraftService.prepare_open`: per item its drafter and
-    checked prompt (``None`` where the item repeats the open of a live session)."""
+    checked prompt (``None`` where the item repeats the open of a live session); ``claimed``:
+    the client-chosen ids storage holds for another tenant (never opened over)."""
 
     prepared: list[tuple[OpenItem, NamespaceDrafter, np.ndarray | None]]
     principal: Principal | None
+    claimed: frozenset[str] = frozenset()
 
     @property
     def prompt_tokens(self) -> int:

@@ -34,6 +34,8 @@ def client_session_id(sid: str) -> str:
 
 
 def _checked(name: str, what: str) -> str:
+    if len(name) > MAX_NAME_LEN:  # not echoed: the answer would carry all of it back
+        raise InvalidArgument(f"{what} of {len(name)} characters exceeds {MAX_NAME_LEN}")
     try:
         return check_name(name, what=what)
     except ValueError as exc:

@@ -16,6 +16,22 @@ from indexer.tokens import Namespace
 
 logger = logging.getLogger(__name__)
 
+# The largest vocabulary a namespace may be created with: 16M ids, some 60x the largest
+# tokenizers in use (~256k), and far below the int32 ids' ceiling. Namespaces registered before
+# this bound still load.
+MAX_VOCAB_SIZE = 1 << 24
+
+
+def check_vocab_size(vocab_size: int) -> int:
+    """``vocab_size`` if a new namespace may have it, else :class:`InvalidArgument`.
+
+    >>> check_vocab_size(32000)
+    32000
+    """
+    if not 1 <= vocab_size <= MAX_VOCAB_SIZE:
+        raise InvalidArgument(f"vocab_size must be in [1, {MAX_VOCAB_SIZE}], got {vocab_size}")
+    return vocab_size
+
 
 class Namespaces:
     """Drafters by namespace name. ``own_ring``: each builds its own lifetime indexes (else
@@ -50,8 +66,11 @@ class Namespaces:
         return drafter, True
 
     def get(self, name: str) -> NamespaceDrafter:
+        """The namespace's drafter; a name no namespace could have is :class:`InvalidArgument`,
+        a well-formed unknown one :class:`NotFound`."""
         drafter = self._drafters.get(name)
         if drafter is None:
+            names.namespace_name(name)
             raise NotFound(f"unknown namespace {name!r}")
         return drafter
 

@@ -1,7 +1,10 @@
 """Opening sessions in three parts: checked and limits applied (:meth:`Opener.prepare`), built
 (:meth:`Opener.build`, anywhere: a long prompt is indexed off the serving thread), then held
 (:meth:`Opener.finish`). A client-chosen id that names a live session of the same namespace
-and tenant gets that session back: a repeated open is answered, not doubled."""
+and tenant gets that session back: a repeated open is answered, not doubled. One that names
+another tenant's session, live or only in storage, is answered as an unknown session is (the
+same NOT_FOUND), and that session is left as it is: no tenant learns of or takes over
+another's."""
 
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ from cache_service.domain.errors import AlreadyExists, InvalidArgument, NotFound
 from cache_service.domain.items import Opening, OpenItem
 from cache_service.domain.namespaces import Namespaces
 from cache_service.domain.sessions import SessionEntry, SessionTable, new_session_id
-from cache_service.domain.tenants import Principal
+from cache_service.domain.tenants import Principal, owns, tenant_of
 from indexer.drafter import DraftParams, NamespaceDrafter
 from indexer.session import Session
 
@@ -36,25 +39,32 @@ class Opener:
         self._admission = admission
         self._changes = changes
 
-    def prepare(self, items: list[OpenItem], principal: Principal | None) -> Opening:
-        """Every item checked (on the serving thread), nothing changed yet."""
-        self._admission.batch(len(items))
-        tenant = "" if principal is None else principal.tenant
-        chosen = [item.session_id for item in items if item.session_id]
+    @staticmethod
+    def chosen_ids(items: list[OpenItem]) -> list[str]:
+        """The ids the client chose, each checked (before storage is asked about any)."""
+        chosen = [names.client_session_id(item.session_id) for item in items if item.session_id]
         if len(set(chosen)) != len(chosen):
             raise InvalidArgument("session ids chosen in one call must differ")
+        return chosen
+
+    def prepare(self, items: list[OpenItem], principal: Principal | None, claimed: frozenset[str]) -> Opening:
+        """Every item checked (on the serving thread), nothing changed yet; ``claimed``: the
+        chosen ids storage holds for another tenant."""
+        self._admission.batch(len(items))
+        self.chosen_ids(items)
         prepared: list[tuple[OpenItem, NamespaceDrafter, np.ndarray | None]] = []
         for item in items:
+            names.namespace_name(item.namespace)
             if principal is not None:
                 principal.check_namespace(item.namespace)
             drafter = self._namespaces.get(item.namespace)
-            if item.session_id and self._reopened(item, tenant):
+            if item.session_id and self._reopened(item, principal, claimed):
                 prepared.append((item, drafter, None))
                 continue
             prompt = tokens.checked(item.prompt, drafter, "prompt")
             self._admission.prompt(prompt.size)
             prepared.append((item, drafter, prompt))
-        opening = Opening(prepared, principal)
+        opening = Opening(prepared, principal, claimed)
         self._admission.room_for(opening)
         return opening
 
@@ -72,9 +82,8 @@ class Opener:
         were built."""
         if built_now:
             return self._hold(opening, sessions, [False] * len(opening.prepared))
-        tenant = "" if opening.principal is None else opening.principal.tenant
         repeated = [
-            checked is not None and bool(item.session_id) and self._reopened(item, tenant)
+            checked is not None and bool(item.session_id) and self._reopened(item, opening.principal, opening.claimed)
             for item, _, checked in opening.prepared
         ]
         self._admission.room_for(opening, [not r for r in repeated])
@@ -83,7 +92,7 @@ class Opener:
     def _hold(self, opening: Opening, sessions: list[Session | None], repeated: list[bool]) -> list[str]:
         """The sessions built for ``opening`` held in memory, except where ``repeated`` says an
         open of the same id came first; the call's session ids."""
-        tenant = "" if opening.principal is None else opening.principal.tenant
+        tenant = tenant_of(opening.principal)
         ids = []
         for (item, drafter, checked), session, again in zip(opening.prepared, sessions, repeated, strict=True):
             if checked is None or session is None or again:
@@ -96,14 +105,20 @@ class Opener:
             ids.append(entry.sid)
         return ids
 
-    def _reopened(self, item: OpenItem, tenant: str) -> bool:
-        """Whether a client-chosen id names a live session this open repeats; ``AlreadyExists``
-        when it names someone else's."""
-        sid = names.client_session_id(item.session_id)
+    def _reopened(self, item: OpenItem, principal: Principal | None, claimed: frozenset[str]) -> bool:
+        """Whether a client-chosen id names a live session this open repeats. Another tenant's
+        session (live, or in storage: ``claimed``) is unknown to the caller: the NOT_FOUND an
+        unknown session gets. ``AlreadyExists`` when it names the caller's own session of
+        another namespace."""
+        sid = item.session_id
         try:
             entry = self._sessions.get(sid)
         except NotFound:
+            if sid in claimed:
+                raise
             return False
-        if entry.namespace != item.namespace or entry.tenant != tenant:
-            raise AlreadyExists("that session id is taken")
+        if not owns(principal, entry.tenant, entry.namespace):
+            raise NotFound(f"unknown or expired session {sid!r}")
+        if entry.namespace != item.namespace:
+            raise AlreadyExists("that session id is taken by another of your sessions")
         return True

@@ -17,7 +17,7 @@ from functools import partial
 import numpy as np
 
 from cache_service.config import ServiceConfig
-from cache_service.domain import drafting, tokens
+from cache_service.domain import drafting, names, tokens
 from cache_service.domain.admission import Admission
 from cache_service.domain.changes import Changes, ChangeTracker
 from cache_service.domain.continuing import Continuing, Found
@@ -32,11 +32,11 @@ from cache_service.domain.items import (
     Opening,
     OpenItem,
 )
-from cache_service.domain.namespaces import Namespaces
+from cache_service.domain.namespaces import Namespaces, check_vocab_size
 from cache_service.domain.opening import Opener
 from cache_service.domain.ports import Logged, Persistence
 from cache_service.domain.sessions import SessionEntry, SessionTable
-from cache_service.domain.tenants import Principal
+from cache_service.domain.tenants import Principal, owns
 from cache_service.storage.stored_session import StoredSession
 from indexer.drafter import NamespaceDrafter
 from indexer.prior import StaticPrior
@@ -81,6 +81,11 @@ class DraftService:
     def create_namespace(
         self, name: str, vocab_size: int, *, persist: bool = True, principal: Principal | None = None
     ) -> NamespaceDrafter:
+        """The namespace's drafter, registered in storage when new (``persist``); one restored
+        from storage (not ``persist``) keeps the vocabulary it was registered with."""
+        names.namespace_name(name)
+        if persist:
+            check_vocab_size(vocab_size)
         if principal is not None:
             principal.check_namespace(name)
         drafter, created = self.namespaces.create(name, vocab_size)
@@ -109,8 +114,10 @@ class DraftService:
 
     def stats(self, name: str = "", *, principal: Principal | None = None) -> list[NamespaceStats]:
         """Per namespace; a caller limited to some namespaces sees only those."""
-        if name and principal is not None:
-            principal.check_namespace(name)
+        if name:
+            names.namespace_name(name)
+            if principal is not None:
+                principal.check_namespace(name)
         names_ = [name] if name else [n for n in self.namespace_names() if principal is None or principal.may_use(n)]
         sessions = self.sessions.count_by_namespace()
         return [self.namespaces.stats(n, sessions.get(n, 0)) for n in names_]
@@ -126,6 +133,8 @@ class DraftService:
     def rebuild(self, name: str = "", *, principal: Principal | None = None) -> list[NamespaceStats]:
         """Reload published priors and rebuild lifetime indexes now (the scheduler does this on
         its own, off the request path)."""
+        if name:
+            names.namespace_name(name)
         if principal is not None and principal.namespaces is not None:
             if not name:
                 raise PermissionDenied(f"tenant {principal.tenant!r} may rebuild only its own namespaces, by name")
@@ -148,10 +157,26 @@ class DraftService:
         :meth:`prepare_open`, :meth:`build_sessions` and :meth:`finish_open` in one go."""
         return self.finish_open(self.prepare_open(items, principal=principal))
 
-    def prepare_open(self, items: list[OpenItem], *, principal: Principal | None = None) -> Opening:
+    def prepare_open(
+        self, items: list[OpenItem], *, principal: Principal | None = None, stored: Found | None = None
+    ) -> Opening:
         """The first part of :meth:`open` (on the serving thread): every item checked, nothing
-        changed yet."""
-        return self._opener.prepare(items, principal)
+        changed yet. ``stored``: what storage holds of the client-chosen ids this replica does
+        not hold (:meth:`open_ids_to_read`, read by :meth:`read_stored`; read here when not
+        given): an id another tenant's stored session holds is never opened over."""
+        if stored is None:
+            stored = self.read_stored(self.open_ids_to_read(items), build=False)
+        claimed = frozenset(
+            sid for sid, (found, _) in stored.items() if not owns(principal, found.tenant, found.namespace)
+        )
+        return self._opener.prepare(items, principal, claimed)
+
+    def open_ids_to_read(self, items: list[OpenItem]) -> list[str]:
+        """The ids an open call chose that this replica does not hold (none without storage),
+        after the batch size and every id are checked: nothing is read for a call refused."""
+        self.admission.batch(len(items))
+        chosen = Opener.chosen_ids(items)
+        return [] if self._persistence is None else self.not_in_memory(chosen)
 
     @staticmethod
     def build_sessions(opening: Opening) -> list[Session | None]:
@@ -275,8 +300,9 @@ class DraftService:
 
     def _entry(self, sid: str, principal: Principal | None = None, read_storage: bool = True) -> SessionEntry:
         """A live session, or one continued from storage (opened on another replica; without
-        ``read_storage``, the caller read storage already). A session in a namespace the caller
-        may not use is reported as unknown: its existence is not disclosed."""
+        ``read_storage``, the caller read storage already). Another tenant's session, or one in
+        a namespace the caller may not use, is reported as unknown: its existence is not
+        disclosed."""
         try:
             entry = self.sessions.get(sid)
         except NotFound:
@@ -284,7 +310,7 @@ class DraftService:
             if stored is None:
                 raise
             return self._continuing.hold(sid, stored, principal)
-        if principal is not None and not principal.may_use(entry.namespace):
+        if not owns(principal, entry.tenant, entry.namespace):
             raise NotFound(f"unknown or expired session {sid!r}")
         return entry
 
@@ -295,10 +321,10 @@ class DraftService:
         """Which of ``sids`` (once each) this replica does not hold."""
         return [sid for sid in dict.fromkeys(sids) if not self.sessions.holds(sid)]
 
-    def read_stored(self, sids: Sequence[str]) -> Found:
-        """What storage keeps of ``sids``, each with the session built from it; safe on any
-        thread (see :mod:`~cache_service.domain.continuing`)."""
-        return {} if self._persistence is None else self._continuing.read(sids)
+    def read_stored(self, sids: Sequence[str], *, build: bool = True) -> Found:
+        """What storage keeps of ``sids``, each with the session built from it (``build``);
+        safe on any thread (see :mod:`~cache_service.domain.continuing`)."""
+        return {} if self._persistence is None or not sids else self._continuing.read(sids, build=build)
 
     def continue_stored(self, found: Found, *, principal: Principal | None = None) -> None:
         """Hold sessions read by :meth:`read_stored` (on the serving thread)."""

@@ -4,6 +4,8 @@ and its limits. How a caller proves it is :mod:`cache_service.rpc.auth`'s busine
 >>> p = Principal(tenant="acme", role=Role.DECODER, namespaces=frozenset({"acme-llama"}))
 >>> p.may_use("acme-llama"), p.may_use("other")
 (True, False)
+>>> owns(p, "acme", "acme-llama"), owns(p, "other-tenant", "acme-llama"), owns(None, "", "any")
+(True, False, True)
 """
 
 from __future__ import annotations
@@ -44,3 +46,15 @@ class Principal:
     def check_namespace(self, namespace: str) -> None:
         if not self.may_use(namespace):
             raise PermissionDenied(f"tenant {self.tenant!r} may not use namespace {namespace!r}")
+
+
+def tenant_of(principal: Principal | None) -> str:
+    """The tenant a call acts for: ``""`` when callers are not authenticated."""
+    return "" if principal is None else principal.tenant
+
+
+def owns(principal: Principal | None, tenant: str, namespace: str) -> bool:
+    """Whether the caller may use (and so know of) a session of ``tenant`` in ``namespace``:
+    sessions belong to the tenant that opened them, wherever they are held, and the caller's
+    token must still allow the namespace. Anything else is answered as an unknown session."""
+    return tenant == tenant_of(principal) and (principal is None or principal.may_use(namespace))

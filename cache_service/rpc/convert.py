@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import numpy as np
 from draftcache.v1 import draftcache_pb2 as pb
 
+from cache_service.domain.admission import Admission
 from cache_service.domain.errors import InvalidArgument
 from cache_service.domain.items import (
     CloseItem,
@@ -53,6 +54,15 @@ def open_items(req: pb.OpenSessionsRequest, default: DraftParams) -> list[OpenIt
         )
         for s in req.sessions
     ]
+
+
+def admit_draft(req: pb.DraftRequest, admission: Admission) -> None:
+    """A draft request's sizes checked against the limits before any item or array is built."""
+    if not req.HasField("columns"):
+        admission.batch(len(req.items))
+        return
+    c = req.columns
+    admission.columns(len(c.session_ids), len(c.new_token_counts), len(c.lookahead), len(c.new_tokens))
 
 
 def draft_items(req: pb.DraftRequest) -> list[DraftItem] | DraftColumns:

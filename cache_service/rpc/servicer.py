@@ -1,4 +1,9 @@
-"""gRPC servicers: proto in, domain call, proto out. No logic lives here."""
+"""gRPC servicers: proto in, domain call, proto out. No logic lives here.
+
+Each call's batch size (and a columnar draft's shape) is admitted before the request is turned
+into domain items or arrays, and before storage is asked about any session it names: a call
+over the limits costs the service next to nothing.
+"""
 
 from __future__ import annotations
 
@@ -42,19 +47,24 @@ class DraftCacheServicer(pb_grpc.DraftCacheServicer):
     async def OpenSessions(
         self, request: pb.OpenSessionsRequest, context: grpc.aio.ServicerContext
     ) -> pb.OpenSessionsResponse:
+        self._service.admission.batch(len(request.sessions))  # before anything sized by the request
         items = convert.open_items(request, self._service.config.default_params)
-        opening = self._service.prepare_open(items, principal=auth.current())
+        to_read = self._service.open_ids_to_read(items)
+        stored = await asyncio.to_thread(self._service.read_stored, to_read, build=False) if to_read else {}
+        opening = self._service.prepare_open(items, principal=auth.current(), stored=stored)
         sessions = None  # built here, at once
         if opening.prompt_tokens >= OFF_LOOP_TOKENS:
             sessions = await asyncio.to_thread(self._service.build_sessions, opening)
         return pb.OpenSessionsResponse(session_ids=self._service.finish_open(opening, sessions))
 
     async def Draft(self, request: pb.DraftRequest, context: grpc.aio.ServicerContext) -> wire.Encoded:
+        convert.admit_draft(request, self._service.admission)
         items, principal = convert.draft_items(request), auth.current()
         await self._continue_stored(named_sessions(items), principal)
         return convert.draft_response(self._service.draft_ahead(items, principal=principal, read_storage=False))
 
     async def Feedback(self, request: pb.FeedbackRequest, context: grpc.aio.ServicerContext) -> pb.FeedbackResponse:
+        self._service.admission.batch(len(request.items))
         items, principal = convert.feedback_items(request), auth.current()
         await self._continue_stored([item.session_id for item in items], principal)
         self._service.feedback(items, principal=principal, read_storage=False)
@@ -63,6 +73,7 @@ class DraftCacheServicer(pb_grpc.DraftCacheServicer):
     async def CloseSessions(
         self, request: pb.CloseSessionsRequest, context: grpc.aio.ServicerContext
     ) -> pb.CloseSessionsResponse:
+        self._service.admission.batch(len(request.sessions))
         items, principal = convert.close_items(request), auth.current()
         await self._continue_stored([item.session_id for item in items], principal)
         jobs = self._service.close(items, principal=principal, read_storage=False)

@@ -1,10 +1,17 @@
 """A session as storage keeps it, and its one byte layout.
 
 A stored session is what another replica (or this one after a restart) needs to continue it:
-its namespace, its snapshot (context tokens, prompt length, rejected table) and its draft
-parameters. It is written as two keys of one hash slot (see :mod:`cache_service.storage.keys`):
-a state hash (:func:`encode_state`) and the rejected table (:func:`codec.encode_table`). The
-dynamic tier needs no key of its own: it is read off the context tokens.
+its namespace, its snapshot (context tokens, prompt length, rejected table), its draft
+parameters and the tenant it belongs to. It is written as two keys of one hash slot (see
+:mod:`cache_service.storage.keys`): a state hash (:func:`encode_state`) and the rejected table
+(:func:`codec.encode_table`). The dynamic tier needs no key of its own: it is read off the
+context tokens.
+
+The tenant is a field of the state hash (no new key, so no key-schema migration). Records
+written before it existed have no such field and decode as tenant ``""``: the tenant of a
+service without authentication. With authentication on, every tenant has a non-empty name, so
+such a session belongs to nobody who can call: it is unknown to every caller (its client opens
+a new one) and expires with its TTL; nobody can take it over.
 """
 
 from __future__ import annotations
@@ -28,14 +35,15 @@ class StoredSession:
     """A session as storage keeps it, for another replica (or a restart) to continue.
 
     >>> snap = SessionSnapshot(context=np.array([5, 6, 7], np.int32), prompt_len=2)
-    >>> s = decode(*encode(StoredSession("llama2", snap, DraftParams(budget=8))))
-    >>> s.namespace, s.snapshot.context.tolist(), s.snapshot.prompt_len, s.params.budget
-    ('llama2', [5, 6, 7], 2, 8)
+    >>> s = decode(*encode(StoredSession("llama2", snap, DraftParams(budget=8), tenant="acme")))
+    >>> s.namespace, s.snapshot.context.tolist(), s.snapshot.prompt_len, s.params.budget, s.tenant
+    ('llama2', [5, 6, 7], 2, 8, 'acme')
     """
 
     namespace: str
     snapshot: SessionSnapshot
     params: DraftParams
+    tenant: str = ""  # who opened it ("" when callers are not authenticated)
 
     @property
     def context(self) -> np.ndarray:
@@ -62,6 +70,7 @@ def encode_state(session: StoredSession) -> dict[bytes, bytes]:
         b"context": codec.tokens_to_bytes(snap.context),
         b"prompt_len": str(snap.prompt_len).encode(),
         b"params": params.encode(),
+        b"tenant": session.tenant.encode(),
     }
 
 
@@ -80,6 +89,7 @@ def decode(fields: Mapping[bytes, bytes], rejected: bytes | None) -> StoredSessi
             raise ValueError(f"prompt_len {prompt_len} outside a context of {context.size} tokens")
         table = codec.decode_columns(rejected) if rejected is not None else codec.empty_columns()
         snapshot = SessionSnapshot(context=context, prompt_len=prompt_len, rejected=table)
-        return StoredSession(fields[b"namespace"].decode(), snapshot, DraftParams(**params))
+        tenant = fields.get(b"tenant", b"").decode()  # absent in records older than the field
+        return StoredSession(fields[b"namespace"].decode(), snapshot, DraftParams(**params), tenant)
     except (KeyError, TypeError, ValueError, UnicodeDecodeError) as exc:
         raise StorageCorrupt(f"session state does not decode: {exc!r}") from exc

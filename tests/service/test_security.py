@@ -133,6 +133,52 @@ def test_tenants_never_draft_from_each_others_history(served: Served) -> None:
         assert len(mine) == 32 and int(mine, 16) >= 0 and mine != theirs
 
 
+def test_another_tenants_live_session_is_answered_as_an_unknown_one(served: Served) -> None:
+    """Even in a namespace both tenants may use, b learns nothing of a's session: opening with
+    its id, drafting, feeding back and closing it all get what an unknown id gets."""
+    sid, unknown = "a-chose-this-id-0001", "nobody-has-this-id-01"
+    with served.channel() as ch:
+        stub = pb_grpc.DraftCacheStub(ch)
+        req = pb.OpenSessionsRequest(sessions=[pb.OpenSession(namespace="shared", prompt=[1, 2, 3], session_id=sid)])
+        assert list(stub.OpenSessions(req, metadata=_md("tok-a")).session_ids) == [sid]
+
+        def refusals(target: str, names: tuple[str, ...]) -> dict[str, tuple[grpc.StatusCode, str]]:
+            calls = {
+                "open": lambda: stub.OpenSessions(
+                    pb.OpenSessionsRequest(
+                        sessions=[pb.OpenSession(namespace="shared", prompt=[7], session_id=target)]
+                    ),
+                    metadata=_md("tok-b"),
+                ),
+                "draft": lambda: stub.Draft(
+                    pb.DraftRequest(items=[pb.DraftItem(session_id=target)]), metadata=_md("tok-b")
+                ),
+                "feedback": lambda: stub.Feedback(
+                    pb.FeedbackRequest(items=[pb.FeedbackItem(session_id=target, accepted=[4])]), metadata=_md("tok-b")
+                ),
+                "close": lambda: stub.CloseSessions(
+                    pb.CloseSessionsRequest(sessions=[pb.CloseSession(session_id=target)]), metadata=_md("tok-b")
+                ),
+            }
+            out = {}
+            for name in names:
+                with pytest.raises(grpc.RpcError) as err:
+                    calls[name]()
+                out[name] = (err.value.code(), err.value.details().replace(target, "<id>"))
+            return out
+
+        every = ("open", "draft", "feedback", "close")
+        assert refusals(sid, every) == dict.fromkeys(
+            every, (grpc.StatusCode.NOT_FOUND, "unknown or expired session '<id>'")
+        )
+        # An unknown id gets the same answers from the calls that do not create one.
+        assert refusals(sid, every[1:]) == refusals(unknown, every[1:])
+        # a's session is as it was: its context only, drafted from and closed by a.
+        entry = served.service.sessions.get(sid)
+        assert (entry.tenant, entry.session.context.tokens.tolist()) == ("a", [1, 2, 3])
+        stub.CloseSessions(pb.CloseSessionsRequest(sessions=[pb.CloseSession(session_id=sid)]), metadata=_md("tok-a"))
+
+
 def test_tenants_configured_to_share_a_namespace_share_its_history(served: Served) -> None:
     planted = [801, 802, 803, 804, 805, 806]
     with served.channel() as ch:

@@ -128,6 +128,16 @@ def test_stored_session_round_trip() -> None:
     assert stored_session.decode(fields, None).snapshot.rejected == codec.empty_columns()  # a lost table
 
 
+def test_a_stored_session_keeps_its_tenant_and_older_records_belong_to_no_tenant() -> None:
+    fields, rej = stored_session.encode(replace(_stored([5, 6], 1), tenant="acme"))
+    assert fields[b"tenant"] == b"acme" and stored_session.decode(fields, rej).tenant == "acme"
+    # Written before the field existed: the unauthenticated tenant "", which no token names.
+    older = {k: v for k, v in fields.items() if k != b"tenant"}
+    assert stored_session.decode(older, rej).tenant == ""
+    with pytest.raises(StorageCorrupt):
+        stored_session.decode({**fields, b"tenant": b"\xff"}, rej)
+
+
 def test_a_context_that_is_not_int32_is_not_encoded() -> None:
     session = _stored([1], 0)
     with pytest.raises(ValueError):
