@@ -26,7 +26,7 @@ SERVER=""
 start_service() {
   draftcache serve --port "$PORT" --data-dir "$RUN" &
   SERVER=$!
-  echo "waiting for the service (a machine's first start compiles its kernels: a minute or two)"
+  echo "waiting for the service (the first start on a machine compiles its kernels: a few minutes)"
   for _ in $(seq 1 600); do
     draftcache stats --target "$TARGET" >/dev/null 2>&1 && return 0
     kill -0 "$SERVER" 2>/dev/null || { echo "the service failed to start" >&2; exit 1; }
@@ -43,7 +43,7 @@ stop_service() {
   fi
 }
 trap stop_service EXIT
-mat() { python -c 'import json,sys; print(f"{json.load(sys.stdin)["results"][0]["mat"]:.3f}")'; }
+mat() { python -c 'import json, sys; print("%.3f" % json.load(sys.stdin)["results"][0]["mat"])'; }
 
 rm -rf "$RUN"
 start_service
