@@ -9,7 +9,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from apscheduler.schedulers.background import BackgroundScheduler
@@ -17,9 +17,11 @@ from apscheduler.schedulers.background import BackgroundScheduler
 import migrations
 from cache_service.config import EmbeddedRedisConfig, ServerConfig, ServiceConfig
 from cache_service.domain.changes import Changes
+from cache_service.domain.ports import StorageHealth
 from cache_service.domain.service import DraftService
 from cache_service.host.compiles import CompileWatch
 from cache_service.host.embedded_redis import EmbeddedRedis
+from cache_service.host.journal import Journal
 from cache_service.host.malloc import release_free_memory
 from cache_service.host.shared_indexes import SharedIndexes
 from cache_service.metrics import Metrics
@@ -56,6 +58,12 @@ class AppConfig:
     metrics_host: str = "0.0.0.0"
     prior_dir: Path | None = None  # priors saved and memory-mapped here (shared by processes)
     lifetime_dir: Path | None = None  # lifetime indexes built once and memory-mapped here (shared by processes)
+    # The journal of commits storage could not take (None: beside the embedded Redis's folder).
+    journal_dir: Path | None = None
+
+    @property
+    def journal_path(self) -> Path:
+        return (self.journal_dir or self.embedded.data_dir.parent / "journal") / "commits.journal"
 
 
 def prepare_schema(client: StorageClient, *, wait_s: float = 60.0) -> int:
@@ -103,9 +111,13 @@ class App:
         store = RedisStore(client, self.config.store)
         lifetime_dir = self.config.lifetime_dir
         lifetime = self.config.service.drafter.lifetime
+        journal = Journal(self.config.journal_path, self.config.service.journal_capacity_bytes)
         self.persistence = RedisPersistence(
-            store, max_pending=self.config.service.max_pending_writes, prior_dir=self.config.prior_dir
+            store, max_pending=self.config.service.max_pending_writes, prior_dir=self.config.prior_dir, journal=journal
         )
+        await asyncio.to_thread(self.persistence.commits.recover)  # replayed by the restore's flush
+        if self.embedded is not None:
+            self.embedded.supervise(on_exit=self._storage_died, on_restart=self.metrics.observe_embedded_restart)
         self.shared = None if lifetime_dir is None else SharedIndexes(store, lifetime_dir, lifetime)
         self.service = DraftService(self.config.service, self.persistence, shared_lifetime=lifetime_dir is not None)
         self.sync = StorageSync(self.service, self.persistence, self.shared)
@@ -120,14 +132,26 @@ class App:
         await asyncio.to_thread(self.sync.restore)
         release_free_memory()  # the log read back and the builds done to restore it
         self._schedule()
-        self.server = await create_server(self.config.server, self.service, self.metrics.observe_rpc)
+        self.server = await create_server(
+            self.config.server, self.service, self.metrics.observe_rpc, storage_health=self.storage_health
+        )
         if self.config.metrics_port is not None:
-            self.metrics.watch(self.service, self.persistence, session_saves=lambda: self.sessions_saved)
+            self.metrics.watch(
+                self.service, self.persistence, session_saves=lambda: self.sessions_saved, storage=self.storage_health
+            )
             port = self.metrics.serve(self.config.metrics_port, self.config.metrics_host)
             logger.info("metrics on http://%s:%d/metrics", self.config.metrics_host, port)
         await self.server.set_serving(True)  # indexes are loaded: ready
         self.compiles.start()
         return self.server.port
+
+    def storage_health(self) -> StorageHealth:
+        """Where storage stands: the commit path's view, and the embedded server's restarts."""
+        health = self.persistence.commits.health()
+        return replace(health, embedded_restarts=0 if self.embedded is None else self.embedded.restarts)
+
+    def _storage_died(self, why: str, disk_full: bool) -> None:
+        self.persistence.commits.status.failed(f"embedded Redis died: {why}", disk_full=disk_full)
 
     def _schedule(self) -> None:
         cfg = self.config.service
@@ -218,10 +242,26 @@ class App:
             )
 
     async def stop(self) -> None:
-        """NOT_SERVING, drain in-flight calls, stop jobs, flush queued commits, stop Redis."""
+        """NOT_SERVING, drain in-flight calls, stop jobs, write what storage takes (commits it
+        does not stay journaled for the next start), stop Redis. Storage being down delays
+        none of it beyond a storage call's timeout, and fails none of it."""
         await self.server.stop(self.config.server.grace_s)
         self.compiles.stop()
-        self.scheduler.shutdown(wait=True)
+        # Off the loop: a running write-back job waits on the loop for its changes.
+        await asyncio.to_thread(self.scheduler.shutdown, wait=True)
+        try:
+            await self._final_save()
+        except StorageError as exc:
+            logger.warning("session state not saved at shutdown (storage unavailable): %s", exc)
+        await asyncio.to_thread(self.sync.sync)
+        if self.persistence.pending:
+            left, path = self.persistence.pending, self.config.journal_path
+            logger.warning("%d commits stay in the journal %s for the next start", left, path)
+        self.persistence.commits.close()
+        if self.embedded is not None:
+            await asyncio.to_thread(self.embedded.stop)
+
+    async def _final_save(self) -> None:
         ttl = self.config.service.session_ttl_s
         changed, closed = self.service.take_changes(final=True)
         missed = await asyncio.to_thread(self.persistence.save_sessions, changed, closed, ttl)
@@ -229,9 +269,6 @@ class App:
             self.service.requeue(missed)
             changed, _ = self.service.take_changes(final=True)
             await asyncio.to_thread(self.persistence.save_sessions, changed, [], ttl)
-        await asyncio.to_thread(self.sync.sync)
-        if self.embedded is not None:
-            await asyncio.to_thread(self.embedded.stop)
 
 
 def early_rebuild_gap(last_build_seconds: float | None, *, shared: bool) -> float:

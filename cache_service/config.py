@@ -36,6 +36,8 @@ class ServiceConfig:
     # leave memory and when the service stops.
     table_flush_interval_s: float = 5.0
     max_pending_writes: int = 100_000  # buffered write-backs while storage is down
+    # The local journal of commits storage could not take; past it commits are refused.
+    journal_capacity_bytes: int = 256 << 20
 
     def __post_init__(self) -> None:
         _range("max_batch", self.max_batch, 1, 4096)
@@ -44,6 +46,7 @@ class ServiceConfig:
         _range("max_sessions", self.max_sessions, 1, 1 << 30)
         _range("max_session_tokens", self.max_session_tokens, 1, 1 << 40)
         _range("max_pending_writes", self.max_pending_writes, 1, 1 << 30)
+        _range("journal_capacity_bytes", self.journal_capacity_bytes, 1 << 10, 1 << 50)
         for name in ("session_ttl_s", "rebuild_interval_s", "follow_interval_s", "flush_interval_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

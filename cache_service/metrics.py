@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from cache_service.domain.ports import StorageHealth
 from cache_service.domain.service import DraftService
 from indexer.lifetime_index import LifetimeIndexes
 
@@ -57,6 +58,11 @@ class Metrics:
             buckets=REBUILD_BUCKETS,
             registry=self.registry,
         )
+        self.embedded_restarts = Counter(
+            "draftcache_embedded_redis_restarts",
+            "Times the embedded Redis was restarted after it died.",
+            registry=self.registry,
+        )
         self.compiles_while_serving = Counter(
             "draftcache_compiles_while_serving",
             "Compiled loops built after start-up (the serving loop waits for each; see the log).",
@@ -71,6 +77,9 @@ class Metrics:
         table = "new" if built.table_version is None else "carried"
         self.rebuild_seconds.labels(namespace, suffix, table).observe(built.build_seconds)
 
+    def observe_embedded_restart(self) -> None:
+        self.embedded_restarts.inc()
+
     def observe_compile(self) -> None:
         self.compiles_while_serving.inc()
 
@@ -80,9 +89,12 @@ class Metrics:
         write_back: WriteBack | None = None,
         *,
         session_saves: Callable[[], float] | None = None,
+        storage: Callable[[], StorageHealth] | None = None,
     ) -> None:
-        """Report ``service``'s state at every scrape."""
+        """Report ``service``'s state (and ``storage``'s health) at every scrape."""
         self.registry.register(ServiceCollector(service, write_back, session_saves))
+        if storage is not None:
+            self.registry.register(StorageCollector(storage))
 
     def serve(self, port: int, host: str = "0.0.0.0") -> int:
         """Expose ``/metrics`` over HTTP; returns the bound port (``port=0`` picks one)."""
@@ -155,3 +167,29 @@ class ServiceCollector(Collector):
                 "Time since session state was last written to storage.",
                 value=max(0.0, time.monotonic() - self._session_saves()),
             )
+
+
+class StorageCollector(Collector):
+    """Storage health gauges, read when scraped (:class:`StorageHealth`)."""
+
+    def __init__(self, storage: Callable[[], StorageHealth]) -> None:
+        self._storage = storage
+
+    def collect(self) -> Iterator[Metric]:
+        h = self._storage()
+        yield GaugeMetricFamily("draftcache_storage_up", "1 while writes reach storage.", value=h.available)
+        yield GaugeMetricFamily(
+            "draftcache_storage_disk_full", "1 while the last storage failure is a full disk.", value=h.disk_full
+        )
+        yield GaugeMetricFamily(
+            "draftcache_storage_unavailable_seconds", "Time storage has been unreachable.", value=h.unavailable_seconds
+        )
+        yield GaugeMetricFamily(
+            "draftcache_journal_commits",
+            "Acknowledged commits in the local journal, not yet in storage.",
+            value=h.journaled_commits,
+        )
+        yield GaugeMetricFamily("draftcache_journal_bytes", "Size of the local commit journal.", value=h.journal_bytes)
+        yield GaugeMetricFamily(
+            "draftcache_journal_capacity_bytes", "Most bytes the journal may hold.", value=h.journal_capacity_bytes
+        )

@@ -1,29 +1,27 @@
 """The service's storage side: what it writes to Redis and reads back, as data.
 
-Commits are written behind (a bounded queue drained by :meth:`RedisPersistence.flush`), so
-closing a request never waits on Redis; while Redis is down they stay queued and are flushed
-when it returns. Reading the lifetime log keeps one cursor per namespace and skips this
-process's own entries. Nothing here holds or changes the service: each call returns what it
-read or wrote, and the caller (the service, or :mod:`cache_service.sync` for the background
-jobs) applies it.
+Commits are written at once, or, while Redis cannot take them, journaled on local disk and
+replayed by :meth:`RedisPersistence.flush` when it returns (:mod:`cache_service.commits`).
+Reading the lifetime log keeps one cursor per namespace and skips this process's own entries.
+Nothing here holds or changes the service: each call returns what it read or wrote, and the
+caller (the service, or :mod:`cache_service.sync` for the background jobs) applies it.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
-import time
-from collections import deque
 from pathlib import Path
 
 import numpy as np
 
+from cache_service.commits import CommitWriter
 from cache_service.domain.changes import SessionChange, SessionDelta
 from cache_service.domain.errors import Unavailable
 from cache_service.domain.ports import Logged
 from cache_service.host import prior_files
-from cache_service.storage.errors import StorageError, StorageUnavailable
+from cache_service.host.journal import Journal
+from cache_service.storage.errors import StorageUnavailable
 from cache_service.storage.redis_store import RedisStore
 from cache_service.storage.sessions import SessionAppend, SessionWrite
 from cache_service.storage.stored_session import StoredSession
@@ -34,33 +32,33 @@ from indexer.prior import StaticPrior
 logger = logging.getLogger(__name__)
 
 SAVE_BATCH = 256  # sessions written per pipelined round trip
-FLUSH_BATCH = 256  # queued commits appended to the log per call
 
 Requests = tuple[list[np.ndarray], list[LogId]]  # log entries: their tokens and positions
 
 
 class RedisPersistence:
     """The service's :class:`~cache_service.domain.ports.Persistence` on a :class:`RedisStore`;
-    ``prior_dir``: priors are saved there once and memory-mapped (shared by processes)."""
+    ``prior_dir``: priors are saved there once and memory-mapped (shared by processes);
+    ``journal``: commits storage cannot take are kept there (:mod:`cache_service.commits`)."""
 
-    def __init__(self, store: RedisStore, *, max_pending: int, prior_dir: Path | None = None) -> None:
+    def __init__(
+        self, store: RedisStore, *, max_pending: int, prior_dir: Path | None = None, journal: Journal | None = None
+    ) -> None:
         self.store = store
+        self.commits = CommitWriter(store, max_pending=max_pending, journal=journal, on_written=self._remember)
         self._prior_dir = prior_dir
-        self._pending: deque[tuple[str, np.ndarray, float]] = deque()  # with the time queued
-        self._max_pending = max_pending
         self._own: set[str] = set()  # ids of entries this process appended
         self._last: dict[str, str] = {}  # per namespace: the last log entry read
         self._lock = threading.Lock()
-        self._sync_lock = threading.Lock()  # one writer of the log, one reader of the cursors
+        self._sync_lock = threading.Lock()  # one reader of the cursors
 
     @property
     def pending(self) -> int:
-        return len(self._pending)
+        return self.commits.pending
 
     def oldest_pending_age_s(self) -> float:
         """How long the oldest unwritten commit has waited (0 when none is waiting)."""
-        with self._lock:
-            return time.monotonic() - self._pending[0][2] if self._pending else 0.0
+        return self.commits.oldest_pending_age_s()
 
     # -- commits -------------------------------------------------------------------------------
 
@@ -71,46 +69,21 @@ class RedisPersistence:
             raise Unavailable(f"storage unavailable: {exc}") from exc
 
     def requests_committed(self, namespace: str, requests: list[np.ndarray]) -> list[Logged]:
-        """Queue commits and try to write them now, so they are durable when the caller is
-        answered; if storage is down they stay queued for :meth:`flush`. Returns what was
-        written."""
-        with self._lock:
-            if len(self._pending) + len(requests) > self._max_pending:
-                raise Unavailable(f"{len(self._pending)} commits are waiting for storage; try again later")
-            now = time.monotonic()
-            self._pending.extend((namespace, tokens, now) for tokens in requests)
-        with self._sync_lock:
-            try:
-                return self._flush()
-            except StorageError as exc:
-                logger.warning("commit queued until storage returns (%d queued): %s", len(self._pending), exc)
-                return []
+        """Write commits now, or journal them while storage cannot take them, so they are
+        durable when the caller is answered (:class:`Unavailable` when neither can). Returns
+        what was written."""
+        return self.commits.commit(namespace, requests)
 
     def flush(self) -> list[Logged]:
-        """Write queued commits in order; what was written. ``StorageError`` when storage
-        fails (what is still queued stays queued)."""
-        with self._sync_lock:
-            return self._flush()
+        """Write queued (journaled) commits in order; what was written. ``StorageError`` when
+        storage fails (what is still queued stays queued)."""
+        return self.commits.flush()
 
-    def _flush(self) -> list[Logged]:
-        """Write queued commits in order, each run of one namespace's in one append."""
-        logged: list[Logged] = []
-        while self._pending:
-            with self._lock:
-                ns = self._pending[0][0]
-                run = []
-                for pending in itertools.islice(self._pending, FLUSH_BATCH):
-                    if pending[0] != ns:
-                        break
-                    run.append(pending)
-            requests = [tokens for _, tokens, _ in run]
-            ids = self.store.append_requests(ns, requests)
-            with self._lock:
-                self._own.update(ids)
-                for _ in run:
-                    self._pending.popleft()
-            logged.append((ns, requests, [position(i) for i in ids]))
-        return logged
+    def _remember(self, logged: Logged) -> None:
+        """This process's entries, which following the log skips (called before any other
+        thread may read them: the commit writer holds the log while it writes)."""
+        with self._lock:
+            self._own.update(stream_id(i) for i in logged[2])
 
     # -- sessions ------------------------------------------------------------------------------
 
@@ -169,7 +142,7 @@ class RedisPersistence:
     def follow(self, ns: str, covered: LogId | None = None) -> Requests:
         """Requests other processes appended to the log of ``ns`` since the last read, except
         those up to ``covered`` (an adopted generation indexes them already)."""
-        with self._sync_lock:
+        with self.commits.writing, self._sync_lock:
             entries = self.store.read_log(ns, after_id=self._last.get(ns, "0"))
             if not entries:
                 return [], []

@@ -32,11 +32,17 @@ class StorageSync:
         self.persistence = persistence
         self.shared = shared
         self._prior_lock = threading.Lock()  # the schedule and an admin rebuild may both reload
+        self._deferred = False  # the last sync failed (said once per outage)
 
     # -- start-up ------------------------------------------------------------------------------
 
     def restore(self) -> None:
-        """Namespaces, lifetime logs and priors from storage into a fresh service."""
+        """Journaled commits into the log, then namespaces, lifetime logs and priors from
+        storage into a fresh service."""
+        try:
+            self.persistence.flush()
+        except StorageError as exc:
+            logger.warning("journaled commits not replayed yet (%d): %s", self.persistence.pending, exc)
         for name, vocab in sorted(self.persistence.namespaces().items()):
             drafter = self.service.create_namespace(name, vocab, persist=False)
             after = None
@@ -56,8 +62,8 @@ class StorageSync:
     # -- the periodic jobs ---------------------------------------------------------------------
 
     def sync(self) -> None:
-        """Flush queued commits, then apply other replicas' new ones. Storage errors are logged
-        and retried on the next run; nothing queued is dropped."""
+        """Replay journaled commits, then apply other replicas' new ones. Storage errors are
+        logged (once per outage) and retried on the next run; nothing journaled is dropped."""
         try:
             self.service.mark_logged(self.persistence.flush())
             self._discover()
@@ -67,7 +73,13 @@ class StorageSync:
                 if requests:
                     self.service.namespace(name).memory.commit_many(requests, ids)
         except StorageError as exc:
-            logger.warning("storage sync deferred (%d commits queued): %s", self.persistence.pending, exc)
+            if not self._deferred:
+                logger.warning("storage sync deferred (%d commits journaled): %s", self.persistence.pending, exc)
+            self._deferred = True
+        else:
+            if self._deferred:
+                logger.info("storage sync resumed; journaled commits replayed")
+            self._deferred = False
 
     def _discover(self) -> None:
         """Namespaces registered by another replica or by ``draftcache warm``."""

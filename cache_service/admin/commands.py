@@ -20,6 +20,7 @@ from cache_service.admin.warm import FORMATS as CORPUS_FORMATS
 
 if TYPE_CHECKING:
     import grpc
+    from draftcache.v1.draftcache_pb2 import StorageHealth
 
     from indexer.prior import PriorConfig, StaticPrior
 
@@ -134,6 +135,13 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     add(p, "--session-ttl", type=float, default=3600.0, help="idle seconds before a session expires")
     add(p, "--max-batch", type=positive, default=256, help="most items in one call")
     add(p, "--max-sessions", type=positive, default=100_000, help="most live sessions in one process")
+    add(
+        p,
+        "--journal-capacity-mb",
+        type=positive,
+        default=256,
+        help="local journal (in --data-dir) of commits storage could not take; when full, commits are refused",
+    )
     add(p, "--processes", type=positive, default=1, help="server processes sharing the port (one per core)")
     add(p, "--worker-ports", type=int, default=None, help="process i also serves port BASE + i alone")
     add(p, "--draft-threads", type=positive, default=1, help="worker threads one batch's draft step is shared among")
@@ -241,6 +249,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
             session_ttl_s=a.session_ttl,
             max_batch=a.max_batch,
             max_sessions=a.max_sessions,
+            journal_capacity_bytes=a.journal_capacity_mb << 20,
         ),
         server=ServerConfig(
             host=a.host,
@@ -253,6 +262,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         ),
         redis_url=a.redis_url,
         embedded=EmbeddedRedisConfig(data_dir=a.data_dir / "redis"),
+        journal_dir=a.data_dir / "journal",
         metrics_port=a.metrics_port,
         metrics_host=a.metrics_host,
     )
@@ -314,6 +324,8 @@ def cmd_admin(a: argparse.Namespace) -> int:
             print(
                 f"sessions {stats.sessions}, drafts {stats.drafts}, commits waiting for storage {stats.pending_writes}"
             )
+            if stats.HasField("storage"):
+                print(storage_line(stats.storage))
             infos = stats.namespaces
     for i in infos:
         print(
@@ -322,6 +334,16 @@ def cmd_admin(a: argparse.Namespace) -> int:
             f"{i.sessions} sessions"
         )
     return 0
+
+
+def storage_line(h: StorageHealth) -> str:
+    """One line an operator reads first after a fault."""
+    state = "available" if h.available else f"UNAVAILABLE for {h.unavailable_seconds:.0f} s"
+    line = (
+        f"storage {state}{', DISK FULL' if h.disk_full else ''}; journal {h.journaled_commits} commits, "
+        f"{h.journal_bytes} of {h.journal_capacity_bytes} bytes; embedded Redis restarts {h.embedded_restarts}"
+    )
+    return line + (f"; last error: {h.last_error}" if h.last_error else "")
 
 
 _COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {

@@ -4,6 +4,7 @@ elsewhere (off the serving thread), namespace creation and commits."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -32,3 +33,17 @@ class Persistence(Protocol):
         """Queue commits and write what storage takes now; returns what was written (queued
         commits of other calls included), for the caller to mark where they fall in the log."""
         ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class StorageHealth:
+    """Where storage stands, as the service sees it (an operator's first look after a fault)."""
+
+    available: bool = True  # the last write reached storage
+    last_error: str = ""  # why the last failed write failed
+    unavailable_seconds: float = 0.0  # since storage became unreachable (0 while available)
+    journaled_commits: int = 0  # acknowledged commits held in the local journal, not yet stored
+    journal_bytes: int = 0
+    journal_capacity_bytes: int = 0
+    disk_full: bool = False  # the last failure was a full disk (storage's or the journal's)
+    embedded_restarts: int = 0  # times the embedded Redis was restarted after it died

@@ -1,16 +1,19 @@
 """A local Redis-compatible server for ``serve`` without ``--redis-url``: persistent (AOF) in a
-data folder, owned by the service process and stopped with it."""
+data folder, owned by the service process, restarted when it dies, and stopped with it."""
 
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import logging
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import redis
@@ -19,6 +22,10 @@ from cache_service.config import EmbeddedRedisConfig
 from cache_service.domain.errors import Unavailable
 
 logger = logging.getLogger(__name__)
+
+RESTART_BACKOFF_S = (0.1, 0.5, 1.0, 2.0, 5.0)  # waits before restart tries, the last repeated
+LOW_SPACE_BYTES = 1 << 20  # free space under which a server's death is put down to a full disk
+DISK_FULL_SIGNS = (b"No space left on device", b"fsync error", b"Can't persist AOF")
 
 
 def find_server_binary() -> Path:
@@ -45,13 +52,20 @@ class EmbeddedRedis:
     The AOF lives in ``data_dir``, so a restart finds the lifetime log, priors and sessions
     again. It is fsynced before each reply (``appendfsync always``; Redis groups the writes of
     one event-loop turn into one fsync): a commit acknowledged to a decoder survives even a
-    killed Redis, which ``everysec`` would not promise for the last second.
+    killed Redis, which ``everysec`` would not promise for the last second. By design Redis
+    exits when it cannot write its AOF (a full disk): :meth:`supervise` reaps a server that
+    died and starts it again on the same port, backing off while it keeps failing.
     """
 
     def __init__(self, config: EmbeddedRedisConfig) -> None:
         self.config = config
         self.port = config.port or free_port()
+        self.restarts = 0  # times the server was started again after it died
         self._proc: subprocess.Popen[bytes] | None = None
+        self._stopping = threading.Event()
+        self._guard = threading.Lock()  # the process handle, between the supervisor and stop
+        self._supervisor: threading.Thread | None = None
+        self._log_from = 0  # where the running server's lines start in its log
 
     @property
     def url(self) -> str:
@@ -61,6 +75,63 @@ class EmbeddedRedis:
         data = self.config.data_dir.resolve()
         data.mkdir(parents=True, exist_ok=True)
         _stop_orphan(data / "server.pid")
+        self._spawn(timeout_s)
+        logger.info("embedded Redis on port %d, data in %s", self.port, data)
+        return self
+
+    def supervise(
+        self, on_exit: Callable[[str, bool], None] | None = None, on_restart: Callable[[], None] | None = None
+    ) -> None:
+        """Watch the server from a thread: when it exits, reap it, say why (``on_exit(why,
+        disk_full)``) and start it again (``on_restart()`` once it answers)."""
+        self._supervisor = threading.Thread(
+            target=self._watch, args=(on_exit, on_restart), name="embedded-redis", daemon=True
+        )
+        self._supervisor.start()
+
+    def _watch(self, on_exit: Callable[[str, bool], None] | None, on_restart: Callable[[], None] | None) -> None:
+        while not self._stopping.is_set():
+            proc = self._proc
+            if proc is None or proc.poll() is None:
+                self._stopping.wait(0.1)
+                continue
+            why, disk_full = self._exit_reason(proc.returncode)
+            logger.error("embedded Redis (pid %d) died: %s; restarting it", proc.pid, why)
+            if on_exit is not None:
+                on_exit(why, disk_full)
+            for attempt in itertools.count():
+                if self._stopping.wait(RESTART_BACKOFF_S[min(attempt, len(RESTART_BACKOFF_S) - 1)]):
+                    return
+                try:
+                    with self._guard:
+                        if self._stopping.is_set():
+                            return
+                        self._spawn(20.0)
+                except (Unavailable, OSError) as exc:
+                    logger.warning("embedded Redis restart %d failed: %s", attempt + 1, exc)
+                    continue
+                self.restarts += 1
+                logger.warning("embedded Redis restarted on port %d (restart %d)", self.port, self.restarts)
+                if on_restart is not None:
+                    on_restart()
+                break
+
+    def _exit_reason(self, code: int) -> tuple[str, bool]:
+        """Why the server exited, from its exit status and its log's last lines."""
+        try:
+            with open(self.config.data_dir / "server.log", "rb") as f:
+                f.seek(max(self._log_from, f.seek(0, os.SEEK_END) - 4096))
+                tail = f.read()
+        except OSError:
+            tail = b""
+        # A full disk may also keep Redis from logging why: then the free space tells.
+        disk_full = any(sign in tail for sign in DISK_FULL_SIGNS) or _free_bytes(self.config.data_dir) < LOW_SPACE_BYTES
+        how = f"killed by signal {-code}" if code < 0 else f"exit status {code}"
+        last = tail.strip().splitlines()[-1].decode(errors="replace") if tail.strip() else ""
+        return (f"{how}, disk full ({last})" if disk_full else how), disk_full
+
+    def _spawn(self, timeout_s: float) -> None:
+        data = self.config.data_dir.resolve()
         args = [
             str(find_server_binary()),
             "--bind", "127.0.0.1",
@@ -71,12 +142,16 @@ class EmbeddedRedis:
             "--save", "",
             "--protected-mode", "yes",
         ]  # fmt: skip
-        log = open(data / "server.log", "ab")  # noqa: SIM115 - the child process owns it
-        self._proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        with open(data / "server.log", "ab") as log:  # the child keeps its own copy
+            self._log_from = log.tell()
+            self._proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
         (data / "server.pid").write_text(str(self._proc.pid))
-        self._wait_ready(timeout_s)
-        logger.info("embedded Redis on port %d, data in %s", self.port, data)
-        return self
+        try:
+            self._wait_ready(timeout_s)
+        except Unavailable:
+            self._proc.kill()
+            self._proc.wait()
+            raise
 
     def _wait_ready(self, timeout_s: float) -> None:
         client = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=1.0)
@@ -97,7 +172,15 @@ class EmbeddedRedis:
         raise Unavailable(f"embedded Redis not ready after {timeout_s} s")
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """Ask for a clean shutdown (AOF flushed), then make sure the process is gone."""
+        """Stop supervising, ask for a clean shutdown (AOF flushed), then make sure the process
+        is gone."""
+        self._stopping.set()
+        if self._supervisor is not None:
+            self._supervisor.join(timeout_s + 25.0)
+        with self._guard:
+            self._stop_server(timeout_s)
+
+    def _stop_server(self, timeout_s: float) -> None:
         if self._proc is None or self._proc.poll() is not None:
             return
         self._proc.terminate()  # SIGTERM: Redis flushes the AOF and exits
@@ -107,6 +190,14 @@ class EmbeddedRedis:
             self._proc.kill()
             self._proc.wait()
         (self.config.data_dir.resolve() / "server.pid").unlink(missing_ok=True)
+
+
+def _free_bytes(folder: Path) -> int:
+    try:
+        st = os.statvfs(folder)
+    except OSError:
+        return LOW_SPACE_BYTES
+    return st.f_bavail * st.f_frsize
 
 
 def _stop_orphan(pid_file: Path, timeout_s: float = 10.0) -> None:

@@ -33,11 +33,12 @@ RESTART_PAUSE_S = 1.0  # between a worker's death and its replacement
 def worker_config(config: AppConfig, index: int, redis_url: str, worker_ports: int | None = None) -> AppConfig:
     """Worker ``index``'s configuration: the shared Redis, its own metrics port if any, its own
     serving port ``worker_ports + index`` if asked, and one folder each of memory-mapped priors
-    and lifetime indexes for all."""
+    and lifetime indexes for all, and a commit journal of its own."""
     metrics = None if config.metrics_port is None else config.metrics_port + index
     prior_dir = config.prior_dir or config.embedded.data_dir.parent / "priors"
     lifetime_dir = config.lifetime_dir or config.embedded.data_dir.parent / "lifetime"
     server = config.server if worker_ports is None else replace(config.server, own_port=worker_ports + index)
+    journal = (config.journal_dir or config.embedded.data_dir.parent / "journal") / f"worker-{index}"
     return replace(
         config,
         server=server,
@@ -45,6 +46,7 @@ def worker_config(config: AppConfig, index: int, redis_url: str, worker_ports: i
         metrics_port=metrics,
         prior_dir=prior_dir,
         lifetime_dir=lifetime_dir,
+        journal_dir=journal,
     )
 
 
@@ -92,6 +94,7 @@ def serve_processes(
     url = config.redis_url
     if not url:
         embedded = EmbeddedRedis(config.embedded).start()
+        embedded.supervise()  # restarted when it dies: the workers' journals then drain
         url = embedded.url
         (config.embedded.data_dir / "url").write_text(url)
     ctx = mp.get_context("spawn")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import grpc
 from draftcache.v1 import draftcache_pb2 as pb
@@ -11,6 +12,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from cache_service.config import ServerConfig
+from cache_service.domain.ports import StorageHealth
 from cache_service.domain.service import DraftService
 from cache_service.rpc.auth import AuthInterceptor, TokenTable
 from cache_service.rpc.interceptor import ErrorInterceptor, Observer
@@ -63,9 +65,16 @@ def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
     return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=ca is not None)
 
 
-async def create_server(config: ServerConfig, service: DraftService, observe: Observer | None = None) -> Server:
+async def create_server(
+    config: ServerConfig,
+    service: DraftService,
+    observe: Observer | None = None,
+    *,
+    storage_health: Callable[[], StorageHealth] | None = None,
+) -> Server:
     """Build, bind and start the server; health starts NOT_SERVING until the caller says so.
-    ``observe`` receives every call's method, status and duration (metrics)."""
+    ``observe`` receives every call's method, status and duration (metrics); ``storage_health``
+    what Stats reports of storage."""
     options = [
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
@@ -77,7 +86,7 @@ async def create_server(config: ServerConfig, service: DraftService, observe: Ob
     server = grpc.aio.server(interceptors=interceptors, options=options)
     drafts = DraftCacheServicer(service, observe)
     pb_grpc.add_DraftCacheServicer_to_server(drafts, server)
-    pb_grpc.add_AdminServicer_to_server(AdminServicer(service), server)
+    pb_grpc.add_AdminServicer_to_server(AdminServicer(service, storage_health), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((*SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import asdict
 
 import grpc
 from draftcache.v1 import draftcache_pb2 as pb
@@ -17,6 +18,7 @@ from draftcache.v1 import draftcache_pb2_grpc as pb_grpc
 
 from cache_service.domain.errors import InvalidArgument
 from cache_service.domain.items import named_sessions
+from cache_service.domain.ports import StorageHealth
 from cache_service.domain.service import DraftService
 from cache_service.rpc import auth, convert, wire
 from cache_service.rpc.interceptor import Observer, status_of
@@ -142,8 +144,9 @@ class DraftCacheServicer(pb_grpc.DraftCacheServicer):
 
 
 class AdminServicer(pb_grpc.AdminServicer):
-    def __init__(self, service: DraftService) -> None:
+    def __init__(self, service: DraftService, storage_health: Callable[[], StorageHealth] | None = None) -> None:
         self._service = service
+        self._storage_health = storage_health
 
     async def CreateNamespace(
         self, request: pb.CreateNamespaceRequest, context: grpc.aio.ServicerContext
@@ -167,6 +170,7 @@ class AdminServicer(pb_grpc.AdminServicer):
             sessions=sum(s.sessions for s in stats),
             drafts=self._service.drafts,
             pending_writes=self._service.pending_writes,
+            storage=None if self._storage_health is None else pb.StorageHealth(**asdict(self._storage_health())),
         )
 
     async def Rebuild(self, request: pb.RebuildRequest, context: grpc.aio.ServicerContext) -> pb.RebuildResponse:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -76,7 +78,14 @@ class Replica:
             rebuild_interval_s=3600,
             max_session_tokens=max_session_tokens,
         )
-        config = AppConfig(service=fast, server=ServerConfig(port=0), redis_url=url, lifetime_dir=lifetime_dir)
+        self.journal_dir = Path(tempfile.mkdtemp(prefix="journal-"))  # each replica journals apart
+        config = AppConfig(
+            service=fast,
+            server=ServerConfig(port=0),
+            redis_url=url,
+            lifetime_dir=lifetime_dir,
+            journal_dir=self.journal_dir,
+        )
         self.app = App(config)
         port = asyncio.run_coroutine_threadsafe(self.app.start(), self.loop).result(60)
         self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
@@ -87,6 +96,7 @@ class Replica:
         self.channel.close()
         asyncio.run_coroutine_threadsafe(self.app.stop(), self.loop).result(60)
         self.loop.call_soon_threadsafe(self.loop.stop)
+        shutil.rmtree(self.journal_dir, ignore_errors=True)
 
 
 @pytest.fixture

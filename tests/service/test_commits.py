@@ -83,15 +83,19 @@ def test_commits_queued_while_storage_is_down_are_written_in_order(tmp_path: Pat
         persistence.requests_committed("a", requests[:2])
     server = EmbeddedRedis(EmbeddedRedisConfig(data_dir=tmp_path, appendonly=True, port=server.port)).start()
     calls: list[tuple[str, int]] = []
-    append = store.append_requests
+    append = store.append_commits
 
-    def counted(ns: str, batch: list[np.ndarray], **kw: int) -> list[str]:
+    def counted(ns: str, batch: list[tuple[bytes, int, np.ndarray]]) -> list[str | None]:
         calls.append((ns, len(batch)))
-        return append(ns, batch, **kw)
+        return append(ns, batch)
 
-    store.append_requests = counted  # type: ignore[method-assign]
+    store.append_commits = counted  # type: ignore[method-assign]
     try:
+        # While storage was last seen down a commit waits behind the queue; the next flush
+        # (the background sync's) writes both.
         persistence.requests_committed("b", [np.array([9], dtype=np.int32)])
+        assert calls == [] and persistence.pending == 5
+        persistence.flush()
         # Runs of one namespace go in one append each, in queue order.
         assert calls == [("a", 2), ("b", 1), ("a", 1), ("b", 1)]
         assert _log(store, "a") == [[0, 1], [1, 2], [3, 4]]

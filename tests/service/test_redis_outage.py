@@ -62,7 +62,8 @@ def test_redis_killed_under_load_loses_no_acknowledged_commit(tmp_path: Path) ->
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
     service = ServiceConfig(follow_interval_s=0.1, flush_interval_s=0.2)
-    app = App(AppConfig(service=service, server=ServerConfig(port=0), redis_url=redis.url))
+    config = AppConfig(service=service, server=ServerConfig(port=0), redis_url=redis.url, journal_dir=tmp_path / "j")
+    app = App(config)
     port = asyncio.run_coroutine_threadsafe(app.start(), loop).result(60)
     stub = pb_grpc.DraftCacheStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
     pb_grpc.AdminStub(grpc.insecure_channel(f"127.0.0.1:{port}")).CreateNamespace(

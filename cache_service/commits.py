@@ -1,0 +1,229 @@
+"""Commits on their way to the lifetime log: written at once when storage takes them, else
+journaled (fsynced) before the close is answered and replayed when storage returns.
+
+Every commit gets an id, ``(writer, seq)``: the writer is random per process, ``seq`` counts
+its commits. The log's append script skips a commit whose ``seq`` is not above the highest one
+it recorded for that writer in that namespace, so an append whose answer was lost, replayed
+from the journal, lands once. That needs each writer's commits to reach a namespace's log in
+``seq`` order: one thread writes at a time (``_write_lock``), a commit goes straight to storage
+only when nothing is queued before it, and the queue is kept in ``seq`` order.
+
+Acknowledged means durable: in Redis, or in the journal. A commit that fits in neither (the
+journal full or its disk refusing) is refused with :class:`Unavailable`, never dropped.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import NamedTuple
+
+import numpy as np
+
+from cache_service.domain.errors import Unavailable
+from cache_service.domain.ports import Logged, StorageHealth
+from cache_service.host.journal import Journal, JournalError, JournalRecord
+from cache_service.storage.errors import StorageError
+from cache_service.storage.redis_store import RedisStore
+from cache_service.storage.stream_log import position
+
+logger = logging.getLogger(__name__)
+
+FLUSH_BATCH = 256  # queued commits appended to the log per call
+_DISK_FULL = ("No space left", "MISCONF", "ENOSPC")
+
+
+class _Queued(NamedTuple):
+    order: tuple[int, int]  # (writer rank, seq): each writer's commits in seq order
+    record: JournalRecord
+    since: float  # when it was queued
+
+
+class StorageStatus:
+    """Whether the last write reached storage, since when it has not, and why."""
+
+    def __init__(self) -> None:
+        self.last_error = ""
+        self.down_since: float | None = None
+        self.disk_full = False
+
+    @property
+    def available(self) -> bool:
+        return self.down_since is None
+
+    def failed(self, why: object, *, disk_full: bool | None = None) -> bool:
+        """A write failed; ``True`` when storage was available until now."""
+        self.last_error = str(why)
+        self.disk_full = any(s in self.last_error for s in _DISK_FULL) if disk_full is None else disk_full
+        if self.down_since is None:
+            self.down_since = time.monotonic()
+            return True
+        return False
+
+    def succeeded(self) -> float | None:
+        """A write reached storage; how long it was unavailable, if it was until now."""
+        if self.down_since is None:
+            return None
+        down, self.down_since, self.disk_full = time.monotonic() - self.down_since, None, False
+        return down
+
+
+class CommitWriter:
+    """Appends commits to ``store``'s lifetime logs, through ``journal`` while it cannot;
+    ``max_pending`` bounds the commits held in memory meanwhile."""
+
+    def __init__(
+        self,
+        store: RedisStore,
+        *,
+        max_pending: int,
+        journal: Journal | None = None,
+        on_written: Callable[[Logged], None] | None = None,
+    ) -> None:
+        self.store = store
+        self._on_written = on_written
+        self.journal = journal
+        self.status = StorageStatus()
+        self.writer = os.urandom(16)
+        self._seq = itertools.count()
+        self._ranks: dict[bytes, int] = {}
+        self._queue: list[_Queued] = []
+        self._max_pending = max_pending
+        self._lock = threading.Lock()  # the queue, the journal, the counter
+        self._write_lock = threading.Lock()  # one writer of the log at a time, in seq order
+        # Held by a reader that must not see this process's entries before ``on_written`` did.
+        self.writing = self._write_lock
+
+    @property
+    def pending(self) -> int:
+        return len(self._queue)
+
+    def oldest_pending_age_s(self) -> float:
+        with self._lock:
+            return time.monotonic() - min(q.since for q in self._queue) if self._queue else 0.0
+
+    def recover(self) -> int:
+        """Queue what the journal holds from earlier runs (replayed by the next :meth:`flush`)."""
+        if self.journal is None:
+            return 0
+        records = self.journal.open()
+        with self._lock:
+            for r in records:
+                self._insert(r, time.monotonic())
+        return len(records)
+
+    def health(self) -> StorageHealth:
+        s, j = self.status, self.journal
+        return StorageHealth(
+            available=s.available,
+            last_error=s.last_error,
+            unavailable_seconds=0.0 if s.down_since is None else time.monotonic() - s.down_since,
+            journaled_commits=self.pending,
+            journal_bytes=0 if j is None else j.size_bytes,
+            journal_capacity_bytes=0 if j is None else j.capacity_bytes,
+            disk_full=s.disk_full,
+        )
+
+    def commit(self, namespace: str, requests: list[np.ndarray]) -> list[Logged]:
+        """Write ``requests`` now if storage takes them, else journal them; returns what reached
+        the log. :class:`Unavailable` when neither could take them (nothing acknowledged)."""
+        if not self._write_lock.acquire(blocking=False):  # another write is under way: no waiting
+            with self._lock:
+                self._journal(self._records(namespace, requests))
+            return []
+        try:
+            with self._lock:
+                records = self._records(namespace, requests)
+                if self._queue:  # others wait before them: after those
+                    self._journal(records)
+                    records = []
+            if records:
+                try:
+                    return [self._append(namespace, records)]
+                except StorageError as exc:
+                    self._note_failure(exc)
+                    with self._lock:
+                        self._journal(records)
+                    return []
+            return self._flush() if self.status.available else []
+        except StorageError:
+            return []  # journaled; the next flush retries
+        finally:
+            self._write_lock.release()
+
+    def flush(self) -> list[Logged]:
+        """Write queued commits in order, each run of one namespace's in one append; what was
+        written. ``StorageError`` when storage fails (what is still queued stays queued)."""
+        with self._write_lock:
+            return self._flush()
+
+    def _flush(self) -> list[Logged]:
+        logged: list[Logged] = []
+        while True:
+            with self._lock:
+                run = self._head_run()
+            if not run:
+                return logged
+            try:
+                logged.append(self._append(run[0].namespace, run))
+            except StorageError as exc:
+                self._note_failure(exc)
+                raise
+            with self._lock:
+                del self._queue[: len(run)]
+                if self.journal is not None:
+                    self.journal.drained([q.record for q in self._queue])
+
+    def close(self) -> None:
+        if self.journal is not None:
+            self.journal.close()
+
+    def _records(self, namespace: str, requests: list[np.ndarray]) -> list[JournalRecord]:
+        return [JournalRecord(self.writer, next(self._seq), namespace, tokens) for tokens in requests]
+
+    def _append(self, ns: str, records: list[JournalRecord]) -> Logged:
+        ids = self.store.append_commits(ns, [(r.writer, r.seq, r.tokens) for r in records])
+        down = self.status.succeeded()
+        if down is not None:
+            logger.warning("storage available again after %.1f s; %d journaled commits to replay", down, self.pending)
+        kept = [(r.tokens, position(i)) for r, i in zip(records, ids, strict=True) if i is not None]
+        logged = (ns, [t for t, _ in kept], [p for _, p in kept])
+        if self._on_written is not None:
+            self._on_written(logged)
+        return logged
+
+    def _journal(self, records: list[JournalRecord]) -> None:
+        """Make ``records`` durable in the journal and queue them (caller holds ``_lock``)."""
+        if len(self._queue) + len(records) > self._max_pending:
+            raise Unavailable(f"{len(self._queue)} commits are waiting for storage; try again later")
+        if self.journal is not None:
+            try:
+                self.journal.append(records)
+            except JournalError as exc:
+                self._note_failure(exc, disk_full=exc.disk_full)
+                logger.error("commit refused, not acknowledged: %s", exc)
+                raise Unavailable(f"storage unavailable and {exc}") from exc
+        now = time.monotonic()
+        for r in records:
+            self._insert(r, now)
+
+    def _insert(self, record: JournalRecord, now: float) -> None:
+        rank = self._ranks.setdefault(record.writer, len(self._ranks))
+        bisect.insort(self._queue, _Queued((rank, record.seq), record, now), key=lambda q: q.order)
+
+    def _head_run(self) -> list[JournalRecord]:
+        """The first queued commits of one namespace, up to :data:`FLUSH_BATCH`."""
+        if not self._queue:
+            return []
+        ns = self._queue[0].record.namespace
+        run = itertools.takewhile(lambda q: q.record.namespace == ns, itertools.islice(self._queue, FLUSH_BATCH))
+        return [q.record for q in run]
+
+    def _note_failure(self, exc: Exception, *, disk_full: bool | None = None) -> None:
+        if self.status.failed(exc, disk_full=disk_full):
+            logger.warning("storage unavailable, commits are journaled until it returns: %s", exc)

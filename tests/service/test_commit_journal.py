@@ -1,0 +1,130 @@
+"""Commits through the journal, on a real Redis: journaled while storage is down, replayed
+once when it returns, again once after a crash that replays the same journal twice, and
+refused (never dropped) when the journal cannot take them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cache_service.commits import CommitWriter
+from cache_service.config import EmbeddedRedisConfig
+from cache_service.domain.errors import Unavailable
+from cache_service.host.embedded_redis import EmbeddedRedis
+from cache_service.host.journal import Journal, encode
+from cache_service.storage.connect import connect
+from cache_service.storage.redis_store import RedisStore
+from tests.faults import can_mount_tmpfs, fill_disk, small_disk
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[EmbeddedRedis]:
+    redis = EmbeddedRedis(EmbeddedRedisConfig(data_dir=tmp_path / "redis", appendonly=True)).start()
+    yield redis
+    redis.stop()
+
+
+def _req(i: int) -> np.ndarray:
+    return np.array([i, i + 1, i + 2], dtype=np.int32)
+
+
+def _log(store: RedisStore) -> list[list[int]]:
+    return [e.tokens.tolist() for e in store.read_log("ns", count=10_000)]
+
+
+def _restart(server: EmbeddedRedis) -> EmbeddedRedis:
+    config = EmbeddedRedisConfig(data_dir=server.config.data_dir, appendonly=True, port=server.port)
+    return EmbeddedRedis(config).start()
+
+
+def test_journaled_commits_reach_the_log_once_across_crashes(server: EmbeddedRedis, tmp_path: Path) -> None:
+    store = RedisStore(connect(server.url))
+    path = tmp_path / "journal" / "commits.journal"
+    writer = CommitWriter(store, max_pending=100, journal=Journal(path, 1 << 20))
+    assert writer.recover() == 0
+    writer.commit("ns", [_req(0)])  # storage up: written at once, nothing journaled
+    assert path.stat().st_size == 0
+    server.stop()
+    writer.commit("ns", [_req(1), _req(2)])
+    writer.commit("ns", [_req(3)])
+    health = writer.health()
+    assert not health.available and health.journaled_commits == 3 and health.journal_bytes == path.stat().st_size
+    journal_then = path.read_bytes()
+    writer.close()  # the process dies here; its journal stays
+    server = _restart(server)
+    try:
+        # The next process replays the journal...
+        second = CommitWriter(store, max_pending=100, journal=Journal(path, 1 << 20))
+        assert second.recover() == 3
+        assert [len(logged[1]) for logged in second.flush()] == [3]
+        assert path.stat().st_size == 0 and second.pending == 0 and second.health().available
+        second.close()
+        # ...and a crash before it emptied the journal replays it again: skipped, not doubled.
+        path.write_bytes(journal_then)
+        third = CommitWriter(store, max_pending=100, journal=Journal(path, 1 << 20))
+        assert third.recover() == 3
+        assert third.flush() == [("ns", [], [])]
+        assert _log(store) == [_req(i).tolist() for i in range(4)]
+        third.close()
+    finally:
+        server.stop()
+
+
+def test_a_failed_write_queues_in_commit_order(server: EmbeddedRedis, tmp_path: Path) -> None:
+    """A commit whose write failed goes before later ones already journaled: a writer's commits
+    reach the log in order, which the append-once check relies on."""
+    store = RedisStore(connect(server.url))
+    writer = CommitWriter(store, max_pending=100, journal=Journal(tmp_path / "j", 1 << 20))
+    writer.recover()
+    failing = writer._records("ns", [_req(9)])  # numbered first, its write under way (say, hung)...
+    with writer.writing:  # ...others journal rather than wait
+        writer.commit("ns", [_req(10)])
+        writer.commit("ns", [_req(11)])
+    assert writer.pending == 2
+    with writer._lock:  # the write under way failed: journaled now
+        writer._journal(failing)
+    [(_, written, _)] = writer.flush()
+    assert [t.tolist() for t in written] == [_req(9).tolist(), _req(10).tolist(), _req(11).tolist()]
+    writer.close()
+
+
+def test_a_full_journal_refuses_the_commit(server: EmbeddedRedis, tmp_path: Path) -> None:
+    store = RedisStore(connect(server.url))
+    one = len(encode(CommitWriter(store, max_pending=1)._records("ns", [_req(0)])[0]))
+    writer = CommitWriter(store, max_pending=100, journal=Journal(tmp_path / "j", 2 * one))
+    writer.recover()
+    server.stop()
+    writer.commit("ns", [_req(0)])
+    writer.commit("ns", [_req(1)])
+    with pytest.raises(Unavailable, match="journal full"):
+        writer.commit("ns", [_req(2)])
+    assert writer.pending == 2 and not writer.health().disk_full
+    server = _restart(server)
+    try:
+        writer.flush()
+        assert _log(store) == [_req(0).tolist(), _req(1).tolist()]
+    finally:
+        server.stop()
+        writer.close()
+
+
+@pytest.mark.skipif(not can_mount_tmpfs(), reason="needs to mount a tmpfs (root)")
+def test_a_full_disk_refuses_the_commit_and_says_so(server: EmbeddedRedis, tmp_path: Path) -> None:
+    store = RedisStore(connect(server.url))
+    with small_disk(tmp_path / "disk", "1m") as disk:
+        writer = CommitWriter(store, max_pending=10_000, journal=Journal(disk / "j", 1 << 30))
+        writer.recover()
+        server.stop()
+        filler = fill_disk(disk)
+        with pytest.raises(Unavailable, match="No space left"):
+            writer.commit("ns", [_req(0)] * 2000)
+        health = writer.health()
+        assert health.disk_full and not health.available and writer.pending == 0
+        assert "No space left" in health.last_error
+        filler.unlink()
+        writer.commit("ns", [_req(1)])  # room again: journaled
+        assert writer.pending == 1
+        writer.close()
