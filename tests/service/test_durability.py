@@ -1,0 +1,199 @@
+"""No acknowledged commit is lost, whatever dies: ``draftcache serve`` in a subprocess, its
+embedded Redis (or an external one) killed, the service killed or stopped, the data disk
+filled; after recovery every acknowledged commit is in the lifetime log exactly once."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from draftcache.v1 import draftcache_pb2 as pb
+
+from cache_service.host.embedded_redis import free_port
+from tests.faults import Serve, can_mount_tmpfs, fill_disk, kill, log_entries, small_disk, state, wait_for
+from tests.service.test_redis_outage import Redis
+
+STOP_S = 15.0  # SIGTERM to exit, storage up or down
+
+
+def _tokens(i: int) -> list[int]:
+    rng = np.random.default_rng(i)
+    return [*rng.integers(0, 900, 12).tolist(), 900 + i % 90]  # distinct per request
+
+
+def _commit(serve: Serve, i: int) -> bool:
+    """Request ``i`` opened and closed with a commit; whether the commit was acknowledged (a
+    refusal must say UNAVAILABLE: never an OK for a commit that is not durable)."""
+    tokens = _tokens(i)
+    try:
+        opened = serve.stub.OpenSessions(
+            pb.OpenSessionsRequest(sessions=[pb.OpenSession(namespace="ns", prompt=tokens[:6])]), timeout=10
+        )
+        close = pb.CloseSession(session_id=opened.session_ids[0], commit=True, new_tokens=tokens[6:])
+        serve.stub.CloseSessions(pb.CloseSessionsRequest(sessions=[close]), timeout=10)
+        return True
+    except grpc.RpcError as exc:
+        assert exc.code() is grpc.StatusCode.UNAVAILABLE, exc
+        return False
+
+
+def _commits(serve: Serve, ids: range) -> list[int]:
+    return [i for i in ids if _commit(serve, i)]
+
+
+def _assert_logged_once(url: str, acked: list[int], attempted: range) -> None:
+    """Every acknowledged commit in the log once, with its tokens; nothing else but attempts."""
+    logged = [tuple(t) for t in log_entries(url, "ns")]
+    assert len(logged) == len(set(logged)), "a commit is in the log twice"
+    want = {tuple(_tokens(i)) for i in acked}
+    assert want <= set(logged), f"{len(want - set(logged))} acknowledged commits lost"
+    assert set(logged) <= {tuple(_tokens(i)) for i in attempted}
+
+
+def _start(data: Path, *args: str, redis_url: str | None = None) -> Serve:
+    serve = Serve(data, "--journal-capacity-mb", "4", *args, redis_url=redis_url).start()
+    serve.admin.CreateNamespace(pb.CreateNamespaceRequest(name="ns", vocab_size=1000))
+    return serve
+
+
+def test_embedded_redis_killed_then_sigterm_keeps_every_commit(tmp_path: Path) -> None:
+    serve = _start(tmp_path / "data")
+    try:
+        acked = _commits(serve, range(20))
+        kill(serve.redis_pid())
+        acked += _commits(serve, range(20, 60))  # from memory and the journal meanwhile
+        began = time.monotonic()
+        assert serve.sigterm(STOP_S) == 0
+        assert time.monotonic() - began < STOP_S
+        assert len(acked) == 60  # the journal took what Redis could not
+        assert re.search(r"storage available again after [\d.]+ s; [1-9]\d* journaled commits to replay", serve.log())
+    finally:
+        serve.close()
+    serve = Serve(tmp_path / "data").start()
+    try:
+        _assert_logged_once(serve.redis_url(), acked, range(60))
+        assert len(log_entries(serve.redis_url(), "ns")) == 60
+        assert serve.stats().storage.journaled_commits == 0
+    finally:
+        serve.close()
+
+
+def test_service_killed_while_storage_is_down_keeps_every_commit(tmp_path: Path) -> None:
+    redis = Redis(tmp_path)
+    redis.start()
+    serve = _start(tmp_path / "data", redis_url=redis.url)
+    try:
+        acked = _commits(serve, range(10))
+        redis.kill()
+        acked += _commits(serve, range(10, 40))  # Redis stays down: all of these are journaled
+        health = serve.stats().storage
+        assert not health.available and health.journaled_commits == 30 and health.journal_bytes > 0
+        serve.sigkill()  # right after the acknowledgements
+    finally:
+        serve.close()
+    assert (tmp_path / "data" / "journal" / "commits.journal").stat().st_size > 0
+    redis.start()
+    serve = Serve(tmp_path / "data", redis_url=redis.url).start()
+    try:
+        assert len(acked) == 40
+        _assert_logged_once(redis.url, acked, range(40))
+        assert len(log_entries(redis.url, "ns")) == 40
+        assert serve.stats().storage.journaled_commits == 0
+        assert (tmp_path / "data" / "journal" / "commits.journal").stat().st_size == 0  # drained
+        assert serve.sigterm(STOP_S) == 0
+    finally:
+        serve.close()
+        redis.kill()
+
+
+def test_sigterm_while_storage_stays_down_exits_promptly_and_keeps_every_commit(tmp_path: Path) -> None:
+    redis = Redis(tmp_path)
+    redis.start()
+    serve = _start(tmp_path / "data", redis_url=redis.url)
+    try:
+        acked = _commits(serve, range(10))
+        redis.kill()
+        acked += _commits(serve, range(10, 30))
+        time.sleep(1.0)  # write-back and sync jobs run (and fail) meanwhile
+        began = time.monotonic()
+        assert serve.sigterm(STOP_S) == 0  # no hang on the jobs, no exit 2 on "redis unavailable"
+        assert time.monotonic() - began < STOP_S
+        assert "20 commits stay in the journal" in serve.log()
+    finally:
+        serve.close()
+    redis.start()
+    serve = Serve(tmp_path / "data", redis_url=redis.url).start()
+    try:
+        assert len(acked) == 30
+        _assert_logged_once(redis.url, acked, range(30))
+        assert len(log_entries(redis.url, "ns")) == 30
+    finally:
+        serve.close()
+        redis.kill()
+
+
+def test_a_dead_embedded_redis_is_restarted_and_the_journal_drains(tmp_path: Path) -> None:
+    metrics = free_port()
+    serve = _start(tmp_path / "data", "--metrics-port", str(metrics), "--metrics-host", "127.0.0.1")
+    try:
+        acked = _commits(serve, range(5))
+        dead = serve.redis_pid()
+        kill(dead)
+        acked += _commits(serve, range(5, 25))
+        wait_for(lambda: serve.stats().storage.embedded_restarts == 1, 15, "the embedded Redis to be restarted")
+        wait_for(lambda: serve.stats().storage.journaled_commits == 0, 15, "the journal to drain")
+        health = serve.stats().storage
+        assert health.available and health.journal_bytes == 0 and not health.disk_full
+        assert state(dead) == ""  # reaped, not left <defunct>
+        assert serve.redis_pid() != dead
+        _assert_logged_once(serve.redis_url(), acked, range(25))
+        assert len(acked) == 25 and len(log_entries(serve.redis_url(), "ns")) == 25
+        # What an operator sees: the stats line, the metrics, the log.
+        cli = [sys.executable, "-m", "cache_service.cli", "stats", "--target", f"127.0.0.1:{serve.port}"]
+        out = subprocess.run(cli, capture_output=True, text=True, check=True).stdout
+        assert "storage available; journal 0 commits, 0 of 4194304 bytes; embedded Redis restarts 1" in out
+        text = urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=10).read().decode()
+        assert "draftcache_embedded_redis_restarts_total 1.0" in text
+        assert "draftcache_storage_up 1.0" in text and "draftcache_journal_commits 0.0" in text
+        assert "embedded Redis restarted" in serve.log()
+        assert serve.sigterm(STOP_S) == 0
+    finally:
+        serve.close()
+
+
+@pytest.mark.skipif(not can_mount_tmpfs(), reason="needs to mount a tmpfs (root)")
+def test_a_full_disk_refuses_commits_and_recovers_by_itself(tmp_path: Path) -> None:
+    with small_disk(tmp_path / "data", "24m") as data:
+        serve = _start(data)
+        try:
+            acked = _commits(serve, range(10))
+            filler = fill_disk(data)
+            # Redis cannot write its AOF (it exits, by design), the journal cannot either: refused.
+            tried = _commits(serve, range(10, 30))
+            acked += tried
+            health = serve.stats().storage
+            assert not health.available and health.disk_full, health
+            assert len(tried) < 20  # refused, not acknowledged and dropped
+            filler.unlink()  # space returns: the supervisor restarts Redis, commits flow again
+            began, i = time.monotonic(), 30
+            while not _commit(serve, i):
+                assert time.monotonic() - began < 30, "commits still refused 30 s after space returned"
+                i += 1
+                time.sleep(0.2)
+            acked += [i, *_commits(serve, range(i + 1, i + 11))]
+            wait_for(lambda: serve.stats().storage.journaled_commits == 0, 15, "the journal to drain")
+            health = serve.stats().storage
+            assert health.available and not health.disk_full and health.embedded_restarts >= 1
+            log = serve.log()  # (Redis, on a full disk, may not manage to log why it exits)
+            assert "commit refused, not acknowledged" in log and "No space left on device" in log
+            _assert_logged_once(serve.redis_url(), acked, range(i + 11))
+            assert serve.sigterm(STOP_S) == 0
+        finally:
+            serve.close()
