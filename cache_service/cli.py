@@ -42,6 +42,7 @@ COMMANDS: dict[str, Command] = {
     "sessions": Command("sessions kept in storage (any replica can continue them)", _ADMIN),
     "stats": Command("namespaces, buffers, indexes and sessions of a running service", _ADMIN),
     "rebuild": Command("reload priors and rebuild the lifetime indexes now", _ADMIN),
+    "namespaces": Command("list a running service's namespaces, or delete one everywhere", _ADMIN),
     "replay": Command("replay traces and report MAT (tokens per verification step)", _TOOLS),
     "generate": Command("speculative greedy decoding of one prompt with a real model", _TOOLS),
     "bench-rpc": Command("draft round trip over the stream vs an echo of the same size", _TOOLS),

@@ -62,9 +62,20 @@ class RedisPersistence:
 
     # -- commits -------------------------------------------------------------------------------
 
+    @property
+    def prior_dir(self) -> Path | None:
+        """Where priors are saved and mapped (``None``: held in memory only)."""
+        return self._prior_dir
+
     def namespace_created(self, name: str, vocab_size: int) -> None:
         try:
             self.store.register_namespace(name, vocab_size)
+        except StorageUnavailable as exc:
+            raise Unavailable(f"storage unavailable: {exc}") from exc
+
+    def namespace_deleted(self, name: str) -> bool:
+        try:
+            return self.store.delete_namespace(name).registered
         except StorageUnavailable as exc:
             raise Unavailable(f"storage unavailable: {exc}") from exc
 

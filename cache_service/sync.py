@@ -12,9 +12,11 @@ generation. None of it runs on the serving thread: draft and feedback calls neve
 from __future__ import annotations
 
 import logging
+import shutil
 import threading
 
 from cache_service.domain.service import DraftService
+from cache_service.host import lifetime_files, prior_files
 from cache_service.host.shared_indexes import SharedIndexes
 from cache_service.persistence import RedisPersistence
 from cache_service.storage.errors import StorageError
@@ -33,6 +35,7 @@ class StorageSync:
         self.shared = shared
         self._prior_lock = threading.Lock()  # the schedule and an admin rebuild may both reload
         self._deferred = False  # the last sync failed (said once per outage)
+        self._registered: set[str] = set()  # namespaces the registry held when last read
 
     # -- start-up ------------------------------------------------------------------------------
 
@@ -43,7 +46,9 @@ class StorageSync:
             self.persistence.flush()
         except StorageError as exc:
             logger.warning("journaled commits not replayed yet (%d): %s", self.persistence.pending, exc)
-        for name, vocab in sorted(self.persistence.namespaces().items()):
+        registered = self.persistence.namespaces()
+        self._registered = set(registered)
+        for name, vocab in sorted(registered.items()):
             drafter = self.service.create_namespace(name, vocab, persist=False)
             after = None
             if self.shared is not None:  # map the host's generation; build one first if there is none
@@ -82,11 +87,29 @@ class StorageSync:
             self._deferred = False
 
     def _discover(self) -> None:
-        """Namespaces registered by another replica or by ``draftcache warm``."""
+        """Namespaces registered by another replica or by ``draftcache warm``, and those deleted
+        since the registry was last read (by any replica, this one included)."""
         known = set(self.service.namespace_names())
-        for name, vocab in self.persistence.namespaces().items():
+        registered = self.persistence.namespaces()
+        for name, vocab in registered.items():
             if name not in known:
                 self.service.create_namespace(name, vocab, persist=False)
+        for name in sorted(self._registered - registered.keys()):
+            self._forget(name)
+        self._registered = set(registered)
+
+    def _forget(self, name: str) -> None:
+        """A deleted namespace: dropped from the service, and its files on this host removed
+        (a process still mapping one keeps its pages until it lets go)."""
+        self.service.forget_namespace(name)
+        folders = []
+        if self.persistence.prior_dir is not None:  # a prior's versions are folders in the namespace's
+            folders.append(prior_files.folder_for(self.persistence.prior_dir, name, 0).parent)
+        if self.shared is not None:
+            folders.append(lifetime_files.namespace_dir(self.shared.root, name))
+        for folder in folders:
+            shutil.rmtree(folder, ignore_errors=True)
+        logger.info("namespace %s deleted: dropped, and its files on this host removed", name)
 
     def reload_priors(self) -> None:
         """Load every namespace's prior whose published version is not the one served."""

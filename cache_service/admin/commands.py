@@ -1,4 +1,5 @@
-"""The server's subcommands: ``serve``, ``warm``, ``migrate``, ``sessions``, ``stats``, ``rebuild``.
+"""The server's subcommands: ``serve``, ``warm``, ``migrate``, ``sessions``, ``stats``, ``rebuild``,
+``namespaces``.
 
 Configuration dataclasses are built here from the flags and passed whole. Heavy modules (the
 server, numba kernels, tokenizers) are imported inside the command that needs them.
@@ -336,6 +337,35 @@ def cmd_admin(a: argparse.Namespace) -> int:
     return 0
 
 
+def _namespaces_args(p: argparse.ArgumentParser) -> None:
+    actions = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    listing = actions.add_parser("list", help="the namespaces the service serves (those the token may use)")
+    delete = actions.add_parser(
+        "delete",
+        help="delete a namespace everywhere: its live sessions end without commit, and its lifetime "
+        "log, priors and stored sessions leave storage (other replicas drop it when they notice)",
+    )
+    delete.add_argument("name", help="the namespace")
+    for action in (listing, delete):  # the options follow the action: namespaces delete NAME --target ...
+        target_args(action)
+
+
+def cmd_namespaces(a: argparse.Namespace) -> int:
+    from draftcache.v1 import draftcache_pb2 as pb
+    from draftcache.v1 import draftcache_pb2_grpc as pb_grpc
+
+    meta = call_metadata(a)
+    with channel(a) as ch:
+        admin = pb_grpc.AdminStub(ch)
+        if a.action == "delete":
+            done = admin.DeleteNamespace(pb.DeleteNamespaceRequest(name=a.name), timeout=600, metadata=meta)
+            print(f"namespace {a.name} deleted; {done.sessions_closed} live sessions ended")
+            return 0
+        for i in admin.Namespaces(pb.NamespacesRequest(), timeout=30, metadata=meta).namespaces:
+            print(f"{i.name}  vocab {i.vocab_size}  {i.sessions} sessions  prior v{i.prior_version}")
+    return 0
+
+
 def storage_line(h: StorageHealth) -> str:
     """One line an operator reads first after a fault."""
     state = "available" if h.available else f"UNAVAILABLE for {h.unavailable_seconds:.0f} s"
@@ -353,6 +383,7 @@ _COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Callable[[
     "sessions": (_sessions_args, cmd_sessions),
     "stats": (_admin_args, cmd_admin),
     "rebuild": (_admin_args, cmd_admin),
+    "namespaces": (_namespaces_args, cmd_namespaces),
 }
 
 

@@ -74,6 +74,16 @@ class Namespaces:
             raise NotFound(f"unknown namespace {name!r}")
         return drafter
 
+    def remove(self, name: str) -> bool:
+        """Forget a namespace (its drafter goes once no session holds it); whether it was here."""
+        with self._lock:
+            self._prior_versions.pop(name, None)
+            return self._drafters.pop(name, None) is not None
+
+    def current(self, name: str, drafter: NamespaceDrafter) -> bool:
+        """Whether ``drafter`` still serves ``name`` (not removed, nor removed and created again)."""
+        return self._drafters.get(name) is drafter
+
     def names(self) -> list[str]:
         return sorted(self._drafters)
 

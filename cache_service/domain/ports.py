@@ -29,6 +29,11 @@ class Persistence(Protocol):
 
     def namespace_created(self, name: str, vocab_size: int) -> None: ...
 
+    def namespace_deleted(self, name: str) -> bool:
+        """Remove everything storage keeps of the namespace (registration, lifetime log, priors,
+        stored sessions); whether it was registered."""
+        ...
+
     def requests_committed(self, namespace: str, requests: list[np.ndarray]) -> list[Logged]:
         """Queue commits and write what storage takes now; returns what was written (queued
         commits of other calls included), for the caller to mark where they fall in the log."""

@@ -74,6 +74,7 @@ class DraftService:
         self._continuing = Continuing(self._load, self.namespaces, self.sessions, self.admission.make_room)
         self._opener = Opener(config.default_params, self.namespaces, self.sessions, self.admission, self.changes)
         self.refresh: Refresh | None = None
+        self._orphaned = False  # a namespace deleted elsewhere may have left live sessions
         self._drafts = 0  # served trees (updated on the serving thread only)
 
     # -- namespaces --------------------------------------------------------------------------
@@ -95,6 +96,45 @@ class DraftService:
 
     def namespace(self, name: str) -> NamespaceDrafter:
         return self.namespaces.get(name)
+
+    def delete_namespace(self, name: str, *, principal: Principal | None = None) -> int:
+        """:meth:`unregister_namespace`, then :meth:`drop_namespace`: the namespace gone from
+        storage and from this replica (other replicas drop it when their sync notices); how
+        many live sessions ended."""
+        return self.drop_namespace(name, registered=self.unregister_namespace(name, principal=principal))
+
+    def unregister_namespace(self, name: str, *, principal: Principal | None = None) -> bool:
+        """The first part of :meth:`delete_namespace` (any thread: it waits on storage): the name
+        and the caller checked, then everything storage keeps of the namespace removed (its
+        registration first, so no replica discovers it again); whether it was registered."""
+        names.namespace_name(name)
+        if principal is not None:
+            principal.check_namespace(name)
+        return self._persistence is not None and self._persistence.namespace_deleted(name)
+
+    def drop_namespace(self, name: str, *, registered: bool = False) -> int:
+        """The last part of :meth:`delete_namespace` (on the serving thread): the namespace's
+        live sessions end without commit (storage drops their copies) and its drafter goes;
+        how many sessions ended. :class:`NotFound` when neither this replica nor storage
+        (``registered``) knew it."""
+        if not self.namespaces.remove(name) and not registered:
+            raise NotFound(f"unknown namespace {name!r}")
+        return self._end_orphans(name)
+
+    def forget_namespace(self, name: str) -> None:
+        """A namespace deleted elsewhere (any thread: storage sync calls it): its drafter goes
+        now, its live sessions at the next :meth:`take_changes` (on the serving thread)."""
+        if self.namespaces.remove(name):
+            self._orphaned = True
+
+    def _end_orphans(self, name: str = "") -> int:
+        """End the sessions whose namespace was removed; how many were of ``name``."""
+        self._orphaned = False
+        ended = self.sessions.entries_where(lambda e: not self.namespaces.current(e.namespace, e.drafter))
+        for entry in ended:
+            self.sessions.discard(entry.sid)
+            self.changes.closed(entry.sid)
+        return sum(entry.namespace == name for entry in ended)
 
     def namespace_names(self) -> list[str]:
         return self.namespaces.names()
@@ -335,6 +375,8 @@ class DraftService:
     def take_changes(self, *, final: bool = False, budget_s: float | None = None) -> Changes:
         """Changes of sessions since storage last took them, and ids closed since; on the thread
         that serves requests (see :meth:`ChangeTracker.take`)."""
+        if self._orphaned:
+            self._end_orphans()
         return self.changes.take(final=final, budget_s=budget_s)
 
     @property

@@ -113,6 +113,13 @@ class SessionTable:
         self.get(sid)
         return self._drop(sid)
 
+    def discard(self, sid: str) -> bool:
+        """Drop the session, expired or not; whether it was held."""
+        if sid not in self._entries:
+            return False
+        self._drop(sid)
+        return True
+
     def expire(self) -> list[str]:
         """Drop sessions idle past the TTL; their ids."""
         now, gone = time.monotonic(), []
@@ -128,6 +135,10 @@ class SessionTable:
         """Sessions a tenant holds and the context tokens in them."""
         mine = [e for e in self._entries.values() if e.tenant == tenant]
         return len(mine), sum(len(e.session.context) for e in mine)
+
+    def entries_where(self, keep: Callable[[SessionEntry], bool]) -> list[SessionEntry]:
+        """The sessions held (expired ones included) for which ``keep`` holds."""
+        return [entry for entry in self._entries.values() if keep(entry)]
 
     def count_by_namespace(self) -> dict[str, int]:
         out: dict[str, int] = {}

@@ -173,6 +173,16 @@ class AdminServicer(pb_grpc.AdminServicer):
             storage=None if self._storage_health is None else pb.StorageHealth(**asdict(self._storage_health())),
         )
 
+    async def DeleteNamespace(
+        self, request: pb.DeleteNamespaceRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DeleteNamespaceResponse:
+        principal = auth.current()
+        # Storage first, on a worker thread (a slow storage holds only this call); then this
+        # replica's sessions and drafter, on the serving thread.
+        registered = await asyncio.to_thread(self._service.unregister_namespace, request.name, principal=principal)
+        closed = self._service.drop_namespace(request.name, registered=registered)
+        return pb.DeleteNamespaceResponse(sessions_closed=closed)
+
     async def Rebuild(self, request: pb.RebuildRequest, context: grpc.aio.ServicerContext) -> pb.RebuildResponse:
         principal = auth.current()
         stats = await asyncio.to_thread(self._service.rebuild, request.namespace, principal=principal)

@@ -16,7 +16,7 @@ separate integer under :data:`SCHEMA_VERSION`; that key and the migration lock b
     draftcache:v1:ns:{<ns>}:prior:previous             string  version kept for rollback
     draftcache:v1:ns:{<ns>}:prior:<version>:meta       hash    parts, size, part_size, blake2b
     draftcache:v1:ns:{<ns>}:prior:<version>:<part>     string  one chunk of the blob
-    draftcache:v1:session:{<sid>}:state                hash    namespace, context, prompt_len, params
+    draftcache:v1:session:{<sid>}:state                hash    namespace, context, prompt_len, params, tenant
     draftcache:v1:session:{<sid>}:rej                  string  rejected table (codec.encode_table)
 
 The ``{...}`` hash tags put all of one namespace's keys, and all of one session's keys, in one
@@ -107,6 +107,16 @@ def log_writers(ns: str) -> str:
 
 
 LOG_PATTERN = f"{_BASE}:ns:{{*}}:log"  # SCAN pattern matching every namespace's log stream
+
+
+def namespace_pattern(ns: str) -> str:
+    """SCAN pattern matching every key of one namespace (all in its hash slot); names hold no
+    glob characters, so the name matches only itself.
+
+    >>> namespace_pattern("acme/llama2")
+    'draftcache:v1:ns:{acme/llama2}:*'
+    """
+    return f"{_ns(ns)}:*"
 
 
 def prior_seq(ns: str) -> str:

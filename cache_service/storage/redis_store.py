@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cache_service.storage import codec, keys, priors, sessions, stream_log
+from cache_service.storage import namespaces as stored_namespaces
 from cache_service.storage.clients import StorageClient
 from cache_service.storage.errors import NamespaceConflict, StorageCorrupt, guarded
 from cache_service.storage.stored_session import StoredSession
@@ -102,6 +103,13 @@ class RedisStore:
         if stored != vocab_size:
             raise NamespaceConflict(f"namespace {name!r} is registered with vocab_size {stored}, not {vocab_size}")
         return False
+
+    @guarded
+    def delete_namespace(self, name: str) -> stored_namespaces.Deleted:
+        """Remove the namespace's registration, every key of it and its stored sessions (SCAN,
+        a batch of ``config.read_batch`` keys at a time); calling it again finishes an
+        interrupted deletion."""
+        return stored_namespaces.delete(self.client, name, self.config.read_batch)
 
     @guarded
     def namespaces(self) -> dict[str, int]:

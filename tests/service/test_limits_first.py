@@ -65,17 +65,20 @@ def test_a_100k_batch_is_refused_at_once_without_storage(replica: tuple[AuthRepl
             call()
     rss_before = _rss_bytes()
     for name, call in calls.items():
+        took = []
         for _ in range(3):
             before = int(client.info("stats")["total_commands_processed"])
             began = time.perf_counter()
             with pytest.raises(grpc.RpcError) as err:
                 call()
-            took = time.perf_counter() - began
+            took.append(time.perf_counter() - began)
             commands = int(client.info("stats")["total_commands_processed"]) - before - 1  # less the INFO
             assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, name
             assert err.value.details() == f"batch of {HUGE} exceeds the limit of 256", name
-            assert took < 0.05, f"{name}: refused after {took * 1000:.1f} ms"
             assert commands == 0, f"{name}: {commands} Redis commands"
+        # The best of three is the call's own cost (~10-20 ms: receiving and parsing 3-4 MB);
+        # the others may also hold a busy machine's noise. It took 6-18 s before.
+        assert min(took) < 0.05 and max(took) < 0.5, f"{name}: refused after {[round(t * 1000) for t in took]} ms"
     # Twelve refused batches later the process holds little more memory (each cost 40-60 MB
     # when the items were built and the sessions read before the limit was checked, and the
     # parsed request stayed until the cyclic collector ran).
@@ -107,6 +110,7 @@ def test_malformed_namespace_names_are_invalid_arguments(replica: tuple[AuthRepl
             pb.OpenSessionsRequest(sessions=[pb.OpenSession(namespace=name, prompt=[1])]), metadata=OPS
         ),
         "create": lambda: r.admin.CreateNamespace(pb.CreateNamespaceRequest(name=name, vocab_size=10), metadata=OPS),
+        "delete": lambda: r.admin.DeleteNamespace(pb.DeleteNamespaceRequest(name=name), metadata=OPS),
     }
     if name:  # an empty name asks these for every namespace
         calls["stats"] = lambda: r.admin.Stats(pb.StatsRequest(namespace=name), metadata=OPS)
