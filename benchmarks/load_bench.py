@@ -236,6 +236,15 @@ def _server_drafts(targets: tuple[str, ...]) -> int:
     return total
 
 
+def _final_drafts(targets: tuple[str, ...]) -> tuple[int | None, str | None]:
+    """The servers' draft count at the end of the run, or why it could not be read: a server
+    gone by then leaves the run's own measurements standing, and the report says so."""
+    try:
+        return _server_drafts(targets), None
+    except grpc.RpcError as exc:
+        return None, f"{exc.code().name}: {exc.details()}"
+
+
 def run_load(config: LoadConfig) -> dict:
     """Start the decoders, wait for them, and summarise."""
     ctx = mp.get_context("spawn")
@@ -262,15 +271,19 @@ def run_load(config: LoadConfig) -> dict:
     for p in procs:
         p.join(timeout=10)
     window = (min(r.first_at for r in collected) - began, max(r.first_at + r.seconds for r in collected) - began)
-    drafts = _server_drafts(config.targets) - drafts_before
-    return summarise(config, collected, samples, drafts, elapsed, window=window, host=host)
+    drafts_after, stats_error = _final_drafts(config.targets)
+    drafts = None if drafts_after is None else drafts_after - drafts_before
+    out = summarise(config, collected, samples, drafts, elapsed, window=window, host=host)
+    if stats_error is not None:
+        out["server_stats_error"] = stats_error
+    return out
 
 
 def summarise(
     config: LoadConfig,
     results: list[DecoderResult],
     samples: list[tuple[float, dict[int, tuple[float, float]]]],
-    server_drafts: int,
+    server_drafts: int | None,
     elapsed: float,
     *,
     window: tuple[float, float] | None = None,
@@ -281,7 +294,8 @@ def summarise(
     over the samples inside it: the decoders start and wind down for seconds on either side,
     and the server's idle CPU then would make a sequence-draft look cheaper than it is.
     ``host`` holds the host's busy CPU seconds at seconds into the run: with the decoders'
-    own CPU, it tells whether the load generator shared the server's cores."""
+    own CPU, it tells whether the load generator shared the server's cores. ``server_drafts``
+    ``None``: the servers could not be asked at the end (their figures are then ``None``)."""
     lat = np.array([x for r in results for x in r.latencies]) * 1e3
     steps = sum(r.steps for r in results)
     stepping = max((r.seconds for r in results), default=config.seconds) or config.seconds
@@ -296,7 +310,7 @@ def summarise(
         "step_ms_p50": round(float(np.percentile(lat, 50)), 3) if lat.size else None,
         "step_ms_p99": round(float(np.percentile(lat, 99)), 3) if lat.size else None,
         "sequence_drafts_per_s": round(sum(r.sequence_drafts for r in results) / stepping, 1),
-        "server_drafts_per_s": round(server_drafts / stepping, 1),
+        "server_drafts_per_s": None if server_drafts is None else round(server_drafts / stepping, 1),
         "fallback_share": round(sum(r.fallbacks for r in results) / max(1, steps * config.batch), 4),
         "mat": round(sum(r.tokens for r in results) / max(1, sum(r.sequence_steps for r in results)), 3),
         "requests": sum(r.requests for r in results),
@@ -323,7 +337,7 @@ def summarise(
         # how many one fully used core serves (what a server process can reach with a core
         # to itself, however the machine is shared during the run).
         cores = sum(p["cpu_cores_used"] for p in out["processes"].values())
-        if cores > 0 and out["server_drafts_per_s"] > 0:
+        if cores > 0 and out["server_drafts_per_s"]:
             out["server_cpu_us_per_draft"] = round(cores * 1e6 / out["server_drafts_per_s"], 1)
             out["drafts_per_server_core_s"] = round(out["server_drafts_per_s"] / cores, 1)
     if config.timeline_s > 0:

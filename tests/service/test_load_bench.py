@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +16,7 @@ from benchmarks.rpc_bench import run_rpc_bench
 from benchmarks.traces import Conversation, Segment, read_traces, sharegpt_conversations, write_traces
 from cache_service.admin import warm
 from cache_service.config import ServiceConfig
-from tests.service.conftest import start_service, stop_service
+from tests.service.conftest import eventually, start_service, stop_service
 
 
 def _conv(*segments: tuple[str, list[int]]) -> Conversation:
@@ -243,3 +244,32 @@ def test_sharegpt_corpus_becomes_requests_never_seen_before(tmp_path: Path, shar
     with pytest.raises(warm.CorpusError, match="JSON list"):
         path.write_bytes(gzip.compress(b'{"not": "a list"}'))
         sharegpt_conversations(path, encode, vocab, namespace="x", limit=1)
+
+
+def test_the_report_survives_a_server_gone_before_the_end(tmp_path: Path) -> None:
+    # The server stops while the decoders step: they go on with their local fallback, and the
+    # report keeps what they measured; the servers' own count, which cannot be read at the
+    # end, is reported as missing with the reason.
+    rng = np.random.default_rng(2)
+    text = rng.integers(0, 50, 40).tolist()
+    write_traces([_conv(("input", text), ("output", text[:20] * 2))], tmp_path / "t.jsonl.gz")
+    running = start_service(ServiceConfig())
+    running.service.create_namespace("ns", 64)
+    config = LoadConfig(
+        targets=(running.target,), namespace="ns", traces=tmp_path / "t.jsonl.gz", decoders=1, batch=2,
+        seconds=3.0, deadline_s=0.2, passes=0,
+    )  # fmt: skip
+
+    def stop_once_serving() -> None:
+        eventually(lambda: running.service.drafts >= 20, timeout_s=60)
+        stop_service(running)
+
+    stopper = threading.Thread(target=stop_once_serving)
+    stopper.start()
+    try:
+        out = run_load(config)
+    finally:
+        stopper.join()
+    assert out["steps"] > 0 and out["sequence_drafts_per_s"] > 0 and out["fallback_share"] > 0
+    assert out["server_drafts_per_s"] is None
+    assert out["server_stats_error"].startswith("UNAVAILABLE")
