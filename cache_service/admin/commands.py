@@ -293,7 +293,8 @@ def cmd_sessions(a: argparse.Namespace) -> int:
     for sid in ids[: a.limit]:
         found = store.load_session(sid)
         if found is not None:  # it may expire between the scan and the read
-            print(f"{sid}  {found.namespace}  {found.context.size} tokens ({found.prompt_len} prompt)")
+            owner = f"  tenant {found.tenant}" if found.tenant else ""
+            print(f"{sid}  {found.namespace}  {found.context.size} tokens ({found.prompt_len} prompt){owner}")
     return 0
 
 

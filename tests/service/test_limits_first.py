@@ -146,3 +146,22 @@ def test_vocab_size_is_bounded(replica: tuple[AuthReplica, redis.Redis]) -> None
     assert "big" not in r.namespaces() and not client.hexists("draftcache:v1:namespaces", "big")
     r.admin.CreateNamespace(pb.CreateNamespaceRequest(name="big", vocab_size=1 << 24), metadata=OPS)
     assert "big" in r.namespaces()
+
+
+def test_a_100k_batch_on_the_stream_is_refused_at_once_and_the_stream_goes_on(
+    replica: tuple[AuthReplica, redis.Redis],
+) -> None:
+    r, client = replica
+    ids = [f"{j:032x}" for j in range(HUGE)]
+    huge = pb.StreamRequest(
+        request_id=1,
+        close=pb.CloseSessionsRequest(sessions=[pb.CloseSession(session_id=sid, missing_ok=True) for sid in ids]),
+    )
+    fine = pb.StreamRequest(request_id=2, draft=pb.DraftRequest())
+    before = int(client.info("stats")["total_commands_processed"])
+    answers = list(r.stub.Stream(iter([huge, fine]), metadata=md("tok-a")))
+    assert int(client.info("stats")["total_commands_processed"]) - before - 1 == 0
+    refused, answered = answers
+    assert refused.error.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+    assert refused.error.message == f"batch of {HUGE} exceeds the limit of 256"
+    assert answered.request_id == 2 and not answered.HasField("error")
