@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from cache_service.domain import names
-from cache_service.domain.errors import InvalidArgument, NotFound
+from cache_service.domain.errors import InvalidArgument, NotFound, unknown_session
 from cache_service.domain.namespaces import Namespaces
 from cache_service.domain.sessions import SessionEntry, SessionTable
 from cache_service.domain.tenants import Principal, owns
@@ -80,7 +80,7 @@ class Continuing:
         built from it by :meth:`read`). Another tenant's session is reported as unknown, as
         for a live one: its existence is not disclosed, and it stays as stored."""
         if not owns(principal, stored.tenant, stored.namespace):
-            raise NotFound(f"unknown or expired session {sid!r}")
+            raise unknown_session(sid)
         drafter = self._namespaces.get(stored.namespace)
         if session is None:
             try:

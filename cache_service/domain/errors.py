@@ -39,3 +39,16 @@ class Unauthenticated(DraftCacheError):
 
 class PermissionDenied(DraftCacheError):
     """Known caller, but not allowed this call or this namespace."""
+
+
+def unknown_session(sid: str) -> NotFound:
+    """The one answer for a session a caller may not see: unknown, expired, closed or another
+    tenant's alike (so existence is never told). A long id is cut, not echoed whole.
+
+    >>> str(unknown_session("x" * 300))[:40]
+    "unknown or expired session 'xxxxxxxxxxxx"
+    >>> str(unknown_session("x" * 300)).endswith("...' (300 characters)")
+    True
+    """
+    shown = sid if len(sid) <= 80 else f"{sid[:64]}...' ({len(sid)} characters)"
+    return NotFound(f"unknown or expired session '{shown}" + ("'" if len(sid) <= 80 else ""))

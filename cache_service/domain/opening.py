@@ -13,7 +13,7 @@ import numpy as np
 from cache_service.domain import names, tokens
 from cache_service.domain.admission import Admission
 from cache_service.domain.changes import ChangeTracker
-from cache_service.domain.errors import AlreadyExists, InvalidArgument, NotFound
+from cache_service.domain.errors import AlreadyExists, InvalidArgument, NotFound, unknown_session
 from cache_service.domain.items import Opening, OpenItem
 from cache_service.domain.namespaces import Namespaces
 from cache_service.domain.sessions import SessionEntry, SessionTable, new_session_id
@@ -118,7 +118,7 @@ class Opener:
                 raise
             return False
         if not owns(principal, entry.tenant, entry.namespace):
-            raise NotFound(f"unknown or expired session {sid!r}")
+            raise unknown_session(sid)
         if entry.namespace != item.namespace:
             raise AlreadyExists("that session id is taken by another of your sessions")
         return True

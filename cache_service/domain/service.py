@@ -21,7 +21,7 @@ from cache_service.domain import drafting, names, tokens
 from cache_service.domain.admission import Admission
 from cache_service.domain.changes import Changes, ChangeTracker
 from cache_service.domain.continuing import Continuing, Found
-from cache_service.domain.errors import InvalidArgument, NotFound, PermissionDenied
+from cache_service.domain.errors import InvalidArgument, NotFound, PermissionDenied, unknown_session
 from cache_service.domain.items import (
     CloseItem,
     DraftColumns,
@@ -351,7 +351,7 @@ class DraftService:
                 raise
             return self._continuing.hold(sid, stored, principal)
         if not owns(principal, entry.tenant, entry.namespace):
-            raise NotFound(f"unknown or expired session {sid!r}")
+            raise unknown_session(sid)
         return entry
 
     def _load(self, sid: str) -> StoredSession | None:

@@ -8,7 +8,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from cache_service.domain.errors import NotFound, ResourceExhausted
+from cache_service.domain.errors import ResourceExhausted, unknown_session
 from indexer.drafter import DraftParams, NamespaceDrafter, Session
 
 
@@ -86,7 +86,7 @@ class SessionTable:
     def get(self, sid: str) -> SessionEntry:
         entry = self._live(sid)
         if entry is None:
-            raise NotFound(f"unknown or expired session {sid!r}")
+            raise unknown_session(sid)
         return entry
 
     def holds(self, sid: str) -> bool:
