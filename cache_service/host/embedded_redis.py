@@ -17,6 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from cache_service.config import EmbeddedRedisConfig
 from cache_service.domain.errors import Unavailable
@@ -24,6 +26,9 @@ from cache_service.domain.errors import Unavailable
 logger = logging.getLogger(__name__)
 
 RESTART_BACKOFF_S = (0.1, 0.5, 1.0, 2.0, 5.0)  # waits before restart tries, the last repeated
+PING_EVERY_S = 0.5  # how often the supervisor checks the server (and waits for its PING)
+NO_RETRY = Retry(NoBackoff(), 0)
+HUNG_AFTER_S = 5.0  # a server that answers nothing this long is killed and restarted
 LOW_SPACE_BYTES = 1 << 20  # free space under which a server's death is put down to a full disk
 DISK_FULL_SIGNS = (b"No space left on device", b"fsync error", b"Can't persist AOF")
 
@@ -54,7 +59,9 @@ class EmbeddedRedis:
     one event-loop turn into one fsync): a commit acknowledged to a decoder survives even a
     killed Redis, which ``everysec`` would not promise for the last second. By design Redis
     exits when it cannot write its AOF (a full disk): :meth:`supervise` reaps a server that
-    died and starts it again on the same port, backing off while it keeps failing.
+    died and starts it again on the same port, backing off while it keeps failing; a server that
+    stops answering (stopped, or stuck) is killed first, so its clients fail fast instead of
+    hanging on it.
     """
 
     def __init__(self, config: EmbeddedRedisConfig) -> None:
@@ -90,31 +97,64 @@ class EmbeddedRedis:
         self._supervisor.start()
 
     def _watch(self, on_exit: Callable[[str, bool], None] | None, on_restart: Callable[[], None] | None) -> None:
-        while not self._stopping.is_set():
+        answered = pinged = time.monotonic()
+        while not self._stopping.wait(0.1):
             proc = self._proc
-            if proc is None or proc.poll() is None:
-                self._stopping.wait(0.1)
+            if proc is None:
+                continue
+            if proc.poll() is None:
+                if time.monotonic() - pinged >= PING_EVERY_S:
+                    pinged = time.monotonic()
+                    answered = pinged if self._answers() else answered
+                if time.monotonic() - answered > HUNG_AFTER_S:  # stopped, or stuck: its clients hang
+                    logger.error(
+                        "embedded Redis (pid %d) has not answered for %.0f s; killing it", proc.pid, HUNG_AFTER_S
+                    )
+                    proc.kill()  # its AOF is fsynced before every reply: nothing answered is lost
+                    proc.wait()
                 continue
             why, disk_full = self._exit_reason(proc.returncode)
             logger.error("embedded Redis (pid %d) died: %s; restarting it", proc.pid, why)
             if on_exit is not None:
                 on_exit(why, disk_full)
-            for attempt in itertools.count():
-                if self._stopping.wait(RESTART_BACKOFF_S[min(attempt, len(RESTART_BACKOFF_S) - 1)]):
-                    return
-                try:
-                    with self._guard:
-                        if self._stopping.is_set():
-                            return
-                        self._spawn(20.0)
-                except (Unavailable, OSError) as exc:
-                    logger.warning("embedded Redis restart %d failed: %s", attempt + 1, exc)
-                    continue
-                self.restarts += 1
-                logger.warning("embedded Redis restarted on port %d (restart %d)", self.port, self.restarts)
-                if on_restart is not None:
-                    on_restart()
+            if not self._restart():
+                return
+            answered = time.monotonic()
+            if on_restart is not None:
+                on_restart()
+
+    def _answers(self) -> bool:
+        """Whether the server answers a PING (any answer: loading or busy is alive)."""
+        client = redis.Redis(
+            host="127.0.0.1", port=self.port, socket_timeout=PING_EVERY_S, socket_connect_timeout=1.0, retry=NO_RETRY
+        )
+        try:
+            client.ping()
+        except (redis.ConnectionError, redis.TimeoutError):
+            return False
+        except redis.RedisError:
+            pass
+        finally:
+            client.close()
+        return True
+
+    def _restart(self) -> bool:
+        """Start the server again, backing off while it fails; ``False`` if stopped meanwhile."""
+        for attempt in itertools.count():
+            if self._stopping.wait(RESTART_BACKOFF_S[min(attempt, len(RESTART_BACKOFF_S) - 1)]):
                 break
+            try:
+                with self._guard:
+                    if self._stopping.is_set():
+                        break
+                    self._spawn(20.0)
+            except (Unavailable, OSError) as exc:
+                logger.warning("embedded Redis restart %d failed: %s", attempt + 1, exc)
+                continue
+            self.restarts += 1
+            logger.warning("embedded Redis restarted on port %d (restart %d)", self.port, self.restarts)
+            return True
+        return False
 
     def _exit_reason(self, code: int) -> tuple[str, bool]:
         """Why the server exited, from its exit status and its log's last lines."""
