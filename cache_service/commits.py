@@ -191,8 +191,10 @@ class CommitWriter:
         down = self.status.succeeded()
         if down is not None:
             logger.warning("storage available again after %.1f s; %d journaled commits to replay", down, self.pending)
-        kept = [(r.tokens, position(i)) for r, i in zip(records, ids, strict=True) if i is not None]
-        logged = (ns, [t for t, _ in kept], [p for _, p in kept])
+        # A previous run's journaled commits are not in this process's memory: left out, the
+        # log's followers read them like any other process's.
+        mine = [(r.tokens, position(i)) for r, i in zip(records, ids, strict=True) if i and r.writer == self.writer]
+        logged = (ns, [t for t, _ in mine], [p for _, p in mine])
         if self._on_written is not None:
             self._on_written(logged)
         return logged

@@ -15,6 +15,7 @@ from cache_service.config import EmbeddedRedisConfig
 from cache_service.domain.errors import Unavailable
 from cache_service.host.embedded_redis import EmbeddedRedis
 from cache_service.host.journal import Journal, encode
+from cache_service.persistence import RedisPersistence
 from cache_service.storage.connect import connect
 from cache_service.storage.redis_store import RedisStore
 from tests.faults import can_mount_tmpfs, fill_disk, small_disk
@@ -56,12 +57,15 @@ def test_journaled_commits_reach_the_log_once_across_crashes(server: EmbeddedRed
     writer.close()  # the process dies here; its journal stays
     server = _restart(server)
     try:
-        # The next process replays the journal...
-        second = CommitWriter(store, max_pending=100, journal=Journal(path, 1 << 20))
-        assert second.recover() == 3
-        assert [len(logged[1]) for logged in second.flush()] == [3]
-        assert path.stat().st_size == 0 and second.pending == 0 and second.health().available
-        second.close()
+        # The next process replays the journal; it follows those commits from the log like
+        # another process's (they are not in its memory).
+        second = RedisPersistence(store, max_pending=100, journal=Journal(path, 1 << 20))
+        second.read_log("ns")
+        assert second.commits.recover() == 3
+        assert second.flush() == [("ns", [], [])]
+        assert path.stat().st_size == 0 and second.pending == 0 and second.commits.health().available
+        assert [t.tolist() for t in second.follow("ns")[0]] == [_req(i).tolist() for i in (1, 2, 3)]
+        second.commits.close()
         # ...and a crash before it emptied the journal replays it again: skipped, not doubled.
         path.write_bytes(journal_then)
         third = CommitWriter(store, max_pending=100, journal=Journal(path, 1 << 20))
