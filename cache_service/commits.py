@@ -35,7 +35,7 @@ from cache_service.storage.stream_log import position
 logger = logging.getLogger(__name__)
 
 FLUSH_BATCH = 256  # queued commits appended to the log per call
-_DISK_FULL = ("No space left", "MISCONF", "ENOSPC")
+_DISK_FULL = ("No space left", "MISCONF", "ENOSPC")  # what Redis or the OS says of a full disk
 
 
 class _Queued(NamedTuple):

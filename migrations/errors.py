@@ -67,6 +67,8 @@ def translate(exc: rexc.RedisError | rexc.RedisClusterException) -> StorageError
     'StorageUnavailable'
     >>> type(translate(rexc.ResponseError("WRONGTYPE Operation against a key"))).__name__
     'StorageCorrupt'
+    >>> type(translate(rexc.ResponseError("MISCONF Errors writing to the AOF file"))).__name__
+    'StorageUnavailable'
     """
     if isinstance(exc, _UNAVAILABLE):
         return StorageUnavailable(f"redis unavailable: {exc}")
@@ -74,9 +76,19 @@ def translate(exc: rexc.RedisError | rexc.RedisClusterException) -> StorageError
         isinstance(exc, rexc.RedisClusterException) and isinstance(exc.__cause__, _UNAVAILABLE)
     ):
         return StorageUnavailable(f"redis cluster unavailable: {exc}")
+    if isinstance(exc, rexc.OutOfMemoryError) or _refuses_writes(exc):
+        return StorageUnavailable(f"redis refuses writes: {exc}")
     if isinstance(exc, rexc.ResponseError) and str(exc).startswith(("WRONGTYPE", "CORRUPT")):
         return StorageCorrupt(str(exc))
     return None
+
+
+def _refuses_writes(exc: Exception) -> bool:
+    """Redis refusing writes until an operator (or free space) fixes it: it cannot persist
+    (MISCONF: a failed RDB save, often a full disk) or is out of memory (OOM, also when a script
+    runs into it)."""
+    text = str(exc)
+    return isinstance(exc, rexc.ResponseError) and ("MISCONF" in text or "OOM command not allowed" in text)
 
 
 def guarded(fn: Callable[P, R]) -> Callable[P, R]:

@@ -95,6 +95,24 @@ def test_a_failed_write_queues_in_commit_order(server: EmbeddedRedis, tmp_path: 
     writer.close()
 
 
+def test_commits_redis_refuses_are_journaled(server: EmbeddedRedis, tmp_path: Path) -> None:
+    """Redis up but refusing writes (out of memory here; MISCONF alike): journaled, then replayed."""
+    store = RedisStore(connect(server.url))
+    writer = CommitWriter(store, max_pending=100, journal=Journal(tmp_path / "j", 1 << 20))
+    writer.recover()
+    store.client.config_set("maxmemory-policy", "noeviction")
+    store.client.config_set("maxmemory", 1)
+    try:
+        writer.commit("ns", [_req(0), _req(1)])
+        health = writer.health()
+        assert writer.pending == 2 and not health.available and "refuses writes" in health.last_error
+    finally:
+        store.client.config_set("maxmemory", 0)
+    writer.flush()
+    assert _log(store) == [_req(0).tolist(), _req(1).tolist()] and writer.health().available
+    writer.close()
+
+
 def test_a_full_journal_refuses_the_commit(server: EmbeddedRedis, tmp_path: Path) -> None:
     store = RedisStore(connect(server.url))
     one = len(encode(CommitWriter(store, max_pending=1)._records("ns", [_req(0)])[0]))
