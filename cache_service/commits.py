@@ -164,6 +164,13 @@ class CommitWriter:
 
     def _flush(self) -> list[Logged]:
         logged: list[Logged] = []
+        if not self._queue and not self.status.available:  # nothing to write: is it back?
+            try:
+                self.store.ping()
+            except StorageError as exc:
+                self._note_failure(exc)
+                raise
+            self._recovered()
         while True:
             with self._lock:
                 run = self._head_run()
@@ -188,9 +195,7 @@ class CommitWriter:
 
     def _append(self, ns: str, records: list[JournalRecord]) -> Logged:
         ids = self.store.append_commits(ns, [(r.writer, r.seq, r.tokens) for r in records])
-        down = self.status.succeeded()
-        if down is not None:
-            logger.warning("storage available again after %.1f s; %d journaled commits to replay", down, self.pending)
+        self._recovered()
         # A previous run's journaled commits are not in this process's memory: left out, the
         # log's followers read them like any other process's.
         mine = [(r.tokens, position(i)) for r, i in zip(records, ids, strict=True) if i and r.writer == self.writer]
@@ -225,6 +230,11 @@ class CommitWriter:
         ns = self._queue[0].record.namespace
         run = itertools.takewhile(lambda q: q.record.namespace == ns, itertools.islice(self._queue, FLUSH_BATCH))
         return [q.record for q in run]
+
+    def _recovered(self) -> None:
+        down = self.status.succeeded()
+        if down is not None:
+            logger.warning("storage available again after %.1f s; %d journaled commits to replay", down, self.pending)
 
     def _note_failure(self, exc: Exception, *, disk_full: bool | None = None) -> None:
         if self.status.failed(exc, disk_full=disk_full):
