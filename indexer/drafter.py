@@ -18,6 +18,7 @@ import numpy as np
 
 from indexer import kernels
 from indexer.calibration import Calibrator
+from indexer.chain import ChainCalibrator, cut_to_chain
 from indexer.kernels import accept as accept_kernel
 from indexer.kernels import draft as draft_kernel
 from indexer.kernels.draft import JOB_COLUMNS
@@ -62,6 +63,11 @@ class DraftParams:
     max_depth: int = 32  # most tokens on one path
     min_score: float = 0.0  # drop nodes estimated less likely than this
     depth_reserve: int = 8  # nodes kept for the best chain before widening
+    # Chain mode (what engines verify): > 0 cuts the tree (of ``budget`` nodes, ``chain``
+    # levels) to its path of at most ``chain`` tokens with the largest expected accepted length
+    # (see :mod:`indexer.chain`); 0 drafts the tree itself.
+    chain: int = 0
+    chain_min_prob: float = 0.0  # a chain ends before a token less likely than this to be reached
 
     def __post_init__(self) -> None:
         if not 0 <= self.budget <= MAX_BUDGET:
@@ -72,6 +78,10 @@ class DraftParams:
             raise ValueError(f"min_score must be in [0, 1), got {self.min_score}")
         if not 0 <= self.depth_reserve <= MAX_DEPTH:
             raise ValueError(f"depth_reserve must be in [0, {MAX_DEPTH}], got {self.depth_reserve}")
+        if not 0 <= self.chain <= MAX_DEPTH:
+            raise ValueError(f"chain must be in [0, {MAX_DEPTH}], got {self.chain}")
+        if not 0.0 <= self.chain_min_prob < 1.0:
+            raise ValueError(f"chain_min_prob must be in [0, 1), got {self.chain_min_prob}")
 
 
 # Prior confidence n / (n + half[tier]): the match length at which a tier is right half the time.
@@ -186,6 +196,7 @@ class NamespaceDrafter:
         self.memory = LifetimeMemory(config.lifetime, ring=own_ring)  # own_ring=False: indexes adopted
         self.prior = prior
         self.calibrator = Calibrator(config.calibration_buckets)
+        self.chain_calibrator = ChainCalibrator()  # node acceptance, for chain mode
         self.counters = DraftCounters()
         self._lock = threading.Lock()
         dyn = config.dynamic
@@ -231,9 +242,26 @@ class NamespaceDrafter:
             if session.prefetched:
                 session.prefetched = {}
         rows = np.array([self.store.hold(s) for s in sessions], dtype=np.int64)
-        # A path never holds more nodes than the tree.
-        table, min_score = _jobs(rows, [p for _, p in items], lambda p: min(p.max_depth, max(p.budget, 1)), True)
-        return self._step(sessions, table, min_score, _NO_TOKENS, _NO_TOKENS)
+        # A path never holds more nodes than the tree, nor a chain's tree than the chain.
+        table, min_score = _jobs(rows, [p for _, p in items], _tree_depth, True)
+        trees = self._step(sessions, table, min_score, _NO_TOKENS, _NO_TOKENS)
+        if not any(p.chain for _, p in items):
+            return trees
+        return self._chains(trees, items)
+
+    def _chains(self, trees: DraftedTrees, items: Sequence[tuple[Session, DraftParams]]) -> DraftedTrees:
+        """Each chain-mode job's tree cut to its chain (see :mod:`indexer.chain`), the others
+        as drafted. The session keeps the whole tree: its outcome teaches the calibrator which
+        nodes the target accepts, and its rejected branches are remembered as a tree's are."""
+        out = []
+        for tree, (session, params) in zip(trees, items, strict=True):
+            if params.chain:
+                with self._lock:
+                    conditional = self.chain_calibrator.conditional(tree)
+                tree = cut_to_chain(tree, params.chain, conditional, params.chain_min_prob)
+                session.chained = True
+            out.append(tree)
+        return DraftedTrees(_batch_of(out))
 
     def release(self, session: Session) -> None:
         """The session is done with here (closed, or leaving memory): its row in the store goes."""
@@ -272,6 +300,7 @@ class NamespaceDrafter:
         items = [item for item in items if item[1].size]
         if not items:
             return
+        self._learn_chains(items)
         table, new_at = [], 0
         for session, new, rejected in items:
             branches = _BRANCHES if rejected is None else 0  # branches the item names are recorded here
@@ -308,6 +337,16 @@ class NamespaceDrafter:
                 session.rejected.record_at(session.context.tokens, [(before + at, b) for at, b in rejected])
         for session, tree in ahead:
             session.last_tree, session.prefetched = tree, {}
+
+    def _learn_chains(self, items: Sequence[tuple[Session, np.ndarray, Branches | None]]) -> None:
+        """The chain calibrator learns from each chain-mode draft's whole tree and its outcome."""
+        for session, new, _ in items:
+            if session.chained:
+                session.chained = False
+                tree = session.last_tree
+                if tree is not None:
+                    with self._lock:
+                        self.chain_calibrator.update(tree, new)
 
     def prespeculate(self, session: Session, k: int, params: DraftParams) -> Prefetched:
         """Trees drafted ahead for the ``k`` likeliest outcomes of verifying the session's last
@@ -396,6 +435,25 @@ class NamespaceDrafter:
         for j in np.flatnonzero(grown).tolist():
             self.store.follow(sessions[j], int(grown[j]))
         return DraftedTrees(TreeBatch(tokens, parents, sources, scores, ends))
+
+
+def _tree_depth(p: DraftParams) -> int:
+    """Levels of the tree drafted for ``p``: a path never holds more nodes than the tree, nor a
+    chain's tree more levels than the chain (its budget goes to alternatives within reach)."""
+    depth = min(p.max_depth, max(p.budget, 1))
+    return min(depth, p.chain) if p.chain else depth
+
+
+def _batch_of(trees: Sequence[DraftTree]) -> TreeBatch:
+    """Trees joined end to end into one batch."""
+    ends = np.cumsum([0] + [len(t) for t in trees], dtype=np.int64)
+    return TreeBatch(
+        _joined([t.tokens for t in trees], np.int32),
+        _joined([t.parents for t in trees], np.int32),
+        _joined([t.sources for t in trees], np.uint8),
+        _joined([t.scores for t in trees], np.float32),
+        ends,
+    )
 
 
 def _jobs(

@@ -1,0 +1,166 @@
+import numpy as np
+import pytest
+
+from indexer.chain import ChainCalibrator, best_path, cut_to_chain
+from indexer.drafter import DrafterConfig, DraftParams, NamespaceDrafter
+from indexer.tokens import Namespace
+from indexer.tree_builder import DraftTree, Tier
+
+
+def _a(ids):
+    return np.array(ids, dtype=np.int32)
+
+
+def _tree(tokens, parents, scores, sources=None):
+    n = len(tokens)
+    src = np.zeros(n, np.uint8) if sources is None else np.array(sources, np.uint8)
+    return DraftTree(_a(tokens), _a(parents), src, np.array(scores, np.float32))
+
+
+# -- best_path -----------------------------------------------------------------------------------
+
+
+def test_path_with_larger_expected_length_beats_best_first_child():
+    # Root 0 (0.6) has one weak child (0.3); root 1 (0.5) leads a strong chain (0.9, 0.9).
+    parents = _a([-1, -1, 0, 1, 3])
+    conditional = np.array([0.6, 0.5, 0.3, 0.9, 0.9])
+    # Via 1: 0.5 + 0.45 + 0.405 = 1.355 expected tokens; via 0: 0.6 + 0.18 = 0.78.
+    assert best_path(parents, conditional, 3).tolist() == [1, 3, 4]
+
+
+def test_chain_length_limits_what_the_path_may_gain():
+    parents = _a([-1, -1, 0, 1, 3])
+    conditional = np.array([0.6, 0.5, 0.3, 0.9, 0.9])
+    # With two tokens: via 1, 0.5 + 0.45 = 0.95 still beats 0.6 + 0.18 = 0.78.
+    assert best_path(parents, conditional, 2).tolist() == [1, 3]
+    # With one token the likelier root wins.
+    assert best_path(parents, conditional, 1).tolist() == [0]
+
+
+def test_min_prob_ends_the_chain_at_an_unlikely_token():
+    parents = _a([-1, 0, 1])
+    conditional = np.array([0.8, 0.5, 0.5])
+    # Cumulative probabilities 0.8, 0.4, 0.2: a cut at 0.3 drops the third token.
+    assert best_path(parents, conditional, 8, min_prob=0.3).tolist() == [0, 1]
+    # A cut above the first token's probability leaves nothing to propose.
+    assert best_path(parents, conditional, 8, min_prob=0.9).size == 0
+
+
+def test_ties_go_to_the_earlier_node():
+    # Two roots alike in every way.
+    assert best_path(_a([-1, -1]), np.array([0.5, 0.5]), 4).tolist() == [0]
+
+
+def test_preference_ranks_but_probabilities_cut():
+    parents = _a([-1, -1])
+    conditional = np.array([0.5, 0.5])
+    # The preference picks the second root though the probabilities tie.
+    assert best_path(parents, conditional, 1, preference=np.array([0.1, 0.2])).tolist() == [1]
+    # min_prob still reads the probabilities: 0.5 < 0.6 drops both roots.
+    assert best_path(parents, conditional, 1, min_prob=0.6, preference=np.array([0.1, 0.2])).size == 0
+
+
+def test_empty_tree_and_zero_length():
+    # Nothing to choose from, or nothing wanted: an empty path.
+    assert best_path(_a([]), np.zeros(0), 4).size == 0
+    assert best_path(_a([-1]), np.array([0.9]), 0).size == 0
+
+
+# -- cut_to_chain --------------------------------------------------------------------------------
+
+
+def test_cut_is_a_chain_with_cumulative_probabilities():
+    t = _tree([5, 6, 7], [-1, -1, 1], [1.0, 1.0, 1.0], sources=[Tier.CONTEXT, Tier.PRIOR, Tier.DYNAMIC])
+    c = cut_to_chain(t, 4, np.array([0.6, 0.5, 0.8]))
+    # 6 7 (0.5 + 0.4) beats 5 alone (0.6); parents are -1, 0 as a chain's are.
+    assert c.tokens.tolist() == [6, 7]
+    assert c.parents.tolist() == [-1, 0]
+    # The nodes keep their tiers; scores become the cumulative probabilities 0.5, 0.4.
+    assert c.sources.tolist() == [Tier.PRIOR, Tier.DYNAMIC]
+    assert c.scores.tolist() == pytest.approx([0.5, 0.4])
+
+
+def test_cut_of_an_empty_tree_is_empty():
+    # No nodes: an empty chain.
+    assert len(cut_to_chain(DraftTree.empty(), 4, np.zeros(0))) == 0
+
+
+# -- ChainCalibrator -----------------------------------------------------------------------------
+
+
+def test_calibrator_learns_from_nodes_whose_parent_matched():
+    cal = ChainCalibrator()
+    # 5 and 9 come from different tiers, so they fall in cells of their own.
+    t = _tree([5, 6, 9], [-1, 0, -1], [1.0, 1.0, 1.0], sources=[Tier.CONTEXT, Tier.CONTEXT, Tier.PRIOR])
+    before = cal.conditional(t)
+    # Before any outcome a node claims what its score ratio says: 1.0 for each here.
+    assert before.tolist() == pytest.approx([1.0, 1.0, 1.0])
+    for _ in range(20):
+        cal.update(t, _a([5, 7]))
+    after = cal.conditional(t)
+    # Root 5 matched every time and root 9 never (both were trials at depth 1).
+    assert after[0] > 0.8
+    assert after[2] < 0.3
+    # 6 sat under a matched parent and missed (7 came): it is learned to be unlikely.
+    assert after[1] < 0.3
+
+
+def test_calibrator_ignores_depths_the_outcome_does_not_reach():
+    cal = ChainCalibrator()
+    deep = _tree([5, 6], [-1, 0], [1.0, 1.0])
+    for _ in range(20):
+        cal.update(deep, _a([5]))  # one token: depth 2 is never seen
+    other = _tree([8, 9], [-1, 0], [1.0, 1.0])
+    # Depth 2 learnt nothing (its claim is untouched: only depth 1's cells moved).
+    assert cal.conditional(other)[1] > 0.9
+
+
+# -- the drafter in chain mode -------------------------------------------------------------------
+
+
+NS = Namespace(name="test", vocab_size=100)
+
+
+@pytest.mark.parametrize("kw", [{"chain": -1}, {"chain": 129}, {"chain_min_prob": -0.1}, {"chain_min_prob": 1.0}])
+def test_chain_params_are_checked(kw):
+    # Out of range chain lengths and thresholds are refused.
+    with pytest.raises(ValueError):
+        DraftParams(**kw)
+
+
+def test_chain_mode_drafts_a_chain_of_at_most_k_tokens():
+    d = NamespaceDrafter(NS, DrafterConfig())
+    s = d.open([5, 6, 7, 8, 9, 10, 11, 5, 6])
+    chain = d.draft(s, DraftParams(chain=3))
+    # "5 6" was followed by "7 8 9 10 11": the first three of them, as a chain.
+    assert chain.tokens.tolist() == [7, 8, 9]
+    assert chain.parents.tolist() == [-1, 0, 1]
+    # Scores are cumulative probabilities: they never grow along the chain.
+    assert np.all(np.diff(chain.scores) <= 0)
+
+
+def test_chain_mode_keeps_the_tree_for_the_outcome():
+    d = NamespaceDrafter(NS, DrafterConfig())
+    s = d.open([5, 6, 7, 8, 5, 6, 9, 4, 5, 6])
+    chain = d.draft(s, DraftParams(chain=2))
+    tree = s.last_tree
+    # The session holds the whole tree (both "7 ..." and "9 ..." after "5 6"), not the chain.
+    assert tree is not None and len(tree) > len(chain)
+    before = d.chain_calibrator.conditional(tree)
+    d.accept(s, _a([9, 4]))
+    after = d.chain_calibrator.conditional(tree)
+    # The outcome taught the chain calibrator: what it expects of the tree's nodes moved.
+    assert not np.allclose(before, after)
+
+
+def test_tree_mode_is_unchanged_by_chain_mode_elsewhere():
+    prompt = [5, 6, 7, 8, 5, 6, 9, 4, 5, 6]
+    a = NamespaceDrafter(NS, DrafterConfig())
+    b = NamespaceDrafter(NS, DrafterConfig())
+    sa, sb = a.open(prompt), b.open(prompt)
+    b.draft(sb, DraftParams(chain=2))  # b drafted a chain first: its tiers saw the same
+    b.accept(sb, _a([7]))
+    a.accept(sa, _a([7]))
+    ta, tb = a.draft(sa, DraftParams()), b.draft(sb, DraftParams())
+    # Chain mode leaves trees as they are.
+    assert (ta.tokens.tolist(), ta.parents.tolist()) == (tb.tokens.tolist(), tb.parents.tolist())
