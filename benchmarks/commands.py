@@ -51,6 +51,15 @@ def _replay_args(r: argparse.ArgumentParser) -> None:
     )
     add(r, "--baselines", default="", help="comma list: prompt-lookup,suffix-decoding,rest")
     add(r, "--lookahead", type=non_negative, default=0, help="pre-speculation: outcomes drafted ahead per step")
+    add(
+        r,
+        "--chain",
+        type=non_negative,
+        default=0,
+        help="propose chains of at most K tokens, as engines verify (ours in chain mode, beside our tree and "
+        "each baseline cut to its best path); 0: trees",
+    )
+    add(r, "--chain-min-prob", type=float, default=0.0, help="chain mode: stop before a token less likely than this")
     add(r, "--suffix-factor", type=float, default=8.0, help="SuffixDecoding's max_spec_factor")
     add(r, "--suffix-min-prob", type=float, default=0.01, help="SuffixDecoding's min_token_prob")
     add(r, "--rest-datastore", type=Path, default=None, help="REST's datastore (built from --warm-corpus if missing)")
@@ -135,13 +144,20 @@ def _replay_groups(a: argparse.Namespace, config: replay_bench.ReplayConfig) -> 
 
 def cmd_replay(a: argparse.Namespace) -> int:
     config = replay_bench.ReplayConfig(
-        params=DraftParams(budget=a.budget, max_depth=a.max_depth, min_score=a.min_score),
+        params=DraftParams(
+            budget=a.budget,
+            max_depth=a.max_depth,
+            min_score=a.min_score,
+            chain=a.chain,
+            chain_min_prob=a.chain_min_prob,
+        ),
         drafter=DrafterConfig(),
         baselines=tuple(b for b in str(a.baselines).split(",") if b),
         suffix_factor=a.suffix_factor,
         suffix_min_prob=a.suffix_min_prob,
         rest_datastore=a.rest_datastore,
         lookahead=a.lookahead,
+        chain=a.chain,
     )
     groups = _replay_groups(a, config)
     if "rest" in config.baselines:

@@ -6,8 +6,10 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+
+import numpy as np
 
 from benchmarks.baselines import (
     EngineDrafter,
@@ -21,9 +23,11 @@ from benchmarks.replay import ReplayDrafter, ReplayStats, replay
 from benchmarks.traces import Conversation
 from cache_service.admin import warm
 from cache_service.admin.warm import split_documents
+from decoder_client.adapters import best_chain
 from indexer.drafter import DrafterConfig, DraftParams, NamespaceDrafter
 from indexer.prior import StaticPrior
 from indexer.tokens import Namespace
+from indexer.tree_builder import DraftTree
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +47,10 @@ class ReplayConfig:
     rest_datastore: Path | None = None
     include_engine: bool = True  # off when draftcache is replayed through a remote service
     lookahead: int = 0  # pre-speculation: outcomes drafted ahead per step
+    # Chain replay (what engines verify): every drafter proposes at most this many tokens in
+    # one chain: ours in chain mode (params.chain), beside our tree cut to its best path and
+    # each baseline cut the same way (prompt lookup drafts this many tokens). 0: trees.
+    chain: int = 0
 
     def __post_init__(self) -> None:
         unknown = set(self.baselines) - set(BASELINES)
@@ -52,6 +60,10 @@ class ReplayConfig:
             raise ValueError("suffix_factor must be > 0 and suffix_min_prob in [0, 1)")
         if "rest" in self.baselines and self.rest_datastore is None:
             raise ValueError("the rest baseline needs a datastore (--rest-datastore)")
+        if self.chain < 0 or self.chain != self.params.chain:
+            raise ValueError(f"chain must be >= 0 and the params' chain, got {self.chain} and {self.params.chain}")
+        if self.chain and self.lookahead:
+            raise ValueError("chain replay drafts no trees ahead (lookahead must be 0)")
 
 
 def by_namespace(
@@ -84,27 +96,62 @@ def _largest_id(conversations: list[Conversation]) -> int:
     return max((int(s.tokens.max()) for c in conversations for s in c.segments if s.tokens.size), default=0)
 
 
+class BestChain:
+    """A drafter's trees cut to their best path of at most ``k`` tokens by their own scores (from
+    the root, always the highest-scoring child: :func:`~decoder_client.adapters.best_chain`),
+    as an engine that verifies chains would take them.
+
+    >>> BestChain(PromptLookupDrafter(), 4).name
+    'prompt-lookup(n=1..3,k=10)/best_chain(4)'
+    """
+
+    def __init__(self, inner: ReplayDrafter, k: int) -> None:
+        self.name = f"{inner.name}/best_chain({k})"
+        self._inner = inner
+        self._k = k
+
+    def start(self, prompt: np.ndarray) -> None:
+        self._inner.start(prompt)
+
+    def propose(self) -> DraftTree:
+        return DraftTree.chain(best_chain(self._inner.propose(), self._k))
+
+    def advance(self, tokens: np.ndarray) -> None:
+        self._inner.advance(tokens)
+
+    def finish(self, commit_from: int) -> None:
+        self._inner.finish(commit_from)
+
+
 def drafters(namespace: Namespace, config: ReplayConfig, prior: StaticPrior | None) -> list[ReplayDrafter]:
+    """The drafters to replay: ours in-process (in chain replay also our tree cut to its best
+    path, as the adapters cut it) and the baselines named, each cut to ``config.chain`` tokens
+    in chain replay."""
+    k = config.chain
     out: list[ReplayDrafter] = []
     if config.include_engine:
         engine = NamespaceDrafter(namespace, config.drafter, prior=prior)
         out.append(EngineDrafter(engine, config.params, lookahead=config.lookahead))
+        if k:
+            tree_engine = NamespaceDrafter(namespace, config.drafter, prior=prior)
+            tree = EngineDrafter(tree_engine, replace(config.params, chain=0), name="draftcache-tree")
+            out.append(BestChain(tree, k))
     if "prompt-lookup" in config.baselines:
-        out.append(PromptLookupDrafter())
+        out.append(PromptLookupDrafter(num_tokens=k) if k else PromptLookupDrafter())
     if "suffix-decoding" in config.baselines:
         if suffix_decoding_available():
-            out.append(
-                SuffixDecodingDrafter(
-                    max_spec_tokens=config.params.budget,
-                    max_spec_factor=config.suffix_factor,
-                    min_token_prob=config.suffix_min_prob,
-                )
+            suffix = SuffixDecodingDrafter(
+                max_spec_tokens=config.params.budget,
+                max_spec_factor=config.suffix_factor,
+                min_token_prob=config.suffix_min_prob,
             )
+            out.append(BestChain(suffix, k) if k else suffix)
         else:
             logger.warning("suffix-decoding baseline skipped: pip install arctic-inference==0.3.0")
     if "rest" in config.baselines and config.rest_datastore is not None:
         if rest_available():
-            out.append(RestDrafter(str(config.rest_datastore), choices=config.params.budget))
+            rest = RestDrafter(str(config.rest_datastore), choices=config.params.budget)
+            out.append(BestChain(rest, k) if k else rest)
         else:
             logger.warning("rest baseline skipped: pip install draftretriever==0.1.1")
     return out

@@ -288,3 +288,17 @@ def test_rest_datastore_from_a_corrupt_corpus_is_refused(tmp_path: Path, llama_t
     with pytest.raises(CorpusError, match=r"c\.json\.gz"):
         build_rest_datastore(corpus, "sharegpt", llama_tokenizer, out)
     assert not out.exists() and not out.with_name(out.name + ".tmp").exists()
+
+
+def test_replay_chain_reports_chains_of_every_drafter(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    traces = _write_traces(tmp_path / "t.jsonl.gz", CONVERSATIONS)
+    assert main(["replay", str(traces), "--chain", "4", "--baselines", "prompt-lookup", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    names = [r["drafter"] for r in out["results"]]
+    # Ours in chain mode, beside our tree cut to its best path and prompt lookup of 4 tokens.
+    assert names == ["draftcache", "draftcache-tree/best_chain(4)", "prompt-lookup(n=1..3,k=4)"]
+    for r in out["results"]:
+        # No drafter proposes more than 4 tokens a step.
+        assert r["drafted_per_step"] <= 4
+    # Request "b" repeats request "a"'s output: in chains of 4 it still takes fewer steps.
+    assert out["results"][0]["mat_by_category"]["repeat"] > 1.0

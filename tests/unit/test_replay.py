@@ -6,6 +6,7 @@ import pytest
 
 from benchmarks.baselines import EngineDrafter, PromptLookupDrafter
 from benchmarks.replay import ReplayStats, replay
+from benchmarks.replay_bench import BestChain, ReplayConfig, drafters
 from benchmarks.traces import Conversation, Segment, read_traces
 from indexer.drafter import DrafterConfig, DraftParams, NamespaceDrafter
 from indexer.tokens import Namespace
@@ -253,3 +254,41 @@ def test_merged_stats_add_up_disjoint_replays():
     assert a.steps == 4 and dict(a.by_category) == {"x": [10, 4]}  # the parts stay as they were
     with pytest.raises(ValueError):
         ReplayStats.merged([])
+
+
+# -- chain replay ------------------------------------------------------------------------------
+
+
+def test_best_chain_cuts_a_tree_drafter_to_k_tokens():
+    stats = replay([FULL], BestChain(PromptLookupDrafter(), 2))
+    # Prompt lookup drafts "3 4 1 2"; cut to 2 tokens, each step yields 2 + bonus: "3 4 1", "2".
+    assert (stats.steps, stats.tokens) == (2, 4)
+    # 2 tokens proposed at each step (the second: "2 3" after "3 4 1", where the output ends).
+    assert stats.drafted == 4
+
+
+def test_chain_replay_proposes_at_most_k_tokens_per_step():
+    config = ReplayConfig(params=DraftParams(chain=2), baselines=("prompt-lookup",), chain=2)
+    conv = _conv("c", ("input", [1, 2, 3, 4, 5, 6, 1, 2]), ("output", [3, 4, 5, 6, 9]))
+    drafters_ = drafters(Namespace(name="ns", vocab_size=100), config, None)
+    # Ours in chain mode, our tree cut to its best path, and prompt lookup drafting 2 tokens.
+    assert [d.name for d in drafters_] == ["draftcache", "draftcache-tree/best_chain(2)", "prompt-lookup(n=1..3,k=2)"]
+    for d in drafters_:
+        stats = replay([conv], d)
+        # "1 2" was followed by "3 4 5 6": two steps of 2 + bonus ("3 4 5", "6 9").
+        assert (stats.steps, stats.tokens) == (2, 5), d.name
+        # Never more than 2 tokens proposed at a step.
+        assert stats.drafted <= 2 * stats.steps, d.name
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"chain": 2},  # the params draft trees
+        {"chain": 2, "params": DraftParams(chain=2), "lookahead": 1},  # nothing is drafted ahead of chains
+    ],
+)
+def test_chain_replay_config_is_checked(kw):
+    # A chain length the params disagree with, or chains with drafting ahead, are refused.
+    with pytest.raises(ValueError):
+        ReplayConfig(**kw)
