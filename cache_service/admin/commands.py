@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from cache_service.admin.options import add, positive
+from cache_service.admin.options import HelpFormatter, add, positive
 from cache_service.admin.warm import FORMATS as CORPUS_FORMATS
 
 if TYPE_CHECKING:
@@ -339,10 +339,13 @@ def cmd_admin(a: argparse.Namespace) -> int:
 
 
 def _namespaces_args(p: argparse.ArgumentParser) -> None:
-    actions = p.add_subparsers(dest="action", required=True, metavar="ACTION")
-    listing = actions.add_parser("list", help="the namespaces the service serves (those the token may use)")
+    actions = p.add_subparsers(dest="action", required=True, metavar="ACTION", help="list or delete")
+    listing = actions.add_parser(
+        "list", help="the namespaces the service serves (those the token may use)", formatter_class=HelpFormatter
+    )
     delete = actions.add_parser(
         "delete",
+        formatter_class=HelpFormatter,
         help="delete a namespace everywhere: its live sessions end without commit, and its lifetime "
         "log, priors and stored sessions leave storage (other replicas drop it when they notice)",
     )

@@ -18,14 +18,24 @@ def _subparsers() -> dict[str, argparse.ArgumentParser]:
     return dict(action.choices)
 
 
+def _options(name: str, parser: argparse.ArgumentParser) -> list[tuple[str, argparse.Action]]:
+    """Every option of a subcommand, its own subcommands' included (``namespaces delete``)."""
+    found = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub, subparser in action.choices.items():
+                found += _options(f"{name} {sub}", subparser)
+        if not isinstance(action, argparse._HelpAction):
+            found.append((name, action))
+    return found
+
+
 def test_every_subcommand_is_in_the_table_and_every_option_has_help() -> None:
     parsers = _subparsers()
     assert set(parsers) == set(COMMANDS)
     for name, parser in parsers.items():
-        for action in parser._actions:
-            if isinstance(action, argparse._HelpAction):
-                continue
-            assert action.help, f"draftcache {name} {action.option_strings or action.dest}: no help text"
+        for where, action in _options(name, parser):
+            assert action.help, f"draftcache {where} {action.option_strings or action.dest}: no help text"
 
 
 def test_help_shows_the_defaults(capsys: pytest.CaptureFixture[str]) -> None:
