@@ -87,3 +87,32 @@ def test_remote_replay_of_several_namespaces(
         (ours,), (theirs,) = rows, remote["by_namespace"][name]
         assert (theirs["steps"], theirs["drafted_per_step"]) == (ours["steps"], ours["drafted_per_step"])
     assert remote["results"][0]["mat"] == local["results"][0]["mat"] > 1.5
+
+
+def test_replay_through_a_service_takes_its_namespace_vocabulary(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The trace's largest id is 9: guessed from the trace, the vocabulary would be 10, which the
+    # service's namespace of 32000 ids refuses (ALREADY_EXISTS). The replay asks the service.
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(
+        json.dumps(
+            {
+                "id": "a",
+                "namespace": "llama2",
+                "segments": [
+                    {"kind": "input", "tokens": [1, 2, 3, 4]},
+                    {"kind": "output", "tokens": [1, 2, 3, 4, 5, 9]},
+                ],
+            }
+        )
+        + "\n"
+    )
+    running = start_service(ServiceConfig())
+    try:
+        running.admin.CreateNamespace(pb.CreateNamespaceRequest(name="llama2", vocab_size=32000))
+        assert main(["replay", str(trace), "--target", running.target, "--json"]) == 0
+    finally:
+        stop_service(running)
+    report = json.loads(capsys.readouterr().out)
+    assert report["results"][0]["mat"] > 1.0
