@@ -177,7 +177,10 @@ class CommitWriter:
             if not run:
                 return logged
             try:
-                logged.append(self._append(run[0].namespace, run))
+                if self.store.namespace_registered(run[0].namespace):
+                    logged.append(self._append(run[0].namespace, run))
+                else:  # deleted meanwhile: its commits would make an orphan log of it
+                    logger.warning("%d queued commits of deleted namespace %s dropped", len(run), run[0].namespace)
             except StorageError as exc:
                 self._note_failure(exc)
                 raise

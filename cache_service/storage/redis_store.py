@@ -112,6 +112,11 @@ class RedisStore:
         return stored_namespaces.delete(self.client, name, self.config.read_batch)
 
     @guarded
+    def namespace_registered(self, name: str) -> bool:
+        """Whether ``name`` is registered (one HEXISTS)."""
+        return bool(self.client.hexists(keys.NAMESPACES, keys.check_name(name, what="namespace")))
+
+    @guarded
     def namespaces(self) -> dict[str, int]:
         """Every registered namespace and its vocabulary size."""
         fields = codec.as_fields(self.client.hgetall(keys.NAMESPACES), what=keys.NAMESPACES)

@@ -32,6 +32,12 @@ def _req(i: int) -> np.ndarray:
     return np.array([i, i + 1, i + 2], dtype=np.int32)
 
 
+def _registered(store: RedisStore) -> RedisStore:
+    """A store whose namespace ``ns`` is registered, as the service's always is before it commits."""
+    store.register_namespace("ns", 1000)
+    return store
+
+
 def _log(store: RedisStore) -> list[list[int]]:
     return [e.tokens.tolist() for e in store.read_log("ns", count=10_000)]
 
@@ -42,7 +48,7 @@ def _restart(server: EmbeddedRedis) -> EmbeddedRedis:
 
 
 def test_journaled_commits_reach_the_log_once_across_crashes(server: EmbeddedRedis, tmp_path: Path) -> None:
-    store = RedisStore(connect(server.url))
+    store = _registered(RedisStore(connect(server.url)))
     path = tmp_path / "journal" / "commits.journal"
     writer = CommitWriter(store, max_pending=100, journal=Journal(path, 1 << 20))
     assert writer.recover() == 0
@@ -80,7 +86,7 @@ def test_journaled_commits_reach_the_log_once_across_crashes(server: EmbeddedRed
 def test_a_failed_write_queues_in_commit_order(server: EmbeddedRedis, tmp_path: Path) -> None:
     """A commit whose write failed goes before later ones already journaled: a writer's commits
     reach the log in order, which the append-once check relies on."""
-    store = RedisStore(connect(server.url))
+    store = _registered(RedisStore(connect(server.url)))
     writer = CommitWriter(store, max_pending=100, journal=Journal(tmp_path / "j", 1 << 20))
     writer.recover()
     failing = writer._records("ns", [_req(9)])  # numbered first, its write under way (say, hung)...
@@ -97,7 +103,7 @@ def test_a_failed_write_queues_in_commit_order(server: EmbeddedRedis, tmp_path: 
 
 def test_commits_redis_refuses_are_journaled(server: EmbeddedRedis, tmp_path: Path) -> None:
     """Redis up but refusing writes (out of memory here; MISCONF alike): journaled, then replayed."""
-    store = RedisStore(connect(server.url))
+    store = _registered(RedisStore(connect(server.url)))
     writer = CommitWriter(store, max_pending=100, journal=Journal(tmp_path / "j", 1 << 20))
     writer.recover()
     store.client.config_set("maxmemory-policy", "noeviction")
@@ -119,7 +125,7 @@ def test_commits_redis_refuses_are_journaled(server: EmbeddedRedis, tmp_path: Pa
 
 
 def test_a_full_journal_refuses_the_commit(server: EmbeddedRedis, tmp_path: Path) -> None:
-    store = RedisStore(connect(server.url))
+    store = _registered(RedisStore(connect(server.url)))
     one = len(encode(CommitWriter(store, max_pending=1)._records("ns", [_req(0)])[0]))
     writer = CommitWriter(store, max_pending=100, journal=Journal(tmp_path / "j", 2 * one))
     writer.recover()
@@ -140,7 +146,7 @@ def test_a_full_journal_refuses_the_commit(server: EmbeddedRedis, tmp_path: Path
 
 @pytest.mark.skipif(not can_mount_tmpfs(), reason="needs to mount a tmpfs (root)")
 def test_a_full_disk_refuses_the_commit_and_says_so(server: EmbeddedRedis, tmp_path: Path) -> None:
-    store = RedisStore(connect(server.url))
+    store = _registered(RedisStore(connect(server.url)))
     with small_disk(tmp_path / "disk", "1m") as disk:
         writer = CommitWriter(store, max_pending=10_000, journal=Journal(disk / "j", 1 << 30))
         writer.recover()
@@ -155,3 +161,25 @@ def test_a_full_disk_refuses_the_commit_and_says_so(server: EmbeddedRedis, tmp_p
         writer.commit("ns", [_req(1)])  # room again: journaled
         assert writer.pending == 1
         writer.close()
+
+
+def test_journaled_commits_of_a_deleted_namespace_do_not_recreate_it(server: EmbeddedRedis, tmp_path: Path) -> None:
+    store = _registered(RedisStore(connect(server.url)))
+    store.register_namespace("ns", 1000)
+    store.register_namespace("kept", 1000)
+    writer = CommitWriter(store, max_pending=100, journal=Journal(tmp_path / "commits.journal", 1 << 20))
+    assert writer.recover() == 0
+    server.stop()
+    writer.commit("ns", [_req(1)])  # journaled: storage is down
+    writer.commit("kept", [_req(2)])
+    server = _restart(server)
+    try:
+        store.delete_namespace("ns")  # an admin deletes it before the journal drains
+        writer.flush()
+        # Nothing of the deleted namespace came back; the other namespace's commit is in.
+        assert not list(store.client.scan_iter(match="*{ns}*"))
+        assert [e.tokens.tolist() for e in store.read_log("kept")] == [_req(2).tolist()]
+        assert writer.pending == 0
+    finally:
+        writer.close()
+        server.stop()

@@ -71,6 +71,8 @@ def test_one_close_call_commits_its_requests_together(store: RedisStore, monkeyp
 def test_commits_queued_while_storage_is_down_are_written_in_order(tmp_path: Path) -> None:
     server = EmbeddedRedis(EmbeddedRedisConfig(data_dir=tmp_path, appendonly=True)).start()
     store = RedisStore(connect(server.url))
+    for ns in ("a", "b"):  # registered, as the service's namespaces always are before commits
+        store.register_namespace(ns, 1000)
     persistence = RedisPersistence(store, max_pending=5)
     requests = [np.array([i, i + 1], dtype=np.int32) for i in range(4)]
     server.stop()  # storage goes away: commits queue up in order
