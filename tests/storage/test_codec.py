@@ -120,9 +120,13 @@ def _stored(context: list[int], prompt_len: int) -> StoredSession:
 def test_stored_session_round_trip() -> None:
     session = _stored([5, 6, 7, 8], 3)
     fields, rej = stored_session.encode(session)
-    assert json.loads(fields[b"params"]) == {"budget": 64, "depth_reserve": 8, "max_depth": 32, "min_score": 0.5}
+    params = {"budget": 64, "depth_reserve": 8, "max_depth": 32, "min_score": 0.5}
+    assert json.loads(fields[b"params"]) == {**params, "chain": 0, "chain_min_prob": 0.0}
     back = stored_session.decode(fields, rej)
     assert (back.namespace, back.snapshot.prompt_len, back.params) == ("acme/llama2", 3, session.params)
+    # Params stored before chain mode existed read back as trees.
+    older = stored_session.decode({**fields, b"params": json.dumps(params).encode()}, rej)
+    assert older.params == session.params and older.params.chain == 0
     assert back.snapshot.context.tolist() == [5, 6, 7, 8] and back.snapshot.context.flags.writeable
     assert back.snapshot.rejected == session.snapshot.rejected
     assert stored_session.decode(fields, None).snapshot.rejected == codec.empty_columns()  # a lost table
