@@ -33,10 +33,10 @@ source deploy/bench_common.sh
 python - "$CORPUS" "$TOKENIZER" "$OUT/sharegpt.jsonl" <<'EOF'
 import sys
 from pathlib import Path
-from cache_service import warm
-from benchmarks.traces import write_traces
+from benchmarks.traces import sharegpt_conversations, write_traces
+from cache_service.admin import warm
 encode, vocab = warm.load_tokenizer(Path(sys.argv[2]))
-found = warm.sharegpt_conversations(Path(sys.argv[1]), encode, vocab, namespace="llama2", limit=3000)
+found = sharegpt_conversations(Path(sys.argv[1]), encode, vocab, namespace="llama2", limit=3000)
 write_traces(found, Path(sys.argv[3]))
 EOF
 
