@@ -25,6 +25,7 @@ from cache_service.host.embedded_redis import free_port
 from cache_service.host.workers import check_ports
 from cache_service.storage.redis_store import RedisStore
 from indexer.prior import PriorConfig, StaticPrior
+from tests.faults import children
 from tests.service.test_serve_metrics import READY_S, _healthy
 
 
@@ -45,23 +46,10 @@ def _free_pair() -> int:
     raise RuntimeError("no two free adjacent ports")
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(stat[1]) == pid:
-                out.append(int(entry.name))
-    return out
-
-
 def _workers(pid: int) -> list[int]:
     """The supervisor's worker processes (not its Redis or multiprocessing's helpers)."""
     out = []
-    for child in _children(pid):
+    for child in children(pid):
         try:
             cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
         except OSError:
