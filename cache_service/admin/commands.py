@@ -21,6 +21,7 @@ from cache_service.admin.warm import FORMATS as CORPUS_FORMATS
 
 if TYPE_CHECKING:
     import grpc
+    import numpy as np
     from draftcache.v1.draftcache_pb2 import StorageHealth
 
     from indexer.prior import PriorConfig, StaticPrior
@@ -73,7 +74,7 @@ def redis_url(a: argparse.Namespace) -> str:
     return published.read_text().strip()
 
 
-def tokenize(corpus: Path, fmt: str, tokenizer: Path, vocab_size: int | None = None) -> tuple[object, int]:
+def tokenize(corpus: Path, fmt: str, tokenizer: Path, vocab_size: int | None = None) -> tuple[np.ndarray, int]:
     """The corpus's documents as one array (each followed by a separator), and the vocabulary."""
     from tqdm import tqdm
 
@@ -98,10 +99,10 @@ def warm_prior(
 
     start = time.perf_counter()
     tokens, _ = tokenize(corpus, fmt, tokenizer, vocab_size)
-    prior = warm.build_prior(tokens, config)  # type: ignore[arg-type]
+    prior = warm.build_prior(tokens, config)
     logger.info(
         "prior: %d corpus tokens -> %.1f MB of tables in %.1f s",
-        tokens.size,  # type: ignore[attr-defined]
+        tokens.size,
         prior.nbytes / 1e6,
         time.perf_counter() - start,
     )
@@ -227,7 +228,7 @@ def _warm_lifetime(a: argparse.Namespace) -> int:
     tokens, vocab = tokenize(a.corpus, a.format, a.tokenizer)
     store = RedisStore(connect(redis_url(a)))
     store.register_namespace(a.namespace, vocab)
-    docs = warm.split_documents(tokens)  # type: ignore[arg-type]
+    docs = warm.split_documents(tokens)
     for start in range(0, len(docs), 256):
         store.append_requests(a.namespace, docs[start : start + 256])
     entries, held = store.log_size(a.namespace)
