@@ -16,7 +16,7 @@ from draftcache.v1 import draftcache_pb2 as pb
 from draftcache.v1 import draftcache_pb2_grpc as pb_grpc
 
 from decoder_client.client import tree_from_proto
-from decoder_client.wire import prefetched_from_response
+from decoder_client.wire import params_to_proto, prefetched_from_response
 from indexer.drafter import DraftParams
 from indexer.prespeculation import Prefetched, select
 from indexer.tree_builder import DraftTree
@@ -35,12 +35,7 @@ class RemoteDrafter:
         self._channel = grpc.insecure_channel(target)
         self._stub = pb_grpc.DraftCacheStub(self._channel)
         self._namespace = namespace
-        self._params = pb.DraftParams(
-            budget=params.budget,
-            max_depth=params.max_depth,
-            min_score=params.min_score,
-            depth_reserve=params.depth_reserve,
-        )
+        self._params = params_to_proto(params)
         self._timeout = timeout_s
         self._sid = ""
         self._pending: list[int] = []

@@ -16,10 +16,27 @@ import numpy as np
 from draftcache.v1 import draftcache_pb2 as pb
 from numba import njit
 
+from indexer.drafter import DraftParams
 from indexer.prespeculation import subtree
 from indexer.tree_builder import DraftTree
 
 _VARINT, _FIXED64, _LENGTH, _FIXED32 = 0, 1, 2, 5
+
+
+def params_to_proto(p: DraftParams) -> pb.DraftParams:
+    """Drafting knobs as a session's open sends them.
+
+    >>> params_to_proto(DraftParams(chain=8)).chain
+    8
+    """
+    return pb.DraftParams(
+        budget=p.budget,
+        max_depth=p.max_depth,
+        min_score=p.min_score,
+        depth_reserve=p.depth_reserve,
+        chain=p.chain,
+        chain_min_prob=p.chain_min_prob,
+    )
 
 
 @njit(cache=True, nogil=True)

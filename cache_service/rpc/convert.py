@@ -42,6 +42,8 @@ def params(msg: pb.DraftParams, default: DraftParams) -> DraftParams:
             max_depth=msg.max_depth or default.max_depth,
             min_score=msg.min_score or default.min_score,
             depth_reserve=msg.depth_reserve or default.depth_reserve,
+            chain=msg.chain or default.chain,
+            chain_min_prob=msg.chain_min_prob or default.chain_min_prob,
         )
     except ValueError as exc:
         raise InvalidArgument(str(exc)) from exc

@@ -75,10 +75,7 @@ class ClientCore:
         # And the fallback runs once: what it compiles (seconds on a fresh machine) must not
         # land on the first step the service misses, when the decoder has no time to spare.
         fallback(np.array([1, 2, 1], dtype=np.int32), 2)
-        p = config.params
-        self.params = pb.DraftParams(
-            budget=p.budget, max_depth=p.max_depth, min_score=p.min_score, depth_reserve=p.depth_reserve
-        )
+        self.params = wire.params_to_proto(config.params)
 
     def available(self) -> bool:
         return time.monotonic() >= self.down_until
@@ -258,7 +255,7 @@ class ClientCore:
             tree = got.get(id(s))
             if tree is None:
                 self.stats.fallback += 1
-                tree = self.fallback(s.context, self.config.params.budget)
+                tree = self.fallback(s.context, self.config.params.chain or self.config.params.budget)
             out.append(tree)
         return out
 

@@ -225,6 +225,27 @@ def test_chain_proposer_over_the_service(running) -> None:  # type: ignore[no-un
     proposer.finish("r1")
 
 
+def test_chain_mode_over_the_wire() -> None:
+    """A session opened in chain mode gets chains of at most K tokens from the service, and
+    from the fallback once the service is gone."""
+    from indexer.drafter import DraftParams
+
+    running = start_service(ServiceConfig(), port=free_port())
+    _ns(running.target)
+    chains = ClientConfig(target=running.target, namespace="toy", deadline_s=1.0, params=DraftParams(chain=3))
+    client = DraftClient(chains)
+    trees = DraftClient(ClientConfig(target=running.target, namespace="toy", deadline_s=1.0))
+    (session, tree_session) = client.open([PROMPT + TEXT[:2]]) + trees.open([PROMPT + TEXT[:2]])
+    (chain,) = client.draft([session], [[]])
+    (tree,) = trees.draft([tree_session], [[]])
+    assert chain.tokens.tolist() == TEXT[2:5] and chain.parents.tolist() == [-1, 0, 1]
+    assert len(tree) > 3  # the same context in tree mode: the full continuation
+    assert client.stats.fallback == 0
+    stop_service(running)
+    (chain,) = client.draft([session], [TEXT[2:5]])
+    assert client.stats.fallback == 1 and 0 < len(chain) <= 3
+
+
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "unary"])
 def test_async_client_drafts_and_falls_back(stream: bool) -> None:
     from decoder_client.client import AsyncDraftClient

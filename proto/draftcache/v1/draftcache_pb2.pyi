@@ -7,16 +7,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DraftParams(_message.Message):
-    __slots__ = ("budget", "max_depth", "min_score", "depth_reserve")
+    __slots__ = ("budget", "max_depth", "min_score", "depth_reserve", "chain", "chain_min_prob")
     BUDGET_FIELD_NUMBER: _ClassVar[int]
     MAX_DEPTH_FIELD_NUMBER: _ClassVar[int]
     MIN_SCORE_FIELD_NUMBER: _ClassVar[int]
     DEPTH_RESERVE_FIELD_NUMBER: _ClassVar[int]
+    CHAIN_FIELD_NUMBER: _ClassVar[int]
+    CHAIN_MIN_PROB_FIELD_NUMBER: _ClassVar[int]
     budget: int
     max_depth: int
     min_score: float
     depth_reserve: int
-    def __init__(self, budget: _Optional[int] = ..., max_depth: _Optional[int] = ..., min_score: _Optional[float] = ..., depth_reserve: _Optional[int] = ...) -> None: ...
+    chain: int
+    chain_min_prob: float
+    def __init__(self, budget: _Optional[int] = ..., max_depth: _Optional[int] = ..., min_score: _Optional[float] = ..., depth_reserve: _Optional[int] = ..., chain: _Optional[int] = ..., chain_min_prob: _Optional[float] = ...) -> None: ...
 
 class Tree(_message.Message):
     __slots__ = ("tokens", "parents", "sources", "scores")
