@@ -20,21 +20,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from indexer.kernels.chain import DEPTHS, RATIO_BINS, chain_cells, chain_conditional, chain_outcome, chain_path
 from indexer.tree_builder import DraftTree, Tier
 
-_RATIO_BINS = 9  # score / parent score in eighths, 1.0 in a bin of its own
 _SCORE_EDGES = np.array([0.05, 0.1, 0.2, 0.4, 0.7, 0.99])  # the node's own score
-_DEPTHS = 4  # depths 1, 2, 3 and 4 or more
 _COARSE_PRIOR = 2.0  # pseudo-trials at the ratio's own claim, per ratio bin
 _FINE_PRIOR = 4.0  # pseudo-trials at the ratio bin's estimate, per fine cell
-
-
-def _ratio_bins(tree: DraftTree) -> np.ndarray:
-    scores = tree.scores.astype(np.float64)
-    parents = tree.parents.astype(np.int64)
-    parent = np.where(parents >= 0, scores[np.maximum(parents, 0)], 1.0)
-    ratio = np.clip(scores / np.maximum(parent, 1e-9), 0.0, 1.0)
-    return np.minimum((ratio * 8).astype(np.int64), _RATIO_BINS - 1)
 
 
 class ChainCalibrator:
@@ -50,58 +41,42 @@ class ChainCalibrator:
     """
 
     def __init__(self) -> None:
-        shape = (_RATIO_BINS, _SCORE_EDGES.size + 1, len(Tier), _DEPTHS)
+        shape = (RATIO_BINS, _SCORE_EDGES.size + 1, len(Tier), DEPTHS)
         self._hits = np.zeros(shape)
         self._trials = np.zeros(shape)
-        self._coarse_hits = np.zeros(_RATIO_BINS)
-        self._coarse_trials = np.zeros(_RATIO_BINS)
+        self._coarse_hits = np.zeros(RATIO_BINS)
+        self._coarse_trials = np.zeros(RATIO_BINS)
         # Before any outcome a ratio bin claims its midpoint (the scores' own estimate).
-        self._claim = (np.arange(_RATIO_BINS) + 0.5) / 8
+        self._claim = (np.arange(RATIO_BINS) + 0.5) / 8
         self._claim[-1] = 1.0
 
-    def _cells(self, tree: DraftTree) -> tuple[np.ndarray, ...]:
-        depths = np.minimum(tree.depths(), _DEPTHS) - 1
-        score = np.searchsorted(_SCORE_EDGES, tree.scores.astype(np.float64), side="right")
-        return _ratio_bins(tree), score, tree.sources.astype(np.int64), depths.astype(np.int64)
+    @staticmethod
+    def _cells(tree: DraftTree) -> np.ndarray:
+        return chain_cells(tree.parents, tree.scores, tree.sources, _SCORE_EDGES)
 
     def conditional(self, tree: DraftTree) -> np.ndarray:
         """Per node, the probability it is accepted given its parent was (float64)."""
         if not len(tree):
             return np.zeros(0)
-        cells = self._cells(tree)
-        ratio = cells[0]
-        coarse = (self._coarse_hits[ratio] + _COARSE_PRIOR * self._claim[ratio]) / (
-            self._coarse_trials[ratio] + _COARSE_PRIOR
-        )
-        return (self._hits[cells] + _FINE_PRIOR * coarse) / (self._trials[cells] + _FINE_PRIOR)
+        coarse = (self._coarse_hits + _COARSE_PRIOR * self._claim) / (self._coarse_trials + _COARSE_PRIOR)
+        return chain_conditional(self._cells(tree), self._hits, self._trials, coarse, _FINE_PRIOR)
 
     def update(self, tree: DraftTree, produced: np.ndarray) -> None:
         """Learn from the tokens the target produced after ``tree`` (accepted ones plus the bonus
         token): every node whose parent matched them and whose depth they reach is a trial,
         a hit where its token is the one produced there."""
-        n = len(tree)
-        if not n or not produced.size:
+        if not len(tree) or not produced.size:
             return
-        parents = tree.parents.tolist()
-        tokens = tree.tokens.tolist()
-        truth = produced.tolist()
-        matched = [False] * n  # the node's path equals the produced tokens
-        trial = np.zeros(n, dtype=bool)
-        depth = [0] * n
-        for i in range(n):  # wire order: a parent precedes its children
-            p = parents[i]
-            depth[i] = 1 if p < 0 else depth[p] + 1
-            if (p < 0 or matched[p]) and depth[i] <= len(truth):
-                trial[i] = True
-                matched[i] = tokens[i] == truth[depth[i] - 1]
-        if not trial.any():
-            return
-        hit = np.array(matched, dtype=np.float64)[trial]
-        cells = tuple(c[trial] for c in self._cells(tree))
-        np.add.at(self._trials, cells, 1.0)
-        np.add.at(self._hits, cells, hit)
-        np.add.at(self._coarse_trials, cells[0], 1.0)
-        np.add.at(self._coarse_hits, cells[0], hit)
+        chain_outcome(
+            tree.parents,
+            tree.tokens,
+            np.ascontiguousarray(produced, dtype=np.int32),
+            self._cells(tree),
+            self._hits,
+            self._trials,
+            self._coarse_hits,
+            self._coarse_trials,
+        )
 
 
 def best_path(
@@ -123,37 +98,9 @@ def best_path(
     >>> best_path(parents, np.array([0.6, 0.5, 0.3, 0.9, 0.9]), 1).tolist()  # one token: 0.6 > 0.5
     [0]
     """
-    n = parents.size
-    if n == 0 or k <= 0:
-        return np.zeros(0, dtype=np.int64)
-    par = parents.astype(np.int64)
-    cumulative = conditional.astype(np.float64).copy()
-    for i in range(n):  # wire order: the parent's cumulative probability is final
-        if par[i] >= 0:
-            cumulative[i] *= cumulative[par[i]]
-    usable = cumulative >= min_prob if min_prob > 0 else cumulative > 0
-    if preference is not None:
-        cumulative = preference.astype(np.float64).copy()
-        for i in range(n):
-            if par[i] >= 0:
-                cumulative[i] *= cumulative[par[i]]
-    # value[j][i]: the best sum of a path of at most j nodes starting at node i.
-    value = np.zeros((k + 1, n))
-    linked = (par >= 0) & usable  # nodes that extend a usable parent's paths
-    for j in range(1, k + 1):
-        below = np.zeros(n)
-        np.maximum.at(below, par[linked], value[j - 1][linked])
-        value[j] = np.where(usable, cumulative + below, 0.0)
-    path: list[int] = []
-    parent = -1
-    for j in range(k, 0, -1):
-        kids = np.flatnonzero((par == parent) & usable)
-        if not kids.size:
-            break
-        best = int(kids[np.argmax(value[j][kids])])  # argmax: the first of equals
-        path.append(best)
-        parent = best
-    return np.array(path, dtype=np.int64)
+    conditional = np.ascontiguousarray(conditional, dtype=np.float64)
+    weights = conditional if preference is None else np.ascontiguousarray(preference, dtype=np.float64)
+    return chain_path(np.ascontiguousarray(parents, dtype=np.int32), conditional, weights, k, float(min_prob))
 
 
 def cut_to_chain(tree: DraftTree, k: int, conditional: np.ndarray, min_prob: float = 0.0) -> DraftTree:

@@ -23,6 +23,7 @@ from indexer.kernels import lru
 from indexer.kernels import store as kstore
 from indexer.kernels.accept import accept_batch
 from indexer.kernels.ahead import stopping_points, stopping_points_rows, subtree_nodes
+from indexer.kernels.chain import chain_cells, chain_conditional, chain_outcome, chain_path
 from indexer.kernels.draft import calibrate, draft_batch, draft_batch_parallel, no_prior, prior_args
 from indexer.kernels.search import (
     context_continuations,
@@ -63,6 +64,10 @@ __all__ = [
     "accept_batch",
     "accepted_path",
     "calibrate",
+    "chain_cells",
+    "chain_conditional",
+    "chain_outcome",
+    "chain_path",
     "context_continuations",
     "context_followers",
     "draft_batch",
@@ -169,6 +174,12 @@ def warm_up() -> None:
     lru.leaders_oldest_first(table)
     lru.candidates(table, toks)
     lru.columns(table)  # a session's write-back
+    # Chain mode: a node's cell, its probability, the chosen path and an outcome's count.
+    cells = chain_cells(root, np.ones(1, dtype=np.float32), np.zeros(1, dtype=np.uint8), np.ones(1))
+    grid = np.zeros((9, 7, 7, 4))
+    chain_conditional(cells, grid, grid, np.ones(9), 1.0)
+    chain_path(root, np.ones(1), np.ones(1), 2, 0.0)
+    chain_outcome(root, one, one, cells, grid, grid.copy(), np.zeros(9), np.zeros(9))
 
 
 def _tiny_store() -> tuple:

@@ -1,5 +1,9 @@
+import itertools
+
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from indexer.chain import ChainCalibrator, best_path, cut_to_chain
 from indexer.drafter import DrafterConfig, DraftParams, NamespaceDrafter
@@ -58,6 +62,57 @@ def test_preference_ranks_but_probabilities_cut():
     assert best_path(parents, conditional, 1, preference=np.array([0.1, 0.2])).tolist() == [1]
     # min_prob still reads the probabilities: 0.5 < 0.6 drops both roots.
     assert best_path(parents, conditional, 1, min_prob=0.6, preference=np.array([0.1, 0.2])).size == 0
+
+
+def _every_path_value(parents, conditional, preference, k, min_prob):
+    """The best value over every root path of at most ``k`` usable nodes, by enumeration."""
+    n = len(parents)
+    reach, gain = list(conditional), list(preference)
+    for i in range(n):
+        if parents[i] >= 0:
+            reach[i] *= reach[parents[i]]
+            gain[i] *= gain[parents[i]]
+    usable = [(r >= min_prob) if min_prob > 0 else r > 0 for r in reach]
+    best = 0.0
+    for end in range(n):  # the path from the root to ``end``, cut to k nodes
+        path, node = [], end
+        while node >= 0:
+            path.append(node)
+            node = parents[node]
+        path.reverse()
+        total = 0.0
+        for node in path[:k]:
+            if not usable[node]:
+                break
+            total += gain[node]
+        best = max(best, total)
+    return best
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    shape=st.lists(st.integers(0, 40), min_size=0, max_size=40),
+    probs=st.lists(st.sampled_from([0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0]), min_size=40, max_size=40),
+    prefs=st.lists(st.floats(0.0, 1.0), min_size=40, max_size=40),
+    k=st.integers(0, 9),
+    min_prob=st.sampled_from([0.0, 0.05, 0.3]),
+)
+def test_best_path_is_the_best_of_every_root_path(shape, probs, prefs, k, min_prob):
+    """The compiled programme's path: a root path of at most k usable nodes whose value no other
+    root path beats."""
+    parents = _a([-1 if i == 0 else (p % (i + 1)) - 1 for i, p in enumerate(shape)])
+    n = parents.size
+    conditional, preference = np.array(probs[:n]), np.array(prefs[:n])
+    path = best_path(parents, conditional, k, min_prob, preference).tolist()
+    assert len(path) <= max(k, 0)
+    if path:
+        assert parents[path[0]] == -1 and all(parents[b] == a for a, b in itertools.pairwise(path))
+    best = _every_path_value(parents.tolist(), probs[:n], prefs[:n], k, min_prob)
+    got, value = 1.0, 0.0
+    for node in path:
+        got *= preference[node]
+        value += got
+    assert value == pytest.approx(best, abs=1e-9)
 
 
 def test_empty_tree_and_zero_length():
