@@ -58,7 +58,9 @@ class EngineDrafter:
         if self.lookahead:
             self._engine.prespeculate(self._active(), self.lookahead, self._params)
 
-    def advance(self, tokens: np.ndarray) -> None:
+    def advance(self, tokens: np.ndarray, topk: np.ndarray | None = None) -> None:
+        # ``topk`` (the target's top-k at the verified positions) is for the successor tier,
+        # which consumes it; until then the engine learns from the tokens alone.
         self._engine.accept(self._active(), tokens)
 
     def finish(self, commit_from: int) -> None:
@@ -83,7 +85,7 @@ class PromptLookupDrafter:
     def propose(self) -> DraftTree:
         return DraftTree.chain(prompt_lookup(self._ctx, **self._args))
 
-    def advance(self, tokens: np.ndarray) -> None:
+    def advance(self, tokens: np.ndarray, topk: np.ndarray | None = None) -> None:  # peers: no use for topk
         self._ctx = np.concatenate((self._ctx, tokens))
 
     def finish(self, commit_from: int) -> None:
@@ -127,7 +129,7 @@ class SuffixDecodingDrafter:
             np.asarray(d.probs, dtype=np.float32),
         )
 
-    def advance(self, tokens: np.ndarray) -> None:
+    def advance(self, tokens: np.ndarray, topk: np.ndarray | None = None) -> None:  # peers: no use for topk
         self._cache.add_active_response(self._req, tokens)
         self._ctx = np.concatenate((self._ctx, tokens))
 
@@ -189,7 +191,7 @@ class RestDrafter:
                 return tree_of_paths(paths)
         return DraftTree.empty()
 
-    def advance(self, tokens: np.ndarray) -> None:
+    def advance(self, tokens: np.ndarray, topk: np.ndarray | None = None) -> None:  # peers: no use for topk
         self._ctx = np.concatenate((self._ctx, tokens))
 
     def finish(self, commit_from: int) -> None:

@@ -11,6 +11,7 @@ import gc
 import json
 import logging
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from benchmarks import replay_bench
 from benchmarks.replay import ReplayStats
-from benchmarks.traces import read_traces, sharegpt_conversations, write_traces
+from benchmarks.traces import check_vocabulary, read_traces, sharegpt_conversations, write_traces
 from cache_service.admin import warm
 from cache_service.admin.commands import prior_args, prior_config, read_prior, warm_prior, write_atomic
 from cache_service.admin.options import add, non_negative, positive
@@ -60,6 +61,13 @@ def _replay_args(r: argparse.ArgumentParser) -> None:
         "each baseline cut to its best path); 0: trees",
     )
     add(r, "--chain-min-prob", type=float, default=0.0, help="chain mode: stop before a token less likely than this")
+    r.add_argument(
+        "--topk",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="hand the target's top-k at every verified position to the drafter (default: when the traces "
+        "record it; --no-topk measures without)",
+    )
     add(r, "--suffix-factor", type=float, default=8.0, help="SuffixDecoding's max_spec_factor")
     add(r, "--suffix-min-prob", type=float, default=0.01, help="SuffixDecoding's min_token_prob")
     add(r, "--rest-datastore", type=Path, default=None, help="REST's datastore (built from --warm-corpus if missing)")
@@ -139,6 +147,10 @@ def _replay_groups(a: argparse.Namespace, config: replay_bench.ReplayConfig) -> 
             (ns if size is None else Namespace(name=ns.name, vocab_size=size), part)
             for (ns, part), size in zip(groups, served, strict=True)
         ]
+        for ns, part in groups:  # the service checks tokens, never the top-k replay hands over
+            check_vocabulary(part, ns.vocab_size)
+    if a.topk and not any(c.has_topk for _, part in groups for c in part):
+        raise ValueError(f"--topk: {a.traces} records no top-k (make one with make-topk-trace)")
     return groups
 
 
@@ -158,6 +170,7 @@ def cmd_replay(a: argparse.Namespace) -> int:
         rest_datastore=a.rest_datastore,
         lookahead=a.lookahead,
         chain=a.chain,
+        topk=a.topk is not False,
     )
     groups = _replay_groups(a, config)
     if "rest" in config.baselines:
@@ -173,7 +186,7 @@ def cmd_replay(a: argparse.Namespace) -> int:
             [replay_bench.remote_drafter(a.target, namespace, config.params, config.lookahead)] if a.target else []
         )
         drafter_list += replay_bench.drafters(namespace, config, prior)
-        per_namespace.append((namespace.name, replay_bench.run_replay(part, drafter_list)))
+        per_namespace.append((namespace.name, replay_bench.run_replay(part, drafter_list, topk=config.topk)))
     if len(per_namespace) == 1:
         print(replay_bench.report(per_namespace[0][1], a.traces, as_json=a.json))
         return 0
@@ -260,6 +273,40 @@ def cmd_bench_generate(a: argparse.Namespace) -> int:
     result = run_bench(model, tokenizer, config, prior)
     print(report(result, as_json=a.json))
     return 0 if result["lossless"] else 1
+
+
+def _topk_trace_args(t: argparse.ArgumentParser) -> None:
+    add(t, "--out", type=Path, required=True, help="the trace file to write (.jsonl.gz)")
+    add(t, "--model", type=Path, default=None, help="local Hugging Face model folder (default: SmolLM2-135M)")
+    add(t, "--tokenizer", type=Path, default=SHARED / "tokenizers/smollm2", help="the model's tokenizer folder")
+    add(t, "--spec-bench", type=Path, default=SHARED / "traces/spec_bench_vicuna7b.jsonl.gz", help="Spec-Bench trace")
+    add(t, "--llama-tokenizer", type=Path, default=SHARED / "tokenizers/llama2-spm", help="the Spec-Bench ids'")
+    add(t, "--per-group", type=positive, default=40, help="questions per Spec-Bench task group (six groups)")
+    add(t, "--turns", type=positive, default=1, choices=(1, 2), help="2: MT-bench's second turns too")
+    add(t, "--max-new-tokens", type=positive, default=256, help="most tokens per answer")
+    add(t, "--k", type=positive, default=8, help="top-k ids recorded per output position (at most 8)")
+    add(t, "--batch", type=positive, default=8, help="prompts decoded together")
+    add(t, "--threads", type=positive, default=2, help="torch CPU threads")
+
+
+def cmd_make_topk_trace(a: argparse.Namespace) -> int:
+    import torch
+
+    from benchmarks import topk_trace
+    from decoder_client.models import load_model
+
+    config = topk_trace.TopkTraceConfig(
+        per_group=a.per_group, turns=a.turns, max_new_tokens=a.max_new_tokens, k=a.k, batch=a.batch
+    )
+    torch.set_num_threads(a.threads)
+    questions = topk_trace.spec_bench_questions(a.spec_bench, a.llama_tokenizer, a.per_group)
+    model, tokenizer = load_model(a.model, a.tokenizer)
+    start = time.perf_counter()
+    conversations = topk_trace.make_trace(model, tokenizer, questions, config)
+    seconds = time.perf_counter() - start
+    topk_trace.write_atomic(conversations, a.out)
+    print(json.dumps({"out": str(a.out), "seconds": round(seconds, 1), **topk_trace.stats(conversations)}, indent=2))
+    return 0
 
 
 def _bench_rpc_args(rb: argparse.ArgumentParser) -> None:
@@ -423,6 +470,7 @@ _COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Callable[[
     "bench-load": (_bench_load_args, cmd_bench_load),
     "bench-draft": (_bench_draft_args, cmd_bench_draft),
     "bench-index": (_bench_index_args, cmd_bench_index),
+    "make-topk-trace": (_topk_trace_args, cmd_make_topk_trace),
 }
 
 

@@ -59,7 +59,9 @@ class RemoteDrafter:
     def draft_ahead(self) -> None:
         """Nothing to do: the draft call drafted ahead already."""
 
-    def advance(self, tokens: np.ndarray) -> None:
+    def advance(self, tokens: np.ndarray, topk: np.ndarray | None = None) -> None:
+        # ``topk`` (the target's top-k at the verified positions) is for the successor tier,
+        # which consumes it with the step's feedback; until then only the tokens are sent.
         self._pending.extend(tokens.tolist())
 
     def finish(self, commit_from: int) -> None:

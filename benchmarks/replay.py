@@ -5,10 +5,15 @@ The rule is exact for greedy decoding: at each step the drafter proposes a tree,
 length is the longest root path equal to the recorded continuation, and the step yields the
 accepted tokens plus one (the target's bonus token). Those tokens are fed back; the rest of the
 tree counts as rejected. When a request ends, its new tokens join the drafter's history.
+
+A decoder sees the target's logits at every position it verifies: the context's last token and
+each accepted draft token. Where a trace records the target's top-k there (``Segment.topk``),
+replay hands those rows over with the step's tokens, to drafters whose ``advance`` takes them.
 """
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
@@ -17,7 +22,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from benchmarks.traces import Conversation
+from benchmarks.traces import Conversation, Segment
 from indexer.tree_builder import DraftTree, Tier
 
 
@@ -30,7 +35,11 @@ class ReplayDrafter(Protocol):
 
     def propose(self) -> DraftTree: ...
 
-    def advance(self, tokens: np.ndarray) -> None: ...
+    def advance(self, tokens: np.ndarray, topk: np.ndarray | None = None) -> None:
+        """``tokens``: what the step yields (accepted draft tokens, then the bonus token). ``topk``
+        (int32, ``(len(tokens), k)``), where the trace has it: row ``j`` is the target's top-k
+        next tokens at the position that predicted ``tokens[j]`` (the one after the context's
+        last token for ``j == 0``), exactly the positions the step verified."""
 
     def finish(self, commit_from: int) -> None: ...
 
@@ -59,6 +68,7 @@ class ReplayStats:
     latencies_us: list[float] = field(default_factory=list)
     ahead_us: list[float] = field(default_factory=list)  # drafting ahead, hidden behind verification
     ahead_hits: int = 0  # steps whose tree was drafted ahead
+    topk_rows: int = 0  # verified positions whose target top-k was handed to the drafter
 
     @classmethod
     def merged(cls, parts: Sequence[ReplayStats]) -> ReplayStats:
@@ -72,6 +82,7 @@ class ReplayStats:
             out.drafted += p.drafted
             out.requests += p.requests
             out.ahead_hits += p.ahead_hits
+            out.topk_rows += p.topk_rows
             out.latencies_us += p.latencies_us
             out.ahead_us += p.ahead_us
             for c, (tokens, steps) in p.by_category.items():
@@ -99,6 +110,7 @@ class ReplayStats:
             "mat_by_category": {c: round(t / max(s, 1), 4) for c, (t, s) in sorted(self.by_category.items())},
             "accepted_by_tier": dict(sorted(self.accepted_by_tier.items())),
             **self._ahead_summary(),
+            **({"topk_rows": self.topk_rows} if self.topk_rows else {}),
         }
 
     def _ahead_summary(self) -> dict:
@@ -112,9 +124,19 @@ class ReplayStats:
         }
 
 
-def replay(conversations: Iterable[Conversation], drafter: ReplayDrafter) -> ReplayStats:
-    """Replay every output segment of every conversation, in order."""
+def takes_topk(drafter: ReplayDrafter) -> bool:
+    """Whether the drafter's ``advance`` takes the target's top-k (a ``topk`` parameter)."""
+    try:
+        return "topk" in inspect.signature(drafter.advance).parameters
+    except (TypeError, ValueError):  # no signature to read: it does not say it takes them
+        return False
+
+
+def replay(conversations: Iterable[Conversation], drafter: ReplayDrafter, *, topk: bool = True) -> ReplayStats:
+    """Replay every output segment of every conversation, in order. With ``topk``, segments that
+    record the target's top-k hand the verified positions' rows to a drafter that takes them."""
     stats = ReplayStats(drafter.name)
+    feed = topk and takes_topk(drafter)
     for conv in conversations:
         parts: list[np.ndarray] = []
         committed = 0  # context tokens already committed by earlier requests of this conversation
@@ -123,14 +145,18 @@ def replay(conversations: Iterable[Conversation], drafter: ReplayDrafter) -> Rep
                 parts.append(seg.tokens)
                 continue
             prompt = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
-            _request(drafter, prompt, seg.tokens, stats, conv.category)
+            _request(drafter, prompt, seg, stats, conv.category, feed)
             drafter.finish(committed)
             parts.append(seg.tokens)
             committed = prompt.size + seg.tokens.size
     return stats
 
 
-def _request(drafter: ReplayDrafter, prompt: np.ndarray, target: np.ndarray, stats: ReplayStats, category: str) -> None:
+def _request(
+    drafter: ReplayDrafter, prompt: np.ndarray, seg: Segment, stats: ReplayStats, category: str, feed: bool
+) -> None:
+    target = seg.tokens
+    rows = seg.topk if feed else None
     drafter.start(prompt)
     pos, steps = 0, 0
     while pos < target.size:
@@ -146,7 +172,11 @@ def _request(drafter: ReplayDrafter, prompt: np.ndarray, target: np.ndarray, sta
         for node in path:
             stats.accepted_by_tier[Tier(int(tree.sources[node])).name] += 1
         step = target[pos : pos + len(path) + 1]
-        drafter.advance(step)
+        if rows is None:
+            drafter.advance(step)
+        else:  # the target's top-k at the positions this step verified: pos .. pos + accepted
+            drafter.advance(step, topk=rows[pos : pos + step.size])
+            stats.topk_rows += step.size
         pos += step.size
         steps += 1
         stats.drafted += len(tree)

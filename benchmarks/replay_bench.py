@@ -19,8 +19,8 @@ from benchmarks.baselines import (
     rest_available,
     suffix_decoding_available,
 )
-from benchmarks.replay import ReplayDrafter, ReplayStats, replay
-from benchmarks.traces import Conversation
+from benchmarks.replay import ReplayDrafter, ReplayStats, replay, takes_topk
+from benchmarks.traces import Conversation, check_vocabulary
 from cache_service.admin import warm
 from cache_service.admin.warm import split_documents
 from decoder_client.adapters import best_chain
@@ -51,6 +51,9 @@ class ReplayConfig:
     # one chain: ours in chain mode (params.chain), beside our tree cut to its best path and
     # each baseline cut the same way (prompt lookup drafts this many tokens). 0: trees.
     chain: int = 0
+    # Hand the target's top-k at the verified positions to drafters that take them, where the
+    # traces record it (off: measure the same traces without it).
+    topk: bool = True
 
     def __post_init__(self) -> None:
         unknown = set(self.baselines) - set(BASELINES)
@@ -71,12 +74,15 @@ def by_namespace(
 ) -> list[tuple[Namespace, list[Conversation]]]:
     """The conversations of each namespace, namespaces in the order they first appear. Token ids
     mean nothing across namespaces, so each is replayed on drafters of its own. A namespace's
-    vocabulary is ``vocab_size`` where given (it names one namespace's), else its largest id + 1."""
+    vocabulary is ``vocab_size`` where given (it names one namespace's; every id, top-k lists
+    included, must lie inside it), else its largest id + 1."""
     groups: dict[str, list[Conversation]] = {}
     for c in conversations:
         groups.setdefault(c.namespace, []).append(c)
     if vocab_size is not None and len(groups) > 1:
         raise ValueError(f"a vocabulary size names one namespace's; the traces hold {sorted(groups)}")
+    if vocab_size is not None:
+        check_vocabulary(conversations, vocab_size)
     return [
         (Namespace(name=name, vocab_size=vocab_size if vocab_size is not None else _largest_id(convs) + 1), convs)
         for name, convs in groups.items()
@@ -93,7 +99,7 @@ def namespace_of(conversations: list[Conversation], vocab_size: int | None) -> N
 
 
 def _largest_id(conversations: list[Conversation]) -> int:
-    return max((int(s.tokens.max()) for c in conversations for s in c.segments if s.tokens.size), default=0)
+    return max([0, *(c.largest_id() for c in conversations)])
 
 
 class BestChain:
@@ -108,6 +114,7 @@ class BestChain:
     def __init__(self, inner: ReplayDrafter, k: int) -> None:
         self.name = f"{inner.name}/best_chain({k})"
         self._inner = inner
+        self._inner_takes_topk = takes_topk(inner)
         self._k = k
 
     def start(self, prompt: np.ndarray) -> None:
@@ -116,8 +123,11 @@ class BestChain:
     def propose(self) -> DraftTree:
         return DraftTree.chain(best_chain(self._inner.propose(), self._k))
 
-    def advance(self, tokens: np.ndarray) -> None:
-        self._inner.advance(tokens)
+    def advance(self, tokens: np.ndarray, topk: np.ndarray | None = None) -> None:
+        if topk is not None and self._inner_takes_topk:
+            self._inner.advance(tokens, topk=topk)
+        else:
+            self._inner.advance(tokens)
 
     def finish(self, commit_from: int) -> None:
         self._inner.finish(commit_from)
@@ -220,11 +230,13 @@ def remote_drafter(target: str, namespace: Namespace, params: DraftParams, looka
     return RemoteDrafter(target, namespace.name, params, lookahead=lookahead)
 
 
-def run_replay(conversations: list[Conversation], drafter_list: list[ReplayDrafter]) -> list[ReplayStats]:
+def run_replay(
+    conversations: list[Conversation], drafter_list: list[ReplayDrafter], *, topk: bool = True
+) -> list[ReplayStats]:
     results = []
     for d in drafter_list:
         start = time.perf_counter()
-        stats = replay(conversations, d)
+        stats = replay(conversations, d, topk=topk)
         logger.info("%s: MAT %.3f in %.1f s", d.name, stats.mat, time.perf_counter() - start)
         results.append(stats)
     return results
@@ -255,6 +267,9 @@ def report(
             f"{r['drafter']:<{width}}{r['mat']:>7.3f}{r['drafted_per_step']:>11.1f}"
             f"{r['draft_us_p50']:>9.0f}{r['draft_us_p99']:>9.0f}"
         )
+    fed = [f"{r['drafter']} {r['topk_rows']}" for r in rows if "topk_rows" in r]
+    if fed:
+        lines.append("the target's top-k handed over, verified positions: " + ", ".join(fed))
     for r in rows:
         if "prespeculation_hit_rate" in r:
             lines.append(

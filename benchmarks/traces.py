@@ -1,4 +1,9 @@
-"""Reading logged traffic: one JSON conversation per line (see the replay docs in the README)."""
+"""Reading logged traffic: one JSON conversation per line (see the replay docs in the README).
+
+An output segment may carry ``topk``: per output token, the target's top-k next-token ids (at
+most :data:`MAX_TOPK`, most likely first) at the position that predicted it, so under greedy
+decoding ``topk[i][0] == tokens[i]``. Traces without it read as before.
+"""
 
 from __future__ import annotations
 
@@ -12,11 +17,16 @@ import numpy as np
 
 from cache_service.admin import warm
 
+MAX_TOPK = 8  # most next-token ids per output position a trace may record
+
 
 @dataclass(frozen=True)
 class Segment:
     kind: str  # "input" or "output"
     tokens: np.ndarray  # int32
+    # Output segments only, optional: int32 (len(tokens), k), row i the target's top-k next
+    # tokens at the position that predicted tokens[i], most likely first.
+    topk: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -29,6 +39,17 @@ class Conversation:
     @property
     def output_tokens(self) -> int:
         return sum(s.tokens.size for s in self.segments if s.kind == "output")
+
+    @property
+    def has_topk(self) -> bool:
+        """Whether every output segment records the target's top-k."""
+        outputs = [s for s in self.segments if s.kind == "output"]
+        return bool(outputs) and all(s.topk is not None for s in outputs)
+
+    def largest_id(self) -> int:
+        """The largest token id anywhere in the conversation, top-k lists included (-1: none)."""
+        arrays = [a for s in self.segments for a in (s.tokens, s.topk) if a is not None and a.size]
+        return max((int(a.max()) for a in arrays), default=-1)
 
 
 def read_traces(path: str | Path, *, limit: int | None = None) -> list[Conversation]:
@@ -56,9 +77,25 @@ def write_traces(conversations: Iterable[Conversation], path: str | Path) -> Non
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "wt", encoding="utf-8") as fh:
         for c in conversations:
-            segments = [{"kind": s.kind, "tokens": s.tokens.tolist()} for s in c.segments]
+            segments = [_segment_json(s) for s in c.segments]
             obj = {"id": c.id, "namespace": c.namespace, "category": c.category, "segments": segments}
             fh.write(json.dumps(obj) + "\n")
+
+
+def check_vocabulary(conversations: Iterable[Conversation], vocab_size: int) -> None:
+    """``ValueError`` naming the first conversation with an id (token or top-k) outside
+    ``[0, vocab_size)``."""
+    for c in conversations:
+        largest = c.largest_id()
+        if largest >= vocab_size:
+            raise ValueError(f"{c.id}: id {largest} is outside the vocabulary [0, {vocab_size})")
+
+
+def _segment_json(s: Segment) -> dict:
+    out: dict = {"kind": s.kind, "tokens": s.tokens.tolist()}
+    if s.topk is not None:
+        out["topk"] = s.topk.tolist()
+    return out
 
 
 def _parse(line: str, where: str) -> Conversation:
@@ -82,7 +119,42 @@ def _segment(obj: dict) -> Segment:
     tokens = np.asarray(obj["tokens"], dtype=np.int64)
     if tokens.ndim != 1 or (tokens.size and (tokens.min() < 0 or tokens.max() >= 2**31 - 1)):
         raise ValueError("segment tokens must be a flat list of non-negative int32 ids")
-    return Segment(kind, tokens.astype(np.int32))
+    if "topk" not in obj:
+        return Segment(kind, tokens.astype(np.int32))
+    if kind != "output":
+        raise ValueError("only output segments carry topk")
+    return Segment(kind, tokens.astype(np.int32), checked_topk(obj["topk"], tokens.size))
+
+
+def checked_topk(rows: object, n: int) -> np.ndarray:
+    """``rows`` as an int32 ``(n, k)`` array: one row per output token, ``1 <= k <= MAX_TOPK``
+    distinct non-negative ids in each.
+
+    >>> checked_topk([[5, 7], [6, 1]], 2).shape
+    (2, 2)
+    >>> checked_topk([[5, 5]], 1)
+    Traceback (most recent call last):
+    ...
+    ValueError: topk row 0 repeats an id
+    """
+    if not isinstance(rows, list) or len(rows) != n:
+        got = len(rows) if isinstance(rows, list) else type(rows).__name__
+        raise ValueError(f"topk must hold one row per output token ({n}), got {got}")
+    if n == 0:
+        return np.zeros((0, 1), dtype=np.int32)
+    try:
+        topk = np.asarray(rows, dtype=np.int64)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"topk rows must be equally long lists of ids: {exc}") from exc
+    if topk.ndim != 2 or not 1 <= topk.shape[1] <= MAX_TOPK:
+        raise ValueError(f"topk rows must hold 1 to {MAX_TOPK} ids each, got shape {topk.shape}")
+    if topk.min() < 0 or topk.max() >= 2**31 - 1:
+        raise ValueError("topk ids must be non-negative int32 ids")
+    ordered = np.sort(topk, axis=1)
+    repeats = np.flatnonzero((ordered[:, 1:] == ordered[:, :-1]).any(axis=1))
+    if repeats.size:
+        raise ValueError(f"topk row {int(repeats[0])} repeats an id")
+    return topk.astype(np.int32)
 
 
 def sharegpt_conversations(

@@ -50,6 +50,7 @@ COMMANDS: dict[str, Command] = {
     "bench-draft": Command("the draft path in process: time per sequence-draft, trees' digest", _TOOLS),
     "bench-generate": Command("tokens/s of real decoding: greedy vs prompt lookup vs draftcache", _TOOLS),
     "bench-index": Command("rebuild time, lookup latency and bytes per token at a buffer size", _TOOLS),
+    "make-topk-trace": Command("a SmolLM2 Spec-Bench trace with the target's top-k at every output token", _TOOLS),
 }
 
 # Packages the optional extras bring, by the extra that installs them.
