@@ -1,0 +1,95 @@
+"""An engine proposer's settings: from the engine's own configuration, else ``DRAFTCACHE_*``.
+
+vLLM passes ``additional_config={"draftcache": {...}}`` (``--additional-config`` on its server)
+through to the proposer; every key may instead come from the environment as
+``DRAFTCACHE_<KEY>`` in capitals. The engine's configuration wins over the environment.
+
+>>> s = EngineSettings.from_sources({"namespace": "smollm2", "deadline_s": 0.01}, {"DRAFTCACHE_TARGET": "h:1"})
+>>> s.target, s.namespace, s.deadline_s
+('h:1', 'smollm2', 0.01)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from indexer.drafter import DraftParams
+
+ENV_PREFIX = "DRAFTCACHE_"
+_KINDS = {"int": "an integer", "float": "a number", "bool": "a boolean", "str": "a string"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineSettings:
+    """Where the service is and how a proposer inside an engine uses it."""
+
+    namespace: str  # the model's tokenizer's namespace on the service
+    target: str = "127.0.0.1:50051"
+    token: str = ""  # bearer token, when the service authenticates callers
+    tls_root_cert_file: str = ""  # PEM CA of the service's certificate: use TLS
+    deadline_s: float = 0.005  # per draft call; past it the local fallback answers
+    budget: int = DraftParams.budget  # nodes of the tree the chain is chosen from
+    chain_min_prob: float = 0.0  # a chain ends before a token less likely than this to be reached
+    create_namespace: bool = True  # create the namespace (the model's vocabulary) when it is missing
+    idle_close_s: float = 2.0  # the engine made no step this long: its requests are closed, with commit
+    stats_path: str = ""  # a JSON file the proposer's step timings and counts are written to
+    stats_every_s: float = 5.0  # how often that file is rewritten while the engine steps
+
+    def __post_init__(self) -> None:
+        if not self.namespace:
+            raise ValueError(
+                "draftcache needs a namespace: additional_config "
+                '{"draftcache": {"namespace": NAME}} or DRAFTCACHE_NAMESPACE'
+            )
+        if not self.target:
+            raise ValueError("draftcache target must be HOST:PORT")
+        if self.deadline_s <= 0 or self.idle_close_s <= 0 or self.stats_every_s <= 0:
+            raise ValueError("deadline_s, idle_close_s and stats_every_s must be > 0")
+        DraftParams(budget=self.budget, chain_min_prob=self.chain_min_prob)  # their own checks
+
+    @classmethod
+    def from_sources(cls, engine: Mapping[str, Any] | None, env: Mapping[str, str]) -> EngineSettings:
+        """Settings from the engine's mapping (its values as they are), then ``env`` (strings,
+        converted to each field's type); unknown keys in the engine's mapping are refused."""
+        engine = dict(engine or {})
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(engine) - set(fields))
+        if unknown:
+            raise ValueError(f"unknown draftcache settings {unknown}; known: {sorted(fields)}")
+        values: dict[str, Any] = {}
+        for name, f in fields.items():
+            if name in engine:
+                values[name] = _typed(name, engine[name], str(f.type))
+            elif ENV_PREFIX + name.upper() in env:
+                values[name] = _typed(name, env[ENV_PREFIX + name.upper()], str(f.type))
+        values.setdefault("namespace", "")
+        return cls(**values)
+
+
+def _typed(name: str, value: Any, kind: str) -> Any:
+    """``value`` as the field's type (``kind`` is its annotation, as text)."""
+    try:
+        if kind == "bool":
+            if isinstance(value, str):
+                if value.lower() not in ("1", "true", "yes", "0", "false", "no"):
+                    raise ValueError(value)
+                return value.lower() in ("1", "true", "yes")
+            if not isinstance(value, bool):
+                raise ValueError(value)
+            return value
+        if kind == "int":
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError(value)
+            return int(value)
+        if kind == "float":
+            if isinstance(value, bool):
+                raise ValueError(value)
+            return float(value)
+        if not isinstance(value, str):
+            raise ValueError(value)
+        return value
+    except ValueError:
+        raise ValueError(f"draftcache setting {name} must be {_KINDS.get(kind, kind)}, got {value!r}") from None

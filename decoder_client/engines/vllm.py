@@ -1,0 +1,270 @@
+"""draftcache as vLLM's speculative proposer (its ``custom_class`` method).
+
+>>> from vllm import LLM  # doctest: +SKIP
+>>> llm = LLM(model=folder, speculative_config={  # doctest: +SKIP
+...     "method": "custom_class", "model": "decoder_client.engines.vllm.DraftcacheProposer",
+...     "num_speculative_tokens": 4},
+...     additional_config={"draftcache": {"target": "127.0.0.1:50051", "namespace": "smollm2"}})
+
+vLLM builds the class in its worker process with the engine's configuration and calls
+:meth:`DraftcacheProposer.propose` once per engine step, synchronously, after sampling: per batch
+row, the tokens sampled this step (none for a prompt still being prefilled), the row's length
+and the batch's token matrix. It wants at most ``num_speculative_tokens`` ids per row (more ends
+the engine). Settings: :class:`~decoder_client.engines.settings.EngineSettings`, from
+``additional_config["draftcache"]`` or ``DRAFTCACHE_*``.
+
+Request identity. vLLM gives a custom proposer no request ids and no "request finished" call:
+rows move when the batch condenses, vanish when a request finishes or is preempted, and
+identical prompts can run side by side. Rather than reach into the model runner (its
+``input_batch``, through a ``vllm.general_plugins`` hook patching private methods that change
+between releases), the proposer tells requests apart by what it is given:
+:class:`~decoder_client.engines.rows.RowTracker` continues a request in the row whose tokens
+start with its whole history, so each draft session's context is always exactly a prefix of its
+row (drafts never come from another request's context, whatever the engine did to its batch),
+and identical histories are interchangeable. Each tracked request is one draft session: opened
+once with its row (in the background: the step never waits on the open), then each step sends
+only its new tokens, and one batched draft call serves every row. A request no row continues
+(finished, preempted, or not scheduled) is closed with commit, so its tokens reach the
+service's lifetime memory; one that comes back (a preempted request resumed) is a new session
+opened with its whole row, and the service does not store again the part its memory holds.
+The engine calls nothing once its last request ends, so a watcher thread closes every session,
+with commit, once the engine has made no step for ``idle_close_s``; a request that was only in
+a long step comes back as a new session, as a resumed one does.
+
+The service slow or down costs a step at most the client's deadline: past it the client
+drafts locally (prompt lookup over the row's own tokens), and an error inside the proposer
+leaves that step without drafts instead of stopping the engine.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, cast
+
+import grpc
+import numpy as np
+from draftcache.v1 import draftcache_pb2 as pb
+from draftcache.v1 import draftcache_pb2_grpc as pb_grpc
+
+from decoder_client.adapters import best_chain
+from decoder_client.client import ClientConfig, ClientSession, DraftClient
+from decoder_client.engines.rows import RowTracker, Track
+from decoder_client.engines.settings import EngineSettings
+from decoder_client.engines.step_stats import StepStats
+from indexer.drafter import DraftParams
+
+logger = logging.getLogger(__name__)
+
+CLASS_PATH = "decoder_client.engines.vllm.DraftcacheProposer"
+SECTION = "draftcache"  # the key of our settings in vLLM's additional_config
+
+
+def speculative_config(num_speculative_tokens: int) -> dict[str, Any]:
+    """vLLM's ``speculative_config`` naming this proposer.
+
+    >>> speculative_config(4)["model"]
+    'decoder_client.engines.vllm.DraftcacheProposer'
+    """
+    return {"method": "custom_class", "model": CLASS_PATH, "num_speculative_tokens": num_speculative_tokens}
+
+
+class DraftcacheProposer:
+    """vLLM's custom proposer backed by a draftcache service; see the module docstring."""
+
+    def __init__(self, vllm_config: Any) -> None:
+        self.num_speculative_tokens = int(vllm_config.speculative_config.num_speculative_tokens)
+        self.max_model_len = int(vllm_config.model_config.max_model_len)
+        self.settings = EngineSettings.from_sources(_section(vllm_config.additional_config), os.environ)
+        self.client_config = client_config(self.settings, self.num_speculative_tokens)
+        if self.settings.create_namespace:
+            ensure_namespace(self.client_config, int(vllm_config.model_config.get_vocab_size()))
+        self._client = DraftClient(self.client_config)
+        self._tracker = RowTracker()
+        self._lock = threading.Lock()  # propose (the engine's thread) and the idle watcher
+        self._stats = StepStats(idle_s=self.settings.idle_close_s)
+        self._opened = self._closed = self._moved = self._idle_closes = self._errors = 0
+        self._last_call = time.monotonic()
+        self._stats_written = 0.0
+        self._stopping = threading.Event()
+        threading.Thread(target=self._close_when_idle, name="draftcache-idle", daemon=True).start()
+        atexit.register(self.shutdown)
+
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        """vLLM's CPU runner calls it with the target model; there is no draft model to load."""
+
+    def propose(
+        self,
+        sampled_token_ids: Sequence[Sequence[int]],
+        num_tokens_no_spec: np.ndarray,
+        token_ids_cpu: np.ndarray,
+        slot_mappings: Any = None,
+    ) -> list[list[int]]:
+        """At most ``num_speculative_tokens`` draft ids per batch row (none for a row still
+        prefilling its prompt)."""
+        start = time.perf_counter()
+        with self._lock:
+            self._last_call = time.monotonic()
+            try:
+                drafts, live = self._propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
+            except Exception:  # a proposer must not stop the engine: this step goes without drafts
+                self._errors += 1
+                logger.exception("draftcache proposer failed; no drafts this step")
+                drafts, live = [[] for _ in sampled_token_ids], 0
+            self._stats.record(start=start, seconds=time.perf_counter() - start, rows=live)
+            if time.monotonic() - self._stats_written >= self.settings.stats_every_s:
+                self._write_stats()
+        return drafts
+
+    def _propose(
+        self, sampled: Sequence[Sequence[int]], lengths: np.ndarray, token_rows: np.ndarray
+    ) -> tuple[list[list[int]], int]:
+        produced = {i: len(s) for i, s in enumerate(sampled) if len(s) and int(lengths[i]) < self.max_model_len}
+        live = list(produced)
+        step = self._tracker.step(token_rows, lengths, produced)
+        self._moved += step.moved
+        self._close(step.left)
+        tracks = [step.track(i) for i in live]
+        fresh = [t for t in tracks if t.payload is None]  # new rows (and any an earlier error left unopened)
+        if fresh:
+            for t, session in zip(fresh, self._client.open([t.tokens for t in fresh], wait=False), strict=True):
+                t.payload = session
+            self._opened += len(fresh)
+        opened = {id(t) for t in fresh}
+        new_tokens: list[list[int]] = [
+            [] if id(t) in opened else step.continued[i][1].tolist() for i, t in zip(live, tracks, strict=True)
+        ]
+        trees = self._client.draft([_session(t) for t in tracks], new_tokens) if live else []
+        drafts: list[list[int]] = [[] for _ in sampled]
+        for i, tree in zip(live, trees, strict=True):
+            room = min(self.num_speculative_tokens, self.max_model_len - int(lengths[i]) - 1)
+            if room > 0:
+                drafts[i] = best_chain(tree, room).tolist()
+        return drafts, len(live)
+
+    def _close(self, tracks: Sequence[Track]) -> None:
+        """End these requests' sessions, with commit (in the background)."""
+        sessions = [_session(t) for t in tracks if t.payload is not None]
+        if sessions:
+            self._client.close(sessions, commit=True)
+            self._closed += len(sessions)
+
+    def _close_when_idle(self) -> None:
+        idle = self.settings.idle_close_s
+        while not self._stopping.wait(idle / 4):
+            if time.monotonic() - self._last_call < idle or not self._lock.acquire(blocking=False):
+                continue
+            try:
+                if self._tracker.tracks and time.monotonic() - self._last_call >= idle:
+                    self._idle_closes += 1
+                    self._close(self._tracker.clear())
+                    self._write_stats()
+                    logger.info("draftcache proposer idle: %s", self.stats())
+            except Exception:
+                logger.exception("draftcache proposer: closing idle sessions failed")
+            finally:
+                self._lock.release()
+
+    def stats(self) -> dict[str, Any]:
+        """Step timings (the proposer's own time per step beside the engine's step time, in ms),
+        sessions opened and closed, and where the drafts came from."""
+        client = self._client.stats
+        return {
+            **self._stats.summary(),
+            "num_speculative_tokens": self.num_speculative_tokens,
+            "sessions_opened": self._opened,
+            "sessions_closed": self._closed,
+            "sessions_live": len(self._tracker.tracks),
+            "rows_moved": self._moved,
+            "idle_closes": self._idle_closes,
+            "remote_drafts": client.remote,
+            "fallback_drafts": client.fallback,
+            "failed_calls": client.failures,
+            "errors": self._errors,
+        }
+
+    def _write_stats(self) -> None:
+        self._stats_written = time.monotonic()
+        if not self.settings.stats_path:
+            return
+        path = Path(self.settings.stats_path)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        try:
+            tmp.write_text(json.dumps(self.stats()))
+            tmp.replace(path)  # readers never see half a file
+        except OSError as exc:
+            logger.warning("draftcache proposer: cannot write %s: %s", path, exc)
+
+    def shutdown(self) -> None:
+        """Close every session with commit and the client's channel (at exit)."""
+        if self._stopping.is_set():
+            return
+        self._stopping.set()
+        with self._lock:
+            try:
+                self._close(self._tracker.clear())
+                self._client.shutdown()
+            except Exception:
+                logger.exception("draftcache proposer: shutdown failed")
+            self._write_stats()
+
+
+def client_config(settings: EngineSettings, num_speculative_tokens: int) -> ClientConfig:
+    """The draft client's settings: chain mode, chains of at most ``num_speculative_tokens``.
+
+    >>> client_config(EngineSettings(namespace="smollm2"), 4).params.chain
+    4
+    """
+    k = num_speculative_tokens
+    params = DraftParams(
+        budget=max(settings.budget, k),
+        max_depth=max(DraftParams.max_depth, k),
+        chain=k,
+        chain_min_prob=settings.chain_min_prob,
+    )
+    return ClientConfig(
+        target=settings.target,
+        namespace=settings.namespace,
+        params=params,
+        deadline_s=settings.deadline_s,
+        token=settings.token,
+        tls_root_cert_file=settings.tls_root_cert_file,
+    )
+
+
+def ensure_namespace(config: ClientConfig, vocab_size: int) -> None:
+    """Create the namespace with the model's vocabulary unless the service has it. Best
+    effort: a service that is down, or a token that may not create namespaces, is logged and
+    the proposer starts all the same (its drafts are local until the service serves the
+    namespace)."""
+    creds = config.credentials()
+    with (
+        grpc.insecure_channel(config.target) if creds is None else grpc.secure_channel(config.target, creds)
+    ) as channel:
+        request = pb.CreateNamespaceRequest(name=config.namespace, vocab_size=vocab_size)
+        try:
+            pb_grpc.AdminStub(channel).CreateNamespace(
+                request, timeout=config.control_timeout_s, metadata=config.metadata
+            )
+        except grpc.RpcError as exc:
+            logger.warning("draftcache: namespace %r not created (%s)", config.namespace, exc.code())
+
+
+def _section(additional_config: Any) -> Mapping[str, Any]:
+    """Our part of vLLM's ``additional_config`` (a dict, or an object of some other plugin)."""
+    if not isinstance(additional_config, Mapping):
+        return {}
+    section = additional_config.get(SECTION, {})
+    if not isinstance(section, Mapping):
+        raise ValueError(f'additional_config["{SECTION}"] must be a mapping, got {type(section).__name__}')
+    return section
+
+
+def _session(track: Track) -> ClientSession:
+    return cast(ClientSession, track.payload)  # every track the proposer drafts for has one

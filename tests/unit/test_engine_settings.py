@@ -1,0 +1,49 @@
+"""EngineSettings: an engine's own configuration first, then DRAFTCACHE_*, each value checked."""
+
+from __future__ import annotations
+
+import pytest
+
+from decoder_client.engines.settings import EngineSettings
+
+
+def test_engine_config_wins_over_the_environment() -> None:
+    env = {"DRAFTCACHE_NAMESPACE": "from-env", "DRAFTCACHE_TARGET": "env:1", "DRAFTCACHE_DEADLINE_S": "0.02"}
+    s = EngineSettings.from_sources({"namespace": "from-engine"}, env)
+    assert (s.namespace, s.target, s.deadline_s) == ("from-engine", "env:1", 0.02)
+
+
+def test_environment_strings_take_each_field_type() -> None:
+    env = {
+        "DRAFTCACHE_NAMESPACE": "ns",
+        "DRAFTCACHE_BUDGET": "32",
+        "DRAFTCACHE_CREATE_NAMESPACE": "false",
+        "DRAFTCACHE_CHAIN_MIN_PROB": "0.1",
+    }
+    s = EngineSettings.from_sources(None, env)
+    assert (s.budget, s.create_namespace, s.chain_min_prob) == (32, False, 0.1)
+
+
+def test_defaults() -> None:
+    s = EngineSettings.from_sources({"namespace": "ns"}, {})
+    assert s.target == "127.0.0.1:50051" and s.token == "" and s.create_namespace
+
+
+@pytest.mark.parametrize(
+    ("engine", "env", "message"),
+    [
+        ({}, {}, "needs a namespace"),
+        ({"namespace": "ns", "deadline": 1}, {}, "unknown draftcache settings"),
+        ({"namespace": "ns", "budget": "many"}, {}, "budget must be an integer"),
+        ({"namespace": "ns", "budget": 2.5}, {}, "budget must be an integer"),
+        ({"namespace": "ns", "create_namespace": "maybe"}, {}, "create_namespace must be a boolean"),
+        ({"namespace": "ns", "deadline_s": True}, {}, "deadline_s must be a number"),
+        ({"namespace": 7}, {}, "namespace must be a string"),
+        ({"namespace": "ns", "deadline_s": 0}, {}, "must be > 0"),
+        ({"namespace": "ns"}, {"DRAFTCACHE_BUDGET": "-1"}, "budget must be in"),
+        ({"namespace": "ns", "chain_min_prob": 1.5}, {}, "chain_min_prob must be in"),
+    ],
+)
+def test_bad_settings_are_refused(engine: dict[str, object], env: dict[str, str], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        EngineSettings.from_sources(engine, env)
