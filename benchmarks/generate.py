@@ -42,7 +42,12 @@ class InProcessDrafter:
         self._engine = engine or NamespaceDrafter(Namespace(name="local", vocab_size=vocab_size), DrafterConfig())
         self._params = params
         self._session: Session | None = None
+        self._topk: np.ndarray | None = None
         self.tiers = TierCounter()
+
+    def observe_topk(self, rows: np.ndarray) -> None:
+        """The target's top-k where the last step verified (see ``ReferenceDecoder.generate``)."""
+        self._topk = rows
 
     def __call__(self, context: np.ndarray) -> DraftTree:
         if self._session is None:
@@ -50,7 +55,10 @@ class InProcessDrafter:
             new = np.zeros(0, dtype=np.int32)
         else:
             new = context[len(self._session.context) :]
+            if self._topk is not None and self._topk.shape[0] == new.size:
+                self._engine.observe_topk(self._session, new, self._topk)
             self._engine.accept(self._session, new)
+        self._topk = None
         tree = self._engine.draft(self._session, self._params)
         self.tiers.observe(new, tree)
         return tree
@@ -68,15 +76,24 @@ class ServiceDrafter:
     def __init__(self, config: ClientConfig) -> None:
         self._client = DraftClient(config)
         self._session: ClientSession | None = None
+        self._topk: np.ndarray | None = None
         self.tiers = TierCounter()
 
+    def observe_topk(self, rows: np.ndarray) -> None:
+        """The target's top-k where the last step verified: sent with its tokens."""
+        self._topk = rows
+
     def __call__(self, context: np.ndarray) -> DraftTree:
+        rows = None
         if self._session is None:
             (self._session,) = self._client.open([context])
             new = np.zeros(0, dtype=np.int32)
         else:
             new = context[self._session.context.size :]
-        (tree,) = self._client.draft([self._session], [new.tolist()])
+            if self._topk is not None and self._topk.shape[0] == new.size:
+                rows = [self._topk]
+        self._topk = None
+        (tree,) = self._client.draft([self._session], [new.tolist()], rows)
         self.tiers.observe(new, tree)
         return tree
 

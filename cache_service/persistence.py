@@ -51,6 +51,7 @@ class RedisPersistence:
         self._last: dict[str, str] = {}  # per namespace: the last log entry read
         self._lock = threading.Lock()
         self._sync_lock = threading.Lock()  # one reader of the cursors
+        self._successors_seen: dict[str, str] = {}  # per namespace: the last successor change read
 
     @property
     def pending(self) -> int:
@@ -95,6 +96,31 @@ class RedisPersistence:
         thread may read them: the commit writer holds the log while it writes)."""
         with self._lock:
             self._own.update(stream_id(i) for i in logged[2])
+
+    # -- successor rows ------------------------------------------------------------------------
+
+    def save_successors(self, ns: str, tokens: np.ndarray, packed: list[bytes]) -> None:
+        """This replica's changed successor rows, written for every replica. ``StorageError``
+        when storage fails."""
+        self.store.save_successors(ns, self.commits.writer.hex(), tokens, packed)
+
+    def read_successors(self, ns: str) -> tuple[np.ndarray, list[bytes]]:
+        """Every stored successor row; later reads of changes start after it."""
+        tokens, packed, last = self.store.read_successors(ns)
+        with self._sync_lock:
+            self._successors_seen[ns] = last
+        return tokens, packed
+
+    def successor_changes(self, ns: str) -> tuple[np.ndarray, list[bytes]]:
+        """Rows other replicas changed since the last read (all of them on a first read)."""
+        with self._sync_lock:
+            after = self._successors_seen.get(ns)
+        if after is None:
+            return self.read_successors(ns)
+        tokens, packed, last = self.store.successor_changes(ns, after, self.commits.writer.hex())
+        with self._sync_lock:
+            self._successors_seen[ns] = last
+        return tokens, packed
 
     # -- sessions ------------------------------------------------------------------------------
 

@@ -15,6 +15,8 @@ import logging
 import shutil
 import threading
 
+import numpy as np
+
 from cache_service.domain.service import DraftService
 from cache_service.host import lifetime_files, prior_files
 from cache_service.host.shared_indexes import SharedIndexes
@@ -60,6 +62,7 @@ class StorageSync:
             if requests and self.shared is None:
                 drafter.memory.rebuild()
             self._load_prior(name)
+            self._load_successors(name, *self.persistence.read_successors(name))
             logger.info(
                 "restored namespace %s: %d requests, %d tokens", name, len(requests), drafter.memory.buffered_tokens
             )
@@ -77,6 +80,7 @@ class StorageSync:
                 requests, ids = self.persistence.follow(name, covered)
                 if requests:
                     self.service.namespace(name).memory.commit_many(requests, ids)
+                self._share_successors(name)
         except StorageError as exc:
             if not self._deferred:
                 logger.warning("storage sync deferred (%d commits journaled): %s", self.persistence.pending, exc)
@@ -85,6 +89,25 @@ class StorageSync:
             if self._deferred:
                 logger.info("storage sync resumed; journaled commits replayed")
             self._deferred = False
+
+    def _share_successors(self, name: str) -> None:
+        """Write the successor rows changed here, then take those other replicas changed."""
+        table = self.service.namespace(name).successors
+        tokens, packed = table.take_changed()
+        try:
+            self.persistence.save_successors(name, tokens, packed)
+        except StorageError:
+            table.mark_changed(tokens)  # written on the next run
+            raise
+        self._load_successors(name, *self.persistence.successor_changes(name))
+
+    def _load_successors(self, name: str, tokens: np.ndarray, packed: list[bytes]) -> None:
+        if not tokens.size:
+            return
+        try:
+            self.service.namespace(name).successors.load(tokens, packed)
+        except ValueError as exc:  # a damaged row: the table keeps its own rows
+            logger.warning("namespace %s: successor rows from storage skipped: %s", name, exc)
 
     def _discover(self) -> None:
         """Namespaces registered by another replica or by ``draftcache warm``, and those deleted

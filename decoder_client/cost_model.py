@@ -309,6 +309,12 @@ class CalibratedDrafter:
         q = sibling_normalised(tree.parents, self.model.probabilities(cells))
         return best_subtree(tree, self.curve, path_worth(tree.parents, q))
 
+    def observe_topk(self, rows: np.ndarray) -> None:
+        """Passed on to the wrapped drafter, if it takes the target's top-k."""
+        observe = getattr(self.drafter, "observe_topk", None)
+        if observe is not None:
+            observe(rows)
+
     def _learn(self, context: np.ndarray) -> None:
         still = []
         for item in self._pending:

@@ -255,6 +255,7 @@ class ReferenceDecoder:
         temperature: float = 0.0,
         top_p: float = 1.0,
         generator: torch.Generator | None = None,
+        topk: int = 0,
     ) -> tuple[list[int], DecodeStats]:
         """Continuation of ``prompt_ids``: greedy, or sampled when ``temperature > 0``.
 
@@ -263,6 +264,11 @@ class ReferenceDecoder:
         :func:`sample_accept`); ``generator`` (CPU) seeds it. ``drafter`` maps the context so far
         (int32) to a :class:`DraftTree` (possibly empty); without one every step emits one token.
         Stops after ``eos_token_id`` or ``max_new_tokens`` tokens, whichever comes first.
+
+        With ``topk`` > 0 and a drafter that has an ``observe_topk`` method, each step hands it
+        the target's ``topk`` likeliest ids at every position it verified (row i: the logits that
+        produced the step's i-th token), before the next draft: the cache's successor tier
+        learns from them.
         """
         if not prompt_ids:
             raise ValueError("prompt_ids must not be empty")
@@ -270,6 +276,7 @@ class ReferenceDecoder:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         check_sampling(temperature, top_p, generator)
         choose = greedy_choice if temperature == 0 else sampling_choice(temperature, top_p, generator)
+        observe = getattr(drafter, "observe_topk", None) if topk > 0 else None
         began, stats = time.perf_counter(), DecodeStats()
         out: list[int] = []
         done = max_new_tokens == 0
@@ -278,7 +285,9 @@ class ReferenceDecoder:
             while not done:
                 context = np.asarray([*prompt_ids, *out], dtype=np.int32)
                 tree = drafter(context) if drafter is not None else DraftTree.empty()
-                emitted = self._step(cache, int(context[-1]), tree, choose)
+                emitted, rows = self._step(cache, int(context[-1]), tree, choose, topk if observe else 0)
+                if observe is not None:
+                    observe(rows)
                 stats.accepted.append(len(emitted) - 1)
                 stats.drafted.append(len(tree))
                 out, done = _finish(out + emitted, max_new_tokens, eos_token_id)
@@ -292,8 +301,11 @@ class ReferenceDecoder:
             self.model(input_ids=tensor, **{self._cache_keyword: cache}, use_cache=True, logits_to_keep=1)
         return cache
 
-    def _step(self, cache: DynamicCache, root: int, tree: DraftTree, choose: Chooser) -> list[int]:
-        """One forward over ``[root] + tree``; returns the accepted tokens plus the bonus token."""
+    def _step(
+        self, cache: DynamicCache, root: int, tree: DraftTree, choose: Chooser, topk: int = 0
+    ) -> tuple[list[int], np.ndarray]:
+        """One forward over ``[root] + tree``; returns the accepted tokens plus the bonus token,
+        and with ``topk`` the ``topk`` likeliest ids at each position that produced them."""
         self._check_tree(tree)
         past = cache.get_seq_length()
         ids = torch.tensor([[root, *tree.tokens.tolist()]], dtype=torch.long, device=self.device)
@@ -306,7 +318,11 @@ class ReferenceDecoder:
         ).logits
         path, bonus = choose(tree, logits[0])
         prune_cache(cache, past + 1, path)
-        return [*tree.tokens[path].tolist(), bonus]
+        rows = np.zeros((0, 0), dtype=np.int32)
+        if topk > 0:  # the root's logits produced the first token, node p's the one after p
+            at = torch.tensor([0, *(p + 1 for p in path)], device=logits.device)
+            rows = logits[0, at].topk(min(topk, logits.shape[-1]), dim=-1).indices.to(torch.int32).cpu().numpy()
+        return [*tree.tokens[path].tolist(), bonus], rows
 
     def _check_tree(self, tree: DraftTree) -> None:
         if tree.tokens.dtype != np.int32 or tree.tokens.shape != tree.parents.shape:

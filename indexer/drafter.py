@@ -29,6 +29,7 @@ from indexer.prior import StaticPrior
 from indexer.session import Session, SessionSnapshot
 from indexer.session_cache import LruTableConfig
 from indexer.session_store import SessionStore
+from indexer.successors import MAX_TOPK, SuccessorTable
 from indexer.tokens import SEPARATOR, Namespace, as_tokens
 from indexer.tree_builder import DraftedTrees, DraftTree, Tier, TreeBatch
 
@@ -93,6 +94,7 @@ _HALF = {
     Tier.PRIOR: 5.0,
     Tier.REJECTED: 30.0,
     Tier.EXACT: 0.25,
+    Tier.SUCCESSOR: 1.0,  # a one-token leader: confidence 1 / (1 + half) before calibration
 }
 
 
@@ -120,7 +122,8 @@ def warm_draft_step(lifetime: SearchArrays, threads: int = 1) -> None:
     none = np.zeros(0, dtype=np.int32)
     for n in {1, threads}:
         kernels.draft_step(n)(jobs, np.zeros(0), none, none, *kernels.no_prior(), store.i32, store.i64,
-                              *_lifetime_args(lifetime), settings, _HALF_ARRAY, counts, counts)  # fmt: skip
+                              *_lifetime_args(lifetime), *SuccessorTable(0).kernel_args(), settings, _HALF_ARRAY,
+                              counts, counts)  # fmt: skip
 
 
 def _lifetime_args(a: SearchArrays) -> tuple:
@@ -197,6 +200,7 @@ class NamespaceDrafter:
         self.prior = prior
         self.calibrator = Calibrator(config.calibration_buckets)
         self.chain_calibrator = ChainCalibrator()  # node acceptance, for chain mode
+        self.successors = SuccessorTable(namespace.vocab_size)  # the target's own top-k, fed back
         self.counters = DraftCounters()
         self._lock = threading.Lock()
         dyn = config.dynamic
@@ -338,6 +342,38 @@ class NamespaceDrafter:
         for session, tree in ahead:
             session.last_tree, session.prefetched = tree, {}
 
+    def observe_topk(self, session: Session, new: np.ndarray, topk: np.ndarray | list[list[int]]) -> None:
+        """The target's top-k at the positions the decoder verified for ``new`` (the tokens the
+        step produced, not yet accepted): row i was the distribution that produced ``new[i]``,
+        so it follows the token before it (the context's last one for row 0). Feeds the
+        namespace's successor table. ``-1`` pads a short row.
+
+        >>> d = NamespaceDrafter(Namespace(name="t", vocab_size=100), DrafterConfig())
+        >>> s = d.open([5, 6, 7])
+        >>> d.observe_topk(s, np.array([8, 9], np.int32), [[8, 3], [9, -1]])
+        >>> d.successors.followers_of(7), d.successors.followers_of(8)
+        ([8, 3], [9])
+        >>> d.observe_topk(s, np.array([8], np.int32), [[100]])
+        Traceback (most recent call last):
+        ...
+        ValueError: top-k id 100 outside the vocabulary of 100
+        """
+        rows = np.asarray(topk)
+        if rows.dtype.kind not in "iu":
+            raise ValueError(f"top-k ids must be integers, got {rows.dtype}")
+        if rows.ndim != 2 or rows.shape[0] != new.size or not 1 <= rows.shape[1] <= MAX_TOPK:
+            raise ValueError(f"top-k must be {new.size} rows of 1 to {MAX_TOPK} ids, got shape {rows.shape}")
+        vocab = self.namespace.vocab_size
+        bad = (rows < -1) | (rows >= vocab)
+        if bad.any():
+            raise ValueError(f"top-k id {int(rows[bad][0])} outside the vocabulary of {vocab}")
+        if not new.size or not len(session.context):
+            return
+        prev = np.empty(new.size, dtype=np.int32)
+        prev[0] = session.context.tokens[-1]
+        prev[1:] = new[:-1]
+        self.successors.observe(prev, np.ascontiguousarray(rows, dtype=np.int32))
+
     def _learn_chains(self, items: Sequence[tuple[Session, np.ndarray, Branches | None]]) -> None:
         """The chain calibrator learns from each chain-mode draft's whole tree and its outcome."""
         for session, new, _ in items:
@@ -430,7 +466,8 @@ class NamespaceDrafter:
         step = kernels.draft_step(step_threads(self.threads, len(table)))
         tokens, parents, sources, scores, ends, _, _, _, grown = step(
             table, min_score, suffix, exclude, *prior, self.store.i32, self.store.i64,
-            *_lifetime_args(self.memory.search_arrays()), self._settings, _HALF_ARRAY, *self.calibrator.arrays(),
+            *_lifetime_args(self.memory.search_arrays()), *self.successors.kernel_args(), self._settings, _HALF_ARRAY,
+            *self.calibrator.arrays(),
         )  # fmt: skip
         for j in np.flatnonzero(grown).tolist():
             self.store.follow(sessions[j], int(grown[j]))

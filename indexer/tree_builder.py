@@ -32,6 +32,7 @@ class Tier(enum.IntEnum):
     LIFETIME_NGRAM = 4  # frozen n-gram table over the same buffer
     PRIOR = 5  # static prior warmed from a corpus
     EXACT = 6  # the previous response to an identical prompt
+    SUCCESSOR = 7  # the target's own likeliest followers, from the top-k decoders send back
 
 
 _N_TIERS = len(Tier)

@@ -39,6 +39,25 @@ def draft(items: Sequence[Step], sessions: SessionTable, touched: Touched) -> Dr
     return Drafted([t for p in parts for t in p.trees], [a for p in parts for _, a in p])
 
 
+def observe_topk(items: Sequence[Step], topk: Sequence[np.ndarray | None]) -> None:
+    """Checked top-k rows feed their namespaces' successor tables, before the sessions take
+    their tokens (row 0 follows a session's last token; a session named twice continues from
+    its earlier item's tokens)."""
+    last: dict[int, int] = {}
+    for (entry, new, _), rows in zip(items, topk, strict=True):
+        if not new.size:
+            continue
+        key = id(entry.session)
+        if rows is not None:
+            before = last.get(key)
+            if before is None and len(entry.session.context):
+                before = int(entry.session.context.tokens[-1])
+            if before is not None:
+                prev = np.concatenate((np.array([before], dtype=np.int32), new[:-1]))
+                entry.drafter.successors.observe(prev, rows)
+        last[key] = int(new[-1])
+
+
 def accept(items: Sequence[Accepted], sessions: SessionTable) -> None:
     """Sessions (each named once) take their checked new tokens, one call per namespace."""
     for entry, new, _ in items:

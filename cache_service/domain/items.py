@@ -27,6 +27,7 @@ class DraftItem:
     session_id: str
     new_tokens: np.ndarray | list[int]
     lookahead: int = 0  # outcomes to draft ahead for (pre-speculation)
+    topk: np.ndarray | None = None  # (len(new_tokens), k) ids: the target's top-k where they were verified
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,7 @@ class DraftColumns:
     counts: np.ndarray  # int64, one per session
     tokens: np.ndarray  # int32, every session's new tokens end to end
     lookahead: np.ndarray | None = None  # int64, one per session
+    topk: np.ndarray | None = None  # (tokens.size, k) ids: a top-k row per new token, or none
 
 
 def named_sessions(batch: Sequence[DraftItem] | DraftColumns) -> Sequence[str]:

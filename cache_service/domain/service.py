@@ -250,29 +250,33 @@ class DraftService:
         outcomes of verifying its tree. New tokens that match an outcome drafted ahead continue
         with the tree the decoder already holds (the subtree the outcome selects)."""
         if isinstance(items, DraftColumns):
-            checked = self._checked_columns(items, principal, read_storage)
+            checked, topk = self._checked_columns(items, principal, read_storage)
         else:
             self.admission.batch(len(items))
             ahead = [tokens.lookahead(item.lookahead) for item in items]
             entries = [self._entry(item.session_id, principal, read_storage) for item in items]
             news = [self._new_tokens(entry, item.new_tokens) for entry, item in zip(entries, items, strict=True)]
+            rows = zip(items, news, entries, strict=True)
+            topk = [tokens.topk_rows(item.topk, new, entry.drafter) for item, new, entry in rows]
             checked = list(zip(entries, news, ahead, strict=True))
+        drafting.observe_topk(checked, topk)
         out = drafting.draft(checked, self.sessions, self._touched)
         self._drafts += len(out)
         return out
 
     def _checked_columns(
         self, cols: DraftColumns, principal: Principal | None, read_storage: bool
-    ) -> list[drafting.Step]:
+    ) -> tuple[list[drafting.Step], list[np.ndarray | None]]:
         """A columnar batch checked whole (shapes, limits, every id in its session's vocabulary)
-        and cut into ``(session, new tokens, lookahead)`` items."""
+        and cut into ``(session, new tokens, lookahead)`` items, with each one's top-k rows."""
         self.admission.batch(len(cols.session_ids))
         ahead = tokens.column_shapes(cols)
         if cols.counts.size:
             self.admission.new_tokens(int(cols.counts.max()))
         entries = [self._entry(sid, principal, read_storage) for sid in cols.session_ids]
         news = tokens.column_tokens(cols, entries)
-        return list(zip(entries, news, ahead.tolist(), strict=True))
+        topk = tokens.column_topk(cols, news, entries)
+        return list(zip(entries, news, ahead.tolist(), strict=True)), topk
 
     def feedback(
         self, items: list[FeedbackItem], *, principal: Principal | None = None, read_storage: bool = True

@@ -13,6 +13,7 @@ from cache_service.domain.errors import InvalidArgument
 from cache_service.domain.items import DraftColumns
 from cache_service.domain.sessions import SessionEntry
 from indexer.drafter import MAX_LOOKAHEAD, NamespaceDrafter
+from indexer.successors import MAX_TOPK
 from indexer.tokens import as_tokens
 
 
@@ -66,3 +67,29 @@ def column_tokens(cols: DraftColumns, entries: Sequence[SessionEntry]) -> list[n
         except ValueError:
             pass  # found again below, session by session, to say where
     return [checked(part, entry.drafter, "new tokens") for part, entry in zip(parts, entries, strict=True)]
+
+
+def topk_rows(rows: np.ndarray | None, new: np.ndarray, drafter: NamespaceDrafter) -> np.ndarray | None:
+    """A step's top-k rows checked: one row of 1 to :data:`MAX_TOPK` ids per new token, each id
+    in the vocabulary or -1 (padding)."""
+    if rows is None:
+        return None
+    if rows.ndim != 2 or rows.shape[0] != new.size or not 1 <= rows.shape[1] <= MAX_TOPK:
+        raise InvalidArgument(f"top-k must be {new.size} rows of 1 to {MAX_TOPK} ids, got shape {rows.shape}")
+    vocab = drafter.namespace.vocab_size
+    bad = (rows < -1) | (rows >= vocab)
+    if bad.any():
+        raise InvalidArgument(f"namespace {drafter.namespace.name}: top-k id {int(rows[bad][0])} outside [0, {vocab})")
+    return np.ascontiguousarray(rows, dtype=np.int32)
+
+
+def column_topk(
+    cols: DraftColumns, news: Sequence[np.ndarray], entries: Sequence[SessionEntry]
+) -> list[np.ndarray | None]:
+    """Each session's top-k rows of a columnar batch (``None`` for all when none were sent)."""
+    if cols.topk is None:
+        return [None] * len(entries)
+    if cols.topk.ndim != 2 or cols.topk.shape[0] != cols.tokens.size:
+        raise InvalidArgument(f"top-k must hold a row for each of the {cols.tokens.size} new tokens")
+    bounds = [0, *np.cumsum(cols.counts).tolist()]
+    return [topk_rows(cols.topk[bounds[j] : bounds[j + 1]], news[j], entries[j].drafter) for j in range(len(entries))]

@@ -20,6 +20,7 @@ from cache_service.domain.items import (
 )
 from cache_service.rpc import wire
 from indexer.drafter import DraftParams
+from indexer.successors import MAX_TOPK
 from indexer.tree_builder import DraftTree
 
 _FEW = 32  # up to this many tokens, element by element beats a buffer copy
@@ -67,9 +68,26 @@ def admit_draft(req: pb.DraftRequest, admission: Admission) -> None:
     admission.columns(len(c.session_ids), len(c.new_token_counts), len(c.lookahead), len(c.new_tokens))
 
 
+def topk(ids: Sequence[int], k: int, rows: int) -> np.ndarray | None:
+    """A flat top-k field as ``rows`` rows of ``k`` ids (``None`` when none was sent)."""
+    if not k and not len(ids):
+        return None
+    if not 1 <= k <= MAX_TOPK or len(ids) != k * rows:
+        raise InvalidArgument(f"top-k: {len(ids)} ids are not {rows} rows of topk_k ids (1 to {MAX_TOPK}), topk_k {k}")
+    return np.array(ids, dtype=np.int32).reshape(rows, k)
+
+
 def draft_items(req: pb.DraftRequest) -> list[DraftItem] | DraftColumns:
     if not req.HasField("columns"):
-        return [DraftItem(item.session_id, tokens(item.new_tokens), item.lookahead) for item in req.items]
+        return [
+            DraftItem(
+                item.session_id,
+                tokens(item.new_tokens),
+                item.lookahead,
+                topk(item.topk, item.topk_k, len(item.new_tokens)),
+            )
+            for item in req.items
+        ]
     if len(req.items):
         raise InvalidArgument("a draft request holds items or columns, not both")
     c = req.columns
@@ -78,6 +96,7 @@ def draft_items(req: pb.DraftRequest) -> list[DraftItem] | DraftColumns:
         np.array(c.new_token_counts, dtype=np.int64),
         np.array(c.new_tokens, dtype=np.int32),
         np.array(c.lookahead, dtype=np.int64),
+        topk(c.topk, c.topk_k, len(c.new_tokens)),
     )
 
 

@@ -11,6 +11,8 @@ separate integer under :data:`SCHEMA_VERSION`; that key and the migration lock b
     draftcache:v1:ns:{<ns>}:log:tokens                 string  tokens currently in the log
     draftcache:v1:ns:{<ns>}:log:identity               string  random id of this log (SET NX)
     draftcache:v1:ns:{<ns>}:log:writers                hash    writer id -> highest commit seq appended (TTL)
+    draftcache:v1:ns:{<ns>}:succ                       hash    token -> successor row (indexer.successors)
+    draftcache:v1:ns:{<ns>}:succ:changes               stream  tokens each write changed (capped)
     draftcache:v1:ns:{<ns>}:prior:seq                  string  last prior version handed out
     draftcache:v1:ns:{<ns>}:prior:current              string  version replicas serve
     draftcache:v1:ns:{<ns>}:prior:previous             string  version kept for rollback
@@ -74,6 +76,20 @@ def _ns(ns: str) -> str:
 
 def _session(sid: str) -> str:
     return f"{_BASE}:session:{{{check_name(sid, what='session id')}}}"
+
+
+def successors(ns: str) -> str:
+    """The namespace's successor rows, by token.
+
+    >>> successors("llama2")
+    'draftcache:v1:ns:{llama2}:succ'
+    """
+    return f"{_ns(ns)}:succ"
+
+
+def successor_changes(ns: str) -> str:
+    """The stream of the tokens each write of successor rows changed."""
+    return f"{successors(ns)}:changes"
 
 
 def log(ns: str) -> str:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cache_service.storage import codec, keys, priors, sessions, stream_log
+from cache_service.storage import codec, keys, priors, sessions, stream_log, successors
 from cache_service.storage import namespaces as stored_namespaces
 from cache_service.storage.clients import StorageClient
 from cache_service.storage.errors import NamespaceConflict, StorageCorrupt, guarded
@@ -197,6 +197,23 @@ class RedisStore:
     def log_size(self, ns: str) -> tuple[int, int]:
         """``(entries, tokens)`` in the namespace's log."""
         return stream_log.size(self.client, ns)
+
+    # -- successor rows -----------------------------------------------------------------------
+
+    @guarded
+    def save_successors(self, ns: str, writer: str, tokens: np.ndarray, packed: list[bytes]) -> str | None:
+        """Write successor rows and announce them to other replicas (see :mod:`.successors`)."""
+        return successors.save(self.client, ns, writer, tokens, packed)
+
+    @guarded
+    def read_successors(self, ns: str) -> tuple[np.ndarray, list[bytes], str]:
+        """Every stored successor row and the change stream's last id."""
+        return successors.read_all(self.client, ns)
+
+    @guarded
+    def successor_changes(self, ns: str, after: str, writer: str) -> tuple[np.ndarray, list[bytes], str]:
+        """Rows other writers changed since change ``after`` (see :func:`.successors.read_changes`)."""
+        return successors.read_changes(self.client, ns, after, writer, self.config.read_batch)
 
     # -- priors -----------------------------------------------------------------------------
 

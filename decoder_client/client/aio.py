@@ -20,7 +20,7 @@ from decoder_client.client.config import RECONNECT_OPTIONS, ClientConfig
 from decoder_client.client.core import ClientCore, ClientStats, Fallback, Reopening, prompt_lookup_fallback
 from decoder_client.client.plan import CatchUp, Draft, DraftAhead, Drafted, Effect, Reopen, draft_step
 from decoder_client.client.protocol import UNARY, lane_of
-from decoder_client.client.session import ClientSession
+from decoder_client.client.session import ClientSession, TopkRows
 from indexer.tree_builder import DraftTree
 
 
@@ -55,9 +55,14 @@ class AsyncDraftClient:
             self._reopen(sessions)
         return sessions
 
-    async def draft(self, sessions: Sequence[ClientSession], new_tokens: Sequence[Sequence[int]]) -> list[DraftTree]:
+    async def draft(
+        self,
+        sessions: Sequence[ClientSession],
+        new_tokens: Sequence[Sequence[int]],
+        topk: Sequence[TopkRows | None] | None = None,
+    ) -> list[DraftTree]:
         """See :meth:`DraftClient.draft`."""
-        step = draft_step(self._core, sessions, new_tokens)
+        step = draft_step(self._core, sessions, new_tokens, topk)
         drafted = None
         while True:
             try:

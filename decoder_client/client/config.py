@@ -8,6 +8,7 @@ from pathlib import Path
 import grpc
 
 from indexer.drafter import MAX_LOOKAHEAD, DraftParams
+from indexer.successors import MAX_TOPK
 
 # Reconnect quickly after an outage: the fallback covers the gap, not a long backoff.
 RECONNECT_OPTIONS = [
@@ -32,6 +33,7 @@ class ClientConfig:
     control_timeout_s: float = 1.0  # open / close calls
     retry_after_s: float = 0.5  # after a failure, skip the service this long
     lookahead: int = 0  # pre-speculation: outcomes drafted ahead per step (0: off)
+    topk: int = 0  # the target's top-k ids sent per verified position, when the decoder gives them (0: none)
     stream: bool = True  # calls on two bidirectional streams (False: one unary call each)
     token: str = ""  # bearer token, when the service authenticates callers
     tls_root_cert_file: str = ""  # PEM CA of the service's certificate: use TLS
@@ -43,6 +45,8 @@ class ClientConfig:
             raise ValueError("deadlines must be > 0 and retry_after_s >= 0")
         if not 0 <= self.lookahead <= MAX_LOOKAHEAD:
             raise ValueError(f"lookahead must be in [0, {MAX_LOOKAHEAD}], got {self.lookahead}")
+        if not 0 <= self.topk <= MAX_TOPK:
+            raise ValueError(f"topk must be in [0, {MAX_TOPK}], got {self.topk}")
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             raise ValueError("a client certificate needs its key (and the other way round)")
         if self.tls_cert_file and not self.tls_root_cert_file:

@@ -19,7 +19,7 @@ from draftcache.v1 import draftcache_pb2 as pb
 
 from decoder_client import wire
 from decoder_client.client.config import ClientConfig
-from decoder_client.client.session import ClientSession
+from decoder_client.client.session import ClientSession, TopkRows
 from indexer.prespeculation import select
 from indexer.prompt_lookup import prompt_lookup
 from indexer.tree_builder import DraftTree
@@ -87,10 +87,16 @@ class ClientCore:
         why = "deadline" if exc is None else exc.code()
         logger.debug("draftcache call failed (%s); local drafts for %.1f s", why, self.config.retry_after_s)
 
-    def add_tokens(self, sessions: Sequence[ClientSession], new_tokens: Sequence[Sequence[int]]) -> None:
-        for s, new in zip(sessions, new_tokens, strict=True):
+    def add_tokens(
+        self,
+        sessions: Sequence[ClientSession],
+        new_tokens: Sequence[Sequence[int]],
+        topk: Sequence[TopkRows | None] | None = None,
+    ) -> None:
+        rows = [None] * len(sessions) if topk is None else topk
+        for s, new, top in zip(sessions, new_tokens, rows, strict=True):
             if len(new):
-                s.extend(new)
+                s.extend(new, top, self.config.topk)
 
     def open_request(self, sessions: Sequence[ClientSession]) -> pb.OpenSessionsRequest | None:
         todo = [s for s in sessions if not s.server_id]
@@ -122,7 +128,7 @@ class ClientCore:
         for s, sid, size in zip(todo, resp.session_ids, sizes, strict=True):
             if s.prompt_len != size:
                 self.stats.reopened += 1
-            s.server_id, s.pending = sid, s.tokens(size)
+            s.server_id, s.pending, s.pending_topk = sid, s.tokens(size), []
 
     def reopen_request(self, sessions: Sequence[ClientSession]) -> Reopening | None:
         """An open, to send in the background, of those of ``sessions`` without a server copy."""
@@ -134,18 +140,34 @@ class ClientCore:
         remote = [s for s in sessions if s.server_id]
         if not remote or not self.available():
             return None
-        k = self.config.lookahead
+        k, top_k = self.config.lookahead, self.config.topk
+        rows = [s.take_topk(top_k) for s in remote]
         if not self.columns:
             return pb.DraftRequest(
-                items=[pb.DraftItem(session_id=s.server_id, new_tokens=s.pending, lookahead=k) for s in remote]
+                items=[
+                    pb.DraftItem(
+                        session_id=s.server_id,
+                        new_tokens=s.pending,
+                        lookahead=k,
+                        topk=r or [],
+                        topk_k=top_k if r else 0,
+                    )
+                    for s, r in zip(remote, rows, strict=True)
+                ]
             )
         pending = [s.pending for s in remote]
+        topk: list[int] = []
+        if any(rows):  # a row per new token: sessions without send -1 rows
+            for p, r in zip(pending, rows, strict=True):
+                topk.extend(r if r else [-1] * (top_k * len(p)))
         return pb.DraftRequest(
             columns=pb.DraftColumns(
                 session_ids=[s.server_id for s in remote],
                 new_token_counts=[len(p) for p in pending],
                 new_tokens=[t for p in pending for t in p],
                 lookahead=[k] * len(remote) if k else [],
+                topk=topk,
+                topk_k=top_k if topk else 0,
             )
         )
 

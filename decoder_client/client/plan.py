@@ -30,7 +30,7 @@ from typing import Any
 from draftcache.v1 import draftcache_pb2 as pb
 
 from decoder_client.client.core import ClientCore
-from decoder_client.client.session import ClientSession
+from decoder_client.client.session import ClientSession, TopkRows
 from indexer.tree_builder import DraftTree
 
 
@@ -81,16 +81,20 @@ class Drafted:
 
 
 def draft_step(
-    core: ClientCore, sessions: Sequence[ClientSession], new_tokens: Sequence[Sequence[int]]
+    core: ClientCore,
+    sessions: Sequence[ClientSession],
+    new_tokens: Sequence[Sequence[int]],
+    topk: Sequence[TopkRows | None] | None = None,
 ) -> Generator[Effect, Drafted | None, list[DraftTree]]:
-    """Append each session's new tokens, then one tree per session (remote or fallback).
+    """Append each session's new tokens (with their top-k rows, where given), then one tree per
+    session (remote or fallback).
 
     A session whose outcome was drafted ahead gets that tree at once; the call delivering its
     tokens (and drafting ahead for its next outcome) is yielded as :class:`DraftAhead`.
     """
     end = time.monotonic() + core.config.deadline_s
     yield CatchUp(end)
-    core.add_tokens(sessions, new_tokens)
+    core.add_tokens(sessions, new_tokens, topk)
     yield Reopen(sessions)
     ready, rest = core.split_ahead(sessions, new_tokens)
     trees = yield from _draft_rest(core, rest, end)

@@ -17,7 +17,7 @@ from decoder_client.client.config import RECONNECT_OPTIONS, ClientConfig
 from decoder_client.client.core import ClientCore, ClientStats, Fallback, Reopening, prompt_lookup_fallback
 from decoder_client.client.plan import CatchUp, Draft, DraftAhead, Drafted, Effect, Reopen, draft_step
 from decoder_client.client.protocol import UNARY, lane_of
-from decoder_client.client.session import ClientSession
+from decoder_client.client.session import ClientSession, TopkRows
 from decoder_client.client.stream import Stream, StreamFuture
 from indexer.tree_builder import DraftTree
 
@@ -65,14 +65,19 @@ class DraftClient:
             self._reopen(sessions)
         return sessions
 
-    def draft(self, sessions: Sequence[ClientSession], new_tokens: Sequence[Sequence[int]]) -> list[DraftTree]:
+    def draft(
+        self,
+        sessions: Sequence[ClientSession],
+        new_tokens: Sequence[Sequence[int]],
+        topk: Sequence[TopkRows | None] | None = None,
+    ) -> list[DraftTree]:
         """Append each session's new tokens, then one tree per session (remote or fallback).
 
         With ``lookahead``, a session whose outcome was drafted ahead gets that tree at once;
         the call that delivers its tokens and drafts ahead for its next outcome runs in the
         background (while the target verifies) and is settled at the next call.
         """
-        step = draft_step(self._core, sessions, new_tokens)
+        step = draft_step(self._core, sessions, new_tokens, topk)
         drafted = None
         while True:
             try:

@@ -38,6 +38,7 @@ from indexer.kernels.search import (
     stacked_continuations,
     tail_matches,
 )
+from indexer.kernels.successors import successor_observe, successor_rows
 from indexer.kernels.suffix_sort import lcp, merge_suffix_arrays, suffix_array
 from indexer.kernels.tables import (
     find_leader,
@@ -98,6 +99,8 @@ __all__ = [
     "stopping_points",
     "stopping_points_rows",
     "subtree_nodes",
+    "successor_observe",
+    "successor_rows",
     "suffix_array",
     "table_entries",
     "tail_matches",
@@ -150,16 +153,16 @@ def warm_up() -> None:
         one, root, np.ones(1, dtype=np.float32), np.zeros(1, dtype=np.uint8), one_tree[:1], sizes, one, sizes, sizes,
         2, 7,
     )  # fmt: skip
-    guesses = np.full((1, 7), -1, dtype=np.int64)
-    calibrate(np.zeros((7, 5)), np.zeros((7, 5)), guesses, np.zeros((1, 7)), guesses, one_tree[:1], one_tree[:1], 4)
+    guesses = np.full((1, 8), -1, dtype=np.int64)
+    calibrate(np.zeros((8, 5)), np.zeros((8, 5)), guesses, np.zeros((1, 8)), guesses, one_tree[:1], one_tree[:1], 4)
     args = _tiny_draft()
     draft_batch(*args)
     i32, i64 = args[11], args[12]
     kstore.put_i32(i32, 0, kstore.get_i32(i32, 0))
     kstore.put_i64(i64, 1, kstore.get_i64(i64, 1))
     items = np.array([[0, 0, 1, 4], [1, 1, 2, 0]], dtype=np.int64)
-    counts = np.zeros((7, 5))
-    accept_batch(items, np.array([1, 9], np.int32), i32, i64, counts, counts.copy(), 4, np.zeros(7, np.int64))
+    counts = np.zeros((8, 5))
+    accept_batch(items, np.array([1, 9], np.int32), i32, i64, counts, counts.copy(), 4, np.zeros(8, np.int64))
     tree = np.zeros(8, dtype=np.int32)
     state = np.zeros(kstore.STATE_SIZE, dtype=np.int64)
     kept = kstore.write_tree(tree, state, one, root, one, np.ones(1, dtype=np.float32))
@@ -174,9 +177,12 @@ def warm_up() -> None:
     lru.leaders_oldest_first(table)
     lru.candidates(table, toks)
     lru.columns(table)  # a session's write-back
+    followers, weights, norm = np.full((2, 8), -1, dtype=np.int32), np.zeros((2, 8)), np.zeros(2)
+    successor_observe(followers, weights, norm, one, np.ones((1, 2), dtype=np.int32), 0.9, np.ones(8))
+    successor_rows(followers, weights, norm, 1, 2, 0.0)
     # Chain mode: a node's cell, its probability, the chosen path and an outcome's count.
     cells = chain_cells(root, np.ones(1, dtype=np.float32), np.zeros(1, dtype=np.uint8), np.ones(1))
-    grid = np.zeros((9, 7, 7, 4))
+    grid = np.zeros((9, 7, 8, 4))
     chain_conditional(cells, grid, grid, np.ones(9), 1.0)
     chain_path(root, np.ones(1), np.ones(1), 2, 0.0)
     chain_outcome(root, one, one, cells, grid, grid.copy(), np.zeros(9), np.zeros(9))
@@ -214,8 +220,9 @@ def _tiny_draft() -> tuple:
     return (
         jobs, np.zeros(2), one, one, *prior, i32, i64,
         toks, sa, toks, sa, offsets, np.zeros(1, dtype=np.uint64), one_tree, rows, np.zeros((2, 2), dtype=np.uint16),
-        2, 1, np.array([32, 4, 4, 2, 2, 2, 4, 2147483647, 2048], dtype=np.int64), np.ones(7), np.zeros((7, 5)),
-        np.zeros((7, 5)),
+        2, 1, np.full((2, 8), -1, dtype=np.int32), np.zeros((2, 8)), np.zeros(2),
+        np.array([32, 4, 4, 2, 2, 2, 4, 2147483647, 2048], dtype=np.int64), np.ones(8), np.zeros((8, 5)),
+        np.zeros((8, 5)),
     )  # fmt: skip
 
 

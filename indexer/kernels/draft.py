@@ -44,11 +44,13 @@ from indexer.kernels.store import (
     TREE,
     write_tree,
 )
+from indexer.kernels.successors import successor_rows
 from indexer.kernels.tables import find_leader, find_longest_leader
 from indexer.kernels.tree import merge_tree, stack_parts, tree_buffers
 
 # Tier values (indexer.tree_builder.Tier; a test keeps the two equal).
-DYNAMIC, CONTEXT, REJECTED, LIFETIME_SA, LIFETIME_NGRAM, PRIOR, EXACT_TIER = 0, 1, 2, 3, 4, 5, 6
+DYNAMIC, CONTEXT, REJECTED, LIFETIME_SA, LIFETIME_NGRAM, PRIOR, EXACT_TIER, SUCCESSOR = 0, 1, 2, 3, 4, 5, 6, 7
+SUCCESSOR_MIN_PROB = 0.02  # a successor row stops where its prefix is less likely than this
 
 # Columns of the per-tree ``jobs`` table, and the ``settings`` vector's fields.
 JOB_COLUMNS = ("row", "suffix_start", "suffix_end", "exclude_start", "exclude_end", "depth", "budget",
@@ -255,7 +257,8 @@ def _draft_one(j: int, args: tuple, out: tuple) -> None:
     (
         jobs, min_score, suffix, exclude, prior_orders, prior_keys, prior_owner, prior_slot, prior_offsets,
         prior_followers, prior_probs, i32, i64, main_tokens, main_sa, run_tokens, run_sa, run_offsets, table_keys,
-        table_offsets, table_followers, table_probs, table_ll, main_serial, settings, half, hits, pred
+        table_offsets, table_followers, table_probs, table_ll, main_serial, succ_followers, succ_weights, succ_norm,
+        settings, half, hits, pred
     ) = args  # fmt: skip
     tokens, parents, sources, scores, slot, sizes, first_tok, guess, lengths, _ = out
     n_tiers = half.size
@@ -293,14 +296,17 @@ def _draft_one(j: int, args: tuple, out: tuple) -> None:
         p_offsets = prior_offsets[p_table]
         p_lo, p_hi = p_offsets[prior_slot[hit]], p_offsets[prior_slot[hit] + 1]
         p_cells = (p_hi - p_lo) * prior_followers[p_table].shape[1]
-    bound_r = rows_c.size + rows_d.size + rows_r.size + rows_l.size + exact_rest.size + p_cells
+    rows_s, probs_s = successor_rows(
+        succ_followers, succ_weights, succ_norm, ctx[-1] if ctx.size else -1, depth, SUCCESSOR_MIN_PROB
+    )
+    bound_r = rows_c.size + rows_d.size + rows_r.size + rows_l.size + exact_rest.size + p_cells + rows_s.size
     if leader >= 0:
         bound_r += (table_offsets[leader + 1] - table_offsets[leader]) * table_followers.shape[1]
     bound_v = bound_r + rows_c.shape[0] + rows_d.shape[0] + rows_r.shape[0] + rows_l.shape[0] + 1
     rows_flat = np.empty(bound_r, dtype=np.int32)
     vals_flat = np.empty(bound_v)
-    meta = np.zeros((6, 4), dtype=np.int64)  # at most a part per tier, one of the two lifetime tiers
-    confs = np.zeros(6)
+    meta = np.zeros((7, 4), dtype=np.int64)  # at most a part per tier, one of the two lifetime tiers
+    confs = np.zeros(7)
     if n_c > 0:
         conf_of[CONTEXT] = _confidence(CONTEXT, n_c, half, hits, pred, buckets)
         lengths[j, CONTEXT] = n_c
@@ -341,6 +347,10 @@ def _draft_one(j: int, args: tuple, out: tuple) -> None:
         lengths[j, EXACT_TIER] = n_x
         _put(exact_rest.reshape((1, -1)), np.ones((1, 1)), False, EXACT_TIER, conf_of[EXACT_TIER], excl, rows_flat,
              vals_flat, meta, confs, at)  # fmt: skip
+    if rows_s.shape[0] > 0:
+        conf_of[SUCCESSOR] = _confidence(SUCCESSOR, 1, half, hits, pred, buckets)
+        lengths[j, SUCCESSOR] = 1
+        _put(rows_s, probs_s, True, SUCCESSOR, conf_of[SUCCESSOR], excl, rows_flat, vals_flat, meta, confs, at)
     n_parts = at[0]
     if n_parts > 0 and budget > 0 and depth > 0:
         rows, vals, is_max, tiers = stack_parts(
@@ -447,6 +457,9 @@ def draft_batch(
     table_probs: np.ndarray,
     table_ll: int,
     main_serial: int,
+    succ_followers: np.ndarray,
+    succ_weights: np.ndarray,
+    succ_norm: np.ndarray,
     settings: np.ndarray,
     half: np.ndarray,
     hits: np.ndarray,
@@ -467,7 +480,7 @@ def draft_batch(
     ``settings``' window of the prompt on, rejected table and exact-prompt response. The static
     prior (the ``prior_*`` arguments, see :func:`prior_args`) answers with the followers of the
     longest of its leaders the context ends with. Parts merge in tier order: own context,
-    dynamic, rejected, lifetime, prior, exact.
+    dynamic, rejected, lifetime, prior, exact, successor.
 
     The lifetime memory is the main suffix index and its delta runs (see
     :func:`~indexer.kernels.search.stacked_continuations`) plus the frozen table over the main
@@ -476,7 +489,9 @@ def draft_batch(
     when it holds the leader. ``main_serial`` names the main index's generation: a session's
     match in it carries to its next search while the same one serves. Confidence per tier:
     :func:`_confidence` over ``half`` and the calibration counts ``hits`` and ``pred`` (tiers x
-    buckets + 1).
+    buckets + 1). The successor table (``succ_*``, see :mod:`indexer.kernels.successors`; empty
+    arrays: none) drafts chains of the target's own likeliest followers of the context's last
+    token.
 
     Returns the trees end to end ``(tokens, parents, sources, scores, offsets)``; per tree and
     tier, ``first_token`` (-1: no first guess), the first guess's probability under that tier
@@ -487,7 +502,8 @@ def draft_batch(
     args = (
         jobs, min_score, suffix, exclude, prior_orders, prior_keys, prior_owner, prior_slot, prior_offsets,
         prior_followers, prior_probs, i32, i64, main_tokens, main_sa, run_tokens, run_sa, run_offsets, table_keys,
-        table_offsets, table_followers, table_probs, table_ll, main_serial, settings, half, hits, pred
+        table_offsets, table_followers, table_probs, table_ll, main_serial, succ_followers, succ_weights, succ_norm,
+        settings, half, hits, pred
     )  # fmt: skip
     out = _outputs(jobs, half.size)
     for j in range(jobs.shape[0]):
@@ -521,6 +537,9 @@ def draft_batch_parallel(
     table_probs: np.ndarray,
     table_ll: int,
     main_serial: int,
+    succ_followers: np.ndarray,
+    succ_weights: np.ndarray,
+    succ_norm: np.ndarray,
     settings: np.ndarray,
     half: np.ndarray,
     hits: np.ndarray,
@@ -536,7 +555,8 @@ def draft_batch_parallel(
     args = (
         jobs, min_score, suffix, exclude, prior_orders, prior_keys, prior_owner, prior_slot, prior_offsets,
         prior_followers, prior_probs, i32, i64, main_tokens, main_sa, run_tokens, run_sa, run_offsets, table_keys,
-        table_offsets, table_followers, table_probs, table_ll, main_serial, settings, half, hits, pred
+        table_offsets, table_followers, table_probs, table_ll, main_serial, succ_followers, succ_weights, succ_norm,
+        settings, half, hits, pred
     )  # fmt: skip
     out = _outputs(jobs, half.size)
     for j in prange(jobs.shape[0]):

@@ -30,7 +30,7 @@ I64_PER_ROW = 2
 # longest match the lifetime main index held at the last draft: the index's generation, the
 # context length then, the match length (0: none) and its SA rows.
 LEN, PROMPT_LEN, INDEXED, HINT_CTX, HINT_LIFE, EXACT_AGREES, TREE_SIZE, GUESSED = range(8)
-N_TIERS = 7
+N_TIERS = 8
 FIRST_TOKEN = 8
 GUESS = FIRST_TOKEN + N_TIERS
 GUESS_LENGTH = GUESS + N_TIERS

@@ -189,3 +189,30 @@ def test_a_session_read_from_stalled_storage_does_not_hold_up_other_calls(tmp_pa
         a.stop()
         b.stop()
         redis_server.stop()
+
+
+def test_topk_written_back_on_one_replica_drafts_on_the_other(replicas: tuple[Replica, Replica]) -> None:
+    """The successor table is the fleet's: rows learnt on one replica reach the other through
+    storage, and a replica started afterwards reads them all."""
+    a, b = replicas
+    a.admin.CreateNamespace(pb.CreateNamespaceRequest(name="toy", vocab_size=100))
+    eventually(lambda: _knows_namespace(b))
+    sid = _open(a, [10, 11, 12])
+    # Where 13 and 14 were verified, the target's top-2 were (13, 40) after 12 and (14, 41) after 13.
+    item = pb.DraftItem(session_id=sid, new_tokens=[13, 14], topk=[13, 40, 14, 41], topk_k=2)
+    a.stub.Draft(pb.DraftRequest(items=[item]))
+
+    def b_drafts_from_it() -> bool:
+        req = pb.DraftRequest(items=[pb.DraftItem(session_id=_open(b, [90, 12]))])
+        tree = b.stub.Draft(req).trees[0]
+        path = {(int(p), int(t)) for p, t in zip(tree.parents, tree.tokens, strict=True)}
+        return (-1, 13) in path and (list(tree.tokens).index(13), 14) in path  # 13, then 14 under it
+
+    eventually(b_drafts_from_it)
+    assert a.app.config.redis_url is not None
+    c = Replica(a.app.config.redis_url)
+    try:
+        eventually(lambda: _knows_namespace(c))
+        assert c.app.service.namespace("toy").successors.followers_of(12) == [13, 40]
+    finally:
+        c.stop()

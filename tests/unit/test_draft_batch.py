@@ -34,7 +34,7 @@ NS = Namespace(name="batch", vocab_size=VOCAB)
 
 
 def test_kernel_tier_values_are_the_tiers():
-    names = ("DYNAMIC", "CONTEXT", "REJECTED", "LIFETIME_SA", "LIFETIME_NGRAM")
+    names = ("DYNAMIC", "CONTEXT", "REJECTED", "LIFETIME_SA", "LIFETIME_NGRAM", "PRIOR", "SUCCESSOR")
     assert [getattr(draft_kernel, n) for n in names] == [int(Tier[n]) for n in names]
 
 
@@ -97,6 +97,11 @@ def _reference(d: NamespaceDrafter, s: Session, params: DraftParams, ctx=None, e
     done = ctx[s.prompt_len :]
     if s.exact is not None and done.size < s.exact.size and np.array_equal(s.exact[: done.size], done):
         add(Tier.EXACT, max(1, done.size + 1), s.exact[None, done.size : done.size + depth], weights=np.ones(1))
+    rows, probs = kernels.successor_rows(
+        *d.successors.kernel_args(), int(ctx[-1]) if ctx.size else -1, depth, draft_kernel.SUCCESSOR_MIN_PROB
+    )
+    if rows.shape[0]:
+        add(Tier.SUCCESSOR, 1, rows, probs=probs)
     return merge_candidates(
         parts, budget=params.budget, max_depth=depth, min_score=params.min_score, depth_reserve=params.depth_reserve
     )
@@ -133,7 +138,12 @@ def _world(seed: int):
     for step in range(6):
         for i, s in enumerate(sessions):
             d.draft(s, DraftParams())
-            d.accept(s, answer[step : step + 1] if i == 0 else text(1)[: int(rng.integers(1, 4))])
+            new = answer[step : step + 1] if i == 0 else text(1)[: int(rng.integers(1, 4))]
+            if i % 2:  # the target's top-3 where the step was verified: the successor tier's rows
+                top = rng.integers(0, VOCAB, size=(new.size, 3)).astype(np.int32)
+                top[:, 0] = new
+                d.observe_topk(s, new, top)
+            d.accept(s, new)
     back = d.open(np.concatenate([text(5), np.array([11, 12], dtype=np.int32)]))
     d.accept(back, [13], rejected=[(0, [20, 21, 22])])  # rejected after "11 12" ...
     d.accept(back, [11, 12])  # ... which the context ends with again
