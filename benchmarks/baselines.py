@@ -59,9 +59,12 @@ class EngineDrafter:
             self._engine.prespeculate(self._active(), self.lookahead, self._params)
 
     def advance(self, tokens: np.ndarray, topk: np.ndarray | None = None) -> None:
-        # ``topk`` (the target's top-k at the verified positions) is for the successor tier,
-        # which consumes it; until then the engine learns from the tokens alone.
-        self._engine.accept(self._active(), tokens)
+        """The step's tokens; ``topk``, the target's top-k where they were verified, feeds the
+        successor tier first (its row 0 follows the context as it was)."""
+        session = self._active()
+        if topk is not None:
+            self._engine.observe_topk(session, tokens, topk)
+        self._engine.accept(session, tokens)
 
     def finish(self, commit_from: int) -> None:
         self._engine.close(self._active(), commit=True, commit_from=commit_from)

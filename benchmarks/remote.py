@@ -21,6 +21,8 @@ from indexer.drafter import DraftParams
 from indexer.prespeculation import Prefetched, select
 from indexer.tree_builder import DraftTree
 
+_NO_ROWS = np.zeros((0, 1), dtype=np.int32)
+
 
 class RemoteDrafter:
     """A replay drafter backed by a draftcache service at ``target`` (``host:port``)."""
@@ -39,19 +41,27 @@ class RemoteDrafter:
         self._timeout = timeout_s
         self._sid = ""
         self._pending: list[int] = []
+        self._pending_topk = _NO_ROWS  # top-k rows of the pending tokens (none: empty)
 
     def start(self, prompt: np.ndarray) -> None:
         req = pb.OpenSessionsRequest(
             sessions=[pb.OpenSession(namespace=self._namespace, prompt=prompt.tolist(), params=self._params)]
         )
         self._sid = self._stub.OpenSessions(req, timeout=self._timeout).session_ids[0]
-        self._pending, self._ahead = [], {}
+        self._pending, self._ahead, self._pending_topk = [], {}, _NO_ROWS
 
     def propose(self) -> DraftTree:
         # The service goes on with a tree drafted ahead when these tokens are its outcome.
         self.last_was_ahead = bool(self._pending) and select(self._ahead, self._pending) is not None
-        item = pb.DraftItem(session_id=self._sid, new_tokens=self._pending, lookahead=self.lookahead)
-        self._pending = []
+        rows = self._pending_topk if self._pending_topk.shape[0] == len(self._pending) else None
+        item = pb.DraftItem(
+            session_id=self._sid,
+            new_tokens=self._pending,
+            lookahead=self.lookahead,
+            topk=[] if rows is None else rows.ravel().tolist(),
+            topk_k=0 if rows is None else rows.shape[1],
+        )
+        self._pending, self._pending_topk = [], _NO_ROWS
         resp = self._stub.Draft(pb.DraftRequest(items=[item]), timeout=self._timeout)
         self._ahead = prefetched_from_response(resp)[0] if len(resp.prefetched) else {}
         return tree_from_proto(resp.trees[0])
@@ -60,8 +70,11 @@ class RemoteDrafter:
         """Nothing to do: the draft call drafted ahead already."""
 
     def advance(self, tokens: np.ndarray, topk: np.ndarray | None = None) -> None:
-        # ``topk`` (the target's top-k at the verified positions) is for the successor tier,
-        # which consumes it with the step's feedback; until then only the tokens are sent.
+        """The step's tokens, sent with the next draft call, with their top-k rows if given."""
+        if topk is not None:
+            if self._pending_topk.size and len(self._pending):  # rows of earlier tokens came before
+                topk = np.concatenate((self._pending_topk, topk))
+            self._pending_topk = topk
         self._pending.extend(tokens.tolist())
 
     def finish(self, commit_from: int) -> None:
