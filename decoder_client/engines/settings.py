@@ -16,8 +16,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from indexer.drafter import DraftParams
-
 ENV_PREFIX = "DRAFTCACHE_"
 _KINDS = {"int": "an integer", "float": "a number", "bool": "a boolean", "str": "a string"}
 
@@ -31,7 +29,7 @@ class EngineSettings:
     token: str = ""  # bearer token, when the service authenticates callers
     tls_root_cert_file: str = ""  # PEM CA of the service's certificate: use TLS
     deadline_s: float = 0.005  # per draft call; past it the local fallback answers
-    budget: int = DraftParams.budget  # nodes of the tree the chain is chosen from
+    budget: int = 64  # nodes of the tree the chain is chosen from
     chain_min_prob: float = 0.0  # a chain ends before a token less likely than this to be reached
     create_namespace: bool = True  # create the namespace (the model's vocabulary) when it is missing
     idle_close_s: float = 2.0  # the engine made no step this long: its requests are closed, with commit
@@ -48,7 +46,11 @@ class EngineSettings:
             raise ValueError("draftcache target must be HOST:PORT")
         if self.deadline_s <= 0 or self.idle_close_s <= 0 or self.stats_every_s <= 0:
             raise ValueError("deadline_s, idle_close_s and stats_every_s must be > 0")
-        DraftParams(budget=self.budget, chain_min_prob=self.chain_min_prob)  # their own checks
+        # Their own checks. Imported here: the engine's process may not import numba yet (see
+        # decoder_client.engines.vllm).
+        from indexer.drafter import DraftParams
+
+        DraftParams(budget=self.budget, chain_min_prob=self.chain_min_prob)
 
     @classmethod
     def from_sources(cls, engine: Mapping[str, Any] | None, env: Mapping[str, str]) -> EngineSettings:

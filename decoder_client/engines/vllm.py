@@ -34,6 +34,11 @@ a long step comes back as a new session, as a resumed one does.
 The service slow or down costs a step at most the client's deadline: past it the client
 drafts locally (prompt lookup over the row's own tokens), and an error inside the proposer
 leaves that step without drafts instead of stopping the engine.
+
+Importing this module does not import the client (nor numba, under it): vLLM's CPU start-up
+fails in a process that has (``'_lib_fn_wrapper' object has no attribute 'get'``, from its scan
+of every loaded module), and a script building an ``LLM`` is such a process, or its spawned
+children re-import the script. vLLM's worker imports the client when it builds the proposer.
 """
 
 from __future__ import annotations
@@ -46,19 +51,19 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import grpc
 import numpy as np
 from draftcache.v1 import draftcache_pb2 as pb
 from draftcache.v1 import draftcache_pb2_grpc as pb_grpc
 
-from decoder_client.adapters import best_chain
-from decoder_client.client import ClientConfig, ClientSession, DraftClient
 from decoder_client.engines.rows import RowTracker, Track
 from decoder_client.engines.settings import EngineSettings
 from decoder_client.engines.step_stats import StepStats
-from indexer.drafter import DraftParams
+
+if TYPE_CHECKING:
+    from decoder_client.client import ClientConfig, ClientSession
 
 logger = logging.getLogger(__name__)
 
@@ -79,12 +84,17 @@ class DraftcacheProposer:
     """vLLM's custom proposer backed by a draftcache service; see the module docstring."""
 
     def __init__(self, vllm_config: Any) -> None:
+        from decoder_client.adapters import best_chain  # the client, in vLLM's worker (see the module docstring)
+        from decoder_client.client import DraftClient
+
+        self._best_chain = best_chain
         self.num_speculative_tokens = int(vllm_config.speculative_config.num_speculative_tokens)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         self.settings = EngineSettings.from_sources(_section(vllm_config.additional_config), os.environ)
         self.client_config = client_config(self.settings, self.num_speculative_tokens)
-        if self.settings.create_namespace:
-            ensure_namespace(self.client_config, int(vllm_config.model_config.get_vocab_size()))
+        if self.settings.create_namespace:  # in the background: the engine's start never waits on the service
+            vocab = int(vllm_config.model_config.get_vocab_size())
+            threading.Thread(target=ensure_namespace, args=(self.client_config, vocab), daemon=True).start()
         self._client = DraftClient(self.client_config)
         self._tracker = RowTracker()
         self._lock = threading.Lock()  # propose (the engine's thread) and the idle watcher
@@ -145,7 +155,7 @@ class DraftcacheProposer:
         for i, tree in zip(live, trees, strict=True):
             room = min(self.num_speculative_tokens, self.max_model_len - int(lengths[i]) - 1)
             if room > 0:
-                drafts[i] = best_chain(tree, room).tolist()
+                drafts[i] = self._best_chain(tree, room).tolist()
         return drafts, len(live)
 
     def _close(self, tracks: Sequence[Track]) -> None:
@@ -221,6 +231,9 @@ def client_config(settings: EngineSettings, num_speculative_tokens: int) -> Clie
     >>> client_config(EngineSettings(namespace="smollm2"), 4).params.chain
     4
     """
+    from decoder_client.client import ClientConfig
+    from indexer.drafter import DraftParams
+
     k = num_speculative_tokens
     params = DraftParams(
         budget=max(settings.budget, k),
@@ -238,10 +251,10 @@ def client_config(settings: EngineSettings, num_speculative_tokens: int) -> Clie
     )
 
 
-def ensure_namespace(config: ClientConfig, vocab_size: int) -> None:
-    """Create the namespace with the model's vocabulary unless the service has it. Best
-    effort: a service that is down, or a token that may not create namespaces, is logged and
-    the proposer starts all the same (its drafts are local until the service serves the
+def ensure_namespace(config: ClientConfig, vocab_size: int, timeout_s: float = 60.0) -> None:
+    """Create the namespace with the model's vocabulary unless the service has it, waiting up
+    to ``timeout_s`` for the service. Best effort: a service that does not come, or a token
+    that may not create namespaces, is logged (drafts are local until the service serves the
     namespace)."""
     creds = config.credentials()
     with (
@@ -250,7 +263,7 @@ def ensure_namespace(config: ClientConfig, vocab_size: int) -> None:
         request = pb.CreateNamespaceRequest(name=config.namespace, vocab_size=vocab_size)
         try:
             pb_grpc.AdminStub(channel).CreateNamespace(
-                request, timeout=config.control_timeout_s, metadata=config.metadata
+                request, timeout=timeout_s, metadata=config.metadata, wait_for_ready=True
             )
         except grpc.RpcError as exc:
             logger.warning("draftcache: namespace %r not created (%s)", config.namespace, exc.code())
@@ -267,4 +280,4 @@ def _section(additional_config: Any) -> Mapping[str, Any]:
 
 
 def _session(track: Track) -> ClientSession:
-    return cast(ClientSession, track.payload)  # every track the proposer drafts for has one
+    return cast("ClientSession", track.payload)  # every track the proposer drafts for has one

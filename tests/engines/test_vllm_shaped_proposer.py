@@ -1,0 +1,237 @@
+"""The vLLM proposer driven the way vLLM drives it, without vLLM: a batch of token rows that
+grow by what verification accepts, rows vLLM would condense when requests finish, one
+``propose`` call per step, against a real in-process service. (The tests in ``vllm/`` run the
+real engine; these run wherever the project does.)"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+from draftcache.v1 import draftcache_pb2 as pb
+
+from cache_service.config import ServiceConfig
+from cache_service.host.embedded_redis import free_port
+from decoder_client.engines.vllm import DraftcacheProposer
+from tests.service.conftest import Running, eventually, start_service, stop_service
+
+K = 4
+WIDTH = 256  # max_model_len
+NS = "toy"
+
+
+@dataclass
+class Request:
+    prompt: list[int]
+    target: list[int]  # what greedy decoding produces after the prompt
+    out: list[int] = field(default_factory=list)
+
+    @property
+    def done(self) -> bool:
+        return len(self.out) >= len(self.target)
+
+
+class Engine:
+    """vLLM's side of the contract: rows of prompt + output, ``num_tokens_no_spec`` per row,
+    drafts verified against each request's greedy target (the longest agreeing prefix plus one
+    token), finished requests removed and the batch condensed (the last row moved into the
+    hole) before the next step, as vLLM's input batch does."""
+
+    def __init__(self, proposer: DraftcacheProposer, rows: int = 8) -> None:
+        self.proposer = proposer
+        self.tokens = np.zeros((rows, WIDTH), dtype=np.int32)
+        self.lengths = np.zeros(rows, dtype=np.int32)
+        self.reqs: list[Request | None] = [None] * rows
+        self.drafts: list[list[int]] = [[] for _ in range(rows)]
+        self.steps = 0
+        self.longest_draft = 0
+
+    def add(self, req: Request) -> None:
+        i = self.reqs.index(None)
+        self.reqs[i], self.drafts[i] = req, []
+        self.tokens[i, : len(req.prompt)] = req.prompt
+        self.lengths[i] = len(req.prompt)
+
+    def step(self) -> None:
+        sampled: list[list[int]] = []
+        for i, req in enumerate(self.reqs):
+            if req is None:
+                sampled.append([])
+                continue
+            want = req.target[len(req.out) :]
+            accepted = 0
+            while (
+                accepted < len(self.drafts[i])
+                and accepted < len(want) - 1
+                and self.drafts[i][accepted] == want[accepted]
+            ):
+                accepted += 1
+            new = want[: accepted + 1]
+            req.out += new
+            self.tokens[i, self.lengths[i] : self.lengths[i] + len(new)] = new
+            self.lengths[i] += len(new)
+            sampled.append(new)
+        drafts = self.proposer.propose(sampled, self.lengths, self.tokens)
+        assert len(drafts) == len(self.reqs)
+        for i, d in enumerate(drafts):
+            assert len(d) <= K, f"{len(d)} draft tokens for row {i}"
+            assert d == [] or sampled[i], "a draft for a row that produced nothing"
+            self.longest_draft = max(self.longest_draft, len(d))
+        self.drafts = [list(d) for d in drafts]
+        self.steps += 1
+        self._condense()
+
+    def _condense(self) -> None:
+        for i, req in enumerate(self.reqs):
+            if req is not None and req.done:
+                self.reqs[i] = None
+        while None in self.reqs:
+            hole = self.reqs.index(None)
+            last = max((j for j, r in enumerate(self.reqs) if r is not None), default=-1)
+            if last < hole:
+                return
+            n = self.lengths[last]
+            self.tokens[hole, :n] = self.tokens[last, :n]
+            self.lengths[hole], self.reqs[hole], self.drafts[hole] = n, self.reqs[last], self.drafts[last]
+            self.reqs[last], self.lengths[last] = None, 0
+
+    def run(self, requests: list[Request]) -> None:
+        for r in requests:
+            self.add(r)
+        while any(r is not None for r in self.reqs):
+            self.step()
+
+
+def vllm_config(target: str, **settings: Any) -> Any:
+    """The parts of vLLM's VllmConfig the proposer reads."""
+    section = {"target": target, "namespace": NS, "deadline_s": 0.05, "idle_close_s": 0.5, **settings}
+    return SimpleNamespace(
+        speculative_config=SimpleNamespace(num_speculative_tokens=K),
+        model_config=SimpleNamespace(max_model_len=WIDTH, get_vocab_size=lambda: 128),
+        additional_config={"draftcache": section},
+    )
+
+
+def workload() -> list[Request]:
+    """Requests of different lengths (they finish at different steps), two identical ones."""
+    text = [5, 17, 23, 42, 8, 15, 16, 4, 99, 7, 31, 64, 2, 11, 13, 21]
+    reqs = [
+        Request([1, 2, *text], [*text, 3, *text, 9, *text]),
+        Request([3, 4, 5, 6], [7, 8, 9, 10, 11, 12]),
+        Request([9, 9, *text[:8]], [*text[8:], *text, *text]),
+        Request([9, 9, *text[:8]], [*text[8:], *text, *text]),
+        Request([50, 51, 52], list(range(60, 100))),
+    ]
+    return reqs
+
+
+@pytest.fixture
+def running() -> Iterator[Running]:
+    r = start_service(ServiceConfig(), port=free_port())
+    yield r
+    stop_service(r)
+
+
+def proposer_for(running: Running) -> DraftcacheProposer:
+    """A proposer on ``running``, once the namespace it creates at start (in the background)
+    is there: steps without a model take microseconds, a whole workload would be over first."""
+    proposer = DraftcacheProposer(vllm_config(running.target))
+    eventually(lambda: any(n.name == NS for n in running.admin.Stats(pb.StatsRequest(), timeout=5).namespaces), 30)
+    return proposer
+
+
+def namespace_info(running: Running) -> pb.NamespaceInfo:
+    (info,) = [n for n in running.admin.Stats(pb.StatsRequest(namespace=NS), timeout=5).namespaces if n.name == NS]
+    return info
+
+
+def test_sessions_follow_requests_and_every_request_is_committed_once(running: Running) -> None:
+    proposer = proposer_for(running)  # which creates the namespace
+    try:
+        reqs = workload()
+        Engine(proposer).run(reqs)
+        assert [r.out for r in reqs] == [r.target for r in reqs]
+        stats = proposer.stats()
+        assert stats["sessions_opened"] == len(reqs)  # one session per request
+        assert stats["rows_moved"] > 0  # the batch did condense
+        assert stats["remote_drafts"] > 0 and stats["errors"] == 0
+        # The engine goes idle: the sessions of the last step's requests are closed too.
+        eventually(lambda: proposer.stats()["sessions_closed"] == len(reqs), 10)
+        eventually(lambda: namespace_info(running).requests == len(reqs), 10)
+        total = sum(len(r.prompt) + len(r.target) for r in reqs)
+        assert total <= namespace_info(running).buffered_tokens <= total + len(reqs)  # separators
+    finally:
+        proposer.shutdown()
+
+
+def test_a_repeated_workload_drafts_from_what_the_fleet_committed(running: Running) -> None:
+    proposer = proposer_for(running)
+    try:
+        first = Engine(proposer)
+        first.run(workload())
+        eventually(lambda: namespace_info(running).requests == len(workload()), 10)
+        again = Engine(proposer)
+        again.run(workload())
+        assert again.steps < first.steps  # longer accepted chains: the service remembered the answers
+        assert again.longest_draft == K
+    finally:
+        proposer.shutdown()
+
+
+def test_chains_stop_short_of_max_model_len(running: Running) -> None:
+    proposer = proposer_for(running)
+    try:
+        tokens = np.zeros((1, WIDTH), dtype=np.int32)
+        tokens[0] = np.tile([1, 2, 3, 4], WIDTH // 4)  # every draft source would go on
+        lengths = np.array([WIDTH - 3], dtype=np.int32)
+        for _ in range(3):
+            (draft,) = proposer.propose([[4]], lengths, tokens)
+            assert len(draft) <= 2  # room for the draft and the bonus token, no more
+        assert proposer.propose([[4]], np.array([WIDTH], dtype=np.int32), tokens) == [[]]  # full
+    finally:
+        proposer.shutdown()
+
+
+def test_service_gone_local_drafts_within_the_deadline() -> None:
+    proposer = DraftcacheProposer(vllm_config(f"127.0.0.1:{free_port()}"))  # nothing listens
+    try:
+        reqs = workload()
+        engine = Engine(proposer)
+        started = time.monotonic()
+        engine.run(reqs)
+        assert [r.out for r in reqs] == [r.target for r in reqs]
+        stats = proposer.stats()
+        assert stats["remote_drafts"] == 0 and stats["fallback_drafts"] > 0 and stats["errors"] == 0
+        assert engine.longest_draft > 0  # prompt lookup found the copies
+        assert stats["proposer_ms_max"] < 500, stats  # no step waited on the missing service
+        assert time.monotonic() - started < 30
+    finally:
+        proposer.shutdown()
+
+
+def test_service_stopped_mid_generation() -> None:
+    running = start_service(ServiceConfig(), port=free_port())
+    proposer = proposer_for(running)
+    try:
+        reqs = workload()
+        engine = Engine(proposer)
+        for r in reqs:
+            engine.add(r)
+        while proposer.stats()["remote_drafts"] == 0:  # the sessions' opens land (in the background)
+            assert engine.steps < 50, proposer.stats()
+            engine.step()
+            time.sleep(0.01)
+        remote = proposer.stats()["remote_drafts"]
+        stop_service(running)
+        while any(r is not None for r in engine.reqs):
+            engine.step()
+        assert [r.out for r in reqs] == [r.target for r in reqs]
+        stats = proposer.stats()
+        assert remote > 0 and stats["fallback_drafts"] > 0 and stats["errors"] == 0
+    finally:
+        proposer.shutdown()
