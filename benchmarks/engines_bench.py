@@ -1,0 +1,285 @@
+"""draftcache measured inside real engines: one JSON line per engine x workload x method.
+
+Every method of one engine runs the same prompts (:mod:`benchmarks.engine_workloads`), greedy,
+one request at a time, interleaved: prompt by prompt, each method in an order that rotates, so a
+busy moment of the shared machine is spread over the methods instead of landing on one of them.
+Each line carries the keys ``engine``, ``workload``, ``method``, ``tokens_per_s`` (generated
+tokens over wall time, prompt evaluation included), ``mean_accepted_tokens`` (per verification
+step, the engine's own bonus token included, from the engine's counters: 1.0 is no gain) and
+``identical_to_greedy`` (the share of prompts whose output equals the engine's plain greedy
+output, token for token), and beside them what explains them (``by_group``: Spec-Bench's task
+groups, or the agent workload's two passes; drafted and accepted tokens; the engine's step time
+and, for draftcache, the proposer's own time per step).
+
+    python -m benchmarks.engines_bench --engine vllm --workloads prompts.json --target 127.0.0.1:50051
+    python -m benchmarks.engines_bench --engine llama.cpp --workloads prompts.json --target 127.0.0.1:50051
+
+``deploy/bench_engines.sh`` sets everything up and runs both engines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+# Nothing heavy at module level (numba above all): vLLM's spawned processes import the main
+# module again, and a vLLM worker that has loaded numba's llvmlite fails its kernel registration.
+from benchmarks.engine_runs import PLAIN, Measurement, Runner
+from benchmarks.engine_workloads import AGENT_REPEAT, EnginePrompt, load
+
+logger = logging.getLogger(__name__)
+
+
+def rotation(methods: Sequence[str], i: int) -> list[str]:
+    """The order the methods run prompt ``i`` in: rotated by one from prompt to prompt.
+
+    >>> [rotation(["a", "b", "c"], i) for i in range(4)]
+    [['a', 'b', 'c'], ['b', 'c', 'a'], ['c', 'a', 'b'], ['a', 'b', 'c']]
+    """
+    k = i % len(methods)
+    return [*methods[k:], *methods[:k]]
+
+
+def run_workload(runner: Runner, prompts: Sequence[EnginePrompt]) -> dict[str, list[Measurement]]:
+    """Every method of ``runner`` on every prompt, interleaved (see :func:`rotation`)."""
+    runs: dict[str, list[Measurement]] = {m: [] for m in runner.methods}
+    for i, prompt in enumerate(prompts):
+        for method in rotation(runner.methods, i):
+            runs[method].append(runner.run(method, prompt.ids))
+        logger.info(
+            "%s %d/%d %s %s: %s",
+            runner.engine,
+            i + 1,
+            len(prompts),
+            prompt.group,
+            prompt.name,
+            ", ".join(f"{m} {_rate(rs[-1:]):.1f} tok/s" for m, rs in runs.items()),
+        )
+    return runs
+
+
+def _rate(runs: Sequence[Measurement]) -> float:
+    seconds = sum(r.seconds for r in runs)
+    return sum(len(r.tokens) for r in runs) / seconds if seconds else 0.0
+
+
+def figures(runs: Sequence[Measurement], reference: Sequence[Measurement] | None) -> dict[str, Any]:
+    """tokens/s, mean accepted tokens per verification step and the share identical to
+    ``reference`` (none: this is the reference) over ``runs``.
+
+    >>> a = Measurement([1, 2, 3, 4], 2.0, steps=2, drafted=6, accepted=2)
+    >>> b = Measurement([5, 6], 1.0)
+    >>> figures([a, b], [Measurement([1, 2, 3, 4], 4.0), Measurement([5, 7], 2.0)])
+    {'tokens_per_s': 2.0, 'mean_accepted_tokens': 2.0, 'identical_to_greedy': 0.5}
+    """
+    steps = sum(r.steps for r in runs)
+    same = 1.0
+    if reference is not None:
+        same = sum(r.tokens == g.tokens for r, g in zip(runs, reference, strict=True)) / len(runs)
+    return {
+        "tokens_per_s": round(_rate(runs), 2),
+        "mean_accepted_tokens": round(1 + sum(r.accepted for r in runs) / steps, 3) if steps else 1.0,
+        "identical_to_greedy": round(same, 3),
+    }
+
+
+def engine_step_ms(runs: Sequence[Measurement]) -> float:
+    """Milliseconds per engine step: decoding time over the steps it took (every step yields its
+    accepted tokens plus one). From first to last generated token where the engine times them,
+    else the whole request over all its steps (the prompt's evaluation included).
+
+    >>> engine_step_ms([Measurement([1] * 11, 1.0, accepted=4, decode_seconds=0.6)])
+    100.0
+    """
+    if all(r.decode_seconds is not None for r in runs):
+        steps = sum(max(1, len(r.tokens) - 1 - r.accepted) for r in runs)
+        return round(1e3 * sum(r.decode_seconds or 0.0 for r in runs) / steps, 3)
+    steps = sum(max(1, len(r.tokens) - r.accepted) for r in runs)
+    return round(1e3 * sum(r.seconds for r in runs) / steps, 3)
+
+
+def row(
+    engine: str,
+    prompts: Sequence[EnginePrompt],
+    method: str,
+    runs: Sequence[Measurement],
+    reference: Sequence[Measurement] | None,
+) -> dict[str, Any]:
+    """The line of one engine x workload x method (``reference``: plain greedy's runs, none for
+    plain itself)."""
+    workload = prompts[0].workload
+    groups: dict[str, list[int]] = {}
+    for i, p in enumerate(prompts):
+        groups.setdefault(p.group, []).append(i)
+    by_group = {
+        g: figures([runs[i] for i in ix], None if reference is None else [reference[i] for i in ix])
+        for g, ix in groups.items()
+    }
+    drafted, accepted = sum(r.drafted for r in runs), sum(r.accepted for r in runs)
+    out: dict[str, Any] = {
+        "engine": engine,
+        "workload": workload,
+        "method": method,
+        **figures(runs, reference),
+        "prompts": len(runs),
+        "tokens": sum(len(r.tokens) for r in runs),
+        "seconds": round(sum(r.seconds for r in runs), 3),
+        "drafts": sum(r.steps for r in runs),
+        "drafted_tokens": drafted,
+        "accepted_tokens": accepted,
+        "acceptance_rate": round(accepted / drafted, 3) if drafted else 0.0,
+        "engine_step_ms": engine_step_ms(runs),
+        "by_group": by_group,
+    }
+    if all(r.decode_seconds for r in runs):  # without the prompt's evaluation, the same for every method
+        decoded = sum(len(r.tokens) - 1 for r in runs)
+        out["decode_tokens_per_s"] = round(decoded / sum(r.decode_seconds or 0.0 for r in runs), 2)
+    if all(r.draft_seconds is not None for r in runs) and out["drafts"]:
+        out["drafter_ms_per_step"] = round(1e3 * sum(r.draft_seconds or 0.0 for r in runs) / out["drafts"], 3)
+    if reference is None:
+        out["reference"] = True
+    else:
+        pairs = zip(prompts, runs, reference, strict=True)
+        out["differing"] = [f"{p.group}:{p.name}" for p, r, g in pairs if r.tokens != g.tokens]
+    if workload == AGENT_REPEAT:
+        out["measured"] = "both passes: pass1 asks each task once, pass2 the same tasks again (by_group splits them)"
+    return out
+
+
+def bench(runner: Runner, workloads: dict[str, list[EnginePrompt]]) -> Iterator[dict[str, Any]]:
+    """Every workload on ``runner``: its lines, one per method, once the workload is done."""
+    for prompts in workloads.values():
+        runner.begin_workload()
+        runs = run_workload(runner, prompts)
+        for method in runner.methods:
+            reference = None if method == PLAIN else runs[PLAIN]
+            line = {**row(runner.engine, prompts, method, runs[method], reference), **runner.workload_notes(method)}
+            if line.get("proposer_ms_mean") and line["engine_step_ms"]:
+                line["proposer_share_of_step"] = round(line["proposer_ms_mean"] / line["engine_step_ms"], 3)
+            line["host_load_1m"] = round(os.getloadavg()[0], 2)  # a busy shared machine slows every method
+            yield line
+
+
+def skipped(engine: str, workloads: Sequence[str], method: str | None, reason: str) -> list[dict[str, Any]]:
+    """The lines saying that ``method`` (None: the whole engine) was not measured, and why."""
+    return [
+        {
+            "engine": engine,
+            "workload": w,
+            "method": method,
+            "tokens_per_s": None,
+            "mean_accepted_tokens": None,
+            "identical_to_greedy": None,
+            "skipped": reason,
+        }
+        for w in workloads
+    ]
+
+
+# -- entry point --------------------------------------------------------------------------------
+
+
+def make_runner(a: argparse.Namespace) -> Runner:
+    if a.engine == "llama.cpp":
+        from benchmarks.engines_llamacpp_runner import LlamaCppRunner
+
+        return LlamaCppRunner(
+            target=a.target,
+            namespace=a.namespace,
+            max_new_tokens=a.max_new_tokens,
+            deadline_s=a.deadline_ms / 1e3,
+            chain_min_prob=a.chain_min_prob,
+            n_threads=a.llama_threads or None,
+            methods=a.methods,
+        )
+    from benchmarks.engines_vllm import METHODS, VllmBench, VllmRunner
+
+    config = VllmBench(
+        model=a.model,
+        target=a.target,
+        namespace=a.namespace,
+        max_new_tokens=a.max_new_tokens,
+        num_speculative_tokens=a.k,
+        deadline_s=a.deadline_ms / 1e3,
+        chain_min_prob=a.chain_min_prob,
+        enforce_eager=not a.compile,
+        work_dir=a.work_dir,
+    )
+    return VllmRunner(config, [m for m in METHODS if not a.methods or m == PLAIN or m in a.methods])
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--engine", choices=("vllm", "llama.cpp"), required=True)
+    p.add_argument("--workloads", type=Path, required=True, help="from python -m benchmarks.engine_workloads")
+    p.add_argument("--target", default="127.0.0.1:50051", help="the draftcache service")
+    p.add_argument("--namespace", default="smollm2")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--k", type=int, default=8, help="vLLM: num_speculative_tokens of ngram and draftcache")
+    p.add_argument("--deadline-ms", type=float, default=5.0, help="draftcache's per-call deadline (then local drafts)")
+    p.add_argument(
+        "--chain-min-prob",
+        type=float,
+        default=0.1,
+        help="draftcache ends a chain before a token less likely than this to be reached (0: always K tokens)",
+    )
+    p.add_argument(
+        "--llama-threads",
+        type=int,
+        default=1,
+        help="llama.cpp: threads for decoding and batches (0: its default); 1 leaves a core to the service, "
+        "as vLLM's CPU worker binds one core and reserves the rest",
+    )
+    p.add_argument("--model", type=Path, default=None, help="vLLM: a Hugging Face folder (default: SmolLM2)")
+    p.add_argument("--compile", action="store_true", help="vLLM: torch.compile the model (default: eager)")
+    p.add_argument("--work-dir", type=Path, default=Path("data/bench-engines"), help="engine logs, proposer stats")
+    p.add_argument(
+        "--methods", type=lambda s: [m for m in s.split(",") if m], default=[], help="a subset (plain always)"
+    )
+    p.add_argument("--out", type=Path, default=None, help="also append the lines to this file")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(message)s")
+    if a.max_new_tokens < 1 or a.k < 1 or a.deadline_ms <= 0:
+        p.error("--max-new-tokens and --k must be >= 1, --deadline-ms > 0")
+    a.work_dir.mkdir(parents=True, exist_ok=True)
+    workloads = load(a.workloads)
+    start = time.perf_counter()
+    try:
+        runner = make_runner(a)
+    except Exception as exc:  # an engine that cannot start is reported, not fatal to the other's run
+        logger.exception("%s did not start", a.engine)
+        lines = skipped(a.engine, list(workloads), None, f"{a.engine} did not start: {exc}")
+        _emit(lines, a.out)
+        return
+    logger.info("%s ready in %.0f s", a.engine, time.perf_counter() - start)
+    try:
+        for method, reason in runner.unavailable.items():
+            _emit(skipped(a.engine, list(workloads), method, reason), a.out)
+        for line in bench(runner, workloads):
+            _emit([line], a.out)
+    finally:
+        runner.close()
+
+
+def _names(text: str) -> list[str]:
+    return [m for m in text.split(",") if m]
+
+
+def _emit(lines: Sequence[dict[str, Any]], out: Path | None) -> None:
+    for line in lines:
+        text = json.dumps(line)
+        print(text, flush=True)
+        if out is not None:
+            with out.open("a") as fh:
+                fh.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

