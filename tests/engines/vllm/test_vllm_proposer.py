@@ -1,0 +1,132 @@
+"""draftcache inside real vLLM as its speculative proposer: greedy outputs identical to plain
+vLLM, one session per request whatever vLLM does to its batch, finished requests in the
+service's lifetime log, and the service killed mid-generation."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.engines.vllm.conftest import (
+    NAMESPACE,
+    K,
+    drafting_kwargs,
+    generate,
+    make_llm,
+    read_stats,
+    shutdown,
+    spec_counters,
+    wait_stats,
+)
+from tests.faults import Serve, log_entries, wait_for
+
+Requests = list[tuple[list[int], int]]
+
+
+@pytest.fixture(scope="module")
+def batch(chat_prompts: list[list[int]]) -> Requests:
+    """One batch: answers cut at different lengths (rows finish at different steps, so vLLM
+    condenses its batch) and the same question twice (identical rows side by side)."""
+    copy, code, planets, capital = chat_prompts
+    return [(copy, 72), (code, 40), (capital, 12), (planets, 56), (code, 40)]
+
+
+@pytest.fixture(scope="module")
+def long_batch(chat_prompts: list[list[int]]) -> Requests:
+    copy, code, planets, _ = chat_prompts
+    return [(copy, 160), (code, 160), (planets, 160)]
+
+
+@pytest.fixture(scope="module")
+def plain(model_folder: Path, batch: Requests, long_batch: Requests) -> dict[str, list[list[int]]]:
+    """Plain vLLM's greedy outputs (the engine is shut down before the drafting one starts)."""
+    llm = make_llm(model_folder)
+    try:
+        return {"batch": generate(llm, batch), "long": generate(llm, long_batch)}
+    finally:
+        shutdown(llm)
+
+
+@pytest.fixture(scope="module")
+def drafting(
+    model_folder: Path, serve: Serve, tmp_path_factory: pytest.TempPathFactory, plain: dict[str, Any]
+) -> Iterator[tuple[Any, Path]]:
+    """vLLM with draftcache as its proposer (started after ``plain``: one engine at a time) and
+    the proposer's stats file."""
+    stats = tmp_path_factory.mktemp("proposer") / "stats.json"
+    llm = make_llm(model_folder, **drafting_kwargs(serve, stats))
+    yield llm, stats
+    shutdown(llm)
+
+
+def test_greedy_outputs_identical_to_plain_vllm(
+    drafting: tuple[Any, Path], batch: Requests, plain: dict[str, list[list[int]]]
+) -> None:
+    llm, stats_path = drafting
+    before = spec_counters(llm)
+    assert generate(llm, batch) == plain["batch"]
+    after = spec_counters(llm)
+    drafted = after["vllm:spec_decode_num_draft_tokens"] - before.get("vllm:spec_decode_num_draft_tokens", 0)
+    accepted = after["vllm:spec_decode_num_accepted_tokens"] - before.get("vllm:spec_decode_num_accepted_tokens", 0)
+    assert drafted > 0 and accepted > 0  # vLLM verified our drafts and kept some
+    stats = wait_stats(stats_path, lambda s: s["steps"] > 0, 10, "the proposer's stats")
+    assert stats["remote_drafts"] > 0  # drafts came from the service, not only the local fallback
+    assert stats["errors"] == 0
+
+
+def test_each_request_is_one_session_committed_whole(
+    drafting: tuple[Any, Path], serve: Serve, batch: Requests, plain: dict[str, list[list[int]]]
+) -> None:
+    """After the batch above (rows finishing at different steps, rows moved by vLLM, two
+    identical rows), the service's lifetime log holds each request's prompt and output, once."""
+    _, stats_path = drafting
+    stats = wait_stats(stats_path, lambda s: s["sessions_live"] == 0, 30, "the idle engine's sessions to close")
+    assert stats["sessions_opened"] == len(batch)  # no request was split over two sessions
+    assert stats["rows_moved"] > 0  # vLLM did move rows: the case this test is about
+    wait_for(lambda: len(log_entries(serve.redis_url(), NAMESPACE)) >= len(batch), 30, "the commits")
+    entries = log_entries(serve.redis_url(), NAMESPACE)
+    expected = [prompt + out for (prompt, _), out in zip(batch, plain["batch"], strict=True)]
+    assert len(entries) == len(expected)
+    for entry in entries:
+        # The last step may have produced a few tokens past max_tokens (accepted drafts that
+        # vLLM then drops from the output): at most K more.
+        owners = [e for e in expected if entry[: len(e)] == e and len(entry) - len(e) <= K]
+        assert owners, f"a committed sequence that is no request's: {entry}"
+        expected.remove(owners[0])
+    assert expected == []
+
+
+def test_service_killed_mid_generation(
+    drafting: tuple[Any, Path], serve: Serve, long_batch: Requests, plain: dict[str, list[list[int]]]
+) -> None:
+    llm, stats_path = drafting
+    wait_stats(stats_path, lambda s: s["sessions_live"] == 0, 30, "earlier sessions to close")
+    steps_before = read_stats(stats_path)["steps"]
+    out: list[list[list[int]]] = []
+    worker = threading.Thread(target=lambda: out.append(generate(llm, long_batch)))
+    started = time.monotonic()
+    worker.start()
+    wait_stats(stats_path, lambda s: s["steps"] >= steps_before + 10, 300, "ten drafting steps")
+    serve.sigkill()
+    worker.join(timeout=600)
+    assert not worker.is_alive(), "vLLM stalled after the service died"
+    assert out == [plain["long"]]  # still plain greedy's tokens
+    stats = wait_stats(stats_path, lambda s: s["sessions_live"] == 0, 30, "the sessions to close")
+    assert stats["fallback_drafts"] > 0 and stats["failed_calls"] > 0  # the local drafter answered
+    # No step waited on the dead service past the client's deadlines (a stuck call would take
+    # the control timeout, 1 s, or forever).
+    assert stats["proposer_ms_max"] < 1000, stats
+    assert stats["errors"] == 0
+    print(f"generation with the service killed took {time.monotonic() - started:.1f} s; proposer {stats}")
+
+    # The service back (same data): the proposer drafts from it again.
+    serve.start()
+    remote = stats["remote_drafts"]
+    assert generate(llm, long_batch[:1]) == plain["long"][:1]
+    after = wait_stats(stats_path, lambda s: s["sessions_closed"] > stats["sessions_closed"], 30, "the request's close")
+    assert after["remote_drafts"] > remote
