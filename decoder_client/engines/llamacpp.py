@@ -1,0 +1,257 @@
+"""draftcache as llama.cpp's draft model, through llama-cpp-python's ``LlamaDraftModel`` hook.
+
+What the engine gives: ``Llama(..., draft_model=d)`` calls ``d(input_ids)`` once per
+verification step with the whole sequence so far (the prompt, every accepted token and the
+token just sampled; a view of the engine's own buffer), one sequence per ``Llama``. It
+evaluates the ids returned in one batch and keeps them up to the first mismatch. What it does
+not give: a request id, or a signal that a generation started or ended.
+
+So :class:`DraftcacheDraftModel` keeps one draftcache session per generation and reads the rest
+off the sequences: a call whose sequence is the previous one, then a prefix of the previous
+draft, then one sampled token, continues the generation (only those tokens travel); anything
+else starts a new one: the previous session is closed with commit and a new one is opened on
+the sequence's prompt. The engine never waits on the service: opens run in the background,
+each draft call has the client's deadline, and past it the client's local fallback answers.
+
+Where a generation ends: without help, only the next generation's first call shows it, and
+the last step's tokens never reach the draft model. :meth:`DraftcacheDraftModel.attach` wraps
+the ``Llama``'s ``generate`` (the method every completion and chat completion runs through),
+so each generation's session is opened on its prompt before the prompt is evaluated and
+closed with commit, with every generated token, the moment the generation stops (end of
+text, ``max_tokens``, a stop string, a consumer that stops reading a stream). ``close()`` (or
+``with``) commits the generation still open and shuts the client down.
+
+llama-cpp-python's OpenAI-compatible server (``llama_cpp.server``) cannot host it: its
+``draft_model`` setting only ever builds the engine's own ``LlamaPromptLookupDecoding``
+(``llama_cpp/server/model.py``); there is no setting naming another class.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from decoder_client.adapters import best_chain
+from decoder_client.client import ClientConfig, ClientSession, DraftClient
+from indexer.drafter import MAX_DEPTH, DraftParams
+
+if TYPE_CHECKING:
+    from llama_cpp import Llama
+    from llama_cpp.llama_speculative import LlamaDraftModel
+else:
+
+    def _hook_base() -> type:
+        """The engine's hook class; without llama-cpp-python the module still imports (its
+        docs, the doctest run) and the class is only useless."""
+        try:
+            from llama_cpp.llama_speculative import LlamaDraftModel
+        except ModuleNotFoundError:
+            return object
+        return LlamaDraftModel
+
+    LlamaDraftModel = _hook_base()
+
+
+def accepted_drafts(previous: np.ndarray, draft: np.ndarray, sequence: np.ndarray) -> int | None:
+    """How many tokens of ``draft`` the engine accepted, when ``sequence`` is the outcome of the
+    step that drafted it (``previous``, then a prefix of ``draft``, then one sampled token);
+    ``None`` when it is not (a new generation).
+
+    >>> prev, draft = np.array([1, 2, 3]), np.array([4, 5, 6])
+    >>> accepted_drafts(prev, draft, np.array([1, 2, 3, 4, 5, 9]))  # 4 and 5 accepted, 9 sampled
+    2
+    >>> accepted_drafts(prev, draft, np.array([1, 2, 3, 4, 5, 6, 7]))  # all three, then the bonus token
+    3
+    >>> accepted_drafts(prev, draft, np.array([1, 2, 3, 8]))  # none accepted
+    0
+    >>> accepted_drafts(prev, draft, np.array([1, 2, 3, 5, 9])) is None  # 5 was not drafted first
+    True
+    >>> accepted_drafts(prev, draft, np.array([1, 2, 7, 8])) is None  # another prompt
+    True
+    """
+    n, grown = previous.size, sequence.size - previous.size
+    if grown < 1 or grown - 1 > draft.size:
+        return None
+    if not (np.array_equal(sequence[:n], previous) and np.array_equal(sequence[n:-1], draft[: grown - 1])):
+        return None
+    return grown - 1
+
+
+@dataclass
+class DraftStats:
+    """What the draft model's calls came to.
+
+    A step is a verification whose outcome the next call showed (the last step of a generation
+    is not counted); ``mean_accepted_tokens`` is per step, the sampled token included (1.0:
+    no gain), as the project's MAT is.
+    """
+
+    generations: int = 0  # sessions opened
+    calls: int = 0
+    steps: int = 0
+    proposed: int = 0  # draft tokens in the counted steps
+    accepted: int = 0  # of those, accepted by the engine
+    seconds: float = 0.0  # spent inside the calls: the client's work and the round trip
+
+    @property
+    def mean_accepted_tokens(self) -> float:
+        return (self.accepted + self.steps) / self.steps if self.steps else 1.0
+
+    @property
+    def seconds_per_call(self) -> float:
+        return self.seconds / self.calls if self.calls else 0.0
+
+
+def _token_ids(input_ids: Any) -> np.ndarray:
+    """The engine's sequence as a fresh int32 array (its buffer is overwritten later)."""
+    ids = np.asarray(input_ids)
+    if ids.ndim != 1 or ids.size == 0 or ids.dtype.kind not in "iu":
+        raise ValueError(f"input_ids must be a non-empty 1-D array of token ids, got {ids.dtype} {ids.shape}")
+    if ids.min() < 0 or ids.max() > np.iinfo(np.int32).max:
+        raise ValueError("token ids must be in [0, 2**31)")
+    return ids.astype(np.int32)
+
+
+class DraftcacheDraftModel(LlamaDraftModel):
+    """A ``LlamaDraftModel`` drafting from a draftcache service: chains of at most
+    ``num_pred_tokens`` ids, one session per generation (see the module's docstring).
+
+    The client is injected (its deadline, fallback and chain settings are the caller's); with
+    :meth:`connect` the model builds its own client in chain mode and shuts it down on
+    :meth:`close`.
+
+    >>> draft = DraftcacheDraftModel.connect("127.0.0.1:50051", "smollm2", num_pred_tokens=8)  # doctest: +SKIP
+    >>> llm = draft.attach(Llama(model_path=GGUF, draft_model=draft, logits_all=True))  # doctest: +SKIP
+    >>> llm("Q: name the planets. A:", max_tokens=64, temperature=0.0)  # doctest: +SKIP
+    >>> draft.close()  # doctest: +SKIP
+    """
+
+    def __init__(self, client: DraftClient, *, num_pred_tokens: int = 10, owns_client: bool = False) -> None:
+        if not 1 <= num_pred_tokens <= MAX_DEPTH:
+            raise ValueError(f"num_pred_tokens must be in [1, {MAX_DEPTH}], got {num_pred_tokens}")
+        self.client = client
+        self.num_pred_tokens = num_pred_tokens
+        self.stats = DraftStats()
+        self._owns_client = owns_client
+        self._session: ClientSession | None = None
+        self._sequence = np.zeros(0, dtype=np.int32)  # what the session holds
+        self._draft: np.ndarray | None = None  # the last call's proposal, its outcome not yet seen
+
+    @classmethod
+    def connect(
+        cls,
+        target: str,
+        namespace: str,
+        *,
+        num_pred_tokens: int = 10,
+        chain_min_prob: float = 0.0,
+        deadline_s: float = 0.005,
+        token: str = "",
+    ) -> DraftcacheDraftModel:
+        """A draft model with a client of its own, asking the service for chains of at most
+        ``num_pred_tokens`` tokens (chain mode)."""
+        params = DraftParams(chain=num_pred_tokens, chain_min_prob=chain_min_prob)
+        config = ClientConfig(target=target, namespace=namespace, params=params, deadline_s=deadline_s, token=token)
+        return cls(DraftClient(config), num_pred_tokens=num_pred_tokens, owns_client=True)
+
+    def __call__(self, input_ids: Any, /, **kwargs: Any) -> np.ndarray:
+        """The draft for the sequence ``input_ids``: at most ``num_pred_tokens`` ids (intc)."""
+        start = time.perf_counter()
+        ids = _token_ids(input_ids)
+        session, new = self._continue(ids)
+        if session is None:  # a new generation: its prompt is all but the token just sampled
+            session, new = self.begin(ids[:-1]), ids[-1:]
+        (tree,) = self.client.draft([session], [new.tolist()])
+        chain = best_chain(tree, self.num_pred_tokens).astype(np.intc)
+        self._sequence, self._draft = ids, chain
+        self.stats.calls += 1
+        self.stats.seconds += time.perf_counter() - start
+        return chain
+
+    def _continue(self, ids: np.ndarray) -> tuple[ClientSession | None, np.ndarray]:
+        """The open generation's session and the tokens ``ids`` adds to it (the step they end
+        is counted); no session when ``ids`` does not continue it."""
+        none = np.zeros(0, dtype=np.int32)
+        if self._session is None:
+            return None, none
+        accepted = accepted_drafts(self._sequence, none if self._draft is None else self._draft, ids)
+        if accepted is None:
+            return None, none
+        if self._draft is not None:
+            self.stats.steps += 1
+            self.stats.proposed += self._draft.size
+            self.stats.accepted += accepted
+        return self._session, ids[self._sequence.size :]
+
+    def begin(self, prompt: Sequence[int] | np.ndarray) -> ClientSession:
+        """Start a generation on ``prompt`` (the one open is committed first). The session
+        opens in the background: the first steps draft locally if the service is slow."""
+        self.finish()
+        ids = np.array(prompt, dtype=np.int32)
+        (session,) = self.client.open([ids], wait=False)
+        self._session, self._sequence, self._draft = session, ids, None
+        self.stats.generations += 1
+        return session
+
+    def finish(self, sequence: Sequence[int] | np.ndarray | None = None) -> None:
+        """End the open generation, if any, and commit it. ``sequence``: the generation's final
+        tokens (prompt included); what the session has not heard of them goes with the close."""
+        session, self._session = self._session, None
+        if session is None:
+            return
+        if sequence is not None:
+            final = np.asarray(sequence, dtype=np.int32)
+            n = self._sequence.size
+            if final.size > n and np.array_equal(final[:n], self._sequence):
+                self.client.add_tokens([session], [final[n:].tolist()])
+        self.client.close([session], commit=True)
+        self._sequence, self._draft = np.zeros(0, dtype=np.int32), None
+
+    def attach(self, llm: Llama) -> Llama:
+        """Mark ``llm``'s generations out exactly (see the module's docstring): its
+        ``generate`` is wrapped on this instance. ``llm`` must have been made with
+        ``draft_model=self`` and ``logits_all=True``: with a draft model llama-cpp-python
+        (0.3.36) keeps every position's logits, in a buffer sized by ``logits_all`` alone, so
+        without it a prompt longer than ``n_batch`` fails in the engine's ``eval``."""
+        if llm.draft_model is not self:
+            raise ValueError("make the Llama with draft_model=<this draft model> before attaching it")
+        if llm.scores.shape[0] < llm.n_ctx():
+            raise ValueError("make the Llama with logits_all=True: its logits buffer is too small for a draft model")
+        inner = llm.generate
+
+        def generate(tokens: Sequence[int], *args: Any, **kwargs: Any) -> Generator[int, Sequence[int] | None, None]:
+            sequence = [int(t) for t in tokens]
+            self.begin(sequence)
+            steps = inner(tokens, *args, **kwargs)
+            try:
+                sent: Sequence[int] | None = None
+                while True:
+                    token = steps.send(sent)  # the first send is None
+                    sequence.append(token)
+                    sent = yield token
+                    if sent:
+                        sequence.extend(int(t) for t in sent)
+            except StopIteration:
+                return
+            finally:
+                steps.close()
+                self.finish(sequence)
+
+        llm.__dict__["generate"] = generate  # this instance's completions now run through it
+        return llm
+
+    def close(self) -> None:
+        """Commit the generation still open; shut the client down if this model made it."""
+        self.finish()
+        if self._owns_client:
+            self.client.shutdown()
+
+    def __enter__(self) -> DraftcacheDraftModel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

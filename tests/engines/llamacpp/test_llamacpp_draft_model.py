@@ -1,0 +1,194 @@
+"""draftcache as llama.cpp's draft model, in the real engine (llama-cpp-python on SmolLM2) with a
+real ``draftcache serve``: the deltas and drafts it hands the engine, its commits, the fleet's
+memory across replicas, and a service killed mid-generation."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from benchmarks.engines_llamacpp import greedy
+from cache_service.host.embedded_redis import free_port
+from decoder_client.client import ClientConfig, DraftClient
+from decoder_client.engines.llamacpp import DraftcacheDraftModel
+from indexer.drafter import DraftParams
+from indexer.tree_builder import DraftTree
+from tests.engines.llamacpp.conftest import NAMESPACE, QUESTIONS, chat_ids, start_serve
+from tests.faults import Serve, log_entries, wait_for
+
+pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed: pip install -e '.[llamacpp]'")
+
+K = 10
+
+
+class Recording:
+    """A draft model with every call kept: the sequence it got and the draft it gave."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.calls: list[tuple[list[int], list[int]]] = []
+
+    def __call__(self, input_ids: np.ndarray, /, **kwargs: Any) -> np.ndarray:
+        draft = self.inner(input_ids)
+        self.calls.append((np.asarray(input_ids).tolist(), np.asarray(draft).tolist()))
+        return draft
+
+
+class Traced(DraftcacheDraftModel):
+    """Ours, with each call kept: the sequence's length, the draft and the call's duration."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.calls: list[tuple[int, list[int], float]] = []
+
+    def __call__(self, input_ids: Any, /, **kwargs: Any) -> np.ndarray:
+        start = time.perf_counter()
+        draft = super().__call__(input_ids)
+        self.calls.append((len(input_ids), draft.tolist(), time.perf_counter() - start))
+        return draft
+
+
+def _engines_lookup(context: np.ndarray, budget: int) -> DraftTree:
+    """llama.cpp's own prompt lookup (its defaults: bigrams), as the client's local drafter."""
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    found = LlamaPromptLookupDecoding.find_candidate_pred_tokens(context, 2, budget)
+    return DraftTree.chain(np.asarray(found, dtype=np.int32))
+
+
+def _accepted(calls: list[tuple[list[int], list[int]]]) -> int:
+    """Draft tokens the engine kept, read off consecutive calls of one generation: the next
+    sequence's new tokens start with them."""
+    total = 0
+    for (seq, draft), (after, _) in itertools.pairwise(calls):
+        if after[: len(seq)] != seq:  # another generation
+            continue
+        new = after[len(seq) :]
+        kept = [d == t for d, t in zip(draft, new, strict=False)]
+        total += kept.index(False) if False in kept else len(kept)
+    return total
+
+
+def _entry(serve: Serve, prompt: list[int]) -> list[int] | None:
+    """The lifetime log's request that starts with ``prompt``, if any."""
+    found = [e for e in log_entries(serve.redis_url(), NAMESPACE) if e[: len(prompt)] == prompt]
+    assert len(found) <= 1, found
+    return found[0] if found else None
+
+
+def _target(serve: Serve) -> str:
+    return f"127.0.0.1:{serve.port}"
+
+
+def test_with_the_service_down_it_drafts_and_decodes_as_the_engines_prompt_lookup(make_llama) -> None:  # type: ignore[no-untyped-def]
+    """Nothing listens at the target, and the client's fallback is the engine's own prompt
+    lookup: every call must then see the same sequence and give the same draft as
+    ``LlamaPromptLookupDecoding`` does in a second engine, which only holds if the session
+    got exactly the engine's sequence through the deltas. Identical drafts, identical output."""
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    config = ClientConfig(target=f"127.0.0.1:{free_port()}", namespace=NAMESPACE, params=DraftParams(chain=K))
+    model = DraftcacheDraftModel(DraftClient(config, fallback=_engines_lookup), num_pred_tokens=K)
+    ours, theirs = Recording(model), Recording(LlamaPromptLookupDecoding(max_ngram_size=2, num_pred_tokens=K))
+    ours_llm, theirs_llm = make_llama(ours), make_llama(theirs)
+    for question in QUESTIONS:
+        ids = chat_ids(ours_llm, question)
+        assert greedy(ours_llm, ids, 48) == greedy(theirs_llm, ids, 48), question
+    assert ours.calls == theirs.calls
+    assert model.client.stats.remote == 0 and model.client.stats.fallback == len(ours.calls)
+    assert model.stats.generations == len(QUESTIONS)
+    # Its own count of accepted drafts is what the engine kept (and drafts did get accepted).
+    assert model.stats.accepted == _accepted(theirs.calls) > 0
+    assert all(len(draft) <= K for _, draft in ours.calls)
+    model.close()
+
+
+def test_an_attached_generation_reaches_the_lifetime_log_whole(serve: Serve, make_llama) -> None:  # type: ignore[no-untyped-def]
+    """Through the engine's own completion call: the log gets the prompt and every generated
+    token, the last step's included, as soon as the completion returns."""
+    draft = DraftcacheDraftModel.connect(_target(serve), NAMESPACE, num_pred_tokens=K, deadline_s=0.05)
+    llm = draft.attach(make_llama(draft))
+    ids = chat_ids(llm, QUESTIONS[2])
+    done = llm.create_completion(prompt=ids, max_tokens=24, temperature=0.0)
+    n = done["usage"]["completion_tokens"]
+    wait_for(lambda: _entry(serve, ids) is not None, 10, "the generation in the lifetime log")
+    entry = _entry(serve, ids)
+    assert entry is not None and len(entry) - len(ids) in (n, n + 1)  # + the end-of-text token, if it ended so
+    assert llm.detokenize(entry[len(ids) : len(ids) + n]).decode() == done["choices"][0]["text"]
+    assert draft.stats.generations == 1 and draft.client.stats.remote > 0
+    draft.close()
+
+
+def test_without_attach_a_generation_is_committed_when_the_next_one_starts(serve: Serve, make_llama) -> None:  # type: ignore[no-untyped-def]
+    """A plain ``Llama``: the next generation's first call ends the previous one (all but its
+    last step's tokens); ``close`` ends the last."""
+    draft = DraftcacheDraftModel.connect(_target(serve), NAMESPACE, num_pred_tokens=K, deadline_s=0.05)
+    llm = make_llama(draft)
+    first, second = chat_ids(llm, QUESTIONS[1]), chat_ids(llm, QUESTIONS[0])
+    whole = first + greedy(llm, first, 24)
+    time.sleep(0.5)
+    assert _entry(serve, first) is None  # nothing has told it the generation ended
+    greedy(llm, second, 24)
+    wait_for(lambda: _entry(serve, first) is not None, 10, "the first generation in the log")
+    entry = _entry(serve, first)
+    assert entry is not None and entry == whole[: len(entry)] and len(entry) >= len(whole) - (K + 1)
+    draft.close()
+    wait_for(lambda: _entry(serve, second) is not None, 10, "the second generation in the log")
+    assert draft.stats.generations == 2
+
+
+def test_a_request_the_fleet_has_seen_is_drafted_further_on_another_replica(serve: Serve, make_llama) -> None:  # type: ignore[no-untyped-def]
+    """Two engines, one service: replica B, asked what replica A answered, is drafted A's answer
+    from the fleet's memory at once and needs far fewer steps. (An answer the model is sure of:
+    llama.cpp's batched verification flips near-ties, and a flip would part B's output from A's.)"""
+    a = DraftcacheDraftModel.connect(_target(serve), NAMESPACE, num_pred_tokens=K, deadline_s=0.05)
+    b = Traced.connect(_target(serve), NAMESPACE, num_pred_tokens=K, deadline_s=0.05)
+    llm_a, llm_b = a.attach(make_llama(a)), b.attach(make_llama(b))
+    ids = chat_ids(llm_a, "Count from 1 to 30, separated by commas.")
+    out = greedy(llm_a, ids, 64)
+    wait_for(lambda: _entry(serve, ids) is not None, 10, "replica A's generation in the log")
+    greedy(llm_b, ids, 64)
+    assert len(out) > 32  # an answer long enough to draft
+    length, first, _ = b.calls[0]  # after the prompt and one token: the K tokens A produced next
+    assert first == out[length - len(ids) : length - len(ids) + K]
+    assert b.stats.mean_accepted_tokens > a.stats.mean_accepted_tokens + 2, (a.stats, b.stats)
+    a.close()
+    b.close()
+
+
+def test_the_service_killed_mid_generation_does_not_stall_decoding(tmp_path: Path, vocab_size: int, make_llama) -> None:  # type: ignore[no-untyped-def]
+    """SIGKILL to ``draftcache serve`` after a few tokens: every later step is drafted locally
+    within milliseconds and the generation runs to its end."""
+    serve = start_serve(tmp_path / "data", vocab_size)
+    redis = serve.redis_pid()
+    try:
+        draft = Traced.connect(_target(serve), NAMESPACE, num_pred_tokens=K, deadline_s=0.01)
+        llm = draft.attach(make_llama(draft))
+        out: list[int] = []
+        killed_at = 0
+        steps = llm.generate(chat_ids(llm, QUESTIONS[0]), temp=0.0)
+        for token in steps:
+            out.append(token)
+            if len(out) == 12:
+                serve.sigkill()
+                killed_at = len(draft.calls)
+            if len(out) >= 64:
+                break
+        steps.close()
+    finally:
+        serve.close()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(redis, signal.SIGKILL)
+    assert len(out) >= 64
+    assert draft.client.stats.remote > 0 and draft.client.stats.fallback > 0
+    after = [seconds for _, _, seconds in draft.calls[killed_at:]]
+    assert after and max(after) < 0.5, after  # a stall would wait out a 1 s control timeout, or for ever
+    draft.close()
