@@ -97,20 +97,19 @@ def serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serve]:
 
 def make_llm(model_folder: Path, **kwargs: Any) -> Any:
     """A small vLLM engine on CPU: float32 (batched verification and single steps then agree
-    on greedy tokens), no compilation, a 256 MB KV cache."""
+    on greedy tokens), no compilation, a 256 MB KV cache; ``kwargs`` add or replace settings."""
     from vllm import LLM
 
-    return LLM(
-        model=str(model_folder),
-        dtype="float32",
-        max_model_len=MAX_MODEL_LEN,
-        max_num_seqs=8,
-        enforce_eager=True,
-        kv_cache_memory_bytes=256 << 20,
-        disable_log_stats=False,  # the engine's spec-decode counters
-        seed=0,
-        **kwargs,
-    )
+    settings: dict[str, Any] = {
+        "dtype": "float32",
+        "max_model_len": MAX_MODEL_LEN,
+        "max_num_seqs": 8,
+        "enforce_eager": True,
+        "kv_cache_memory_bytes": 256 << 20,
+        "disable_log_stats": False,  # the engine's spec-decode counters
+        "seed": 0,
+    }
+    return LLM(model=str(model_folder), **{**settings, **kwargs})
 
 
 def drafting_kwargs(serve: Serve, stats_path: Path, **settings: Any) -> dict[str, Any]:
@@ -133,12 +132,12 @@ def shutdown(llm: Any) -> None:
     gc.collect()
 
 
-def generate(llm: Any, requests: list[tuple[list[int], int]]) -> list[list[int]]:
-    """Greedy outputs, one per (prompt ids, max_tokens)."""
+def generate(llm: Any, requests: list[tuple[list[int], int]], *, ignore_eos: bool = False) -> list[list[int]]:
+    """Greedy outputs, one per (prompt ids, max_tokens); ``ignore_eos``: each runs to its max_tokens."""
     from vllm import SamplingParams, TokensPrompt
 
     prompts = [TokensPrompt(prompt_token_ids=p) for p, _ in requests]
-    params = [SamplingParams(temperature=0.0, max_tokens=n) for _, n in requests]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=ignore_eos) for _, n in requests]
     return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
