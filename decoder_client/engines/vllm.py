@@ -26,7 +26,8 @@ once with its row (in the background: the step never waits on the open), then ea
 only its new tokens, and one batched draft call serves every row. A request no row continues
 (finished, preempted, or not scheduled) is closed with commit, so its tokens reach the
 service's lifetime memory; one that comes back (a preempted request resumed) is a new session
-opened with its whole row, and the service does not store again the part its memory holds.
+opened with its whole row, and commits again what it had (the service skips a long leading
+part its memory already holds: see the architecture notes' multi-turn commits).
 The engine calls nothing once its last request ends, so a watcher thread closes every session,
 with commit, once the engine has made no step for ``idle_close_s``; a request that was only in
 a long step comes back as a new session, as a resumed one does.
