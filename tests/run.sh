@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The test command: sets up everything on a fresh machine, then lint, types and tests.
 #   bash tests/run.sh            # default suite (fast)
-#   bash tests/run.sh -m slow    # extra pytest arguments pass through
+#   bash tests/run.sh -m slow    # extra pytest arguments pass through (then without the vLLM suite)
+#   DRAFTCACHE_SKIP_ENGINES=1 bash tests/run.sh   # without the vLLM suite (its virtualenv is 3.6 GB)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source deploy/setup_env.sh
@@ -12,3 +13,10 @@ echo "== mypy"
 python -m mypy
 echo "== pytest"
 python -m pytest "$@"
+# The engine tests in real vLLM run in its own virtualenv (its pins clash with ours: see
+# deploy/setup_vllm.sh); with the default selection only (no arguments), unless skipped.
+if [ $# -eq 0 ] && [ "${DRAFTCACHE_SKIP_ENGINES:-0}" != 1 ]; then
+  echo "== vLLM engine tests (.venv-vllm)"
+  bash deploy/setup_vllm.sh
+  NUMBA_CACHE_DIR=.venv-vllm/numba-cache .venv-vllm/bin/python -m pytest tests/engines/vllm -q
+fi
