@@ -4,10 +4,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from collections.abc import Sequence
 from typing import Any
 
 from benchmarks.engine_runs import PLAIN, Measurement
+
+WARM_UP = b"<|im_start|>user\nName three colours.<|im_end|>\n<|im_start|>assistant\n"  # not measured
 
 
 class LlamaCppRunner:
@@ -49,16 +53,28 @@ class LlamaCppRunner:
         self.methods: tuple[str, ...] = tuple(m for m in lc.METHODS if not methods or m == PLAIN or m in methods)
         self.unavailable: dict[str, str] = {}
         self._lookup, self._ours = lc.LOOKUP, lc.OURS
+        for method in self.methods:  # first-call costs (buffers, threads, the client's streams), unmeasured
+            self.run(method, self._engines.llms[PLAIN].tokenize(WARM_UP, add_bos=False), max_new_tokens=8)
 
-    def run(self, method: str, ids: Sequence[int]) -> Measurement:
-        r = self._engines.run(method, list(ids))
-        drafted = method != PLAIN
+    def run(self, method: str, ids: Sequence[int], max_new_tokens: int | None = None) -> Measurement:
+        """``method`` greedy on ``ids`` from an empty cache (every run evaluates its whole
+        prompt), timed from the start and from the first generated token."""
+        llm = self._engines.llms[method]
+        counter = self._engines.counters.get(method)
+        before = dataclasses.replace(counter.stats) if counter is not None else None
+        llm.reset()
+        tokens, seconds, decode = timed_greedy(llm, ids, max_new_tokens or self.config.max_new_tokens)
+        if counter is None or before is None:
+            return Measurement(tokens, seconds, decode_seconds=decode)
+        s = counter.stats
         return Measurement(
-            r.tokens,
-            r.seconds,
-            steps=r.steps if drafted else 0,
-            accepted=r.accepted,
-            draft_seconds=r.draft_seconds if drafted else None,
+            tokens,
+            seconds,
+            steps=s.steps - before.steps,
+            drafted=s.proposed - before.proposed,
+            accepted=s.accepted - before.accepted,
+            decode_seconds=decode,
+            draft_seconds=s.seconds - before.seconds,
         )
 
     def begin_workload(self) -> None:
@@ -83,6 +99,32 @@ class LlamaCppRunner:
 
     def close(self) -> None:
         self._engines.close()
+
+
+def timed_greedy(llm: Any, prompt: Sequence[int], max_new_tokens: int) -> tuple[list[int], float, float | None]:
+    """``llm``'s greedy continuation of ``prompt`` (at most ``max_new_tokens``, ending before an
+    end-of-generation token, as :func:`benchmarks.engines_llamacpp.greedy` does), the seconds it
+    took and the seconds from its first token to its last (None: no token)."""
+    import llama_cpp
+
+    vocab = llama_cpp.llama_model_get_vocab(llm.model)
+    out: list[int] = []
+    start = time.perf_counter()
+    first = last = 0.0
+    steps = llm.generate(list(prompt), temp=0.0, repeat_penalty=1.0)
+    try:
+        for token in steps:
+            last = time.perf_counter()
+            if llama_cpp.llama_vocab_is_eog(vocab, token):
+                break
+            first = first or last
+            out.append(int(token))
+            if len(out) >= max_new_tokens:
+                break
+    finally:
+        steps.close()  # the generation ends here (draftcache commits it now)
+    seconds = time.perf_counter() - start
+    return out, seconds, (last - first if out else None)
 
 
 def load_llama_engines(config: Any) -> Any:

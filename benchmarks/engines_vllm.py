@@ -296,8 +296,9 @@ class VllmRunner:
             decode_seconds=value["decode_seconds"],
         )
 
-    def _wait_sessions_closed(self, timeout_s: float = 5.0) -> None:
-        """Until the proposer has closed (and committed) the finished request's session."""
+    def _wait_sessions_closed(self, timeout_s: float = 10.0) -> None:
+        """Until the proposer has closed (and committed) the finished request's session: once
+        the engine has been idle its ``idle_close_s`` (2 s by default)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._proposer_stats().get("sessions_live", 0) == 0:

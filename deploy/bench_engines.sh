@@ -5,7 +5,7 @@
 # Spec-Bench first turns and a repeated agent workload, interleaved. Prints one JSON line per
 # engine x workload x method (benchmarks/engines_bench.py says what each key means).
 #   bash deploy/bench_engines.sh            # 3 Spec-Bench prompts per group, 4 agent tasks x 2 passes, 128 tokens
-#   bash deploy/bench_engines.sh --quick    # 1 per group, 2 agent tasks x 2 passes, 64 tokens
+#   bash deploy/bench_engines.sh --quick    # 1 per group, 2 agent tasks x 2 passes (shorter prompts), 64 tokens
 #   bash deploy/bench_engines.sh --engines vllm     # one engine only (vllm, llama.cpp)
 #
 # Sets up what it needs on a fresh machine: .venv (the service, the prompts and llama.cpp),
@@ -26,10 +26,10 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
-if [ "$QUICK" = 1 ]; then
-  PER_GROUP=1 AGENT_TASKS=2 MAX_NEW_TOKENS=64
+if [ "$QUICK" = 1 ]; then  # an agent task's user turn cut to 700 tokens (~850 with the system turn)
+  PER_GROUP=1 AGENT_TASKS=2 AGENT_TOKENS=700 MAX_NEW_TOKENS=64
 else
-  PER_GROUP=3 AGENT_TASKS=4 MAX_NEW_TOKENS=128
+  PER_GROUP=3 AGENT_TASKS=4 AGENT_TOKENS=1500 MAX_NEW_TOKENS=128
 fi
 START=$(date +%s)
 export DRAFTCACHE_SHARED="${DRAFTCACHE_SHARED:-$(cd .. && pwd)/shared}"
@@ -65,7 +65,8 @@ if [[ ",$ENGINES," == *",vllm,"* ]]; then
       >"$OUT/model-folder.log" 2>&1 || VLLM_OK=0
   fi
 fi
-python -m benchmarks.engine_workloads --out "$OUT/prompts.json" --per-group "$PER_GROUP" --agent-tasks "$AGENT_TASKS" >&2
+python -m benchmarks.engine_workloads --out "$OUT/prompts.json" --per-group "$PER_GROUP" --agent-tasks "$AGENT_TASKS" \
+  --max-user-tokens "$AGENT_TOKENS" >&2
 
 SERVER=""
 DRIVER=""
