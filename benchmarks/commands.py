@@ -25,6 +25,7 @@ from cache_service.admin.commands import prior_args, prior_config, read_prior, w
 from cache_service.admin.options import add, non_negative, positive
 from indexer import kernels
 from indexer.drafter import DrafterConfig, DraftParams
+from indexer.successors import MAX_TOPK
 from indexer.tokens import Namespace
 
 if TYPE_CHECKING:
@@ -216,7 +217,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
     drafter: InProcessDrafter | ServiceDrafter
     if a.target:
         replay_bench.ensure_namespace(a.target, Namespace(name="generate", vocab_size=vocab))
-        drafter = ServiceDrafter(ClientConfig(target=a.target, namespace="generate", params=params))
+        drafter = ServiceDrafter(ClientConfig(target=a.target, namespace="generate", params=params, topk=MAX_TOPK))
     else:
         drafter = InProcessDrafter(vocab, params)
     result = run_generate(

@@ -16,6 +16,7 @@ from decoder_client.client import ClientConfig, ClientSession, DraftClient
 from decoder_client.cost_model import AcceptanceModel, CalibrationConfig, CostCurve
 from decoder_client.reference_decoder import ReferenceDecoder
 from indexer.drafter import DrafterConfig, DraftParams, NamespaceDrafter, Session
+from indexer.successors import MAX_TOPK
 from indexer.tokens import Namespace
 from indexer.tree_builder import DraftTree, Tier
 
@@ -125,7 +126,9 @@ def run_generate(
             tokens = out[0, input_ids.shape[1] :].tolist()
             results[name] = {"tokens_per_s": round(len(tokens) / (time.perf_counter() - start), 2), "tokens": tokens}
         decoder = ReferenceDecoder(model)
-        tokens, stats = decoder.generate(input_ids[0].tolist(), max_new_tokens, drafter=verify, eos_token_id=eos)
+        tokens, stats = decoder.generate(
+            input_ids[0].tolist(), max_new_tokens, drafter=verify, eos_token_id=eos, topk=MAX_TOPK
+        )
     results["draftcache"] = {
         "tokens_per_s": round(stats.tokens_per_s, 2),
         "tokens": tokens,

@@ -33,6 +33,7 @@ from benchmarks.generate import InProcessDrafter
 from decoder_client.cost_model import AcceptanceModel, CalibratedDrafter, CalibrationConfig, CostCurve
 from decoder_client.reference_decoder import ReferenceDecoder
 from indexer.drafter import DrafterConfig, DraftParams, NamespaceDrafter
+from indexer.successors import MAX_TOPK
 from indexer.tokens import Namespace
 
 logger = logging.getLogger(__name__)
@@ -257,7 +258,9 @@ class SharedEngine:
         drafter = InProcessDrafter(self.vocab_size, self.params, engine=self.engine)
         verify = CalibratedDrafter(drafter, self.curve, self.acceptance)
         start = time.perf_counter()
-        tokens, stats = self.decoder.generate(ids, max_new_tokens, drafter=verify, eos_token_id=eos)
+        # The target's top-k at every verified position feeds the successor tier, as a
+        # decoder that sees the logits sends it.
+        tokens, stats = self.decoder.generate(ids, max_new_tokens, drafter=verify, eos_token_id=eos, topk=MAX_TOPK)
         seconds = time.perf_counter() - start
         # Bookkeeping after the answer, as a service does it off the request path.
         drafter.close(commit=last)

@@ -210,6 +210,42 @@ def test_tiny_decoder_matches_generate_for_every_drafter(tiny_llama: Callable[[s
     assert decoder.generate(prompt, n, drafter=None)[1].mat == 1.0  # no drafts: one token a step
 
 
+@torch.inference_mode()
+def test_topk_rows_are_the_verified_positions(tiny_llama: Callable[[str], LlamaForCausalLM]) -> None:
+    """Each step hands the drafter one top-k row per token it produced: the logits that
+    produced it (so the row starts with the token itself, under greedy), before the next draft."""
+    model = tiny_llama("sdpa")
+    prompt = [5, 17, 99, 5, 17, 42, 8]
+    seen: list[tuple[int, np.ndarray]] = []
+
+    class Recording:
+        def __init__(self) -> None:
+            self.inner = _noisy_drafter(len(prompt), ref, seed=5, vocab=128)
+            self.context_len = 0
+
+        def __call__(self, context: np.ndarray) -> DraftTree:
+            self.context_len = context.size
+            return self.inner(context)
+
+        def observe_topk(self, rows: np.ndarray) -> None:
+            seen.append((self.context_len, rows))
+
+    ref = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=30)[0, len(prompt) :].tolist()
+    drafter = Recording()
+    out, stats = ReferenceDecoder(model).generate(prompt, 30, drafter=drafter, topk=3)
+    assert out == ref and len(seen) == stats.steps
+    produced = 0
+    for (context_len, rows), accepted in zip(seen, stats.accepted, strict=True):
+        assert context_len == len(prompt) + produced
+        assert rows.shape == (accepted + 1, 3) and rows.dtype == np.int32
+        if produced + accepted + 1 > len(ref):  # the last step ran past max_new_tokens
+            break
+        assert rows[:, 0].tolist() == ref[produced : produced + accepted + 1]
+        produced += accepted + 1
+        full = model(torch.tensor([prompt + ref[: produced - 1]])).logits[0, -1]
+        assert set(rows[-1].tolist()) == set(full.topk(3).indices.tolist())  # the bonus position's top-3
+
+
 def test_cache_goes_by_the_name_the_model_takes_it(tiny_llama: Callable[[str], LlamaForCausalLM]) -> None:
     class Old(torch.nn.Module):
         def forward(self, input_ids: torch.Tensor, past_key_values: DynamicCache | None = None) -> None: ...
