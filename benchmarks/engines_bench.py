@@ -227,8 +227,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument(
         "--chain-min-prob",
         type=float,
-        default=0.1,
-        help="draftcache ends a chain before a token less likely than this to be reached (0: always K tokens)",
+        default=0.5,
+        help="draftcache ends a chain before a token less likely than this to be reached (0: always K tokens); "
+        "on a CPU each draft token costs nearly a step to verify",
     )
     p.add_argument(
         "--llama-threads",

@@ -48,7 +48,7 @@ class LlamaCppRunner:
             chain_min_prob=chain_min_prob,
             n_threads=n_threads,
         )
-        self._engines = load_llama_engines(self.config)
+        self._engines = lc.Engines.load(self.config)  # its drafting Llamas keep every position's logits
         lc.ensure_namespace(target, namespace, self._engines.vocab_size)
         self.methods: tuple[str, ...] = tuple(m for m in lc.METHODS if not methods or m == PLAIN or m in methods)
         self.unavailable: dict[str, str] = {}
@@ -125,37 +125,3 @@ def timed_greedy(llm: Any, prompt: Sequence[int], max_new_tokens: int) -> tuple[
         steps.close()  # the generation ends here (draftcache commits it now)
     seconds = time.perf_counter() - start
     return out, seconds, (last - first if out else None)
-
-
-def load_llama_engines(config: Any) -> Any:
-    """:class:`benchmarks.engines_llamacpp.Engines` for ``config``, its drafting ``Llama`` made
-    with ``logits_all=True``. llama-cpp-python 0.3.36 keeps every position's logits once it has
-    a draft model but sizes that buffer by ``logits_all`` alone (``n_batch`` rows): a prompt
-    longer than ``n_batch`` (512) then fails in ``eval`` (the agent prompts are ~1,600 tokens).
-    With ``logits_all`` the buffer has ``n_ctx`` rows; batches, and so numerics, are unchanged."""
-    from llama_cpp import Llama
-    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
-
-    from benchmarks import engines_llamacpp as lc
-    from decoder_client.engines.llamacpp import DraftcacheDraftModel
-
-    def llama(draft_model: Any = None) -> Any:
-        kwargs: dict[str, Any] = {"n_ctx": config.n_ctx, "verbose": False, "draft_model": draft_model}
-        if draft_model is not None:
-            kwargs["logits_all"] = True
-        if config.n_threads is not None:
-            kwargs |= {"n_threads": config.n_threads, "n_threads_batch": config.n_threads}
-        return Llama(model_path=str(config.model_path), **kwargs)
-
-    lookup = lc.CountedDraftModel(
-        LlamaPromptLookupDecoding(max_ngram_size=config.lookup_max_ngram, num_pred_tokens=config.lookup_num_pred_tokens)
-    )
-    ours = DraftcacheDraftModel.connect(
-        config.target,
-        config.namespace,
-        num_pred_tokens=config.num_pred_tokens,
-        chain_min_prob=config.chain_min_prob,
-        deadline_s=config.deadline_s,
-    )
-    llms = {lc.PLAIN: llama(), lc.LOOKUP: llama(lookup), lc.OURS: ours.attach(llama(ours))}
-    return lc.Engines(config, llms=llms, counters={lc.LOOKUP: lookup, lc.OURS: ours})

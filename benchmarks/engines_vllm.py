@@ -62,7 +62,7 @@ class VllmBench:
     dtype: str = "bfloat16"
     enforce_eager: bool = True  # no torch.compile: starts in about a minute instead of several
     deadline_s: float = 0.005  # draftcache's per-call deadline
-    chain_min_prob: float = 0.1  # draftcache ends a chain before a token less likely than this to be reached
+    chain_min_prob: float = 0.5  # draftcache ends a chain before a token less likely than this to be reached
     kv_cache_mib: int = 256  # per engine: one request of max_model_len needs ~50 MiB (SmolLM2, bf16)
     parallel_starts: int = 2  # engines started at once
     start_timeout_s: float = 1200.0
