@@ -17,6 +17,9 @@ The committed ``benchmarks/data/spec_bench_smollm2_topk.jsonl.gz`` was made with
 
     draftcache make-topk-trace --per-group 40 --turns 1 --max-new-tokens 256 --batch 8 \\
         --threads 2 --out benchmarks/data/spec_bench_smollm2_topk.jsonl.gz
+
+240 answers (40 per task group, 5 per MT-bench category), 40,211 output tokens, 130 of them
+ended by EOS and 110 cut at 256 tokens; 2 h 13 min on two CPU cores shared with other work.
 """
 
 from __future__ import annotations

@@ -131,7 +131,7 @@ def test_best_chain_forwards_the_rows_and_the_engine_takes_them():
     assert stats.topk_rows == 4
     engine = NamespaceDrafter(Namespace(name="ns", vocab_size=300), DrafterConfig())
     ours = EngineDrafter(engine, DraftParams())
-    # The in-process engine takes the rows (and drafts as it would without them, for now).
+    # The in-process engine takes the rows: every verified position's, once.
     assert takes_topk(ours)
     with_rows = replay([PARTIAL, PARTIAL], ours)
     assert with_rows.topk_rows == with_rows.tokens == 8
