@@ -32,7 +32,10 @@ NAMESPACE = "smollm2"
 K = 4  # num_speculative_tokens
 MAX_MODEL_LEN = 512
 
-HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+# A real installed package: this test folder is itself named vllm, and where pytest puts its
+# parent on sys.path the folder would pass for a (namespace) package without an origin.
+_VLLM_SPEC = importlib.util.find_spec("vllm")
+HAVE_VLLM = _VLLM_SPEC is not None and _VLLM_SPEC.origin not in (None, "namespace")
 NO_VLLM = (
     "vLLM is not installed in this environment: bash deploy/setup_vllm.sh, then "
     "NUMBA_CACHE_DIR=.venv-vllm/numba-cache .venv-vllm/bin/python -m pytest tests/engines/vllm"
