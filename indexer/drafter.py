@@ -29,7 +29,7 @@ from indexer.prior import StaticPrior
 from indexer.session import Session, SessionSnapshot
 from indexer.session_cache import LruTableConfig
 from indexer.session_store import SessionStore
-from indexer.successors import MAX_TOPK, SuccessorTable
+from indexer.successors import SuccessorTable, checked_topk
 from indexer.tokens import SEPARATOR, Namespace, as_tokens
 from indexer.tree_builder import DraftedTrees, DraftTree, Tier, TreeBatch
 
@@ -358,21 +358,13 @@ class NamespaceDrafter:
         ...
         ValueError: top-k id 100 outside the vocabulary of 100
         """
-        rows = np.asarray(topk)
-        if rows.dtype.kind not in "iu":
-            raise ValueError(f"top-k ids must be integers, got {rows.dtype}")
-        if rows.ndim != 2 or rows.shape[0] != new.size or not 1 <= rows.shape[1] <= MAX_TOPK:
-            raise ValueError(f"top-k must be {new.size} rows of 1 to {MAX_TOPK} ids, got shape {rows.shape}")
-        vocab = self.namespace.vocab_size
-        bad = (rows < -1) | (rows >= vocab)
-        if bad.any():
-            raise ValueError(f"top-k id {int(rows[bad][0])} outside the vocabulary of {vocab}")
+        rows = checked_topk(topk, new.size, self.namespace.vocab_size)
         if not new.size or not len(session.context):
             return
         prev = np.empty(new.size, dtype=np.int32)
         prev[0] = session.context.tokens[-1]
         prev[1:] = new[:-1]
-        self.successors.observe(prev, np.ascontiguousarray(rows, dtype=np.int32))
+        self.successors.observe(prev, rows)
 
     def _learn_chains(self, items: Sequence[tuple[Session, np.ndarray, Branches | None]]) -> None:
         """The chain calibrator learns from each chain-mode draft's whole tree and its outcome."""

@@ -30,6 +30,28 @@ DECAY = 0.9  # per observation of a token, the weight its earlier observations k
 RANK_PROB = np.array([1.0, 0.3, 0.15, 0.1, 0.06, 0.04, 0.03, 0.02])
 
 
+def checked_topk(topk: np.ndarray | list[list[int]], rows: int, vocab_size: int) -> np.ndarray:
+    """``topk`` as ``rows`` rows of 1 to :data:`MAX_TOPK` int32 ids, each in the vocabulary or
+    -1 (padding); ``ValueError`` otherwise.
+
+    >>> checked_topk([[4, -1]], 1, 10).tolist()
+    [[4, -1]]
+    >>> checked_topk([[4], [5]], 1, 10)
+    Traceback (most recent call last):
+    ...
+    ValueError: top-k must be 1 rows of 1 to 8 ids, got shape (2, 1)
+    """
+    ids = np.asarray(topk)
+    if ids.dtype.kind not in "iu":
+        raise ValueError(f"top-k ids must be integers, got {ids.dtype}")
+    if ids.ndim != 2 or ids.shape[0] != rows or not 1 <= ids.shape[1] <= MAX_TOPK:
+        raise ValueError(f"top-k must be {rows} rows of 1 to {MAX_TOPK} ids, got shape {ids.shape}")
+    bad = (ids < -1) | (ids >= vocab_size)
+    if bad.any():
+        raise ValueError(f"top-k id {int(ids[bad][0])} outside the vocabulary of {vocab_size}")
+    return np.ascontiguousarray(ids, dtype=np.int32)
+
+
 class SuccessorTable:
     """A namespace's successor table (dense, allocated on the first observation: ``vocab x
     MAX_TOPK`` followers and weights, 3.5 MB for a 49k vocabulary). Thread-safe."""

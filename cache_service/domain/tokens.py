@@ -13,7 +13,7 @@ from cache_service.domain.errors import InvalidArgument
 from cache_service.domain.items import DraftColumns
 from cache_service.domain.sessions import SessionEntry
 from indexer.drafter import MAX_LOOKAHEAD, NamespaceDrafter
-from indexer.successors import MAX_TOPK
+from indexer.successors import checked_topk
 from indexer.tokens import as_tokens
 
 
@@ -70,17 +70,14 @@ def column_tokens(cols: DraftColumns, entries: Sequence[SessionEntry]) -> list[n
 
 
 def topk_rows(rows: np.ndarray | None, new: np.ndarray, drafter: NamespaceDrafter) -> np.ndarray | None:
-    """A step's top-k rows checked: one row of 1 to :data:`MAX_TOPK` ids per new token, each id
-    in the vocabulary or -1 (padding)."""
+    """A step's top-k rows checked (:func:`indexer.successors.checked_topk`): one row of 1 to 8
+    ids per new token, each id in the vocabulary or -1 (padding)."""
     if rows is None:
         return None
-    if rows.ndim != 2 or rows.shape[0] != new.size or not 1 <= rows.shape[1] <= MAX_TOPK:
-        raise InvalidArgument(f"top-k must be {new.size} rows of 1 to {MAX_TOPK} ids, got shape {rows.shape}")
-    vocab = drafter.namespace.vocab_size
-    bad = (rows < -1) | (rows >= vocab)
-    if bad.any():
-        raise InvalidArgument(f"namespace {drafter.namespace.name}: top-k id {int(rows[bad][0])} outside [0, {vocab})")
-    return np.ascontiguousarray(rows, dtype=np.int32)
+    try:
+        return checked_topk(rows, new.size, drafter.namespace.vocab_size)
+    except ValueError as exc:
+        raise InvalidArgument(f"namespace {drafter.namespace.name}: {exc}") from exc
 
 
 def column_topk(
