@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Sequence
 from functools import partial
@@ -22,6 +23,8 @@ from decoder_client.client.plan import CatchUp, Draft, DraftAhead, Drafted, Effe
 from decoder_client.client.protocol import UNARY, lane_of
 from decoder_client.client.session import ClientSession, TopkRows
 from indexer.tree_builder import DraftTree
+
+logger = logging.getLogger(__name__)
 
 
 class AsyncDraftClient:
@@ -150,11 +153,8 @@ class AsyncDraftClient:
         await self._settle()
         await self._check_late(None)
         await self._land_reopen()
-        if self._closing:
-            await asyncio.wait(set(self._closing), timeout=self._core.config.control_timeout_s)
-            for task in list(self._closing):  # still not answered: given up on
-                task.cancel()
-            await asyncio.sleep(0)  # their callbacks book them
+        await self._wait_closing()
+        await self._commit_backlog()
         req = self._core.abandoned_request(now=True)
         if req is not None:
             await self._call("close", req, self._core.config.control_timeout_s)
@@ -189,8 +189,42 @@ class AsyncDraftClient:
         if exc is None:
             self._core.opened(opening.sessions, task.result(), opening.sizes)
             self._close_abandoned()
+            self._send_commits()
         elif isinstance(exc, grpc.RpcError):
-            self._core.open_failed(opening.request, exc)
+            self._core.open_failed(opening.request, exc, opening.sessions)
+
+    def _send_commits(self) -> None:
+        """See :meth:`DraftClient._send_commits`."""
+        req = self._core.commit_request()
+        if req is not None:
+            task = self._future("close", req, self._core.config.control_timeout_s)
+            task.add_done_callback(partial(self._closed, req))
+            self._closing.add(task)
+
+    async def _commit_backlog(self) -> None:
+        """See :meth:`DraftClient._commit_backlog`."""
+        cfg = self._core.config
+        opening = self._core.reopen_request([], now=True)
+        if opening is not None:
+            try:
+                resp = await self._request("open", opening.request, cfg.control_timeout_s)
+            except grpc.RpcError as exc:  # grpc.aio.AioRpcError is one
+                self._core.open_failed(opening.request, exc, opening.sessions)
+            else:
+                self._core.opened(opening.sessions, resp, opening.sizes)
+                self._send_commits()
+                await self._wait_closing()
+        left = self._core.commits.unsent
+        if left:
+            logger.warning("%d ended requests were never committed (the service did not take them)", left)
+
+    async def _wait_closing(self) -> None:
+        """Book every background close, each given at most the control timeout."""
+        if self._closing:
+            await asyncio.wait(set(self._closing), timeout=self._core.config.control_timeout_s)
+            for task in list(self._closing):  # still not answered: given up on
+                task.cancel()
+            await asyncio.sleep(0)  # their callbacks book them
 
     async def _open(self, sessions: Sequence[ClientSession]) -> None:
         req = self._core.open_request(sessions)

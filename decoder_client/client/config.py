@@ -32,6 +32,7 @@ class ClientConfig:
     deadline_s: float = 0.005  # per draft call; past it the fallback answers
     control_timeout_s: float = 1.0  # open / close calls
     retry_after_s: float = 0.5  # after a failure, skip the service this long
+    commit_backlog_tokens: int = 1_000_000  # ended requests kept to commit once the service answers again
     lookahead: int = 0  # pre-speculation: outcomes drafted ahead per step (0: off)
     topk: int = 0  # the target's top-k ids sent per verified position, when the decoder gives them (0: none)
     stream: bool = True  # calls on two bidirectional streams (False: one unary call each)
@@ -43,6 +44,8 @@ class ClientConfig:
     def __post_init__(self) -> None:
         if self.deadline_s <= 0 or self.control_timeout_s <= 0 or self.retry_after_s < 0:
             raise ValueError("deadlines must be > 0 and retry_after_s >= 0")
+        if self.commit_backlog_tokens < 0:
+            raise ValueError(f"commit_backlog_tokens must be >= 0, got {self.commit_backlog_tokens}")
         if not 0 <= self.lookahead <= MAX_LOOKAHEAD:
             raise ValueError(f"lookahead must be in [0, {MAX_LOOKAHEAD}], got {self.lookahead}")
         if not 0 <= self.topk <= MAX_TOPK:

@@ -18,6 +18,7 @@ import numpy as np
 from draftcache.v1 import draftcache_pb2 as pb
 
 from decoder_client import wire
+from decoder_client.client.commits import CommitBacklog, worth_retrying
 from decoder_client.client.config import ClientConfig
 from decoder_client.client.session import ClientSession, TopkRows
 from indexer.prespeculation import select
@@ -45,6 +46,8 @@ class ClientStats:
     ahead_hits: int = 0  # trees that were drafted ahead (no wait)
     ahead_misses: int = 0  # outcomes nothing had been drafted ahead for
     lost_opens: int = 0  # opens given up on (deadline): the service may hold copies until they expire
+    commits_retried: int = 0  # ended requests whose commit did not land at once (kept to send again)
+    commits_dropped: int = 0  # ended requests never committed (the backlog was full, or the service refused them)
 
 
 _LateCall = tuple[list[tuple[ClientSession, str]], Any]  # (sessions with their server ids, the call)
@@ -70,6 +73,7 @@ class ClientCore:
         self.down_until = 0.0
         self.abandoned: list[str] = []  # server sessions given up on (closed when the service answers)
         self.late: list[_LateCall] = []  # see :meth:`missed`
+        self.commits = CommitBacklog(config.commit_backlog_tokens)  # ended requests not committed yet
         self.columns = True  # draft calls in columns (False once a server showed it predates them)
         wire.warm_up()  # the response reader is compiled now, not on the first step's deadline
         # And the fallback runs once: what it compiles (seconds on a fresh machine) must not
@@ -98,9 +102,11 @@ class ClientCore:
             if len(new):
                 s.extend(new, top, self.config.topk)
 
-    def open_request(self, sessions: Sequence[ClientSession]) -> pb.OpenSessionsRequest | None:
+    def open_request(self, sessions: Sequence[ClientSession], *, now: bool = False) -> pb.OpenSessionsRequest | None:
+        """Open those of ``sessions`` without a server copy, unless the service is being
+        skipped (``now``: anyway)."""
         todo = [s for s in sessions if not s.server_id]
-        if not todo or not self.available():
+        if not todo or not (now or self.available()):
             return None
         ns = self.config.namespace
         return pb.OpenSessionsRequest(  # ids chosen here: an open given up on can still be closed
@@ -110,10 +116,16 @@ class ClientCore:
             ]
         )
 
-    def open_failed(self, req: pb.OpenSessionsRequest, exc: grpc.RpcError) -> None:
+    def open_failed(
+        self, req: pb.OpenSessionsRequest, exc: grpc.RpcError, sessions: Sequence[ClientSession] = ()
+    ) -> None:
         """An open call failed: the service may still have made the sessions (a missed deadline
-        above all), so they are closed, if they exist, once it answers again."""
+        above all), so they are closed, if they exist, once it answers again. Ended requests
+        it was opening to commit (among ``sessions``) are given up on if the service refused them."""
         self.failed(exc)
+        if not worth_retrying(exc):
+            self.commits.discard(sessions)
+            self._commit_stats()
         if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
             self.stats.lost_opens += len(req.sessions)
         self.abandoned.extend(s.session_id for s in req.sessions)
@@ -130,10 +142,11 @@ class ClientCore:
                 self.stats.reopened += 1
             s.server_id, s.pending, s.pending_topk = sid, s.tokens(size), []
 
-    def reopen_request(self, sessions: Sequence[ClientSession]) -> Reopening | None:
-        """An open, to send in the background, of those of ``sessions`` without a server copy."""
-        todo = [s for s in sessions if not s.server_id]
-        req = self.open_request(todo)
+    def reopen_request(self, sessions: Sequence[ClientSession], *, now: bool = False) -> Reopening | None:
+        """An open, to send in the background, of those of ``sessions`` without a server copy,
+        and of the ended requests still to commit (:meth:`commit_request` closes them next)."""
+        todo = [s for s in sessions if not s.server_id] + self.commits.to_open()
+        req = self.open_request(todo, now=now)
         return None if req is None else Reopening(todo, [len(s) for s in todo], req)
 
     def draft_request(self, sessions: Sequence[ClientSession]) -> pb.DraftRequest | None:
@@ -292,24 +305,52 @@ class ClientCore:
         )
 
     def close_request(self, sessions: Sequence[ClientSession], commit: bool) -> pb.CloseSessionsRequest | None:
-        """One call ending the sessions' server copies, each with its last step's tokens."""
+        """One call ending the sessions' server copies, each with its last step's tokens. It is
+        sent in the background even while the service is being skipped (it costs the decoder
+        nothing). With ``commit``, a session without a server copy (lost, never opened) is kept
+        to commit later, as is one whose close fails (:meth:`close_settled`)."""
         live = [s for s in sessions if s.server_id]
-        if not self.available():  # the service is being skipped: close them once it is used again
-            self.in_doubt(live)
-            return None
+        if commit:
+            for s in sessions:
+                if not s.server_id:
+                    self._keep_for_commit(s.tokens())
         if not live:
             return None
         close = pb.CloseSessionsRequest(
             sessions=[pb.CloseSession(session_id=s.server_id, commit=commit, new_tokens=s.pending) for s in live]
         )
         for s in live:
-            s.pending = []
+            if commit:
+                self.commits.sending(s.server_id, s.tokens())
+            s.pending, s.server_id = [], ""
         return close
+
+    def commit_request(self) -> pb.CloseSessionsRequest | None:
+        """Close with commit the ended requests re-opened for it (see :class:`CommitBacklog`)."""
+        ready = self.commits.ready()
+        if not ready:
+            return None
+        for s in ready:
+            self.commits.sending(s.server_id, s.tokens())
+        return pb.CloseSessionsRequest(
+            sessions=[pb.CloseSession(session_id=s.server_id, commit=True, new_tokens=s.pending) for s in ready]
+        )
+
+    def _keep_for_commit(self, tokens: list[int]) -> None:
+        self.abandoned.extend(self.commits.keep(tokens))
+        self._commit_stats()
+
+    def _commit_stats(self) -> None:
+        self.stats.commits_retried, self.stats.commits_dropped = self.commits.kept, self.commits.dropped
 
     def close_settled(self, req: pb.CloseSessionsRequest, exc: BaseException | None) -> None:
         """Book a close call run in the background: when it failed, its sessions are closed
-        (without commit) once the service is used again, or at shutdown."""
+        (without commit) once the service is used again, or at shutdown, and those it was to
+        commit are kept to commit again."""
+        ids = [c.session_id for c in req.sessions]
         if exc is not None:
             if isinstance(exc, grpc.RpcError):
                 self.failed(exc)
-            self.abandoned.extend(c.session_id for c in req.sessions)
+            self.abandoned.extend(ids)
+        self.abandoned.extend(self.commits.settled(ids, exc))
+        self._commit_stats()

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Sequence
 from typing import Any, assert_never
@@ -20,6 +21,8 @@ from decoder_client.client.protocol import UNARY, lane_of
 from decoder_client.client.session import ClientSession, TopkRows
 from decoder_client.client.stream import Stream, StreamFuture
 from indexer.tree_builder import DraftTree
+
+logger = logging.getLogger(__name__)
 
 
 class DraftClient:
@@ -184,6 +187,7 @@ class DraftClient:
         self._check_late(None)
         self._land_reopen()
         self._reap(wait=True)
+        self._commit_backlog()
         req = self._core.abandoned_request(now=True)
         if req is not None:
             self._call("close", req, self.config.control_timeout_s)
@@ -231,9 +235,33 @@ class DraftClient:
         self._opening = None
         try:
             self._core.opened(opening.sessions, future.result(), opening.sizes)
-            self._close_abandoned()
         except grpc.RpcError as exc:
-            self._core.open_failed(opening.request, exc)
+            self._core.open_failed(opening.request, exc, opening.sessions)
+            return
+        self._close_abandoned()
+        self._send_commits()
+
+    def _send_commits(self) -> None:
+        """Close with commit, in the background, the ended requests re-opened for it."""
+        req = self._core.commit_request()
+        if req is not None:
+            self._closing.append((req, self._future("close", req, self.config.control_timeout_s)))
+
+    def _commit_backlog(self) -> None:
+        """At shutdown: one try (waited for) at committing the ended requests still kept."""
+        opening = self._core.reopen_request([], now=True)
+        if opening is not None:
+            try:
+                resp = self._request("open", opening.request, self.config.control_timeout_s)
+            except grpc.RpcError as exc:
+                self._core.open_failed(opening.request, exc, opening.sessions)
+            else:
+                self._core.opened(opening.sessions, resp, opening.sizes)
+                self._send_commits()
+                self._reap(wait=True)
+        left = self._core.commits.unsent
+        if left:
+            logger.warning("%d ended requests were never committed (the service did not take them)", left)
 
     def _close_abandoned(self) -> None:
         """Best effort, in the background: an unknown id (the server restarted) is fine too.

@@ -81,7 +81,15 @@ def test_remote_drafts_and_fallback_when_the_service_stops(stream: bool) -> None
         client.draft([session], [[]])
         time.sleep(0.05)
     assert client.stats.remote == remote_before + 1
+    # The request that ended while the service was down is committed now that it answers.
+    while running.service.stats("toy")[0].requests == 0:
+        assert time.monotonic() < deadline, "the request that ended during the outage was never committed"
+        client.draft([session], [[]])
+        time.sleep(0.05)
+    (ns,) = running.service.stats("toy")
+    assert ns.requests == 1 and len(PROMPT) + 1 < ns.buffered_tokens <= len(PROMPT) + TARGET.size + 1
     client.shutdown()
+    assert client.stats.commits_retried == 1 and client._core.commits.unsent == 0
     stop_service(running)
 
 
@@ -590,14 +598,20 @@ def _first_close_fails(monkeypatch) -> list[list[tuple[str, bool, list[int]]]]: 
     return calls
 
 
-def _ended_without_commit(running, calls, sid: str, stats: ClientStats) -> None:  # type: ignore[no-untyped-def]
-    assert calls == [[(sid, True, [77])], [(sid, False, [])]]  # the close with its tokens, then one without commit
-    assert stats.failures == 1
-    assert not running.service.sessions.holds(sid) and running.service.stats("toy")[0].requests == 0
+def _committed_after_all(running, calls, sid: str, stats: ClientStats) -> None:  # type: ignore[no-untyped-def]
+    """The close with commit failed; at shutdown the client committed the request once more
+    (a new copy of the whole sequence, closed with commit) and ended the first copy without."""
+    assert calls[0] == [(sid, True, [77])] and calls[2] == [(sid, False, [])]
+    ((again, commit, new),) = calls[1]
+    assert again != sid and commit and new == []
+    assert stats.failures == 1 and stats.commits_retried == 1 and stats.commits_dropped == 0
+    assert not running.service.sessions.holds(sid) and not running.service.sessions.holds(again)
+    (ns,) = running.service.stats("toy")
+    assert ns.requests == 1 and ns.buffered_tokens == len(PROMPT) + 2  # the prompt, 77 and a separator: once
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "unary"])
-def test_a_close_that_fails_in_the_background_ends_the_copy_without_commit(monkeypatch, stream: bool) -> None:  # type: ignore[no-untyped-def]
+def test_a_close_that_fails_in_the_background_is_committed_once_the_service_answers(monkeypatch, stream: bool) -> None:  # type: ignore[no-untyped-def]
     calls = _first_close_fails(monkeypatch)
     running = start_service(ServiceConfig())
     try:
@@ -609,7 +623,7 @@ def test_a_close_that_fails_in_the_background_ends_the_copy_without_commit(monke
         client.add_tokens([session], [[77]])  # the last step's tokens go with the close
         client.close([session])  # returns at once; the failure is booked later
         client.shutdown()
-        _ended_without_commit(running, calls, sid, client.stats)
+        _committed_after_all(running, calls, sid, client.stats)
     finally:
         stop_service(running)
 
@@ -666,6 +680,6 @@ def test_the_async_client_books_a_close_that_fails_in_the_background(monkeypatch
     try:
         _ns(running.target)
         sid, stats = asyncio.run(scenario())
-        _ended_without_commit(running, calls, sid, stats)
+        _committed_after_all(running, calls, sid, stats)
     finally:
         stop_service(running)

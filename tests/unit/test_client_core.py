@@ -3,6 +3,7 @@ drafting ahead that missed the next step's deadline. No server, no transport."""
 
 from __future__ import annotations
 
+import grpc
 from draftcache.v1 import draftcache_pb2 as pb
 
 from decoder_client.client import ClientConfig, ClientSession, prompt_lookup_fallback
@@ -48,3 +49,51 @@ def test_a_late_unary_call_drafting_ahead_is_given_up_on() -> None:
     assert core.ahead_late([s], object()) is False  # the caller cancels it
     # It may or may not have reached the service: the copy is closed, the session re-opened.
     assert s.server_id == "" and core.abandoned == ["a"] and core.late == []
+
+
+class _Refused(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode) -> None:
+        self._code = code
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+
+def test_a_close_sent_while_the_service_is_skipped_and_its_commit_kept_when_it_fails() -> None:
+    core = _core()
+    s = _remote([1, 2], "a")
+    s.extend([9])
+    core.failed(None)  # a missed deadline: the service is skipped a while, but a close costs the decoder nothing
+    close = core.close_request([s], commit=True)
+    assert close is not None and [(c.session_id, c.commit, list(c.new_tokens)) for c in close.sessions] == [
+        ("a", True, [9])
+    ]
+    assert s.server_id == "" and core.commits.unsent == 1
+    core.close_settled(close, _Refused(grpc.StatusCode.UNAVAILABLE))
+    assert core.abandoned == ["a"] and core.stats.commits_retried == 1 and len(core.commits) == 1
+    core.down_until = 0.0  # the service answers again: the request is opened whole, then closed with commit
+    opening = core.reopen_request([])
+    assert opening is not None and [list(o.prompt) for o in opening.request.sessions] == [[1, 2, 9]]
+    core.opened(opening.sessions, pb.OpenSessionsResponse(session_ids=["b"]), opening.sizes)
+    commit = core.commit_request()
+    assert commit is not None and [(c.session_id, c.commit, list(c.new_tokens)) for c in commit.sessions] == [
+        ("b", True, [])
+    ]
+    core.close_settled(commit, None)
+    assert core.commits.unsent == 0 and core.stats.commits_dropped == 0
+
+
+def test_a_request_ended_without_a_copy_is_kept_and_one_the_service_refuses_is_dropped() -> None:
+    core = _core()
+    ended = ClientSession([1, 2, 3], 2)  # its copy was lost (or never opened)
+    assert core.close_request([ended], commit=True) is None and len(core.commits) == 1
+    assert core.close_request([ClientSession([4], 1)], commit=False) is None and len(core.commits) == 1
+    opening = core.reopen_request([])
+    assert opening is not None
+    core.open_failed(opening.request, _Refused(grpc.StatusCode.INVALID_ARGUMENT), opening.sessions)
+    assert core.commits.unsent == 0 and core.stats.commits_dropped == 1  # it would be refused every time
+    s = _remote([5], "c")
+    close = core.close_request([s], commit=True)
+    assert close is not None
+    core.close_settled(close, _Refused(grpc.StatusCode.PERMISSION_DENIED))
+    assert core.commits.unsent == 0 and core.stats.commits_dropped == 2
