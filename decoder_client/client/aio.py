@@ -63,9 +63,11 @@ class AsyncDraftClient:
         sessions: Sequence[ClientSession],
         new_tokens: Sequence[Sequence[int]],
         topk: Sequence[TopkRows | None] | None = None,
+        *,
+        deadline_s: float | None = None,
     ) -> list[DraftTree]:
         """See :meth:`DraftClient.draft`."""
-        step = draft_step(self._core, sessions, new_tokens, topk)
+        step = draft_step(self._core, sessions, new_tokens, topk, deadline_s)
         drafted = None
         while True:
             try:

@@ -85,14 +85,17 @@ def draft_step(
     sessions: Sequence[ClientSession],
     new_tokens: Sequence[Sequence[int]],
     topk: Sequence[TopkRows | None] | None = None,
+    deadline_s: float | None = None,
 ) -> Generator[Effect, Drafted | None, list[DraftTree]]:
     """Append each session's new tokens (with their top-k rows, where given), then one tree per
-    session (remote or fallback).
+    session (remote or fallback), within ``deadline_s`` (None: the client's).
 
     A session whose outcome was drafted ahead gets that tree at once; the call delivering its
     tokens (and drafting ahead for its next outcome) is yielded as :class:`DraftAhead`.
     """
-    end = time.monotonic() + core.config.deadline_s
+    if deadline_s is not None and not deadline_s > 0:
+        raise ValueError(f"deadline_s must be > 0, got {deadline_s}")
+    end = time.monotonic() + (core.config.deadline_s if deadline_s is None else deadline_s)
     yield CatchUp(end)
     core.add_tokens(sessions, new_tokens, topk)
     yield Reopen(sessions)

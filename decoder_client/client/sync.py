@@ -73,14 +73,17 @@ class DraftClient:
         sessions: Sequence[ClientSession],
         new_tokens: Sequence[Sequence[int]],
         topk: Sequence[TopkRows | None] | None = None,
+        *,
+        deadline_s: float | None = None,
     ) -> list[DraftTree]:
-        """Append each session's new tokens, then one tree per session (remote or fallback).
+        """Append each session's new tokens, then one tree per session (remote or fallback),
+        within ``deadline_s`` (None: the configured one; an engine may scale it with its step).
 
         With ``lookahead``, a session whose outcome was drafted ahead gets that tree at once;
         the call that delivers its tokens and drafts ahead for its next outcome runs in the
         background (while the target verifies) and is settled at the next call.
         """
-        step = draft_step(self._core, sessions, new_tokens, topk)
+        step = draft_step(self._core, sessions, new_tokens, topk, deadline_s)
         drafted = None
         while True:
             try:

@@ -11,7 +11,9 @@ off the sequences: a call whose sequence is the previous one, then a prefix of t
 draft, then one sampled token, continues the generation (only those tokens travel); anything
 else starts a new one: the previous session is closed with commit and a new one is opened on
 the sequence's prompt. The engine never waits on the service: opens run in the background,
-each draft call has the client's deadline, and past it the client's local fallback answers.
+each draft call has a deadline (with :meth:`DraftcacheDraftModel.connect`, a fraction of the
+engine's recent step: :mod:`~decoder_client.engines.deadline`), and past it the client's local
+fallback answers.
 
 Where a generation ends: without help, only the next generation's first call shows it, and
 the last step's tokens never reach the draft model. :meth:`DraftcacheDraftModel.attach` wraps
@@ -36,8 +38,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from decoder_client.adapters import best_chain
-from decoder_client.client import ClientConfig, ClientSession, DraftClient
-from indexer.drafter import MAX_DEPTH, DraftParams
+from decoder_client.client import ClientSession, DraftClient
+from decoder_client.engines.deadline import StepDeadline
+from decoder_client.engines.settings import EngineSettings
+from indexer.drafter import MAX_DEPTH
 
 if TYPE_CHECKING:
     from llama_cpp import Llama
@@ -130,10 +134,18 @@ class DraftcacheDraftModel(LlamaDraftModel):
     >>> draft.close()  # doctest: +SKIP
     """
 
-    def __init__(self, client: DraftClient, *, num_pred_tokens: int = 10, owns_client: bool = False) -> None:
+    def __init__(
+        self,
+        client: DraftClient,
+        *,
+        num_pred_tokens: int = 10,
+        owns_client: bool = False,
+        deadline: StepDeadline | None = None,
+    ) -> None:
         if not 1 <= num_pred_tokens <= MAX_DEPTH:
             raise ValueError(f"num_pred_tokens must be in [1, {MAX_DEPTH}], got {num_pred_tokens}")
         self.client = client
+        self.deadline = deadline  # None: the client's own, every call
         self.num_pred_tokens = num_pred_tokens
         self.stats = DraftStats()
         self._owns_client = owns_client
@@ -143,20 +155,19 @@ class DraftcacheDraftModel(LlamaDraftModel):
 
     @classmethod
     def connect(
-        cls,
-        target: str,
-        namespace: str,
-        *,
-        num_pred_tokens: int = 10,
-        chain_min_prob: float = 0.0,
-        deadline_s: float = 0.005,
-        token: str = "",
+        cls, target: str, namespace: str, *, num_pred_tokens: int = 10, **settings: Any
     ) -> DraftcacheDraftModel:
         """A draft model with a client of its own, asking the service for chains of at most
-        ``num_pred_tokens`` tokens (chain mode)."""
-        params = DraftParams(chain=num_pred_tokens, chain_min_prob=chain_min_prob)
-        config = ClientConfig(target=target, namespace=namespace, params=params, deadline_s=deadline_s, token=token)
-        return cls(DraftClient(config), num_pred_tokens=num_pred_tokens, owns_client=True)
+        ``num_pred_tokens`` tokens (chain mode); ``settings``: any other
+        :class:`~decoder_client.engines.settings.EngineSettings` (``deadline_s``,
+        ``chain_min_prob``, ``token``, ...), as vLLM's proposer takes them."""
+        return cls.from_settings(EngineSettings(target=target, namespace=namespace, **settings), num_pred_tokens)
+
+    @classmethod
+    def from_settings(cls, settings: EngineSettings, num_pred_tokens: int = 10) -> DraftcacheDraftModel:
+        """See :meth:`connect`; each call's deadline follows the engine's step."""
+        client = DraftClient(settings.client_config(num_pred_tokens))
+        return cls(client, num_pred_tokens=num_pred_tokens, owns_client=True, deadline=settings.step_deadline())
 
     def __call__(self, input_ids: Any, /, **kwargs: Any) -> np.ndarray:
         """The draft for the sequence ``input_ids``: at most ``num_pred_tokens`` ids (intc)."""
@@ -165,7 +176,11 @@ class DraftcacheDraftModel(LlamaDraftModel):
         session, new = self._continue(ids)
         if session is None:  # a new generation: its prompt is all but the token just sampled
             session, new = self.begin(ids[:-1]), ids[-1:]
-        (tree,) = self.client.draft([session], [new.tolist()])
+        deadline = None
+        if self.deadline is not None:
+            self.deadline.step(start)
+            deadline = self.deadline.seconds
+        (tree,) = self.client.draft([session], [new.tolist()], deadline_s=deadline)
         chain = best_chain(tree, self.num_pred_tokens).astype(np.intc)
         self._sequence, self._draft = ids, chain
         self.stats.calls += 1

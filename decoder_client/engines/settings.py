@@ -14,7 +14,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from decoder_client.engines.deadline import StepDeadline
+
+if TYPE_CHECKING:
+    from decoder_client.client import ClientConfig
 
 ENV_PREFIX = "DRAFTCACHE_"
 _KINDS = {"int": "an integer", "float": "a number", "bool": "a boolean", "str": "a string"}
@@ -28,7 +33,10 @@ class EngineSettings:
     target: str = "127.0.0.1:50051"
     token: str = ""  # bearer token, when the service authenticates callers
     tls_root_cert_file: str = ""  # PEM CA of the service's certificate: use TLS
-    deadline_s: float = 0.005  # per draft call; past it the local fallback answers
+    deadline_s: float = 0.005  # per draft call, at least; past it the local fallback answers
+    deadline_step_fraction: float = 0.1  # ... and up to this fraction of the engine's mean step
+    deadline_max_s: float = 0.05  # ... but never more than this
+    retry_after_s: float = 0.5  # after a failed or late call, draft locally this long
     budget: int = 64  # nodes of the tree the chain is chosen from
     chain_min_prob: float = 0.0  # a chain ends before a token less likely than this to be reached
     create_namespace: bool = True  # create the namespace (the model's vocabulary) when it is missing
@@ -46,11 +54,47 @@ class EngineSettings:
             raise ValueError("draftcache target must be HOST:PORT")
         if self.deadline_s <= 0 or self.idle_close_s <= 0 or self.stats_every_s <= 0:
             raise ValueError("deadline_s, idle_close_s and stats_every_s must be > 0")
+        self.step_deadline()  # its own checks
         # Their own checks. Imported here: the engine's process may not import numba yet (see
         # decoder_client.engines.vllm).
         from indexer.drafter import DraftParams
 
         DraftParams(budget=self.budget, chain_min_prob=self.chain_min_prob)
+
+    def step_deadline(self) -> StepDeadline:
+        """The per-call deadline, following the engine's step (see :mod:`.deadline`)."""
+        return StepDeadline(
+            floor_s=self.deadline_s,
+            fraction=self.deadline_step_fraction,
+            cap_s=max(self.deadline_s, self.deadline_max_s),
+            idle_s=self.idle_close_s,
+        )
+
+    def client_config(self, num_speculative_tokens: int) -> ClientConfig:
+        """The draft client's settings: chain mode, chains of at most ``num_speculative_tokens``.
+
+        >>> EngineSettings(namespace="smollm2").client_config(4).params.chain
+        4
+        """
+        from decoder_client.client import ClientConfig
+        from indexer.drafter import DraftParams
+
+        k = num_speculative_tokens
+        params = DraftParams(
+            budget=max(self.budget, k),
+            max_depth=max(DraftParams.max_depth, k),
+            chain=k,
+            chain_min_prob=self.chain_min_prob,
+        )
+        return ClientConfig(
+            target=self.target,
+            namespace=self.namespace,
+            params=params,
+            deadline_s=self.deadline_s,
+            retry_after_s=self.retry_after_s,
+            token=self.token,
+            tls_root_cert_file=self.tls_root_cert_file,
+        )
 
     @classmethod
     def from_sources(cls, engine: Mapping[str, Any] | None, env: Mapping[str, str]) -> EngineSettings:

@@ -32,8 +32,9 @@ The engine calls nothing once its last request ends, so a watcher thread closes 
 with commit, once the engine has made no step for ``idle_close_s``; a request that was only in
 a long step comes back as a new session, as a resumed one does.
 
-The service slow or down costs a step at most the client's deadline: past it the client
-drafts locally (prompt lookup over the row's own tokens), and an error inside the proposer
+The service slow or down costs a step at most the draft call's deadline (a fraction of the
+engine's recent step time, within set bounds: :mod:`~decoder_client.engines.deadline`): past it
+the client drafts locally (prompt lookup over the row's own tokens), and an error inside the proposer
 leaves that step without drafts instead of stopping the engine.
 
 Importing this module does not import the client (nor numba, under it): vLLM's CPU start-up
@@ -92,7 +93,8 @@ class DraftcacheProposer:
         self.num_speculative_tokens = int(vllm_config.speculative_config.num_speculative_tokens)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         self.settings = EngineSettings.from_sources(_section(vllm_config.additional_config), os.environ)
-        self.client_config = client_config(self.settings, self.num_speculative_tokens)
+        self.client_config = self.settings.client_config(self.num_speculative_tokens)
+        self._deadline = self.settings.step_deadline()
         if self.settings.create_namespace:  # in the background: the engine's start never waits on the service
             vocab = int(vllm_config.model_config.get_vocab_size())
             threading.Thread(target=ensure_namespace, args=(self.client_config, vocab), daemon=True).start()
@@ -122,6 +124,7 @@ class DraftcacheProposer:
         start = time.perf_counter()
         with self._lock:
             self._last_call = time.monotonic()
+            self._deadline.step(start)
             try:
                 drafts, live = self._propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
             except Exception:  # a proposer must not stop the engine: this step goes without drafts
@@ -151,7 +154,8 @@ class DraftcacheProposer:
         new_tokens: list[list[int]] = [
             [] if id(t) in opened else step.continued[i][1].tolist() for i, t in zip(live, tracks, strict=True)
         ]
-        trees = self._client.draft([_session(t) for t in tracks], new_tokens) if live else []
+        sessions = [_session(t) for t in tracks]
+        trees = self._client.draft(sessions, new_tokens, deadline_s=self._deadline.seconds) if live else []
         drafts: list[list[int]] = [[] for _ in sampled]
         for i, tree in zip(live, trees, strict=True):
             room = min(self.num_speculative_tokens, self.max_model_len - int(lengths[i]) - 1)
@@ -197,6 +201,9 @@ class DraftcacheProposer:
             "remote_drafts": client.remote,
             "fallback_drafts": client.fallback,
             "failed_calls": client.failures,
+            "deadline_ms": 1e3 * self._deadline.seconds,
+            "commits_retried": client.commits_retried,
+            "commits_dropped": client.commits_dropped,
             "errors": self._errors,
         }
 
@@ -224,32 +231,6 @@ class DraftcacheProposer:
             except Exception:
                 logger.exception("draftcache proposer: shutdown failed")
             self._write_stats()
-
-
-def client_config(settings: EngineSettings, num_speculative_tokens: int) -> ClientConfig:
-    """The draft client's settings: chain mode, chains of at most ``num_speculative_tokens``.
-
-    >>> client_config(EngineSettings(namespace="smollm2"), 4).params.chain
-    4
-    """
-    from decoder_client.client import ClientConfig
-    from indexer.drafter import DraftParams
-
-    k = num_speculative_tokens
-    params = DraftParams(
-        budget=max(settings.budget, k),
-        max_depth=max(DraftParams.max_depth, k),
-        chain=k,
-        chain_min_prob=settings.chain_min_prob,
-    )
-    return ClientConfig(
-        target=settings.target,
-        namespace=settings.namespace,
-        params=params,
-        deadline_s=settings.deadline_s,
-        token=settings.token,
-        tls_root_cert_file=settings.tls_root_cert_file,
-    )
 
 
 def ensure_namespace(config: ClientConfig, vocab_size: int, timeout_s: float = 60.0) -> None:

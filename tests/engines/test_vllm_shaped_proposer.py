@@ -214,9 +214,26 @@ def test_service_gone_local_drafts_within_the_deadline() -> None:
         proposer.shutdown()
 
 
+def test_the_deadline_follows_the_engine_step(running: Running) -> None:
+    proposer = DraftcacheProposer(vllm_config(running.target, deadline_s=0.005, deadline_step_fraction=0.1))
+    try:
+        assert proposer.stats()["deadline_ms"] == 5.0  # no step seen: the floor
+        tokens = np.zeros((1, WIDTH), dtype=np.int32)
+        tokens[0, :4] = [1, 2, 3, 4]
+        for n in range(5, 9):  # an engine step of ~150 ms (a small CPU engine's)
+            proposer.propose([[n]], np.array([n], dtype=np.int32), tokens)
+            tokens[0, n - 1] = n
+            time.sleep(0.15)
+        assert 13.0 <= proposer.stats()["deadline_ms"] <= 50.0  # a tenth of the step, within the cap
+    finally:
+        proposer.shutdown()
+
+
 def test_service_stopped_mid_generation() -> None:
-    running = start_service(ServiceConfig(), port=free_port())
+    port = free_port()
+    running = start_service(ServiceConfig(), port=port)
     proposer = proposer_for(running)
+    back = None
     try:
         reqs = workload()
         engine = Engine(proposer)
@@ -233,5 +250,14 @@ def test_service_stopped_mid_generation() -> None:
         assert [r.out for r in reqs] == [r.target for r in reqs]
         stats = proposer.stats()
         assert remote > 0 and stats["fallback_drafts"] > 0 and stats["errors"] == 0
+        # The requests ended while the service was down: the service comes back (empty, on the
+        # same address) and the engine stops; every request is committed then.
+        back = start_service(ServiceConfig(), port=port)
+        back.admin.CreateNamespace(pb.CreateNamespaceRequest(name=NS, vocab_size=128), timeout=10)
+        proposer.shutdown()
+        assert namespace_info(back).requests == len(reqs)
+        assert proposer.stats()["commits_retried"] == len(reqs) and proposer.stats()["commits_dropped"] == 0
     finally:
         proposer.shutdown()
+        if back is not None:
+            stop_service(back)

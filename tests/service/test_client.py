@@ -191,6 +191,24 @@ def test_deadline_holds_against_a_slow_service(stream: bool) -> None:
         client.shutdown()
 
 
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "unary"])
+def test_a_call_may_wait_longer_than_the_configured_deadline(stream: bool) -> None:
+    # An engine scales the deadline to its step: a 50 ms answer misses the configured 5 ms,
+    # but lands within a call's own 1 s.
+    with _slow_server([0.05]) as (port, _):
+        config = ClientConfig(target=f"127.0.0.1:{port}", namespace="toy", deadline_s=0.005, stream=stream)
+        client = DraftClient(config)
+        (session,) = client.open([PROMPT])
+        (tree,) = client.draft([session], [[]], deadline_s=1.0)
+        assert client.stats.remote == 1 and client.stats.fallback == 0 and tree.tokens.size == 1
+        t0 = time.perf_counter()
+        client.draft([session], [[]])  # the configured deadline: the local drafter answers
+        assert time.perf_counter() - t0 < 0.045 and client.stats.fallback == 1
+        with pytest.raises(ValueError, match="deadline_s"):
+            client.draft([session], [[]], deadline_s=0)
+        client.shutdown()
+
+
 def test_a_late_draft_on_the_stream_still_counts_unless_it_fails() -> None:
     # Stream request 1 is answered after 600 ms, past the 250 ms deadline; later ones at once
     # (the deadline leaves a busy machine room to answer those in time).
