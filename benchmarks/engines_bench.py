@@ -223,7 +223,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--namespace", default="smollm2")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--k", type=int, default=8, help="vLLM: num_speculative_tokens of ngram and draftcache")
-    p.add_argument("--deadline-ms", type=float, default=5.0, help="draftcache's per-call deadline (then local drafts)")
+    p.add_argument(
+        "--deadline-ms",
+        type=float,
+        default=5.0,
+        help="draftcache's per-call deadline, at least (a tenth of the engine step, up to 50 ms; then local drafts)",
+    )
     p.add_argument(
         "--chain-min-prob",
         type=float,

@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -52,7 +51,7 @@ class LlamaCppRunner:
         lc.ensure_namespace(target, namespace, self._engines.vocab_size)
         self.methods: tuple[str, ...] = tuple(m for m in lc.METHODS if not methods or m == PLAIN or m in methods)
         self.unavailable: dict[str, str] = {}
-        self._lookup, self._ours = lc.LOOKUP, lc.OURS
+        self._lookup, self._ours, self._greedy = lc.LOOKUP, lc.OURS, lc.timed_greedy
         for method in self.methods:  # first-call costs (buffers, threads, the client's streams), unmeasured
             self.run(method, self._engines.llms[PLAIN].tokenize(WARM_UP, add_bos=False), max_new_tokens=8)
 
@@ -63,7 +62,7 @@ class LlamaCppRunner:
         counter = self._engines.counters.get(method)
         before = dataclasses.replace(counter.stats) if counter is not None else None
         llm.reset()
-        tokens, seconds, decode = timed_greedy(llm, ids, max_new_tokens or self.config.max_new_tokens)
+        tokens, seconds, decode = self._greedy(llm, ids, max_new_tokens or self.config.max_new_tokens)
         if counter is None or before is None:
             return Measurement(tokens, seconds, decode_seconds=decode)
         s = counter.stats
@@ -99,29 +98,3 @@ class LlamaCppRunner:
 
     def close(self) -> None:
         self._engines.close()
-
-
-def timed_greedy(llm: Any, prompt: Sequence[int], max_new_tokens: int) -> tuple[list[int], float, float | None]:
-    """``llm``'s greedy continuation of ``prompt`` (at most ``max_new_tokens``, ending before an
-    end-of-generation token, as :func:`benchmarks.engines_llamacpp.greedy` does), the seconds it
-    took and the seconds from its first token to its last (None: no token)."""
-    import llama_cpp
-
-    vocab = llama_cpp.llama_model_get_vocab(llm.model)
-    out: list[int] = []
-    start = time.perf_counter()
-    first = last = 0.0
-    steps = llm.generate(list(prompt), temp=0.0, repeat_penalty=1.0)
-    try:
-        for token in steps:
-            last = time.perf_counter()
-            if llama_cpp.llama_vocab_is_eog(vocab, token):
-                break
-            first = first or last
-            out.append(int(token))
-            if len(out) >= max_new_tokens:
-                break
-    finally:
-        steps.close()  # the generation ends here (draftcache commits it now)
-    seconds = time.perf_counter() - start
-    return out, seconds, (last - first if out else None)
