@@ -59,15 +59,33 @@ def successor_observe(
 
 @njit(cache=True, nogil=True)
 def successor_rows(
-    followers: np.ndarray, weights: np.ndarray, norm: np.ndarray, last: int, depth: int, min_prob: float
+    followers: np.ndarray,
+    weights: np.ndarray,
+    norm: np.ndarray,
+    last: int,
+    depth: int,
+    min_prob: float,
+    branch: int = 2,
+    max_rows: int = 24,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Draft rows after token ``last``: one per follower of it, each carried on through every
-    token's likeliest follower, ``depth`` tokens at most (-1 pads), with each cell's probability
-    of the whole prefix (the product of the followers' weight / norm along it). A row stops
-    where that probability falls below ``min_prob``."""
+    """Draft rows after token ``last``, as Token Recycling's tree reads its adjacency table:
+    one per follower of ``last``, each carried on through its last token's followers, at most
+    ``branch`` of them at every later depth (the first continues the row, the others start rows
+    of their own, ``max_rows`` in all), ``depth`` tokens at most (-1 pads), with each cell's
+    probability of the whole prefix (the product of the followers' weight / norm along it). A
+    row stops, and a branch is not taken, where that probability falls below ``min_prob``.
+
+    >>> f = np.full((4, 2), -1, np.int32); w = np.zeros((4, 2)); nrm = np.ones(4)
+    >>> f[0], w[0] = [1, 2], [0.6, 0.4]  # after 0: 1 (.6) or 2 (.4)
+    >>> f[1], w[1] = [3, 2], [0.5, 0.5]  # after 1: 3 or 2, alike
+    >>> rows, probs = successor_rows(f, w, nrm, 0, 3, 0.1)
+    >>> rows.tolist(), np.round(probs[:, 1], 2).tolist()  # 1 branches at depth 2, 2 has no followers
+    ([[1, 3, -1], [2, -1, -1], [1, 2, -1]], [0.3, 0.0, 0.3])
+    """
     vocab, k = followers.shape
-    rows = np.full((k, depth), -1, dtype=np.int32)
-    probs = np.zeros((k, depth))
+    cap = max(k, max_rows)
+    rows = np.full((cap, depth), -1, dtype=np.int32)
+    probs = np.zeros((cap, depth))
     if last < 0 or last >= vocab or norm[last] <= 0 or depth <= 0:
         return rows[:0], probs[:0]
     n = 0
@@ -80,15 +98,32 @@ def successor_rows(
             break
         rows[n, 0] = f
         probs[n, 0] = p
-        t = f
-        for d in range(1, depth):
-            if norm[t] <= 0 or followers[t, 0] < 0:
-                break
-            p *= weights[t, 0] / norm[t]
-            if p < min_prob:
-                break
-            t = followers[t, 0]
-            rows[n, d] = t
-            probs[n, d] = p
         n += 1
+    alive = np.ones(cap, dtype=np.bool_)
+    for d in range(1, depth):
+        grown = n
+        for r in range(grown):
+            if not alive[r]:
+                continue
+            t = rows[r, d - 1]
+            if norm[t] <= 0:
+                alive[r] = False
+                continue
+            taken = 0
+            for s in range(min(branch, k)):
+                f = followers[t, s]
+                if f < 0:
+                    break
+                p = probs[r, d - 1] * weights[t, s] / norm[t]
+                if p < min_prob:
+                    break
+                if taken == 0:
+                    rows[r, d], probs[r, d] = f, p
+                elif n < cap:
+                    rows[n, :d], probs[n, :d] = rows[r, :d], probs[r, :d]
+                    rows[n, d], probs[n, d] = f, p
+                    n += 1
+                taken += 1
+            if taken == 0:
+                alive[r] = False
     return rows[:n], probs[:n]
