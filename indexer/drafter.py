@@ -263,7 +263,7 @@ class NamespaceDrafter:
                 with self._lock:
                     conditional = self.chain_calibrator.conditional(tree)
                 tree = cut_to_chain(tree, params.chain, conditional, params.chain_min_prob)
-                session.chained = True
+                session.calibrates = True
             out.append(tree)
         return DraftedTrees(_batch_of(out))
 
@@ -367,10 +367,11 @@ class NamespaceDrafter:
         self.successors.observe(prev, rows)
 
     def _learn_chains(self, items: Sequence[tuple[Session, np.ndarray, Branches | None]]) -> None:
-        """The chain calibrator learns from each chain-mode draft's whole tree and its outcome."""
+        """The chain calibrator learns from the outcome of each tree its probabilities were
+        used for (a chain-mode draft's whole tree, a pre-speculating session's tree)."""
         for session, new, _ in items:
-            if session.chained:
-                session.chained = False
+            if session.calibrates:
+                session.calibrates = False
                 tree = session.last_tree
                 if tree is not None:
                     with self._lock:
@@ -391,8 +392,9 @@ class NamespaceDrafter:
                 raise ValueError(f"lookahead must be in [0, {MAX_LOOKAHEAD}], got {k}")
         rows = np.array([self.store.hold(s) for s, _, _ in items], dtype=np.int64)
         ks = np.array([k for _, k, _ in items], dtype=np.int64)
+        reach, reach_at = self._reach([s for s, _, _ in items])
         owner, path_tokens, path_ends, kid_tokens, kid_ends = kernels.stopping_points_rows(
-            self.store.i32, self.store.i64, rows, ks
+            self.store.i32, self.store.i64, rows, ks, reach, reach_at
         )
         # One tree per stopping point, its context extended by the point's path and its root
         # leaving out that node's children; one level deeper: the bonus token becomes the root.
@@ -415,6 +417,25 @@ class NamespaceDrafter:
         for (session, _, _), ahead in zip(items, out, strict=True):
             session.prefetched = ahead
         return out
+
+    def _reach(self, sessions: Sequence[Session]) -> tuple[np.ndarray, np.ndarray]:
+        """Per node of each session's last tree, the calibrated probability that verification
+        accepts it (:class:`~indexer.chain.ChainCalibrator`), end to end, and where each
+        session's start (-1: no tree). Tree scores are not probabilities (they sum the tiers'
+        votes, capped at 1): ranked by them, the true stopping point was among the 4 likeliest
+        on 41% of the SmolLM2 trace's steps, by these on 65%. Each such session's outcome
+        teaches the calibrator in turn."""
+        parts, at, n = [], np.full(len(sessions), -1, dtype=np.int64), 0
+        for j, session in enumerate(sessions):
+            tree = session.last_tree
+            if tree is None or not len(tree):
+                continue
+            with self._lock:
+                conditional = self.chain_calibrator.conditional(tree)
+            parts.append(kernels.chain_reach(tree.parents, conditional).astype(np.float32))
+            at[j], n = n, n + len(tree)
+            session.calibrates = True
+        return (np.concatenate(parts) if parts else np.zeros(0, dtype=np.float32)), at
 
     def close(self, session: Session, *, commit: bool = True, commit_from: int = 0) -> np.ndarray | None:
         """Finish a request; with ``commit`` its tokens from ``commit_from`` join the lifetime

@@ -63,7 +63,7 @@ class Session:
         self.state[TREE_SIZE] = -1
         self.tree_buffer = np.zeros(4 * _FIRST_TREE, dtype=np.int32)  # the last tree (see kernels.store)
         self.prefetched: Prefetched = {}  # trees drafted ahead for outcomes of last_tree
-        self.chained = False  # last_tree was cut to a chain: its outcome teaches chain calibration
+        self.calibrates = False  # last_tree's outcome teaches chain calibration (chain mode, pre-speculation)
 
     @property
     def has_tree(self) -> bool:

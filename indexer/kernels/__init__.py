@@ -23,7 +23,7 @@ from indexer.kernels import lru
 from indexer.kernels import store as kstore
 from indexer.kernels.accept import accept_batch
 from indexer.kernels.ahead import stopping_points, stopping_points_rows, subtree_nodes
-from indexer.kernels.chain import chain_cells, chain_conditional, chain_outcome, chain_path
+from indexer.kernels.chain import chain_cells, chain_conditional, chain_outcome, chain_path, chain_reach
 from indexer.kernels.draft import calibrate, draft_batch, draft_batch_parallel, no_prior, prior_args
 from indexer.kernels.search import (
     context_continuations,
@@ -69,6 +69,7 @@ __all__ = [
     "chain_conditional",
     "chain_outcome",
     "chain_path",
+    "chain_reach",
     "context_continuations",
     "context_followers",
     "draft_batch",
@@ -169,7 +170,9 @@ def warm_up() -> None:
     kstore.read_tree(kept, 1)
     stopping_points(one, root, np.ones(1, dtype=np.float32), 2)
     subtree_nodes(one, root, 1)
-    stopping_points_rows(i32, i64, one_tree, np.array([2, 2], dtype=np.int64))
+    for at in (-1, 0):  # stored scores, and probabilities given
+        reach_at = np.array([at, -1], dtype=np.int64)
+        stopping_points_rows(i32, i64, one_tree, np.array([2, 2], dtype=np.int64), np.ones(1, np.float32), reach_at)
     table = lru.new_table(2, 2, 2, 4)
     for key in (toks, toks.astype(np.int64)):  # the accept step's and the table's own callers'
         table = lru.add(table, key, 0, key, 1, 2, 1)
@@ -185,6 +188,7 @@ def warm_up() -> None:
     grid = np.zeros((9, 7, 8, 4))
     chain_conditional(cells, grid, grid, np.ones(9), 1.0)
     chain_path(root, np.ones(1), np.ones(1), 2, 0.0)
+    chain_reach(root, np.ones(1))
     chain_outcome(root, one, one, cells, grid, grid.copy(), np.zeros(9), np.zeros(9))
 
 

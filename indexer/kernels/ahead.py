@@ -82,12 +82,13 @@ def stopping_points(
 
 @njit(cache=True, nogil=True)
 def stopping_points_rows(
-    i32: Any, i64: Any, rows: np.ndarray, ks: np.ndarray
+    i32: Any, i64: Any, rows: np.ndarray, ks: np.ndarray, reach: np.ndarray, reach_at: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """:func:`stopping_points` of the last tree of the session at each store row ``rows[j]``
-    (none without a tree), ``ks[j]`` of them. Returns ``(owner, path_tokens, path_ends,
-    kid_tokens, kid_ends)``, ``owner`` giving each point's ``j``; a session's points are
-    consecutive, best first."""
+    (none without a tree), ``ks[j]`` of them, by each node's probability of being accepted:
+    ``reach[reach_at[j]:]`` for row ``j`` (one per node), or its stored scores where
+    ``reach_at[j]`` is -1. Returns ``(owner, path_tokens, path_ends, kid_tokens, kid_ends)``,
+    ``owner`` giving each point's ``j``; a session's points are consecutive, best first."""
     cap_points = 0
     cap_tokens = 0
     for j in range(rows.size):
@@ -108,6 +109,8 @@ def stopping_points_rows(
         if n < 0 or ks[j] <= 0:
             continue
         tokens, parents, _, scores = tree_views(i32[row * I32_PER_ROW + TREE], n)
+        if reach_at[j] >= 0:
+            scores = reach[reach_at[j] : reach_at[j] + n]
         first = at[0]
         _stops(tokens, parents, scores, ks[j], path_tokens, kid_tokens, path_end, kid_end, at)
         owner[first : at[0]] = j

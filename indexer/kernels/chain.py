@@ -53,7 +53,9 @@ def chain_conditional(
 
 
 @njit(cache=True, nogil=True)
-def _cumulative(parents: np.ndarray, conditional: np.ndarray) -> np.ndarray:
+def chain_reach(parents: np.ndarray, conditional: np.ndarray) -> np.ndarray:
+    """Per node, the probability that verification accepts it: the product of the conditional
+    probabilities along its path (parents precede children)."""
     out = conditional.astype(np.float64)
     for i in range(parents.size):
         if parents[i] >= 0:
@@ -71,8 +73,8 @@ def chain_path(
     n = parents.size
     if n == 0 or k <= 0:
         return np.zeros(0, dtype=np.int64)
-    reach = _cumulative(parents, conditional)
-    gain = _cumulative(parents, preference)
+    reach = chain_reach(parents, conditional)
+    gain = chain_reach(parents, preference)
     usable = np.empty(n, dtype=np.bool_)
     for i in range(n):
         usable[i] = reach[i] >= min_prob if min_prob > 0 else reach[i] > 0
