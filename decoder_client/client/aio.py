@@ -146,6 +146,11 @@ class AsyncDraftClient:
             task.add_done_callback(partial(self._closed, close))
             self._closing.add(task)
 
+    async def settle(self) -> None:
+        """See :meth:`DraftClient.settle`."""
+        await self._check_late()
+        self._reopen([])
+
     def _closed(self, req: pb.CloseSessionsRequest, task: asyncio.Future) -> None:
         self._closing.discard(task)
         self._core.close_settled(req, asyncio.CancelledError() if task.cancelled() else task.exception())
@@ -168,10 +173,12 @@ class AsyncDraftClient:
         await self._channel.close()
 
     async def _land_reopen(self) -> None:
-        if self._opening is not None:  # let a re-open in flight land, so its copy is closed too
+        """See :meth:`DraftClient._land_reopen`."""
+        if self._opening is not None:
             with contextlib.suppress(grpc.RpcError, TimeoutError):
                 await asyncio.wait_for(asyncio.shield(self._opening[1]), self._core.config.control_timeout_s)
-            self._reopen([])
+            if self._opening[1].done():
+                self._land_opening(*self._opening)
 
     def _reopen(self, sessions: Sequence[ClientSession]) -> None:
         """See :meth:`DraftClient._reopen`."""

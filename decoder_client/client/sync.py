@@ -169,6 +169,15 @@ class DraftClient:
         if close is not None:  # in the background: committing indexes the requests first
             self._closing.append((close, self._future("close", close, self.config.control_timeout_s)))
 
+    def settle(self) -> None:
+        """Book the background calls that ended and carry on with the ended requests kept to
+        commit (:class:`~decoder_client.client.commits.CommitBacklog`): a decoder with nothing
+        to draft for a while (an idle engine) calls it now and then, so they do not wait for
+        its next request."""
+        self._check_late()
+        self._reap()
+        self._reopen([])
+
     def _reap(self, *, wait: bool = False) -> None:
         """Book the background closes that ended (``wait``: all of them, each at most until its
         deadline)."""
@@ -203,11 +212,12 @@ class DraftClient:
         self._channel.close()
 
     def _land_reopen(self) -> None:
-        """Let a re-open in flight land, so its copy is closed too."""
+        """Let a re-open in flight land (its sessions get their copies, closed with them)."""
         if self._opening is not None:
             with contextlib.suppress(grpc.RpcError, grpc.FutureTimeoutError):
                 self._opening[1].result(timeout=self.config.control_timeout_s)
-            self._reopen([])
+            if self._opening[1].done():
+                self._land_opening(*self._opening)
 
     def _open(self, sessions: Sequence[ClientSession]) -> None:
         req = self._core.open_request(sessions)

@@ -176,11 +176,13 @@ class DraftcacheProposer:
             if time.monotonic() - self._last_call < idle or not self._lock.acquire(blocking=False):
                 continue
             try:
-                if self._tracker.tracks and time.monotonic() - self._last_call >= idle:
-                    self._idle_closes += 1
-                    self._close(self._tracker.clear())
-                    self._write_stats()
-                    logger.info("draftcache proposer idle: %s", self.stats())
+                if time.monotonic() - self._last_call >= idle:
+                    if self._tracker.tracks:
+                        self._idle_closes += 1
+                        self._close(self._tracker.clear())
+                        self._write_stats()
+                        logger.info("draftcache proposer idle: %s", self.stats())
+                    self._client.settle()  # requests kept to commit go out while the engine rests
             except Exception:
                 logger.exception("draftcache proposer: closing idle sessions failed")
             finally:

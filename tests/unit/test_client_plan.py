@@ -119,3 +119,16 @@ def test_trees_drafted_ahead_answer_at_once_and_their_tokens_go_in_the_backgroun
     assert [t.tokens.tolist() for t in trees] == [[8, 9], [60]]
     assert (core.stats.ahead_hits, core.stats.ahead_misses) == (1, 1)
     assert hit.pending == [7]  # until the background call is settled
+
+
+def test_a_step_while_the_service_is_skipped_keeps_the_copy_and_the_tokens_pending() -> None:
+    core = _core()
+    s = _remote([1, 2, 1], "a")
+    core.failed(None)  # an earlier call missed its deadline: the service is skipped a while
+    effects, trees = _run(draft_step(core, [s], [[2]]), [])
+    assert not any(isinstance(e, Draft) for e in effects)  # nothing sent
+    assert trees[0].tokens.tolist() == [1, 2]  # the fallback's
+    # The copy missed nothing: no re-open, the token goes with the next call.
+    assert s.server_id == "a" and s.pending == [2] and core.abandoned == []
+    core.down_until = 0.0
+    assert list(core.draft_request([s]).columns.new_tokens) == [2]
