@@ -39,6 +39,7 @@ class EngineSettings:
     retry_after_s: float = 0.5  # after a failed or late call, draft locally this long
     budget: int = 64  # nodes of the tree the chain is chosen from
     chain_min_prob: float = 0.0  # a chain ends before a token less likely than this to be reached
+    topk: int = 0  # the target's top-k ids sent back per verified position, where the engine shows its logits
     create_namespace: bool = True  # create the namespace (the model's vocabulary) when it is missing
     idle_close_s: float = 2.0  # the engine made no step this long: its requests are closed, with commit
     stats_path: str = ""  # a JSON file the proposer's step timings and counts are written to
@@ -92,6 +93,7 @@ class EngineSettings:
             params=params,
             deadline_s=self.deadline_s,
             retry_after_s=self.retry_after_s,
+            topk=self.topk,
             token=self.token,
             tls_root_cert_file=self.tls_root_cert_file,
         )

@@ -145,6 +145,45 @@ def test_without_attach_a_generation_is_committed_when_the_next_one_starts(serve
     assert draft.stats.generations == 2
 
 
+class TopkRecorded(DraftcacheDraftModel):
+    """Ours, with the top-k rows it read from the engine kept, beside the tokens they produced."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.rows: list[tuple[list[int], list[list[int]]]] = []
+        self._seen: list[int] = []
+
+    def __call__(self, input_ids: Any, /, **kwargs: Any) -> np.ndarray:
+        self._seen = np.asarray(input_ids).tolist()
+        return super().__call__(input_ids)
+
+    def target_topk(self, start: int, stop: int) -> np.ndarray:
+        rows = super().target_topk(start, stop)
+        self.rows.append((self._seen[start + 1 : stop + 1], rows.tolist()))
+        return rows
+
+
+def test_the_engines_own_top_k_goes_back_to_the_service(serve: Serve, make_llama) -> None:  # type: ignore[no-untyped-def]
+    """With ``topk``: at every position a step reports, the engine's greedy token is its top-1
+    (the rows are the engine's own distributions, read from its logits), and the service's
+    successor table, shared through Redis, fills from them."""
+    import redis
+
+    from cache_service.storage import keys
+
+    draft = TopkRecorded.connect(_target(serve), NAMESPACE, num_pred_tokens=K, deadline_s=0.05, topk=8)
+    llm = draft.attach(make_llama(draft))
+    greedy(llm, chat_ids(llm, QUESTIONS[2]), 32)  # an answer not copied from the prompt: many steps
+    assert len(draft.rows) >= 8
+    for produced, rows in draft.rows:
+        assert len(rows) == len(produced) and all(len(r) == 8 and len(set(r)) == 8 for r in rows)
+        assert [r[0] for r in rows] == produced  # greedy: the token produced is the likeliest
+    client = redis.Redis.from_url(serve.redis_url())
+    wait_for(lambda: client.hlen(keys.successors(NAMESPACE)) > 0, 20, "successor rows in storage")
+    client.close()
+    draft.close()
+
+
 def test_a_request_the_fleet_has_seen_is_drafted_further_on_another_replica(serve: Serve, make_llama) -> None:  # type: ignore[no-untyped-def]
     """Two engines, one service: replica B, asked what replica A answered, is drafted A's answer
     from the fleet's memory at once and needs far fewer steps. (An answer the model is sure of:
