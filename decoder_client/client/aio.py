@@ -49,14 +49,32 @@ class AsyncDraftClient:
     def stats(self) -> ClientStats:
         return self._core.stats
 
-    async def open(self, prompts: Sequence[Sequence[int] | np.ndarray], *, wait: bool = True) -> list[ClientSession]:
+    async def open(
+        self, prompts: Sequence[Sequence[int] | np.ndarray], *, wait: bool = True, wait_s: float = 0.0
+    ) -> list[ClientSession]:
         """See :meth:`DraftClient.open`."""
         sessions = [ClientSession(np.asarray(p, dtype=np.int32), len(p)) for p in prompts]
         if wait:
             await self._open(sessions)
         else:
             self._reopen(sessions)
+            if wait_s > 0:
+                await self._open_within(sessions, time.monotonic() + wait_s)
         return sessions
+
+    async def _open_within(self, sessions: Sequence[ClientSession], end: float) -> None:
+        """See :meth:`DraftClient._open_within`."""
+        while self._opening is not None and not all(s.server_id for s in sessions):
+            left = end - time.monotonic()
+            if left <= 0:
+                return
+            opening, task = self._opening
+            with contextlib.suppress(grpc.RpcError, TimeoutError):
+                await asyncio.wait_for(asyncio.shield(task), left)
+            if not task.done():
+                return
+            self._land_opening(opening, task)
+            self._reopen(sessions)
 
     async def draft(
         self,

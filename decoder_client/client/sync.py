@@ -56,17 +56,37 @@ class DraftClient:
     def stats(self) -> ClientStats:
         return self._core.stats
 
-    def open(self, prompts: Sequence[Sequence[int] | np.ndarray], *, wait: bool = True) -> list[ClientSession]:
+    def open(
+        self, prompts: Sequence[Sequence[int] | np.ndarray], *, wait: bool = True, wait_s: float = 0.0
+    ) -> list[ClientSession]:
         """A session per prompt. With ``wait`` the call returns once the service holds them;
         without, they are opened in the background (now, or with a later draft call while
         another open is under way) and draft locally until then: a decoder admitting requests
-        into a running batch never waits on the service."""
+        into a running batch never waits on the service, or at most ``wait_s`` (an open that
+        lands by then lets the request's first draft come from the service; one that does not
+        goes on in the background, and nothing counts as failed)."""
         sessions = [ClientSession(np.asarray(p, dtype=np.int32), len(p)) for p in prompts]
         if wait:
             self._open(sessions)
         else:
             self._reopen(sessions)
+            if wait_s > 0:
+                self._open_within(sessions, time.monotonic() + wait_s)
         return sessions
+
+    def _open_within(self, sessions: Sequence[ClientSession], end: float) -> None:
+        """Land the background opens of ``sessions`` that end before ``end``."""
+        while self._opening is not None and not all(s.server_id for s in sessions):
+            left = end - time.monotonic()
+            if left <= 0:
+                return
+            opening, future = self._opening
+            with contextlib.suppress(grpc.RpcError, grpc.FutureTimeoutError):
+                future.result(timeout=left)
+            if not future.done():
+                return
+            self._land_opening(opening, future)
+            self._reopen(sessions)  # those an earlier open in flight held back
 
     def draft(
         self,

@@ -23,7 +23,9 @@ start with its whole history, so each draft session's context is always exactly 
 row (drafts never come from another request's context, whatever the engine did to its batch),
 and identical histories are interchangeable. Each tracked request is one draft session: opened
 once with its row (in the background: the step never waits on the open), then each step sends
-only its new tokens, and one batched draft call serves every row. A request no row continues
+only its new tokens, and one batched draft call serves every row. (An open may take half a
+draft deadline of the step that admits the request: landed by then, the request's first draft
+comes from the service.) A request no row continues
 (finished, preempted, or not scheduled) is closed with commit, so its tokens reach the
 service's lifetime memory; one that comes back (a preempted request resumed) is a new session
 opened with its whole row, and commits again what it had (the service skips a long leading
@@ -146,8 +148,9 @@ class DraftcacheProposer:
         self._close(step.left)
         tracks = [step.track(i) for i in live]
         fresh = [t for t in tracks if t.payload is None]  # new rows (and any an earlier error left unopened)
-        if fresh:
-            for t, session in zip(fresh, self._client.open([t.tokens for t in fresh], wait=False), strict=True):
+        if fresh:  # their first draft comes from the service if their open lands in half a deadline
+            new = self._client.open([t.tokens for t in fresh], wait=False, wait_s=self._deadline.seconds / 2)
+            for t, session in zip(fresh, new, strict=True):
                 t.payload = session
             self._opened += len(fresh)
         opened = {id(t) for t in fresh}

@@ -229,6 +229,20 @@ def test_the_deadline_follows_the_engine_step(running: Running) -> None:
         proposer.shutdown()
 
 
+def test_a_new_requests_first_draft_comes_from_the_service(running: Running) -> None:
+    proposer = DraftcacheProposer(vllm_config(running.target, deadline_s=0.2))
+    eventually(lambda: any(n.name == NS for n in running.admin.Stats(pb.StatsRequest(), timeout=5).namespaces), 30)
+    try:
+        tokens = np.zeros((1, WIDTH), dtype=np.int32)
+        tokens[0, :9] = [5, 6, 7, 8, 9, 5, 6, 7, 8]
+        proposer.propose([[8]], np.array([9], dtype=np.int32), tokens)  # the request's first step
+        stats = proposer.stats()
+        # Its open landed within half the step's deadline: the service drafted, not the fallback.
+        assert stats["sessions_opened"] == 1 and stats["remote_drafts"] == 1 and stats["fallback_drafts"] == 0
+    finally:
+        proposer.shutdown()
+
+
 def test_service_stopped_mid_generation() -> None:
     port = free_port()
     running = start_service(ServiceConfig(), port=port)

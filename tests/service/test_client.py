@@ -701,3 +701,29 @@ def test_the_async_client_books_a_close_that_fails_in_the_background(monkeypatch
         _committed_after_all(running, calls, sid, stats)
     finally:
         stop_service(running)
+
+
+def test_an_open_without_waiting_may_still_land_within_a_bound(running) -> None:  # type: ignore[no-untyped-def]
+    from decoder_client.client import AsyncDraftClient
+
+    _ns(running.target)
+    config = ClientConfig(target=running.target, namespace="toy", deadline_s=1.0)
+    client = DraftClient(config)
+    (quick,) = client.open([PROMPT], wait=False, wait_s=2.0)
+    assert quick.server_id and client.stats.failures == 0  # landed in time: its first draft is remote
+    client.draft([quick], [[]])
+    assert client.stats.remote == 1 and client.stats.fallback == 0
+    client.close([quick])
+    client.shutdown()
+
+    async def scenario() -> tuple[str, int]:
+        aclient = AsyncDraftClient(config)
+        (s,) = await aclient.open([PROMPT], wait=False, wait_s=2.0)
+        opened = s.server_id
+        await aclient.draft([s], [[]])
+        await aclient.close([s])
+        await aclient.shutdown()
+        return opened, aclient.stats.remote
+
+    opened, remote = asyncio.run(scenario())
+    assert opened and remote == 1  # the asyncio client alike
