@@ -61,6 +61,11 @@ class ChainCalibrator:
         coarse = (self._coarse_hits + _COARSE_PRIOR * self._claim) / (self._coarse_trials + _COARSE_PRIOR)
         return chain_conditional(self._cells(tree), self._hits, self._trials, coarse, _FINE_PRIOR)
 
+    @property
+    def trials(self) -> int:
+        """Outcomes learnt from so far: nodes whose parent the target accepted."""
+        return int(self._coarse_trials.sum())
+
     def update(self, tree: DraftTree, produced: np.ndarray) -> None:
         """Learn from the tokens the target produced after ``tree`` (accepted ones plus the bonus
         token): every node whose parent matched them and whose depth they reach is a trial,

@@ -56,6 +56,9 @@ def step_threads(threads: int, sequences: int) -> int:
 Branches = Sequence[tuple[int, np.ndarray]]  # rejected branches: (accepted tokens before it, its tokens)
 
 
+_CALIBRATED_AFTER = 2000  # node outcomes the chain calibrator learns from before pre-speculation ranks by it
+
+
 @dataclass(frozen=True, kw_only=True)
 class DraftParams:
     """Per-request drafting knobs (they travel with each draft call)."""
@@ -424,8 +427,13 @@ class NamespaceDrafter:
         session's start (-1: no tree). Tree scores are not probabilities (they sum the tiers'
         votes, capped at 1): ranked by them, the true stopping point was among the 4 likeliest
         on 41% of the SmolLM2 trace's steps, by these on 65%. Each such session's outcome
-        teaches the calibrator in turn."""
+        teaches the calibrator in turn; until it has learnt from :data:`_CALIBRATED_AFTER`
+        outcomes, the scores rank the points (its guesses before any outcome rank worse)."""
         parts, at, n = [], np.full(len(sessions), -1, dtype=np.int64), 0
+        for session in sessions:
+            session.calibrates = True
+        if self.chain_calibrator.trials < _CALIBRATED_AFTER:  # its first guesses rank worse than the scores
+            return np.zeros(0, dtype=np.float32), at
         for j, session in enumerate(sessions):
             tree = session.last_tree
             if tree is None or not len(tree):
@@ -434,7 +442,6 @@ class NamespaceDrafter:
                 conditional = self.chain_calibrator.conditional(tree)
             parts.append(kernels.chain_reach(tree.parents, conditional).astype(np.float32))
             at[j], n = n, n + len(tree)
-            session.calibrates = True
         return (np.concatenate(parts) if parts else np.zeros(0, dtype=np.float32)), at
 
     def close(self, session: Session, *, commit: bool = True, commit_from: int = 0) -> np.ndarray | None:

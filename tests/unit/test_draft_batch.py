@@ -27,7 +27,7 @@ from indexer.prior import PriorConfig, StaticPrior
 from indexer.session import Session
 from indexer.suffix_array import SuffixIndex
 from indexer.tokens import SEPARATOR, Namespace
-from indexer.tree_builder import Candidates, Tier, merge_candidates
+from indexer.tree_builder import Candidates, DraftTree, Tier, merge_candidates
 
 VOCAB = 40
 NS = Namespace(name="batch", vocab_size=VOCAB)
@@ -189,14 +189,24 @@ def test_a_sessions_tree_does_not_depend_on_its_batch():
         assert a.tokens.tolist() == b.tokens.tolist() and a.parents.tolist() == b.parents.tolist()
 
 
-def test_trees_drafted_ahead_are_the_supposed_contexts_merged_without_the_excluded_roots():
+@pytest.mark.parametrize("calibrated", [False, True], ids=["scores", "calibrated"])
+def test_trees_drafted_ahead_are_the_supposed_contexts_merged_without_the_excluded_roots(monkeypatch, calibrated):
+    from indexer import drafter as drafter_module
+    from indexer.kernels import chain_reach
+
+    if calibrated:  # the points ranked by the chain calibrator's acceptance, as once it has learnt enough
+        monkeypatch.setattr(drafter_module, "_CALIBRATED_AFTER", 0)
     d, sessions = _world(5)
     params = DraftParams(budget=24)
     for s in sessions:
         d.draft(s, params)
         ahead = d.prespeculate(s, 4, params)
         depth = min(params.max_depth + 1, 128, max(params.budget, 1))
-        points = stopping_points(s.last_tree, 4)
+        t = s.last_tree
+        if calibrated:
+            reach = chain_reach(t.parents, d.chain_calibrator.conditional(t)).astype(np.float32)
+            t = DraftTree(t.tokens, t.parents, t.sources, reach)
+        points = stopping_points(t, 4)
         assert len(ahead) == len(points)
         for path, kids in points:
             ctx = np.concatenate([s.context.tokens, np.array(path, dtype=np.int32)])

@@ -174,7 +174,7 @@ def test_the_engines_own_top_k_goes_back_to_the_service(serve: Serve, make_llama
     draft = TopkRecorded.connect(_target(serve), NAMESPACE, num_pred_tokens=K, deadline_s=0.05, topk=8)
     llm = draft.attach(make_llama(draft))
     greedy(llm, chat_ids(llm, QUESTIONS[2]), 32)  # an answer not copied from the prompt: many steps
-    assert len(draft.rows) >= 8
+    assert len(draft.rows) >= 4  # steps that reported tokens (how many depends on what was accepted)
     for produced, rows in draft.rows:
         assert len(rows) == len(produced) and all(len(r) == 8 and len(set(r)) == 8 for r in rows)
         assert [r[0] for r in rows] == produced  # greedy: the token produced is the likeliest
