@@ -327,14 +327,7 @@ class ClientCore:
 
     def commit_request(self) -> pb.CloseSessionsRequest | None:
         """Close with commit the ended requests re-opened for it (see :class:`CommitBacklog`)."""
-        ready = self.commits.ready()
-        if not ready:
-            return None
-        for s in ready:
-            self.commits.sending(s.server_id, s.tokens())
-        return pb.CloseSessionsRequest(
-            sessions=[pb.CloseSession(session_id=s.server_id, commit=True, new_tokens=s.pending) for s in ready]
-        )
+        return self.close_request(self.commits.ready(), commit=True)
 
     def _keep_for_commit(self, tokens: list[int]) -> None:
         self.abandoned.extend(self.commits.keep(tokens))

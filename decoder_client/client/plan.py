@@ -118,11 +118,10 @@ def _draft_rest(
     the step's deadline, the fallback wherever it does not answer."""
     req = core.draft_request(rest)
     left = end - time.monotonic()
-    sent = req is not None and left > 0
-    got = (yield Draft(req, left)) if req is not None and sent else None
+    got = (yield Draft(req, left)) if req is not None and left > 0 else None
     resp, late = (got.response, got.late) if got is not None else (None, None)
     if late is not None:
         core.missed(rest, late)
     # Nothing sent (the service is being skipped, or the step's time is spent): the server
     # copies missed nothing, the tokens stay pending for the next call.
-    return core.trees(rest, resp, book=sent and late is None)
+    return core.trees(rest, resp, book=got is not None and late is None)
