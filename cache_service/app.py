@@ -247,7 +247,10 @@ class App:
         none of it beyond a storage call's timeout, and fails none of it."""
         await self.server.stop(self.config.server.grace_s)
         self.compiles.stop()
-        # Off the loop: a running write-back job waits on the loop for its changes.
+        # Jobs go first: removing them waits out a scheduling pass that may be handing one to
+        # the executor, which shutdown would otherwise close under it. Off the loop: a running
+        # write-back job waits on the loop for its changes.
+        self.scheduler.remove_all_jobs()
         await asyncio.to_thread(self.scheduler.shutdown, wait=True)
         try:
             await self._final_save()

@@ -124,7 +124,9 @@ def warm_up() -> None:
     common = lcp(toks, suffix_array(toks))
     firsts, _ = leader_runs(common, follow, 1)
     table_entries(common, follow, sa, firsts, np.array([0], dtype=np.int64), 1, 1, 1)
-    merge_suffix_arrays(toks, sa, 2, sa[:1])  # a rebuild that extends the last one
+    frozen_toks, frozen_sa = toks.view(), sa.view()  # a rebuild that extends the last one
+    frozen_toks.flags.writeable = frozen_sa.flags.writeable = False
+    merge_suffix_arrays(frozen_toks, frozen_sa, 2, sa[:1])
     tail_matches(np.array([1, 2, 1], dtype=np.int32), 0, 4)
     context_continuations(toks, toks, sa, 4, 4, 0, 2, 2, 2147483647)
     context_followers(toks, toks, sa, 4, 0, 1, 1, 2)
