@@ -23,6 +23,14 @@ closed with commit, with every generated token, the moment the generation stops 
 text, ``max_tokens``, a stop string, a consumer that stops reading a stream). ``close()`` (or
 ``with``) commits the generation still open and shuts the client down.
 
+A prompt's logits: with a draft model llama-cpp-python computes and copies the logits of every
+position it evaluates, the prompt's included, because a verification step reads every drafted
+position's. The prompt needs only its last. An attached model evaluates each generation's
+prompt with the last position's logits alone (and writes them where the engine keeps them):
+12% less time on an 1,800-token prompt on a 2-core CPU, all of it time before the first token.
+The prompt's other positions then have no logits, which only ``logprobs`` with ``echo=True``
+reads: ``attach(llm, prompt_logits=True)`` keeps them.
+
 With ``topk`` set (``connect(..., topk=8)``) an attached model also sends, for the tokens each
 call reports, the engine's own top-k ids at the positions that produced them (read from its
 logits, which llama.cpp keeps at every position when it has a draft model): they feed the
@@ -124,6 +132,13 @@ def _token_ids(input_ids: Any) -> np.ndarray:
     if ids.min() < 0 or ids.max() > np.iinfo(np.int32).max:
         raise ValueError("token ids must be in [0, 2**31)")
     return ids.astype(np.int32)
+
+
+def _prompt_eval_hookable(llm: Any) -> bool:
+    """Whether ``llm`` has the internals a prompt evaluated for its last logits alone goes
+    through (llama-cpp-python 0.3: ``_logits_all``, read by ``eval`` per batch, and the
+    context's ``get_logits``); another version keeps every position's logits."""
+    return isinstance(getattr(llm, "_logits_all", None), bool) and hasattr(getattr(llm, "_ctx", None), "get_logits")
 
 
 class DraftcacheDraftModel(LlamaDraftModel):
@@ -247,22 +262,43 @@ class DraftcacheDraftModel(LlamaDraftModel):
         self.client.close([session], commit=True)
         self._sequence, self._draft = np.zeros(0, dtype=np.int32), None
 
-    def attach(self, llm: Llama) -> Llama:
+    def attach(self, llm: Llama, *, prompt_logits: bool = False) -> Llama:
         """Mark ``llm``'s generations out exactly (see the module's docstring): its
-        ``generate`` is wrapped on this instance. ``llm`` must have been made with
-        ``draft_model=self`` and ``logits_all=True``: with a draft model llama-cpp-python
-        (0.3.36) keeps every position's logits, in a buffer sized by ``logits_all`` alone, so
-        without it a prompt longer than ``n_batch`` fails in the engine's ``eval``."""
+        ``generate`` is wrapped on this instance, and unless ``prompt_logits`` its ``eval``
+        too, so that a generation's prompt is evaluated for its last position's logits alone.
+        ``llm`` must have been made with ``draft_model=self`` and ``logits_all=True``: with a
+        draft model llama-cpp-python (0.3.36) keeps every position's logits, in a buffer sized
+        by ``logits_all`` alone, so without it a prompt longer than ``n_batch`` fails in the
+        engine's ``eval``."""
         if llm.draft_model is not self:
             raise ValueError("make the Llama with draft_model=<this draft model> before attaching it")
         if llm.scores.shape[0] < llm.n_ctx():
             raise ValueError("make the Llama with logits_all=True: its logits buffer is too small for a draft model")
         self._llm = llm
         inner = llm.generate
+        prompt_pending = [False]  # the wrapped generate's next eval is its prompt's
+        if not prompt_logits and _prompt_eval_hookable(llm):
+            inner_eval = llm.eval
+
+            def eval(tokens: Sequence[int]) -> None:
+                if not prompt_pending[0]:
+                    return inner_eval(tokens)
+                prompt_pending[0] = False
+                llm._logits_all = False  # each batch's last position only
+                try:
+                    inner_eval(tokens)
+                finally:
+                    llm._logits_all = True
+                if len(tokens):  # (an exact cache hit evaluates nothing)
+                    last = np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))
+                    llm.scores[llm.n_tokens - 1, :] = last
+
+            llm.__dict__["eval"] = eval
 
         def generate(tokens: Sequence[int], *args: Any, **kwargs: Any) -> Generator[int, Sequence[int] | None, None]:
             sequence = [int(t) for t in tokens]
             self.begin(sequence)
+            prompt_pending[0] = True
             steps = inner(tokens, *args, **kwargs)
             try:
                 sent: Sequence[int] | None = None
@@ -275,6 +311,7 @@ class DraftcacheDraftModel(LlamaDraftModel):
             except StopIteration:
                 return
             finally:
+                prompt_pending[0] = False
                 steps.close()
                 self.finish(sequence)
 

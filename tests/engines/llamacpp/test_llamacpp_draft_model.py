@@ -111,6 +111,33 @@ def test_with_the_service_down_it_drafts_and_decodes_as_the_engines_prompt_looku
     model.close()
 
 
+def test_an_attached_model_evaluates_a_prompt_for_its_last_logits_alone(make_llama) -> None:  # type: ignore[no-untyped-def]
+    """By default an attached engine computes no logits for a prompt's positions but its last,
+    which it keeps where the engine does; decoding is unchanged: the same drafts (the service
+    down, the engine's own lookup answering), the same tokens, and the top-k rows the service
+    is sent are the engine's at those positions. ``prompt_logits=True`` keeps them all."""
+    models, llms = [], []
+    for keep in (False, True):
+        config = ClientConfig(target=f"127.0.0.1:{free_port()}", namespace=NAMESPACE, params=DraftParams(chain=K))
+        model = Traced(DraftClient(config, fallback=_engines_lookup), num_pred_tokens=K)
+        models.append(model)
+        llms.append(model.attach(make_llama(model), prompt_logits=keep))
+    ids = chat_ids(llms[0], QUESTIONS[0])
+    n = len(ids)
+    outs = [greedy(llm, ids, 32) for llm in llms]
+    assert outs[0] == outs[1]
+    assert [c[:2] for c in models[0].calls] == [c[:2] for c in models[1].calls]
+    lean, full = (llm.scores for llm in llms)
+    assert not lean[: n - 1].any() and full[: n - 1].any()  # the prompt's other positions: none computed
+    np.testing.assert_allclose(lean[n - 1], full[n - 1], rtol=1e-4, atol=1e-4)
+    assert int(np.argmax(lean[n - 1])) == outs[0][0]  # the first token came from that row
+    # Later generations on the same engine: the prompt reused from its cache, or evaluated afresh.
+    again = [greedy(llm, ids, 8) for llm in llms]
+    assert again[0] == again[1] == outs[0][:8]
+    for model in models:
+        model.close()
+
+
 def test_an_attached_generation_reaches_the_lifetime_log_whole(serve: Serve, make_llama) -> None:  # type: ignore[no-untyped-def]
     """Through the engine's own completion call: the log gets the prompt and every generated
     token, the last step's included, as soon as the completion returns."""
