@@ -13,14 +13,26 @@ prefix follows (tiers that agree add up: the trie merges their votes) and is cap
 measured on Spec-Bench, nodes scoring 0.4-0.5 were accepted 4% of the time, nodes at the cap
 35%. So :class:`ChainCalibrator` learns, online from the namespace's own outcomes, the
 probability that a node is accepted given its parent was, per (score ratio to the parent,
-score, tier, depth) cell, backed off to the ratio alone while a cell has seen little.
+score, tier, depth, track record) cell, backed off to (ratio, track record), and that to the
+ratio alone, while a cell has seen little. The track record is how far the target followed the session's previous tree (0,
+1, 2-3, 4+ tokens): a request that is retracing text the memory holds (an agent's repeated
+task, a quoted document) keeps being followed, one that left it keeps missing, whatever the
+scores say, and a chain's stopping point should know which it is.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from indexer.kernels.chain import DEPTHS, RATIO_BINS, chain_cells, chain_conditional, chain_outcome, chain_path
+from indexer.kernels.chain import (
+    DEPTHS,
+    RATIO_BINS,
+    TRACKS,
+    chain_cells,
+    chain_conditional,
+    chain_outcome,
+    chain_path,
+)
 from indexer.tree_builder import DraftTree, Tier
 
 _SCORE_EDGES = np.array([0.05, 0.1, 0.2, 0.4, 0.7, 0.99])  # the node's own score
@@ -35,53 +47,76 @@ class ChainCalibrator:
     >>> t = DraftTree(np.array([5, 6], np.int32), np.array([-1, 0], np.int32),
     ...               np.zeros(2, np.uint8), np.array([1.0, 1.0], np.float32))
     >>> for _ in range(50):
-    ...     cal.update(t, np.array([5, 9], np.int32))  # 5 always accepted, 6 never
-    >>> [round(p, 2) for p in cal.conditional(t).tolist()]
-    [0.96, 0.04]
+    ...     track = cal.update(t, np.array([5, 9], np.int32))  # 5 always accepted, 6 never
+    >>> track, [round(p, 2) for p in cal.conditional(t).tolist()]  # followed 1 deep; track 0's rates
+    (1, [0.96, 0.04])
+    >>> [round(p, 2) for p in cal.conditional(t, track=3).tolist()]  # none there yet: the ratio bin's rate
+    [0.51, 0.51]
     """
 
     def __init__(self) -> None:
-        shape = (RATIO_BINS, _SCORE_EDGES.size + 1, len(Tier), DEPTHS)
+        shape = (RATIO_BINS, _SCORE_EDGES.size + 1, len(Tier), DEPTHS, TRACKS)
         self._hits = np.zeros(shape)
         self._trials = np.zeros(shape)
-        self._coarse_hits = np.zeros(RATIO_BINS)
-        self._coarse_trials = np.zeros(RATIO_BINS)
+        self._coarse_hits = np.zeros((RATIO_BINS, TRACKS))
+        self._coarse_trials = np.zeros((RATIO_BINS, TRACKS))
         # Before any outcome a ratio bin claims its midpoint (the scores' own estimate).
         self._claim = (np.arange(RATIO_BINS) + 0.5) / 8
         self._claim[-1] = 1.0
 
     @staticmethod
-    def _cells(tree: DraftTree) -> np.ndarray:
-        return chain_cells(tree.parents, tree.scores, tree.sources, _SCORE_EDGES)
+    def _cells(tree: DraftTree, track: int) -> np.ndarray:
+        if not 0 <= track < TRACKS:
+            raise ValueError(f"track must be in [0, {TRACKS}), got {track}")
+        return chain_cells(tree.parents, tree.scores, tree.sources, _SCORE_EDGES, track)
 
-    def conditional(self, tree: DraftTree) -> np.ndarray:
-        """Per node, the probability it is accepted given its parent was (float64)."""
+    def conditional(self, tree: DraftTree, track: int = 0) -> np.ndarray:
+        """Per node, the probability it is accepted given its parent was (float64), for a
+        session whose track record is ``track`` (:func:`track_of`)."""
         if not len(tree):
             return np.zeros(0)
-        coarse = (self._coarse_hits + _COARSE_PRIOR * self._claim) / (self._coarse_trials + _COARSE_PRIOR)
-        return chain_conditional(self._cells(tree), self._hits, self._trials, coarse, _FINE_PRIOR)
+        # Three levels: a fine cell backs off to its (ratio, track record), that to its ratio
+        # bin over every track record, that to the scores' own claim. A fresh namespace's
+        # outcomes so teach every track record at once, and each its own as they come.
+        ratio = (self._coarse_hits.sum(axis=1) + _COARSE_PRIOR * self._claim) / (
+            self._coarse_trials.sum(axis=1) + _COARSE_PRIOR
+        )
+        coarse = (self._coarse_hits + _COARSE_PRIOR * ratio[:, None]) / (self._coarse_trials + _COARSE_PRIOR)
+        return chain_conditional(self._cells(tree, track), self._hits, self._trials, coarse, _FINE_PRIOR)
 
     @property
     def trials(self) -> int:
         """Outcomes learnt from so far: nodes whose parent the target accepted."""
         return int(self._coarse_trials.sum())
 
-    def update(self, tree: DraftTree, produced: np.ndarray) -> None:
+    def update(self, tree: DraftTree, produced: np.ndarray, track: int = 0) -> int:
         """Learn from the tokens the target produced after ``tree`` (accepted ones plus the bonus
-        token): every node whose parent matched them and whose depth they reach is a trial,
-        a hit where its token is the one produced there."""
+        token), drafted for a session whose track record was ``track``: every node whose parent
+        matched them and whose depth they reach is a trial, a hit where its token is the one
+        produced there. Returns the session's track record from now on (:func:`track_of`)."""
         if not len(tree) or not produced.size:
-            return
-        chain_outcome(
+            return 0
+        return track_of(chain_outcome(
             tree.parents,
             tree.tokens,
             np.ascontiguousarray(produced, dtype=np.int32),
-            self._cells(tree),
+            self._cells(tree, track),
             self._hits,
             self._trials,
             self._coarse_hits,
             self._coarse_trials,
-        )
+        ))
+
+
+def track_of(followed: int) -> int:
+    """A session's track record once the target followed its last tree ``followed`` tokens deep.
+
+    >>> [track_of(n) for n in (0, 1, 2, 3, 4, 9)]
+    [0, 1, 2, 2, 3, 3]
+    """
+    if followed <= 1:
+        return max(followed, 0)
+    return 2 if followed < 4 else TRACKS - 1
 
 
 def best_path(

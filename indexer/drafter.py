@@ -264,7 +264,7 @@ class NamespaceDrafter:
         for tree, (session, params) in zip(trees, items, strict=True):
             if params.chain:
                 with self._lock:
-                    conditional = self.chain_calibrator.conditional(tree)
+                    conditional = self.chain_calibrator.conditional(tree, session.track)
                 tree = cut_to_chain(tree, params.chain, conditional, params.chain_min_prob)
                 session.calibrates = True
             out.append(tree)
@@ -378,7 +378,7 @@ class NamespaceDrafter:
                 tree = session.last_tree
                 if tree is not None:
                     with self._lock:
-                        self.chain_calibrator.update(tree, new)
+                        session.track = self.chain_calibrator.update(tree, new, session.track)
 
     def prespeculate(self, session: Session, k: int, params: DraftParams) -> Prefetched:
         """Trees drafted ahead for the ``k`` likeliest outcomes of verifying the session's last
@@ -439,7 +439,7 @@ class NamespaceDrafter:
             if tree is None or not len(tree):
                 continue
             with self._lock:
-                conditional = self.chain_calibrator.conditional(tree)
+                conditional = self.chain_calibrator.conditional(tree, session.track)
             parts.append(kernels.chain_reach(tree.parents, conditional).astype(np.float32))
             at[j], n = n, n + len(tree)
         return (np.concatenate(parts) if parts else np.zeros(0, dtype=np.float32)), at

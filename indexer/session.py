@@ -64,6 +64,7 @@ class Session:
         self.tree_buffer = np.zeros(4 * _FIRST_TREE, dtype=np.int32)  # the last tree (see kernels.store)
         self.prefetched: Prefetched = {}  # trees drafted ahead for outcomes of last_tree
         self.calibrates = False  # last_tree's outcome teaches chain calibration (chain mode, pre-speculation)
+        self.track = 0  # how far the target followed the tree before last_tree (indexer.chain.track_of)
 
     @property
     def has_tree(self) -> bool:

@@ -186,12 +186,12 @@ def warm_up() -> None:
     successor_observe(followers, weights, norm, one, np.ones((1, 2), dtype=np.int32), 0.9, np.ones(8))
     successor_rows(followers, weights, norm, 1, 2, 0.0)
     # Chain mode: a node's cell, its probability, the chosen path and an outcome's count.
-    cells = chain_cells(root, np.ones(1, dtype=np.float32), np.zeros(1, dtype=np.uint8), np.ones(1))
-    grid = np.zeros((9, 7, 8, 4))
-    chain_conditional(cells, grid, grid, np.ones(9), 1.0)
+    cells = chain_cells(root, np.ones(1, dtype=np.float32), np.zeros(1, dtype=np.uint8), np.ones(1), 0)
+    grid = np.zeros((9, 7, 8, 4, 4))
+    chain_conditional(cells, grid, grid, np.ones((9, 4)), 1.0)
     chain_path(root, np.ones(1), np.ones(1), 2, 0.0)
     chain_reach(root, np.ones(1))
-    chain_outcome(root, one, one, cells, grid, grid.copy(), np.zeros(9), np.zeros(9))
+    chain_outcome(root, one, one, cells, grid, grid.copy(), np.zeros((9, 4)), np.zeros((9, 4)))
 
 
 def _tiny_store() -> tuple:

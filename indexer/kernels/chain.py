@@ -10,13 +10,17 @@ from numba import njit
 
 RATIO_BINS = 9  # score / parent score in eighths, 1.0 in a bin of its own
 DEPTHS = 4  # depths 1, 2, 3 and 4 or more
+TRACKS = 4  # how far the session's previous tree was followed: 0, 1, 2-3, 4 or more tokens
 
 
 @njit(cache=True, nogil=True)
-def chain_cells(parents: np.ndarray, scores: np.ndarray, sources: np.ndarray, score_edges: np.ndarray) -> np.ndarray:
-    """Per node its calibration cell: (ratio bin, score bin, tier, depth bin), as an (n, 4) table."""
+def chain_cells(
+    parents: np.ndarray, scores: np.ndarray, sources: np.ndarray, score_edges: np.ndarray, track: int
+) -> np.ndarray:
+    """Per node its calibration cell: (ratio bin, score bin, tier, depth bin, the session's
+    track-record bin ``track``), as an (n, 5) table."""
     n = parents.size
-    cells = np.zeros((n, 4), dtype=np.int64)
+    cells = np.zeros((n, 5), dtype=np.int64)
     depth = np.zeros(n, dtype=np.int64)
     for i in range(n):
         p = parents[i]
@@ -31,6 +35,7 @@ def chain_cells(parents: np.ndarray, scores: np.ndarray, sources: np.ndarray, sc
         cells[i, 2] = sources[i]
         depth[i] = 1 if p < 0 else depth[p] + 1
         cells[i, 3] = min(depth[i], DEPTHS) - 1
+        cells[i, 4] = track
     return cells
 
 
@@ -43,12 +48,12 @@ def chain_conditional(
     fine_prior: float,
 ) -> np.ndarray:
     """Per node the probability it is accepted once its parent was: the cell's rate, shrunk
-    toward its ratio bin's (``coarse``) by ``fine_prior`` pseudo-trials."""
+    toward its (ratio bin, track record)'s (``coarse``) by ``fine_prior`` pseudo-trials."""
     n = cells.shape[0]
     out = np.empty(n)
     for i in range(n):
-        r, s, t, d = cells[i, 0], cells[i, 1], cells[i, 2], cells[i, 3]
-        out[i] = (hits[r, s, t, d] + fine_prior * coarse[r]) / (trials[r, s, t, d] + fine_prior)
+        r, s, t, d, k = cells[i, 0], cells[i, 1], cells[i, 2], cells[i, 3], cells[i, 4]
+        out[i] = (hits[r, s, t, d, k] + fine_prior * coarse[r, k]) / (trials[r, s, t, d, k] + fine_prior)
     return out
 
 
@@ -115,21 +120,26 @@ def chain_outcome(
     trials: np.ndarray,
     coarse_hits: np.ndarray,
     coarse_trials: np.ndarray,
-) -> None:
+) -> int:
     """Count a tree's outcome: every node whose parent matched the ``produced`` tokens (the
     accepted ones plus the bonus token) and whose depth they reach is a trial of its cell, a
-    hit where its token is the one produced there."""
+    hit where its token is the one produced there. Returns how deep the tree was followed:
+    the longest matched path."""
     n = parents.size
     matched = np.zeros(n, dtype=np.bool_)
     depth = np.zeros(n, dtype=np.int64)
+    followed = 0
     for i in range(n):
         p = parents[i]
         depth[i] = 1 if p < 0 else depth[p] + 1
         if (p < 0 or matched[p]) and depth[i] <= produced.size:
             matched[i] = tokens[i] == produced[depth[i] - 1]
             hit = 1.0 if matched[i] else 0.0
-            r, s, t, d = cells[i, 0], cells[i, 1], cells[i, 2], cells[i, 3]
-            trials[r, s, t, d] += 1.0
-            hits[r, s, t, d] += hit
-            coarse_trials[r] += 1.0
-            coarse_hits[r] += hit
+            r, s, t, d, k = cells[i, 0], cells[i, 1], cells[i, 2], cells[i, 3], cells[i, 4]
+            trials[r, s, t, d, k] += 1.0
+            hits[r, s, t, d, k] += hit
+            coarse_trials[r, k] += 1.0
+            coarse_hits[r, k] += hit
+            if matched[i]:
+                followed = max(followed, depth[i])
+    return followed

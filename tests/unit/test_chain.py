@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 from indexer.chain import ChainCalibrator, best_path, cut_to_chain
 from indexer.drafter import DrafterConfig, DraftParams, NamespaceDrafter
+from indexer.session import Session
 from indexer.tokens import Namespace
 from indexer.tree_builder import DraftTree, Tier
 
@@ -168,6 +169,50 @@ def test_calibrator_ignores_depths_the_outcome_does_not_reach():
     other = _tree([8, 9], [-1, 0], [1.0, 1.0])
     # Depth 2 learnt nothing (its claim is untouched: only depth 1's cells moved).
     assert cal.conditional(other)[1] > 0.9
+
+
+def test_calibrator_tells_sessions_on_track_from_those_off_it():
+    cal = ChainCalibrator()
+    t = _tree([5, 6], [-1, 0], [1.0, 1.0])
+    # The same nodes, the same scores: followed whole after a session's last tree was followed
+    # 4+ deep, missed after it was missed.
+    for _ in range(30):
+        assert cal.update(t, _a([5, 6, 2]), track=3) == 2  # followed 2 deep (the bonus past it)
+        assert cal.update(t, _a([7]), track=0) == 0
+    on, off = cal.conditional(t, track=3), cal.conditional(t, track=0)
+    assert on[0] > 0.9 and on[1] > 0.9
+    assert off[0] < 0.1
+    with pytest.raises(ValueError, match="track"):
+        cal.conditional(t, track=4)
+
+
+def test_a_session_retracing_its_prompt_gets_longer_chains_at_a_stopping_threshold():
+    d = NamespaceDrafter(NS, DrafterConfig())
+    text = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24]
+    prompt = [*text, 99, *text[:4]]  # the answer retraces the prompt's text, or leaves it
+
+    def session(first: list[int]) -> Session:
+        s = d.open(prompt)
+        d.draft(s, DraftParams(chain=4))
+        d.accept(s, _a(first))
+        return s
+
+    # Teach the calibrator: sessions on track stay on it, sessions that missed keep missing.
+    for _ in range(40):
+        on = session(text[4:8])
+        assert on.track == 3
+        d.draft(on, DraftParams(chain=4))
+        d.accept(on, _a(text[8:12]))
+        off = session([40])
+        assert off.track == 0
+        d.draft(off, DraftParams(chain=4))
+        d.accept(off, _a([41]))
+        d.close(on, commit=False)
+        d.close(off, commit=False)
+    on, off = session(text[4:8]), session([40, *text[:4]])  # off track, then the same context tail
+    # At a 0.5 stopping threshold the session on track is proposed its chain, the one off it less.
+    assert len(d.draft(on, DraftParams(chain=4, chain_min_prob=0.5))) == 4
+    assert len(d.draft(off, DraftParams(chain=4, chain_min_prob=0.5))) < 4
 
 
 # -- the drafter in chain mode -------------------------------------------------------------------
