@@ -14,10 +14,10 @@ measured on Spec-Bench, nodes scoring 0.4-0.5 were accepted 4% of the time, node
 35%. So :class:`ChainCalibrator` learns, online from the namespace's own outcomes, the
 probability that a node is accepted given its parent was, per (score ratio to the parent,
 score, tier, depth, track record) cell, backed off to (ratio, track record), and that to the
-ratio alone, while a cell has seen little. The track record is how far the target followed the session's previous tree (0,
-1, 2-3, 4+ tokens): a request that is retracing text the memory holds (an agent's repeated
-task, a quoted document) keeps being followed, one that left it keeps missing, whatever the
-scores say, and a chain's stopping point should know which it is.
+ratio alone, while a cell has seen little. The track record is how far the target followed the
+session's previous tree (0, 1, 2-3, 4+ tokens): a request that is retracing text the memory
+holds (an agent's repeated task, a quoted document) keeps being followed, one that left it
+keeps missing, whatever the scores say, and a chain's stopping point should know which it is.
 """
 
 from __future__ import annotations
@@ -96,16 +96,18 @@ class ChainCalibrator:
         produced there. Returns the session's track record from now on (:func:`track_of`)."""
         if not len(tree) or not produced.size:
             return 0
-        return track_of(chain_outcome(
-            tree.parents,
-            tree.tokens,
-            np.ascontiguousarray(produced, dtype=np.int32),
-            self._cells(tree, track),
-            self._hits,
-            self._trials,
-            self._coarse_hits,
-            self._coarse_trials,
-        ))
+        return track_of(
+            chain_outcome(
+                tree.parents,
+                tree.tokens,
+                np.ascontiguousarray(produced, dtype=np.int32),
+                self._cells(tree, track),
+                self._hits,
+                self._trials,
+                self._coarse_hits,
+                self._coarse_trials,
+            )
+        )
 
 
 def track_of(followed: int) -> int:
