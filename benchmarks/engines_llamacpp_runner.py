@@ -52,6 +52,7 @@ class LlamaCppRunner:
         self.methods: tuple[str, ...] = tuple(m for m in lc.METHODS if not methods or m == PLAIN or m in methods)
         self.unavailable: dict[str, str] = {}
         self._lookup, self._ours, self._greedy = lc.LOOKUP, lc.OURS, lc.timed_greedy
+        self._client_before: Any = None  # the draft client's counts when the workload began
         for method in self.methods:  # first-call costs (buffers, threads, the client's streams), unmeasured
             self.run(method, self._engines.llms[PLAIN].tokenize(WARM_UP, add_bos=False), max_new_tokens=8)
 
@@ -77,7 +78,7 @@ class LlamaCppRunner:
         )
 
     def begin_workload(self) -> None:
-        pass
+        self._client_before = dataclasses.replace(self._engines.counters[self._ours].client.stats)
 
     def workload_notes(self, method: str) -> dict[str, Any]:
         c = self.config
@@ -93,8 +94,21 @@ class LlamaCppRunner:
                 "num_pred_tokens": c.num_pred_tokens,
                 "deadline_ms": c.deadline_s * 1e3,
                 "chain_min_prob": c.chain_min_prob,
+                **self._client_counts(),
             }
         return {"n_threads": c.n_threads}
+
+    def _client_counts(self) -> dict[str, int]:
+        """Drafts the service answered and drafts the client's local fallback made (its deadline
+        missed, the service down, a session still opening), this workload."""
+        now, before = self._engines.counters[self._ours].client.stats, self._client_before
+        if before is None:
+            return {}
+        return {
+            "remote_drafts": now.remote - before.remote,
+            "fallback_drafts": now.fallback - before.fallback,
+            "failed_calls": now.failures - before.failures,
+        }
 
     def close(self) -> None:
         self._engines.close()

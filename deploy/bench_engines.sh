@@ -26,8 +26,8 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
-if [ "$QUICK" = 1 ]; then  # an agent task's user turn cut to 700 tokens (~850 with the system turn)
-  PER_GROUP=1 AGENT_TASKS=2 AGENT_TOKENS=700 MAX_NEW_TOKENS=64
+if [ "$QUICK" = 1 ]; then  # an agent task's user turn cut to 450 tokens (~600 with the system turn)
+  PER_GROUP=1 AGENT_TASKS=2 AGENT_TOKENS=450 MAX_NEW_TOKENS=64
 else
   PER_GROUP=3 AGENT_TASKS=4 AGENT_TOKENS=1500 MAX_NEW_TOKENS=128
 fi
