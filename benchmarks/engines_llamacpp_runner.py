@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from benchmarks.engine_runs import PLAIN, Measurement
+from decoder_client.client import ClientStats
 
 WARM_UP = b"<|im_start|>user\nName three colours.<|im_end|>\n<|im_start|>assistant\n"  # not measured
 
@@ -52,7 +53,7 @@ class LlamaCppRunner:
         self.methods: tuple[str, ...] = tuple(m for m in lc.METHODS if not methods or m == PLAIN or m in methods)
         self.unavailable: dict[str, str] = {}
         self._lookup, self._ours, self._greedy = lc.LOOKUP, lc.OURS, lc.timed_greedy
-        self._client_before: Any = None  # the draft client's counts when the workload began
+        self._client_before: ClientStats | None = None  # the draft client's counts when the workload began
         for method in self.methods:  # first-call costs (buffers, threads, the client's streams), unmeasured
             self.run(method, self._engines.llms[PLAIN].tokenize(WARM_UP, add_bos=False), max_new_tokens=8)
 

@@ -42,16 +42,11 @@ def extend_suffix_array(tokens: np.ndarray, old_sa: np.ndarray, dropped: int, ne
         raise ValueError(f"{old_sa.size} old tokens less {dropped}, then {new} new, cannot make {tokens.size}")
     if tokens[-1] != SEPARATOR or (base > 0 and tokens[base - 1] != SEPARATOR):
         raise ValueError("the kept and the appended tokens must each end with a separator")
-    # One set of argument types whatever the caller holds (a live index's arrays are frozen,
-    # a fresh build's are not), so the kernels warmed at start-up are the ones that run.
+    # One set of argument types whatever the caller holds (see indexer.kernels.arrays): the
+    # appended part sorted from a writable copy, the merge given read-only views.
     appended = kernels.suffix_array(np.array(tokens[base:]))
-    return kernels.merge_suffix_arrays(_read_only(tokens), _read_only(old_sa), dropped, appended)
-
-
-def _read_only(array: np.ndarray) -> np.ndarray:
-    view = array.view()
-    view.flags.writeable = False
-    return view
+    old = kernels.read_only(old_sa, np.int32)
+    return kernels.merge_suffix_arrays(kernels.read_only(tokens, np.int32), old, dropped, appended)
 
 
 class SuffixIndex:

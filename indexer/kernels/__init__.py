@@ -23,6 +23,7 @@ from indexer.kernels import lru
 from indexer.kernels import store as kstore
 from indexer.kernels.accept import accept_batch
 from indexer.kernels.ahead import stopping_points, stopping_points_rows, subtree_nodes
+from indexer.kernels.arrays import read_only
 from indexer.kernels.chain import chain_cells, chain_conditional, chain_outcome, chain_path, chain_reach
 from indexer.kernels.draft import calibrate, draft_batch, draft_batch_parallel, no_prior, prior_args
 from indexer.kernels.search import (
@@ -92,6 +93,7 @@ __all__ = [
     "prefer_passive_workers",
     "prior_args",
     "prompt_lookup_start",
+    "read_only",
     "recent_followers",
     "rejected_branches",
     "sample_rows",
@@ -124,9 +126,8 @@ def warm_up() -> None:
     common = lcp(toks, suffix_array(toks))
     firsts, _ = leader_runs(common, follow, 1)
     table_entries(common, follow, sa, firsts, np.array([0], dtype=np.int64), 1, 1, 1)
-    frozen_toks, frozen_sa = toks.view(), sa.view()  # a rebuild that extends the last one
-    frozen_toks.flags.writeable = frozen_sa.flags.writeable = False
-    merge_suffix_arrays(frozen_toks, frozen_sa, 2, sa[:1])
+    # A rebuild that extends the last one (as indexer.suffix_array passes its arguments).
+    merge_suffix_arrays(read_only(toks, np.int32), read_only(sa, np.int32), 2, sa[:1])
     tail_matches(np.array([1, 2, 1], dtype=np.int32), 0, 4)
     context_continuations(toks, toks, sa, 4, 4, 0, 2, 2, 2147483647)
     context_followers(toks, toks, sa, 4, 0, 1, 1, 2)

@@ -15,6 +15,7 @@ import numpy as np
 from numba import njit, prange, typed, types
 
 from indexer.kernels import lru
+from indexer.kernels.arrays import read_only
 from indexer.kernels.search import context_continuations, context_followers, stacked_continuations
 from indexer.kernels.store import (
     CTX,
@@ -64,12 +65,6 @@ _RO_PROBS = types.Array(types.uint16, 2, "C", readonly=True)
 _RO_OFFSETS = types.Array(types.int64, 1, "C", readonly=True)
 
 
-def _read_only(a: np.ndarray, dtype: type) -> np.ndarray:
-    out: np.ndarray = np.ascontiguousarray(a, dtype=dtype).view()
-    out.flags.writeable = False
-    return out
-
-
 def prior_args(
     orders: np.ndarray,
     keys: np.ndarray,
@@ -87,12 +82,12 @@ def prior_args(
     followers = typed.List.empty_list(_RO_FOLLOWERS)
     probs = typed.List.empty_list(_RO_PROBS)
     for off, fol, bits in tables:
-        offsets.append(_read_only(off, np.int64))
-        followers.append(_read_only(fol, np.int32))
-        probs.append(_read_only(bits, np.uint16))
+        offsets.append(read_only(off, np.int64))
+        followers.append(read_only(fol, np.int32))
+        probs.append(read_only(bits, np.uint16))
     return (
-        _read_only(orders, np.int64), _read_only(keys, np.uint64), _read_only(owner, np.int64),
-        _read_only(slot, np.int64), offsets, followers, probs,
+        read_only(orders, np.int64), read_only(keys, np.uint64), read_only(owner, np.int64),
+        read_only(slot, np.int64), offsets, followers, probs,
     )  # fmt: skip
 
 

@@ -209,7 +209,8 @@ def test_a_session_retracing_its_prompt_gets_longer_chains_at_a_stopping_thresho
         d.accept(off, _a([41]))
         d.close(on, commit=False)
         d.close(off, commit=False)
-    on, off = session(text[4:8]), session([40, *text[:4]])  # off track, then the same context tail
+    # Off track, then back at the prompt's text: its context supports a long chain too.
+    on, off = session(text[4:8]), session([40, *text[:4]])
     # At a 0.5 stopping threshold the session on track is proposed its chain, the one off it less.
     assert len(d.draft(on, DraftParams(chain=4, chain_min_prob=0.5))) == 4
     assert len(d.draft(off, DraftParams(chain=4, chain_min_prob=0.5))) < 4

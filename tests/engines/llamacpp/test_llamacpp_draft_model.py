@@ -113,9 +113,9 @@ def test_with_the_service_down_it_drafts_and_decodes_as_the_engines_prompt_looku
 
 def test_an_attached_model_evaluates_a_prompt_for_its_last_logits_alone(make_llama) -> None:  # type: ignore[no-untyped-def]
     """By default an attached engine computes no logits for a prompt's positions but its last,
-    which it keeps where the engine does; decoding is unchanged: the same drafts (the service
-    down, the engine's own lookup answering), the same tokens, and the top-k rows the service
-    is sent are the engine's at those positions. ``prompt_logits=True`` keeps them all."""
+    which it keeps where the engine does (the row the top-k write-back and stopping criteria
+    read); decoding is unchanged: the same drafts (the service down, the engine's own lookup
+    answering) and the same tokens. ``prompt_logits=True`` keeps them all."""
     models, llms = [], []
     for keep in (False, True):
         config = ClientConfig(target=f"127.0.0.1:{free_port()}", namespace=NAMESPACE, params=DraftParams(chain=K))
