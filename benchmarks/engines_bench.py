@@ -196,6 +196,7 @@ def make_runner(a: argparse.Namespace) -> Runner:
             max_new_tokens=a.max_new_tokens,
             deadline_s=a.deadline_ms / 1e3,
             chain_min_prob=a.chain_min_prob,
+            token_cost=a.token_cost,
             n_threads=a.llama_threads or None,
             methods=a.methods,
         )
@@ -207,8 +208,11 @@ def make_runner(a: argparse.Namespace) -> Runner:
         namespace=a.namespace,
         max_new_tokens=a.max_new_tokens,
         num_speculative_tokens=a.k,
+        draftcache_k=a.draftcache_k,
+        dtype=a.dtype,
         deadline_s=a.deadline_ms / 1e3,
         chain_min_prob=a.chain_min_prob,
+        token_cost=a.token_cost,
         enforce_eager=not a.compile,
         work_dir=a.work_dir,
     )
@@ -222,7 +226,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--target", default="127.0.0.1:50051", help="the draftcache service")
     p.add_argument("--namespace", default="smollm2")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--k", type=int, default=8, help="vLLM: num_speculative_tokens of ngram and draftcache")
+    p.add_argument("--k", type=int, default=8, help="vLLM: num_speculative_tokens of ngram")
+    p.add_argument(
+        "--draftcache-k",
+        type=int,
+        default=16,
+        help="vLLM: draftcache's num_speculative_tokens (suffix drafts up to 24); its chains end where "
+        "a token is not worth verifying",
+    )
+    p.add_argument("--dtype", default="auto", help="vLLM: the model's dtype (auto: bfloat16 with bf16 instructions)")
     p.add_argument(
         "--deadline-ms",
         type=float,
@@ -232,9 +244,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument(
         "--chain-min-prob",
         type=float,
-        default=0.5,
-        help="draftcache ends a chain before a token less likely than this to be reached (0: always K tokens); "
-        "on a CPU each draft token costs nearly a step to verify",
+        default=0.1,
+        help="draftcache ends a chain before a token less likely than this to be reached, at least",
+    )
+    p.add_argument(
+        "--token-cost",
+        type=float,
+        default=-1.0,
+        help="draftcache ends a chain before a token less likely to be accepted than this share of a step "
+        "(what verifying it costs); < 0: measured in the engine as it runs",
     )
     p.add_argument(
         "--llama-threads",

@@ -36,9 +36,10 @@ class LlamaCppBench:
     n_threads: int | None = None  # None: llama.cpp's default
     max_new_tokens: int = 128
     num_pred_tokens: int = 10  # draftcache's chain length (K)
-    # On a CPU llama.cpp verifies a draft token at nearly the cost of a step of its own: a chain
-    # ends at a token less likely than this to be reached (0.5 beat 0.0 and 0.8 here).
-    chain_min_prob: float = 0.5
+    # A chain ends at a token less likely to be accepted than what a proposed token costs the
+    # engine against a step (token_cost; < 0: measured as it runs), and never below this.
+    chain_min_prob: float = 0.1
+    token_cost: float = -1.0
     deadline_s: float = 0.005
     lookup_max_ngram: int = 2  # LlamaPromptLookupDecoding's defaults
     lookup_num_pred_tokens: int = 10
@@ -111,6 +112,7 @@ class Engines:
             config.namespace,
             num_pred_tokens=config.num_pred_tokens,
             chain_min_prob=config.chain_min_prob,
+            token_cost=config.token_cost,
             deadline_s=config.deadline_s,
         )
         engines.llms = {PLAIN: llama(), LOOKUP: llama(lookup), OURS: ours.attach(llama(ours))}

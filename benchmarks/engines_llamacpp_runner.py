@@ -30,6 +30,7 @@ class LlamaCppRunner:
         max_new_tokens: int,
         deadline_s: float,
         chain_min_prob: float,
+        token_cost: float = -1.0,
         n_threads: int | None = None,
         methods: Sequence[str] = (),
     ) -> None:
@@ -46,6 +47,7 @@ class LlamaCppRunner:
             max_new_tokens=max_new_tokens,
             deadline_s=deadline_s,
             chain_min_prob=chain_min_prob,
+            token_cost=token_cost,
             n_threads=n_threads,
         )
         self._engines = lc.Engines.load(self.config)  # its drafting Llamas keep every position's logits
@@ -95,7 +97,9 @@ class LlamaCppRunner:
                 "num_pred_tokens": c.num_pred_tokens,
                 "deadline_ms": c.deadline_s * 1e3,
                 "chain_min_prob": c.chain_min_prob,
+                "token_cost": c.token_cost,
                 **self._client_counts(),
+                **self._cost_figures(),
             }
         return {"n_threads": c.n_threads}
 
@@ -110,6 +114,11 @@ class LlamaCppRunner:
             "fallback_drafts": now.fallback - before.fallback,
             "failed_calls": now.failures - before.failures,
         }
+
+    def _cost_figures(self) -> dict[str, Any]:
+        """Where the draft model cuts its chains, as measured so far (see step_cost)."""
+        cost = self._engines.counters[self._ours].cost
+        return {} if cost is None else cost.summary()
 
     def close(self) -> None:
         self._engines.close()

@@ -56,13 +56,15 @@ class VllmBench:
     namespace: str = "smollm2"
     max_model_len: int = 2048
     max_new_tokens: int = 128
-    num_speculative_tokens: int = 8  # ngram's and draftcache's K (suffix drafts up to its tree depth)
+    num_speculative_tokens: int = 8  # ngram's K (suffix drafts up to its tree depth, 24)
+    draftcache_k: int = 16  # draftcache's K: its chains end where a token is not worth its cost
     ngram_min: int = 2
     ngram_max: int = 4
-    dtype: str = "bfloat16"
+    dtype: str = "auto"  # auto: bfloat16 where the CPU has bf16 instructions, else float32 (cpu_dtype)
     enforce_eager: bool = True  # no torch.compile: starts in about a minute instead of several
     deadline_s: float = 0.005  # draftcache's per-call deadline
-    chain_min_prob: float = 0.5  # draftcache ends a chain before a token less likely than this to be reached
+    chain_min_prob: float = 0.1  # draftcache ends a chain before a token less likely than this to be reached
+    token_cost: float = -1.0  # ... or than a proposed token's cost against a step's (< 0: measured)
     kv_cache_mib: int = 256  # per engine: one request of max_model_len needs ~50 MiB (SmolLM2, bf16)
     parallel_starts: int = 2  # engines started at once
     start_timeout_s: float = 1200.0
@@ -70,7 +72,14 @@ class VllmBench:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("max_model_len", "max_new_tokens", "num_speculative_tokens", "kv_cache_mib", "parallel_starts"):
+        for name in (
+            "max_model_len",
+            "max_new_tokens",
+            "num_speculative_tokens",
+            "draftcache_k",
+            "kv_cache_mib",
+            "parallel_starts",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 1 <= self.ngram_min <= self.ngram_max:
@@ -100,7 +109,7 @@ def speculative(method: str, config: VllmBench) -> dict[str, Any] | None:
     if method == OURS:
         from decoder_client.engines.vllm import speculative_config
 
-        return speculative_config(k)
+        return speculative_config(config.draftcache_k)
     raise ValueError(f"unknown method {method!r}; known: {METHODS}")
 
 
@@ -109,7 +118,7 @@ def llm_kwargs(method: str, config: VllmBench, model: Path, stats_path: Path) ->
     kwargs: dict[str, Any] = {
         "model": str(model),
         "max_model_len": config.max_model_len,
-        "dtype": config.dtype,
+        "dtype": cpu_dtype() if config.dtype == "auto" else config.dtype,
         "enforce_eager": config.enforce_eager,
         "seed": config.seed,
         "kv_cache_memory_bytes": config.kv_cache_mib << 20,  # CPU: else a share of the host's memory
@@ -125,11 +134,34 @@ def llm_kwargs(method: str, config: VllmBench, model: Path, stats_path: Path) ->
                 "namespace": config.namespace,
                 "deadline_s": config.deadline_s,
                 "chain_min_prob": config.chain_min_prob,
+                "token_cost": config.token_cost,
                 "stats_path": str(stats_path),
                 "stats_every_s": 1.0,
             }
         }
     return kwargs
+
+
+def cpu_dtype(cpuinfo: str | None = None) -> str:
+    """The dtype vLLM's CPU backend runs SmolLM2 fastest in here: bfloat16 where the CPU has
+    bf16 instructions (AVX512-BF16 or AMX), else float32. Without them bf16 matrix products are
+    emulated: on this project's 2-core AMD EPYC (AVX-512, no BF16) vLLM evaluated a prompt
+    about 5x slower in bfloat16 than in float32, and verified each drafted token at 3.5x the
+    cost (one-token steps were 0.7x, 83 against 118 ms in eager mode).
+
+    >>> cpu_dtype("flags : fpu avx512f avx512_bf16"), cpu_dtype("flags : fpu avx512f")
+    ('bfloat16', 'float32')
+    """
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return "bfloat16"
+    flags = set()
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            flags.update(line.partition(":")[2].split())
+    return "bfloat16" if flags & {"avx512_bf16", "amx_bf16"} else "float32"
 
 
 def suffix_unavailable() -> str | None:
@@ -315,7 +347,8 @@ class VllmRunner:
         self._stats_before = self._proposer_stats()
 
     def workload_notes(self, method: str) -> dict[str, Any]:
-        notes: dict[str, Any] = {"startup_s": round(self._workers[method].startup_s, 1)}
+        dtype = cpu_dtype() if self.config.dtype == "auto" else self.config.dtype
+        notes: dict[str, Any] = {"startup_s": round(self._workers[method].startup_s, 1), "dtype": dtype}
         spec = speculative(method, self.config)
         if spec is not None:
             notes.update({k: v for k, v in spec.items() if k not in ("method", "model")})
@@ -323,6 +356,7 @@ class VllmRunner:
             notes.update(proposer_notes(self._stats_before, self._proposer_stats()))
             notes["deadline_ms"] = self.config.deadline_s * 1e3
             notes["chain_min_prob"] = self.config.chain_min_prob
+            notes["token_cost"] = self.config.token_cost
         return notes
 
     def close(self) -> None:

@@ -22,17 +22,23 @@ def best_chain(tree: DraftTree, max_len: int) -> np.ndarray:
     >>> best_chain(t, 8).tolist()  # 5 (0.9) beats 6; under 5, 8 (0.6) beats 7
     [5, 8]
     """
-    tokens, parents, scores = tree.tokens.tolist(), tree.parents.tolist(), tree.scores.tolist()
+    return tree.tokens[best_chain_nodes(tree, max_len)]
+
+
+def best_chain_nodes(tree: DraftTree, max_len: int) -> np.ndarray:
+    """The nodes of :func:`best_chain`, root first (their scores say how likely each is to be
+    reached)."""
+    parents, scores = tree.parents.tolist(), tree.scores.tolist()
     best: dict[int, int] = {}  # parent -> best child (ties: the earlier node)
     for i, p in enumerate(parents):
         if p not in best or scores[i] > scores[best[p]]:
             best[p] = i
-    chain: list[int] = []
+    nodes: list[int] = []
     node = best.get(-1)
-    while node is not None and len(chain) < max_len:
-        chain.append(tokens[node])
+    while node is not None and len(nodes) < max_len:
+        nodes.append(node)
         node = best.get(node)
-    return np.array(chain, dtype=np.int32)
+    return np.array(nodes, dtype=np.int64)
 
 
 class ChainProposer:

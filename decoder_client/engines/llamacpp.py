@@ -51,10 +51,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from decoder_client.adapters import best_chain
 from decoder_client.client import ClientSession, DraftClient
 from decoder_client.engines.deadline import StepDeadline
 from decoder_client.engines.settings import EngineSettings
+from decoder_client.engines.step_cost import StepCost, chain_to_propose
 from indexer.drafter import MAX_DEPTH
 
 if TYPE_CHECKING:
@@ -162,11 +162,14 @@ class DraftcacheDraftModel(LlamaDraftModel):
         num_pred_tokens: int = 10,
         owns_client: bool = False,
         deadline: StepDeadline | None = None,
+        cost: StepCost | None = None,
     ) -> None:
         if not 1 <= num_pred_tokens <= MAX_DEPTH:
             raise ValueError(f"num_pred_tokens must be in [1, {MAX_DEPTH}], got {num_pred_tokens}")
         self.client = client
         self.deadline = deadline  # None: the client's own, every call
+        self.cost = cost  # where chains are cut (None: where the service cut them)
+        self._last_call: float | None = None
         self.topk = client.config.topk  # the engine's top-k sent back per verified position (0: none)
         self._llm: Any = None  # the attached engine, whose logits the top-k come from
         self.num_pred_tokens = num_pred_tokens
@@ -190,13 +193,27 @@ class DraftcacheDraftModel(LlamaDraftModel):
     def from_settings(cls, settings: EngineSettings, num_pred_tokens: int = 10) -> DraftcacheDraftModel:
         """See :meth:`connect`; each call's deadline follows the engine's step."""
         client = DraftClient(settings.client_config(num_pred_tokens))
-        return cls(client, num_pred_tokens=num_pred_tokens, owns_client=True, deadline=settings.step_deadline())
+        return cls(
+            client,
+            num_pred_tokens=num_pred_tokens,
+            owns_client=True,
+            deadline=settings.step_deadline(),
+            cost=settings.step_cost(),
+        )
 
     def __call__(self, input_ids: Any, /, **kwargs: Any) -> np.ndarray:
         """The draft for the sequence ``input_ids``: at most ``num_pred_tokens`` ids (intc)."""
         start = time.perf_counter()
         ids = _token_ids(input_ids)
+        last_draft = self._draft
         session, new = self._continue(ids)
+        if self.cost is not None and self._last_call is not None:
+            # The step verified the last call's draft; the first of a generation (no draft
+            # before it) evaluated its prompt and is not a step of the cost line.
+            proposed = 0 if last_draft is None else last_draft.size
+            counted = session is not None and last_draft is not None
+            self.cost.record(start - self._last_call, proposed, rows=1, counted=counted)
+        self._last_call = start
         if session is None:  # a new generation: its prompt is all but the token just sampled
             session, new = self.begin(ids[:-1]), ids[-1:]
         deadline = None
@@ -207,7 +224,11 @@ class DraftcacheDraftModel(LlamaDraftModel):
         if self.topk and self._llm is not None and 0 < new.size < ids.size:
             topk = [self.target_topk(ids.size - new.size - 1, ids.size - 1)]
         (tree,) = self.client.draft([session], [new.tolist()], topk, deadline_s=deadline)
-        chain = best_chain(tree, self.num_pred_tokens).astype(np.intc)
+        min_prob = 0.0 if self.cost is None else self.cost.min_prob
+        chain, expected = chain_to_propose(tree, self.num_pred_tokens, min_prob)
+        if self.cost is not None and not self.cost.worth_a_step(expected, chain.size):
+            chain = chain[:0]
+        chain = chain.astype(np.intc)
         self._sequence, self._draft = ids, chain
         self.stats.calls += 1
         self.stats.seconds += time.perf_counter() - start

@@ -20,6 +20,7 @@ from decoder_client.engines.deadline import StepDeadline
 
 if TYPE_CHECKING:
     from decoder_client.client import ClientConfig
+    from decoder_client.engines.step_cost import StepCost
 
 ENV_PREFIX = "DRAFTCACHE_"
 _KINDS = {"int": "an integer", "float": "a number", "bool": "a boolean", "str": "a string"}
@@ -38,7 +39,13 @@ class EngineSettings:
     deadline_max_s: float = 0.05  # ... but never more than this
     retry_after_s: float = 0.5  # after a failed or late call, draft locally this long
     budget: int = 64  # nodes of the tree the chain is chosen from
-    chain_min_prob: float = 0.0  # a chain ends before a token less likely than this to be reached
+    # A chain ends before a token less likely than this to be reached, whatever the engine's
+    # cost: below 0.1 the calibrated chances are least sure (Spec-Bench replay, K=8: the tokens
+    # claimed under 0.1 were accepted 2.2% of the time, 0.1 to 0.5 19%).
+    chain_min_prob: float = 0.1
+    # What a proposed token costs as a share of what an accepted one saves: chains end before a
+    # token less likely than that to be accepted. < 0: measured in the engine (see step_cost).
+    token_cost: float = -1.0
     topk: int = 0  # the target's top-k ids sent back per verified position, where the engine shows its logits
     create_namespace: bool = True  # create the namespace (the model's vocabulary) when it is missing
     idle_close_s: float = 2.0  # the engine made no step this long: its requests are closed, with commit
@@ -56,6 +63,8 @@ class EngineSettings:
         if self.deadline_s <= 0 or self.idle_close_s <= 0 or self.stats_every_s <= 0:
             raise ValueError("deadline_s, idle_close_s and stats_every_s must be > 0")
         self.step_deadline()  # its own checks
+        if self.token_cost >= 1:
+            raise ValueError(f"token_cost must be < 1 (< 0: measured), got {self.token_cost}")
         # Their own checks. Imported here: the engine's process may not import numba yet (see
         # decoder_client.engines.vllm).
         from indexer.drafter import DraftParams
@@ -70,6 +79,18 @@ class EngineSettings:
             cap_s=max(self.deadline_s, self.deadline_max_s),
             idle_s=self.idle_close_s,
         )
+
+    def step_cost(self) -> StepCost:
+        """Where the proposer cuts its chains: the measured cost of a proposed token (or the
+        configured ``token_cost``), never below ``chain_min_prob``.
+
+        >>> EngineSettings(namespace="n", token_cost=0.2).step_cost().min_prob
+        0.2
+        """
+        from decoder_client.engines.step_cost import PRIOR, StepCost
+
+        measured = self.token_cost < 0
+        return StepCost(prior=PRIOR if measured else self.token_cost, floor=self.chain_min_prob, measure=measured)
 
     def client_config(self, num_speculative_tokens: int) -> ClientConfig:
         """The draft client's settings: chain mode, chains of at most ``num_speculative_tokens``.

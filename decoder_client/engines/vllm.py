@@ -88,15 +88,20 @@ class DraftcacheProposer:
     """vLLM's custom proposer backed by a draftcache service; see the module docstring."""
 
     def __init__(self, vllm_config: Any) -> None:
-        from decoder_client.adapters import best_chain  # the client, in vLLM's worker (see the module docstring)
+        # The client, in vLLM's worker (see the module docstring).
         from decoder_client.client import DraftClient
+        from decoder_client.engines.step_cost import chain_to_propose
 
-        self._best_chain = best_chain
+        self._chain_to_propose = chain_to_propose
         self.num_speculative_tokens = int(vllm_config.speculative_config.num_speculative_tokens)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         self.settings = EngineSettings.from_sources(_section(vllm_config.additional_config), os.environ)
         self.client_config = self.settings.client_config(self.num_speculative_tokens)
         self._deadline = self.settings.step_deadline()
+        self._cost = self.settings.step_cost()
+        self._proposed = 0  # tokens proposed at the last call, over ...
+        self._rows = 0  # ... this many rows
+        self._last_start: float | None = None
         if self.settings.create_namespace:  # in the background: the engine's start never waits on the service
             vocab = int(vllm_config.model_config.get_vocab_size())
             threading.Thread(target=ensure_namespace, args=(self.client_config, vocab), daemon=True).start()
@@ -104,7 +109,7 @@ class DraftcacheProposer:
         self._tracker = RowTracker()
         self._lock = threading.Lock()  # propose (the engine's thread) and the idle watcher
         self._stats = StepStats(idle_s=self.settings.idle_close_s)
-        self._opened = self._closed = self._moved = self._idle_closes = self._errors = 0
+        self._opened = self._closed = self._moved = self._idle_closes = self._errors = self._unworthy = 0
         self._last_call = time.monotonic()
         self._stats_written = 0.0
         self._stopping = threading.Event()
@@ -128,18 +133,20 @@ class DraftcacheProposer:
             self._last_call = time.monotonic()
             self._deadline.step(start)
             try:
-                drafts, live = self._propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
+                drafts, live = self._propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, start)
             except Exception:  # a proposer must not stop the engine: this step goes without drafts
                 self._errors += 1
                 logger.exception("draftcache proposer failed; no drafts this step")
                 drafts, live = [[] for _ in sampled_token_ids], 0
+            self._proposed, self._rows = sum(len(d) for d in drafts), live
+            self._last_start = start
             self._stats.record(start=start, seconds=time.perf_counter() - start, rows=live)
             if time.monotonic() - self._stats_written >= self.settings.stats_every_s:
                 self._write_stats()
         return drafts
 
     def _propose(
-        self, sampled: Sequence[Sequence[int]], lengths: np.ndarray, token_rows: np.ndarray
+        self, sampled: Sequence[Sequence[int]], lengths: np.ndarray, token_rows: np.ndarray, start: float
     ) -> tuple[list[list[int]], int]:
         produced = {i: len(s) for i, s in enumerate(sampled) if len(s) and int(lengths[i]) < self.max_model_len}
         live = list(produced)
@@ -148,6 +155,11 @@ class DraftcacheProposer:
         self._close(step.left)
         tracks = [step.track(i) for i in live]
         fresh = [t for t in tracks if t.payload is None]  # new rows (and any an earlier error left unopened)
+        if self._last_start is not None and 0 < start - self._last_start <= self.settings.idle_close_s:
+            # The step just verified what the last call proposed; one that evaluated a prompt
+            # (a row still prefilling, or one that just started) is not a step of the cost line.
+            prefill = bool(fresh) or any(not len(s) and int(lengths[i]) > 0 for i, s in enumerate(sampled))
+            self._cost.record(start - self._last_start, self._proposed, rows=max(1, self._rows), counted=not prefill)
         if fresh:  # their first draft comes from the service if their open lands in half a deadline
             new = self._client.open([t.tokens for t in fresh], wait=False, wait_s=self._deadline.seconds / 2)
             for t, session in zip(fresh, new, strict=True):
@@ -160,10 +172,15 @@ class DraftcacheProposer:
         sessions = [_session(t) for t in tracks]
         trees = self._client.draft(sessions, new_tokens, deadline_s=self._deadline.seconds) if live else []
         drafts: list[list[int]] = [[] for _ in sampled]
+        min_prob, expected = self._cost.min_prob, 0.0
         for i, tree in zip(live, trees, strict=True):
             room = min(self.num_speculative_tokens, self.max_model_len - int(lengths[i]) - 1)
             if room > 0:
-                drafts[i] = self._best_chain(tree, room).tolist()
+                chain, gain = self._chain_to_propose(tree, room, min_prob)
+                drafts[i], expected = chain.tolist(), expected + gain
+        if not self._cost.worth_a_step(expected, sum(len(d) for d in drafts)):
+            self._unworthy += 1
+            drafts = [[] for _ in sampled]
         return drafts, len(live)
 
     def _close(self, tracks: Sequence[Track]) -> None:
@@ -207,6 +224,8 @@ class DraftcacheProposer:
             "fallback_drafts": client.fallback,
             "failed_calls": client.failures,
             "deadline_ms": 1e3 * self._deadline.seconds,
+            **self._cost.summary(),
+            "steps_not_worth_drafting": self._unworthy,
             "commits_retried": client.commits_retried,
             "commits_dropped": client.commits_dropped,
             "errors": self._errors,

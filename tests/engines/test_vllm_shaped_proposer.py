@@ -42,8 +42,9 @@ class Engine:
     token), finished requests removed and the batch condensed (the last row moved into the
     hole) before the next step, as vLLM's input batch does."""
 
-    def __init__(self, proposer: DraftcacheProposer, rows: int = 8) -> None:
+    def __init__(self, proposer: DraftcacheProposer, rows: int = 8, token_s: float = 0.0) -> None:
         self.proposer = proposer
+        self.token_s = token_s  # each step sleeps this long per drafted token it verifies
         self.tokens = np.zeros((rows, WIDTH), dtype=np.int32)
         self.lengths = np.zeros(rows, dtype=np.int32)
         self.reqs: list[Request | None] = [None] * rows
@@ -58,6 +59,8 @@ class Engine:
         self.lengths[i] = len(req.prompt)
 
     def step(self) -> None:
+        if self.token_s:
+            time.sleep(self.token_s * sum(len(d) for d in self.drafts))
         sampled: list[list[int]] = []
         for i, req in enumerate(self.reqs):
             if req is None:
@@ -89,7 +92,7 @@ class Engine:
     def _condense(self) -> None:
         for i, req in enumerate(self.reqs):
             if req is not None and req.done:
-                self.reqs[i] = None
+                self.reqs[i], self.lengths[i] = None, 0
         while None in self.reqs:
             hole = self.reqs.index(None)
             last = max((j for j, r in enumerate(self.reqs) if r is not None), default=-1)
@@ -108,8 +111,17 @@ class Engine:
 
 
 def vllm_config(target: str, **settings: Any) -> Any:
-    """The parts of vLLM's VllmConfig the proposer reads."""
-    section = {"target": target, "namespace": NS, "deadline_s": 0.05, "idle_close_s": 0.5, **settings}
+    """The parts of vLLM's VllmConfig the proposer reads. Chains are cut where the service cut
+    them (``token_cost`` 0): this engine's steps cost what the proposer's calls cost, which
+    says nothing of what verifying a token would (one test measures it on steps that do)."""
+    section = {
+        "target": target,
+        "namespace": NS,
+        "deadline_s": 0.05,
+        "idle_close_s": 0.5,
+        "token_cost": 0.0,
+        **settings,
+    }
     return SimpleNamespace(
         speculative_config=SimpleNamespace(num_speculative_tokens=K),
         model_config=SimpleNamespace(max_model_len=WIDTH, get_vocab_size=lambda: 128),
@@ -275,3 +287,25 @@ def test_service_stopped_mid_generation() -> None:
         proposer.shutdown()
         if back is not None:
             stop_service(back)
+
+
+def test_chains_end_where_a_token_costs_more_than_it_is_likely_to_save(running: Running) -> None:
+    first = proposer_for(running)
+    try:
+        Engine(first).run(workload())
+    finally:
+        first.shutdown()
+    eventually(lambda: namespace_info(running).requests == len(workload()), 10)
+    proposer = DraftcacheProposer(vllm_config(running.target, token_cost=-1.0))  # measured
+    try:
+        assert proposer.stats()["chain_cut_prob"] == 0.3  # the prior, until measured
+        # The workload again (a few times: a step of the line needs no request starting in it),
+        # on an engine where each verified token costs 10 ms, several times what the rest of a
+        # step costs here: only tokens nearly sure to be accepted pay.
+        for _ in range(6):
+            Engine(proposer, token_s=0.01).run(workload())
+        stats = proposer.stats()
+        assert stats["cost_measured"] and stats["step_per_token_ms"] >= 5, stats
+        assert stats["chain_cut_prob"] >= 0.5, stats
+    finally:
+        proposer.shutdown()

@@ -215,8 +215,11 @@ def test_a_request_the_fleet_has_seen_is_drafted_further_on_another_replica(serv
     """Two engines, one service: replica B, asked what replica A answered, is drafted A's answer
     from the fleet's memory at once and needs far fewer steps. (An answer the model is sure of:
     llama.cpp's batched verification flips near-ties, and a flip would part B's output from A's.)"""
-    a = DraftcacheDraftModel.connect(_target(serve), NAMESPACE, num_pred_tokens=K, deadline_s=0.05)
-    b = Traced.connect(_target(serve), NAMESPACE, num_pred_tokens=K, deadline_s=0.05)
+    # Chains as long as the service made them (no cut for cost): the test is about what B is
+    # drafted, not how much of it a CPU should verify.
+    uncut = {"deadline_s": 0.05, "token_cost": 0.0, "chain_min_prob": 0.0}
+    a = DraftcacheDraftModel.connect(_target(serve), NAMESPACE, num_pred_tokens=K, **uncut)
+    b = Traced.connect(_target(serve), NAMESPACE, num_pred_tokens=K, **uncut)
     llm_a, llm_b = a.attach(make_llama(a)), b.attach(make_llama(b))
     ids = chat_ids(llm_a, "Count from 1 to 30, separated by commas.")
     out = greedy(llm_a, ids, 64)

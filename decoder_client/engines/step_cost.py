@@ -1,0 +1,164 @@
+"""What a proposed token costs the engine, measured inside it: where a chain should stop.
+
+A verification step takes longer the more tokens it checks, by an amount no fixed setting
+knows: on a 2-core CPU a drafted token cost llama.cpp about 0.3 of a one-token step, vLLM
+(bfloat16 without bf16 instructions) about 0.35, vLLM in float32 under 0.1; on a GPU at
+batch 1 almost nothing, at a large batch nearly a whole row's step. The proposer sees both
+sides of it: how many tokens it proposed for a step and, at its next call, how long that step
+took. A least-squares fit through the latest steps, ``time = base + per_step * drafted +
+per_token * proposed`` (``drafted``: 1 where the step verified any draft; vLLM, for one, runs
+its rejection sampler only then), gives the costs, and an accepted token saves one step of its
+row: ``base / rows``. So a token is worth proposing when the chance that it is accepted (its
+chain score: the calibrated probability of being reached) is above ``per_token * rows / base``;
+the chain is cut there. And a step's drafts, all rows together, are worth proposing when the
+tokens they are expected to have accepted, less their cost, outweigh ``per_step`` (in the same
+units); else the step goes without.
+
+Steps that started a request (its prompt evaluated in them) and pauses are not steps of
+the line; until enough steps with different numbers of proposed tokens have been seen, the
+cost is the configured prior.
+
+>>> cost = StepCost(prior=0.3, floor=0.0)
+>>> cost.min_prob
+0.3
+>>> for i in range(64):  # 20 ms a step, 5 ms per proposed token, one row
+...     proposed = i % 5
+...     cost.record(0.020 + 0.005 * proposed, proposed, rows=1)
+>>> round(cost.min_prob, 3)
+0.25
+>>> cost.record(3.0, 2, rows=1, counted=False)  # a prompt's evaluation: not a step of the line
+>>> round(cost.min_prob, 3)
+0.25
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+
+from decoder_client.adapters import best_chain_nodes
+from indexer.tree_builder import DraftTree
+
+WINDOW = 512  # the latest steps the line goes through
+MIN_STEPS = 24  # steps seen before the measurement replaces the prior ...
+MIN_SPREAD = 0.5  # ... with at least this spread (standard deviation) of tokens proposed
+REFIT_EVERY = 16  # steps between fits
+MAX_MIN_PROB = 0.9  # never cut chains harder than this: the measurement may be off
+MIN_SIDE = 8  # steps with drafts, and without, before a drafting step's own cost is measured
+MAX_STEP_COST = 2.0  # ... and never more than this many steps' worth of drafts asked for
+PRIOR = 0.3  # the cost until measured: a drafted token's share of a one-token step, CPU engines here
+
+
+class StepCost:
+    """The engine's cost per proposed token, and per step that verifies any, against a step's
+    saving; see the module docstring."""
+
+    def __init__(self, *, prior: float, floor: float = 0.0, measure: bool = True, window: int = WINDOW) -> None:
+        if not 0 <= floor < 1 or not 0 <= prior < 1:
+            raise ValueError(f"prior and floor must be in [0, 1), got {prior} and {floor}")
+        self.prior, self.floor, self.measure = prior, floor, measure
+        self._steps: deque[tuple[float, float, float]] = deque(maxlen=window)  # (seconds, proposed, rows)
+        self._since_fit = 0
+        self._token: float | None = None  # the measured per_token / (base / rows)
+        self._step = 0.0  # the measured per_step / (base / rows)
+        self.base_s = self.per_step_s = self.per_token_s = 0.0
+
+    def record(self, seconds: float, proposed: int, *, rows: int, counted: bool = True) -> None:
+        """The step that verified ``proposed`` tokens over ``rows`` rows took ``seconds``;
+        ``counted=False``: a step that is not one of the line's (a prompt evaluated in it)."""
+        if not (self.measure and counted) or seconds <= 0 or rows < 1:
+            return
+        self._steps.append((seconds, float(proposed), float(rows)))
+        self._since_fit += 1
+        if self._since_fit >= REFIT_EVERY or self._token is None:
+            self._fit()
+
+    def _fit(self) -> None:
+        self._since_fit = 0
+        if len(self._steps) < MIN_STEPS:
+            return
+        steps = np.array(self._steps)
+        seconds, proposed, rows = steps[:, 0], steps[:, 1], steps[:, 2]
+        if proposed.std() < MIN_SPREAD:
+            return
+        drafted = (proposed > 0).astype(np.float64)
+        # A step that verifies any draft may cost more than its tokens (vLLM runs its rejection
+        # sampler only then): measured where there are enough steps of both kinds.
+        both = min(drafted.sum(), (1 - drafted).sum()) >= MIN_SIDE
+        columns = [np.ones(seconds.size), drafted, proposed] if both else [np.ones(seconds.size), proposed]
+        coef = _robust_line(np.stack(columns, axis=1), seconds).tolist()
+        base, per_token = coef[0], max(0.0, coef[-1])
+        if both:
+            self.per_step_s = max(0.0, coef[1])
+        elif drafted.all():  # every step drafted: the base holds the per-step cost measured before
+            base -= self.per_step_s
+        if base <= 0:
+            return
+        self.base_s, self.per_token_s = base, per_token
+        row_step = base / float(rows.mean())  # what an accepted token saves
+        self._token, self._step = per_token / row_step, self.per_step_s / row_step
+
+    @property
+    def measured(self) -> bool:
+        return self._token is not None
+
+    @property
+    def min_prob(self) -> float:
+        """The least chance of acceptance a proposed token should have."""
+        ratio = self.prior if self._token is None else self._token
+        return min(MAX_MIN_PROB, max(self.floor, ratio))
+
+    def worth_a_step(self, expected: float, proposed: int) -> bool:
+        """Whether drafts of ``proposed`` tokens over a step's rows, ``expected`` of them to be
+        accepted (the sum of their scores), save more than they cost, the step's own included.
+
+        >>> cost = StepCost(prior=0.2)
+        >>> cost._token, cost._step = 0.2, 0.5  # as measured: a step with drafts costs half a step more
+        >>> cost.worth_a_step(0.6, 1), cost.worth_a_step(2.4, 3)  # 0.6 - 0.2 < 0.5; 2.4 - 0.6 > 0.5
+        (False, True)
+        """
+        if proposed == 0:
+            return False
+        return expected - self.min_prob * proposed >= min(self._step, MAX_STEP_COST)
+
+    def summary(self) -> dict[str, float | bool]:
+        """The measured figures (milliseconds) and the cut they give."""
+        return {
+            "cost_measured": self.measured,
+            "step_base_ms": round(1e3 * self.base_s, 3),
+            "step_drafting_ms": round(1e3 * self.per_step_s, 3),
+            "step_per_token_ms": round(1e3 * self.per_token_s, 3),
+            "chain_cut_prob": round(self.min_prob, 4),
+        }
+
+
+def _robust_line(a: np.ndarray, seconds: np.ndarray) -> np.ndarray:
+    """Least squares ``seconds ~ a @ coef``, refitted without the steps far above the first fit
+    (past four median deviations): the odd slow step (another process took the core) does not
+    move it."""
+    coef, *_ = np.linalg.lstsq(a, seconds, rcond=None)
+    residual = seconds - a @ coef
+    keep = residual <= 4 * np.median(np.abs(residual)) + 1e-6
+    coef, *_ = np.linalg.lstsq(a[keep], seconds[keep], rcond=None)
+    return np.asarray(coef, dtype=np.float64)
+
+
+def cut(tokens: np.ndarray, scores: np.ndarray, min_prob: float) -> np.ndarray:
+    """A chain's leading tokens while its score (the cumulative chance of being reached, never
+    rising along a chain) is at least ``min_prob``.
+
+    >>> cut(np.array([7, 8, 9]), np.array([0.9, 0.4, 0.1]), 0.3).tolist()
+    [7, 8]
+    """
+    below = np.flatnonzero(scores < min_prob)
+    return tokens[: below[0]] if below.size else tokens
+
+
+def chain_to_propose(tree: DraftTree, max_len: int, min_prob: float) -> tuple[np.ndarray, float]:
+    """``tree``'s best chain of at most ``max_len`` tokens, cut where a token is less likely
+    than ``min_prob`` to be reached (:func:`cut`), and how many of them are expected to be
+    accepted (the sum of their scores)."""
+    nodes = best_chain_nodes(tree, max_len)
+    tokens = cut(tree.tokens[nodes], tree.scores[nodes], min_prob)
+    return tokens, float(tree.scores[nodes[: tokens.size]].sum())

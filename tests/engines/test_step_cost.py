@@ -1,0 +1,120 @@
+"""Where an engine proposer cuts its chains: the measured cost of a proposed token against the
+step an accepted one saves (decoder_client.engines.step_cost)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from decoder_client.engines.settings import EngineSettings
+from decoder_client.engines.step_cost import MAX_MIN_PROB, MIN_STEPS, StepCost, chain_to_propose, cut
+from indexer.tree_builder import DraftTree
+
+
+def steps(
+    cost: StepCost, n: int, base: float, per_token: float, rows: int = 1, seed: int = 0, per_step: float = 0.0
+) -> None:
+    """``n`` steps of ``base + per_step * (proposed > 0) + per_token * proposed`` seconds (5%
+    noise), 0-8 tokens proposed."""
+    rng = np.random.default_rng(seed)
+    for _ in range(n):
+        proposed = int(rng.integers(0, 9))
+        seconds = base + per_step * (proposed > 0) + per_token * proposed
+        cost.record(seconds * rng.uniform(0.95, 1.05), proposed, rows=rows)
+
+
+def test_the_cut_is_a_proposed_tokens_cost_against_a_step() -> None:
+    cpu = StepCost(prior=0.3)
+    steps(cpu, 200, base=0.020, per_token=0.006)  # llama.cpp on this CPU: 20 ms + 6 ms a token
+    assert cpu.measured and cpu.min_prob == pytest.approx(0.3, abs=0.03)
+    gpu = StepCost(prior=0.3)
+    steps(gpu, 200, base=0.015, per_token=0.0003)  # a GPU at batch 1: drafted tokens nearly free
+    assert gpu.min_prob == pytest.approx(0.02, abs=0.01)
+
+
+def test_a_step_that_verifies_drafts_may_cost_more_than_its_tokens() -> None:
+    # vLLM on a CPU: 125 ms a step, 30 ms more when it verifies any draft, 8 ms a token.
+    cost = StepCost(prior=0.3)
+    steps(cost, 300, base=0.125, per_step=0.030, per_token=0.008)
+    s = cost.summary()
+    assert s["step_base_ms"] == pytest.approx(125, rel=0.05) and s["step_drafting_ms"] == pytest.approx(30, rel=0.2)
+    assert cost.min_prob == pytest.approx(0.064, abs=0.01)
+    # A step's drafts must be expected to save a quarter of a step beyond their tokens' cost:
+    assert not cost.worth_a_step(expected=0.3, proposed=1)  # one likely token does not pay
+    assert cost.worth_a_step(expected=2.0, proposed=4)  # four that should mostly be accepted do
+    assert not cost.worth_a_step(expected=0.0, proposed=0)
+    # Where every step drafts (or none does), that cost cannot be told from the base: not asked.
+    flat = StepCost(prior=0.3)
+    for i in range(100):
+        flat.record(0.125 + 0.030 + 0.008 * (1 + i % 8), 1 + i % 8, rows=1)
+    assert flat.worth_a_step(expected=0.3, proposed=1)
+
+
+def test_a_batch_makes_proposed_tokens_dearer() -> None:
+    # An accepted token saves its row a step: base / rows. At 16 rows a proposed token costing
+    # 1/40 of the step costs 0.4 of what an accepted one saves.
+    batched = StepCost(prior=0.1)
+    steps(batched, 200, base=0.040, per_token=0.001, rows=16)
+    assert batched.min_prob == pytest.approx(0.4, abs=0.04)
+
+
+def test_the_prior_holds_until_the_line_is_known() -> None:
+    cost = StepCost(prior=0.3)
+    for _ in range(MIN_STEPS * 4):  # nothing proposed yet: the per-token cost is unknown
+        cost.record(0.02, 0, rows=1)
+    assert not cost.measured and cost.min_prob == 0.3
+    for i in range(MIN_STEPS - 1):  # prompts evaluated in these steps: not steps of the line
+        cost.record(5.0, i % 8, rows=1, counted=False)
+    assert not cost.measured
+    steps(cost, 64, base=0.020, per_token=0.002)
+    assert cost.measured and cost.min_prob == pytest.approx(0.1, abs=0.03)
+
+
+def test_odd_slow_steps_do_not_move_the_cut() -> None:
+    cost = StepCost(prior=0.3)
+    steps(cost, 300, base=0.020, per_token=0.004)
+    clean = cost.min_prob
+    for i in range(20):  # another process took the core for a few steps
+        cost.record(1.5, i % 3, rows=1)
+    steps(cost, 20, base=0.020, per_token=0.004, seed=1)
+    assert cost.min_prob == pytest.approx(clean, abs=0.03)
+
+
+def test_floor_cap_and_a_fixed_cost() -> None:
+    floored = StepCost(prior=0.3, floor=0.2)
+    steps(floored, 200, base=0.020, per_token=0.0002)
+    assert floored.min_prob == 0.2
+    dear = StepCost(prior=0.3)
+    steps(dear, 200, base=0.010, per_token=0.05)  # a token costs five steps: the cap, not 5
+    assert dear.min_prob == MAX_MIN_PROB
+    fixed = EngineSettings(namespace="n", token_cost=0.25, chain_min_prob=0.1).step_cost()
+    steps(fixed, 200, base=0.020, per_token=0.0002)
+    assert not fixed.measured and fixed.min_prob == 0.25
+    with pytest.raises(ValueError, match="token_cost"):
+        EngineSettings(namespace="n", token_cost=1.0)
+    with pytest.raises(ValueError):
+        StepCost(prior=1.2)
+
+
+def test_chains_are_cut_where_a_token_is_not_worth_its_cost() -> None:
+    chain = DraftTree(
+        np.array([5, 6, 7, 8], np.int32),
+        np.array([-1, 0, 1, 2], np.int32),
+        np.zeros(4, np.uint8),
+        np.array([0.9, 0.6, 0.35, 0.1], np.float32),  # cumulative: the chance each is reached
+    )
+    tokens, expected = chain_to_propose(chain, 8, 0.0)
+    assert tokens.tolist() == [5, 6, 7, 8] and expected == pytest.approx(1.95)
+    tokens, expected = chain_to_propose(chain, 8, 0.3)
+    assert tokens.tolist() == [5, 6, 7] and expected == pytest.approx(1.85)
+    assert chain_to_propose(chain, 2, 0.3)[0].tolist() == [5, 6]  # and never longer than asked
+    assert chain_to_propose(chain, 8, 0.95)[0].tolist() == []
+    # A tree: its best root path, cut the same way.
+    tree = DraftTree(
+        np.array([5, 6, 7, 8], np.int32),
+        np.array([-1, -1, 0, 0], np.int32),
+        np.zeros(4, np.uint8),
+        np.array([0.9, 0.05, 0.2, 0.5], np.float32),
+    )
+    assert chain_to_propose(tree, 8, 0.4)[0].tolist() == [5, 8]
+    assert cut(np.array([1, 2]), np.array([0.2, 0.1]), 0.5).tolist() == []
