@@ -81,6 +81,11 @@ class ClientCore:
         fallback(np.array([1, 2, 1], dtype=np.int32), 2)
         self.params = wire.params_to_proto(config.params)
 
+    def cut_chains_at(self, min_prob: float) -> None:
+        if not 0 <= min_prob < 1:
+            raise ValueError(f"chain_min_prob must be in [0, 1), got {min_prob}")
+        self.params.chain_min_prob = min_prob  # each open copies it
+
     def available(self) -> bool:
         return time.monotonic() >= self.down_until
 

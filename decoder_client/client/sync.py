@@ -56,6 +56,12 @@ class DraftClient:
     def stats(self) -> ClientStats:
         return self._core.stats
 
+    def cut_chains_at(self, min_prob: float) -> None:
+        """Sessions opened from now on ask for chains that end before a token less likely than
+        ``min_prob`` to be reached (the service then picks the best chain above it, which is
+        not always the start of its best chain above a lower cut)."""
+        self._core.cut_chains_at(min_prob)
+
     def open(
         self, prompts: Sequence[Sequence[int] | np.ndarray], *, wait: bool = True, wait_s: float = 0.0
     ) -> list[ClientSession]:

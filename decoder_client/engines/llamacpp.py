@@ -264,6 +264,8 @@ class DraftcacheDraftModel(LlamaDraftModel):
         opens in the background: the first steps draft locally if the service is slow."""
         self.finish()
         ids = np.array(prompt, dtype=np.int32)
+        if self.cost is not None:
+            self.client.cut_chains_at(self.cost.min_prob)  # the service picks chains for this cut
         (session,) = self.client.open([ids], wait=False)
         self._session, self._sequence, self._draft = session, ids, None
         self.stats.generations += 1

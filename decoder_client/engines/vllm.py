@@ -34,6 +34,12 @@ The engine calls nothing once its last request ends, so a watcher thread closes 
 with commit, once the engine has made no step for ``idle_close_s``; a request that was only in
 a long step comes back as a new session, as a resumed one does.
 
+How much to propose. The service answers each row a chain with the calibrated chance of each
+token being reached; the proposer cuts it where a token is no longer worth verifying and drops
+a step's drafts that do not pay for the step's own extra cost, both measured from the engine's
+step times (:mod:`~decoder_client.engines.step_cost`): on a CPU a drafted token costs a good
+part of a step, on a GPU at batch 1 almost nothing.
+
 The service slow or down costs a step at most the draft call's deadline (a fraction of the
 engine's recent step time, within set bounds: :mod:`~decoder_client.engines.deadline`): past it
 the client drafts locally (prompt lookup over the row's own tokens), and an error inside the proposer
@@ -161,6 +167,7 @@ class DraftcacheProposer:
             prefill = bool(fresh) or any(not len(s) and int(lengths[i]) > 0 for i, s in enumerate(sampled))
             self._cost.record(start - self._last_start, self._proposed, rows=max(1, self._rows), counted=not prefill)
         if fresh:  # their first draft comes from the service if their open lands in half a deadline
+            self._client.cut_chains_at(self._cost.min_prob)  # the service picks chains for this cut
             new = self._client.open([t.tokens for t in fresh], wait=False, wait_s=self._deadline.seconds / 2)
             for t, session in zip(fresh, new, strict=True):
                 t.payload = session

@@ -17,6 +17,7 @@ from draftcache.v1 import draftcache_pb2 as pb
 
 from cache_service.config import ServiceConfig
 from cache_service.host.embedded_redis import free_port
+from decoder_client.client import ClientSession
 from decoder_client.engines.vllm import DraftcacheProposer
 from tests.service.conftest import Running, eventually, start_service, stop_service
 
@@ -307,5 +308,8 @@ def test_chains_end_where_a_token_costs_more_than_it_is_likely_to_save(running: 
         stats = proposer.stats()
         assert stats["cost_measured"] and stats["step_per_token_ms"] >= 5, stats
         assert stats["chain_cut_prob"] >= 0.5, stats
+        # Requests opened once it was measured asked the service for chains above that cut.
+        request = proposer._client._core.open_request([ClientSession(np.array([1, 2], np.int32), 2)], now=True)
+        assert request is not None and request.sessions[0].params.chain_min_prob >= 0.5
     finally:
         proposer.shutdown()
