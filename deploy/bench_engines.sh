@@ -13,7 +13,8 @@
 # model folder, and for each engine a fresh `draftcache serve` on its embedded Redis (an empty
 # memory: each engine starts cold), stopped on exit. An engine, or a method, that cannot be set up
 # is reported as a JSON line with a "skipped" reason and the others run. Logs, the prompts and
-# the lines (results.jsonl) are kept in data/bench-engines/.
+# the lines (results.jsonl) are kept in data/bench-engines/. vLLM runs in bfloat16 where the CPU
+# has bf16 instructions, else float32 (emulated bf16 is several times slower on prompts).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 QUICK=0
