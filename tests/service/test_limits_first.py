@@ -86,8 +86,10 @@ def test_a_100k_batch_is_refused_at_once_without_storage(replica: tuple[AuthRepl
         assert min(took) < 0.05 and max(took) < 0.5, f"{name}: refused after {[round(t * 1000) for t in took]} ms"
     # Twelve refused batches later the process holds little more memory (each cost 40-60 MB
     # when the items were built and the sessions read before the limit was checked, and the
-    # parsed request stayed until the cyclic collector ran).
-    assert _rss_bytes() - rss_before < 48 << 20
+    # parsed request stayed until the cyclic collector ran: 480-720 MB for the twelve). In a
+    # process the whole suite has grown to ~2.4 GB, the other threads' work moved it by up to
+    # 60 MB, heap trimmed; alone, by a few MB.
+    assert _rss_bytes() - rss_before < 128 << 20
 
 
 def test_a_columnar_batch_is_sized_from_its_columns(replica: tuple[AuthReplica, redis.Redis]) -> None:
