@@ -57,9 +57,22 @@ class StorageStatus:
         return self.down_since is None
 
     def failed(self, why: object, *, disk_full: bool | None = None) -> bool:
-        """A write failed; ``True`` when storage was available until now."""
+        """A write failed; ``True`` when storage was available until now. ``disk_full``: what
+        the caller knows of the cause; ``None`` reads it from ``why``, and keeps a full disk
+        already known for this outage (a Redis that exited on a full disk then refuses
+        connections, which says nothing of the disk).
+
+        >>> s = StorageStatus()
+        >>> s.failed("embedded Redis died", disk_full=True), s.failed("Connection refused"), s.disk_full
+        (True, False, True)
+        >>> s.succeeded() is not None, s.failed("Connection refused"), s.disk_full
+        (True, True, False)
+        """
         self.last_error = str(why)
-        self.disk_full = any(s in self.last_error for s in _DISK_FULL) if disk_full is None else disk_full
+        if disk_full is None:
+            known = self.down_since is not None and self.disk_full
+            disk_full = known or any(s in self.last_error for s in _DISK_FULL)
+        self.disk_full = disk_full
         if self.down_since is None:
             self.down_since = time.monotonic()
             return True

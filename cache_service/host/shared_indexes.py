@@ -49,6 +49,22 @@ def _warm_kernels(indexes: LifetimeIndexes, threads: int) -> None:
     indexes.suffix.match_range(np.zeros(1, dtype=np.int32))
 
 
+def warm_mapped(config: LifetimeConfig, threads: int = 1) -> None:
+    """Compile (or load) the kernels that run over mapped generations, before serving.
+    Compiling holds the GIL for seconds (tens on a fresh machine): done when the first
+    generation arrives, it would stall the event loop that long. A tiny generation is written
+    and mapped back, so its arrays have exactly the mapped files' types."""
+    tokens = np.array([5, 6, 5, 6, 7, SEPARATOR], dtype=np.int32)
+    with tempfile.TemporaryDirectory(prefix="draftcache-warm-") as tmp:
+        folder = lifetime_files.save(
+            build_indexes(tokens, config.table, 0), log="warm", through=(0, 0), ns_dir=Path(tmp)
+        )
+        mapped = lifetime_files.load(folder).indexes
+        _warm_kernels(mapped, threads)
+        more = [np.array([6, 7], dtype=np.int32)]  # the next generation extends a mapped one
+        next_indexes(mapped, next_generation(tokens, more, 16), appended_tokens(more, 16), config, 3)
+
+
 class SharedIndexes:
     """One host's folder of published generations, for all namespaces."""
 
@@ -125,19 +141,8 @@ class SharedIndexes:
             after = last = entries[-1].id
 
     def warm(self, threads: int = 1) -> None:
-        """Compile (or load) the kernels that run over mapped generations, before serving.
-        Compiling holds the GIL for seconds (tens on a fresh machine): done when the first
-        generation arrives, it would stall the event loop that long. A tiny generation is
-        written and mapped back, so its arrays have exactly the mapped files' types."""
-        tokens = np.array([5, 6, 5, 6, 7, SEPARATOR], dtype=np.int32)
-        with tempfile.TemporaryDirectory(prefix="draftcache-warm-") as tmp:
-            folder = lifetime_files.save(
-                build_indexes(tokens, self.config.table, 0), log="warm", through=(0, 0), ns_dir=Path(tmp)
-            )
-            mapped = lifetime_files.load(folder).indexes
-            _warm_kernels(mapped, threads)
-            more = [np.array([6, 7], dtype=np.int32)]  # the next generation extends a mapped one
-            next_indexes(mapped, next_generation(tokens, more, 16), appended_tokens(more, 16), self.config, 3)
+        """:func:`warm_mapped` for this host's lifetime configuration."""
+        warm_mapped(self.config, threads)
 
     def adopt(self, ns: str, memory: LifetimeMemory, *, threads: int = 1) -> Generation | None:
         """Serve the namespace's newest published generation if it is not the one served;

@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import pkgutil
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +36,9 @@ from draftcache.v1 import draftcache_pb2 as pb
 
 import indexer.kernels
 from cache_service.app import warm_up
+from cache_service.config import ServiceConfig
 from cache_service.host.compiles import CompileWatch
+from cache_service.host.shared_indexes import warm_mapped
 from tests.service.conftest import Replica, eventually
 
 WAIT_S = 30.0  # for write-back, following and prior polling, with decoders' processes beside
@@ -79,10 +83,16 @@ class Watch:
 
 
 def server(url: str, traces: str, tokenizer: str, prior_file: str, shared_dir: str) -> dict[str, list[str]]:
-    warm_up()  # as each replica's start does; here first, as a cold compile outlasts its timeout
-    a, b = Replica(url), Replica(url)
-    c = Replica(url, lifetime_dir=Path(shared_dir))  # serving memory-mapped lifetime indexes
+    # As each replica's start does, here first: a cold compile outlasts a start's timeout, and
+    # one in the third's start would be a compile while the first two serve.
+    warm_up()
+    warm_mapped(ServiceConfig().drafter.lifetime)
+    replicas: list[Replica] = []
     try:
+        a, b = Replica(url), Replica(url)
+        replicas += [a, b]
+        c = Replica(url, lifetime_dir=Path(shared_dir))  # serving memory-mapped lifetime indexes
+        replicas.append(c)
         watch = Watch("server")  # what each replica's own watch sees, all three together
         load = ("bench-load", traces, "--tokenizer", tokenizer, "--decoders", "2", "--batch", "8", "--passes", "0")
         target = f"127.0.0.1:{a.app.server.port}"
@@ -110,7 +120,7 @@ def server(url: str, traces: str, tokenizer: str, prior_file: str, shared_dir: s
         eventually(lambda: a.admin.Stats(pb.StatsRequest()).pending_writes == 0, WAIT_S)
         return watch.report()
     finally:
-        for replica in (a, b, c):
+        for replica in replicas:
             replica.stop()
 
 
@@ -139,4 +149,11 @@ def client(target: str) -> dict[str, list[str]]:
 
 if __name__ == "__main__":
     run = {"server": server, "client": client}[sys.argv[1]]
-    print(json.dumps(run(*sys.argv[2:])))
+    try:
+        print(json.dumps(run(*sys.argv[2:])))
+    except BaseException:
+        # The traceback last, and nothing after it: threads still running at exit would
+        # log over it.
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)

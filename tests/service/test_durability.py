@@ -204,6 +204,9 @@ def test_a_full_disk_refuses_commits_and_recovers_by_itself(tmp_path: Path) -> N
             # Redis cannot write its AOF (it exits, by design), the journal cannot either: refused.
             tried = _commits(serve, range(10, 30))
             acked += tried
+            # A commit may find Redis gone before its supervisor (polling every 0.1 s) has read
+            # why it exited; from then on the outage is reported as a full disk.
+            wait_for(lambda: serve.stats().storage.disk_full, 5, "the full disk to be reported")
             health = serve.stats().storage
             assert not health.available and health.disk_full, health
             assert len(tried) < 20  # refused, not acknowledged and dropped
