@@ -141,6 +141,8 @@ def row(
     if all(r.decode_seconds for r in runs):  # without the prompt's evaluation, the same for every method
         decoded = sum(len(r.tokens) - 1 for r in runs)
         out["decode_tokens_per_s"] = round(decoded / sum(r.decode_seconds or 0.0 for r in runs), 2)
+        # ... and the rest of the wall time: the prompt's evaluation and the first token.
+        out["first_token_s"] = round(sum(r.seconds - (r.decode_seconds or 0.0) for r in runs) / len(runs), 3)
     if all(r.draft_seconds is not None for r in runs) and out["drafts"]:
         out["drafter_ms_per_step"] = round(1e3 * sum(r.draft_seconds or 0.0 for r in runs) / out["drafts"], 3)
     if reference is None:

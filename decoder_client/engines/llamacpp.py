@@ -225,8 +225,8 @@ class DraftcacheDraftModel(LlamaDraftModel):
             topk = [self.target_topk(ids.size - new.size - 1, ids.size - 1)]
         (tree,) = self.client.draft([session], [new.tolist()], topk, deadline_s=deadline)
         min_prob = 0.0 if self.cost is None else self.cost.min_prob
-        chain, expected = chain_to_propose(tree, self.num_pred_tokens, min_prob)
-        if self.cost is not None and not self.cost.worth_a_step(expected, chain.size):
+        chain, scores = chain_to_propose(tree, self.num_pred_tokens, min_prob)
+        if self.cost is not None and not self.cost.worth_a_step(float(scores.sum()), chain.size):
             chain = chain[:0]
         chain = chain.astype(np.intc)
         self._sequence, self._draft = ids, chain

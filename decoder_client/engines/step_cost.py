@@ -155,10 +155,10 @@ def cut(tokens: np.ndarray, scores: np.ndarray, min_prob: float) -> np.ndarray:
     return tokens[: below[0]] if below.size else tokens
 
 
-def chain_to_propose(tree: DraftTree, max_len: int, min_prob: float) -> tuple[np.ndarray, float]:
+def chain_to_propose(tree: DraftTree, max_len: int, min_prob: float) -> tuple[np.ndarray, np.ndarray]:
     """``tree``'s best chain of at most ``max_len`` tokens, cut where a token is less likely
-    than ``min_prob`` to be reached (:func:`cut`), and how many of them are expected to be
-    accepted (the sum of their scores)."""
+    than ``min_prob`` to be reached (:func:`cut`), and its tokens' scores (their sum: how many
+    are expected to be accepted)."""
     nodes = best_chain_nodes(tree, max_len)
     tokens = cut(tree.tokens[nodes], tree.scores[nodes], min_prob)
-    return tokens, float(tree.scores[nodes[: tokens.size]].sum())
+    return tokens, tree.scores[nodes[: tokens.size]].astype(np.float64)

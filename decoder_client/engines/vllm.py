@@ -68,6 +68,7 @@ import numpy as np
 from draftcache.v1 import draftcache_pb2 as pb
 from draftcache.v1 import draftcache_pb2_grpc as pb_grpc
 
+from decoder_client.engines.outcomes import ChainOutcomes
 from decoder_client.engines.rows import RowTracker, Track
 from decoder_client.engines.settings import EngineSettings
 from decoder_client.engines.step_stats import StepStats
@@ -115,6 +116,8 @@ class DraftcacheProposer:
         self._tracker = RowTracker()
         self._lock = threading.Lock()  # propose (the engine's thread) and the idle watcher
         self._stats = StepStats(idle_s=self.settings.idle_close_s)
+        self._outcomes = ChainOutcomes()  # how the chains sent fared
+        self._sent: dict[int, tuple[Track, np.ndarray]] = {}  # id(request) -> it and its chain's scores
         self._opened = self._closed = self._moved = self._idle_closes = self._errors = self._unworthy = 0
         self._last_call = time.monotonic()
         self._stats_written = 0.0
@@ -160,6 +163,11 @@ class DraftcacheProposer:
         self._moved += step.moved
         self._close(step.left)
         tracks = [step.track(i) for i in live]
+        for track, new in step.continued.values():  # what the engine made of the last chains
+            sent = self._sent.get(id(track))
+            if sent is not None and sent[0] is track:
+                self._outcomes.record(sent[1], accepted=len(new) - 1)
+        self._sent = {}
         fresh = [t for t in tracks if t.payload is None]  # new rows (and any an earlier error left unopened)
         if self._last_start is not None and 0 < start - self._last_start <= self.settings.idle_close_s:
             # The step just verified what the last call proposed; one that evaluated a prompt
@@ -180,14 +188,17 @@ class DraftcacheProposer:
         trees = self._client.draft(sessions, new_tokens, deadline_s=self._deadline.seconds) if live else []
         drafts: list[list[int]] = [[] for _ in sampled]
         min_prob, expected = self._cost.min_prob, 0.0
-        for i, tree in zip(live, trees, strict=True):
+        for i, track, tree in zip(live, tracks, trees, strict=True):
             room = min(self.num_speculative_tokens, self.max_model_len - int(lengths[i]) - 1)
             if room > 0:
-                chain, gain = self._chain_to_propose(tree, room, min_prob)
-                drafts[i], expected = chain.tolist(), expected + gain
+                chain, scores = self._chain_to_propose(tree, room, min_prob)
+                drafts[i], expected = chain.tolist(), expected + float(scores.sum())
+                if chain.size:
+                    self._sent[id(track)] = (track, scores)
         if not self._cost.worth_a_step(expected, sum(len(d) for d in drafts)):
             self._unworthy += 1
             drafts = [[] for _ in sampled]
+            self._sent = {}
         return drafts, len(live)
 
     def _close(self, tracks: Sequence[Track]) -> None:
@@ -233,6 +244,7 @@ class DraftcacheProposer:
             "deadline_ms": 1e3 * self._deadline.seconds,
             **self._cost.summary(),
             "steps_not_worth_drafting": self._unworthy,
+            "chains": self._outcomes.summary(),
             "commits_retried": client.commits_retried,
             "commits_dropped": client.commits_dropped,
             "errors": self._errors,

@@ -1,0 +1,63 @@
+"""How the chains a proposer sent fared in the engine: each proposed token's chance of being
+reached (its chain score) against whether the engine accepted it.
+
+The engine shows the outcome at its next call: a row that was proposed ``d`` tokens comes back
+having produced ``accepted + 1`` (the accepted drafts and the engine's own next token), so the
+proposer knows, per proposed token, whether it was reached. Tokens are grouped by score into
+bins; per bin the tokens proposed, the sum of their scores (what the scores expected to be
+accepted) and the tokens accepted. Scores that are right give accepted ~ expected in every
+bin; a bin accepted well below its expectation is where chains run longer than they pay for.
+
+>>> out = ChainOutcomes()
+>>> out.record(np.array([0.9, 0.5, 0.2]), accepted=2)  # the first two reached, the third not
+>>> out.record(np.array([0.9, 0.5]), accepted=0)
+>>> s = out.summary()
+>>> s["proposed_tokens"], s["expected_accepted"], s["accepted_tokens"]
+(5, 3.0, 2)
+>>> s["by_score"]["0.80-1.00"]
+{'proposed': 2, 'expected': 1.8, 'accepted': 1}
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+EDGES = np.array([0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.6, 0.8, 1.0])  # score bins (the last closed)
+
+
+class ChainOutcomes:
+    """Proposed tokens by score: how many, expected and accepted; see the module docstring."""
+
+    def __init__(self) -> None:
+        n = EDGES.size - 1
+        self.proposed = np.zeros(n, dtype=np.int64)
+        self.expected = np.zeros(n, dtype=np.float64)
+        self.accepted = np.zeros(n, dtype=np.int64)
+
+    def record(self, scores: np.ndarray, accepted: int) -> None:
+        """A chain whose tokens had these ``scores`` (chances of being reached, root first) and
+        whose first ``accepted`` tokens the engine kept."""
+        if not scores.size:
+            return
+        bins = np.clip(np.searchsorted(EDGES, scores, side="right") - 1, 0, EDGES.size - 2)
+        np.add.at(self.proposed, bins, 1)
+        np.add.at(self.expected, bins, scores)
+        np.add.at(self.accepted, bins[: max(0, min(accepted, scores.size))], 1)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "proposed_tokens": int(self.proposed.sum()),
+            "expected_accepted": round(float(self.expected.sum()), 3),
+            "accepted_tokens": int(self.accepted.sum()),
+            "by_score": {
+                f"{EDGES[i]:.2f}-{EDGES[i + 1]:.2f}": {
+                    "proposed": int(self.proposed[i]),
+                    "expected": round(float(self.expected[i]), 3),
+                    "accepted": int(self.accepted[i]),
+                }
+                for i in range(EDGES.size - 1)
+                if self.proposed[i]
+            },
+        }
