@@ -7,23 +7,29 @@
 #   bash deploy/bench_engines.sh            # 3 Spec-Bench prompts per group, 4 agent tasks x 2 passes, 128 tokens
 #   bash deploy/bench_engines.sh --quick    # 1 per group, 2 agent tasks x 2 passes (shorter prompts), 64 tokens
 #   bash deploy/bench_engines.sh --engines vllm     # one engine only (vllm, llama.cpp)
+#   bash deploy/bench_engines.sh --prior            # the service with a static prior, as a deployment warms one
 #
 # Sets up what it needs on a fresh machine: .venv (the service, the prompts and llama.cpp),
 # .venv-vllm (deploy/setup_vllm.sh) with arctic-inference for vLLM's suffix method, the SmolLM2
 # model folder, and for each engine a fresh `draftcache serve` on its embedded Redis (an empty
-# memory: each engine starts cold), stopped on exit. An engine, or a method, that cannot be set up
-# is reported as a JSON line with a "skipped" reason and the others run. Logs, the prompts and
-# the lines (results.jsonl) are kept in data/bench-engines/. vLLM runs in bfloat16 where the CPU
-# has bf16 instructions, else float32 (emulated bf16 is several times slower on prompts).
+# memory: each engine starts cold), stopped on exit. With --prior the service also gets a static
+# prior for SmolLM2's tokenizer warmed from the ShareGPT corpus (ChatGPT's answers: none of the
+# benchmark's prompts or SmolLM2's outputs; warmed once, about 90 s, kept in data/). An engine, or a
+# method, that cannot be set up is reported as a JSON line with a "skipped" reason and the others
+# run. Logs, the prompts and the lines (results.jsonl) are kept in data/bench-engines/. vLLM runs
+# in bfloat16 where the CPU has bf16 instructions, else float32 (emulated bf16 is several times
+# slower on prompts).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 QUICK=0
+PRIOR_ON=0
 ENGINES="vllm,llama.cpp"
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) QUICK=1 ;;
+    --prior) PRIOR_ON=1 ;;
     --engines) ENGINES="$2"; shift ;;
-    *) echo "usage: bash deploy/bench_engines.sh [--quick] [--engines vllm,llama.cpp]" >&2; exit 2 ;;
+    *) echo "usage: bash deploy/bench_engines.sh [--quick] [--prior] [--engines vllm,llama.cpp]" >&2; exit 2 ;;
   esac
   shift
 done
@@ -66,6 +72,14 @@ if [[ ",$ENGINES," == *",vllm,"* ]]; then
       >"$OUT/model-folder.log" 2>&1 || VLLM_OK=0
   fi
 fi
+PRIOR="data/prior-smollm2.npz"  # the namespace's static prior: warmed once, then kept
+if [ "$PRIOR_ON" = 1 ] && [ ! -f "$PRIOR" ]; then
+  mkdir -p data
+  echo "== warming SmolLM2's static prior from ShareGPT (once: about a minute and a half)" >&2
+  draftcache warm --namespace smollm2 --tokenizer "$DRAFTCACHE_SHARED/data/tokenizers/smollm2" \
+    --corpus "$DRAFTCACHE_SHARED/data/corpora/sharegpt_v3_17671.json.gz" --format sharegpt --out "$PRIOR" \
+    >"$OUT/warm-prior.log" 2>&1 || { echo "warming the prior failed: see $OUT/warm-prior.log" >&2; exit 1; }
+fi
 python -m benchmarks.engine_workloads --out "$OUT/prompts.json" --per-group "$PER_GROUP" --agent-tasks "$AGENT_TASKS" \
   --max-user-tokens "$AGENT_TOKENS" >&2
 
@@ -96,6 +110,11 @@ start_service() {  # $1: the service's data folder, emptied first
   draftcache serve --port "$PORT" --data-dir "$1" >"$1.log" 2>&1 &
   SERVER=$!
   wait_healthy "$PORT"
+  if [ "$PRIOR_ON" = 1 ]; then  # published into its storage, then loaded
+    draftcache warm --namespace smollm2 --tokenizer "$DRAFTCACHE_SHARED/data/tokenizers/smollm2" \
+      --from-prior "$PRIOR" --data-dir "$1" >>"$1.log" 2>&1
+    draftcache rebuild --target "127.0.0.1:$PORT" --namespace smollm2 >>"$1.log" 2>&1
+  fi
 }
 
 run_engine() {  # $1 engine, $2 its python
