@@ -232,8 +232,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument(
         "--draftcache-k",
         type=int,
-        default=16,
-        help="vLLM: draftcache's num_speculative_tokens (suffix drafts up to 24); its chains end where "
+        default=24,
+        help="vLLM: draftcache's num_speculative_tokens (suffix drafts up to 24 too); its chains end where "
         "a token is not worth verifying",
     )
     p.add_argument("--dtype", default="auto", help="vLLM: the model's dtype (auto: bfloat16 with bf16 instructions)")

@@ -57,7 +57,9 @@ class VllmBench:
     max_model_len: int = 2048
     max_new_tokens: int = 128
     num_speculative_tokens: int = 8  # ngram's K (suffix drafts up to its tree depth, 24)
-    draftcache_k: int = 16  # draftcache's K: its chains end where a token is not worth its cost
+    # draftcache's K, suffix's tree depth: its chains end where a token is not worth its cost, so a
+    # longer K only lets it propose long copies whole (the repeated agent tasks' second pass).
+    draftcache_k: int = 24
     ngram_min: int = 2
     ngram_max: int = 4
     dtype: str = "auto"  # auto: bfloat16 where the CPU has bf16 instructions, else float32 (cpu_dtype)

@@ -163,10 +163,10 @@ class DraftcacheProposer:
         self._moved += step.moved
         self._close(step.left)
         tracks = [step.track(i) for i in live]
-        for track, new in step.continued.values():  # what the engine made of the last chains
+        for track, gained in step.continued.values():  # what the engine made of the last chains
             sent = self._sent.get(id(track))
             if sent is not None and sent[0] is track:
-                self._outcomes.record(sent[1], accepted=len(new) - 1)
+                self._outcomes.record(sent[1], accepted=len(gained) - 1)
         self._sent = {}
         fresh = [t for t in tracks if t.payload is None]  # new rows (and any an earlier error left unopened)
         if self._last_start is not None and 0 < start - self._last_start <= self.settings.idle_close_s:
