@@ -147,6 +147,7 @@ class DraftcacheProposer:
                 self._errors += 1
                 logger.exception("draftcache proposer failed; no drafts this step")
                 drafts, live = [[] for _ in sampled_token_ids], 0
+                self._sent = {}  # no chain went out: none to score at the next step
             self._proposed, self._rows = sum(len(d) for d in drafts), live
             self._last_start = start
             self._stats.record(start=start, seconds=time.perf_counter() - start, rows=live)
