@@ -73,10 +73,11 @@ if [[ ",$ENGINES," == *",vllm,"* ]]; then
   fi
 fi
 PRIOR="data/prior-smollm2.npz"  # the namespace's static prior: warmed once, then kept
+TOKENIZER="$DRAFTCACHE_SHARED/data/tokenizers/smollm2"
 if [ "$PRIOR_ON" = 1 ] && [ ! -f "$PRIOR" ]; then
   mkdir -p data
   echo "== warming SmolLM2's static prior from ShareGPT (once: about a minute and a half)" >&2
-  draftcache warm --namespace smollm2 --tokenizer "$DRAFTCACHE_SHARED/data/tokenizers/smollm2" \
+  draftcache warm --namespace smollm2 --tokenizer "$TOKENIZER" \
     --corpus "$DRAFTCACHE_SHARED/data/corpora/sharegpt_v3_17671.json.gz" --format sharegpt --out "$PRIOR" \
     >"$OUT/warm-prior.log" 2>&1 || { echo "warming the prior failed: see $OUT/warm-prior.log" >&2; exit 1; }
 fi
@@ -111,8 +112,7 @@ start_service() {  # $1: the service's data folder, emptied first
   SERVER=$!
   wait_healthy "$PORT"
   if [ "$PRIOR_ON" = 1 ]; then  # published into its storage, then loaded
-    draftcache warm --namespace smollm2 --tokenizer "$DRAFTCACHE_SHARED/data/tokenizers/smollm2" \
-      --from-prior "$PRIOR" --data-dir "$1" >>"$1.log" 2>&1
+    draftcache warm --namespace smollm2 --tokenizer "$TOKENIZER" --from-prior "$PRIOR" --data-dir "$1" >>"$1.log" 2>&1
     draftcache rebuild --target "127.0.0.1:$PORT" --namespace smollm2 >>"$1.log" 2>&1
   fi
 }
