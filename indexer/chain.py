@@ -26,6 +26,7 @@ import numpy as np
 
 from indexer.kernels.chain import (
     DEPTHS,
+    RANKS,
     RATIO_BINS,
     TRACKS,
     chain_cells,
@@ -55,7 +56,7 @@ class ChainCalibrator:
     """
 
     def __init__(self) -> None:
-        shape = (RATIO_BINS, _SCORE_EDGES.size + 1, len(Tier), DEPTHS, TRACKS)
+        shape = (RATIO_BINS, _SCORE_EDGES.size + 1, len(Tier), DEPTHS, TRACKS, RANKS)
         self._hits = np.zeros(shape)
         self._trials = np.zeros(shape)
         self._coarse_hits = np.zeros((RATIO_BINS, TRACKS))

@@ -11,6 +11,7 @@ from numba import njit
 RATIO_BINS = 9  # score / parent score in eighths, 1.0 in a bin of its own
 DEPTHS = 4  # depths 1, 2, 3 and 4 or more
 TRACKS = 4  # how far the session's previous tree was followed: 0, 1, 2-3, 4 or more tokens
+RANKS = 2  # the best-scoring child of its parent (the one a chain takes), or another
 
 
 @njit(cache=True, nogil=True)
@@ -18,10 +19,17 @@ def chain_cells(
     parents: np.ndarray, scores: np.ndarray, sources: np.ndarray, score_edges: np.ndarray, track: int
 ) -> np.ndarray:
     """Per node its calibration cell: (ratio bin, score bin, tier, depth bin, the session's
-    track-record bin ``track``), as an (n, 5) table."""
+    track-record bin ``track``, sibling rank), as an (n, 6) table. The rank tells the child a
+    chain follows (its parent's best-scoring, ties to the earlier) from the alternatives beside
+    it: a cell's rate over both would under-claim the one chosen."""
     n = parents.size
-    cells = np.zeros((n, 5), dtype=np.int64)
+    cells = np.zeros((n, 6), dtype=np.int64)
     depth = np.zeros(n, dtype=np.int64)
+    best = np.full(n + 1, -1, dtype=np.int64)  # per parent (root at n), its best child so far
+    for i in range(n):
+        p = parents[i] if parents[i] >= 0 else n
+        if best[p] < 0 or scores[i] > scores[best[p]]:
+            best[p] = i
     for i in range(n):
         p = parents[i]
         s = np.float64(scores[i])
@@ -36,6 +44,7 @@ def chain_cells(
         depth[i] = 1 if p < 0 else depth[p] + 1
         cells[i, 3] = min(depth[i], DEPTHS) - 1
         cells[i, 4] = track
+        cells[i, 5] = 0 if best[p if p >= 0 else n] == i else 1
     return cells
 
 
@@ -52,8 +61,8 @@ def chain_conditional(
     n = cells.shape[0]
     out = np.empty(n)
     for i in range(n):
-        r, s, t, d, k = cells[i, 0], cells[i, 1], cells[i, 2], cells[i, 3], cells[i, 4]
-        out[i] = (hits[r, s, t, d, k] + fine_prior * coarse[r, k]) / (trials[r, s, t, d, k] + fine_prior)
+        r, s, t, d, k, b = cells[i, 0], cells[i, 1], cells[i, 2], cells[i, 3], cells[i, 4], cells[i, 5]
+        out[i] = (hits[r, s, t, d, k, b] + fine_prior * coarse[r, k]) / (trials[r, s, t, d, k, b] + fine_prior)
     return out
 
 
@@ -135,9 +144,9 @@ def chain_outcome(
         if (p < 0 or matched[p]) and depth[i] <= produced.size:
             matched[i] = tokens[i] == produced[depth[i] - 1]
             hit = 1.0 if matched[i] else 0.0
-            r, s, t, d, k = cells[i, 0], cells[i, 1], cells[i, 2], cells[i, 3], cells[i, 4]
-            trials[r, s, t, d, k] += 1.0
-            hits[r, s, t, d, k] += hit
+            r, s, t, d, k, b = cells[i, 0], cells[i, 1], cells[i, 2], cells[i, 3], cells[i, 4], cells[i, 5]
+            trials[r, s, t, d, k, b] += 1.0
+            hits[r, s, t, d, k, b] += hit
             coarse_trials[r, k] += 1.0
             coarse_hits[r, k] += hit
             if matched[i]:
