@@ -212,7 +212,7 @@ class DraftcacheDraftModel(LlamaDraftModel):
             # before it) evaluated its prompt and is not a step of the cost line.
             proposed = 0 if last_draft is None else last_draft.size
             counted = session is not None and last_draft is not None
-            self.cost.record(start - self._last_call, proposed, rows=1, counted=counted)
+            self.cost.record(start - self._last_call, proposed, rows=1, produced=new.size, counted=counted)
         self._last_call = start
         if session is None:  # a new generation: its prompt is all but the token just sampled
             session, new = self.begin(ids[:-1]), ids[-1:]

@@ -7,12 +7,15 @@ batch 1 almost nothing, at a large batch nearly a whole row's step. The proposer
 sides of it: how many tokens it proposed for a step and, at its next call, how long that step
 took. A least-squares fit through the latest steps, ``time = base + per_step * drafted +
 per_token * proposed`` (``drafted``: 1 where the step verified any draft; vLLM, for one, runs
-its rejection sampler only then), gives the costs, and an accepted token saves one step of its
-row: ``base / rows``. So a token is worth proposing when the chance that it is accepted (its
-chain score: the calibrated probability of being reached) is above ``per_token * rows / base``;
-the chain is cut there. And a step's drafts, all rows together, are worth proposing when the
-tokens they are expected to have accepted, less their cost, outweigh ``per_step`` (in the same
-units); else the step goes without.
+its rejection sampler only then), gives the costs. An accepted token is one token the engine
+does not have to produce later, so it is worth the time a token takes now: the inverse of the
+tokens the engine's steps produced per second over the same steps (with nothing accepted that
+is one step per row, ``base / rows``; the more drafts are accepted, the less a further token
+saves). So a token is worth proposing when the chance that it is accepted (its chain score:
+the calibrated probability of being reached) is above ``per_token`` times that rate; the chain
+is cut there. And a step's drafts, all rows together, are worth proposing when the tokens they
+are expected to have accepted, less their cost, outweigh ``per_step`` (in the same units); else
+the step goes without.
 
 Steps that started a request (its prompt evaluated in them) and pauses are not steps of
 the line; until enough steps with different numbers of proposed tokens have been seen, the
@@ -21,14 +24,19 @@ cost is the configured prior.
 >>> cost = StepCost(prior=0.3, floor=0.0)
 >>> cost.min_prob
 0.3
->>> for i in range(64):  # 20 ms a step, 5 ms per proposed token, one row
+>>> for i in range(64):  # 20 ms a step, 5 ms per proposed token, one row, nothing accepted
 ...     proposed = i % 5
-...     cost.record(0.020 + 0.005 * proposed, proposed, rows=1)
->>> round(cost.min_prob, 3)
-0.25
+...     cost.record(0.020 + 0.005 * proposed, proposed, rows=1, produced=1)
+>>> round(cost.min_prob, 3)  # 5 ms at 1 token per 30 ms on average
+0.168
 >>> cost.record(3.0, 2, rows=1, counted=False)  # a prompt's evaluation: not a step of the line
 >>> round(cost.min_prob, 3)
-0.25
+0.168
+>>> for i in range(512):  # the same steps, now producing 1 + proposed // 2 tokens each
+...     proposed = i % 5
+...     cost.record(0.020 + 0.005 * proposed, proposed, rows=1, produced=1 + proposed // 2)
+>>> round(cost.min_prob, 2)  # a token takes 16.7 ms now: 5 ms is worth a 0.3 chance of one
+0.3
 """
 
 from __future__ import annotations
@@ -58,18 +66,24 @@ class StepCost:
         if not 0 <= floor < 1 or not 0 <= prior < 1:
             raise ValueError(f"prior and floor must be in [0, 1), got {prior} and {floor}")
         self.prior, self.floor, self.measure = prior, floor, measure
-        self._steps: deque[tuple[float, float, float]] = deque(maxlen=window)  # (seconds, proposed, rows)
+        # (seconds, proposed, rows, tokens produced)
+        self._steps: deque[tuple[float, float, float, float]] = deque(maxlen=window)
         self._since_fit = 0
         self._token: float | None = None  # the measured per_token / (base / rows)
         self._step = 0.0  # the measured per_step / (base / rows)
         self.base_s = self.per_step_s = self.per_token_s = 0.0
+        self.token_s = 0.0  # the steps' time per token they produced
 
-    def record(self, seconds: float, proposed: int, *, rows: int, counted: bool = True) -> None:
-        """The step that verified ``proposed`` tokens over ``rows`` rows took ``seconds``;
+    def record(
+        self, seconds: float, proposed: int, *, rows: int, produced: int | None = None, counted: bool = True
+    ) -> None:
+        """The step that verified ``proposed`` tokens over ``rows`` rows took ``seconds`` and
+        produced ``produced`` tokens (accepted and sampled, all rows; default one per row);
         ``counted=False``: a step that is not one of the line's (a prompt evaluated in it)."""
         if not (self.measure and counted) or seconds <= 0 or rows < 1:
             return
-        self._steps.append((seconds, float(proposed), float(rows)))
+        made = float(rows if produced is None else produced)
+        self._steps.append((seconds, float(proposed), float(rows), max(made, 1.0)))
         self._since_fit += 1
         if self._since_fit >= REFIT_EVERY or self._token is None:
             self._fit()
@@ -79,7 +93,7 @@ class StepCost:
         if len(self._steps) < MIN_STEPS:
             return
         steps = np.array(self._steps)
-        seconds, proposed, rows = steps[:, 0], steps[:, 1], steps[:, 2]
+        seconds, proposed, produced = steps[:, 0], steps[:, 1], steps[:, 3]
         if proposed.std() < MIN_SPREAD:
             return
         drafted = (proposed > 0).astype(np.float64)
@@ -87,7 +101,8 @@ class StepCost:
         # sampler only then): measured where there are enough steps of both kinds.
         both = min(drafted.sum(), (1 - drafted).sum()) >= MIN_SIDE
         columns = [np.ones(seconds.size), drafted, proposed] if both else [np.ones(seconds.size), proposed]
-        coef = _robust_line(np.stack(columns, axis=1), seconds).tolist()
+        coef, kept = _robust_line(np.stack(columns, axis=1), seconds)
+        coef = coef.tolist()
         base, per_token = coef[0], max(0.0, coef[-1])
         if both:
             self.per_step_s = max(0.0, coef[1])
@@ -96,8 +111,8 @@ class StepCost:
         if base <= 0:
             return
         self.base_s, self.per_token_s = base, per_token
-        row_step = base / float(rows.mean())  # what an accepted token saves
-        self._token, self._step = per_token / row_step, self.per_step_s / row_step
+        self.token_s = float(seconds[kept].sum() / produced[kept].sum())  # what an accepted token saves
+        self._token, self._step = per_token / self.token_s, self.per_step_s / self.token_s
 
     @property
     def measured(self) -> bool:
@@ -129,19 +144,20 @@ class StepCost:
             "step_base_ms": round(1e3 * self.base_s, 3),
             "step_drafting_ms": round(1e3 * self.per_step_s, 3),
             "step_per_token_ms": round(1e3 * self.per_token_s, 3),
+            "token_ms": round(1e3 * self.token_s, 3),
             "chain_cut_prob": round(self.min_prob, 4),
         }
 
 
-def _robust_line(a: np.ndarray, seconds: np.ndarray) -> np.ndarray:
+def _robust_line(a: np.ndarray, seconds: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Least squares ``seconds ~ a @ coef``, refitted without the steps far above the first fit
     (past four median deviations): the odd slow step (another process took the core) does not
-    move it."""
+    move it. Returns the coefficients and the mask of the steps kept."""
     coef, *_ = np.linalg.lstsq(a, seconds, rcond=None)
     residual = seconds - a @ coef
     keep = residual <= 4 * np.median(np.abs(residual)) + 1e-6
     coef, *_ = np.linalg.lstsq(a[keep], seconds[keep], rcond=None)
-    return np.asarray(coef, dtype=np.float64)
+    return np.asarray(coef, dtype=np.float64), keep
 
 
 def cut(tokens: np.ndarray, scores: np.ndarray, min_prob: float) -> np.ndarray:

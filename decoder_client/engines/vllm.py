@@ -174,7 +174,13 @@ class DraftcacheProposer:
             # The step just verified what the last call proposed; one that evaluated a prompt
             # (a row still prefilling, or one that just started) is not a step of the cost line.
             prefill = bool(fresh) or any(not len(s) and int(lengths[i]) > 0 for i, s in enumerate(sampled))
-            self._cost.record(start - self._last_start, self._proposed, rows=max(1, self._rows), counted=not prefill)
+            self._cost.record(
+                start - self._last_start,
+                self._proposed,
+                rows=max(1, self._rows),
+                produced=sum(produced.values()),
+                counted=not prefill,
+            )
         if fresh:  # their first draft comes from the service if their open lands in half a deadline
             self._client.cut_chains_at(self._cost.min_prob)  # the service picks chains for this cut
             new = self._client.open([t.tokens for t in fresh], wait=False, wait_s=self._deadline.seconds / 2)

@@ -1,5 +1,6 @@
 """Where an engine proposer cuts its chains: the measured cost of a proposed token against the
-step an accepted one saves (decoder_client.engines.step_cost)."""
+time an accepted one saves, the time the engine takes per token it produces
+(decoder_client.engines.step_cost)."""
 
 from __future__ import annotations
 
@@ -12,24 +13,45 @@ from indexer.tree_builder import DraftTree
 
 
 def steps(
-    cost: StepCost, n: int, base: float, per_token: float, rows: int = 1, seed: int = 0, per_step: float = 0.0
+    cost: StepCost,
+    n: int,
+    base: float,
+    per_token: float,
+    rows: int = 1,
+    seed: int = 0,
+    per_step: float = 0.0,
+    accepted: float = 0.0,
 ) -> None:
     """``n`` steps of ``base + per_step * (proposed > 0) + per_token * proposed`` seconds (5%
-    noise), 0-8 tokens proposed."""
+    noise), 0-8 tokens proposed, each row producing one token and ``accepted`` of each step's
+    proposed ones (rounded down)."""
     rng = np.random.default_rng(seed)
     for _ in range(n):
         proposed = int(rng.integers(0, 9))
         seconds = base + per_step * (proposed > 0) + per_token * proposed
-        cost.record(seconds * rng.uniform(0.95, 1.05), proposed, rows=rows)
+        produced = rows + int(accepted * proposed)
+        cost.record(seconds * rng.uniform(0.95, 1.05), proposed, rows=rows, produced=produced)
 
 
-def test_the_cut_is_a_proposed_tokens_cost_against_a_step() -> None:
+def test_the_cut_is_a_proposed_tokens_cost_against_the_time_a_token_takes() -> None:
     cpu = StepCost(prior=0.3)
     steps(cpu, 200, base=0.020, per_token=0.006)  # llama.cpp on this CPU: 20 ms + 6 ms a token
-    assert cpu.measured and cpu.min_prob == pytest.approx(0.3, abs=0.03)
+    # Nothing accepted: a token takes a whole step, 44 ms on average with 4 tokens proposed.
+    assert cpu.measured and cpu.min_prob == pytest.approx(0.006 / 0.044, abs=0.02)
+    assert cpu.summary()["token_ms"] == pytest.approx(44, rel=0.05)
     gpu = StepCost(prior=0.3)
     steps(gpu, 200, base=0.015, per_token=0.0003)  # a GPU at batch 1: drafted tokens nearly free
     assert gpu.min_prob == pytest.approx(0.02, abs=0.01)
+
+
+def test_accepted_drafts_make_a_further_token_worth_less() -> None:
+    # The same steps with half the proposed tokens accepted: a token takes 44 / 3 ms on average
+    # (1 + 2 tokens a step), so a proposed token costing 6 ms must be likelier to pay.
+    cost = StepCost(prior=0.3)
+    steps(cost, 400, base=0.020, per_token=0.006, accepted=0.5)
+    produced = 1 + np.mean([int(0.5 * p) for p in range(9)])
+    assert cost.min_prob == pytest.approx(0.006 * produced / 0.044, abs=0.03)
+    assert cost.min_prob > 0.3
 
 
 def test_a_step_that_verifies_drafts_may_cost_more_than_its_tokens() -> None:
@@ -38,9 +60,10 @@ def test_a_step_that_verifies_drafts_may_cost_more_than_its_tokens() -> None:
     steps(cost, 300, base=0.125, per_step=0.030, per_token=0.008)
     s = cost.summary()
     assert s["step_base_ms"] == pytest.approx(125, rel=0.05) and s["step_drafting_ms"] == pytest.approx(30, rel=0.2)
-    assert cost.min_prob == pytest.approx(0.064, abs=0.01)
-    # A step's drafts must be expected to save a quarter of a step beyond their tokens' cost:
-    assert not cost.worth_a_step(expected=0.3, proposed=1)  # one likely token does not pay
+    token_s = 0.125 + 0.030 * 8 / 9 + 0.008 * 4  # a step, producing one token
+    assert cost.min_prob == pytest.approx(0.008 / token_s, abs=0.01)
+    # A step's drafts must be expected to save 30 / 184 of a token's time beyond their tokens':
+    assert not cost.worth_a_step(expected=0.15, proposed=1)  # one unlikely token does not pay
     assert cost.worth_a_step(expected=2.0, proposed=4)  # four that should mostly be accepted do
     assert not cost.worth_a_step(expected=0.0, proposed=0)
     # Where every step drafts (or none does), that cost cannot be told from the base: not asked.
@@ -51,11 +74,11 @@ def test_a_step_that_verifies_drafts_may_cost_more_than_its_tokens() -> None:
 
 
 def test_a_batch_makes_proposed_tokens_dearer() -> None:
-    # An accepted token saves its row a step: base / rows. At 16 rows a proposed token costing
-    # 1/40 of the step costs 0.4 of what an accepted one saves.
+    # An accepted token saves the time the engine takes per token: a step over its 16 rows. A
+    # proposed token costing 1/44 of the step costs 16/44 of what an accepted one saves.
     batched = StepCost(prior=0.1)
     steps(batched, 200, base=0.040, per_token=0.001, rows=16)
-    assert batched.min_prob == pytest.approx(0.4, abs=0.04)
+    assert batched.min_prob == pytest.approx(16 / 44, abs=0.04)
 
 
 def test_the_prior_holds_until_the_line_is_known() -> None:
@@ -67,7 +90,7 @@ def test_the_prior_holds_until_the_line_is_known() -> None:
         cost.record(5.0, i % 8, rows=1, counted=False)
     assert not cost.measured
     steps(cost, 64, base=0.020, per_token=0.002)
-    assert cost.measured and cost.min_prob == pytest.approx(0.1, abs=0.03)
+    assert cost.measured and cost.min_prob == pytest.approx(0.08, abs=0.02)
 
 
 def test_odd_slow_steps_do_not_move_the_cut() -> None:
@@ -84,8 +107,8 @@ def test_floor_cap_and_a_fixed_cost() -> None:
     floored = StepCost(prior=0.3, floor=0.2)
     steps(floored, 200, base=0.020, per_token=0.0002)
     assert floored.min_prob == 0.2
-    dear = StepCost(prior=0.3)
-    steps(dear, 200, base=0.010, per_token=0.05)  # a token costs five steps: the cap, not 5
+    dear = StepCost(prior=0.3)  # a token costs five steps and most are accepted: the cap, not 2
+    steps(dear, 200, base=0.010, per_token=0.05, accepted=1.0)
     assert dear.min_prob == MAX_MIN_PROB
     fixed = EngineSettings(namespace="n", token_cost=0.25, chain_min_prob=0.1).step_cost()
     steps(fixed, 200, base=0.020, per_token=0.0002)
