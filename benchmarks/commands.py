@@ -62,6 +62,14 @@ def _replay_args(r: argparse.ArgumentParser) -> None:
         "each baseline cut to its best path); 0: trees",
     )
     add(r, "--chain-min-prob", type=float, default=0.0, help="chain mode: stop before a token less likely than this")
+    add(
+        r,
+        "--step-cost",
+        type=float,
+        default=0.0,
+        help="what a proposed token costs an engine, as a share of a step (vLLM on this CPU ~0.08, llama.cpp ~0.3): "
+        "adds each drafter's tokens per step-time, MAT / (1 + cost x draft/step)",
+    )
     r.add_argument(
         "--topk",
         action=argparse.BooleanOptionalAction,
@@ -156,6 +164,8 @@ def _replay_groups(a: argparse.Namespace, config: replay_bench.ReplayConfig) -> 
 
 
 def cmd_replay(a: argparse.Namespace) -> int:
+    if not 0.0 <= a.step_cost <= 10.0:
+        raise SystemExit(f"--step-cost must be in [0, 10], got {a.step_cost}")
     config = replay_bench.ReplayConfig(
         params=DraftParams(
             budget=a.budget,
@@ -189,10 +199,10 @@ def cmd_replay(a: argparse.Namespace) -> int:
         drafter_list += replay_bench.drafters(namespace, config, prior)
         per_namespace.append((namespace.name, replay_bench.run_replay(part, drafter_list, topk=config.topk)))
     if len(per_namespace) == 1:
-        print(replay_bench.report(per_namespace[0][1], a.traces, as_json=a.json))
+        print(replay_bench.report(per_namespace[0][1], a.traces, as_json=a.json, step_cost=a.step_cost))
         return 0
     merged = [ReplayStats.merged(stats) for stats in zip(*(results for _, results in per_namespace), strict=True)]
-    print(replay_bench.report(merged, a.traces, as_json=a.json, by_namespace=per_namespace))
+    print(replay_bench.report(merged, a.traces, as_json=a.json, by_namespace=per_namespace, step_cost=a.step_cost))
     return 0
 
 

@@ -242,16 +242,33 @@ def run_replay(
     return results
 
 
+def per_step_time(mat: float, drafted_per_step: float, step_cost: float) -> float:
+    """Tokens per unit of verification time where a step costs 1 plus ``step_cost`` per token
+    it checks: plain decoding is 1.0, and a drafter that proposes much for little falls below.
+
+    >>> per_step_time(2.0, 5.0, 0.1), per_step_time(2.0, 0.0, 0.1)
+    (1.3333333333333333, 2.0)
+    """
+    return mat / (1.0 + step_cost * drafted_per_step)
+
+
 def report(
     results: list[ReplayStats],
     trace: Path,
     *,
     as_json: bool,
     by_namespace: list[tuple[str, list[ReplayStats]]] | None = None,
+    step_cost: float = 0.0,
 ) -> str:
     """The side-by-side table; with ``by_namespace`` (traces of several namespaces, ``results``
-    their merge) each namespace's MAT per drafter too."""
+    their merge) each namespace's MAT per drafter too. With ``step_cost`` (a proposed token's
+    cost as a share of a verification step), each drafter's tokens per step-time too
+    (:func:`per_step_time`): what an engine that pays for every proposed token gains."""
     rows = [r.summary() for r in results]
+    if step_cost:
+        for res, r in zip(results, rows, strict=True):
+            r["step_cost"] = step_cost
+            r["tokens_per_step_time"] = round(per_step_time(res.mat, res.drafted / max(res.steps, 1), step_cost), 4)
     if as_json:
         out: dict = {"trace": str(trace), "results": rows}
         if by_namespace is not None:
@@ -260,13 +277,17 @@ def report(
     cats = sorted({c for r in rows for c in r["mat_by_category"]})
     width = max(len(r["drafter"]) for r in rows) + 2
     lines = [f"trace: {trace}"]
-    head = f"{'drafter':<{width}}{'MAT':>7}{'draft/step':>11}{'p50 us':>9}{'p99 us':>9}"
+    costed = f"{'per cost':>10}" if step_cost else ""
+    head = f"{'drafter':<{width}}{'MAT':>7}{'draft/step':>11}{costed}{'p50 us':>9}{'p99 us':>9}"
     lines.append(head)
     for r in rows:
+        cost = f"{r['tokens_per_step_time']:>10.3f}" if step_cost else ""
         lines.append(
-            f"{r['drafter']:<{width}}{r['mat']:>7.3f}{r['drafted_per_step']:>11.1f}"
+            f"{r['drafter']:<{width}}{r['mat']:>7.3f}{r['drafted_per_step']:>11.1f}{cost}"
             f"{r['draft_us_p50']:>9.0f}{r['draft_us_p99']:>9.0f}"
         )
+    if step_cost:
+        lines.append(f"per cost: tokens per step-time, a proposed token costing {step_cost:g} of a step")
     fed = [f"{r['drafter']} {r['topk_rows']}" for r in rows if "topk_rows" in r]
     if fed:
         lines.append("the target's top-k handed over, verified positions: " + ", ".join(fed))

@@ -302,3 +302,17 @@ def test_replay_chain_reports_chains_of_every_drafter(tmp_path: Path, capsys: py
         assert r["drafted_per_step"] <= 4
     # Request "b" repeats request "a"'s output: in chains of 4 it still takes fewer steps.
     assert out["results"][0]["mat_by_category"]["repeat"] > 1.0
+
+
+def test_replay_step_cost_reports_tokens_per_step_time(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    traces = _write_traces(tmp_path / "t.jsonl.gz", CONVERSATIONS)
+    assert main(["replay", str(traces), "--chain", "4", "--step-cost", "0.1", "--json"]) == 0
+    for r in json.loads(capsys.readouterr().out)["results"]:
+        # What an engine paying a tenth of a step per proposed token gets from the drafter.
+        assert r["step_cost"] == 0.1
+        assert r["tokens_per_step_time"] == pytest.approx(r["mat"] / (1 + 0.1 * r["drafted_per_step"]), rel=0.01)
+        assert r["tokens_per_step_time"] < r["mat"]
+    assert main(["replay", str(traces), "--chain", "4", "--step-cost", "0.1"]) == 0
+    assert "per cost" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="step-cost"):
+        main(["replay", str(traces), "--step-cost", "-1"])
