@@ -25,6 +25,7 @@ from __future__ import annotations
 import numpy as np
 
 from indexer.kernels.chain import (
+    DEPTH_EDGES,
     DEPTHS,
     RANKS,
     RATIO_BINS,
@@ -39,6 +40,10 @@ from indexer.tree_builder import DraftTree, Tier
 _SCORE_EDGES = np.array([0.05, 0.1, 0.2, 0.4, 0.7, 0.99])  # the node's own score
 _COARSE_PRIOR = 2.0  # pseudo-trials at the ratio's own claim, per ratio bin
 _FINE_PRIOR = 4.0  # pseudo-trials at the ratio bin's estimate, per fine cell
+# A chain's claimed reach (the product of its nodes' conditionals), binned for its second
+# calibration, and the pseudo-trials at the claim itself per (depth, claim) cell.
+_REACH_EDGES = np.array([0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9])
+_REACH_PRIOR = 8.0
 
 
 class ChainCalibrator:
@@ -61,6 +66,10 @@ class ChainCalibrator:
         self._trials = np.zeros(shape)
         self._coarse_hits = np.zeros((RATIO_BINS, TRACKS))
         self._coarse_trials = np.zeros((RATIO_BINS, TRACKS))
+        # The chains cut: per (depth bin, claimed-reach bin), how many nodes were reached and
+        # the sum of their claims.
+        self._reach_hits = np.zeros((DEPTHS, _REACH_EDGES.size + 1))
+        self._reach_claims = np.zeros((DEPTHS, _REACH_EDGES.size + 1))
         # Before any outcome a ratio bin claims its midpoint (the scores' own estimate).
         self._claim = (np.arange(RATIO_BINS) + 0.5) / 8
         self._claim[-1] = 1.0
@@ -84,6 +93,41 @@ class ChainCalibrator:
         )
         coarse = (self._coarse_hits + _COARSE_PRIOR * ratio[:, None]) / (self._coarse_trials + _COARSE_PRIOR)
         return chain_conditional(self._cells(tree, track), self._hits, self._trials, coarse, _FINE_PRIOR)
+
+    def reach(self, claims: np.ndarray) -> np.ndarray:
+        """A chain's nodes' claimed reach (by depth from 1: the products of their conditionals)
+        as the chains cut so far bore them out: each claim scaled by its (depth, claim) cell's
+        reached-to-claimed ratio, shrunk toward 1 by :data:`_REACH_PRIOR` pseudo-trials, and
+        never rising along the chain. Conditionals calibrated one by one still over-claim deep
+        nodes: their product assumes a path's steps independent, and a chain that drifts from
+        the text it copies keeps drifting."""
+        if not claims.size:
+            return np.zeros(0)
+        depth, bins = self._reach_cells(claims)
+        hits, claimed = self._reach_hits[depth, bins], self._reach_claims[depth, bins]
+        scaled = np.minimum(1.0, claims * (hits + _REACH_PRIOR) / (claimed + _REACH_PRIOR))
+        return np.minimum.accumulate(scaled)
+
+    def update_reach(self, tokens: np.ndarray, claims: np.ndarray, produced: np.ndarray) -> None:
+        """Learn from a cut chain (``tokens``, their raw ``claims``) and the tokens the target
+        produced after it (accepted plus the bonus): a node is reached while the chain matches
+        them; past the first mismatch every node is known unreached, and where every produced
+        token matched (the chain went on past what was verified) the rest are not counted."""
+        n = min(tokens.size, claims.size)
+        if not n or not produced.size:
+            return
+        m = min(n, produced.size)
+        same = tokens[:m] == produced[:m]
+        matched = int(np.argmin(same)) if not same.all() else m
+        known = n if matched < produced.size else matched
+        depth, bins = self._reach_cells(claims[:known])
+        np.add.at(self._reach_claims, (depth, bins), claims[:known])
+        np.add.at(self._reach_hits, (depth[:matched], bins[:matched]), 1.0)
+
+    @staticmethod
+    def _reach_cells(claims: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        depth = np.searchsorted(DEPTH_EDGES, np.arange(1, claims.size + 1), side="right") - 1
+        return depth, np.searchsorted(_REACH_EDGES, claims, side="right")
 
     @property
     def trials(self) -> int:
@@ -146,7 +190,13 @@ def best_path(
     return chain_path(np.ascontiguousarray(parents, dtype=np.int32), conditional, weights, k, float(min_prob))
 
 
-def cut_to_chain(tree: DraftTree, k: int, conditional: np.ndarray, min_prob: float = 0.0) -> DraftTree:
+def cut_to_chain(
+    tree: DraftTree,
+    k: int,
+    conditional: np.ndarray,
+    min_prob: float = 0.0,
+    calibrator: ChainCalibrator | None = None,
+) -> DraftTree:
     """``tree``'s best chain of at most ``k`` tokens (see :func:`best_path`) as a tree whose
     parents are -1, 0, 1, ...; its scores are the nodes' cumulative probabilities.
 
@@ -156,14 +206,34 @@ def cut_to_chain(tree: DraftTree, k: int, conditional: np.ndarray, min_prob: flo
     >>> c.tokens.tolist(), c.parents.tolist()  # 0.5 + 0.4 beats 0.6 alone
     ([6, 7], [-1, 0])
     """
+    return chain_of(tree, k, conditional, min_prob, calibrator)[0]
+
+
+def chain_of(
+    tree: DraftTree,
+    k: int,
+    conditional: np.ndarray,
+    min_prob: float = 0.0,
+    calibrator: ChainCalibrator | None = None,
+) -> tuple[DraftTree, np.ndarray]:
+    """:func:`cut_to_chain`'s chain and its nodes' raw claims (the cumulative products of
+    ``conditional``). With ``calibrator`` the chain's scores are its reach as chains cut so
+    far bore such claims out (:meth:`ChainCalibrator.reach`), and it ends where those fall
+    below ``min_prob``."""
     # Nodes of one calibration cell share its rate; their scores still rank them (measured on
     # Spec-Bench, K=8: the rate times the score picks paths 0.6% longer than the rate alone).
     preference = conditional * tree.scores.astype(np.float64)
     path = best_path(tree.parents, conditional, k, min_prob, preference)
-    cumulative = np.cumprod(conditional[path]) if path.size else np.zeros(0)
-    return DraftTree(
+    claims = np.cumprod(conditional[path]) if path.size else np.zeros(0)
+    cumulative = claims
+    if calibrator is not None:
+        cumulative = calibrator.reach(claims)
+        keep = int(np.count_nonzero(cumulative >= min_prob)) if min_prob > 0 else int(np.count_nonzero(cumulative > 0))
+        path, claims, cumulative = path[:keep], claims[:keep], cumulative[:keep]
+    chain = DraftTree(
         tree.tokens[path].astype(np.int32),
         np.arange(-1, path.size - 1, dtype=np.int32),
         tree.sources[path].astype(np.uint8),
         cumulative.astype(np.float32),
     )
+    return chain, claims

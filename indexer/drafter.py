@@ -18,7 +18,7 @@ import numpy as np
 
 from indexer import kernels
 from indexer.calibration import Calibrator
-from indexer.chain import ChainCalibrator, cut_to_chain
+from indexer.chain import ChainCalibrator, chain_of
 from indexer.kernels import accept as accept_kernel
 from indexer.kernels import draft as draft_kernel
 from indexer.kernels.draft import JOB_COLUMNS
@@ -265,8 +265,10 @@ class NamespaceDrafter:
             if params.chain:
                 with self._lock:
                     conditional = self.chain_calibrator.conditional(tree, session.track)
-                tree = cut_to_chain(tree, params.chain, conditional, params.chain_min_prob)
+                    cal = self.chain_calibrator
+                    tree, claims = chain_of(tree, params.chain, conditional, params.chain_min_prob, cal)
                 session.calibrates = True
+                session.chain = (tree.tokens, claims)
             out.append(tree)
         return DraftedTrees(_batch_of(out))
 
@@ -379,6 +381,10 @@ class NamespaceDrafter:
                 if tree is not None:
                     with self._lock:
                         session.track = self.chain_calibrator.update(tree, new, session.track)
+                if session.chain is not None:
+                    with self._lock:
+                        self.chain_calibrator.update_reach(*session.chain, new)
+            session.chain = None
 
     def prespeculate(self, session: Session, k: int, params: DraftParams) -> Prefetched:
         """Trees drafted ahead for the ``k`` likeliest outcomes of verifying the session's last

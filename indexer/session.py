@@ -65,6 +65,7 @@ class Session:
         self.prefetched: Prefetched = {}  # trees drafted ahead for outcomes of last_tree
         self.calibrates = False  # last_tree's outcome teaches chain calibration (chain mode, pre-speculation)
         self.track = 0  # how far the target followed the tree before last_tree (indexer.chain.track_of)
+        self.chain: tuple[np.ndarray, np.ndarray] | None = None  # the chain cut from last_tree: tokens, claimed reach
 
     @property
     def has_tree(self) -> bool:

@@ -188,7 +188,7 @@ def warm_up() -> None:
     successor_rows(followers, weights, norm, 1, 2, 0.0)
     # Chain mode: a node's cell, its probability, the chosen path and an outcome's count.
     cells = chain_cells(root, np.ones(1, dtype=np.float32), np.zeros(1, dtype=np.uint8), np.ones(1), 0)
-    grid = np.zeros((9, 7, 8, 4, 4, 2))
+    grid = np.zeros((9, 7, 8, 7, 4, 2))
     chain_conditional(cells, grid, grid, np.ones((9, 4)), 1.0)
     chain_path(root, np.ones(1), np.ones(1), 2, 0.0)
     chain_reach(root, np.ones(1))

@@ -9,7 +9,10 @@ import numpy as np
 from numba import njit
 
 RATIO_BINS = 9  # score / parent score in eighths, 1.0 in a bin of its own
-DEPTHS = 4  # depths 1, 2, 3 and 4 or more
+# A node's depth, binned: 1, 2, 3, 4-5, 6-8, 9-12, 13 or more. Deep nodes of one score and
+# ratio are accepted less often than shallow ones (a long chain drifts from the text it copies).
+DEPTH_EDGES = np.array([1, 2, 3, 4, 6, 9, 13])
+DEPTHS = DEPTH_EDGES.size
 TRACKS = 4  # how far the session's previous tree was followed: 0, 1, 2-3, 4 or more tokens
 RANKS = 2  # the best-scoring child of its parent (the one a chain takes), or another
 
@@ -42,7 +45,10 @@ def chain_cells(
         cells[i, 1] = b
         cells[i, 2] = sources[i]
         depth[i] = 1 if p < 0 else depth[p] + 1
-        cells[i, 3] = min(depth[i], DEPTHS) - 1
+        d = 0
+        while d + 1 < DEPTHS and DEPTH_EDGES[d + 1] <= depth[i]:
+            d += 1
+        cells[i, 3] = d
         cells[i, 4] = track
         cells[i, 5] = 0 if best[p if p >= 0 else n] == i else 1
     return cells

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from indexer.chain import ChainCalibrator, best_path, cut_to_chain
+from indexer.chain import ChainCalibrator, best_path, chain_of, cut_to_chain
 from indexer.drafter import DrafterConfig, DraftParams, NamespaceDrafter
 from indexer.session import Session
 from indexer.tokens import Namespace
@@ -184,6 +184,51 @@ def test_calibrator_tells_sessions_on_track_from_those_off_it():
     assert off[0] < 0.1
     with pytest.raises(ValueError, match="track"):
         cal.conditional(t, track=4)
+
+
+def test_calibrator_tells_the_child_a_chain_takes_from_the_alternatives_beside_it():
+    cal = ChainCalibrator()
+    # Two children scored alike (the first the best-scoring, ties to the earlier): the first is
+    # always the target's next token, the second never. One cell over both would claim 0.5.
+    t = _tree([5, 6, 7], [-1, 0, 0], [1.0, 0.5, 0.5])
+    for _ in range(30):
+        cal.update(t, _a([5, 6]))
+    best, other = cal.conditional(t)[1:]
+    assert best > 0.85 and other < 0.15
+
+
+def test_a_chains_deep_claims_are_scaled_by_what_chains_cut_before_reached():
+    cal = ChainCalibrator()
+    claims = np.array([0.9, 0.8, 0.7, 0.6, 0.5])
+    # Before any outcome the claims stand.
+    assert cal.reach(claims).tolist() == pytest.approx(claims.tolist())
+    # Chains whose claims said 0.5-0.9 at every depth, and whose first two tokens were reached,
+    # never the third: the shallow claims held, the deep ones were far too high.
+    tokens = _a([1, 2, 3, 4, 5])
+    for _ in range(40):
+        cal.update_reach(tokens, claims, _a([1, 2, 9]))
+    reach = cal.reach(claims)
+    assert reach[0] > 0.85 and reach[1] > 0.75
+    assert reach[2] < 0.2 and reach[4] < 0.15
+    assert np.all(np.diff(reach) <= 0)  # never rising along a chain
+    # An outcome that matched the chain to its end of what was verified says nothing of the rest.
+    fresh = ChainCalibrator()
+    for _ in range(40):
+        fresh.update_reach(tokens, claims, _a([1, 2]))  # two accepted... and nothing past them known
+    assert fresh.reach(claims)[2:].tolist() == pytest.approx(claims[2:].tolist())
+
+
+def test_chains_cut_with_the_calibrator_end_where_their_reach_falls_below_the_threshold():
+    cal = ChainCalibrator()
+    claims = np.array([0.9, 0.8, 0.7, 0.6])
+    for _ in range(40):
+        cal.update_reach(_a([5, 6, 7, 8]), claims, _a([5, 6, 0]))
+    t = _tree([5, 6, 7, 8], [-1, 0, 1, 2], [1.0, 1.0, 1.0, 1.0])
+    conditional = np.array([0.9, 0.8 / 0.9, 0.7 / 0.8, 0.6 / 0.7])
+    chain, raw = chain_of(t, 4, conditional, 0.3, cal)
+    assert chain.tokens.tolist() == [5, 6]  # the third claimed 0.7, chains like it never got there
+    assert raw.tolist() == pytest.approx([0.9, 0.8])
+    assert len(cut_to_chain(t, 4, conditional, 0.3)) == 4  # without it, the raw claims cut nothing
 
 
 def test_a_session_retracing_its_prompt_gets_longer_chains_at_a_stopping_threshold():
