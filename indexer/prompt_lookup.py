@@ -31,3 +31,19 @@ def prompt_lookup(context: np.ndarray, *, min_n: int = 1, max_n: int = 3, num_to
     if start < 0:
         return np.zeros(0, dtype=np.int32)
     return context[start : start + num_tokens].copy()
+
+
+def prompt_lookup_match(context: np.ndarray, *, max_n: int = 3, num_tokens: int = 10) -> tuple[np.ndarray, int]:
+    """:func:`prompt_lookup`'s chain (``min_n`` 1) and the length of the n-gram it matched (0:
+    none), which says how far to trust it.
+
+    >>> ctx = np.array([1, 2, 3, 4, 5, 9, 2, 3], dtype=np.int32)
+    >>> chain, n = prompt_lookup_match(ctx, num_tokens=2)
+    >>> chain.tolist(), n  # "2 3" occurred before ("9 2 3" did not)
+    ([4, 5], 2)
+    """
+    for n in range(max_n, 0, -1):
+        chain = prompt_lookup(context, min_n=n, max_n=n, num_tokens=num_tokens)
+        if chain.size:
+            return chain, n
+    return np.zeros(0, dtype=np.int32), 0
