@@ -66,10 +66,10 @@ class ChainCalibrator:
         self._trials = np.zeros(shape)
         self._coarse_hits = np.zeros((RATIO_BINS, TRACKS))
         self._coarse_trials = np.zeros((RATIO_BINS, TRACKS))
-        # The chains cut: per (depth bin, claimed-reach bin), how many nodes were reached and
-        # the sum of their claims.
-        self._reach_hits = np.zeros((DEPTHS, _REACH_EDGES.size + 1))
-        self._reach_claims = np.zeros((DEPTHS, _REACH_EDGES.size + 1))
+        # The chains cut: per (track record, depth bin, claimed-reach bin), how many nodes were
+        # reached and the sum of their claims.
+        self._reach_hits = np.zeros((TRACKS, DEPTHS, _REACH_EDGES.size + 1))
+        self._reach_claims = np.zeros((TRACKS, DEPTHS, _REACH_EDGES.size + 1))
         # Before any outcome a ratio bin claims its midpoint (the scores' own estimate).
         self._claim = (np.arange(RATIO_BINS) + 0.5) / 8
         self._claim[-1] = 1.0
@@ -94,25 +94,27 @@ class ChainCalibrator:
         coarse = (self._coarse_hits + _COARSE_PRIOR * ratio[:, None]) / (self._coarse_trials + _COARSE_PRIOR)
         return chain_conditional(self._cells(tree, track), self._hits, self._trials, coarse, _FINE_PRIOR)
 
-    def reach(self, claims: np.ndarray) -> np.ndarray:
+    def reach(self, claims: np.ndarray, track: int = 0) -> np.ndarray:
         """A chain's nodes' claimed reach (by depth from 1: the products of their conditionals)
-        as the chains cut so far bore them out: each claim scaled by its (depth, claim) cell's
-        reached-to-claimed ratio, shrunk toward 1 by :data:`_REACH_PRIOR` pseudo-trials, and
-        never rising along the chain. Conditionals calibrated one by one still over-claim deep
-        nodes: their product assumes a path's steps independent, and a chain that drifts from
-        the text it copies keeps drifting."""
+        as the chains cut so far bore them out for sessions of track record ``track``: each
+        claim scaled by its (track record, depth, claim) cell's reached-to-claimed ratio,
+        shrunk toward 1 by :data:`_REACH_PRIOR` pseudo-trials, and never rising along the chain.
+        Conditionals calibrated one by one still over-claim deep nodes: their product assumes a
+        path's steps independent, and a chain that drifts from the text it copies keeps
+        drifting."""
         if not claims.size:
             return np.zeros(0)
         depth, bins = self._reach_cells(claims)
-        hits, claimed = self._reach_hits[depth, bins], self._reach_claims[depth, bins]
+        hits, claimed = self._reach_hits[track, depth, bins], self._reach_claims[track, depth, bins]
         scaled = np.minimum(1.0, claims * (hits + _REACH_PRIOR) / (claimed + _REACH_PRIOR))
         return np.minimum.accumulate(scaled)
 
-    def update_reach(self, tokens: np.ndarray, claims: np.ndarray, produced: np.ndarray) -> None:
-        """Learn from a cut chain (``tokens``, their raw ``claims``) and the tokens the target
-        produced after it (accepted plus the bonus): a node is reached while the chain matches
-        them; past the first mismatch every node is known unreached, and where every produced
-        token matched (the chain went on past what was verified) the rest are not counted."""
+    def update_reach(self, tokens: np.ndarray, claims: np.ndarray, produced: np.ndarray, track: int = 0) -> None:
+        """Learn from a cut chain (``tokens``, their raw ``claims``, cut for a session of track
+        record ``track``) and the tokens the target produced after it (accepted plus the bonus):
+        a node is reached while the chain matches them; past the first mismatch every node is
+        known unreached, and where every produced token matched (the chain went on past what was
+        verified) the rest are not counted."""
         n = min(tokens.size, claims.size)
         if not n or not produced.size:
             return
@@ -121,8 +123,8 @@ class ChainCalibrator:
         matched = int(np.argmin(same)) if not same.all() else m
         known = n if matched < produced.size else matched
         depth, bins = self._reach_cells(claims[:known])
-        np.add.at(self._reach_claims, (depth, bins), claims[:known])
-        np.add.at(self._reach_hits, (depth[:matched], bins[:matched]), 1.0)
+        np.add.at(self._reach_claims[track], (depth, bins), claims[:known])
+        np.add.at(self._reach_hits[track], (depth[:matched], bins[:matched]), 1.0)
 
     @staticmethod
     def _reach_cells(claims: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -196,6 +198,7 @@ def cut_to_chain(
     conditional: np.ndarray,
     min_prob: float = 0.0,
     calibrator: ChainCalibrator | None = None,
+    track: int = 0,
 ) -> DraftTree:
     """``tree``'s best chain of at most ``k`` tokens (see :func:`best_path`) as a tree whose
     parents are -1, 0, 1, ...; its scores are the nodes' cumulative probabilities.
@@ -206,7 +209,7 @@ def cut_to_chain(
     >>> c.tokens.tolist(), c.parents.tolist()  # 0.5 + 0.4 beats 0.6 alone
     ([6, 7], [-1, 0])
     """
-    return chain_of(tree, k, conditional, min_prob, calibrator)[0]
+    return chain_of(tree, k, conditional, min_prob, calibrator, track)[0]
 
 
 def chain_of(
@@ -215,11 +218,12 @@ def chain_of(
     conditional: np.ndarray,
     min_prob: float = 0.0,
     calibrator: ChainCalibrator | None = None,
+    track: int = 0,
 ) -> tuple[DraftTree, np.ndarray]:
     """:func:`cut_to_chain`'s chain and its nodes' raw claims (the cumulative products of
     ``conditional``). With ``calibrator`` the chain's scores are its reach as chains cut so
-    far bore such claims out (:meth:`ChainCalibrator.reach`), and it ends where those fall
-    below ``min_prob``."""
+    far for sessions of track record ``track`` bore such claims out
+    (:meth:`ChainCalibrator.reach`), and it ends where those fall below ``min_prob``."""
     # Nodes of one calibration cell share its rate; their scores still rank them (measured on
     # Spec-Bench, K=8: the rate times the score picks paths 0.6% longer than the rate alone).
     preference = conditional * tree.scores.astype(np.float64)
@@ -227,7 +231,7 @@ def chain_of(
     claims = np.cumprod(conditional[path]) if path.size else np.zeros(0)
     cumulative = claims
     if calibrator is not None:
-        cumulative = calibrator.reach(claims)
+        cumulative = calibrator.reach(claims, track)
         keep = int(np.count_nonzero(cumulative >= min_prob)) if min_prob > 0 else int(np.count_nonzero(cumulative > 0))
         path, claims, cumulative = path[:keep], claims[:keep], cumulative[:keep]
     chain = DraftTree(

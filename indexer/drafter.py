@@ -266,9 +266,9 @@ class NamespaceDrafter:
                 with self._lock:
                     conditional = self.chain_calibrator.conditional(tree, session.track)
                     cal = self.chain_calibrator
-                    tree, claims = chain_of(tree, params.chain, conditional, params.chain_min_prob, cal)
+                    tree, claims = chain_of(tree, params.chain, conditional, params.chain_min_prob, cal, session.track)
                 session.calibrates = True
-                session.chain = (tree.tokens, claims)
+                session.chain = (tree.tokens, claims, session.track)
             out.append(tree)
         return DraftedTrees(_batch_of(out))
 
@@ -382,8 +382,9 @@ class NamespaceDrafter:
                     with self._lock:
                         session.track = self.chain_calibrator.update(tree, new, session.track)
                 if session.chain is not None:
+                    tokens, claims, track = session.chain
                     with self._lock:
-                        self.chain_calibrator.update_reach(*session.chain, new)
+                        self.chain_calibrator.update_reach(tokens, claims, new, track)
             session.chain = None
 
     def prespeculate(self, session: Session, k: int, params: DraftParams) -> Prefetched:

@@ -65,7 +65,8 @@ class Session:
         self.prefetched: Prefetched = {}  # trees drafted ahead for outcomes of last_tree
         self.calibrates = False  # last_tree's outcome teaches chain calibration (chain mode, pre-speculation)
         self.track = 0  # how far the target followed the tree before last_tree (indexer.chain.track_of)
-        self.chain: tuple[np.ndarray, np.ndarray] | None = None  # the chain cut from last_tree: tokens, claimed reach
+        # The chain cut from last_tree: its tokens, their claimed reach, the track record it was cut for.
+        self.chain: tuple[np.ndarray, np.ndarray, int] | None = None
 
     @property
     def has_tree(self) -> bool:

@@ -211,6 +211,8 @@ def test_a_chains_deep_claims_are_scaled_by_what_chains_cut_before_reached():
     assert reach[0] > 0.85 and reach[1] > 0.75
     assert reach[2] < 0.2 and reach[4] < 0.15
     assert np.all(np.diff(reach) <= 0)  # never rising along a chain
+    # Sessions whose last tree was followed 4+ deep keep their own record: nothing learnt yet.
+    assert cal.reach(claims, track=3).tolist() == pytest.approx(claims.tolist())
     # An outcome that matched the chain to its end of what was verified says nothing of the rest.
     fresh = ChainCalibrator()
     for _ in range(40):
