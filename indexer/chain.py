@@ -192,14 +192,7 @@ def best_path(
     return chain_path(np.ascontiguousarray(parents, dtype=np.int32), conditional, weights, k, float(min_prob))
 
 
-def cut_to_chain(
-    tree: DraftTree,
-    k: int,
-    conditional: np.ndarray,
-    min_prob: float = 0.0,
-    calibrator: ChainCalibrator | None = None,
-    track: int = 0,
-) -> DraftTree:
+def cut_to_chain(tree: DraftTree, k: int, conditional: np.ndarray, min_prob: float = 0.0) -> DraftTree:
     """``tree``'s best chain of at most ``k`` tokens (see :func:`best_path`) as a tree whose
     parents are -1, 0, 1, ...; its scores are the nodes' cumulative probabilities.
 
@@ -209,7 +202,7 @@ def cut_to_chain(
     >>> c.tokens.tolist(), c.parents.tolist()  # 0.5 + 0.4 beats 0.6 alone
     ([6, 7], [-1, 0])
     """
-    return chain_of(tree, k, conditional, min_prob, calibrator, track)[0]
+    return chain_of(tree, k, conditional, min_prob)[0]
 
 
 def chain_of(

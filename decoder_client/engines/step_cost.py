@@ -66,11 +66,10 @@ class StepCost:
         if not 0 <= floor < 1 or not 0 <= prior < 1:
             raise ValueError(f"prior and floor must be in [0, 1), got {prior} and {floor}")
         self.prior, self.floor, self.measure = prior, floor, measure
-        # (seconds, proposed, rows, tokens produced)
-        self._steps: deque[tuple[float, float, float, float]] = deque(maxlen=window)
+        self._steps: deque[tuple[float, float, float]] = deque(maxlen=window)  # (seconds, proposed, produced)
         self._since_fit = 0
-        self._token: float | None = None  # the measured per_token / (base / rows)
-        self._step = 0.0  # the measured per_step / (base / rows)
+        self._token: float | None = None  # the measured per_token / token_s
+        self._step = 0.0  # the measured per_step / token_s
         self.base_s = self.per_step_s = self.per_token_s = 0.0
         self.token_s = 0.0  # the steps' time per token they produced
 
@@ -83,7 +82,7 @@ class StepCost:
         if not (self.measure and counted) or seconds <= 0 or rows < 1:
             return
         made = float(rows if produced is None else produced)
-        self._steps.append((seconds, float(proposed), float(rows), max(made, 1.0)))
+        self._steps.append((seconds, float(proposed), max(made, 1.0)))
         self._since_fit += 1
         if self._since_fit >= REFIT_EVERY or self._token is None:
             self._fit()
@@ -93,7 +92,7 @@ class StepCost:
         if len(self._steps) < MIN_STEPS:
             return
         steps = np.array(self._steps)
-        seconds, proposed, produced = steps[:, 0], steps[:, 1], steps[:, 3]
+        seconds, proposed, produced = steps[:, 0], steps[:, 1], steps[:, 2]
         if proposed.std() < MIN_SPREAD:
             return
         drafted = (proposed > 0).astype(np.float64)

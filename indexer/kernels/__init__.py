@@ -24,7 +24,17 @@ from indexer.kernels import store as kstore
 from indexer.kernels.accept import accept_batch
 from indexer.kernels.ahead import stopping_points, stopping_points_rows, subtree_nodes
 from indexer.kernels.arrays import read_only
-from indexer.kernels.chain import chain_cells, chain_conditional, chain_outcome, chain_path, chain_reach
+from indexer.kernels.chain import (
+    DEPTHS,
+    RANKS,
+    RATIO_BINS,
+    TRACKS,
+    chain_cells,
+    chain_conditional,
+    chain_outcome,
+    chain_path,
+    chain_reach,
+)
 from indexer.kernels.draft import calibrate, draft_batch, draft_batch_parallel, no_prior, prior_args
 from indexer.kernels.search import (
     context_continuations,
@@ -188,7 +198,7 @@ def warm_up() -> None:
     successor_rows(followers, weights, norm, 1, 2, 0.0)
     # Chain mode: a node's cell, its probability, the chosen path and an outcome's count.
     cells = chain_cells(root, np.ones(1, dtype=np.float32), np.zeros(1, dtype=np.uint8), np.ones(1), 0)
-    grid = np.zeros((9, 7, 8, 7, 4, 2))
+    grid = np.zeros((RATIO_BINS, 7, 8, DEPTHS, TRACKS, RANKS))
     chain_conditional(cells, grid, grid, np.ones((9, 4)), 1.0)
     chain_path(root, np.ones(1), np.ones(1), 2, 0.0)
     chain_reach(root, np.ones(1))
