@@ -25,7 +25,9 @@ trap 'rm -rf "$BUILD"' EXIT
 "$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" \
   > "$("$BUILD/env/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/vllm-venv.pth"
 "$BUILD/env/bin/pip" install -q setuptools wheel ninja cmake "nanobind==2.9.2" grpcio-tools
-PATH="$BUILD/env/bin:$PATH" "$BUILD/env/bin/pip" wheel -q --no-deps --no-build-isolation --no-binary arctic-inference \
+# Without VIRTUAL_ENV: CMake's FindPython would pick an activated virtualenv's interpreter
+# (the project's .venv, when a benchmark script set it up first), which has no nanobind.
+env -u VIRTUAL_ENV PATH="$BUILD/env/bin:$PATH" "$BUILD/env/bin/pip" wheel -q --no-deps --no-build-isolation --no-binary arctic-inference \
   -w "$BUILD/wheels" "arctic-inference==$VERSION"
 "$VENV/bin/pip" install -q --no-deps "$BUILD"/wheels/arctic_inference-*.whl
 "$VENV/bin/python" -c "import arctic_inference.suffix_decoding"
