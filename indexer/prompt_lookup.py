@@ -37,13 +37,20 @@ def prompt_lookup_match(context: np.ndarray, *, max_n: int = 3, num_tokens: int 
     """:func:`prompt_lookup`'s chain (``min_n`` 1) and the length of the n-gram it matched (0:
     none), which says how far to trust it.
 
+    One scan: the kernel tries the longest n-gram first, so no longer one ends the context just
+    before the chain's start (it would have been found there), and the matched length is the
+    longest that does.
+
     >>> ctx = np.array([1, 2, 3, 4, 5, 9, 2, 3], dtype=np.int32)
     >>> chain, n = prompt_lookup_match(ctx, num_tokens=2)
     >>> chain.tolist(), n  # "2 3" occurred before ("9 2 3" did not)
     ([4, 5], 2)
     """
-    for n in range(max_n, 0, -1):
-        chain = prompt_lookup(context, min_n=n, max_n=n, num_tokens=num_tokens)
-        if chain.size:
-            return chain, n
-    return np.zeros(0, dtype=np.int32), 0
+    if max_n < 1 or num_tokens < 0:
+        raise ValueError(f"need max_n >= 1 and num_tokens >= 0, got {max_n}, {num_tokens}")
+    ctx = np.ascontiguousarray(context, dtype=np.int32)
+    start = kernels.prompt_lookup_start(ctx, 1, max_n)
+    if start < 0:
+        return np.zeros(0, dtype=np.int32), 0
+    n = next(n for n in range(min(max_n, start), 0, -1) if np.array_equal(ctx[start - n : start], ctx[ctx.size - n :]))
+    return ctx[start : start + num_tokens].copy(), n

@@ -3,7 +3,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from indexer.prompt_lookup import prompt_lookup
+from indexer.prompt_lookup import prompt_lookup, prompt_lookup_match
 
 
 def _a(ids):
@@ -107,3 +107,17 @@ def _brute(ctx, min_n, max_n, k):
 def test_matches_brute_force(ctx, min_n, extra, k):
     # Longest n-gram in [min_n, max_n], its latest earlier occurrence, up to k following tokens.
     assert _pl(ctx, min_n=min_n, max_n=min_n + extra, num_tokens=k) == _brute(ctx, min_n, min_n + extra, k)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ctx=st.lists(st.integers(0, 3), max_size=30), max_n=st.integers(1, 4), k=st.integers(0, 6))
+def test_match_reports_the_longest_ngram_that_matched(ctx, max_n, k):
+    # The chain is the longest match's (any length from 1), and n is that match's length.
+    want_n = next((n for n in range(max_n, 0, -1) if _brute(ctx, n, n, 1)), 0)
+    chain, n = prompt_lookup_match(_a(ctx), max_n=max_n, num_tokens=k)
+    assert (chain.tolist(), n) == (_brute(ctx, 1, max_n, k), want_n)
+
+
+def test_match_rejects_bad_arguments():
+    with pytest.raises(ValueError):
+        prompt_lookup_match(_a([1, 2, 1]), max_n=0)
