@@ -54,6 +54,7 @@ import numpy as np
 from decoder_client.client import ClientSession, DraftClient
 from decoder_client.engines.deadline import StepDeadline
 from decoder_client.engines.settings import EngineSettings
+from decoder_client.engines.step_clock import StepClock
 from decoder_client.engines.step_cost import StepCost, chain_to_propose
 from indexer.drafter import MAX_DEPTH
 
@@ -163,13 +164,14 @@ class DraftcacheDraftModel(LlamaDraftModel):
         owns_client: bool = False,
         deadline: StepDeadline | None = None,
         cost: StepCost | None = None,
+        idle_s: float = 2.0,
     ) -> None:
         if not 1 <= num_pred_tokens <= MAX_DEPTH:
             raise ValueError(f"num_pred_tokens must be in [1, {MAX_DEPTH}], got {num_pred_tokens}")
         self.client = client
         self.deadline = deadline  # None: the client's own, every call
         self.cost = cost  # where chains are cut (None: where the service cut them)
-        self._last_call: float | None = None
+        self._clock = StepClock(idle_s)  # a longer gap between calls is a pause, not a step
         self.topk = client.config.topk  # the engine's top-k sent back per verified position (0: none)
         self._llm: Any = None  # the attached engine, whose logits the top-k come from
         self.num_pred_tokens = num_pred_tokens
@@ -199,6 +201,7 @@ class DraftcacheDraftModel(LlamaDraftModel):
             owns_client=True,
             deadline=settings.step_deadline(),
             cost=settings.step_cost(),
+            idle_s=settings.idle_close_s,
         )
 
     def __call__(self, input_ids: Any, /, **kwargs: Any) -> np.ndarray:
@@ -207,18 +210,18 @@ class DraftcacheDraftModel(LlamaDraftModel):
         ids = _token_ids(input_ids)
         last_draft = self._draft
         session, new = self._continue(ids)
-        if self.cost is not None and self._last_call is not None:
+        interval = self._clock.tick(start)
+        if self.cost is not None and interval is not None:
             # The step verified the last call's draft; the first of a generation (no draft
             # before it) evaluated its prompt and is not a step of the cost line.
             proposed = 0 if last_draft is None else last_draft.size
             counted = session is not None and last_draft is not None
-            self.cost.record(start - self._last_call, proposed, rows=1, produced=new.size, counted=counted)
-        self._last_call = start
+            self.cost.record(interval, proposed, rows=1, produced=new.size, counted=counted)
         if session is None:  # a new generation: its prompt is all but the token just sampled
             session, new = self.begin(ids[:-1]), ids[-1:]
         deadline = None
         if self.deadline is not None:
-            self.deadline.step(start)
+            self.deadline.step(interval)
             deadline = self.deadline.seconds
         topk = None
         if self.topk and self._llm is not None and 0 < new.size < ids.size:

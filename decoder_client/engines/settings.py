@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from decoder_client.engines.deadline import StepDeadline
+from decoder_client.engines.step_clock import StepClock
 
 if TYPE_CHECKING:
     from decoder_client.client import ClientConfig
@@ -77,8 +78,12 @@ class EngineSettings:
             floor_s=self.deadline_s,
             fraction=self.deadline_step_fraction,
             cap_s=max(self.deadline_s, self.deadline_max_s),
-            idle_s=self.idle_close_s,
         )
+
+    def step_clock(self) -> StepClock:
+        """The engine's steps as the proposer sees them: a gap longer than ``idle_close_s`` is
+        a pause, not a step."""
+        return StepClock(self.idle_close_s)
 
     def step_cost(self) -> StepCost:
         """Where the proposer cuts its chains: the measured cost of a proposed token (or the

@@ -2,12 +2,12 @@
 
 The proposer's own time (its bookkeeping, the client's work and the round trip to the service)
 is measured around each call the engine makes to it; the engine's step time is the interval
-between the starts of two consecutive calls (it includes the proposer's time), counted only
-while the engine is busy (an interval longer than ``idle_s`` is a pause, not a step).
+between the starts of two consecutive calls (it includes the proposer's time), as
+:class:`~decoder_client.engines.step_clock.StepClock` reads it (pauses are not steps).
 
->>> stats = StepStats(idle_s=1.0)
->>> stats.record(start=10.0, seconds=0.001, rows=2)
->>> stats.record(start=10.02, seconds=0.003, rows=2)
+>>> stats = StepStats()
+>>> stats.record(interval=None, seconds=0.001, rows=2)
+>>> stats.record(interval=0.02, seconds=0.003, rows=2)
 >>> s = stats.summary()
 >>> s["steps"], s["rows"], round(s["proposer_ms_mean"], 3), round(s["step_ms_mean"], 3)
 (2, 4, 2.0, 20.0)
@@ -26,29 +26,26 @@ WINDOW = 4096  # the latest steps percentiles are taken over
 class StepStats:
     """Per-step timings of a proposer; see the module docstring."""
 
-    def __init__(self, idle_s: float) -> None:
-        self._idle_s = idle_s
+    def __init__(self) -> None:
         self.steps = 0
         self.rows = 0
         self.proposer_s = 0.0
         self.step_s = 0.0  # summed intervals between busy steps
         self.intervals = 0
-        self._last_start: float | None = None
         self._recent: deque[float] = deque(maxlen=WINDOW)
         self._recent_steps: deque[float] = deque(maxlen=WINDOW)
 
-    def record(self, *, start: float, seconds: float, rows: int) -> None:
-        """One call of the engine: when it started (``time.perf_counter``), how long the
+    def record(self, *, interval: float | None, seconds: float, rows: int) -> None:
+        """One call of the engine: the step before it (None: none to count), how long the
         proposer took, for how many rows it drafted."""
         self.steps += 1
         self.rows += rows
         self.proposer_s += seconds
         self._recent.append(seconds)
-        if self._last_start is not None and 0 < start - self._last_start <= self._idle_s:
-            self.step_s += start - self._last_start
+        if interval is not None:
+            self.step_s += interval
             self.intervals += 1
-            self._recent_steps.append(start - self._last_start)
-        self._last_start = start
+            self._recent_steps.append(interval)
 
     def summary(self) -> dict[str, Any]:
         """Counts, and milliseconds per step: the proposer's mean, p50, p99 and max (over the

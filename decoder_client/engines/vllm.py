@@ -104,18 +104,18 @@ class DraftcacheProposer:
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         self.settings = EngineSettings.from_sources(_section(vllm_config.additional_config), os.environ)
         self.client_config = self.settings.client_config(self.num_speculative_tokens)
+        self._clock = self.settings.step_clock()
         self._deadline = self.settings.step_deadline()
         self._cost = self.settings.step_cost()
         self._proposed = 0  # tokens proposed at the last call, over ...
         self._rows = 0  # ... this many rows
-        self._last_start: float | None = None
         if self.settings.create_namespace:  # in the background: the engine's start never waits on the service
             vocab = int(vllm_config.model_config.get_vocab_size())
             threading.Thread(target=ensure_namespace, args=(self.client_config, vocab), daemon=True).start()
         self._client = DraftClient(self.client_config)
         self._tracker = RowTracker()
         self._lock = threading.Lock()  # propose (the engine's thread) and the idle watcher
-        self._stats = StepStats(idle_s=self.settings.idle_close_s)
+        self._stats = StepStats()
         self._outcomes = ChainOutcomes()  # how the chains sent fared
         self._sent: dict[int, tuple[Track, np.ndarray]] = {}  # id(request) -> it and its chain's scores
         self._opened = self._closed = self._moved = self._idle_closes = self._errors = self._unworthy = 0
@@ -140,23 +140,23 @@ class DraftcacheProposer:
         start = time.perf_counter()
         with self._lock:
             self._last_call = time.monotonic()
-            self._deadline.step(start)
+            interval = self._clock.tick(start)
+            self._deadline.step(interval)
             try:
-                drafts, live = self._propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, start)
+                drafts, live = self._propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, interval)
             except Exception:  # a proposer must not stop the engine: this step goes without drafts
                 self._errors += 1
                 logger.exception("draftcache proposer failed; no drafts this step")
                 drafts, live = [[] for _ in sampled_token_ids], 0
                 self._sent = {}  # no chain went out: none to score at the next step
             self._proposed, self._rows = sum(len(d) for d in drafts), live
-            self._last_start = start
-            self._stats.record(start=start, seconds=time.perf_counter() - start, rows=live)
+            self._stats.record(interval=interval, seconds=time.perf_counter() - start, rows=live)
             if time.monotonic() - self._stats_written >= self.settings.stats_every_s:
                 self._write_stats()
         return drafts
 
     def _propose(
-        self, sampled: Sequence[Sequence[int]], lengths: np.ndarray, token_rows: np.ndarray, start: float
+        self, sampled: Sequence[Sequence[int]], lengths: np.ndarray, token_rows: np.ndarray, interval: float | None
     ) -> tuple[list[list[int]], int]:
         produced = {i: len(s) for i, s in enumerate(sampled) if len(s) and int(lengths[i]) < self.max_model_len}
         live = list(produced)
@@ -170,12 +170,12 @@ class DraftcacheProposer:
                 self._outcomes.record(sent[1], accepted=len(gained) - 1)
         self._sent = {}
         fresh = [t for t in tracks if t.payload is None]  # new rows (and any an earlier error left unopened)
-        if self._last_start is not None and 0 < start - self._last_start <= self.settings.idle_close_s:
+        if interval is not None:
             # The step just verified what the last call proposed; one that evaluated a prompt
             # (a row still prefilling, or one that just started) is not a step of the cost line.
             prefill = bool(fresh) or any(not len(s) and int(lengths[i]) > 0 for i, s in enumerate(sampled))
             self._cost.record(
-                start - self._last_start,
+                interval,
                 self._proposed,
                 rows=max(1, self._rows),
                 produced=sum(produced.values()),
