@@ -202,8 +202,9 @@ def make_runner(a: argparse.Namespace) -> Runner:
             n_threads=a.llama_threads or None,
             methods=a.methods,
         )
-    from benchmarks.engines_vllm import METHODS, VllmBench, VllmRunner
+    from benchmarks.engines_vllm import METHODS, VllmBench, VllmRunner, variant
 
+    variants = dict(variant(v) for v in a.variant)
     config = VllmBench(
         model=a.model,
         target=a.target,
@@ -217,8 +218,10 @@ def make_runner(a: argparse.Namespace) -> Runner:
         token_cost=a.token_cost,
         enforce_eager=not a.compile,
         work_dir=a.work_dir,
+        variants=variants,
     )
-    return VllmRunner(config, [m for m in METHODS if not a.methods or m == PLAIN or m in a.methods])
+    methods = [m for m in METHODS if not a.methods or m == PLAIN or m in a.methods]
+    return VllmRunner(config, [*methods, *variants])
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -269,11 +272,29 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument(
         "--methods", type=lambda s: [m for m in s.split(",") if m], default=[], help="a subset (plain always)"
     )
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME:key=value,...",
+        help="vLLM: also run draftcache with these proposer settings, as method draftcache-NAME, in a "
+        "namespace of its own (NAMESPACE-NAME), side by side with the rest (repeatable)",
+    )
     p.add_argument("--out", type=Path, default=None, help="also append the lines to this file")
     a = p.parse_args(argv)
+    from benchmarks.engines_vllm import variant  # settings only: no vLLM, no numba
+
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(message)s")
     if a.max_new_tokens < 1 or a.k < 1 or a.deadline_ms <= 0:
         p.error("--max-new-tokens and --k must be >= 1, --deadline-ms > 0")
+    if a.variant and a.engine != "vllm":
+        p.error("--variant: vLLM's benchmark runs variants (llama.cpp's runs one draft model)")
+    try:
+        names = [variant(v)[0] for v in a.variant]
+    except ValueError as exc:
+        p.error(f"--variant: {exc}")
+    if len(set(names)) < len(names):
+        p.error("--variant: two variants with one name")
     a.work_dir.mkdir(parents=True, exist_ok=True)
     workloads = load(a.workloads)
     start = time.perf_counter()

@@ -16,6 +16,13 @@ Counters are vLLM's own (``LLM.get_metrics()``, the Prometheus counters the serv
 ``..._num_draft_tokens`` and ``..._num_accepted_tokens``; the mean accepted tokens per step is
 ``1 + accepted / drafts``, as vLLM logs it. The proposer's own time per step (its bookkeeping, the
 client's work and the round trip) comes from the stats file it writes (``stats_path``).
+
+Variants of draftcache (``VllmBench.variants``: a name and settings of the proposer's own, such
+as ``chain_min_prob``) run as methods of their own, ``draftcache-NAME``, in the same interleaved
+run: a change to the proposer is measured side by side with the build as it is, never against a
+run made an hour earlier on a shared machine. Each variant drafts from a namespace of its own,
+``NAMESPACE-NAME``, so no arm feeds another's memory (a prior warmed into the main namespace is
+not in a variant's).
 """
 
 from __future__ import annotations
@@ -28,8 +35,8 @@ import os
 import sys
 import time
 import traceback
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -44,6 +51,44 @@ COUNTERS = {
     "vllm:spec_decode_num_accepted_tokens": "accepted",
 }
 WARM_UP = "Name three colours."  # each engine's first request, not measured
+FIXED_SETTINGS = ("target", "namespace", "stats_path", "stats_every_s")  # the benchmark sets these
+
+
+def is_ours(method: str) -> bool:
+    """Whether ``method`` is draftcache, as it is or a variant of it (``draftcache-NAME``).
+
+    >>> is_ours("draftcache"), is_ours("draftcache-cut2"), is_ours("suffix")
+    (True, True, False)
+    """
+    return method == OURS or method.startswith(OURS + "-")
+
+
+def variant(text: str) -> tuple[str, dict[str, str]]:
+    """A variant from ``NAME:key=value,key=value`` (the proposer's settings, checked as vLLM's
+    worker will read them).
+
+    >>> variant("cut2:chain_min_prob=0.2,token_cost=-1")
+    ('draftcache-cut2', {'chain_min_prob': '0.2', 'token_cost': '-1'})
+    >>> variant("x:namespace=other")
+    Traceback (most recent call last):
+    ...
+    ValueError: variant x: namespace is set by the benchmark
+    """
+    from decoder_client.engines.settings import EngineSettings
+
+    name, _, spec = text.partition(":")
+    if not name or not name.replace("_", "").isalnum() or not name.isascii():
+        raise ValueError(f"variant {text!r}: want NAME:key=value,... with NAME of letters, digits and _")
+    settings: dict[str, str] = {}
+    for item in (part for part in spec.split(",") if part):
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise ValueError(f"variant {name}: {item!r} is not key=value")
+        if key in FIXED_SETTINGS:
+            raise ValueError(f"variant {name}: {key} is set by the benchmark")
+        settings[key] = value
+    EngineSettings.from_sources({"namespace": name, **settings}, {})  # unknown keys, wrong types, ranges
+    return f"{OURS}-{name}", settings
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,6 +117,8 @@ class VllmBench:
     start_timeout_s: float = 1200.0
     idle_gap_s: float = 1.2
     seed: int = 0
+    # draftcache-NAME -> the proposer's settings that differ (see the module docstring and variant)
+    variants: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in (
@@ -88,6 +135,17 @@ class VllmBench:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
         if self.deadline_s <= 0 or self.idle_gap_s < 0 or self.start_timeout_s <= 0:
             raise ValueError("deadline_s and start_timeout_s must be > 0, idle_gap_s >= 0")
+        for method in self.variants:
+            if not is_ours(method) or method == OURS:
+                raise ValueError(f"a variant's method is draftcache-NAME, got {method!r}")
+
+    def namespace_of(self, method: str) -> str:
+        """The namespace draftcache ``method`` drafts from: a variant's is its own.
+
+        >>> VllmBench(target="h:1", work_dir=Path("."), namespace="m").namespace_of("draftcache-cut2")
+        'm-cut2'
+        """
+        return self.namespace if method == OURS else f"{self.namespace}-{method.removeprefix(OURS + '-')}"
 
 
 def speculative(method: str, config: VllmBench) -> dict[str, Any] | None:
@@ -108,7 +166,7 @@ def speculative(method: str, config: VllmBench) -> dict[str, Any] | None:
         }
     if method == SUFFIX:
         return {"method": "suffix"}  # its defaults: tree depth 24, drafts as long as the tree's match allows
-    if method == OURS:
+    if is_ours(method):
         from decoder_client.engines.vllm import speculative_config
 
         return speculative_config(config.draftcache_k)
@@ -129,16 +187,17 @@ def llm_kwargs(method: str, config: VllmBench, model: Path, stats_path: Path) ->
     spec = speculative(method, config)
     if spec is not None:
         kwargs["speculative_config"] = spec
-    if method == OURS:
+    if is_ours(method):
         kwargs["additional_config"] = {
             "draftcache": {
                 "target": config.target,
-                "namespace": config.namespace,
+                "namespace": config.namespace_of(method),
                 "deadline_s": config.deadline_s,
                 "chain_min_prob": config.chain_min_prob,
                 "token_cost": config.token_cost,
                 "stats_path": str(stats_path),
                 "stats_every_s": 1.0,
+                **config.variants.get(method, {}),
             }
         }
     return kwargs
@@ -269,8 +328,13 @@ class VllmRunner:
         if SUFFIX in methods and (reason := suffix_unavailable()):
             self.unavailable[SUFFIX] = reason
         model = config.model or smollm2_hf_folder()
-        self.stats_path = config.work_dir / "proposer-stats.json"
-        self.stats_path.unlink(missing_ok=True)
+        self.stats_paths = {
+            m: config.work_dir / ("proposer-stats.json" if m == OURS else f"proposer-stats-{m}.json")
+            for m in methods
+            if is_ours(m)
+        }
+        for path in self.stats_paths.values():
+            path.unlink(missing_ok=True)
         preload_intel_openmp()
         self._workers: dict[str, _Worker] = {}
         wanted = [m for m in methods if m not in self.unavailable]
@@ -284,7 +348,7 @@ class VllmRunner:
             self.close()
             raise RuntimeError(f"plain vLLM did not start: {self.unavailable.get(PLAIN)}")
         self.methods = tuple(m for m in methods if m in self._workers)
-        self._stats_before: dict[str, Any] = {}
+        self._stats_before: dict[str, dict[str, Any]] = {}
 
     def _start(self, methods: Sequence[str], model: Path) -> None:
         ctx = mp.get_context("spawn")
@@ -292,7 +356,8 @@ class VllmRunner:
         for method in methods:
             ours, theirs = ctx.Pipe()
             log = self.config.work_dir / f"vllm-{method}.log"
-            kwargs = llm_kwargs(method, self.config, model, self.stats_path)
+            stats_path = self.stats_paths.get(method, self.config.work_dir / "proposer-stats.json")
+            kwargs = llm_kwargs(method, self.config, model, stats_path)
             process = ctx.Process(
                 target=_serve, args=(theirs, kwargs, self.config.max_new_tokens, str(log)), name=f"vllm-{method}"
             )
@@ -319,8 +384,8 @@ class VllmRunner:
         if status != "done":
             raise RuntimeError(f"vLLM {method} failed (log: {worker.log}): {value}")
         time.sleep(self.config.idle_gap_s)
-        if method == OURS:
-            self._wait_sessions_closed()
+        if is_ours(method):
+            self._wait_sessions_closed(method)
         return Measurement(
             value["tokens"],
             value["seconds"],
@@ -330,23 +395,23 @@ class VllmRunner:
             decode_seconds=value["decode_seconds"],
         )
 
-    def _wait_sessions_closed(self, timeout_s: float = 10.0) -> None:
+    def _wait_sessions_closed(self, method: str, timeout_s: float = 10.0) -> None:
         """Until the proposer has closed (and committed) the finished request's session: once
         the engine has been idle its ``idle_close_s`` (2 s by default)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if self._proposer_stats().get("sessions_live", 0) == 0:
+            if self._proposer_stats(method).get("sessions_live", 0) == 0:
                 return
             time.sleep(0.1)
 
-    def _proposer_stats(self) -> dict[str, Any]:
+    def _proposer_stats(self, method: str) -> dict[str, Any]:
         try:
-            return dict(json.loads(self.stats_path.read_text()))
+            return dict(json.loads(self.stats_paths[method].read_text()))
         except (OSError, ValueError):
             return {}
 
     def begin_workload(self) -> None:
-        self._stats_before = self._proposer_stats()
+        self._stats_before = {m: self._proposer_stats(m) for m in self.stats_paths}
 
     def workload_notes(self, method: str) -> dict[str, Any]:
         dtype = cpu_dtype() if self.config.dtype == "auto" else self.config.dtype
@@ -354,11 +419,14 @@ class VllmRunner:
         spec = speculative(method, self.config)
         if spec is not None:
             notes.update({k: v for k, v in spec.items() if k not in ("method", "model")})
-        if method == OURS:
-            notes.update(proposer_notes(self._stats_before, self._proposer_stats()))
+        if is_ours(method):
+            notes.update(proposer_notes(self._stats_before.get(method, {}), self._proposer_stats(method)))
             notes["deadline_ms"] = self.config.deadline_s * 1e3
             notes["chain_min_prob"] = self.config.chain_min_prob
             notes["token_cost"] = self.config.token_cost
+            notes["namespace"] = self.config.namespace_of(method)
+            if method in self.config.variants:
+                notes["variant"] = dict(self.config.variants[method])  # the settings it changed
         return notes
 
     def close(self) -> None:

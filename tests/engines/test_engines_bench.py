@@ -105,3 +105,44 @@ def test_llama_cpp_lines_for_every_workload_and_method(shared_data: Path, serve:
     assert ours["by_group"]["pass2"]["mean_accepted_tokens"] > ours["by_group"]["pass1"]["mean_accepted_tokens"]
     # Where its drafts came from, per workload: one per step, the service's or the local fallback's.
     assert ours["remote_drafts"] > 0 and ours["remote_drafts"] + ours["fallback_drafts"] >= ours["drafts"]
+
+
+def test_a_variant_is_draftcache_with_its_own_settings_namespace_and_stats(tmp_path: Path) -> None:
+    from benchmarks.engines_vllm import VllmBench, llm_kwargs, variant
+
+    method, settings = variant("cut2:chain_min_prob=0.2")
+    config = VllmBench(target="h:1", work_dir=tmp_path, namespace="m", variants={method: settings})
+    ours = llm_kwargs("draftcache", config, tmp_path, tmp_path / "a.json")
+    theirs = llm_kwargs(method, config, tmp_path, tmp_path / "b.json")
+    assert ours["speculative_config"] == theirs["speculative_config"]
+    mine, other = ours["additional_config"]["draftcache"], theirs["additional_config"]["draftcache"]
+    assert (mine["namespace"], other["namespace"]) == ("m", "m-cut2")
+    assert (mine["chain_min_prob"], other["chain_min_prob"]) == (0.1, "0.2")
+    assert (mine["stats_path"], other["stats_path"]) == (str(tmp_path / "a.json"), str(tmp_path / "b.json"))
+    assert {k: v for k, v in mine.items() if k not in ("namespace", "chain_min_prob", "stats_path")} == {
+        k: v for k, v in other.items() if k not in ("namespace", "chain_min_prob", "stats_path")
+    }
+    with pytest.raises(ValueError, match="draftcache-NAME"):
+        VllmBench(target="h:1", work_dir=tmp_path, variants={"suffix": {}})
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--engine", "llama.cpp", "--variant", "a:chain_min_prob=0.2"], "llama.cpp's runs one draft model"),
+        (["--engine", "vllm", "--variant", "a:chain_min_prob=2"], "chain_min_prob must be in"),
+        (["--engine", "vllm", "--variant", "a:no_such=1"], "unknown draftcache settings"),
+        (["--engine", "vllm", "--variant", "a:target=h:2"], "target is set by the benchmark"),
+        (["--engine", "vllm", "--variant", "a:x", "--variant", "a:y"], "not key=value"),
+        (["--engine", "vllm", "--variant", "a:", "--variant", "a:deadline_s=0.01"], "two variants with one name"),
+        (["--engine", "vllm", "--variant", "a b:"], "NAME of letters"),
+    ],
+)
+def test_bad_variants_are_refused_before_any_engine_starts(
+    args: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    workloads = tmp_path / "w.json"
+    workloads.write_text("{}")
+    with pytest.raises(SystemExit):
+        main([*args, "--workloads", str(workloads), "--work-dir", str(tmp_path)])
+    assert message in capsys.readouterr().err
