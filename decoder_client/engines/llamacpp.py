@@ -53,6 +53,7 @@ import numpy as np
 
 from decoder_client.client import ClientSession, DraftClient
 from decoder_client.engines.deadline import StepDeadline
+from decoder_client.engines.outcomes import ChainOutcomes
 from decoder_client.engines.settings import EngineSettings
 from decoder_client.engines.step_clock import StepClock
 from decoder_client.engines.step_cost import StepCost, chain_to_propose
@@ -165,6 +166,7 @@ class DraftcacheDraftModel(LlamaDraftModel):
         deadline: StepDeadline | None = None,
         cost: StepCost | None = None,
         idle_s: float = 2.0,
+        recalibrate: bool = False,
     ) -> None:
         if not 1 <= num_pred_tokens <= MAX_DEPTH:
             raise ValueError(f"num_pred_tokens must be in [1, {MAX_DEPTH}], got {num_pred_tokens}")
@@ -180,6 +182,9 @@ class DraftcacheDraftModel(LlamaDraftModel):
         self._session: ClientSession | None = None
         self._sequence = np.zeros(0, dtype=np.int32)  # what the session holds
         self._draft: np.ndarray | None = None  # the last call's proposal, its outcome not yet seen
+        self._claims = np.zeros(0)  # ... and its tokens' scores as the service claimed them
+        self.outcomes = ChainOutcomes()  # how the proposals fared: with ``recalibrate``, what corrects the claims
+        self.recalibrate = recalibrate
 
     @classmethod
     def connect(
@@ -202,6 +207,7 @@ class DraftcacheDraftModel(LlamaDraftModel):
             deadline=settings.step_deadline(),
             cost=settings.step_cost(),
             idle_s=settings.idle_close_s,
+            recalibrate=settings.recalibrate,
         )
 
     def __call__(self, input_ids: Any, /, **kwargs: Any) -> np.ndarray:
@@ -228,11 +234,12 @@ class DraftcacheDraftModel(LlamaDraftModel):
             topk = [self.target_topk(ids.size - new.size - 1, ids.size - 1)]
         (tree,) = self.client.draft([session], [new.tolist()], topk, deadline_s=deadline)
         min_prob = 0.0 if self.cost is None else self.cost.min_prob
-        chain, scores = chain_to_propose(tree, self.num_pred_tokens, min_prob)
+        chances = self.outcomes.chances if self.recalibrate else None
+        chain, claims, scores = chain_to_propose(tree, self.num_pred_tokens, min_prob, chances)
         if self.cost is not None and not self.cost.worth_a_step(float(scores.sum()), chain.size):
             chain = chain[:0]
         chain = chain.astype(np.intc)
-        self._sequence, self._draft = ids, chain
+        self._sequence, self._draft, self._claims = ids, chain, claims[: chain.size]
         self.stats.calls += 1
         self.stats.seconds += time.perf_counter() - start
         return chain
@@ -250,6 +257,7 @@ class DraftcacheDraftModel(LlamaDraftModel):
             self.stats.steps += 1
             self.stats.proposed += self._draft.size
             self.stats.accepted += accepted
+            self.outcomes.record(self._claims, accepted)
         return self._session, ids[self._sequence.size :]
 
     def target_topk(self, start: int, stop: int) -> np.ndarray:

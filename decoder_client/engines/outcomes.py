@@ -8,6 +8,12 @@ bins; per bin the tokens proposed, the sum of their scores (what the scores expe
 accepted) and the tokens accepted. Scores that are right give accepted ~ expected in every
 bin; a bin accepted well below its expectation is where chains run longer than they pay for.
 
+The same counts correct the scores (:meth:`ChainOutcomes.chances`): the service calibrates them
+on its namespace's outcomes, which a young namespace has few of, and a proposer's requests may
+fare otherwise than the namespace's (an engine retracing an agent's task). Each score is scaled
+by its bin's accepted-to-expected ratio, so where a chain is cut follows what this engine
+accepted.
+
 >>> out = ChainOutcomes()
 >>> out.record(np.array([0.9, 0.5, 0.2]), accepted=2)  # the first two reached, the third not
 >>> out.record(np.array([0.9, 0.5]), accepted=0)
@@ -25,6 +31,7 @@ from typing import Any
 import numpy as np
 
 EDGES = np.array([0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.6, 0.8, 1.0])  # score bins (the last closed)
+PRIOR = 8.0  # pseudo-tokens per bin expected (and accepted) at the scores' own claim
 
 
 class ChainOutcomes:
@@ -36,12 +43,44 @@ class ChainOutcomes:
         self.expected = np.zeros(n, dtype=np.float64)
         self.accepted = np.zeros(n, dtype=np.int64)
 
+    @staticmethod
+    def _bins(scores: np.ndarray) -> np.ndarray:
+        return np.clip(np.searchsorted(EDGES, scores, side="right") - 1, 0, EDGES.size - 2)
+
+    def factors(self) -> np.ndarray:
+        """Per bin, accepted over expected, shrunk toward 1 by :data:`PRIOR` pseudo-tokens. A bin
+        nothing was proposed in takes the nearest such bin above it (else below): tokens below
+        the cut are never proposed, so their bin learns only once its neighbour's rate lets them
+        through."""
+        ratio = (self.accepted + PRIOR) / (self.expected + PRIOR)
+        seen = np.flatnonzero(self.proposed)
+        if not seen.size:
+            return np.ones_like(ratio)
+        nearest = np.clip(np.searchsorted(seen, np.arange(ratio.size)), 0, seen.size - 1)
+        return ratio[seen[nearest]]
+
+    def chances(self, scores: np.ndarray) -> np.ndarray:
+        """A chain's ``scores`` (chances of being reached, root first) as this engine's outcomes
+        bore such scores out (:meth:`factors`), at most 1 and never rising along the chain.
+
+        >>> out = ChainOutcomes()
+        >>> for _ in range(10):  # chains whose 0.5 tokens were always accepted, 0.25 ones half the time
+        ...     out.record(np.array([0.5, 0.25]), accepted=1)
+        ...     out.record(np.array([0.5, 0.25]), accepted=2)
+        >>> out.chances(np.array([0.5, 0.25, 0.12])).round(3).tolist()  # 0.12: its neighbour's rate
+        [0.778, 0.346, 0.166]
+        """
+        if not scores.size:
+            return np.zeros(0)
+        scaled = np.minimum(1.0, scores * self.factors()[self._bins(scores)])
+        return np.minimum.accumulate(scaled)
+
     def record(self, scores: np.ndarray, accepted: int) -> None:
         """A chain whose tokens had these ``scores`` (chances of being reached, root first) and
         whose first ``accepted`` tokens the engine kept."""
         if not scores.size:
             return
-        bins = np.clip(np.searchsorted(EDGES, scores, side="right") - 1, 0, EDGES.size - 2)
+        bins = self._bins(scores)
         np.add.at(self.proposed, bins, 1)
         np.add.at(self.expected, bins, scores)
         np.add.at(self.accepted, bins[: max(0, min(accepted, scores.size))], 1)

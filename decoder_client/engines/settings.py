@@ -47,6 +47,11 @@ class EngineSettings:
     # What a proposed token costs as a share of what an accepted one saves: chains end before a
     # token less likely than that to be accepted. < 0: measured in the engine (see step_cost).
     token_cost: float = -1.0
+    # Correct the service's chances by how this engine's own chains fared, before cutting
+    # (see outcomes). Off by default: the correction knows claims, not requests, and chains a
+    # request's first pass had rejected taught it to distrust the chains of that request asked
+    # again (llama.cpp, the agent workload's second pass), which the service knows to trust.
+    recalibrate: bool = False
     topk: int = 0  # the target's top-k ids sent back per verified position, where the engine shows its logits
     create_namespace: bool = True  # create the namespace (the model's vocabulary) when it is missing
     idle_close_s: float = 2.0  # the engine made no step this long: its requests are closed, with commit

@@ -42,6 +42,7 @@ cost is the configured prior.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 import numpy as np
 
@@ -170,10 +171,19 @@ def cut(tokens: np.ndarray, scores: np.ndarray, min_prob: float) -> np.ndarray:
     return tokens[: below[0]] if below.size else tokens
 
 
-def chain_to_propose(tree: DraftTree, max_len: int, min_prob: float) -> tuple[np.ndarray, np.ndarray]:
+def chain_to_propose(
+    tree: DraftTree,
+    max_len: int,
+    min_prob: float,
+    chances: Callable[[np.ndarray], np.ndarray] | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``tree``'s best chain of at most ``max_len`` tokens, cut where a token is less likely
-    than ``min_prob`` to be reached (:func:`cut`), and its tokens' scores (their sum: how many
-    are expected to be accepted)."""
+    than ``min_prob`` to be reached (:func:`cut`); its tokens' scores as the tree claims them;
+    and their chances, the claims as ``chances`` corrects them (the proposer's own outcomes:
+    :meth:`~decoder_client.engines.outcomes.ChainOutcomes.chances`; none: the claims), which
+    the cut reads and whose sum is how many are expected to be accepted."""
     nodes = best_chain_nodes(tree, max_len)
-    tokens = cut(tree.tokens[nodes], tree.scores[nodes], min_prob)
-    return tokens, tree.scores[nodes[: tokens.size]].astype(np.float64)
+    claims = tree.scores[nodes].astype(np.float64)
+    likely = claims if chances is None else chances(claims)
+    tokens = cut(tree.tokens[nodes], likely, min_prob)
+    return tokens, claims[: tokens.size], likely[: tokens.size]

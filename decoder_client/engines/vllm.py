@@ -35,7 +35,9 @@ with commit, once the engine has made no step for ``idle_close_s``; a request th
 a long step comes back as a new session, as a resumed one does.
 
 How much to propose. The service answers each row a chain with the calibrated chance of each
-token being reached; the proposer cuts it where a token is no longer worth verifying and drops
+token being reached (with ``recalibrate``, corrected by how the proposer's own chains fared
+in this engine: :meth:`~decoder_client.engines.outcomes.ChainOutcomes.chances`); it cuts
+the chain where a token is no longer worth verifying and drops
 a step's drafts that do not pay for the step's own extra cost, both measured from the engine's
 step times (:mod:`~decoder_client.engines.step_cost`): on a CPU a drafted token costs a good
 part of a step, on a GPU at batch 1 almost nothing.
@@ -195,13 +197,14 @@ class DraftcacheProposer:
         trees = self._client.draft(sessions, new_tokens, deadline_s=self._deadline.seconds) if live else []
         drafts: list[list[int]] = [[] for _ in sampled]
         min_prob, expected = self._cost.min_prob, 0.0
+        chances = self._outcomes.chances if self.settings.recalibrate else None
         for i, track, tree in zip(live, tracks, trees, strict=True):
             room = min(self.num_speculative_tokens, self.max_model_len - int(lengths[i]) - 1)
             if room > 0:
-                chain, scores = self._chain_to_propose(tree, room, min_prob)
-                drafts[i], expected = chain.tolist(), expected + float(scores.sum())
-                if chain.size:
-                    self._sent[id(track)] = (track, scores)
+                chain, claims, likely = self._chain_to_propose(tree, room, min_prob, chances)
+                drafts[i], expected = chain.tolist(), expected + float(likely.sum())
+                if chain.size:  # the claims, not the corrected chances: the correction learns from them
+                    self._sent[id(track)] = (track, claims)
         if not self._cost.worth_a_step(expected, sum(len(d) for d in drafts)):
             self._unworthy += 1
             drafts = [[] for _ in sampled]
@@ -252,6 +255,7 @@ class DraftcacheProposer:
             **self._cost.summary(),
             "steps_not_worth_drafting": self._unworthy,
             "chains": self._outcomes.summary(),
+            "recalibration": [round(f, 3) for f in self._outcomes.factors().tolist()],
             "commits_retried": client.commits_retried,
             "commits_dropped": client.commits_dropped,
             "errors": self._errors,

@@ -126,10 +126,17 @@ def test_chains_are_cut_where_a_token_is_not_worth_its_cost() -> None:
         np.zeros(4, np.uint8),
         np.array([0.9, 0.6, 0.35, 0.1], np.float32),  # cumulative: the chance each is reached
     )
-    tokens, expected = chain_to_propose(chain, 8, 0.0)
+    tokens, claims, expected = chain_to_propose(chain, 8, 0.0)
     assert tokens.tolist() == [5, 6, 7, 8] and expected.sum() == pytest.approx(1.95)
-    tokens, expected = chain_to_propose(chain, 8, 0.3)
+    assert claims.tolist() == pytest.approx(expected.tolist())  # nothing corrects them
+    tokens, _, expected = chain_to_propose(chain, 8, 0.3)
     assert tokens.tolist() == [5, 6, 7] and expected.sum() == pytest.approx(1.85)
+    # Chances that correct the claims move the cut and the expectation, never the claims.
+    tokens, claims, expected = chain_to_propose(chain, 8, 0.3, lambda c: np.minimum(1.0, 2 * c))
+    assert tokens.tolist() == [5, 6, 7] and claims.sum() == pytest.approx(1.85)
+    assert expected.tolist() == pytest.approx([1.0, 1.0, 0.7])
+    tokens, _, _ = chain_to_propose(chain, 8, 0.3, lambda c: c / 2)
+    assert tokens.tolist() == [5, 6]
     assert chain_to_propose(chain, 2, 0.3)[0].tolist() == [5, 6]  # and never longer than asked
     assert chain_to_propose(chain, 8, 0.95)[0].tolist() == []
     # A tree: its best root path, cut the same way.

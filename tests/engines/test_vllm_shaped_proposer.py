@@ -5,6 +5,8 @@ real engine; these run wherever the project does.)"""
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -18,6 +20,7 @@ from draftcache.v1 import draftcache_pb2 as pb
 from cache_service.config import ServiceConfig
 from cache_service.host.embedded_redis import free_port
 from decoder_client.client import ClientSession
+from decoder_client.engines.outcomes import EDGES, PRIOR
 from decoder_client.engines.vllm import DraftcacheProposer
 from tests.service.conftest import Running, eventually, start_service, stop_service
 
@@ -313,3 +316,45 @@ def test_chains_end_where_a_token_costs_more_than_it_is_likely_to_save(running: 
         assert request is not None and request.sessions[0].params.chain_min_prob >= 0.5
     finally:
         proposer.shutdown()
+
+
+def test_chains_are_cut_on_the_chances_this_engine_bore_out(running: Running) -> None:
+    proposer = proposer_for(running)
+    proposer.settings = dataclasses.replace(proposer.settings, token_cost=0.3, recalibrate=True)
+    proposer._cost = proposer.settings.step_cost()  # a fixed cut at 0.3, whatever the steps cost
+    cut: list[tuple[np.ndarray, np.ndarray]] = []
+    choose = proposer._chain_to_propose
+
+    def chosen(tree: Any, room: int, min_prob: float, chances: Any = None) -> Any:
+        tokens, claims, likely = choose(tree, room, min_prob, chances)
+        assert chances is not None
+        cut.append((claims, likely))
+        return tokens, claims, likely
+
+    proposer._chain_to_propose = chosen
+    learnt: list[np.ndarray] = []
+    record = proposer._outcomes.record
+
+    def recorded(scores: np.ndarray, accepted: int) -> None:
+        learnt.append(scores)
+        record(scores, accepted)
+
+    proposer._outcomes.record = recorded  # type: ignore[method-assign]
+    try:
+        for _ in range(2):  # the second time, the service knows the requests and its chains run long
+            Engine(proposer).run(workload())
+        stats = proposer.stats()
+    finally:
+        proposer.shutdown()
+    assert stats["chains"]["proposed_tokens"] > 0
+    # Every token proposed was likely enough once corrected; the correction is what the
+    # outcomes say (accepted over expected per score bin, 8 pseudo-tokens at the claim) ...
+    assert all((likely >= 0.3).all() for _, likely in cut)
+    for name, counts in stats["chains"]["by_score"].items():
+        i = [f"{a:.2f}-{b:.2f}" for a, b in itertools.pairwise(EDGES)].index(name)
+        want = (counts["accepted"] + PRIOR) / (counts["expected"] + PRIOR)
+        assert stats["recalibration"][i] == pytest.approx(want, abs=2e-3)
+    # ... and it learns from the claims themselves, never from what it made of them.
+    claimed = {id(c) for c, _ in cut}
+    assert learnt and all(id(scores) in claimed for scores in learnt)
+    assert any(not np.allclose(c, likely) for c, likely in cut if c.size)

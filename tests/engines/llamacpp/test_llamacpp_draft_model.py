@@ -107,6 +107,9 @@ def test_with_the_service_down_it_drafts_and_decodes_as_the_engines_prompt_looku
     assert model.stats.generations == len(QUESTIONS)
     # Its own count of accepted drafts is what the engine kept (and drafts did get accepted).
     assert model.stats.accepted == _accepted(theirs.calls) > 0
+    # The outcomes that correct the chances count the same drafts.
+    chains = model.outcomes.summary()
+    assert (chains["proposed_tokens"], chains["accepted_tokens"]) == (model.stats.proposed, model.stats.accepted)
     assert all(len(draft) <= K for _, draft in ours.calls)
     model.close()
 
