@@ -36,11 +36,11 @@ a long step comes back as a new session, as a resumed one does.
 
 How much to propose. The service answers each row a chain with the calibrated chance of each
 token being reached (with ``recalibrate``, corrected by how the proposer's own chains fared
-in this engine: :meth:`~decoder_client.engines.outcomes.ChainOutcomes.chances`); it cuts
-the chain where a token is no longer worth verifying and drops
-a step's drafts that do not pay for the step's own extra cost, both measured from the engine's
-step times (:mod:`~decoder_client.engines.step_cost`): on a CPU a drafted token costs a good
-part of a step, on a GPU at batch 1 almost nothing.
+in this engine: :meth:`~decoder_client.engines.outcomes.ChainOutcomes.chances`). The proposer
+cuts the chain where a token is no longer worth verifying and drops a step's drafts that do
+not pay for the step's own extra cost, both measured from the engine's step times
+(:mod:`~decoder_client.engines.step_cost`): on a CPU a drafted token costs a good part of a
+step, on a GPU at batch 1 almost nothing.
 
 The service slow or down costs a step at most the draft call's deadline (a fraction of the
 engine's recent step time, within set bounds: :mod:`~decoder_client.engines.deadline`): past it
