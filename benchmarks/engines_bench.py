@@ -202,9 +202,9 @@ def make_runner(a: argparse.Namespace) -> Runner:
             n_threads=a.llama_threads or None,
             methods=a.methods,
         )
-    from benchmarks.engines_vllm import METHODS, VllmBench, VllmRunner, variant
+    from benchmarks.engines_vllm import METHODS, VllmBench, VllmRunner
 
-    variants = dict(variant(v) for v in a.variant)
+    variants = a.variants  # parsed and checked by main
     config = VllmBench(
         model=a.model,
         target=a.target,
@@ -290,10 +290,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     if a.variant and a.engine != "vllm":
         p.error("--variant: vLLM's benchmark runs variants (llama.cpp's runs one draft model)")
     try:
-        names = [variant(v)[0] for v in a.variant]
+        parsed = [variant(v) for v in a.variant]
     except ValueError as exc:
         p.error(f"--variant: {exc}")
-    if len(set(names)) < len(names):
+    a.variants = dict(parsed)
+    if len(a.variants) < len(parsed):
         p.error("--variant: two variants with one name")
     a.work_dir.mkdir(parents=True, exist_ok=True)
     workloads = load(a.workloads)
