@@ -7,6 +7,10 @@ the target verifies, the cache drafts one tree for each of the likeliest stoppin
 context extended by the path to ``v``, leaving out ``v``'s children. When verification reports
 ``path + [b]`` and that tree has a root child ``b``, the subtree under it is the next draft tree,
 ready at once: one tree per stopping point covers every bonus token it proposes.
+
+A chain needs no drafting ahead for its likeliest outcome: when the target accepts every token
+proposed and its bonus token is the chain's next one, the rest of a longer chain is the next
+draft (:func:`continue_chain`), ready at once as well.
 """
 
 from __future__ import annotations
@@ -68,3 +72,26 @@ def select(prefetched: Prefetched, produced: np.ndarray | Sequence[int]) -> Draf
         return None
     tree = prefetched.get(tuple(produced[:-1]))
     return None if tree is None else subtree(tree, produced[-1])
+
+
+def continue_chain(chain: DraftTree, produced: np.ndarray | Sequence[int]) -> DraftTree | None:
+    """What ``chain`` (a chain drafted for some context, scored with each token's chance of
+    being reached) still holds once the context has grown by ``produced``, when those are its
+    first tokens: the rest of it, each token's chance now given that the ones produced were
+    right. ``None`` when the context left the chain or nothing of it is left.
+
+    >>> c = DraftTree.chain(np.array([4, 5, 6, 7], np.int32))
+    >>> c.scores[:] = [0.8, 0.4, 0.3, 0.1]
+    >>> rest = continue_chain(c, [4, 5])
+    >>> rest.tokens.tolist(), [round(float(s), 2) for s in rest.scores]
+    ([6, 7], [0.75, 0.25])
+    >>> continue_chain(c, [4, 9]) is None, continue_chain(c, [4, 5, 6, 7]) is None
+    (True, True)
+    """
+    m = len(produced)
+    if not 0 < m < len(chain) or not np.array_equal(chain.tokens[:m], np.asarray(produced, dtype=np.int32)):
+        return None
+    reached = float(chain.scores[m - 1])
+    scores = chain.scores[m:] / reached if reached > 0 else chain.scores[m:]
+    parents = np.arange(-1, len(chain) - m - 1, dtype=np.int32)
+    return DraftTree(chain.tokens[m:], parents, chain.sources[m:], np.minimum(scores, 1.0).astype(np.float32))

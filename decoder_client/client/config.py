@@ -34,6 +34,10 @@ class ClientConfig:
     retry_after_s: float = 0.5  # after a failure, skip the service this long
     commit_backlog_tokens: int = 1_000_000  # ended requests kept to commit once the service answers again
     lookahead: int = 0  # pre-speculation: outcomes drafted ahead per step (0: off)
+    # Chain mode: a step whose outcome the last chain foresaw (every token proposed accepted, the
+    # bonus token its next one) goes on with the rest of that chain at once; the call that
+    # delivers its tokens (and brings the chain for after them) runs while the target verifies.
+    continue_chains: bool = False
     topk: int = 0  # the target's top-k ids sent per verified position, when the decoder gives them (0: none)
     stream: bool = True  # calls on two bidirectional streams (False: one unary call each)
     token: str = ""  # bearer token, when the service authenticates callers
@@ -48,6 +52,8 @@ class ClientConfig:
             raise ValueError(f"commit_backlog_tokens must be >= 0, got {self.commit_backlog_tokens}")
         if not 0 <= self.lookahead <= MAX_LOOKAHEAD:
             raise ValueError(f"lookahead must be in [0, {MAX_LOOKAHEAD}], got {self.lookahead}")
+        if self.continue_chains and not self.params.chain:
+            raise ValueError("continue_chains needs chain mode (params.chain > 0)")
         if not 0 <= self.topk <= MAX_TOPK:
             raise ValueError(f"topk must be in [0, {MAX_TOPK}], got {self.topk}")
         if bool(self.tls_cert_file) != bool(self.tls_key_file):

@@ -21,7 +21,7 @@ from decoder_client import wire
 from decoder_client.client.commits import CommitBacklog, worth_retrying
 from decoder_client.client.config import ClientConfig
 from decoder_client.client.session import ClientSession, TopkRows
-from indexer.prespeculation import select
+from indexer.prespeculation import continue_chain, select
 from indexer.prompt_lookup import prompt_lookup_match
 from indexer.tree_builder import DraftTree
 
@@ -65,6 +65,7 @@ class ClientStats:
     reopened: int = 0  # sessions opened with more than their prompt (an earlier copy was lost)
     ahead_hits: int = 0  # trees that were drafted ahead (no wait)
     ahead_misses: int = 0  # outcomes nothing had been drafted ahead for
+    continued: int = 0  # chains that went on from the last one, which foresaw the outcome (no wait)
     lost_opens: int = 0  # opens given up on (deadline): the service may hold copies until they expire
     commits_retried: int = 0  # ended requests whose commit did not land at once (kept to send again)
     commits_dropped: int = 0  # ended requests never committed (the backlog was full, or the service refused them)
@@ -180,6 +181,8 @@ class ClientCore:
             return None
         k, top_k = self.config.lookahead, self.config.topk
         rows = [s.take_topk(top_k) for s in remote]
+        for s in remote:
+            s.asked_at = len(s)
         if not self.columns:
             return pb.DraftRequest(
                 items=[
@@ -219,6 +222,9 @@ class ClientCore:
         for s, new in zip(sessions, new_tokens, strict=True):
             tree = select(s.prefetched, new) if s.server_id and s.prefetched and len(new) else None
             s.prefetched = {}
+            if tree is None and s.chain is not None and s.server_id and len(new):
+                tree = continue_chain(s.chain, s.tokens(s.chain_at))
+                self.stats.continued += tree is not None
             if tree is None:
                 if self.config.lookahead and s.server_id and len(new):
                     self.stats.ahead_misses += 1
@@ -276,9 +282,15 @@ class ClientCore:
         """A late call failed after all: the sessions still on the copies it went to are in doubt."""
         self.in_doubt([s for s, sid in pairs if s.server_id == sid])
 
-    def answered(self, sessions: Sequence[ClientSession], resp: pb.DraftResponse | None) -> None:
-        """Book a draft call's outcome: tokens delivered and trees drafted ahead, or the
-        sessions' server copies in doubt."""
+    def answered(
+        self,
+        sessions: Sequence[ClientSession],
+        resp: pb.DraftResponse | None,
+        drafted: Sequence[DraftTree] | None = None,
+    ) -> None:
+        """Book a draft call's outcome: tokens delivered, trees drafted ahead and (to continue,
+        in chain mode) the chains, the response's own unless ``drafted`` holds them already;
+        or the sessions' server copies in doubt."""
         remote = [s for s in sessions if s.server_id]
         if resp is None:
             self.in_doubt(remote)
@@ -287,6 +299,11 @@ class ClientCore:
         for s, more in zip(remote, ahead, strict=True):
             s.pending = []
             s.prefetched = more
+        if self.config.continue_chains:
+            chains = wire.trees_from_response(resp) if drafted is None else drafted
+            if len(chains) == len(remote):  # each drafted for the context the call was made at
+                for s, chain in zip(remote, chains, strict=True):
+                    s.chain, s.chain_at = chain, s.asked_at
 
     def trees(
         self, sessions: Sequence[ClientSession], resp: pb.DraftResponse | None, *, book: bool = True
@@ -306,7 +323,7 @@ class ClientCore:
                     self.columns = False
                 resp, drafted = None, []
         if book:
-            self.answered(sessions, resp)
+            self.answered(sessions, resp, drafted)
         if resp is not None and len(remote) == len(sessions):  # the service answered for every sequence
             return drafted
         got = dict(zip(map(id, remote), drafted, strict=True)) if resp is not None else {}

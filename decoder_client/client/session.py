@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from indexer.prespeculation import Prefetched
+from indexer.tree_builder import DraftTree
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 TopkRows = Sequence[Sequence[int]] | np.ndarray  # per new token, the target's top-k ids where it was verified
@@ -25,7 +26,17 @@ class ClientSession:
     ([5, 6, 7, 8], [8])
     """
 
-    __slots__ = ("_tokens", "pending", "pending_topk", "prefetched", "prompt_len", "server_id")
+    __slots__ = (
+        "_tokens",
+        "asked_at",
+        "chain",
+        "chain_at",
+        "pending",
+        "pending_topk",
+        "prefetched",
+        "prompt_len",
+        "server_id",
+    )
 
     def __init__(self, context: Sequence[int] | np.ndarray, prompt_len: int) -> None:
         self._tokens: list[int] = np.asarray(context, dtype=np.int32).tolist()
@@ -34,6 +45,9 @@ class ClientSession:
         self.pending: list[int] = []  # produced since the last successful call
         self.pending_topk: list[int] = []  # top-k rows of the pending tokens, flat (see extend)
         self.prefetched: Prefetched = {}  # trees drafted ahead for the next outcome
+        self.asked_at = 0  # the context's length when the last draft call was made for it
+        self.chain: DraftTree | None = None  # chain mode: the service's last chain, drafted ...
+        self.chain_at = 0  # ... for the context's first this many tokens
 
     def __len__(self) -> int:
         return len(self._tokens)

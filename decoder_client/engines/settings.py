@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from decoder_client.engines.step_cost import StepCost
 
 ENV_PREFIX = "DRAFTCACHE_"
+CONTINUE_TOKENS = 8  # tokens asked of the service past the engine's most, to continue chains
 _KINDS = {"int": "an integer", "float": "a number", "bool": "a boolean", "str": "a string"}
 
 
@@ -52,6 +53,13 @@ class EngineSettings:
     # request's first pass had rejected taught it to distrust the chains of that request asked
     # again (llama.cpp, the agent workload's second pass), which the service knows to trust.
     recalibrate: bool = False
+    # A step whose outcome the last chain foresaw (every token proposed accepted, the bonus token
+    # its next one) goes on with the rest of that chain, without waiting for a call: the call
+    # delivering its tokens runs while the engine verifies (see decoder_client.client.config).
+    continue_chains: bool = True
+    # ... for which the service's chains run on past the proposer's cut, to tokens this fraction
+    # as likely to be reached (once the tokens before them are produced, they are likelier).
+    chain_run_on: float = 0.5
     topk: int = 0  # the target's top-k ids sent back per verified position, where the engine shows its logits
     create_namespace: bool = True  # create the namespace (the model's vocabulary) when it is missing
     idle_close_s: float = 2.0  # the engine made no step this long: its requests are closed, with commit
@@ -69,6 +77,8 @@ class EngineSettings:
         if self.deadline_s <= 0 or self.idle_close_s <= 0 or self.stats_every_s <= 0:
             raise ValueError("deadline_s, idle_close_s and stats_every_s must be > 0")
         self.step_deadline()  # its own checks
+        if not 0 < self.chain_run_on <= 1:
+            raise ValueError(f"chain_run_on must be in (0, 1], got {self.chain_run_on}")
         if self.token_cost >= 1:
             raise ValueError(f"token_cost must be < 1 (< 0: measured), got {self.token_cost}")
         # Their own checks. Imported here: the engine's process may not import numba yet (see
@@ -102,20 +112,37 @@ class EngineSettings:
         measured = self.token_cost < 0
         return StepCost(prior=PRIOR if measured else self.token_cost, floor=self.chain_min_prob, measure=measured)
 
-    def client_config(self, num_speculative_tokens: int) -> ClientConfig:
-        """The draft client's settings: chain mode, chains of at most ``num_speculative_tokens``.
+    def service_cut(self, min_prob: float) -> float:
+        """Where the service's chains end for a proposer cutting at ``min_prob``: further on
+        when chains are continued, so a step they foresaw has more of them left.
 
-        >>> EngineSettings(namespace="smollm2").client_config(4).params.chain
+        >>> EngineSettings(namespace="n", chain_run_on=0.5).service_cut(0.2)
+        0.1
+        >>> EngineSettings(namespace="n", continue_chains=False).service_cut(0.2)
+        0.2
+        """
+        return min_prob * self.chain_run_on if self.continue_chains else min_prob
+
+    def client_config(self, num_speculative_tokens: int) -> ClientConfig:
+        """The draft client's settings: chain mode, chains of at most ``num_speculative_tokens``
+        (and :data:`CONTINUE_TOKENS` more to continue them).
+
+        >>> EngineSettings(namespace="smollm2", continue_chains=False).client_config(4).params.chain
         4
+        >>> EngineSettings(namespace="smollm2").client_config(4).params.chain
+        12
         """
         from decoder_client.client import ClientConfig
-        from indexer.drafter import DraftParams
+        from indexer.drafter import MAX_DEPTH, DraftParams
 
         k = num_speculative_tokens
+        # Continued chains are asked a few tokens longer than the engine takes: what a step
+        # that accepts them all foresaw is left.
+        chain = min(MAX_DEPTH, k + CONTINUE_TOKENS) if self.continue_chains else k
         params = DraftParams(
-            budget=max(self.budget, k),
-            max_depth=max(DraftParams.max_depth, k),
-            chain=k,
+            budget=max(self.budget, chain),
+            max_depth=max(DraftParams.max_depth, chain),
+            chain=chain,
             chain_min_prob=self.chain_min_prob,
         )
         return ClientConfig(
@@ -124,6 +151,7 @@ class EngineSettings:
             params=params,
             deadline_s=self.deadline_s,
             retry_after_s=self.retry_after_s,
+            continue_chains=self.continue_chains,
             topk=self.topk,
             token=self.token,
             tls_root_cert_file=self.tls_root_cert_file,

@@ -184,7 +184,8 @@ class DraftcacheProposer:
                 counted=not prefill,
             )
         if fresh:  # their first draft comes from the service if their open lands in half a deadline
-            self._client.cut_chains_at(self._cost.min_prob)  # the service picks chains for this cut
+            # The service picks chains for this cut (and runs them on past it, to continue).
+            self._client.cut_chains_at(self.settings.service_cut(self._cost.min_prob))
             new = self._client.open([t.tokens for t in fresh], wait=False, wait_s=self._deadline.seconds / 2)
             for t, session in zip(fresh, new, strict=True):
                 t.payload = session
@@ -250,6 +251,7 @@ class DraftcacheProposer:
             "idle_closes": self._idle_closes,
             "remote_drafts": client.remote,
             "fallback_drafts": client.fallback,
+            "chains_continued": client.continued,
             "failed_calls": client.failures,
             "deadline_ms": 1e3 * self._deadline.seconds,
             **self._cost.summary(),

@@ -199,6 +199,27 @@ def test_a_repeated_workload_drafts_from_what_the_fleet_committed(running: Runni
         proposer.shutdown()
 
 
+@pytest.mark.parametrize("continue_chains", [True, False])
+def test_steps_a_chain_foresaw_go_on_without_waiting(running: Running, continue_chains: bool) -> None:
+    proposer = DraftcacheProposer(vllm_config(running.target, continue_chains=continue_chains))
+    eventually(lambda: any(n.name == NS for n in running.admin.Stats(pb.StatsRequest(), timeout=5).namespaces), 30)
+    try:
+        Engine(proposer).run(workload())
+        eventually(lambda: namespace_info(running).requests == len(workload()), 10)
+        reqs = workload()  # asked again: the service's chains run past the K tokens the engine takes
+        again = Engine(proposer)
+        again.run(reqs)
+        assert [r.out for r in reqs] == [r.target for r in reqs]
+        stats = proposer.stats()
+        assert again.longest_draft == K and stats["errors"] == 0
+        if continue_chains:  # steps that took all K and made the chain's next token: the rest at once
+            assert stats["chains_continued"] > 0, stats
+        else:
+            assert stats["chains_continued"] == 0
+    finally:
+        proposer.shutdown()
+
+
 def test_chains_stop_short_of_max_model_len(running: Running) -> None:
     proposer = proposer_for(running)
     try:
@@ -311,9 +332,12 @@ def test_chains_end_where_a_token_costs_more_than_it_is_likely_to_save(running: 
         stats = proposer.stats()
         assert stats["cost_measured"] and stats["step_per_token_ms"] >= 5, stats
         assert stats["chain_cut_prob"] >= 0.5, stats
-        # Requests opened once it was measured asked the service for chains above that cut.
+        # Requests opened once it was measured asked the service for chains that run on to
+        # chain_run_on of that cut (the rest kept for steps the chain foresaw).
+        Engine(proposer, token_s=0.01).run(workload()[:1])
         request = proposer._client._core.open_request([ClientSession(np.array([1, 2], np.int32), 2)], now=True)
-        assert request is not None and request.sessions[0].params.chain_min_prob >= 0.5
+        assert request is not None
+        assert request.sessions[0].params.chain_min_prob >= 0.5 * proposer.settings.chain_run_on > 0
     finally:
         proposer.shutdown()
 

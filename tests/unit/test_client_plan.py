@@ -12,13 +12,22 @@ from draftcache.v1 import draftcache_pb2 as pb
 from decoder_client.client import ClientConfig, ClientSession, prompt_lookup_fallback
 from decoder_client.client.core import ClientCore
 from decoder_client.client.plan import CatchUp, Draft, DraftAhead, Drafted, Effect, Reopen, draft_step
+from indexer.drafter import DraftParams
 from indexer.tree_builder import DraftTree
 
 Step = Generator[Effect, Drafted | None, list[DraftTree]]
 
 
-def _core(*, deadline_s: float = 0.005, lookahead: int = 0) -> ClientCore:
-    config = ClientConfig(target="unused", namespace="ns", deadline_s=deadline_s, lookahead=lookahead)
+def _core(*, deadline_s: float = 0.005, lookahead: int = 0, continue_chains: bool = False) -> ClientCore:
+    params = DraftParams(chain=8) if continue_chains else DraftParams()
+    config = ClientConfig(
+        target="unused",
+        namespace="ns",
+        params=params,
+        deadline_s=deadline_s,
+        lookahead=lookahead,
+        continue_chains=continue_chains,
+    )
     return ClientCore(config, prompt_lookup_fallback)
 
 
@@ -32,8 +41,10 @@ def _tree(*tokens: int) -> DraftTree:
     return DraftTree.chain(np.array(tokens, dtype=np.int32))
 
 
-def _answer(*trees: list[int]) -> pb.DraftResponse:
-    return pb.DraftResponse(trees=[pb.Tree(tokens=t, parents=list(range(-1, len(t) - 1))) for t in trees])
+def _answer(*trees: list[int], scores: list[float] | None = None) -> pb.DraftResponse:
+    return pb.DraftResponse(
+        trees=[pb.Tree(tokens=t, parents=list(range(-1, len(t) - 1)), scores=scores or [1.0] * len(t)) for t in trees]
+    )
 
 
 def _run(step: Step, replies: Sequence[Drafted | None]) -> tuple[list[Effect], list[DraftTree]]:
@@ -119,6 +130,39 @@ def test_trees_drafted_ahead_answer_at_once_and_their_tokens_go_in_the_backgroun
     assert [t.tokens.tolist() for t in trees] == [[8, 9], [60]]
     assert (core.stats.ahead_hits, core.stats.ahead_misses) == (1, 1)
     assert hit.pending == [7]  # until the background call is settled
+
+
+def test_a_chain_that_foresaw_the_outcome_goes_on_at_once_and_its_tokens_go_in_the_background() -> None:
+    core = _core(continue_chains=True)
+    s = _remote([1, 2], "a")
+    chain = [7, 8, 9, 10, 11]
+    effects, trees = _run(
+        draft_step(core, [s], [[3]]), [None, None, Drafted(_answer(chain, scores=[0.9, 0.8, 0.6, 0.3, 0.1]))]
+    )
+    assert [type(e) for e in effects] == [CatchUp, Reopen, Draft] and trees[0].tokens.tolist() == chain
+    assert (s.chain_at, s.chain.tokens.tolist()) == (3, chain)  # drafted for the context [1, 2, 3]
+    # The engine proposed 7 and 8 (it cut the chain there), took both and made 9: the chain
+    # foresaw it. The rest comes at once, each token's chance now given 7, 8, 9.
+    effects, trees = _run(draft_step(core, [s], [[7, 8, 9]]), [])
+    assert [type(e) for e in effects] == [CatchUp, Reopen, DraftAhead]
+    assert list(effects[2].request.columns.new_tokens) == [7, 8, 9]
+    assert trees[0].tokens.tolist() == [10, 11] and np.allclose(trees[0].scores, [0.5, 1 / 6])
+    assert core.stats.continued == 1 and s.pending == [7, 8, 9]
+    # The call in the background brings the chain for after 9; the next outcome leaves it (12
+    # was made where it drafted 20): a call, within the step.
+    core.answered([s], _answer([20, 21], scores=[0.5, 0.4]))
+    assert (s.chain_at, s.chain.tokens.tolist(), s.pending) == (6, [20, 21], [])
+    effects, trees = _run(draft_step(core, [s], [[12]]), [None, None, Drafted(_answer([30]))])
+    assert [type(e) for e in effects] == [CatchUp, Reopen, Draft] and trees[0].tokens.tolist() == [30]
+    assert core.stats.continued == 1 and (s.chain_at, s.chain.tokens.tolist()) == (7, [30])
+
+
+def test_chains_go_on_only_when_asked() -> None:
+    core = _core()
+    s = _remote([1, 2], "a")
+    _run(draft_step(core, [s], [[3]]), [None, None, Drafted(_answer([7, 8, 9]))])
+    effects, _ = _run(draft_step(core, [s], [[7]]), [None, None, Drafted(_answer([5]))])
+    assert isinstance(effects[2], Draft) and s.chain is None and core.stats.continued == 0
 
 
 def test_a_step_while_the_service_is_skipped_keeps_the_copy_and_the_tokens_pending() -> None:
