@@ -297,7 +297,7 @@ class ClientCore:
             return
         ahead = wire.prefetched_from_response(resp) if len(resp.prefetched) else [{} for _ in remote]
         for s, more in zip(remote, ahead, strict=True):
-            s.pending = []
+            s.heard()
             s.prefetched = more
         if self.config.continue_chains:
             chains = wire.trees_from_response(resp) if drafted is None else drafted

@@ -91,6 +91,19 @@ class ClientSession:
             ids = [int(t) for t in row[:k]]
             self.pending_topk.extend(ids + [-1] * (k - len(ids)))
 
+    def heard(self) -> None:
+        """The service answered the last draft call made for this session: its copy holds the
+        context as it was then (``asked_at`` tokens); tokens added since stay pending (a last
+        step's, recorded before the close that settles a call made in the background).
+
+        >>> s = ClientSession([5], prompt_len=1)
+        >>> s.extend([6, 7]); s.asked_at = len(s); s.extend([8])
+        >>> s.heard(); s.pending
+        [8]
+        """
+        unheard = len(self._tokens) - self.asked_at
+        self.pending = self.pending[len(self.pending) - unheard :] if unheard > 0 else []
+
     def take_topk(self, k: int) -> list[int] | None:
         """The pending tokens' top-k rows, flat, if every one has its row (``None`` otherwise);
         they are sent once: the next call starts without."""

@@ -157,6 +157,19 @@ def test_a_chain_that_foresaw_the_outcome_goes_on_at_once_and_its_tokens_go_in_t
     assert core.stats.continued == 1 and (s.chain_at, s.chain.tokens.tolist()) == (7, [30])
 
 
+def test_tokens_added_while_a_call_is_in_the_background_stay_pending() -> None:
+    core = _core(continue_chains=True)
+    s = _remote([1, 2], "a")
+    _run(draft_step(core, [s], [[3]]), [None, None, Drafted(_answer([7, 8, 9, 10], scores=[0.9, 0.8, 0.6, 0.3]))])
+    effects, _ = _run(draft_step(core, [s], [[7, 8, 9]]), [])  # continued: 7, 8, 9 go in the background
+    assert isinstance(effects[-1], DraftAhead)
+    core.add_tokens([s], [[10]])  # the generation's last step, recorded before its close
+    core.answered([s], _answer([20], scores=[0.5]))  # the close settles the background call
+    assert s.pending == [10] and s.chain_at == 6
+    close = core.close_request([s], commit=True)
+    assert close is not None and list(close.sessions[0].new_tokens) == [10]  # the commit has every token
+
+
 def test_chains_go_on_only_when_asked() -> None:
     core = _core()
     s = _remote([1, 2], "a")
