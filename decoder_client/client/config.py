@@ -38,6 +38,9 @@ class ClientConfig:
     # bonus token its next one) goes on with the rest of that chain at once; the call that
     # delivers its tokens (and brings the chain for after them) runs while the target verifies.
     continue_chains: bool = False
+    # ... for which chains are asked to run on past the cut the decoder cuts them at
+    # (params.chain_min_prob, or cut_chains_at), to tokens this fraction as likely to be reached.
+    chain_run_on: float = 1.0
     topk: int = 0  # the target's top-k ids sent per verified position, when the decoder gives them (0: none)
     stream: bool = True  # calls on two bidirectional streams (False: one unary call each)
     token: str = ""  # bearer token, when the service authenticates callers
@@ -54,6 +57,8 @@ class ClientConfig:
             raise ValueError(f"lookahead must be in [0, {MAX_LOOKAHEAD}], got {self.lookahead}")
         if self.continue_chains and not self.params.chain:
             raise ValueError("continue_chains needs chain mode (params.chain > 0)")
+        if not 0 < self.chain_run_on <= 1:
+            raise ValueError(f"chain_run_on must be in (0, 1], got {self.chain_run_on}")
         if not 0 <= self.topk <= MAX_TOPK:
             raise ValueError(f"topk must be in [0, {MAX_TOPK}], got {self.topk}")
         if bool(self.tls_cert_file) != bool(self.tls_key_file):

@@ -101,11 +101,15 @@ class ClientCore:
         # land on the first step the service misses, when the decoder has no time to spare.
         fallback(np.array([1, 2, 1], dtype=np.int32), 2)
         self.params = wire.params_to_proto(config.params)
+        self.cut_chains_at(config.params.chain_min_prob)
 
     def cut_chains_at(self, min_prob: float) -> None:
+        """Sessions opened from now on ask for chains cut at ``min_prob``; continued chains run
+        on to ``chain_run_on`` of it (a step they foresaw has more of them left)."""
         if not 0 <= min_prob < 1:
             raise ValueError(f"chain_min_prob must be in [0, 1), got {min_prob}")
-        self.params.chain_min_prob = min_prob  # each open copies it
+        run_on = self.config.chain_run_on if self.config.continue_chains else 1.0
+        self.params.chain_min_prob = min_prob * run_on  # each open copies it
 
     def available(self) -> bool:
         return time.monotonic() >= self.down_until

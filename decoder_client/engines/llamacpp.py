@@ -45,7 +45,7 @@ llama-cpp-python's OpenAI-compatible server (``llama_cpp.server``) cannot host i
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -167,7 +167,6 @@ class DraftcacheDraftModel(LlamaDraftModel):
         cost: StepCost | None = None,
         idle_s: float = 2.0,
         recalibrate: bool = False,
-        service_cut: Callable[[float], float] = float,
     ) -> None:
         if not 1 <= num_pred_tokens <= MAX_DEPTH:
             raise ValueError(f"num_pred_tokens must be in [1, {MAX_DEPTH}], got {num_pred_tokens}")
@@ -186,7 +185,6 @@ class DraftcacheDraftModel(LlamaDraftModel):
         self._claims = np.zeros(0)  # ... and its tokens' scores as the service claimed them
         self.outcomes = ChainOutcomes()  # how the proposals fared: with ``recalibrate``, what corrects the claims
         self.recalibrate = recalibrate
-        self.service_cut = service_cut  # where the service's chains end for the cost's cut (float: there)
 
     @classmethod
     def connect(
@@ -210,7 +208,6 @@ class DraftcacheDraftModel(LlamaDraftModel):
             cost=settings.step_cost(),
             idle_s=settings.idle_close_s,
             recalibrate=settings.recalibrate,
-            service_cut=settings.service_cut,
         )
 
     def __call__(self, input_ids: Any, /, **kwargs: Any) -> np.ndarray:
@@ -279,8 +276,7 @@ class DraftcacheDraftModel(LlamaDraftModel):
         self.finish()
         ids = np.array(prompt, dtype=np.int32)
         if self.cost is not None:
-            # The service picks chains for this cut (and runs them on past it, to continue).
-            self.client.cut_chains_at(self.service_cut(self.cost.min_prob))
+            self.client.cut_chains_at(self.cost.min_prob)  # the service picks chains for this cut
         (session,) = self.client.open([ids], wait=False)
         self._session, self._sequence, self._draft = session, ids, None
         self.stats.generations += 1

@@ -112,17 +112,6 @@ class EngineSettings:
         measured = self.token_cost < 0
         return StepCost(prior=PRIOR if measured else self.token_cost, floor=self.chain_min_prob, measure=measured)
 
-    def service_cut(self, min_prob: float) -> float:
-        """Where the service's chains end for a proposer cutting at ``min_prob``: further on
-        when chains are continued, so a step they foresaw has more of them left.
-
-        >>> EngineSettings(namespace="n", chain_run_on=0.5).service_cut(0.2)
-        0.1
-        >>> EngineSettings(namespace="n", continue_chains=False).service_cut(0.2)
-        0.2
-        """
-        return min_prob * self.chain_run_on if self.continue_chains else min_prob
-
     def client_config(self, num_speculative_tokens: int) -> ClientConfig:
         """The draft client's settings: chain mode, chains of at most ``num_speculative_tokens``
         (and :data:`CONTINUE_TOKENS` more to continue them).
@@ -152,6 +141,7 @@ class EngineSettings:
             deadline_s=self.deadline_s,
             retry_after_s=self.retry_after_s,
             continue_chains=self.continue_chains,
+            chain_run_on=self.chain_run_on,
             topk=self.topk,
             token=self.token,
             tls_root_cert_file=self.tls_root_cert_file,

@@ -184,8 +184,7 @@ class DraftcacheProposer:
                 counted=not prefill,
             )
         if fresh:  # their first draft comes from the service if their open lands in half a deadline
-            # The service picks chains for this cut (and runs them on past it, to continue).
-            self._client.cut_chains_at(self.settings.service_cut(self._cost.min_prob))
+            self._client.cut_chains_at(self._cost.min_prob)  # the service picks chains for this cut
             new = self._client.open([t.tokens for t in fresh], wait=False, wait_s=self._deadline.seconds / 2)
             for t, session in zip(fresh, new, strict=True):
                 t.payload = session

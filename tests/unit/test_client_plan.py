@@ -170,6 +170,24 @@ def test_tokens_added_while_a_call_is_in_the_background_stay_pending() -> None:
     assert close is not None and list(close.sessions[0].new_tokens) == [10]  # the commit has every token
 
 
+def test_continued_chains_are_asked_to_run_on_past_the_cut() -> None:
+    def asked(core: ClientCore) -> float:
+        request = core.open_request([ClientSession([1, 2], 2)], now=True)
+        assert request is not None
+        return request.sessions[0].params.chain_min_prob
+
+    params = DraftParams(chain=8, chain_min_prob=0.2)
+    on = ClientCore(
+        ClientConfig(target="x", namespace="ns", params=params, continue_chains=True, chain_run_on=0.5),
+        prompt_lookup_fallback,
+    )
+    off = ClientCore(ClientConfig(target="x", namespace="ns", params=params), prompt_lookup_fallback)
+    assert np.isclose(asked(on), 0.1) and np.isclose(asked(off), 0.2)
+    on.cut_chains_at(0.4)
+    off.cut_chains_at(0.4)
+    assert np.isclose(asked(on), 0.2) and np.isclose(asked(off), 0.4)
+
+
 def test_chains_go_on_only_when_asked() -> None:
     core = _core()
     s = _remote([1, 2], "a")
