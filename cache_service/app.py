@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -322,6 +323,7 @@ def warm_up(threads: int = 1, *, report_every_s: float = 15.0) -> None:
 async def serve(config: AppConfig) -> None:
     """Run until SIGINT or SIGTERM."""
     kernels.prefer_passive_workers()
+    sys.setswitchinterval(config.server.switch_interval_s)
     app = App(config)
     port = await app.start()
     print(f"draftcache serving on {config.server.host}:{port} (storage {redact(app.url)})", flush=True)

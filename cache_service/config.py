@@ -58,7 +58,13 @@ class ServiceConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class ServerConfig:
-    """Where and how the gRPC server listens."""
+    """Where and how the gRPC server listens.
+
+    >>> ServerConfig(switch_interval_s=0)
+    Traceback (most recent call last):
+    ...
+    ValueError: switch_interval_s must be in [1e-05, 0.1], got 0
+    """
 
     host: str = "127.0.0.1"
     port: int = 50051  # 0 picks a free port (tests)
@@ -69,9 +75,15 @@ class ServerConfig:
     tls_cert_file: Path | None = None  # PEM certificate chain; with the key, serve TLS
     tls_key_file: Path | None = None
     tls_client_ca_file: Path | None = None  # require client certificates signed by this CA (mTLS)
+    # How long a thread running Python keeps the interpreter while another waits for it (the
+    # process-wide switch interval; Python's default is 5 ms). A draft call that arrives while
+    # a background job (following the log, writing sessions back) runs Python waits up to this.
+    switch_interval_s: float = 0.0005
 
     def __post_init__(self) -> None:
         _range("port", self.port, 0, 65535)
+        if not 1e-5 <= self.switch_interval_s <= 0.1:
+            raise ValueError(f"switch_interval_s must be in [1e-05, 0.1], got {self.switch_interval_s}")
         if self.own_port is not None:
             _range("own_port", self.own_port, 1, 65535)
             if self.own_port == self.port:
