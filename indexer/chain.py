@@ -30,12 +30,15 @@ from indexer.kernels.chain import (
     RANKS,
     RATIO_BINS,
     TRACKS,
+    chain_backoff,
+    chain_batch,
     chain_cells,
     chain_conditional,
     chain_outcome,
     chain_path,
+    chain_pick,
 )
-from indexer.tree_builder import DraftTree, Tier
+from indexer.tree_builder import DraftTree, Tier, TreeBatch
 
 _SCORE_EDGES = np.array([0.05, 0.1, 0.2, 0.4, 0.7, 0.99])  # the node's own score
 _COARSE_PRIOR = 2.0  # pseudo-trials at the ratio's own claim, per ratio bin
@@ -73,6 +76,7 @@ class ChainCalibrator:
         # Before any outcome a ratio bin claims its midpoint (the scores' own estimate).
         self._claim = (np.arange(RATIO_BINS) + 0.5) / 8
         self._claim[-1] = 1.0
+        self._coarse: np.ndarray | None = None  # the (ratio, track record) rates, until an update
 
     @staticmethod
     def _cells(tree: DraftTree, track: int) -> np.ndarray:
@@ -85,14 +89,47 @@ class ChainCalibrator:
         session whose track record is ``track`` (:func:`track_of`)."""
         if not len(tree):
             return np.zeros(0)
-        # Three levels: a fine cell backs off to its (ratio, track record), that to its ratio
-        # bin over every track record, that to the scores' own claim. A fresh namespace's
-        # outcomes so teach every track record at once, and each its own as they come.
-        ratio = (self._coarse_hits.sum(axis=1) + _COARSE_PRIOR * self._claim) / (
-            self._coarse_trials.sum(axis=1) + _COARSE_PRIOR
-        )
-        coarse = (self._coarse_hits + _COARSE_PRIOR * ratio[:, None]) / (self._coarse_trials + _COARSE_PRIOR)
-        return chain_conditional(self._cells(tree, track), self._hits, self._trials, coarse, _FINE_PRIOR)
+        return chain_conditional(self._cells(tree, track), self._hits, self._trials, self._backoff(), _FINE_PRIOR)
+
+    def _backoff(self) -> np.ndarray:
+        """The rates a fine cell backs off to. Three levels: a fine cell backs off to its (ratio,
+        track record), that to its ratio bin over every track record, that to the scores' own
+        claim. A fresh namespace's outcomes so teach every track record at once, and each its
+        own as they come. Kept until the next outcome is learnt."""
+        if self._coarse is None:
+            self._coarse = chain_backoff(self._coarse_hits, self._coarse_trials, self._claim, _COARSE_PRIOR)
+        return self._coarse
+
+    def chain(self, tree: DraftTree, k: int, min_prob: float = 0.0, track: int = 0) -> tuple[DraftTree, np.ndarray]:
+        """:func:`chain_of` with this calibrator's conditionals and reach, in one compiled pass:
+        the chain (its scores the reach) and its nodes' raw claims."""
+        if not 0 <= track < TRACKS:
+            raise ValueError(f"track must be in [0, {TRACKS}), got {track}")
+        if not len(tree):
+            return _chain(tree, np.zeros(0, dtype=np.int64), np.zeros(0)), np.zeros(0)
+        path, claims, reach = chain_pick(
+            tree.parents, tree.scores, tree.sources, _SCORE_EDGES, track, self._hits, self._trials, self._backoff(),
+            _FINE_PRIOR, k, float(min_prob), self._reach_hits[track], self._reach_claims[track], _REACH_EDGES,
+            _REACH_PRIOR,
+        )  # fmt: skip
+        return _chain(tree, path, reach), claims
+
+    def chains(
+        self, batch: TreeBatch, ks: np.ndarray, min_probs: np.ndarray, tracks: np.ndarray
+    ) -> tuple[TreeBatch, np.ndarray]:
+        """:meth:`chain` for every tree of ``batch`` in one compiled call (tree ``j`` cut to at
+        most ``ks[j]`` tokens at ``min_probs[j]``, for track record ``tracks[j]``): the chains
+        as a batch, and their raw claims laid out as the chains are."""
+        tracks = np.ascontiguousarray(tracks, dtype=np.int64)
+        if tracks.size and not (tracks.min() >= 0 and tracks.max() < TRACKS):
+            raise ValueError(f"tracks must be in [0, {TRACKS})")
+        *arrays, claims = chain_batch(
+            batch.tokens, batch.parents, batch.sources, batch.scores, batch.offsets,
+            np.ascontiguousarray(ks, dtype=np.int64), np.ascontiguousarray(min_probs, dtype=np.float64), tracks,
+            _SCORE_EDGES, self._hits, self._trials, self._backoff(), _FINE_PRIOR, self._reach_hits,
+            self._reach_claims, _REACH_EDGES, _REACH_PRIOR,
+        )  # fmt: skip
+        return TreeBatch(*arrays), claims
 
     def reach(self, claims: np.ndarray, track: int = 0) -> np.ndarray:
         """A chain's nodes' claimed reach (by depth from 1: the products of their conditionals)
@@ -143,6 +180,7 @@ class ChainCalibrator:
         produced there. Returns the session's track record from now on (:func:`track_of`)."""
         if not len(tree) or not produced.size:
             return 0
+        self._coarse = None
         return track_of(
             chain_outcome(
                 tree.parents,
@@ -227,10 +265,14 @@ def chain_of(
         cumulative = calibrator.reach(claims, track)
         keep = int(np.count_nonzero(cumulative >= min_prob)) if min_prob > 0 else int(np.count_nonzero(cumulative > 0))
         path, claims, cumulative = path[:keep], claims[:keep], cumulative[:keep]
-    chain = DraftTree(
+    return _chain(tree, path, cumulative), claims
+
+
+def _chain(tree: DraftTree, path: np.ndarray, scores: np.ndarray) -> DraftTree:
+    """The nodes ``path`` of ``tree`` as a chain, scored ``scores``."""
+    return DraftTree(
         tree.tokens[path].astype(np.int32),
         np.arange(-1, path.size - 1, dtype=np.int32),
         tree.sources[path].astype(np.uint8),
-        cumulative.astype(np.float32),
+        scores.astype(np.float32),
     )
-    return chain, claims

@@ -18,7 +18,7 @@ import numpy as np
 
 from indexer import kernels
 from indexer.calibration import Calibrator
-from indexer.chain import ChainCalibrator, chain_of
+from indexer.chain import ChainCalibrator
 from indexer.kernels import accept as accept_kernel
 from indexer.kernels import draft as draft_kernel
 from indexer.kernels.draft import JOB_COLUMNS
@@ -260,13 +260,23 @@ class NamespaceDrafter:
         """Each chain-mode job's tree cut to its chain (see :mod:`indexer.chain`), the others
         as drafted. The session keeps the whole tree: its outcome teaches the calibrator which
         nodes the target accepts, and its rejected branches are remembered as a tree's are."""
+        sessions = [session for session, _ in items]
+        if all(p.chain for _, p in items):  # the usual call: every tree cut, in one compiled pass
+            ks = np.array([p.chain for _, p in items], dtype=np.int64)
+            min_probs = np.array([p.chain_min_prob for _, p in items])
+            tracks = np.array([s.track for s in sessions], dtype=np.int64)
+            with self._lock:
+                batch, claims = self.chain_calibrator.chains(trees.batch, ks, min_probs, tracks)
+            ends = batch.offsets.tolist()
+            for j, session in enumerate(sessions):
+                session.calibrates = True
+                session.chain = (batch.tokens[ends[j] : ends[j + 1]], claims[ends[j] : ends[j + 1]], session.track)
+            return DraftedTrees(batch)
         out = []
         for tree, (session, params) in zip(trees, items, strict=True):
             if params.chain:
                 with self._lock:
-                    conditional = self.chain_calibrator.conditional(tree, session.track)
-                    cal = self.chain_calibrator
-                    tree, claims = chain_of(tree, params.chain, conditional, params.chain_min_prob, cal, session.track)
+                    tree, claims = self.chain_calibrator.chain(tree, params.chain, params.chain_min_prob, session.track)
                 session.calibrates = True
                 session.chain = (tree.tokens, claims, session.track)
             out.append(tree)

@@ -29,10 +29,13 @@ from indexer.kernels.chain import (
     RANKS,
     RATIO_BINS,
     TRACKS,
+    chain_backoff,
+    chain_batch,
     chain_cells,
     chain_conditional,
     chain_outcome,
     chain_path,
+    chain_pick,
     chain_reach,
 )
 from indexer.kernels.draft import calibrate, draft_batch, draft_batch_parallel, no_prior, prior_args
@@ -76,10 +79,13 @@ __all__ = [
     "accept_batch",
     "accepted_path",
     "calibrate",
+    "chain_backoff",
+    "chain_batch",
     "chain_cells",
     "chain_conditional",
     "chain_outcome",
     "chain_path",
+    "chain_pick",
     "chain_reach",
     "context_continuations",
     "context_followers",
@@ -182,6 +188,13 @@ def warm_up() -> None:
     kept = kstore.write_tree(tree, state, one, root, one, np.ones(1, dtype=np.float32))
     kstore.read_tree(kept, 1)
     stopping_points(one, root, np.ones(1, dtype=np.float32), 2)
+    cells = np.zeros((RATIO_BINS, 7, 8, DEPTHS, TRACKS, RANKS))  # indexer.chain's calibrator, its types
+    coarse = chain_backoff(np.zeros((RATIO_BINS, TRACKS)), np.zeros((RATIO_BINS, TRACKS)), np.ones(RATIO_BINS), 2.0)
+    reached = np.zeros((TRACKS, DEPTHS, 12))
+    chain_pick(root, np.ones(1, dtype=np.float32), np.zeros(1, dtype=np.uint8), np.ones(6), 0, cells, cells, coarse,
+               4.0, 2, 0.1, reached[0], reached[0], np.ones(11), 8.0)  # fmt: skip
+    chain_batch(one, root, np.zeros(1, dtype=np.uint8), np.ones(1, dtype=np.float32), one_tree, ints, np.ones(1),
+                ints, np.ones(6), cells, cells, coarse, 4.0, reached, reached, np.ones(11), 8.0)  # fmt: skip
     subtree_nodes(one, root, 1)
     for at in (-1, 0):  # stored scores, and probabilities given
         reach_at = np.array([at, -1], dtype=np.int64)

@@ -158,3 +158,124 @@ def chain_outcome(
             if matched[i]:
                 followed = max(followed, depth[i])
     return followed
+
+
+@njit(cache=True, nogil=True)
+def chain_backoff(coarse_hits: np.ndarray, coarse_trials: np.ndarray, claim: np.ndarray, prior: float) -> np.ndarray:
+    """The (ratio bin, track record) rates a fine cell backs off to: each shrunk by ``prior``
+    pseudo-trials toward its ratio bin's rate over every track record, that toward the bin's
+    own ``claim``."""
+    out = np.empty_like(coarse_hits)
+    for r in range(coarse_hits.shape[0]):
+        hits, trials = 0.0, 0.0
+        for k in range(coarse_hits.shape[1]):
+            hits += coarse_hits[r, k]
+            trials += coarse_trials[r, k]
+        ratio = (hits + prior * claim[r]) / (trials + prior)
+        for k in range(coarse_hits.shape[1]):
+            out[r, k] = (coarse_hits[r, k] + prior * ratio) / (coarse_trials[r, k] + prior)
+    return out
+
+
+@njit(cache=True, nogil=True)
+def chain_pick(
+    parents: np.ndarray,
+    scores: np.ndarray,
+    sources: np.ndarray,
+    score_edges: np.ndarray,
+    track: int,
+    hits: np.ndarray,
+    trials: np.ndarray,
+    coarse: np.ndarray,
+    fine_prior: float,
+    k: int,
+    min_prob: float,
+    reach_hits: np.ndarray,
+    reach_claims: np.ndarray,
+    reach_edges: np.ndarray,
+    reach_prior: float,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A tree's chain in one pass: every node's conditional (:func:`chain_cells`,
+    :func:`chain_conditional`), the path (:func:`chain_path`, ranked by the conditionals times
+    the scores), its claims (the cumulative conditionals) and its reach: each claim scaled by
+    its (depth, claim) cell of ``reach_hits`` / ``reach_claims`` (the track record's), shrunk
+    toward 1 by ``reach_prior`` pseudo-trials, never rising along the chain, the chain ended
+    where that falls below ``min_prob`` (at 0: where it is 0). Returns (node indices, claims,
+    reach)."""
+    cells = chain_cells(parents, scores, sources, score_edges, track)
+    conditional = chain_conditional(cells, hits, trials, coarse, fine_prior)
+    preference = conditional * scores.astype(np.float64)
+    path = chain_path(parents, conditional, preference, k, min_prob)
+    m = path.size
+    claims = np.empty(m)
+    reach = np.empty(m)
+    keep = 0
+    claim, lowest = 1.0, 1.0
+    for i in range(m):
+        claim *= conditional[path[i]]
+        claims[i] = claim
+        d = 0
+        while d + 1 < DEPTHS and DEPTH_EDGES[d + 1] <= i + 1:
+            d += 1
+        b = np.searchsorted(reach_edges, claim, side="right")
+        scaled = min(1.0, claim * (reach_hits[d, b] + reach_prior) / (reach_claims[d, b] + reach_prior))
+        lowest = min(lowest, scaled)
+        reach[i] = lowest
+        if (lowest >= min_prob) if min_prob > 0 else (lowest > 0):
+            keep = i + 1
+    return path[:keep], claims[:keep], reach[:keep]
+
+
+@njit(cache=True, nogil=True)
+def chain_batch(
+    tokens: np.ndarray,
+    parents: np.ndarray,
+    sources: np.ndarray,
+    scores: np.ndarray,
+    offsets: np.ndarray,
+    ks: np.ndarray,
+    min_probs: np.ndarray,
+    tracks: np.ndarray,
+    score_edges: np.ndarray,
+    hits: np.ndarray,
+    trials: np.ndarray,
+    coarse: np.ndarray,
+    fine_prior: float,
+    reach_hits: np.ndarray,
+    reach_claims: np.ndarray,
+    reach_edges: np.ndarray,
+    reach_prior: float,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`chain_pick` for every tree of a batch (tree ``j`` is ``[offsets[j],
+    offsets[j + 1])``, its chain at most ``ks[j]`` long, cut at ``min_probs[j]``, for a session
+    of track record ``tracks[j]``; ``reach_hits`` / ``reach_claims`` by track record first).
+    Returns the chains as a batch (tokens, parents, sources, reach as scores, offsets) and
+    their claims, laid out as the chains are."""
+    trees = offsets.size - 1
+    total = 0
+    for j in range(trees):
+        total += min(ks[j], offsets[j + 1] - offsets[j])
+    out_tokens = np.empty(total, dtype=np.int32)
+    out_parents = np.empty(total, dtype=np.int32)
+    out_sources = np.empty(total, dtype=np.uint8)
+    out_scores = np.empty(total, dtype=np.float32)
+    out_claims = np.empty(total)
+    out_offsets = np.zeros(trees + 1, dtype=np.int64)
+    at = 0
+    for j in range(trees):
+        lo, hi = offsets[j], offsets[j + 1]
+        if hi > lo:
+            t = tracks[j]
+            path, claims, reach = chain_pick(
+                parents[lo:hi], scores[lo:hi], sources[lo:hi], score_edges, t, hits, trials, coarse, fine_prior,
+                ks[j], min_probs[j], reach_hits[t], reach_claims[t], reach_edges, reach_prior,
+            )  # fmt: skip
+            for i in range(path.size):
+                out_tokens[at + i] = tokens[lo + path[i]]
+                out_parents[at + i] = i - 1
+                out_sources[at + i] = sources[lo + path[i]]
+                out_scores[at + i] = reach[i]
+                out_claims[at + i] = claims[i]
+            at += path.size
+        out_offsets[j + 1] = at
+    return out_tokens[:at], out_parents[:at], out_sources[:at], out_scores[:at], out_offsets, out_claims[:at]

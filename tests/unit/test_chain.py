@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from indexer.chain import ChainCalibrator, best_path, chain_of, cut_to_chain
-from indexer.drafter import DrafterConfig, DraftParams, NamespaceDrafter
+from indexer.drafter import DrafterConfig, DraftParams, NamespaceDrafter, _batch_of
 from indexer.session import Session
 from indexer.tokens import Namespace
 from indexer.tree_builder import DraftTree, Tier
@@ -231,6 +231,55 @@ def test_chains_cut_with_the_calibrator_end_where_their_reach_falls_below_the_th
     assert chain.tokens.tolist() == [5, 6]  # the third claimed 0.7, chains like it never got there
     assert raw.tolist() == pytest.approx([0.9, 0.8])
     assert len(cut_to_chain(t, 4, conditional, 0.3)) == 4  # without it, the raw claims cut nothing
+
+
+def _random_tree(rng, n):
+    parents = [-1] + [int(rng.integers(-1, i)) for i in range(1, n)]  # a parent before its children
+    tokens = rng.integers(0, 50, n)
+    return _tree(tokens, parents, rng.random(n), rng.integers(0, len(Tier), n))
+
+
+def test_the_compiled_chain_is_the_calibrated_cut_step_by_step():
+    """ChainCalibrator.chain (one compiled pass) picks, claims and reaches what the conditionals,
+    the path and the reach scaling give one after another, for trained and fresh calibrators,
+    every track record, cut or not."""
+    rng = np.random.default_rng(7)
+    cal = ChainCalibrator()
+    for step in range(400):
+        t, track = _random_tree(rng, int(rng.integers(1, 40))), step % 4
+        produced = rng.integers(0, 50, int(rng.integers(1, 6))).astype(np.int32)
+        chain, claims = cal.chain(t, 8, 0.0, track)
+        cal.update(t, produced, track)
+        cal.update_reach(chain.tokens, claims, produced, track)
+        if step % 50:
+            continue
+        for calibrator in (cal, ChainCalibrator()):
+            for _ in range(10):
+                t, track = _random_tree(rng, int(rng.integers(1, 60))), int(rng.integers(0, 4))
+                k, min_prob = int(rng.integers(1, 25)), float(rng.choice([0.0, 0.05, 0.2]))
+                want, want_claims = chain_of(t, k, calibrator.conditional(t, track), min_prob, calibrator, track)
+                got, got_claims = calibrator.chain(t, k, min_prob, track)
+                assert got.tokens.tolist() == want.tokens.tolist() and got.parents.tolist() == want.parents.tolist()
+                assert got.sources.tolist() == want.sources.tolist()
+                assert got.scores.tolist() == pytest.approx(want.scores.tolist())
+                assert got_claims.tolist() == pytest.approx(want_claims.tolist())
+    # A batch of trees (empty ones among them), each its own length, cut and track record.
+    trees = [_random_tree(rng, int(n)) if n else _tree([], [], []) for n in rng.integers(0, 40, 30)]
+    ks, mins, tracks = rng.integers(1, 25, 30), rng.choice([0.0, 0.05, 0.2], 30), rng.integers(0, 4, 30)
+    batch, claims = cal.chains(_batch_of(trees), ks, mins, tracks)
+    for j, t in enumerate(trees):
+        want, want_claims = cal.chain(t, int(ks[j]), float(mins[j]), int(tracks[j]))
+        lo, hi = int(batch.offsets[j]), int(batch.offsets[j + 1])
+        assert batch.tokens[lo:hi].tolist() == want.tokens.tolist()
+        assert batch.parents[lo:hi].tolist() == want.parents.tolist()
+        assert batch.sources[lo:hi].tolist() == want.sources.tolist()
+        assert batch.scores[lo:hi].tolist() == want.scores.tolist() and claims[lo:hi].tolist() == want_claims.tolist()
+    with pytest.raises(ValueError, match="tracks"):
+        cal.chains(_batch_of(trees[:1]), ks[:1], mins[:1], np.array([4]))
+    empty, raw = cal.chain(_tree([], [], []), 8)
+    assert len(empty) == 0 and raw.size == 0
+    with pytest.raises(ValueError, match="track"):
+        cal.chain(_tree([1], [-1], [1.0]), 8, 0.0, 4)
 
 
 def test_a_session_retracing_its_prompt_gets_longer_chains_at_a_stopping_threshold():
