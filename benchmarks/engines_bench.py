@@ -278,7 +278,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         default=[],
         metavar="NAME:key=value,...",
         help="vLLM: also run draftcache with these proposer settings, as method draftcache-NAME, in a "
-        "namespace of its own (NAMESPACE-NAME), side by side with the rest (repeatable)",
+        "namespace of its own (NAMESPACE-NAME), side by side with the rest (repeatable); "
+        "target=HOST:PORT drafts from another service",
     )
     p.add_argument("--out", type=Path, default=None, help="also append the lines to this file")
     a = p.parse_args(argv)

@@ -22,7 +22,8 @@ as ``chain_min_prob``) run as methods of their own, ``draftcache-NAME``, in the 
 run: a change to the proposer is measured side by side with the build as it is, never against a
 run made an hour earlier on a shared machine. Each variant drafts from a namespace of its own,
 ``NAMESPACE-NAME``, so no arm feeds another's memory (a prior warmed into the main namespace is
-not in a variant's).
+not in a variant's). A variant may name another service (``target=HOST:PORT``): one running
+another build of the service, so that a change to the service is measured side by side as well.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ COUNTERS = {
     "vllm:spec_decode_num_accepted_tokens": "accepted",
 }
 WARM_UP = "Name three colours."  # each engine's first request, not measured
-FIXED_SETTINGS = ("target", "namespace", "stats_path", "stats_every_s")  # the benchmark sets these
+FIXED_SETTINGS = ("namespace", "stats_path", "stats_every_s")  # the benchmark sets these
 
 
 def is_ours(method: str) -> bool:
@@ -69,6 +70,8 @@ def variant(text: str) -> tuple[str, dict[str, str]]:
 
     >>> variant("cut2:chain_min_prob=0.2,token_cost=-1")
     ('draftcache-cut2', {'chain_min_prob': '0.2', 'token_cost': '-1'})
+    >>> variant("old:target=127.0.0.1:50052")  # another service
+    ('draftcache-old', {'target': '127.0.0.1:50052'})
     >>> variant("x:namespace=other")
     Traceback (most recent call last):
     ...

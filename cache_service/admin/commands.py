@@ -135,6 +135,14 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     storage_args(p)
     add(p, "--rebuild-interval", type=float, default=30.0, help="seconds between index rebuilds")
     add(p, "--session-ttl", type=float, default=3600.0, help="idle seconds before a session expires")
+    add(
+        p, "--follow-interval", type=float, default=0.2,
+        help="seconds between reads of the lifetime log for other replicas' commits (and replays of journaled ones)",
+    )  # fmt: skip
+    add(
+        p, "--flush-interval", type=float, default=0.5,
+        help="seconds between write-backs of session state to storage",
+    )  # fmt: skip
     add(p, "--max-batch", type=positive, default=256, help="most items in one call")
     add(p, "--max-sessions", type=positive, default=100_000, help="most live sessions in one process")
     add(
@@ -248,6 +256,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
         service=ServiceConfig(
             drafter=DrafterConfig(threads=a.draft_threads),
             rebuild_interval_s=a.rebuild_interval,
+            follow_interval_s=a.follow_interval,
+            flush_interval_s=a.flush_interval,
             session_ttl_s=a.session_ttl,
             max_batch=a.max_batch,
             max_sessions=a.max_sessions,

@@ -122,6 +122,10 @@ def test_a_variant_is_draftcache_with_its_own_settings_namespace_and_stats(tmp_p
     assert {k: v for k, v in mine.items() if k not in ("namespace", "chain_min_prob", "stats_path")} == {
         k: v for k, v in other.items() if k not in ("namespace", "chain_min_prob", "stats_path")
     }
+    elsewhere = VllmBench(target="h:1", work_dir=tmp_path, variants={"draftcache-old": {"target": "h:2"}})
+    targets = [llm_kwargs(m, elsewhere, tmp_path, tmp_path / "s.json")["additional_config"]["draftcache"]["target"]
+               for m in ("draftcache", "draftcache-old")]  # fmt: skip
+    assert targets == ["h:1", "h:2"]  # a variant may draft from another service
     with pytest.raises(ValueError, match="draftcache-NAME"):
         VllmBench(target="h:1", work_dir=tmp_path, variants={"suffix": {}})
 
@@ -132,7 +136,7 @@ def test_a_variant_is_draftcache_with_its_own_settings_namespace_and_stats(tmp_p
         (["--engine", "llama.cpp", "--variant", "a:chain_min_prob=0.2"], "llama.cpp's runs one draft model"),
         (["--engine", "vllm", "--variant", "a:chain_min_prob=2"], "chain_min_prob must be in"),
         (["--engine", "vllm", "--variant", "a:no_such=1"], "unknown draftcache settings"),
-        (["--engine", "vllm", "--variant", "a:target=h:2"], "target is set by the benchmark"),
+        (["--engine", "vllm", "--variant", "a:stats_path=x"], "stats_path is set by the benchmark"),
         (["--engine", "vllm", "--variant", "a:x", "--variant", "a:y"], "not key=value"),
         (["--engine", "vllm", "--variant", "a:", "--variant", "a:deadline_s=0.01"], "two variants with one name"),
         (["--engine", "vllm", "--variant", "a b:"], "NAME of letters"),

@@ -316,3 +316,19 @@ def test_replay_step_cost_reports_tokens_per_step_time(tmp_path: Path, capsys: p
     assert "per cost" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="step-cost"):
         main(["replay", str(traces), "--step-cost", "-1"])
+
+
+def test_serve_flags_default_to_the_service_configs_own() -> None:
+    from cache_service.cli import build_parser
+    from cache_service.config import ServiceConfig
+
+    a = build_parser().parse_args(["serve"])
+    config = ServiceConfig()
+    assert (a.rebuild_interval, a.follow_interval, a.flush_interval, a.session_ttl) == (
+        config.rebuild_interval_s,
+        config.follow_interval_s,
+        config.flush_interval_s,
+        config.session_ttl_s,
+    )
+    tuned = build_parser().parse_args(["serve", "--follow-interval", "2", "--flush-interval", "5"])
+    assert (tuned.follow_interval, tuned.flush_interval) == (2.0, 5.0)
