@@ -36,7 +36,6 @@ from indexer.kernels.chain import (
     chain_conditional,
     chain_outcome,
     chain_path,
-    chain_pick,
 )
 from indexer.tree_builder import DraftTree, Tier, TreeBatch
 
@@ -101,18 +100,11 @@ class ChainCalibrator:
         return self._coarse
 
     def chain(self, tree: DraftTree, k: int, min_prob: float = 0.0, track: int = 0) -> tuple[DraftTree, np.ndarray]:
-        """:func:`chain_of` with this calibrator's conditionals and reach, in one compiled pass:
-        the chain (its scores the reach) and its nodes' raw claims."""
-        if not 0 <= track < TRACKS:
-            raise ValueError(f"track must be in [0, {TRACKS}), got {track}")
-        if not len(tree):
-            return _chain(tree, np.zeros(0, dtype=np.int64), np.zeros(0)), np.zeros(0)
-        path, claims, reach = chain_pick(
-            tree.parents, tree.scores, tree.sources, _SCORE_EDGES, track, self._hits, self._trials, self._backoff(),
-            _FINE_PRIOR, k, float(min_prob), self._reach_hits[track], self._reach_claims[track], _REACH_EDGES,
-            _REACH_PRIOR,
-        )  # fmt: skip
-        return _chain(tree, path, reach), claims
+        """:func:`chain_of` with this calibrator's conditionals and reach, in one compiled pass
+        (:meth:`chains` for one tree): the chain (its scores the reach) and its nodes' raw claims."""
+        one = TreeBatch(tree.tokens, tree.parents, tree.sources, tree.scores, np.array([0, len(tree)], dtype=np.int64))
+        batch, claims = self.chains(one, np.array([k]), np.array([min_prob]), np.array([track]))
+        return DraftTree(batch.tokens, batch.parents, batch.sources, batch.scores), claims
 
     def chains(
         self, batch: TreeBatch, ks: np.ndarray, min_probs: np.ndarray, tracks: np.ndarray
@@ -122,7 +114,7 @@ class ChainCalibrator:
         as a batch, and their raw claims laid out as the chains are."""
         tracks = np.ascontiguousarray(tracks, dtype=np.int64)
         if tracks.size and not (tracks.min() >= 0 and tracks.max() < TRACKS):
-            raise ValueError(f"tracks must be in [0, {TRACKS})")
+            raise ValueError(f"tracks must be in [0, {TRACKS}), got {tracks.tolist()}")
         *arrays, claims = chain_batch(
             batch.tokens, batch.parents, batch.sources, batch.scores, batch.offsets,
             np.ascontiguousarray(ks, dtype=np.int64), np.ascontiguousarray(min_probs, dtype=np.float64), tracks,

@@ -17,6 +17,15 @@ TRACKS = 4  # how far the session's previous tree was followed: 0, 1, 2-3, 4 or 
 RANKS = 2  # the best-scoring child of its parent (the one a chain takes), or another
 
 
+@njit(cache=True, nogil=True, inline="always")
+def depth_bin(depth: int) -> int:
+    """The bin of :data:`DEPTH_EDGES` a node ``depth`` levels deep (from 1) falls in."""
+    d = 0
+    while d + 1 < DEPTHS and DEPTH_EDGES[d + 1] <= depth:
+        d += 1
+    return d
+
+
 @njit(cache=True, nogil=True)
 def chain_cells(
     parents: np.ndarray, scores: np.ndarray, sources: np.ndarray, score_edges: np.ndarray, track: int
@@ -45,10 +54,7 @@ def chain_cells(
         cells[i, 1] = b
         cells[i, 2] = sources[i]
         depth[i] = 1 if p < 0 else depth[p] + 1
-        d = 0
-        while d + 1 < DEPTHS and DEPTH_EDGES[d + 1] <= depth[i]:
-            d += 1
-        cells[i, 3] = d
+        cells[i, 3] = depth_bin(depth[i])
         cells[i, 4] = track
         cells[i, 5] = 0 if best[p if p >= 0 else n] == i else 1
     return cells
@@ -214,9 +220,7 @@ def chain_pick(
     for i in range(m):
         claim *= conditional[path[i]]
         claims[i] = claim
-        d = 0
-        while d + 1 < DEPTHS and DEPTH_EDGES[d + 1] <= i + 1:
-            d += 1
+        d = depth_bin(i + 1)
         b = np.searchsorted(reach_edges, claim, side="right")
         scaled = min(1.0, claim * (reach_hits[d, b] + reach_prior) / (reach_claims[d, b] + reach_prior))
         lowest = min(lowest, scaled)
