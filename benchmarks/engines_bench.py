@@ -27,12 +27,15 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 # Nothing heavy at module level (numba above all): vLLM's spawned processes import the main
 # module again, and a vLLM worker that has loaded numba's llvmlite fails its kernel registration.
 from benchmarks.engine_runs import PLAIN, Measurement, Runner
 from benchmarks.engine_workloads import AGENT_REPEAT, EnginePrompt, load
+
+if TYPE_CHECKING:
+    from benchmarks.engines_vllm import VllmBench
 
 logger = logging.getLogger(__name__)
 
@@ -202,10 +205,19 @@ def make_runner(a: argparse.Namespace) -> Runner:
             n_threads=a.llama_threads or None,
             methods=a.methods,
         )
-    from benchmarks.engines_vllm import METHODS, VllmBench, VllmRunner
+    from benchmarks.engines_vllm import METHODS, VllmRunner
 
-    variants = a.variants  # parsed and checked by main
-    config = VllmBench(
+    config = vllm_bench(a)
+    methods = [m for m in METHODS if not a.methods or m == PLAIN or m in a.methods]
+    return VllmRunner(config, [*methods, *config.variants])
+
+
+def vllm_bench(a: argparse.Namespace) -> VllmBench:
+    """The vLLM benchmark's settings from the parsed command line (its variants parsed and
+    checked by :func:`main`)."""
+    from benchmarks.engines_vllm import VllmBench
+
+    return VllmBench(
         model=a.model,
         target=a.target,
         namespace=a.namespace,
@@ -217,14 +229,14 @@ def make_runner(a: argparse.Namespace) -> Runner:
         chain_min_prob=a.chain_min_prob,
         token_cost=a.token_cost,
         enforce_eager=not a.compile,
+        kv_cache_mib=VllmBench.kv_cache_mib if a.kv_cache_mib is None else a.kv_cache_mib,
         work_dir=a.work_dir,
-        variants=variants,
+        variants=a.variants,
     )
-    methods = [m for m in METHODS if not a.methods or m == PLAIN or m in a.methods]
-    return VllmRunner(config, [*methods, *variants])
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def parser() -> argparse.ArgumentParser:
+    """The command line (:func:`main` checks what one flag cannot check alone)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engine", choices=("vllm", "llama.cpp"), required=True)
     p.add_argument("--workloads", type=Path, required=True, help="from python -m benchmarks.engine_workloads")
@@ -268,6 +280,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     p.add_argument("--model", type=Path, default=None, help="vLLM: a Hugging Face folder (default: SmolLM2)")
     p.add_argument("--compile", action="store_true", help="vLLM: torch.compile the model (default: eager)")
+    p.add_argument(
+        "--kv-cache-mib",
+        type=int,
+        default=None,
+        help="vLLM: each engine's K/V cache (its prefix cache included), MiB (default: 1024)",
+    )
     p.add_argument("--work-dir", type=Path, default=Path("data/bench-engines"), help="engine logs, proposer stats")
     p.add_argument(
         "--methods", type=lambda s: [m for m in s.split(",") if m], default=[], help="a subset (plain always)"
@@ -282,12 +300,17 @@ def main(argv: Sequence[str] | None = None) -> None:
         "target=HOST:PORT drafts from another service",
     )
     p.add_argument("--out", type=Path, default=None, help="also append the lines to this file")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = parser()
     a = p.parse_args(argv)
     from benchmarks.engines_vllm import variant  # settings only: no vLLM, no numba
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(message)s")
-    if a.max_new_tokens < 1 or a.k < 1 or a.deadline_ms <= 0:
-        p.error("--max-new-tokens and --k must be >= 1, --deadline-ms > 0")
+    if a.max_new_tokens < 1 or a.k < 1 or a.deadline_ms <= 0 or (a.kv_cache_mib is not None and a.kv_cache_mib < 1):
+        p.error("--max-new-tokens, --k and --kv-cache-mib must be >= 1, --deadline-ms > 0")
     if a.variant and a.engine != "vllm":
         p.error("--variant: vLLM's benchmark runs variants (llama.cpp's runs one draft model)")
     try:

@@ -115,7 +115,12 @@ class VllmBench:
     deadline_s: float = 0.005  # draftcache's per-call deadline
     chain_min_prob: float = 0.1  # draftcache ends a chain before a token less likely than this to be reached
     token_cost: float = -1.0  # ... or than a proposed token's cost against a step's (< 0: measured)
-    kv_cache_mib: int = 256  # per engine: one request of max_model_len needs ~50 MiB (SmolLM2, bf16)
+    # Per engine. SmolLM2 keeps 23 KiB of K/V per token in bfloat16, 45 KiB in float32: a request of
+    # max_model_len takes ~47 or ~94 MiB. 1 GiB holds the repeated agent workload's prompts (about
+    # 1,500 tokens each) in float32, so its second pass finds them in the engine's prefix cache, as
+    # a serving engine's cache of gigabytes would; at 256 MiB each pass evicted the prompts before
+    # they came back, and every method spent seconds evaluating them again.
+    kv_cache_mib: int = 1024
     parallel_starts: int = 2  # engines started at once
     start_timeout_s: float = 1200.0
     idle_gap_s: float = 1.2

@@ -11,7 +11,7 @@ import pytest
 
 from benchmarks.engine_runs import Measurement
 from benchmarks.engine_workloads import AGENT_REPEAT, SPEC_BENCH, EnginePrompt, build, save
-from benchmarks.engines_bench import main, row
+from benchmarks.engines_bench import main, parser, row, vllm_bench
 from tests.faults import Serve
 
 REQUIRED = ("engine", "workload", "method", "tokens_per_s", "mean_accepted_tokens", "identical_to_greedy")
@@ -130,6 +130,22 @@ def test_a_variant_is_draftcache_with_its_own_settings_namespace_and_stats(tmp_p
         VllmBench(target="h:1", work_dir=tmp_path, variants={"suffix": {}})
 
 
+def test_the_kv_cache_flag_reaches_every_engine(tmp_path: Path) -> None:
+    from benchmarks.engines_vllm import VllmBench, llm_kwargs
+
+    def kv_bytes(*flags: str) -> set[int]:
+        a = parser().parse_args(["--engine", "vllm", "--workloads", "w.json", *flags])
+        a.variants = {"draftcache-b": {"chain_min_prob": "0.2"}}
+        config = vllm_bench(a)
+        return {
+            llm_kwargs(m, config, tmp_path, tmp_path / "s.json")["kv_cache_memory_bytes"]
+            for m in ("plain", "suffix", "draftcache", "draftcache-b")
+        }
+
+    assert kv_bytes("--kv-cache-mib", "640") == {640 << 20}
+    assert kv_bytes() == {VllmBench.kv_cache_mib << 20}
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -140,6 +156,7 @@ def test_a_variant_is_draftcache_with_its_own_settings_namespace_and_stats(tmp_p
         (["--engine", "vllm", "--variant", "a:x", "--variant", "a:y"], "not key=value"),
         (["--engine", "vllm", "--variant", "a:", "--variant", "a:deadline_s=0.01"], "two variants with one name"),
         (["--engine", "vllm", "--variant", "a b:"], "NAME of letters"),
+        (["--engine", "vllm", "--kv-cache-mib", "0"], "--kv-cache-mib must be >= 1"),
     ],
 )
 def test_bad_variants_are_refused_before_any_engine_starts(
