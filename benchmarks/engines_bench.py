@@ -229,7 +229,7 @@ def vllm_bench(a: argparse.Namespace) -> VllmBench:
         chain_min_prob=a.chain_min_prob,
         token_cost=a.token_cost,
         enforce_eager=not a.compile,
-        kv_cache_mib=VllmBench.kv_cache_mib if a.kv_cache_mib is None else a.kv_cache_mib,
+        kv_cache_mib=a.kv_cache_mib,
         work_dir=a.work_dir,
         variants=a.variants,
     )
@@ -237,6 +237,8 @@ def vllm_bench(a: argparse.Namespace) -> VllmBench:
 
 def parser() -> argparse.ArgumentParser:
     """The command line (:func:`main` checks what one flag cannot check alone)."""
+    from benchmarks.engines_vllm import VllmBench  # settings only: no vLLM, no numba
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engine", choices=("vllm", "llama.cpp"), required=True)
     p.add_argument("--workloads", type=Path, required=True, help="from python -m benchmarks.engine_workloads")
@@ -283,8 +285,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--kv-cache-mib",
         type=int,
-        default=None,
-        help="vLLM: each engine's K/V cache (its prefix cache included), MiB (default: 1024)",
+        default=VllmBench.kv_cache_mib,
+        help="vLLM: each engine's K/V cache (its prefix cache included), MiB (default: %(default)s)",
     )
     p.add_argument("--work-dir", type=Path, default=Path("data/bench-engines"), help="engine logs, proposer stats")
     p.add_argument(
@@ -309,7 +311,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     from benchmarks.engines_vllm import variant  # settings only: no vLLM, no numba
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(message)s")
-    if a.max_new_tokens < 1 or a.k < 1 or a.deadline_ms <= 0 or (a.kv_cache_mib is not None and a.kv_cache_mib < 1):
+    if a.max_new_tokens < 1 or a.k < 1 or a.kv_cache_mib < 1 or a.deadline_ms <= 0:
         p.error("--max-new-tokens, --k and --kv-cache-mib must be >= 1, --deadline-ms > 0")
     if a.variant and a.engine != "vllm":
         p.error("--variant: vLLM's benchmark runs variants (llama.cpp's runs one draft model)")
