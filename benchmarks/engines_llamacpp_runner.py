@@ -103,16 +103,19 @@ class LlamaCppRunner:
             }
         return {"n_threads": c.n_threads}
 
-    def _client_counts(self) -> dict[str, int]:
+    def _client_counts(self) -> dict[str, float]:
         """Drafts the service answered and drafts the client's local fallback made (its deadline
-        missed, the service down, a session still opening), this workload."""
+        missed, the service down, a session still opening), and the mean wait on a draft call's
+        reply (ms), this workload."""
         now, before = self._engines.counters[self._ours].client.stats, self._client_before
         if before is None:
             return {}
+        calls = now.draft_calls - before.draft_calls
         return {
             "remote_drafts": now.remote - before.remote,
             "fallback_drafts": now.fallback - before.fallback,
             "failed_calls": now.failures - before.failures,
+            "draft_call_wait_ms": round(1e3 * (now.draft_wait_s - before.draft_wait_s) / calls, 3) if calls else 0.0,
         }
 
     def _cost_figures(self) -> dict[str, Any]:

@@ -451,13 +451,16 @@ class VllmRunner:
 
 def proposer_notes(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     """The proposer's figures over one workload, from its stats file before and after it:
-    its own milliseconds per step (mean over the workload; p50 and p99 over its latest steps)
-    and where the drafts came from.
+    its own milliseconds per step (mean over the workload, split into the wait on the service's
+    replies and its own work; p50 and p99 over its latest steps) and where the drafts came from.
 
-    >>> notes = proposer_notes({"steps": 10, "proposer_ms_mean": 1.0, "remote_drafts": 8},
-    ...                        {"steps": 30, "proposer_ms_mean": 2.0, "remote_drafts": 20, "fallback_drafts": 1})
+    >>> notes = proposer_notes({"steps": 10, "proposer_ms_mean": 1.0, "remote_drafts": 8, "draft_wait_ms_total": 6.0},
+    ...                        {"steps": 30, "proposer_ms_mean": 2.0, "remote_drafts": 20, "fallback_drafts": 1,
+    ...                         "draft_wait_ms_total": 46.0})
     >>> notes["proposer_steps"], notes["proposer_ms_mean"], notes["remote_drafts"], notes["fallback_drafts"]
     (20, 2.5, 12, 1)
+    >>> notes["proposer_wait_ms_mean"], notes["proposer_work_ms_mean"]
+    (2.0, 0.5)
     """
     if not after:
         return {"proposer_stats": "none written"}
@@ -469,9 +472,12 @@ def proposer_notes(before: dict[str, Any], after: dict[str, Any]) -> dict[str, A
     def delta(key: str) -> int:
         return int(after.get(key, 0)) - int(before.get(key, 0))
 
+    wait_ms = float(after.get("draft_wait_ms_total", 0.0)) - float(before.get("draft_wait_ms_total", 0.0))
     return {
         "proposer_steps": steps,
         "proposer_ms_mean": round(total_ms / steps, 3) if steps else 0.0,
+        "proposer_wait_ms_mean": round(wait_ms / steps, 3) if steps else 0.0,
+        "proposer_work_ms_mean": round((total_ms - wait_ms) / steps, 3) if steps else 0.0,
         "proposer_ms_p50_recent": round(float(after.get("proposer_ms_p50", 0.0)), 3),
         "proposer_ms_p99_recent": round(float(after.get("proposer_ms_p99", 0.0)), 3),
         "remote_drafts": delta("remote_drafts"),

@@ -130,6 +130,14 @@ class AsyncDraftClient:
 
     async def _draft(self, req: pb.DraftRequest, left: float) -> Drafted:
         """See :meth:`DraftClient._draft`."""
+        start = time.perf_counter()
+        try:
+            return await self._draft_call(req, left)
+        finally:
+            self._core.stats.draft_calls += 1
+            self._core.stats.draft_wait_s += time.perf_counter() - start
+
+    async def _draft_call(self, req: pb.DraftRequest, left: float) -> Drafted:
         cfg = self._core.config
         if not cfg.stream:
             return Drafted(await self._call("draft", req, left))

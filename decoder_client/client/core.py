@@ -69,6 +69,8 @@ class ClientStats:
     lost_opens: int = 0  # opens given up on (deadline): the service may hold copies until they expire
     commits_retried: int = 0  # ended requests whose commit did not land at once (kept to send again)
     commits_dropped: int = 0  # ended requests never committed (the backlog was full, or the service refused them)
+    draft_calls: int = 0  # draft calls a step waited on ...
+    draft_wait_s: float = 0.0  # ... and the time from sending each to its reply (or to giving up on it)
 
 
 _LateCall = tuple[list[tuple[ClientSession, str]], Any]  # (sessions with their server ids, the call)

@@ -156,7 +156,16 @@ class DraftClient:
 
     def _draft(self, req: pb.DraftRequest, left: float) -> Drafted:
         """The reply within ``left``, or None; on a stream, a call that missed ``left`` is
-        returned too: the service still applies it (see :meth:`ClientCore.missed`)."""
+        returned too: the service still applies it (see :meth:`ClientCore.missed`). The time
+        it took is counted (``stats.draft_wait_s``)."""
+        start = time.perf_counter()
+        try:
+            return self._draft_call(req, left)
+        finally:
+            self.stats.draft_calls += 1
+            self.stats.draft_wait_s += time.perf_counter() - start
+
+    def _draft_call(self, req: pb.DraftRequest, left: float) -> Drafted:
         if not self.config.stream:
             return Drafted(self._call("draft", req, left))
         reply = self._stream("draft").call("draft", req, self.config.control_timeout_s)

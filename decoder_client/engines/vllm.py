@@ -237,8 +237,9 @@ class DraftcacheProposer:
                 self._lock.release()
 
     def stats(self) -> dict[str, Any]:
-        """Step timings (the proposer's own time per step beside the engine's step time, in ms),
-        sessions opened and closed, and where the drafts came from."""
+        """Step timings (the proposer's own time per step beside the engine's step time, in ms,
+        and how much of it went waiting on draft calls), sessions opened and closed, and where
+        the drafts came from."""
         client = self._client.stats
         return {
             **self._stats.summary(),
@@ -252,6 +253,8 @@ class DraftcacheProposer:
             "fallback_drafts": client.fallback,
             "chains_continued": client.continued,
             "failed_calls": client.failures,
+            "draft_calls": client.draft_calls,
+            "draft_wait_ms_total": 1e3 * client.draft_wait_s,  # of the proposer's time: waiting on the service
             "deadline_ms": 1e3 * self._deadline.seconds,
             **self._cost.summary(),
             "steps_not_worth_drafting": self._unworthy,

@@ -105,6 +105,7 @@ def test_llama_cpp_lines_for_every_workload_and_method(shared_data: Path, serve:
     assert ours["by_group"]["pass2"]["mean_accepted_tokens"] > ours["by_group"]["pass1"]["mean_accepted_tokens"]
     # Where its drafts came from, per workload: one per step, the service's or the local fallback's.
     assert ours["remote_drafts"] > 0 and ours["remote_drafts"] + ours["fallback_drafts"] >= ours["drafts"]
+    assert ours["draft_call_wait_ms"] > 0  # the mean wait on a draft call's reply
 
 
 def test_a_variant_is_draftcache_with_its_own_settings_namespace_and_stats(tmp_path: Path) -> None:

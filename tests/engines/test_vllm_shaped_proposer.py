@@ -176,6 +176,10 @@ def test_sessions_follow_requests_and_every_request_is_committed_once(running: R
         assert stats["sessions_opened"] == len(reqs)  # one session per request
         assert stats["rows_moved"] > 0  # the batch did condense
         assert stats["remote_drafts"] > 0 and stats["errors"] == 0
+        # The part of the proposer's time spent waiting on the service's replies: some, and
+        # never more than the proposer's time itself.
+        assert stats["draft_calls"] > 0
+        assert 0 < stats["draft_wait_ms_total"] <= stats["proposer_ms_mean"] * stats["steps"]
         # The engine goes idle: the sessions of the last step's requests are closed too.
         eventually(lambda: proposer.stats()["sessions_closed"] == len(reqs), 10)
         eventually(lambda: namespace_info(running).requests == len(reqs), 10)

@@ -201,9 +201,14 @@ def test_a_call_may_wait_longer_than_the_configured_deadline(stream: bool) -> No
         (session,) = client.open([PROMPT])
         (tree,) = client.draft([session], [[]], deadline_s=1.0)
         assert client.stats.remote == 1 and client.stats.fallback == 0 and tree.tokens.size == 1
+        # The wait on the reply is counted: at least the service's 50 ms.
+        assert client.stats.draft_calls == 1 and 0.05 <= client.stats.draft_wait_s < 1.0
+        waited = client.stats.draft_wait_s
         t0 = time.perf_counter()
         client.draft([session], [[]])  # the configured deadline: the local drafter answers
         assert time.perf_counter() - t0 < 0.045 and client.stats.fallback == 1
+        # A call given up on counts the wait until then, not the late reply.
+        assert client.stats.draft_calls == 2 and 0.001 <= client.stats.draft_wait_s - waited < 0.045
         with pytest.raises(ValueError, match="deadline_s"):
             client.draft([session], [[]], deadline_s=0)
         client.shutdown()
@@ -290,6 +295,8 @@ def test_async_client_drafts_and_falls_back(stream: bool) -> None:
         waited = time.perf_counter() - t0
         await client.shutdown()
         assert waited < 0.5 + 0.2
+        # Both steps waited on a call: the answered one and the one the stopped service failed.
+        assert client.stats.draft_calls == 2 and 0 < client.stats.draft_wait_s <= waited + 0.5
         return (
             remote_tree.tokens[:3].tolist(),
             local_tree.tokens[:3].tolist(),
