@@ -130,12 +130,8 @@ class AsyncDraftClient:
 
     async def _draft(self, req: pb.DraftRequest, left: float) -> Drafted:
         """See :meth:`DraftClient._draft`."""
-        start = time.perf_counter()
-        try:
+        with self._core.draft_call():
             return await self._draft_call(req, left)
-        finally:
-            self._core.stats.draft_calls += 1
-            self._core.stats.draft_wait_s += time.perf_counter() - start
 
     async def _draft_call(self, req: pb.DraftRequest, left: float) -> Drafted:
         cfg = self._core.config

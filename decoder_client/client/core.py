@@ -6,9 +6,10 @@ Both clients share it: they only perform the calls it asks for and hand it their
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from secrets import token_hex
 from typing import Any
@@ -115,6 +116,17 @@ class ClientCore:
 
     def available(self) -> bool:
         return time.monotonic() >= self.down_until
+
+    @contextlib.contextmanager
+    def draft_call(self) -> Iterator[None]:
+        """Count a draft call a step waits on, and its time from sending to the reply (or to
+        giving up on it)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.stats.draft_calls += 1
+            self.stats.draft_wait_s += time.perf_counter() - start
 
     def failed(self, exc: grpc.RpcError | None) -> None:
         """A call failed (``None``: it missed its deadline in the background)."""

@@ -158,12 +158,8 @@ class DraftClient:
         """The reply within ``left``, or None; on a stream, a call that missed ``left`` is
         returned too: the service still applies it (see :meth:`ClientCore.missed`). The time
         it took is counted (``stats.draft_wait_s``)."""
-        start = time.perf_counter()
-        try:
+        with self._core.draft_call():
             return self._draft_call(req, left)
-        finally:
-            self.stats.draft_calls += 1
-            self.stats.draft_wait_s += time.perf_counter() - start
 
     def _draft_call(self, req: pb.DraftRequest, left: float) -> Drafted:
         if not self.config.stream:
