@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from indexer.chain import ChainCalibrator, best_path, chain_of, cut_to_chain
+from indexer.chain import TRACKS, ChainCalibrator, best_path, chain_of, cut_to_chain, track_of
 from indexer.drafter import DrafterConfig, DraftParams, NamespaceDrafter, _batch_of
 from indexer.session import Session
 from indexer.tokens import Namespace
@@ -175,15 +175,18 @@ def test_calibrator_tells_sessions_on_track_from_those_off_it():
     cal = ChainCalibrator()
     t = _tree([5, 6], [-1, 0], [1.0, 1.0])
     # The same nodes, the same scores: followed whole after a session's last tree was followed
-    # 4+ deep, missed after it was missed.
+    # 16+ deep, missed after it was missed.
+    deep = track_of(16)
     for _ in range(30):
-        assert cal.update(t, _a([5, 6, 2]), track=3) == 2  # followed 2 deep (the bonus past it)
+        assert cal.update(t, _a([5, 6, 2]), track=deep) == 2  # followed 2 deep (the bonus past it)
         assert cal.update(t, _a([7]), track=0) == 0
-    on, off = cal.conditional(t, track=3), cal.conditional(t, track=0)
+    on, off = cal.conditional(t, track=deep), cal.conditional(t, track=0)
     assert on[0] > 0.9 and on[1] > 0.9
     assert off[0] < 0.1
+    # A record between them learnt neither: its cells back off to every record's rate.
+    assert 0.2 < cal.conditional(t, track=track_of(5))[0] < 0.8
     with pytest.raises(ValueError, match="track"):
-        cal.conditional(t, track=4)
+        cal.conditional(t, track=TRACKS)
 
 
 def test_calibrator_tells_the_child_a_chain_takes_from_the_alternatives_beside_it():
@@ -211,8 +214,8 @@ def test_a_chains_deep_claims_are_scaled_by_what_chains_cut_before_reached():
     assert reach[0] > 0.85 and reach[1] > 0.75
     assert reach[2] < 0.2 and reach[4] < 0.15
     assert np.all(np.diff(reach) <= 0)  # never rising along a chain
-    # Sessions whose last tree was followed 4+ deep keep their own record: nothing learnt yet.
-    assert cal.reach(claims, track=3).tolist() == pytest.approx(claims.tolist())
+    # Sessions whose last tree was followed 16+ deep keep their own record: nothing learnt yet.
+    assert cal.reach(claims, track=track_of(16)).tolist() == pytest.approx(claims.tolist())
     # An outcome that matched the chain to its end of what was verified says nothing of the rest.
     fresh = ChainCalibrator()
     for _ in range(40):
@@ -246,7 +249,7 @@ def test_the_compiled_chain_is_the_calibrated_cut_step_by_step():
     rng = np.random.default_rng(7)
     cal = ChainCalibrator()
     for step in range(400):
-        t, track = _random_tree(rng, int(rng.integers(1, 40))), step % 4
+        t, track = _random_tree(rng, int(rng.integers(1, 40))), step % TRACKS
         produced = rng.integers(0, 50, int(rng.integers(1, 6))).astype(np.int32)
         chain, claims = cal.chain(t, 8, 0.0, track)
         cal.update(t, produced, track)
@@ -255,7 +258,7 @@ def test_the_compiled_chain_is_the_calibrated_cut_step_by_step():
             continue
         for calibrator in (cal, ChainCalibrator()):
             for _ in range(10):
-                t, track = _random_tree(rng, int(rng.integers(1, 60))), int(rng.integers(0, 4))
+                t, track = _random_tree(rng, int(rng.integers(1, 60))), int(rng.integers(0, TRACKS))
                 k, min_prob = int(rng.integers(1, 25)), float(rng.choice([0.0, 0.05, 0.2]))
                 want, want_claims = chain_of(t, k, calibrator.conditional(t, track), min_prob, calibrator, track)
                 got, got_claims = calibrator.chain(t, k, min_prob, track)
@@ -265,7 +268,7 @@ def test_the_compiled_chain_is_the_calibrated_cut_step_by_step():
                 assert got_claims.tolist() == pytest.approx(want_claims.tolist())
     # A batch of trees (empty ones among them), each its own length, cut and track record.
     trees = [_random_tree(rng, int(n)) if n else _tree([], [], []) for n in rng.integers(0, 40, 30)]
-    ks, mins, tracks = rng.integers(1, 25, 30), rng.choice([0.0, 0.05, 0.2], 30), rng.integers(0, 4, 30)
+    ks, mins, tracks = rng.integers(1, 25, 30), rng.choice([0.0, 0.05, 0.2], 30), rng.integers(0, TRACKS, 30)
     batch, claims = cal.chains(_batch_of(trees), ks, mins, tracks)
     for j, t in enumerate(trees):
         want, want_claims = cal.chain(t, int(ks[j]), float(mins[j]), int(tracks[j]))
@@ -275,11 +278,11 @@ def test_the_compiled_chain_is_the_calibrated_cut_step_by_step():
         assert batch.sources[lo:hi].tolist() == want.sources.tolist()
         assert batch.scores[lo:hi].tolist() == want.scores.tolist() and claims[lo:hi].tolist() == want_claims.tolist()
     with pytest.raises(ValueError, match="tracks"):
-        cal.chains(_batch_of(trees[:1]), ks[:1], mins[:1], np.array([4]))
+        cal.chains(_batch_of(trees[:1]), ks[:1], mins[:1], np.array([TRACKS]))
     empty, raw = cal.chain(_tree([], [], []), 8)
     assert len(empty) == 0 and raw.size == 0
     with pytest.raises(ValueError, match="track"):
-        cal.chain(_tree([1], [-1], [1.0]), 8, 0.0, 4)
+        cal.chain(_tree([1], [-1], [1.0]), 8, 0.0, TRACKS)
 
 
 def test_a_session_retracing_its_prompt_gets_longer_chains_at_a_stopping_threshold():
