@@ -43,6 +43,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -56,6 +57,8 @@ REFIT_EVERY = 16  # steps between fits
 MAX_MIN_PROB = 0.9  # never cut chains harder than this: the measurement may be off
 MIN_SIDE = 8  # steps with drafts, and without, before a drafting step's own cost is measured
 MAX_STEP_COST = 2.0  # ... and never more than this many steps' worth of drafts asked for
+# Tokens proposed, grouped for the step times reported beside the fit.
+PROPOSED_GROUPS = ((0, 0), (1, 1), (2, 2), (3, 3), (4, 4), (5, 6), (7, 8), (9, 12), (13, 16), (17, 24), (25, 1 << 20))
 PRIOR = 0.3  # the cost until measured: a drafted token's share of a one-token step, CPU engines here
 
 
@@ -137,7 +140,7 @@ class StepCost:
             return False
         return expected - self.min_prob * proposed >= min(self._step, MAX_STEP_COST)
 
-    def summary(self) -> dict[str, float | bool]:
+    def summary(self) -> dict[str, Any]:
         """The measured figures (milliseconds) and the cut they give."""
         return {
             "cost_measured": self.measured,
@@ -146,7 +149,30 @@ class StepCost:
             "step_per_token_ms": round(1e3 * self.per_token_s, 3),
             "token_ms": round(1e3 * self.token_s, 3),
             "chain_cut_prob": round(self.min_prob, 4),
+            "step_ms_by_proposed": self.steps_by_proposed(),
         }
+
+    def steps_by_proposed(self) -> dict[str, list[float]]:
+        """The latest steps' median milliseconds, and how many there were, by tokens proposed
+        (grouped as :data:`PROPOSED_GROUPS`): the curve the fitted line stands for.
+
+        >>> cost = StepCost(prior=0.3)
+        >>> for n in (0, 0, 2, 6):
+        ...     cost.record(0.080 + 0.008 * n, n, rows=1)
+        >>> cost.steps_by_proposed()
+        {'0': [80.0, 2], '2': [96.0, 1], '5-6': [128.0, 1]}
+        """
+        if not self._steps:
+            return {}
+        steps = np.array(self._steps)
+        seconds, proposed = steps[:, 0], steps[:, 1]
+        out: dict[str, list[float]] = {}
+        for low, high in PROPOSED_GROUPS:
+            at = (proposed >= low) & (proposed <= high)
+            if at.any():
+                name = str(low) if low == high else f"{low}-{high}"
+                out[name] = [round(1e3 * float(np.median(seconds[at])), 3), int(at.sum())]
+        return out
 
 
 def _robust_line(a: np.ndarray, seconds: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -336,6 +336,9 @@ def test_chains_end_where_a_token_costs_more_than_it_is_likely_to_save(running: 
         stats = proposer.stats()
         assert stats["cost_measured"] and stats["step_per_token_ms"] >= 5, stats
         assert stats["chain_cut_prob"] >= 0.5, stats
+        # Beside the line, the step times it was fitted to: longer the more tokens were proposed.
+        curve = [ms for ms, _ in stats["step_ms_by_proposed"].values()]
+        assert len(curve) >= 2 and curve[-1] > curve[0] + 5, stats["step_ms_by_proposed"]
         # Requests opened once it was measured asked the service for chains that run on to
         # chain_run_on of that cut (the rest kept for steps the chain foresaw).
         Engine(proposer, token_s=0.01).run(workload()[:1])
