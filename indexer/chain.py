@@ -27,6 +27,8 @@ more tokens per unit of verification time; chains of 8 level).
 
 from __future__ import annotations
 
+import bisect
+
 import numpy as np
 
 from indexer.kernels.chain import (
@@ -34,6 +36,7 @@ from indexer.kernels.chain import (
     DEPTHS,
     RANKS,
     RATIO_BINS,
+    TRACK_EDGES,
     TRACKS,
     chain_backoff,
     chain_batch,
@@ -198,13 +201,7 @@ def track_of(followed: int) -> int:
     >>> [track_of(n) for n in (0, 1, 2, 3, 4, 7, 8, 15, 16, 24)]
     [0, 1, 2, 2, 3, 3, 4, 4, 5, 5]
     """
-    if followed <= 1:
-        return max(followed, 0)
-    if followed < 4:
-        return 2
-    if followed < 8:
-        return 3
-    return 4 if followed < 16 else TRACKS - 1
+    return max(bisect.bisect_right(TRACK_EDGES, followed) - 1, 0)
 
 
 def best_path(

@@ -13,7 +13,9 @@ RATIO_BINS = 9  # score / parent score in eighths, 1.0 in a bin of its own
 # ratio are accepted less often than shallow ones (a long chain drifts from the text it copies).
 DEPTH_EDGES = np.array([1, 2, 3, 4, 6, 9, 13])
 DEPTHS = DEPTH_EDGES.size
-TRACKS = 6  # how far the session's previous tree was followed: 0, 1, 2-3, 4-7, 8-15, 16 or more tokens
+# How far the session's previous tree was followed, binned: 0, 1, 2-3, 4-7, 8-15, 16 or more tokens.
+TRACK_EDGES = (0, 1, 2, 4, 8, 16)
+TRACKS = len(TRACK_EDGES)
 RANKS = 2  # the best-scoring child of its parent (the one a chain takes), or another
 
 
