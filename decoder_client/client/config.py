@@ -32,6 +32,10 @@ class ClientConfig:
     deadline_s: float = 0.005  # per draft call; past it the fallback answers
     control_timeout_s: float = 1.0  # open / close calls
     retry_after_s: float = 0.5  # after a failure, skip the service this long
+    # ... where a failure is an error, or this many draft calls in a row past their deadline:
+    # one late answer (a pause in the service's process) costs its own step the fallback, not
+    # the next ``retry_after_s`` of steps.
+    late_before_skip: int = 2
     commit_backlog_tokens: int = 1_000_000  # ended requests kept to commit once the service answers again
     lookahead: int = 0  # pre-speculation: outcomes drafted ahead per step (0: off)
     # Chain mode: a step whose outcome the last chain foresaw (every token proposed accepted, the
@@ -51,6 +55,8 @@ class ClientConfig:
     def __post_init__(self) -> None:
         if self.deadline_s <= 0 or self.control_timeout_s <= 0 or self.retry_after_s < 0:
             raise ValueError("deadlines must be > 0 and retry_after_s >= 0")
+        if self.late_before_skip < 1:
+            raise ValueError(f"late_before_skip must be >= 1, got {self.late_before_skip}")
         if self.commit_backlog_tokens < 0:
             raise ValueError(f"commit_backlog_tokens must be >= 0, got {self.commit_backlog_tokens}")
         if not 0 <= self.lookahead <= MAX_LOOKAHEAD:

@@ -95,6 +95,7 @@ class ClientCore:
         self.stats = ClientStats()
         self.fallback = fallback
         self.down_until = 0.0
+        self.late_run = 0  # draft calls in a row past their deadline
         self.abandoned: list[str] = []  # server sessions given up on (closed when the service answers)
         self.late: list[_LateCall] = []  # see :meth:`missed`
         self.commits = CommitBacklog(config.commit_backlog_tokens)  # ended requests not committed yet
@@ -129,8 +130,23 @@ class ClientCore:
             self.stats.draft_wait_s += time.perf_counter() - start
 
     def failed(self, exc: grpc.RpcError | None) -> None:
-        """A call failed (``None``: it missed its deadline in the background)."""
+        """A call failed (``None``: it missed its deadline, and goes on in the background). The
+        service is skipped a while after an error, or after ``late_before_skip`` misses in a
+        row (an answer in time ends the row: :meth:`answered`).
+
+        >>> from decoder_client.client import ClientConfig, prompt_lookup_fallback
+        >>> core = ClientCore(ClientConfig(target="x", namespace="ns"), prompt_lookup_fallback)
+        >>> core.failed(None); core.available()  # one late answer: the next call asks again
+        True
+        >>> core.failed(None); core.available()  # two in a row: skipped a while
+        False
+        """
         self.stats.failures += 1
+        if exc is None:
+            self.late_run += 1
+            if self.late_run < self.config.late_before_skip:
+                logger.debug("draftcache call missed its deadline (%d in a row)", self.late_run)
+                return
         self.down_until = time.monotonic() + self.config.retry_after_s
         why = "deadline" if exc is None else exc.code()
         logger.debug("draftcache call failed (%s); local drafts for %.1f s", why, self.config.retry_after_s)
@@ -313,6 +329,7 @@ class ClientCore:
         if resp is None:
             self.in_doubt(remote)
             return
+        self.late_run = 0
         ahead = wire.prefetched_from_response(resp) if len(resp.prefetched) else [{} for _ in remote]
         for s, more in zip(remote, ahead, strict=True):
             s.heard()

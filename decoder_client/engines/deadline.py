@@ -2,7 +2,7 @@
 
 A fixed deadline fits no engine: 5 ms is a fifth of a small model's step on a GPU and a few
 percent of a CPU engine's, where a late answer from the service still beats the local fallback
-(and a missed deadline also has the client skip the service a while). The deadline here is a
+(and missed deadlines in a row have the client skip the service a while). The deadline here is a
 fraction of the engine's recent step time (an exponential average of its steps, as
 :class:`~decoder_client.engines.step_clock.StepClock` reads them), never below the configured
 floor nor above the cap: the service being slow costs a step at most that fraction of itself.

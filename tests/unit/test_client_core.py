@@ -40,7 +40,9 @@ def test_a_late_call_drafting_ahead_on_a_stream_is_kept() -> None:
     call = object()
     assert core.ahead_late([s], call) is True  # the caller keeps it under way
     assert s.server_id == "a" and s.pending == [] and core.late == [([(s, "a")], call)]
-    assert core.stats.failures == 1 and not core.available()  # skipped a while all the same
+    assert core.stats.failures == 1 and core.available()  # one late answer: the service is asked again
+    assert core.ahead_late([s], object()) is True  # a second in a row: skipped a while
+    assert core.stats.failures == 2 and not core.available()
 
 
 def test_a_late_unary_call_drafting_ahead_is_given_up_on() -> None:
@@ -63,7 +65,8 @@ def test_a_close_sent_while_the_service_is_skipped_and_its_commit_kept_when_it_f
     core = _core()
     s = _remote([1, 2], "a")
     s.extend([9])
-    core.failed(None)  # a missed deadline: the service is skipped a while, but a close costs the decoder nothing
+    core.failed(None)  # two missed deadlines in a row: the service is skipped, yet a close costs nothing
+    core.failed(None)
     close = core.close_request([s], commit=True)
     assert close is not None and [(c.session_id, c.commit, list(c.new_tokens)) for c in close.sessions] == [
         ("a", True, [9])
@@ -97,3 +100,30 @@ def test_a_request_ended_without_a_copy_is_kept_and_one_the_service_refuses_is_d
     assert close is not None
     core.close_settled(close, _Refused(grpc.StatusCode.PERMISSION_DENIED))
     assert core.commits.unsent == 0 and core.stats.commits_dropped == 2
+
+
+def test_the_service_is_skipped_after_an_error_or_misses_in_a_row() -> None:
+    core = _core()
+    s = _remote([1, 2], "a")
+    core.failed(None)  # a late answer ...
+    assert core.available() and core.late_run == 1
+    core.answered([s], pb.DraftResponse())  # ... then one in time: the row is broken
+    assert core.late_run == 0
+    core.failed(None)
+    assert core.available()  # one miss since the answer: asked again
+    core.failed(None)
+    assert not core.available()  # two in a row
+    core.down_until = 0.0
+    core.answered([s], pb.DraftResponse())
+    core.failed(_Refused(grpc.StatusCode.UNAVAILABLE))  # an error: skipped at once
+    assert not core.available() and core.stats.failures == 4
+
+
+def test_late_before_skip_is_checked() -> None:
+    import pytest
+
+    with pytest.raises(ValueError, match="late_before_skip"):
+        ClientConfig(target="unused", namespace="ns", late_before_skip=0)
+    core = ClientCore(ClientConfig(target="unused", namespace="ns", late_before_skip=1), prompt_lookup_fallback)
+    core.failed(None)
+    assert not core.available()  # 1: every miss skips the service, as an error does

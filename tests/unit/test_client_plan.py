@@ -199,7 +199,8 @@ def test_chains_go_on_only_when_asked() -> None:
 def test_a_step_while_the_service_is_skipped_keeps_the_copy_and_the_tokens_pending() -> None:
     core = _core()
     s = _remote([1, 2, 1], "a")
-    core.failed(None)  # an earlier call missed its deadline: the service is skipped a while
+    core.failed(None)  # earlier calls missed their deadlines in a row: the service is skipped a while
+    core.failed(None)
     effects, trees = _run(draft_step(core, [s], [[2]]), [])
     assert not any(isinstance(e, Draft) for e in effects)  # nothing sent
     assert trees[0].tokens.tolist() == [1, 2]  # the fallback's
