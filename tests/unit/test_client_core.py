@@ -4,14 +4,16 @@ drafting ahead that missed the next step's deadline. No server, no transport."""
 from __future__ import annotations
 
 import grpc
+import pytest
 from draftcache.v1 import draftcache_pb2 as pb
 
 from decoder_client.client import ClientConfig, ClientSession, prompt_lookup_fallback
 from decoder_client.client.core import ClientCore
 
 
-def _core(*, stream: bool = True) -> ClientCore:
-    return ClientCore(ClientConfig(target="unused", namespace="ns", stream=stream), prompt_lookup_fallback)
+def _core(*, stream: bool = True, late_before_skip: int = 2) -> ClientCore:
+    config = ClientConfig(target="unused", namespace="ns", stream=stream, late_before_skip=late_before_skip)
+    return ClientCore(config, prompt_lookup_fallback)
 
 
 def _remote(context: list[int], server_id: str) -> ClientSession:
@@ -120,10 +122,8 @@ def test_the_service_is_skipped_after_an_error_or_misses_in_a_row() -> None:
 
 
 def test_late_before_skip_is_checked() -> None:
-    import pytest
-
     with pytest.raises(ValueError, match="late_before_skip"):
         ClientConfig(target="unused", namespace="ns", late_before_skip=0)
-    core = ClientCore(ClientConfig(target="unused", namespace="ns", late_before_skip=1), prompt_lookup_fallback)
+    core = _core(late_before_skip=1)
     core.failed(None)
     assert not core.available()  # 1: every miss skips the service, as an error does
