@@ -67,10 +67,11 @@ class CommitBacklog:
     def __len__(self) -> int:
         return len(self._waiting)
 
-    def keep(self, tokens: list[int]) -> list[str]:
-        """Commit ``tokens`` (a whole request, prompt included) later. Returns the server ids of
+    def keep(self, tokens: list[int], *, retry: bool = True) -> list[str]:
+        """Commit ``tokens`` (a whole request, prompt included) later (``retry``: its first
+        commit did not land; False: the first one goes this way). Returns the server ids of
         requests dropped for the bound while their copy was open (to close without commit)."""
-        self.kept += 1
+        self.kept += retry
         self._waiting.append(ClientSession(tokens, len(tokens)))
         self._tokens += len(tokens)
         opened = []

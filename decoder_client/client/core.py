@@ -62,6 +62,7 @@ class ClientStats:
 
     remote: int = 0  # trees that came from the service
     fallback: int = 0  # trees the local drafter made
+    near: int = 0  # trees drafted in this process from a near copy of the namespace (see client.near)
     failures: int = 0  # calls that failed or missed their deadline
     reopened: int = 0  # sessions opened with more than their prompt (an earlier copy was lost)
     ahead_hits: int = 0  # trees that were drafted ahead (no wait)
@@ -70,6 +71,7 @@ class ClientStats:
     lost_opens: int = 0  # opens given up on (deadline): the service may hold copies until they expire
     commits_retried: int = 0  # ended requests whose commit did not land at once (kept to send again)
     commits_dropped: int = 0  # ended requests never committed (the backlog was full, or the service refused them)
+    commits_pending: int = 0  # ended requests kept to commit or with their commit under way, when last counted
     draft_calls: int = 0  # draft calls a step waited on ...
     draft_wait_s: float = 0.0  # ... and the time from sending each to its reply (or to giving up on it)
 
@@ -390,7 +392,7 @@ class ClientCore:
         if commit:
             for s in sessions:
                 if not s.server_id:
-                    self._keep_for_commit(s.tokens())
+                    self.keep_for_commit(s.tokens())
         if not live:
             return None
         close = pb.CloseSessionsRequest(
@@ -406,12 +408,15 @@ class ClientCore:
         """Close with commit the ended requests re-opened for it (see :class:`CommitBacklog`)."""
         return self.close_request(self.commits.ready(), commit=True)
 
-    def _keep_for_commit(self, tokens: list[int]) -> None:
-        self.abandoned.extend(self.commits.keep(tokens))
+    def keep_for_commit(self, tokens: list[int], *, retry: bool = True) -> None:
+        """Commit ``tokens`` (a whole request) once the service takes it (``retry``: a commit
+        that did not land; False: a request's first)."""
+        self.abandoned.extend(self.commits.keep(tokens, retry=retry))
         self._commit_stats()
 
     def _commit_stats(self) -> None:
         self.stats.commits_retried, self.stats.commits_dropped = self.commits.kept, self.commits.dropped
+        self.stats.commits_pending = self.commits.unsent
 
     def close_settled(self, req: pb.CloseSessionsRequest, exc: BaseException | None) -> None:
         """Book a close call run in the background: when it failed, its sessions are closed

@@ -200,6 +200,16 @@ class DraftClient:
         if close is not None:  # in the background: committing indexes the requests first
             self._closing.append((close, self._future("close", close, self.config.control_timeout_s)))
 
+    def commit(self, requests: Sequence[Sequence[int] | np.ndarray]) -> None:
+        """Add whole finished requests (prompt and output, decoded without this client's
+        sessions: a near copy drafted for them) to the service's lifetime memory, in the
+        background: each is opened with its tokens and closed with commit, and kept to send
+        again while the service does not take it (see
+        :class:`~decoder_client.client.commits.CommitBacklog`)."""
+        for tokens in requests:
+            self._core.keep_for_commit(np.asarray(tokens, dtype=np.int32).tolist(), retry=False)
+        self._reopen([])
+
     def settle(self) -> None:
         """Book the background calls that ended and carry on with the ended requests kept to
         commit (:class:`~decoder_client.client.commits.CommitBacklog`): a decoder with nothing

@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from decoder_client.client import ClientSession, DraftClient
+from decoder_client.client.drafting import Drafting
 from decoder_client.engines.deadline import StepDeadline
 from decoder_client.engines.outcomes import ChainOutcomes
 from decoder_client.engines.settings import EngineSettings
@@ -159,7 +159,7 @@ class DraftcacheDraftModel(LlamaDraftModel):
 
     def __init__(
         self,
-        client: DraftClient,
+        client: Drafting,
         *,
         num_pred_tokens: int = 10,
         owns_client: bool = False,
@@ -179,7 +179,7 @@ class DraftcacheDraftModel(LlamaDraftModel):
         self.num_pred_tokens = num_pred_tokens
         self.stats = DraftStats()
         self._owns_client = owns_client
-        self._session: ClientSession | None = None
+        self._session: Any = None  # the open generation's session (what the client's open returned)
         self._sequence = np.zeros(0, dtype=np.int32)  # what the session holds
         self._draft: np.ndarray | None = None  # the last call's proposal, its outcome not yet seen
         self._claims = np.zeros(0)  # ... and its tokens' scores as the service claimed them
@@ -188,18 +188,22 @@ class DraftcacheDraftModel(LlamaDraftModel):
 
     @classmethod
     def connect(
-        cls, target: str, namespace: str, *, num_pred_tokens: int = 10, **settings: Any
+        cls, target: str, namespace: str, *, num_pred_tokens: int = 10, vocab_size: int | None = None, **settings: Any
     ) -> DraftcacheDraftModel:
         """A draft model with a client of its own, asking the service for chains of at most
         ``num_pred_tokens`` tokens (chain mode); ``settings``: any other
         :class:`~decoder_client.engines.settings.EngineSettings` (``deadline_s``,
-        ``chain_min_prob``, ``token``, ...), as vLLM's proposer takes them."""
-        return cls.from_settings(EngineSettings(target=target, namespace=namespace, **settings), num_pred_tokens)
+        ``chain_min_prob``, ``token``, ``near``, ...), as vLLM's proposer takes them.
+        ``vocab_size``: the model's (``llm.n_vocab()``), which a near copy needs."""
+        settings_ = EngineSettings(target=target, namespace=namespace, **settings)
+        return cls.from_settings(settings_, num_pred_tokens, vocab_size)
 
     @classmethod
-    def from_settings(cls, settings: EngineSettings, num_pred_tokens: int = 10) -> DraftcacheDraftModel:
+    def from_settings(
+        cls, settings: EngineSettings, num_pred_tokens: int = 10, vocab_size: int | None = None
+    ) -> DraftcacheDraftModel:
         """See :meth:`connect`; each call's deadline follows the engine's step."""
-        client = DraftClient(settings.client_config(num_pred_tokens))
+        client = settings.draft_client(num_pred_tokens, vocab_size)
         return cls(
             client,
             num_pred_tokens=num_pred_tokens,
@@ -244,7 +248,7 @@ class DraftcacheDraftModel(LlamaDraftModel):
         self.stats.seconds += time.perf_counter() - start
         return chain
 
-    def _continue(self, ids: np.ndarray) -> tuple[ClientSession | None, np.ndarray]:
+    def _continue(self, ids: np.ndarray) -> tuple[Any, np.ndarray]:
         """The open generation's session and the tokens ``ids`` adds to it (the step they end
         is counted); no session when ``ids`` does not continue it."""
         none = np.zeros(0, dtype=np.int32)
@@ -270,7 +274,7 @@ class DraftcacheDraftModel(LlamaDraftModel):
         order = np.argsort(-np.take_along_axis(scores, part, axis=1), axis=1, kind="stable")
         return np.take_along_axis(part, order, axis=1).astype(np.int32)
 
-    def begin(self, prompt: Sequence[int] | np.ndarray) -> ClientSession:
+    def begin(self, prompt: Sequence[int] | np.ndarray) -> Any:
         """Start a generation on ``prompt`` (the one open is committed first). The session
         opens in the background: the first steps draft locally if the service is slow."""
         self.finish()

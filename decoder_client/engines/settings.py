@@ -21,6 +21,7 @@ from decoder_client.engines.step_clock import StepClock
 
 if TYPE_CHECKING:
     from decoder_client.client import ClientConfig
+    from decoder_client.client.drafting import Drafting
     from decoder_client.engines.step_cost import StepCost
 
 ENV_PREFIX = "DRAFTCACHE_"
@@ -61,6 +62,12 @@ class EngineSettings:
     # as likely to be reached (once the tokens before them are produced, they are likelier).
     chain_run_on: float = 0.5
     topk: int = 0  # the target's top-k ids sent back per verified position, where the engine shows its logits
+    # Draft in the engine's own process from a near copy of the namespace (each request's own
+    # context, the requests this engine finished, the prior in ``prior_file``): no draft call on
+    # a step's path. The service is then only committed to (see decoder_client.client.near).
+    near: bool = False
+    prior_file: str = ""  # the namespace's static prior for the near copy ('draftcache warm --out')
+    near_memory_tokens: int = 1 << 22  # the near copy's lifetime memory
     create_namespace: bool = True  # create the namespace (the model's vocabulary) when it is missing
     idle_close_s: float = 2.0  # the engine made no step this long: its requests are closed, with commit
     stats_path: str = ""  # a JSON file the proposer's step timings and counts are written to
@@ -79,6 +86,10 @@ class EngineSettings:
         self.step_deadline()  # its own checks
         if not 0 < self.chain_run_on <= 1:
             raise ValueError(f"chain_run_on must be in (0, 1], got {self.chain_run_on}")
+        if self.prior_file and not self.near:
+            raise ValueError("prior_file is read by the near copy only: set near too")
+        if self.near_memory_tokens < 2:
+            raise ValueError(f"near_memory_tokens must be >= 2, got {self.near_memory_tokens}")
         if self.token_cost >= 1:
             raise ValueError(f"token_cost must be < 1 (< 0: measured), got {self.token_cost}")
         # Their own checks. Imported here: the engine's process may not import numba yet (see
@@ -126,8 +137,9 @@ class EngineSettings:
 
         k = num_speculative_tokens
         # Continued chains are asked a few tokens longer than the engine takes: what a step
-        # that accepts them all foresaw is left.
-        chain = min(MAX_DEPTH, k + CONTINUE_TOKENS) if self.continue_chains else k
+        # that accepts them all foresaw is left. A near copy drafts at every step: nothing to continue.
+        continued = self.continue_chains and not self.near
+        chain = min(MAX_DEPTH, k + CONTINUE_TOKENS) if continued else k
         params = DraftParams(
             budget=max(self.budget, chain),
             max_depth=max(DraftParams.max_depth, chain),
@@ -140,12 +152,28 @@ class EngineSettings:
             params=params,
             deadline_s=self.deadline_s,
             retry_after_s=self.retry_after_s,
-            continue_chains=self.continue_chains,
+            continue_chains=continued,
             chain_run_on=self.chain_run_on,
             topk=self.topk,
             token=self.token,
             tls_root_cert_file=self.tls_root_cert_file,
         )
+
+    def draft_client(self, num_speculative_tokens: int, vocab_size: int | None = None) -> Drafting:
+        """The client a proposer drafts with: the service's, or (``near``) a near copy in this
+        process over ``vocab_size`` ids, with the prior file read now (a missing or corrupt file
+        is an error at the engine's start, not a silent loss of drafts)."""
+        config = self.client_config(num_speculative_tokens)
+        if not self.near:
+            from decoder_client.client import DraftClient
+
+            return DraftClient(config)
+        from decoder_client.client.near import NearClient, read_prior
+
+        if vocab_size is None:
+            raise ValueError("a near copy needs the model's vocabulary size")
+        prior = read_prior(self.prior_file) if self.prior_file else None
+        return NearClient(config, vocab_size, prior, memory_tokens=self.near_memory_tokens)
 
     @classmethod
     def from_sources(cls, engine: Mapping[str, Any] | None, env: Mapping[str, str]) -> EngineSettings:

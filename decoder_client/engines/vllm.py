@@ -77,6 +77,7 @@ from decoder_client.engines.step_stats import StepStats
 
 if TYPE_CHECKING:
     from decoder_client.client import ClientConfig, ClientSession
+    from decoder_client.client.drafting import Drafting
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +99,6 @@ class DraftcacheProposer:
 
     def __init__(self, vllm_config: Any) -> None:
         # The client, in vLLM's worker (see the module docstring).
-        from decoder_client.client import DraftClient
         from decoder_client.engines.step_cost import chain_to_propose
 
         self._chain_to_propose = chain_to_propose
@@ -111,10 +111,10 @@ class DraftcacheProposer:
         self._cost = self.settings.step_cost()
         self._proposed = 0  # tokens proposed at the last call, over ...
         self._rows = 0  # ... this many rows
+        vocab = int(vllm_config.model_config.get_vocab_size())
         if self.settings.create_namespace:  # in the background: the engine's start never waits on the service
-            vocab = int(vllm_config.model_config.get_vocab_size())
             threading.Thread(target=ensure_namespace, args=(self.client_config, vocab), daemon=True).start()
-        self._client = DraftClient(self.client_config)
+        self._client: Drafting = self.settings.draft_client(self.num_speculative_tokens, vocab)
         self._tracker = RowTracker()
         self._lock = threading.Lock()  # propose (the engine's thread) and the idle watcher
         self._stats = StepStats()
@@ -250,6 +250,7 @@ class DraftcacheProposer:
             "rows_moved": self._moved,
             "idle_closes": self._idle_closes,
             "remote_drafts": client.remote,
+            "near_drafts": client.near,
             "fallback_drafts": client.fallback,
             "chains_continued": client.continued,
             "failed_calls": client.failures,
@@ -262,6 +263,7 @@ class DraftcacheProposer:
             "recalibration": [round(f, 3) for f in self._outcomes.factors().tolist()],
             "commits_retried": client.commits_retried,
             "commits_dropped": client.commits_dropped,
+            "commits_pending": client.commits_pending,
             "errors": self._errors,
         }
 

@@ -10,6 +10,7 @@ import itertools
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -22,6 +23,7 @@ from cache_service.host.embedded_redis import free_port
 from decoder_client.client import ClientSession
 from decoder_client.engines.outcomes import EDGES, PRIOR
 from decoder_client.engines.vllm import DraftcacheProposer
+from indexer.prior import PriorConfig, StaticPrior
 from tests.service.conftest import Running, eventually, start_service, stop_service
 
 K = 4
@@ -389,3 +391,70 @@ def test_chains_are_cut_on_the_chances_this_engine_bore_out(running: Running) ->
     claimed = {id(c) for c, _ in cut}
     assert learnt and all(id(scores) in claimed for scores in learnt)
     assert any(not np.allclose(c, likely) for c, likely in cut if c.size)
+
+
+def near_prior(tmp_path: Path) -> Path:
+    """A prior file ('warm --out') made from the workload's answers (each twice: a prior keeps
+    what a corpus repeats)."""
+    corpus = np.concatenate([np.array([*r.prompt, *r.target, 0], dtype=np.int32) for r in workload() * 2])
+    path = tmp_path / "prior.npz"
+    path.write_bytes(StaticPrior.build(corpus, PriorConfig(orders=(1, 2, 3))).to_bytes())
+    return path
+
+
+def test_a_near_copy_drafts_in_the_engine_and_commits_to_the_service(running: Running) -> None:
+    proposer = DraftcacheProposer(vllm_config(running.target, near=True))
+    try:
+        first = Engine(proposer)
+        reqs = workload()
+        first.run(reqs)
+        assert [r.out for r in reqs] == [r.target for r in reqs]
+        stats = proposer.stats()
+        assert stats["near_drafts"] > 0 and stats["errors"] == 0
+        assert stats["remote_drafts"] == stats["fallback_drafts"] == stats["draft_calls"] == 0  # no call on a step
+        # Each finished request reached the service's lifetime memory, once (its namespace was
+        # created at start): the fleet learns from an engine drafting near.
+        eventually(lambda: proposer.stats()["sessions_closed"] == len(reqs), 10)
+        eventually(lambda: namespace_info(running).requests == len(reqs), 20)
+        total = sum(len(r.prompt) + len(r.target) for r in reqs)
+        assert total <= namespace_info(running).buffered_tokens <= total + len(reqs)
+        eventually(lambda: proposer.stats()["commits_pending"] == 0, 10)
+        assert proposer.stats()["commits_retried"] == 0  # every first commit landed
+        # ... and the near copy drafts the same requests asked again from what it finished.
+        again = Engine(proposer)
+        again.run(workload())
+        assert again.steps < first.steps and again.longest_draft == K
+    finally:
+        proposer.shutdown()
+
+
+def test_a_near_copy_drafts_from_its_prior_file_with_the_service_gone(tmp_path: Path) -> None:
+    port = free_port()  # nothing listens
+    plain = DraftcacheProposer(vllm_config(f"127.0.0.1:{port}", near=True))
+    warmed = DraftcacheProposer(vllm_config(f"127.0.0.1:{port}", near=True, prior_file=str(near_prior(tmp_path))))
+    try:
+        engines = [Engine(plain), Engine(warmed)]
+        for engine in engines:
+            reqs = workload()
+            engine.run(reqs)
+            assert [r.out for r in reqs] == [r.target for r in reqs]
+        assert engines[1].steps < engines[0].steps  # the prior knew the answers
+        for proposer in (plain, warmed):
+            stats = proposer.stats()
+            assert stats["errors"] == 0 and stats["fallback_drafts"] == 0
+            assert stats["proposer_ms_max"] < 500, stats  # no step waited on the missing service
+        warmed.shutdown()  # one try at the commits, which the service never took: not lost silently
+        assert warmed.stats()["commits_pending"] == len(workload()) and warmed.stats()["commits_dropped"] == 0
+    finally:
+        plain.shutdown()
+        warmed.shutdown()
+
+
+def test_near_settings_are_checked_at_the_engines_start(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError):
+        DraftcacheProposer(vllm_config("127.0.0.1:1", near=True, prior_file=str(tmp_path / "missing.npz")))
+    (tmp_path / "bad.npz").write_bytes(b"x")
+    with pytest.raises(ValueError, match="is not a prior file"):
+        DraftcacheProposer(vllm_config("127.0.0.1:1", near=True, prior_file=str(tmp_path / "bad.npz")))
+    with pytest.raises(ValueError, match="set near too"):
+        DraftcacheProposer(vllm_config("127.0.0.1:1", prior_file=str(tmp_path / "bad.npz")))

@@ -267,3 +267,26 @@ def test_the_service_killed_mid_generation_does_not_stall_decoding(tmp_path: Pat
     after = [seconds for _, _, seconds in draft.calls[killed_at:]]
     assert after and max(after) < 0.5, after  # a stall would wait out a 1 s control timeout, or for ever
     draft.close()
+
+
+def test_a_near_copy_drafts_in_the_engine_and_commits_to_the_log(serve: Serve, make_llama, vocab_size: int) -> None:  # type: ignore[no-untyped-def]
+    """``near=True``: every draft is made in this process (no draft call), a question asked
+    again is drafted from the generation the near copy finished, and each generation still
+    reaches the service's lifetime log whole."""
+    uncut = {"token_cost": 0.0, "chain_min_prob": 0.0}
+    draft = DraftcacheDraftModel.connect(
+        _target(serve), NAMESPACE, num_pred_tokens=K, near=True, vocab_size=vocab_size, **uncut
+    )
+    llm = draft.attach(make_llama(draft))
+    ids = chat_ids(llm, "Count from 1 to 30, separated by commas.")
+    out = greedy(llm, ids, 64)
+    first = (draft.stats.steps, draft.stats.accepted)
+    assert greedy(llm, ids, 64) == out
+    second = (draft.stats.steps - first[0], draft.stats.accepted - first[1])
+    assert second[1] > first[1] + 16, (first, second)  # the near copy remembered its first answer
+    stats = draft.client.stats
+    assert stats.near == draft.stats.calls and stats.remote == stats.fallback == stats.draft_calls == 0
+    logged = lambda: [e for e in log_entries(serve.redis_url(), NAMESPACE) if e[: len(ids)] == ids]  # noqa: E731
+    wait_for(lambda: len(logged()) == 2, 10, "both generations in the lifetime log")
+    assert all(e[len(ids) : len(ids) + len(out)] == out for e in logged())
+    draft.close()

@@ -1,0 +1,257 @@
+"""Drafting in the decoder's own process, from a near copy of a namespace: no call on a step's path.
+
+A draft call to the service costs every step its round trip: on a CPU host, 2-3 ms after an
+engine step left the transport idle, most of it the transport itself (see the measurements'
+"Where a draft call's time goes"). A :class:`NearClient` drafts where the decoder runs instead,
+with a :class:`~indexer.drafter.NamespaceDrafter` of its own: the same tiers, calibration and
+chain mode the service drafts with, over each request's own context, the requests this process
+finished (its own lifetime memory) and the namespace's static prior, loaded from the file the
+operator warmed (``draftcache warm --out``, the file ``warm --from-prior`` publishes).
+
+The service stays the fleet's memory: every request this process finishes is committed to it
+too, in the background, through a :class:`~decoder_client.client.sync.DraftClient` (kept and
+sent again while the service does not take it), so replicas drafting through the service learn
+from it. What a near copy lacks is the reverse: requests other replicas finish after it starts
+reach it only through a newer prior.
+
+It answers the calls an engine adapter makes of a :class:`~decoder_client.client.DraftClient`
+(open, draft, add_tokens, close, settle, shutdown), so an adapter takes either.
+
+>>> from decoder_client.client.config import ClientConfig
+>>> from indexer.drafter import DraftParams
+>>> near = NearClient(ClientConfig(target="127.0.0.1:1", namespace="n", params=DraftParams(chain=4)), 100)
+>>> (s,) = near.open([[5, 6, 7, 8, 5, 6]])
+>>> near.draft([s], [[]])[0].tokens.tolist()  # "5 6" was followed by "7 8"
+[7, 8]
+>>> near.draft([s], [[99, 100]])
+Traceback (most recent call last):
+...
+ValueError: new tokens: id 100 at position 1 is outside the vocabulary [0, 100)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from decoder_client.client.config import ClientConfig
+from decoder_client.client.core import ClientStats
+from decoder_client.client.session import TopkRows
+from indexer.drafter import DrafterConfig, NamespaceDrafter
+from indexer.lifetime_index import LifetimeConfig
+from indexer.prior import StaticPrior
+from indexer.session import Session
+from indexer.tokens import Namespace, as_tokens
+from indexer.tree_builder import DraftTree
+
+logger = logging.getLogger(__name__)
+
+NEAR_MEMORY_TOKENS = 1 << 22  # the near copy's lifetime memory: the requests this process finished
+COMMIT_POLL_S = 0.05  # how often the committing thread books commits under way
+
+
+def read_prior(path: str | Path) -> StaticPrior:
+    """A prior file written by ``draftcache warm --out``; anything else is a clear error."""
+    blob = Path(path).read_bytes()
+    try:
+        return StaticPrior.from_bytes(blob)
+    except ValueError as exc:
+        raise ValueError(f"{path} is not a prior file (write one with 'draftcache warm --out'): {exc}") from exc
+
+
+class NearSession:
+    """One request drafted for by a near copy: its session there."""
+
+    __slots__ = ("local",)
+
+    def __init__(self, local: Session) -> None:
+        self.local = local
+
+    def __len__(self) -> int:
+        return len(self.local.context)
+
+    def tokens(self) -> list[int]:
+        return self.local.context.tokens.tolist()
+
+
+class NearClient:
+    """Drafts from a near copy of ``config.namespace`` (``vocab_size`` ids) in this process, and
+    commits finished requests to the service at ``config.target``; see the module docstring.
+    ``prior``: the namespace's static prior (None: none); ``memory_tokens``: the size of the
+    near copy's lifetime memory; ``commit``: also commit to the service (False: nothing is sent
+    anywhere, a decoder on its own)."""
+
+    def __init__(
+        self,
+        config: ClientConfig,
+        vocab_size: int,
+        prior: StaticPrior | None = None,
+        *,
+        memory_tokens: int = NEAR_MEMORY_TOKENS,
+        commit: bool = True,
+    ) -> None:
+        if config.lookahead:
+            raise ValueError("a near copy drafts at each step and never ahead: lookahead must be 0")
+        self._config = config
+        self._params = config.params
+        self.drafter = NamespaceDrafter(
+            Namespace(name=config.namespace, vocab_size=vocab_size),
+            DrafterConfig(lifetime=LifetimeConfig(capacity_tokens=memory_tokens)),
+            prior,
+        )
+        self.stats = ClientStats()
+        self._rebuilding: threading.Thread | None = None
+        # The service's client: touched under the lock only, by close and by a thread of its own
+        # that carries the commits through (a decoder may never call again once it is done).
+        self._remote = None
+        self._lock = threading.Lock()
+        self._work = threading.Event()
+        self._stopping = threading.Event()
+        self._committer: threading.Thread | None = None
+        if commit:
+            from decoder_client.client.sync import DraftClient
+
+            self._remote = DraftClient(config)
+            self._committer = threading.Thread(target=self._commit_loop, name="draftcache-near-commits", daemon=True)
+            self._committer.start()
+
+    @property
+    def config(self) -> ClientConfig:
+        return self._config
+
+    def cut_chains_at(self, min_prob: float) -> None:
+        """Chains end before a token less likely than ``min_prob`` to be reached (from the next draft on)."""
+        if min_prob != self._params.chain_min_prob:
+            self._params = dataclasses.replace(self._params, chain_min_prob=min_prob)
+
+    def open(
+        self, prompts: Sequence[Sequence[int] | np.ndarray], *, wait: bool = True, wait_s: float = 0.0
+    ) -> list[NearSession]:
+        """A session per prompt (``wait`` and ``wait_s`` are the draft client's: a near copy
+        opens at once). Every prompt is checked before any is opened."""
+        checked = [self._ids(p, "prompt") for p in prompts]
+        return [NearSession(self.drafter.open_checked(tokens)) for tokens in checked]
+
+    def draft(
+        self,
+        sessions: Sequence[NearSession],
+        new_tokens: Sequence[Sequence[int]],
+        topk: Sequence[TopkRows | None] | None = None,
+        *,
+        deadline_s: float | None = None,
+    ) -> list[DraftTree]:
+        """Append each session's new tokens, then one tree (a chain in chain mode) per session,
+        in one compiled step; ``deadline_s`` is the draft client's (nothing here waits)."""
+        self.add_tokens(sessions, new_tokens, topk)
+        trees = self.drafter.draft_many([(s.local, self._params) for s in sessions])
+        self.stats.near += len(sessions)
+        return list(trees)
+
+    def add_tokens(
+        self,
+        sessions: Sequence[NearSession],
+        new_tokens: Sequence[Sequence[int]],
+        topk: Sequence[TopkRows | None] | None = None,
+    ) -> None:
+        """Tokens the target produced since each session's last draft (checked, all of them
+        before any session takes its own), with the target's top-k where they were verified."""
+        if len(new_tokens) != len(sessions) or (topk is not None and len(topk) != len(sessions)):
+            raise ValueError(f"{len(sessions)} sessions, {len(new_tokens)} token lists, top-k for {len(topk or ())}")
+        news = [self._ids(new, "new tokens") for new in new_tokens]
+        rows = [None] * len(sessions) if topk is None else topk
+        for s, new, top in zip(sessions, news, rows, strict=True):
+            if top is not None and new.size:
+                self.drafter.observe_topk(s.local, new, np.asarray(top, dtype=np.int64).tolist())
+        self.drafter.accept_many([(s.local, new, None) for s, new in zip(sessions, news, strict=True) if new.size])
+
+    def _ids(self, tokens: Sequence[int] | np.ndarray, what: str) -> np.ndarray:
+        """``tokens`` checked against the namespace (an integer array of any width is taken, as
+        the draft client takes it)."""
+        if isinstance(tokens, np.ndarray) and tokens.dtype.kind in "iu" and tokens.dtype != np.int32:
+            tokens = tokens.tolist()
+        return as_tokens(tokens, self.drafter.namespace.vocab_size, what=what)
+
+    def close(self, sessions: Sequence[NearSession], *, commit: bool = True) -> None:
+        """End the requests; with ``commit`` their tokens join the near copy's lifetime memory
+        and go to the service's (in the background)."""
+        if not sessions:
+            return
+        if not commit:
+            for s in sessions:
+                self.drafter.release(s.local)
+            return
+        self.drafter.close_many([(s.local, 0) for s in sessions])
+        if self._remote is not None:
+            with self._lock:
+                self._remote.commit([s.local.context.tokens for s in sessions])
+                self._sync_stats()
+            self._work.set()
+        if self.drafter.memory.needs_rebuild():
+            self._rebuild()
+
+    def settle(self) -> None:
+        """Carry on with the commits the service has not taken yet, and index the requests
+        finished since the near copy's last rebuild (a decoder calls it while it rests)."""
+        if self._remote is not None:
+            with self._lock:
+                self._remote.settle()
+                self._sync_stats()
+        if self.drafter.memory.delta_tokens():
+            self._rebuild()
+
+    def _commit_loop(self) -> None:
+        """While commits are under way or kept, book them and send the next (see
+        :meth:`DraftClient.settle`); otherwise wait for a close."""
+        assert self._remote is not None
+        while True:
+            self._work.wait()
+            if self._stopping.is_set():
+                return
+            self._work.clear()
+            try:
+                with self._lock:
+                    self._remote.settle()
+                    self._sync_stats()
+                    pending = self.stats.commits_pending
+            except Exception:  # the thread carries on: a commit is retried, never dropped for this
+                logger.exception("near copy: committing to the service failed")
+                pending = 1
+            if pending:
+                self._work.set()
+                self._stopping.wait(COMMIT_POLL_S)
+
+    def _rebuild(self) -> None:
+        """Rebuild the lifetime indexes on a thread of their own (drafting goes on meanwhile
+        over the old ones and the delta; the swap is atomic)."""
+        if self._rebuilding is not None and self._rebuilding.is_alive():
+            return
+        self._rebuilding = threading.Thread(target=self.drafter.memory.rebuild, name="draftcache-near-rebuild")
+        self._rebuilding.daemon = True
+        self._rebuilding.start()
+
+    def _sync_stats(self) -> None:
+        if self._remote is not None:
+            remote = self._remote.stats
+            self.stats.commits_retried, self.stats.commits_dropped = remote.commits_retried, remote.commits_dropped
+            self.stats.commits_pending = remote.commits_pending
+            self.stats.failures = remote.failures
+
+    def shutdown(self) -> None:
+        """Commit what the service has not taken yet (one try each), and close its channel."""
+        if self._rebuilding is not None:
+            self._rebuilding.join()
+        if self._stopping.is_set():
+            return
+        self._stopping.set()
+        self._work.set()
+        if self._committer is not None:
+            self._committer.join()
+        if self._remote is not None:
+            with self._lock:
+                self._remote.shutdown()
+                self._sync_stats()

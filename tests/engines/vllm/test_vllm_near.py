@@ -1,0 +1,63 @@
+"""draftcache drafting near, inside real vLLM: every draft made in vLLM's worker from the near
+copy (its prior read from a file), greedy outputs identical to plain vLLM, and every request
+still committed to the service's lifetime log."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from tests.engines.vllm.conftest import (
+    NAMESPACE,
+    K,
+    drafting_kwargs,
+    generate,
+    make_llm,
+    shutdown,
+    spec_counters,
+    wait_stats,
+)
+from tests.faults import Serve, log_entries, wait_for
+
+
+def test_a_near_copy_drafts_in_vllms_worker_and_commits_every_request(
+    model_folder: Path, serve: Serve, chat_prompts: list[list[int]], tmp_path: Path
+) -> None:
+    copy, code, planets, capital = chat_prompts
+    batch = [(copy, 64), (code, 40), (planets, 48), (capital, 12)]
+    llm = make_llm(model_folder)
+    try:
+        plain = generate(llm, batch)
+    finally:
+        shutdown(llm)
+    # A prior as 'draftcache warm --out' writes one, from text like the answers (each twice:
+    # a prior keeps what its corpus repeats): the planets' answer, which nothing in its prompt
+    # foretells.
+    from indexer.prior import PriorConfig, StaticPrior
+
+    corpus = np.array([*plain[2], 0] * 2, dtype=np.int32)
+    prior = tmp_path / "prior.npz"
+    prior.write_bytes(StaticPrior.build(corpus, PriorConfig()).to_bytes())
+    stats_path = tmp_path / "stats.json"
+    llm = make_llm(model_folder, **drafting_kwargs(serve, stats_path, near=True, prior_file=str(prior)))
+    try:
+        before = spec_counters(llm)
+        assert generate(llm, batch) == plain
+        after = spec_counters(llm)
+    finally:
+        shutdown(llm)
+    accepted = after["vllm:spec_decode_num_accepted_tokens"] - before.get("vllm:spec_decode_num_accepted_tokens", 0)
+    assert accepted > 0  # vLLM verified the near copy's drafts and kept some
+    stats = wait_stats(stats_path, lambda s: s["sessions_closed"] == len(batch), 30, "every request closed")
+    assert stats["near_drafts"] > 0 and stats["errors"] == 0
+    assert stats["remote_drafts"] == stats["fallback_drafts"] == stats["draft_calls"] == 0  # no call on a step
+    assert stats["commits_dropped"] == 0
+    # Each request reached the service's lifetime log, prompt and output (at most K tokens more:
+    # accepted drafts past max_tokens that vLLM drops from its output).
+    wait_for(lambda: len(log_entries(serve.redis_url(), NAMESPACE)) >= len(batch), 30, "the commits")
+    entries = log_entries(serve.redis_url(), NAMESPACE)
+    assert len(entries) == len(batch)
+    for (prompt, _), out in zip(batch, plain, strict=True):
+        want = prompt + out
+        assert any(e[: len(want)] == want and len(e) - len(want) <= K for e in entries), want
