@@ -7,7 +7,8 @@
 #   bash deploy/bench_engines.sh            # 3 Spec-Bench prompts per group, 4 agent tasks x 2 passes, 128 tokens
 #   bash deploy/bench_engines.sh --quick    # 1 per group, 2 agent tasks x 2 passes (shorter prompts), 64 tokens
 #   bash deploy/bench_engines.sh --engines vllm     # one engine only (vllm, llama.cpp)
-#   bash deploy/bench_engines.sh --prior            # the service with a static prior, as a deployment warms one
+#   bash deploy/bench_engines.sh --prior            # the service with a static prior, as a deployment warms one;
+#                                                   # vLLM also runs draftcache drafting near (draftcache-near)
 #
 # Sets up what it needs on a fresh machine: .venv (the service, the prompts and llama.cpp),
 # .venv-vllm (deploy/setup_vllm.sh) with arctic-inference for vLLM's suffix method, the SmolLM2
@@ -119,9 +120,18 @@ start_service() {  # $1: the service's data folder, emptied first
 
 run_engine() {  # $1 engine, $2 its python
   start_service "$OUT/service-$1"
-  setsid -w "$2" -m benchmarks.engines_bench --engine "$1" --workloads "$OUT/prompts.json" \
+  EXTRA=()
+  CACHE="${NUMBA_CACHE_DIR:-}"
+  if [ "$1" = vllm ]; then
+    # The compiled drafting loops of vLLM's virtualenv (another numba than .venv's) cached apart.
+    CACHE="${NUMBA_CACHE_DIR:-$(pwd)/.venv-vllm/numba-cache}"
+    if [ "$PRIOR_ON" = 1 ]; then  # also drafting near, from the same prior file
+      EXTRA=(--variant "near:near=true,prior_file=$(pwd)/$PRIOR")
+    fi
+  fi
+  NUMBA_CACHE_DIR="$CACHE" setsid -w "$2" -m benchmarks.engines_bench --engine "$1" --workloads "$OUT/prompts.json" \
     --target "127.0.0.1:$PORT" --max-new-tokens "$MAX_NEW_TOKENS" --work-dir "$OUT" --out "$RESULTS" \
-    2>"$OUT/driver-$1.log" &
+    "${EXTRA[@]}" 2>"$OUT/driver-$1.log" &
   DRIVER=$!
   wait "$DRIVER" || note "$1" "the benchmark failed (exit $?): see $OUT/driver-$1.log"
   DRIVER=""
