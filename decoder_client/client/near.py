@@ -21,8 +21,8 @@ It answers the calls an engine adapter makes of a :class:`~decoder_client.client
 >>> from indexer.drafter import DraftParams
 >>> near = NearClient(ClientConfig(target="127.0.0.1:1", namespace="n", params=DraftParams(chain=4)), 100)
 >>> (s,) = near.open([[5, 6, 7, 8, 5, 6]])
->>> near.draft([s], [[]])[0].tokens.tolist()  # "5 6" was followed by "7 8"
-[7, 8]
+>>> near.draft([s], [[]])[0].tokens.tolist()  # "5 6" was followed by "7 8", then "5 6" again
+[7, 8, 5, 6]
 >>> near.draft([s], [[99, 100]])
 Traceback (most recent call last):
 ...
