@@ -75,9 +75,6 @@ class NearSession:
     def __len__(self) -> int:
         return len(self.local.context)
 
-    def tokens(self) -> list[int]:
-        return self.local.context.tokens.tolist()
-
 
 class NearClient:
     """Drafts from a near copy of ``config.namespace`` (``vocab_size`` ids) in this process, and
@@ -166,7 +163,7 @@ class NearClient:
         rows = [None] * len(sessions) if topk is None else topk
         for s, new, top in zip(sessions, news, rows, strict=True):
             if top is not None and new.size:
-                self.drafter.observe_topk(s.local, new, np.asarray(top, dtype=np.int64).tolist())
+                self.drafter.observe_topk(s.local, new, np.asarray(top))  # checked there, dtype included
         self.drafter.accept_many([(s.local, new, None) for s, new in zip(sessions, news, strict=True) if new.size])
 
     def _ids(self, tokens: Sequence[int] | np.ndarray, what: str) -> np.ndarray:

@@ -91,3 +91,12 @@ def test_lookahead_is_refused() -> None:
     config = ClientConfig(target="127.0.0.1:1", namespace="n", lookahead=2)
     with pytest.raises(ValueError, match="lookahead must be 0"):
         NearClient(config, VOCAB, commit=False)
+
+
+def test_the_targets_top_k_feeds_the_successor_table_and_is_checked() -> None:
+    client = near()
+    (s,) = client.open([[1, 2, 3]])
+    client.draft([s], [[7]], topk=[[[7, 9]]])
+    assert client.drafter.successors.followers_of(3) == [7, 9]
+    with pytest.raises(ValueError, match="top-k ids must be integers"):
+        client.draft([s], [[8]], topk=[[[8.0, 9.0]]])
