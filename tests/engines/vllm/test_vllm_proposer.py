@@ -124,9 +124,15 @@ def test_service_killed_mid_generation(
     assert stats["errors"] == 0
     print(f"generation with the service killed took {time.monotonic() - started:.1f} s; proposer {stats}")
 
-    # The service back (same data): the proposer drafts from it again.
+    # The service back (same data): the proposer drafts from it again. A fresh service on a busy
+    # machine may miss the first steps' deadlines (the fallback answers those), so a few requests
+    # in a row are allowed before its drafts must be back.
     serve.start()
-    remote = stats["remote_drafts"]
-    assert generate(llm, long_batch[:1]) == plain["long"][:1]
-    after = wait_stats(stats_path, lambda s: s["sessions_closed"] > stats["sessions_closed"], 30, "the request's close")
-    assert after["remote_drafts"] > remote
+    remote, closed = stats["remote_drafts"], stats["sessions_closed"]
+    for _ in range(4):
+        assert generate(llm, long_batch[:1]) == plain["long"][:1]
+        closed += 1
+        after = wait_stats(stats_path, lambda s, n=closed: s["sessions_closed"] >= n, 30, "the request's close")
+        if after["remote_drafts"] > remote:
+            break
+    assert after["remote_drafts"] > remote, after
