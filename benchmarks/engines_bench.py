@@ -86,11 +86,17 @@ def figures(runs: Sequence[Measurement], reference: Sequence[Measurement] | None
     same = 1.0
     if reference is not None:
         same = sum(r.tokens == g.tokens for r, g in zip(runs, reference, strict=True)) / len(runs)
-    return {
+    out = {
         "tokens_per_s": round(_rate(runs), 2),
         "mean_accepted_tokens": round(1 + sum(r.accepted for r in runs) / steps, 3) if steps else 1.0,
         "identical_to_greedy": round(same, 3),
     }
+    if all(r.decode_seconds for r in runs):  # without the prompt's evaluation, the same for every method
+        decoded = sum(len(r.tokens) - 1 for r in runs)
+        out["decode_tokens_per_s"] = round(decoded / sum(r.decode_seconds or 0.0 for r in runs), 2)
+        # ... and the rest of the wall time: the prompt's evaluation and the first token.
+        out["first_token_s"] = round(sum(r.seconds - (r.decode_seconds or 0.0) for r in runs) / len(runs), 3)
+    return out
 
 
 def engine_step_ms(runs: Sequence[Measurement]) -> float:
@@ -141,11 +147,6 @@ def row(
         "engine_step_ms": engine_step_ms(runs),
         "by_group": by_group,
     }
-    if all(r.decode_seconds for r in runs):  # without the prompt's evaluation, the same for every method
-        decoded = sum(len(r.tokens) - 1 for r in runs)
-        out["decode_tokens_per_s"] = round(decoded / sum(r.decode_seconds or 0.0 for r in runs), 2)
-        # ... and the rest of the wall time: the prompt's evaluation and the first token.
-        out["first_token_s"] = round(sum(r.seconds - (r.decode_seconds or 0.0) for r in runs) / len(runs), 3)
     if all(r.draft_seconds is not None for r in runs) and out["drafts"]:
         out["drafter_ms_per_step"] = round(1e3 * sum(r.draft_seconds or 0.0 for r in runs) / out["drafts"], 3)
     if reference is None:

@@ -237,9 +237,12 @@ class DraftcacheDraftModel(LlamaDraftModel):
         if self.topk and self._llm is not None and 0 < new.size < ids.size:
             topk = [self.target_topk(ids.size - new.size - 1, ids.size - 1)]
         (tree,) = self.client.draft([session], [new.tolist()], topk, deadline_s=deadline)
-        min_prob = 0.0 if self.cost is None else self.cost.min_prob
+        min_prob = 0.0 if self.cost is None else self.cost.ask_prob
         chances = self.outcomes.chances if self.recalibrate else None
         chain, claims, scores = chain_to_propose(tree, self.num_pred_tokens, min_prob, chances)
+        if self.cost is not None:  # what the step pays for, free tokens included
+            (n,) = self.cost.keep([scores])
+            chain, claims, scores = chain[:n], claims[:n], scores[:n]
         if self.cost is not None and not self.cost.worth_a_step(float(scores.sum()), chain.size):
             chain = chain[:0]
         chain = chain.astype(np.intc)
@@ -280,7 +283,7 @@ class DraftcacheDraftModel(LlamaDraftModel):
         self.finish()
         ids = np.array(prompt, dtype=np.int32)
         if self.cost is not None:
-            self.client.cut_chains_at(self.cost.min_prob)  # the service picks chains for this cut
+            self.client.cut_chains_at(self.cost.ask_prob)  # the service picks chains for this cut
         (session,) = self.client.open([ids], wait=False)
         self._session, self._sequence, self._draft = session, ids, None
         self.stats.generations += 1

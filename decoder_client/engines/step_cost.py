@@ -17,6 +17,17 @@ is cut there. And a step's drafts, all rows together, are worth proposing when t
 are expected to have accepted, less their cost, outweigh ``per_step`` (in the same units); else
 the step goes without.
 
+A step's first few tokens may cost nothing at all: an engine that streams the model's weights
+from memory once per step (a CPU, a GPU at a small batch) verifies a handful of tokens in the
+time it takes to verify one, and pays per token only past that knee (vLLM in float32 on this
+2-core CPU, a 1,700-token context: 59 ms a step from 0 to 4 proposed tokens, then 4.3 ms a
+token up to 24). A straight line through such steps puts the slope between the two, too cheap
+past the knee. So the fit also tries the line bent at a knee, ``per_token * max(0, proposed -
+free)``, for every ``free`` the steps show up to :data:`MAX_FREE`, and keeps the bend that fits
+clearly better (:data:`KNEE_GAIN`). The ``free`` tokens of a step (all rows together) are then
+proposed down to the floor's chance, and only those past them must pay ``per_token``
+(:meth:`StepCost.keep`); the drafter is asked for chains cut at the floor (:attr:`StepCost.ask_prob`).
+
 Steps that started a request (its prompt evaluated in them) and pauses are not steps of
 the line; until enough steps with different numbers of proposed tokens have been seen, the
 cost is the configured prior.
@@ -42,7 +53,7 @@ cost is the configured prior.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -60,6 +71,8 @@ MAX_STEP_COST = 2.0  # ... and never more than this many steps' worth of drafts 
 # Tokens proposed, grouped for the step times reported beside the fit.
 PROPOSED_GROUPS = ((0, 0), (1, 1), (2, 2), (3, 3), (4, 4), (5, 6), (7, 8), (9, 12), (13, 16), (17, 24), (25, 1 << 20))
 PRIOR = 0.3  # the cost until measured: a drafted token's share of a one-token step, CPU engines here
+MAX_FREE = 16  # the most tokens a step is taken to verify at no cost (the knee, see the module docstring)
+KNEE_GAIN = 0.8  # a knee is kept where its line leaves at most this share of the straight line's squared error
 
 
 class StepCost:
@@ -75,6 +88,7 @@ class StepCost:
         self._token: float | None = None  # the measured per_token / token_s
         self._step = 0.0  # the measured per_step / token_s
         self.base_s = self.per_step_s = self.per_token_s = 0.0
+        self.free = 0  # tokens a step verifies at no cost per token (the knee)
         self.token_s = 0.0  # the steps' time per token they produced
 
     def record(
@@ -103,8 +117,23 @@ class StepCost:
         # A step that verifies any draft may cost more than its tokens (vLLM runs its rejection
         # sampler only then): measured where there are enough steps of both kinds.
         both = min(drafted.sum(), (1 - drafted).sum()) >= MIN_SIDE
-        columns = [np.ones(seconds.size), drafted, proposed] if both else [np.ones(seconds.size), proposed]
-        coef, kept = _robust_line(np.stack(columns, axis=1), seconds)
+        ones = np.ones(seconds.size)
+        line = np.stack([ones, drafted, proposed] if both else [ones, proposed], axis=1)
+        coef, kept = _robust_line(line, seconds)
+        free, a = 0, line
+        error = _squared_error(line[kept], seconds[kept], coef)
+        for knee in np.unique(proposed[(proposed > 0) & (proposed <= MAX_FREE)]).tolist():
+            past = np.maximum(proposed - knee, 0.0)
+            if np.count_nonzero(past) < MIN_SIDE or past.std() < MIN_SPREAD:
+                continue  # too few steps past it to measure the slope there
+            bent = line.copy()
+            bent[:, -1] = past
+            bent_coef = np.linalg.lstsq(bent[kept], seconds[kept], rcond=None)[0]
+            bent_error = _squared_error(bent[kept], seconds[kept], bent_coef)
+            if bent_error <= KNEE_GAIN * error:
+                free, a, coef, error = int(knee), bent, bent_coef, bent_error
+        if free:
+            coef, kept = _robust_line(a, seconds)
         coef = coef.tolist()
         base, per_token = coef[0], max(0.0, coef[-1])
         if both:
@@ -113,7 +142,7 @@ class StepCost:
             base -= self.per_step_s
         if base <= 0:
             return
-        self.base_s, self.per_token_s = base, per_token
+        self.base_s, self.per_token_s, self.free = base, per_token, free
         self.token_s = float(seconds[kept].sum() / produced[kept].sum())  # what an accepted token saves
         self._token, self._step = per_token / self.token_s, self.per_step_s / self.token_s
 
@@ -127,6 +156,35 @@ class StepCost:
         ratio = self.prior if self._token is None else self._token
         return min(MAX_MIN_PROB, max(self.floor, ratio))
 
+    @property
+    def ask_prob(self) -> float:
+        """The chance the drafter should cut chains at: the floor where a step's first tokens
+        are free (:meth:`keep` cuts past them), else :attr:`min_prob`."""
+        return self.floor if self.free else self.min_prob
+
+    def keep(self, chances: Sequence[np.ndarray]) -> list[int]:
+        """How many leading tokens of each row's chain to propose, given their chances of being
+        reached (never rising along a chain, each at least :attr:`ask_prob`): those worth
+        :attr:`min_prob`, and then the likeliest others of any row, each chain's in order, while
+        the step has tokens left that cost nothing (:attr:`free`, all rows together).
+
+        >>> cost = StepCost(prior=0.4, floor=0.1)
+        >>> rows = [np.array([0.9, 0.5, 0.3, 0.2]), np.array([0.35, 0.15])]
+        >>> cost.keep(rows)  # no knee: each row down to 0.4
+        [2, 0]
+        >>> cost.free = 4
+        >>> cost.keep(rows)  # and two more tokens for nothing: the likeliest left, 0.35 and 0.3
+        [3, 1]
+        """
+        min_prob = self.min_prob
+        lengths = [int(np.argmax(c < min_prob)) if (c < min_prob).any() else int(c.size) for c in chances]
+        for _ in range(self.free - sum(lengths)):
+            open_rows = [i for i, (c, n) in enumerate(zip(chances, lengths, strict=True)) if n < c.size]
+            if not open_rows:
+                break
+            lengths[max(open_rows, key=lambda i: float(chances[i][lengths[i]]))] += 1
+        return lengths
+
     def worth_a_step(self, expected: float, proposed: int) -> bool:
         """Whether drafts of ``proposed`` tokens over a step's rows, ``expected`` of them to be
         accepted (the sum of their scores), save more than they cost, the step's own included.
@@ -138,7 +196,8 @@ class StepCost:
         """
         if proposed == 0:
             return False
-        return expected - self.min_prob * proposed >= min(self._step, MAX_STEP_COST)
+        paid = max(0, proposed - self.free)  # the free tokens cost nothing
+        return expected - self.min_prob * paid >= min(self._step, MAX_STEP_COST)
 
     def summary(self) -> dict[str, Any]:
         """The measured figures (milliseconds) and the cut they give."""
@@ -147,6 +206,7 @@ class StepCost:
             "step_base_ms": round(1e3 * self.base_s, 3),
             "step_drafting_ms": round(1e3 * self.per_step_s, 3),
             "step_per_token_ms": round(1e3 * self.per_token_s, 3),
+            "step_free_tokens": self.free,
             "token_ms": round(1e3 * self.token_s, 3),
             "chain_cut_prob": round(self.min_prob, 4),
             "step_ms_by_proposed": self.steps_by_proposed(),
@@ -184,6 +244,11 @@ def _robust_line(a: np.ndarray, seconds: np.ndarray) -> tuple[np.ndarray, np.nda
     keep = residual <= 4 * np.median(np.abs(residual)) + 1e-6
     coef, *_ = np.linalg.lstsq(a[keep], seconds[keep], rcond=None)
     return np.asarray(coef, dtype=np.float64), keep
+
+
+def _squared_error(a: np.ndarray, seconds: np.ndarray, coef: np.ndarray) -> float:
+    residual = seconds - a @ coef
+    return float(residual @ residual)
 
 
 def cut(tokens: np.ndarray, scores: np.ndarray, min_prob: float) -> np.ndarray:

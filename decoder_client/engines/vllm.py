@@ -184,7 +184,7 @@ class DraftcacheProposer:
                 counted=not prefill,
             )
         if fresh:  # their first draft comes from the service if their open lands in half a deadline
-            self._client.cut_chains_at(self._cost.min_prob)  # the service picks chains for this cut
+            self._client.cut_chains_at(self._cost.ask_prob)  # the service picks chains for this cut
             new = self._client.open([t.tokens for t in fresh], wait=False, wait_s=self._deadline.seconds / 2)
             for t, session in zip(fresh, new, strict=True):
                 t.payload = session
@@ -196,15 +196,17 @@ class DraftcacheProposer:
         sessions = [_session(t) for t in tracks]
         trees = self._client.draft(sessions, new_tokens, deadline_s=self._deadline.seconds) if live else []
         drafts: list[list[int]] = [[] for _ in sampled]
-        min_prob, expected = self._cost.min_prob, 0.0
         chances = self._outcomes.chances if self.settings.recalibrate else None
+        chains = []  # each row's chain cut at the drafter's cut, then trimmed to what the step pays for
         for i, track, tree in zip(live, tracks, trees, strict=True):
             room = min(self.num_speculative_tokens, self.max_model_len - int(lengths[i]) - 1)
             if room > 0:
-                chain, claims, likely = self._chain_to_propose(tree, room, min_prob, chances)
-                drafts[i], expected = chain.tolist(), expected + float(likely.sum())
-                if chain.size:  # the claims, not the corrected chances: the correction learns from them
-                    self._sent[id(track)] = (track, claims)
+                chains.append((i, track, *self._chain_to_propose(tree, room, self._cost.ask_prob, chances)))
+        expected = 0.0
+        for (i, track, chain, claims, likely), n in zip(chains, self._cost.keep([c[-1] for c in chains]), strict=True):
+            drafts[i], expected = chain[:n].tolist(), expected + float(likely[:n].sum())
+            if n:  # the claims, not the corrected chances: the correction learns from them
+                self._sent[id(track)] = (track, claims[:n])
         if not self._cost.worth_a_step(expected, sum(len(d) for d in drafts)):
             self._unworthy += 1
             drafts = [[] for _ in sampled]

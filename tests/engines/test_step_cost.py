@@ -81,6 +81,45 @@ def test_a_batch_makes_proposed_tokens_dearer() -> None:
     assert batched.min_prob == pytest.approx(16 / 44, abs=0.04)
 
 
+def test_a_step_verifies_its_first_tokens_for_nothing() -> None:
+    # vLLM in float32 on this CPU, a 1,700-token context: 59 ms a step up to 4 proposed tokens
+    # (the weights are read once a step, whatever it verifies), then 4.3 ms a token. A straight
+    # line through those steps would find tokens past the knee cheaper than they are.
+    cost = StepCost(prior=0.3, floor=0.1)
+    rng = np.random.default_rng(0)
+    for _ in range(400):
+        proposed = int(rng.integers(0, 25))
+        seconds = 0.059 + 0.0043 * max(0, proposed - 4)
+        cost.record(seconds * rng.uniform(0.97, 1.03), proposed, rows=1, produced=1 + proposed // 3)
+    s = cost.summary()
+    assert 3 <= cost.free <= 5 and s["step_free_tokens"] == cost.free
+    assert s["step_per_token_ms"] == pytest.approx(4.3, rel=0.1) and s["step_base_ms"] == pytest.approx(59, rel=0.05)
+    assert cost.min_prob == pytest.approx(0.0043 / cost.token_s, rel=0.1)
+    assert cost.ask_prob == 0.1  # the drafter cuts at the floor; the free tokens are kept down to it
+    likely = [np.array([0.95, 0.8, 0.6, 0.3, 0.2, 0.15, 0.12])]
+    (n,) = cost.keep(likely)
+    assert n == max(cost.free, int((likely[0] >= cost.min_prob).sum()))
+    # Free tokens cost nothing in a step's reckoning either: one unlikely token is worth a step.
+    assert cost.worth_a_step(expected=0.15, proposed=1)
+    # The same engine seen as a straight line: no knee, and one slope for every token.
+    straight = StepCost(prior=0.3, floor=0.1)
+    steps(straight, 400, base=0.059, per_token=0.004)
+    assert straight.free == 0 and straight.ask_prob == straight.min_prob
+
+
+def test_free_tokens_go_to_the_likeliest_drafts_of_any_row() -> None:
+    cost = StepCost(prior=0.5, floor=0.1)
+    cost.free = 5
+    rows = [np.array([0.9, 0.45, 0.4, 0.2]), np.array([0.6, 0.42, 0.3]), np.array([]), np.array([0.12])]
+    # Worth their cost: 0.9 and 0.6 (0.5 and up); then the three likeliest of the rest, each
+    # chain in order: 0.45, 0.42, 0.4.
+    assert cost.keep(rows) == [3, 2, 0, 0]
+    cost.free = 0
+    assert cost.keep(rows) == [1, 1, 0, 0]
+    cost.free = 100  # more free tokens than drafts: every draft down to the drafter's cut
+    assert cost.keep(rows) == [4, 3, 0, 1]
+
+
 def test_the_prior_holds_until_the_line_is_known() -> None:
     cost = StepCost(prior=0.3)
     for _ in range(MIN_STEPS * 4):  # nothing proposed yet: the per-token cost is unknown
