@@ -32,6 +32,7 @@ from indexer.prior import StaticPrior
 logger = logging.getLogger(__name__)
 
 SAVE_BATCH = 256  # sessions written per pipelined round trip
+LOG_PAGE = 32  # log entries read per round trip for a decoder's near copy
 
 Requests = tuple[list[np.ndarray], list[LogId]]  # log entries: their tokens and positions
 
@@ -96,6 +97,29 @@ class RedisPersistence:
         thread may read them: the commit writer holds the log while it writes)."""
         with self._lock:
             self._own.update(stream_id(i) for i in logged[2])
+
+    # -- the log, for decoders' near copies ----------------------------------------------------
+
+    def log_after(self, ns: str, after: str, max_tokens: int) -> tuple[list[tuple[str, np.ndarray]], str]:
+        """Entries of the log of ``ns`` after the entry ``after`` (every process's), oldest
+        first, of at most ``max_tokens`` tokens in all (but at least one where there is one), and
+        the id the next read goes on after; ``after`` empty: none, and the id of the log's end."""
+        try:
+            if not after:
+                return [], self.store.last_log_id(ns)
+            out: list[tuple[str, np.ndarray]] = []
+            last, total = after, 0
+            while True:
+                entries = self.store.read_log(ns, after_id=last, count=LOG_PAGE)
+                for entry in entries:
+                    if out and total + entry.tokens.size > max_tokens:
+                        return out, last
+                    out.append((entry.id, entry.tokens))
+                    total, last = total + entry.tokens.size, entry.id
+                if len(entries) < LOG_PAGE or total >= max_tokens:
+                    return out, last
+        except StorageUnavailable as exc:
+            raise Unavailable(f"storage unavailable: {exc}") from exc
 
     # -- successor rows ------------------------------------------------------------------------
 

@@ -478,12 +478,21 @@ class NamespaceDrafter:
             tokens = session.context.tokens
             if not 0 <= commit_from <= tokens.size:
                 raise ValueError(f"commit_from must be in [0, {tokens.size}], got {commit_from}")
-            known = self.memory.known_prefix(tokens) - self.config.max_match
-            start = max(commit_from, known if known >= MIN_SKIP else 0)
-            added.append(tokens[start:].copy())
+            added.append(tokens[max(commit_from, self._known(tokens)) :].copy())
             exact.append((tokens[: session.prompt_len], session.generated))
         self.memory.commit_many(added, exact=exact)
         return added
+
+    def commit_finished(self, requests: Sequence[np.ndarray]) -> None:
+        """Finished requests no session here drafted for (another process's, read from the
+        service's lifetime log) join the lifetime memory, less what it holds at their start."""
+        self.memory.commit_many([tokens[self._known(tokens) :].copy() for tokens in requests])
+
+    def _known(self, tokens: np.ndarray) -> int:
+        """Where ``tokens`` start to be new to the lifetime memory: a long prefix it holds
+        already (a prompt seen before) is not added again, all but its last ``max_match``."""
+        known = self.memory.known_prefix(tokens) - self.config.max_match
+        return known if known >= MIN_SKIP else 0
 
     # -- tiers -------------------------------------------------------------------------------
 

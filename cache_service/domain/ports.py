@@ -39,6 +39,11 @@ class Persistence(Protocol):
         commits of other calls included), for the caller to mark where they fall in the log."""
         ...
 
+    def log_after(self, ns: str, after: str, max_tokens: int) -> tuple[list[tuple[str, np.ndarray]], str]:
+        """Log entries after the entry ``after`` (empty: none, from the log's end now), of at
+        most ``max_tokens`` tokens in all but at least one; and the id to read on after."""
+        ...
+
 
 @dataclass(frozen=True, kw_only=True)
 class StorageHealth:

@@ -11,6 +11,7 @@ persistence the service keeps everything in memory.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 
@@ -21,7 +22,7 @@ from cache_service.domain import drafting, names, tokens
 from cache_service.domain.admission import Admission
 from cache_service.domain.changes import Changes, ChangeTracker
 from cache_service.domain.continuing import Continuing, Found
-from cache_service.domain.errors import InvalidArgument, NotFound, PermissionDenied, unknown_session
+from cache_service.domain.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, unknown_session
 from cache_service.domain.items import (
     CloseItem,
     DraftColumns,
@@ -42,6 +43,9 @@ from indexer.drafter import NamespaceDrafter
 from indexer.prior import StaticPrior
 from indexer.session import Session
 from indexer.tree_builder import DraftTree
+
+MAX_LOG_READ_TOKENS = 1 << 18  # tokens one log read returns at most (about 0.8 MB on the wire)
+_LOG_ID = re.compile(r"\d+(-\d+)?")
 
 __all__ = ["CloseItem", "DraftColumns", "DraftItem", "DraftService", "Drafted", "FeedbackItem", "OpenItem"]
 
@@ -188,6 +192,26 @@ class DraftService:
             for n in chosen:
                 self.namespace(n).memory.rebuild()
         return self.stats(name, principal=principal)
+
+    # -- the log, for decoders' near copies ---------------------------------------------------
+
+    def read_log(
+        self, name: str, after: str, max_tokens: int, *, principal: Principal | None = None
+    ) -> tuple[list[tuple[str, np.ndarray]], str]:
+        """The lifetime log of ``name`` after the entry ``after`` (empty: from its end now), in
+        entries of at most ``max_tokens`` tokens in all (at least one); and where to go on from.
+        Checked before storage is asked: the name, the caller's right to it, the range, the id."""
+        names.namespace_name(name)
+        if principal is not None:
+            principal.check_namespace(name)
+        self.namespace(name)  # an unknown one is NOT_FOUND
+        if not 1 <= max_tokens <= MAX_LOG_READ_TOKENS:
+            raise InvalidArgument(f"max_tokens must be in [1, {MAX_LOG_READ_TOKENS}], got {max_tokens}")
+        if after and not _LOG_ID.fullmatch(after):
+            raise InvalidArgument(f"after must be a log entry id ('<ms>-<seq>' or '0') or empty, got {after!r}")
+        if self._persistence is None:
+            raise FailedPrecondition("this service keeps no lifetime log: it runs without storage")
+        return self._persistence.log_after(name, after, max_tokens)
 
     # -- opening sessions --------------------------------------------------------------------
 

@@ -86,6 +86,14 @@ class DraftCacheServicer(pb_grpc.DraftCacheServicer):
     async def Echo(self, request: pb.EchoRequest, context: grpc.aio.ServicerContext) -> pb.EchoResponse:
         return pb.EchoResponse(payload=request.payload)
 
+    async def ReadLog(self, request: pb.ReadLogRequest, context: grpc.aio.ServicerContext) -> pb.ReadLogResponse:
+        principal = auth.current()
+        # Storage is read on a worker thread: a slow storage holds only this call.
+        entries, last = await asyncio.to_thread(
+            self._service.read_log, request.namespace, request.after, request.max_tokens, principal=principal
+        )
+        return pb.ReadLogResponse(entries=[pb.LogEntry(id=i, tokens=t.tolist()) for i, t in entries], last=last)
+
     async def _continue_stored(self, sids: Sequence[str], principal: auth.Principal | None) -> None:
         """Sessions this replica does not hold are read from storage on a worker thread: a slow
         storage delays the calls naming them, never the event loop serving everyone else."""

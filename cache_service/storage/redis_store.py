@@ -173,6 +173,11 @@ class RedisStore:
         return stream_log.read(self.client, ns, after_id, count or self.config.read_batch)
 
     @guarded
+    def last_log_id(self, ns: str) -> str:
+        """The id of the log's newest entry (``"0-0"`` while it is empty)."""
+        return stream_log.last_id(self.client, ns)
+
+    @guarded
     def follow(self, ns: str, last_id: str, *, block_ms: int | None = 1000, count: int | None = None) -> list[LogEntry]:
         """Entries appended after ``last_id``, waiting up to ``block_ms`` for the first one.
 

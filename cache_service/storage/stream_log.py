@@ -169,6 +169,14 @@ def read(client: StorageClient, ns: str, after_id: str, count: int) -> list[LogE
     return [_entry(i, f) for i, f in rows or []]
 
 
+def last_id(client: StorageClient, ns: str) -> str:
+    """The id of the log's newest entry (``"0-0"`` while it is empty)."""
+    rows = client.xrevrange(keys.log(ns), max="+", min="-", count=1)
+    if not rows:
+        return "0-0"
+    return codec.as_bytes(rows[0][0], what="log entry id").decode()
+
+
 def follow(client: StorageClient, ns: str, last_id: str, block_ms: int | None, count: int) -> list[LogEntry]:
     """Entries after ``last_id`` (or ``"$"``: only new ones), waiting up to ``block_ms``."""
     if last_id != "$":

@@ -63,6 +63,7 @@ class ClientStats:
     remote: int = 0  # trees that came from the service
     fallback: int = 0  # trees the local drafter made
     near: int = 0  # trees drafted in this process from a near copy of the namespace (see client.near)
+    followed: int = 0  # other processes' requests a near copy took from the service's log (see client.follow)
     failures: int = 0  # calls that failed or missed their deadline
     reopened: int = 0  # sessions opened with more than their prompt (an earlier copy was lost)
     ahead_hits: int = 0  # trees that were drafted ahead (no wait)

@@ -11,8 +11,9 @@ operator warmed (``draftcache warm --out``, the file ``warm --from-prior`` publi
 The service stays the fleet's memory: every request this process finishes is committed to it
 too, in the background, through a :class:`~decoder_client.client.sync.DraftClient` (kept and
 sent again while the service does not take it), so replicas drafting through the service learn
-from it. What a near copy lacks is the reverse: requests other replicas finish after it starts
-reach it only through a newer prior.
+from it. And the near copy follows the service's lifetime log (every ``follow_s`` seconds, on a
+thread of its own, :mod:`decoder_client.client.follow`): what other replicas commit after it
+starts joins its lifetime memory when it next drafts, its own commits skipped.
 
 It answers the calls an engine adapter makes of a :class:`~decoder_client.client.DraftClient`
 (open, draft, add_tokens, close, settle, shutdown), so an adapter takes either.
@@ -41,6 +42,7 @@ import numpy as np
 
 from decoder_client.client.config import ClientConfig
 from decoder_client.client.core import ClientStats
+from decoder_client.client.follow import FOLLOW_S, LogFollower, OwnCommits
 from decoder_client.client.session import TopkRows
 from indexer.drafter import DrafterConfig, NamespaceDrafter
 from indexer.lifetime_index import LifetimeConfig
@@ -81,7 +83,8 @@ class NearClient:
     commits finished requests to the service at ``config.target``; see the module docstring.
     ``prior``: the namespace's static prior (None: none); ``memory_tokens``: the size of the
     near copy's lifetime memory; ``commit``: also commit to the service (False: nothing is sent
-    anywhere, a decoder on its own)."""
+    anywhere, a decoder on its own); ``follow_s``: how often the service's log is read for other
+    processes' commits (0: never)."""
 
     def __init__(
         self,
@@ -91,9 +94,12 @@ class NearClient:
         *,
         memory_tokens: int = NEAR_MEMORY_TOKENS,
         commit: bool = True,
+        follow_s: float = FOLLOW_S,
     ) -> None:
         if config.lookahead:
             raise ValueError("a near copy drafts at each step and never ahead: lookahead must be 0")
+        if follow_s < 0:
+            raise ValueError(f"follow_s must be >= 0 (0: the service's log is not followed), got {follow_s}")
         self._config = config
         self._params = config.params
         self.drafter = NamespaceDrafter(
@@ -110,12 +116,21 @@ class NearClient:
         self._work = threading.Event()
         self._stopping = threading.Event()
         self._committer: threading.Thread | None = None
+        self._own = OwnCommits()
+        self._follower: LogFollower | None = None
+        self._rebuild_lock = threading.Lock()
         if commit:
             from decoder_client.client.sync import DraftClient
 
             self._remote = DraftClient(config)
             self._committer = threading.Thread(target=self._commit_loop, name="draftcache-near-commits", daemon=True)
             self._committer.start()
+            if follow_s:
+                # The read touches only the client's stub (thread-safe), never what the lock guards.
+                self._follower = LogFollower(
+                    self._remote.read_log, self._own, every_s=follow_s, max_pending=memory_tokens
+                )
+                self._follower.start()
 
     @property
     def config(self) -> ClientConfig:
@@ -145,6 +160,7 @@ class NearClient:
         """Append each session's new tokens, then one tree (a chain in chain mode) per session,
         in one compiled step; ``deadline_s`` is the draft client's (nothing here waits)."""
         self.add_tokens(sessions, new_tokens, topk)
+        self._take_followed()
         trees = self.drafter.draft_many([(s.local, self._params) for s in sessions])
         self.stats.near += len(sessions)
         return list(trees)
@@ -184,6 +200,8 @@ class NearClient:
             return
         self.drafter.close_many([(s.local, 0) for s in sessions])
         if self._remote is not None:
+            for s in sessions:  # told apart in the service's log when it is followed
+                self._own.add(s.local.context.tokens)
             with self._lock:
                 self._remote.commit([s.local.context.tokens for s in sessions])
                 self._sync_stats()
@@ -198,8 +216,21 @@ class NearClient:
             with self._lock:
                 self._remote.settle()
                 self._sync_stats()
+        self._take_followed()
         if self.drafter.memory.delta_tokens():
             self._rebuild()
+
+    def _take_followed(self) -> None:
+        """Other processes' commits read from the service's log join the lifetime memory (on
+        the drafting thread: the memory changes only there)."""
+        if self._follower is None:
+            return
+        followed = self._follower.take()
+        if followed:
+            self.drafter.commit_finished(followed)
+            self.stats.followed += len(followed)
+            if self.drafter.memory.needs_rebuild():
+                self._rebuild()
 
     def _commit_loop(self) -> None:
         """While commits are under way or kept, book them and send the next (see
@@ -225,11 +256,12 @@ class NearClient:
     def _rebuild(self) -> None:
         """Rebuild the lifetime indexes on a thread of their own (drafting goes on meanwhile
         over the old ones and the delta; the swap is atomic)."""
-        if self._rebuilding is not None and self._rebuilding.is_alive():
-            return
-        self._rebuilding = threading.Thread(target=self.drafter.memory.rebuild, name="draftcache-near-rebuild")
-        self._rebuilding.daemon = True
-        self._rebuilding.start()
+        with self._rebuild_lock:  # a close and an idle engine's settle may ask at once
+            if self._rebuilding is not None and self._rebuilding.is_alive():
+                return
+            self._rebuilding = threading.Thread(target=self.drafter.memory.rebuild, name="draftcache-near-rebuild")
+            self._rebuilding.daemon = True
+            self._rebuilding.start()
 
     def _sync_stats(self) -> None:
         if self._remote is not None:
@@ -245,6 +277,8 @@ class NearClient:
         if self._stopping.is_set():
             return
         self._stopping.set()
+        if self._follower is not None:
+            self._follower.stop()
         self._work.set()
         if self._committer is not None:
             self._committer.join()

@@ -210,6 +210,15 @@ class DraftClient:
             self._core.keep_for_commit(np.asarray(tokens, dtype=np.int32).tolist(), retry=False)
         self._reopen([])
 
+    def read_log(self, after: str, max_tokens: int) -> tuple[list[tuple[str, np.ndarray]], str]:
+        """The namespace's lifetime log after the entry ``after`` (``""``: from its end now):
+        entries of at most ``max_tokens`` tokens in all (at least one), oldest first, and the id
+        the next read goes on after. A unary call within the control timeout; it raises
+        ``grpc.RpcError`` (the caller retries later: nothing here waits on the service)."""
+        req = pb.ReadLogRequest(namespace=self.config.namespace, after=after, max_tokens=max_tokens)
+        resp = self._stub.ReadLog(req, timeout=self.config.control_timeout_s, metadata=self.config.metadata)
+        return [(e.id, np.array(e.tokens, dtype=np.int32)) for e in resp.entries], resp.last
+
     def settle(self) -> None:
         """Book the background calls that ended and carry on with the ended requests kept to
         commit (:class:`~decoder_client.client.commits.CommitBacklog`): a decoder with nothing

@@ -68,6 +68,9 @@ class EngineSettings:
     near: bool = False
     prior_file: str = ""  # the namespace's static prior for the near copy ('draftcache warm --out')
     near_memory_tokens: int = 1 << 22  # the near copy's lifetime memory
+    near_follow_s: float = (
+        1.0  # how often the near copy reads other replicas' commits from the service's log (0: never)
+    )
     create_namespace: bool = True  # create the namespace (the model's vocabulary) when it is missing
     idle_close_s: float = 2.0  # the engine made no step this long: its requests are closed, with commit
     stats_path: str = ""  # a JSON file the proposer's step timings and counts are written to
@@ -90,6 +93,8 @@ class EngineSettings:
             raise ValueError("prior_file is read by the near copy only: set near too")
         if self.near_memory_tokens < 2:
             raise ValueError(f"near_memory_tokens must be >= 2, got {self.near_memory_tokens}")
+        if self.near_follow_s < 0:
+            raise ValueError(f"near_follow_s must be >= 0 (0: never), got {self.near_follow_s}")
         if self.token_cost >= 1:
             raise ValueError(f"token_cost must be < 1 (< 0: measured), got {self.token_cost}")
         # Their own checks. Imported here: the engine's process may not import numba yet (see
@@ -173,7 +178,7 @@ class EngineSettings:
         if vocab_size is None:
             raise ValueError("a near copy needs the model's vocabulary size")
         prior = read_prior(self.prior_file) if self.prior_file else None
-        return NearClient(config, vocab_size, prior, memory_tokens=self.near_memory_tokens)
+        return NearClient(config, vocab_size, prior, memory_tokens=self.near_memory_tokens, follow_s=self.near_follow_s)
 
     @classmethod
     def from_sources(cls, engine: Mapping[str, Any] | None, env: Mapping[str, str]) -> EngineSettings:

@@ -253,6 +253,7 @@ class DraftcacheProposer:
             "idle_closes": self._idle_closes,
             "remote_drafts": client.remote,
             "near_drafts": client.near,
+            "near_followed": client.followed,
             "fallback_drafts": client.fallback,
             "chains_continued": client.continued,
             "failed_calls": client.failures,

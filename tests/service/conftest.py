@@ -88,7 +88,8 @@ class Replica:
         )
         self.app = App(config)
         port = asyncio.run_coroutine_threadsafe(self.app.start(), self.loop).result(60)
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        self.target = f"127.0.0.1:{port}"
+        self.channel = grpc.insecure_channel(self.target)
         self.stub = pb_grpc.DraftCacheStub(self.channel)
         self.admin = pb_grpc.AdminStub(self.channel)
 

@@ -208,6 +208,32 @@ class StreamResponse(_message.Message):
     error: StreamError
     def __init__(self, request_id: _Optional[int] = ..., open: _Optional[_Union[OpenSessionsResponse, _Mapping]] = ..., draft: _Optional[_Union[DraftResponse, _Mapping]] = ..., feedback: _Optional[_Union[FeedbackResponse, _Mapping]] = ..., close: _Optional[_Union[CloseSessionsResponse, _Mapping]] = ..., error: _Optional[_Union[StreamError, _Mapping]] = ...) -> None: ...
 
+class ReadLogRequest(_message.Message):
+    __slots__ = ("namespace", "after", "max_tokens")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    AFTER_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    after: str
+    max_tokens: int
+    def __init__(self, namespace: _Optional[str] = ..., after: _Optional[str] = ..., max_tokens: _Optional[int] = ...) -> None: ...
+
+class LogEntry(_message.Message):
+    __slots__ = ("id", "tokens")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ReadLogResponse(_message.Message):
+    __slots__ = ("entries", "last")
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    entries: _containers.RepeatedCompositeFieldContainer[LogEntry]
+    last: str
+    def __init__(self, entries: _Optional[_Iterable[_Union[LogEntry, _Mapping]]] = ..., last: _Optional[str] = ...) -> None: ...
+
 class EchoRequest(_message.Message):
     __slots__ = ("payload",)
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]

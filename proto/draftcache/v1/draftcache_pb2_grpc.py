@@ -64,6 +64,11 @@ class DraftCacheStub:
                 request_serializer=draftcache_dot_v1_dot_draftcache__pb2.EchoRequest.SerializeToString,
                 response_deserializer=draftcache_dot_v1_dot_draftcache__pb2.EchoResponse.FromString,
                 _registered_method=True)
+        self.ReadLog = channel.unary_unary(
+                '/draftcache.v1.DraftCache/ReadLog',
+                request_serializer=draftcache_dot_v1_dot_draftcache__pb2.ReadLogRequest.SerializeToString,
+                response_deserializer=draftcache_dot_v1_dot_draftcache__pb2.ReadLogResponse.FromString,
+                _registered_method=True)
 
 
 class DraftCacheServicer:
@@ -105,6 +110,12 @@ class DraftCacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReadLog(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DraftCacheServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -137,6 +148,11 @@ def add_DraftCacheServicer_to_server(servicer, server):
                     servicer.Echo,
                     request_deserializer=draftcache_dot_v1_dot_draftcache__pb2.EchoRequest.FromString,
                     response_serializer=draftcache_dot_v1_dot_draftcache__pb2.EchoResponse.SerializeToString,
+            ),
+            'ReadLog': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReadLog,
+                    request_deserializer=draftcache_dot_v1_dot_draftcache__pb2.ReadLogRequest.FromString,
+                    response_serializer=draftcache_dot_v1_dot_draftcache__pb2.ReadLogResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -301,6 +317,33 @@ class DraftCache:
             '/draftcache.v1.DraftCache/Echo',
             draftcache_dot_v1_dot_draftcache__pb2.EchoRequest.SerializeToString,
             draftcache_dot_v1_dot_draftcache__pb2.EchoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadLog(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/draftcache.v1.DraftCache/ReadLog',
+            draftcache_dot_v1_dot_draftcache__pb2.ReadLogRequest.SerializeToString,
+            draftcache_dot_v1_dot_draftcache__pb2.ReadLogResponse.FromString,
             options,
             channel_credentials,
             insecure,
