@@ -24,9 +24,12 @@ time it takes to verify one, and pays per token only past that knee (vLLM in flo
 token up to 24). A straight line through such steps puts the slope between the two, too cheap
 past the knee. So the fit also tries the line bent at a knee, ``per_token * max(0, proposed -
 free)``, for every ``free`` the steps show up to :data:`MAX_FREE`, and keeps the bend that fits
-clearly better (:data:`KNEE_GAIN`). The ``free`` tokens of a step (all rows together) are then
-proposed down to the floor's chance, and only those past them must pay ``per_token``
-(:meth:`StepCost.keep`); the drafter is asked for chains cut at the floor (:attr:`StepCost.ask_prob`).
+clearly better (:data:`KNEE_GAIN`). And where the steps seen with a number of proposed tokens are
+enough, their median stands for it, the line elsewhere: some curves follow no line (vLLM on this
+CPU verifies one draft token 12 ms slower than two to five). Each step proposes its likeliest
+tokens, as many as make their expected accepted number less their cost the largest
+(:meth:`StepCost.keep`); where a step's first tokens are free, the drafter is asked for chains
+cut at the floor (:attr:`StepCost.ask_prob`), else at :attr:`StepCost.min_prob`.
 
 Steps that started a request (its prompt evaluated in them) and pauses are not steps of
 the line; until enough steps with different numbers of proposed tokens have been seen, the
@@ -73,6 +76,7 @@ PROPOSED_GROUPS = ((0, 0), (1, 1), (2, 2), (3, 3), (4, 4), (5, 6), (7, 8), (9, 1
 PRIOR = 0.3  # the cost until measured: a drafted token's share of a one-token step, CPU engines here
 MAX_FREE = 16  # the most tokens a step is taken to verify at no cost (the knee, see the module docstring)
 KNEE_GAIN = 0.8  # a knee is kept where its line leaves at most this share of the straight line's squared error
+MIN_AT = 8  # steps seen with one number of proposed tokens before their median stands for it
 
 
 class StepCost:
@@ -89,6 +93,7 @@ class StepCost:
         self._step = 0.0  # the measured per_step / token_s
         self.base_s = self.per_step_s = self.per_token_s = 0.0
         self.free = 0  # tokens a step verifies at no cost per token (the knee)
+        self._at: dict[int, float] = {}  # proposed tokens -> the median step seen with them (MIN_AT or more)
         self.token_s = 0.0  # the steps' time per token they produced
 
     def record(
@@ -143,6 +148,12 @@ class StepCost:
         if base <= 0:
             return
         self.base_s, self.per_token_s, self.free = base, per_token, free
+        counts, at = np.unique(proposed, return_inverse=True)
+        self._at = {
+            int(k): float(np.median(seconds[at == j]))
+            for j, k in enumerate(counts.tolist())
+            if np.count_nonzero(at == j) >= MIN_AT
+        }
         self.token_s = float(seconds[kept].sum() / produced[kept].sum())  # what an accepted token saves
         self._token, self._step = per_token / self.token_s, self.per_step_s / self.token_s
 
@@ -159,31 +170,54 @@ class StepCost:
     @property
     def ask_prob(self) -> float:
         """The chance the drafter should cut chains at: the floor where a step's first tokens
-        are free (:meth:`keep` cuts past them), else :attr:`min_prob`."""
+        are free (:meth:`keep` chooses how much of the chains a step pays for), else
+        :attr:`min_prob`: the drafter picks the chain best for the cut it is told, and a chain
+        picked for the floor, then cut harder, is worse than one picked for the harder cut."""
         return self.floor if self.free else self.min_prob
+
+    def costs(self, n_max: int) -> np.ndarray:
+        """What proposing ``n`` tokens (all rows together) costs a step, in tokens' worth, for
+        ``n`` from 0 to ``n_max``: the step's time with ``n`` proposed less its time with none,
+        over the time a token takes. Measured: the median of the latest steps with ``n`` and
+        with none where there were :data:`MIN_AT` of each (a curve no line follows: vLLM on
+        this CPU takes longer to verify one draft token than two to five), else the fitted line
+        (the tokens past the free ones at :attr:`min_prob` each, and the drafting step's own
+        cost); not yet measured, :attr:`min_prob` a token.
+
+        >>> StepCost(prior=0.25).costs(3).tolist()
+        [0.0, 0.25, 0.5, 0.75]
+        """
+        n = np.arange(n_max + 1)
+        if not self.measured:
+            return self.min_prob * n
+        out = np.where(n > 0, min(self._step, MAX_STEP_COST), 0.0) + self.min_prob * np.maximum(0, n - self.free)
+        none = self._at.get(0)
+        if none is not None and self.token_s > 0:
+            for k, seconds in self._at.items():
+                if 0 < k <= n_max:
+                    out[k] = max(0.0, seconds - none) / self.token_s
+        return out
 
     def keep(self, chances: Sequence[np.ndarray]) -> list[int]:
         """How many leading tokens of each row's chain to propose, given their chances of being
-        reached (never rising along a chain, each at least :attr:`ask_prob`): those worth
-        :attr:`min_prob`, and then the likeliest others of any row, each chain's in order, while
-        the step has tokens left that cost nothing (:attr:`free`, all rows together).
+        reached (never rising along a chain, each at least :attr:`ask_prob`): the step's most
+        likely tokens, each chain's in order, as many as make the expected accepted tokens less
+        their cost (:meth:`costs`) the largest (none where nothing pays).
 
         >>> cost = StepCost(prior=0.4, floor=0.1)
-        >>> rows = [np.array([0.9, 0.5, 0.3, 0.2]), np.array([0.35, 0.15])]
-        >>> cost.keep(rows)  # no knee: each row down to 0.4
-        [2, 0]
-        >>> cost.free = 4
-        >>> cost.keep(rows)  # and two more tokens for nothing: the likeliest left, 0.35 and 0.3
-        [3, 1]
+        >>> cost.keep([np.array([0.9, 0.5, 0.3, 0.2]), np.array([0.45, 0.15]), np.array([])])
+        [2, 1, 0]
         """
-        min_prob = self.min_prob
-        lengths = [int(np.argmax(c < min_prob)) if (c < min_prob).any() else int(c.size) for c in chances]
-        for _ in range(self.free - sum(lengths)):
-            open_rows = [i for i, (c, n) in enumerate(zip(chances, lengths, strict=True)) if n < c.size]
-            if not open_rows:
-                break
-            lengths[max(open_rows, key=lambda i: float(chances[i][lengths[i]]))] += 1
-        return lengths
+        sizes = [int(c.size) for c in chances]
+        if not sum(sizes):
+            return sizes
+        flat = np.concatenate([np.asarray(c, dtype=np.float64) for c in chances])
+        rows = np.repeat(np.arange(len(sizes)), sizes)
+        at = np.concatenate([np.arange(n) for n in sizes])
+        order = np.lexsort((at, -flat))  # likeliest first; a chain's tokens in order among equals
+        value = np.concatenate(([0.0], np.cumsum(flat[order]))) - self.costs(flat.size)
+        best = int(np.argmax(value))  # the fewest tokens among equal values
+        return np.bincount(rows[order[:best]], minlength=len(sizes)).tolist()
 
     def worth_a_step(self, expected: float, proposed: int) -> bool:
         """Whether drafts of ``proposed`` tokens over a step's rows, ``expected`` of them to be
@@ -196,8 +230,7 @@ class StepCost:
         """
         if proposed == 0:
             return False
-        paid = max(0, proposed - self.free)  # the free tokens cost nothing
-        return expected - self.min_prob * paid >= min(self._step, MAX_STEP_COST)
+        return expected - float(self.costs(proposed)[proposed]) >= 0
 
     def summary(self) -> dict[str, Any]:
         """The measured figures (milliseconds) and the cut they give."""
