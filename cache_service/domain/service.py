@@ -11,7 +11,6 @@ persistence the service keeps everything in memory.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 
@@ -39,13 +38,13 @@ from cache_service.domain.ports import Logged, Persistence
 from cache_service.domain.sessions import SessionEntry, SessionTable
 from cache_service.domain.tenants import Principal, owns
 from cache_service.storage.stored_session import StoredSession
+from cache_service.storage.stream_log import check_stream_id
 from indexer.drafter import NamespaceDrafter
 from indexer.prior import StaticPrior
 from indexer.session import Session
 from indexer.tree_builder import DraftTree
 
 MAX_LOG_READ_TOKENS = 1 << 18  # tokens one log read returns at most (about 0.8 MB on the wire)
-_LOG_ID = re.compile(r"\d+(-\d+)?")
 
 __all__ = ["CloseItem", "DraftColumns", "DraftItem", "DraftService", "Drafted", "FeedbackItem", "OpenItem"]
 
@@ -207,8 +206,11 @@ class DraftService:
         self.namespace(name)  # an unknown one is NOT_FOUND
         if not 1 <= max_tokens <= MAX_LOG_READ_TOKENS:
             raise InvalidArgument(f"max_tokens must be in [1, {MAX_LOG_READ_TOKENS}], got {max_tokens}")
-        if after and not _LOG_ID.fullmatch(after):
-            raise InvalidArgument(f"after must be a log entry id ('<ms>-<seq>' or '0') or empty, got {after!r}")
+        if after:
+            try:
+                check_stream_id(after)
+            except ValueError as exc:
+                raise InvalidArgument(f"after must be a log entry id or empty: {exc}") from exc
         if self._persistence is None:
             raise FailedPrecondition("this service keeps no lifetime log: it runs without storage")
         return self._persistence.log_after(name, after, max_tokens)

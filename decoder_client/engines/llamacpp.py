@@ -240,11 +240,9 @@ class DraftcacheDraftModel(LlamaDraftModel):
         min_prob = 0.0 if self.cost is None else self.cost.ask_prob
         chances = self.outcomes.chances if self.recalibrate else None
         chain, claims, scores = chain_to_propose(tree, self.num_pred_tokens, min_prob, chances)
-        if self.cost is not None:  # what the step pays for, free tokens included
+        if self.cost is not None:  # what the step pays for, its own cost included (none where nothing pays)
             (n,) = self.cost.keep([scores])
-            chain, claims, scores = chain[:n], claims[:n], scores[:n]
-        if self.cost is not None and not self.cost.worth_a_step(float(scores.sum()), chain.size):
-            chain = chain[:0]
+            chain, claims = chain[:n], claims[:n]
         chain = chain.astype(np.intc)
         self._sequence, self._draft, self._claims = ids, chain, claims[: chain.size]
         self.stats.calls += 1

@@ -68,9 +68,8 @@ class EngineSettings:
     near: bool = False
     prior_file: str = ""  # the namespace's static prior for the near copy ('draftcache warm --out')
     near_memory_tokens: int = 1 << 22  # the near copy's lifetime memory
-    near_follow_s: float = (
-        1.0  # how often the near copy reads other replicas' commits from the service's log (0: never)
-    )
+    # How often the near copy reads other replicas' commits from the service's log (0: never).
+    near_follow_s: float = 1.0
     create_namespace: bool = True  # create the namespace (the model's vocabulary) when it is missing
     idle_close_s: float = 2.0  # the engine made no step this long: its requests are closed, with commit
     stats_path: str = ""  # a JSON file the proposer's step timings and counts are written to

@@ -202,15 +202,13 @@ class DraftcacheProposer:
             room = min(self.num_speculative_tokens, self.max_model_len - int(lengths[i]) - 1)
             if room > 0:
                 chains.append((i, track, *self._chain_to_propose(tree, room, self._cost.ask_prob, chances)))
-        expected = 0.0
-        for (i, track, chain, claims, likely), n in zip(chains, self._cost.keep([c[-1] for c in chains]), strict=True):
-            drafts[i], expected = chain[:n].tolist(), expected + float(likely[:n].sum())
+        # keep() weighs the step as a whole: where no drafts pay for the step's cost, none go.
+        for (i, track, chain, claims, _), n in zip(chains, self._cost.keep([c[-1] for c in chains]), strict=True):
+            drafts[i] = chain[:n].tolist()
             if n:  # the claims, not the corrected chances: the correction learns from them
                 self._sent[id(track)] = (track, claims[:n])
-        if not self._cost.worth_a_step(expected, sum(len(d) for d in drafts)):
+        if not self._sent:
             self._unworthy += 1
-            drafts = [[] for _ in sampled]
-            self._sent = {}
         return drafts, len(live)
 
     def _close(self, tracks: Sequence[Track]) -> None:
