@@ -131,6 +131,16 @@ class ChainCalibrator:
         )  # fmt: skip
         return TreeBatch(*arrays), claims
 
+    def kernel_args(self) -> tuple:
+        """The calibration as :func:`~indexer.kernels.draft_chain.draft_chain_batch` takes it,
+        after the draft step's own arguments and the jobs' ``ks``, ``min_probs`` and tracks: the
+        counts themselves (updated in place by each outcome, never replaced), so a draft reads
+        every count as it stands, and the back-off is worked out there."""
+        return (
+            _SCORE_EDGES, self._hits, self._trials, self._coarse_hits, self._coarse_trials, self._claim,
+            _COARSE_PRIOR, _FINE_PRIOR, self._reach_hits, self._reach_claims, _REACH_EDGES, _REACH_PRIOR,
+        )  # fmt: skip
+
     def reach(self, claims: np.ndarray, track: int = 0) -> np.ndarray:
         """A chain's nodes' claimed reach (by depth from 1: the products of their conditionals)
         as the chains cut so far bore them out for sessions of track record ``track``: each

@@ -23,6 +23,7 @@ from indexer.kernels import accept as accept_kernel
 from indexer.kernels import draft as draft_kernel
 from indexer.kernels.draft import JOB_COLUMNS
 from indexer.kernels.draft import SETTINGS as _SETTINGS
+from indexer.kernels.draft_chain import draft_chain_batch
 from indexer.lifetime_index import LifetimeConfig, LifetimeMemory, SearchArrays, prompt_key
 from indexer.prespeculation import Prefetched, select
 from indexer.prior import StaticPrior
@@ -123,10 +124,13 @@ def warm_draft_step(lifetime: SearchArrays, threads: int = 1) -> None:
     counts = np.zeros((len(_TIERS), 2))
     settings = np.zeros(len(_SETTINGS), dtype=np.int64)
     none = np.zeros(0, dtype=np.int32)
+    args = (jobs, np.zeros(0), none, none, *kernels.no_prior(), store.i32, store.i64, *_lifetime_args(lifetime),
+            *SuccessorTable(0).kernel_args(), settings, _HALF_ARRAY, counts, counts)  # fmt: skip
     for n in {1, threads}:
-        kernels.draft_step(n)(jobs, np.zeros(0), none, none, *kernels.no_prior(), store.i32, store.i64,
-                              *_lifetime_args(lifetime), *SuccessorTable(0).kernel_args(), settings, _HALF_ARRAY,
-                              counts, counts)  # fmt: skip
+        kernels.draft_step(n)(*args)
+    none64 = np.zeros(0, dtype=np.int64)
+    chain_args = (*args, none64, np.zeros(0), none64, *ChainCalibrator().kernel_args())
+    draft_chain_batch(*chain_args)
 
 
 def _lifetime_args(a: SearchArrays) -> tuple:
@@ -251,10 +255,37 @@ class NamespaceDrafter:
         rows = np.array([self.store.hold(s) for s in sessions], dtype=np.int64)
         # A path never holds more nodes than the tree, nor a chain's tree than the chain.
         table, min_score = _jobs(rows, [p for _, p in items], _tree_depth, True)
+        chains = [p.chain for _, p in items]
+        if all(chains) and step_threads(self.threads, len(table)) == 1:  # the usual chain-mode call
+            return self._chain_step(items, table, min_score)
         trees = self._step(sessions, table, min_score, _NO_TOKENS, _NO_TOKENS)
-        if not any(p.chain for _, p in items):
+        if not any(chains):
             return trees
         return self._chains(trees, items)
+
+    def _chain_step(
+        self, items: Sequence[tuple[Session, DraftParams]], table: np.ndarray, min_score: np.ndarray
+    ) -> DraftedTrees:
+        """Every job's chain, its tree drafted and cut in one compiled call
+        (:func:`~indexer.kernels.draft_chain.draft_chain_batch`), as :meth:`_chains` cuts the
+        trees :meth:`_step` drafts (the same chains). The calibration is read without the lock:
+        its counts are updated in place, so a draft beside an outcome's update reads each count
+        before or after it."""
+        sessions = [session for session, _ in items]
+        ks = np.array([p.chain for _, p in items], dtype=np.int64)
+        min_probs = np.array([p.chain_min_prob for _, p in items], dtype=np.float64)
+        tracks = np.array([s.track for s in sessions], dtype=np.int64)
+        args = (
+            *self._step_args(table, min_score, _NO_TOKENS, _NO_TOKENS), ks, min_probs, tracks,
+            *self.chain_calibrator.kernel_args(),
+        )  # fmt: skip
+        tokens, parents, sources, scores, ends, claims, grown = draft_chain_batch(*args)
+        self._follow_grown(sessions, grown)
+        at = ends.tolist()
+        for j, session in enumerate(sessions):
+            session.calibrates = True
+            session.chain = (tokens[at[j] : at[j + 1]], claims[at[j] : at[j + 1]], session.track)
+        return DraftedTrees(TreeBatch(tokens, parents, sources, scores, ends))
 
     def _chains(self, trees: DraftedTrees, items: Sequence[tuple[Session, DraftParams]]) -> DraftedTrees:
         """Each chain-mode job's tree cut to its chain (see :mod:`indexer.chain`), the others
@@ -508,16 +539,25 @@ class NamespaceDrafter:
         :func:`~indexer.kernels.draft.draft_batch`) over the sessions' arrays in the store: row
         ``j`` of the jobs table (see :func:`_jobs`) drafts for ``sessions[j]``; only the static
         prior is looked up here first."""
-        prior = self.prior.kernel_args if self.prior is not None else kernels.no_prior()
         step = kernels.draft_step(step_threads(self.threads, len(table)))
-        tokens, parents, sources, scores, ends, _, _, _, grown = step(
+        args = self._step_args(table, min_score, suffix, exclude)
+        tokens, parents, sources, scores, ends, _, _, _, grown = step(*args)
+        self._follow_grown(sessions, grown)
+        return DraftedTrees(TreeBatch(tokens, parents, sources, scores, ends))
+
+    def _step_args(self, table: np.ndarray, min_score: np.ndarray, suffix: np.ndarray, exclude: np.ndarray) -> tuple:
+        """The draft step's arguments for these jobs: the sessions' store, every tier's arrays."""
+        prior = self.prior.kernel_args if self.prior is not None else kernels.no_prior()
+        return (
             table, min_score, suffix, exclude, *prior, self.store.i32, self.store.i64,
             *_lifetime_args(self.memory.search_arrays()), *self.successors.kernel_args(), self._settings, _HALF_ARRAY,
             *self.calibrator.arrays(),
         )  # fmt: skip
+
+    def _follow_grown(self, sessions: Sequence[Session], grown: np.ndarray) -> None:
+        """The store takes up each session whose tree buffer the step had to grow."""
         for j in np.flatnonzero(grown).tolist():
             self.store.follow(sessions[j], int(grown[j]))
-        return DraftedTrees(TreeBatch(tokens, parents, sources, scores, ends))
 
 
 def _tree_depth(p: DraftParams) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -158,3 +159,14 @@ class StaticPrior:
             raise ValueError("corrupt prior blob: no tables")
         tables = sorted((NgramTable.from_bytes(b) for b in raw), key=lambda t: -t.config.leader_len)
         return cls(tuple(tables), source)
+
+
+def read_prior(path: str | Path) -> StaticPrior:
+    """A prior file written by ``draftcache warm --out``; anything else is a clear error (a
+    missing file is :class:`FileNotFoundError`, as opening it would say)."""
+    try:
+        return StaticPrior.from_bytes(Path(path).read_bytes())
+    except FileNotFoundError:
+        raise
+    except (ValueError, KeyError, EOFError, OSError) as exc:  # a directory, a file of something else
+        raise ValueError(f"{path} is not a prior file (write one with 'draftcache warm --out'): {exc}") from exc

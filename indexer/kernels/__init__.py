@@ -39,6 +39,7 @@ from indexer.kernels.chain import (
     chain_reach,
 )
 from indexer.kernels.draft import calibrate, draft_batch, draft_batch_parallel, no_prior, prior_args
+from indexer.kernels.draft_chain import draft_chain_batch
 from indexer.kernels.search import (
     context_continuations,
     context_followers,
@@ -91,6 +92,7 @@ __all__ = [
     "context_followers",
     "draft_batch",
     "draft_batch_parallel",
+    "draft_chain_batch",
     "draft_step",
     "find_leader",
     "find_longest_leader",
@@ -195,6 +197,12 @@ def warm_up() -> None:
                4.0, 2, 0.1, reached[0], reached[0], np.ones(11), 8.0)  # fmt: skip
     chain_batch(one, root, np.zeros(1, dtype=np.uint8), np.ones(1, dtype=np.float32), one_tree, ints, np.ones(1),
                 ints, np.ones(6), cells, cells, coarse, 4.0, reached, reached, np.ones(11), 8.0)  # fmt: skip
+    coarse_counts = np.zeros((RATIO_BINS, TRACKS))
+    chain_args = (
+        *_tiny_draft(), np.full(2, 4), np.zeros(2), np.zeros(2, dtype=np.int64), np.ones(6), cells, cells,
+        coarse_counts, coarse_counts, np.ones(RATIO_BINS), 2.0, 4.0, reached, reached, np.ones(11), 8.0,
+    )  # fmt: skip
+    draft_chain_batch(*chain_args)
     subtree_nodes(one, root, 1)
     for at in (-1, 0):  # stored scores, and probabilities given
         reach_at = np.array([at, -1], dtype=np.int64)

@@ -364,3 +364,33 @@ def test_tree_mode_is_unchanged_by_chain_mode_elsewhere():
     ta, tb = a.draft(sa, DraftParams()), b.draft(sb, DraftParams())
     # Chain mode leaves trees as they are.
     assert (ta.tokens.tolist(), ta.parents.tolist()) == (tb.tokens.tolist(), tb.parents.tolist())
+
+
+def test_a_chain_drafted_in_one_compiled_call_is_the_tree_cut_after():
+    """A batch of chain-mode jobs is drafted and cut in one compiled call; a batch mixing in a
+    tree job drafts the trees first and cuts after. The same chains, claims and calibration
+    either way, step after step as the calibrator learns."""
+    rng = np.random.default_rng(3)
+    phrases = [rng.integers(1, 100, int(n)).tolist() for n in rng.integers(3, 9, 6)]
+    text = [t for i in rng.integers(0, len(phrases), 80) for t in phrases[i]]
+    one, mixed = NamespaceDrafter(NS, DrafterConfig()), NamespaceDrafter(NS, DrafterConfig())
+    sa, sb = one.open(text[:40]), mixed.open(text[:40])
+    beside = mixed.open(text[:10])
+    at = 40
+    for _ in range(60):
+        params = DraftParams(chain=int(rng.integers(1, 9)), chain_min_prob=float(rng.choice([0.0, 0.1])))
+        a = one.draft_many([(sa, params)])[0]
+        b = mixed.draft_many([(sb, params), (beside, DraftParams())])[0]
+        assert (a.tokens.tolist(), a.parents.tolist(), a.sources.tolist()) == (
+            b.tokens.tolist(), b.parents.tolist(), b.sources.tolist()
+        )  # fmt: skip
+        assert a.scores.tolist() == b.scores.tolist() and len(a) <= params.chain
+        assert sa.chain is not None and sb.chain is not None
+        assert sa.chain[1].tolist() == sb.chain[1].tolist() and sa.track == sb.track
+        # The target takes the chain's first token where it is right, and the text's next.
+        n = 1 + int(len(a) > 0 and a.tokens[0] == text[at % len(text)])
+        produced = _a([text[(at + i) % len(text)] for i in range(n)])
+        one.accept(sa, produced)
+        mixed.accept(sb, produced)
+        at += n
+    assert one.chain_calibrator.trials == mixed.chain_calibrator.trials > 0
