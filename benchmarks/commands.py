@@ -21,10 +21,11 @@ from benchmarks import replay_bench
 from benchmarks.replay import ReplayStats
 from benchmarks.traces import check_vocabulary, read_traces, sharegpt_conversations, write_traces
 from cache_service.admin import warm
-from cache_service.admin.commands import prior_args, prior_config, read_prior, warm_prior, write_atomic
+from cache_service.admin.commands import prior_args, prior_config, warm_prior, write_atomic
 from cache_service.admin.options import add, non_negative, positive
 from indexer import kernels
 from indexer.drafter import DrafterConfig, DraftParams
+from indexer.prior import read_prior
 from indexer.successors import MAX_TOPK
 from indexer.tokens import Namespace
 

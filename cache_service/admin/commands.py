@@ -109,18 +109,6 @@ def warm_prior(
     return prior
 
 
-def read_prior(path: Path) -> StaticPrior:
-    """A prior file written by ``warm --out``; anything else is a clear error."""
-    from indexer.prior import StaticPrior
-
-    try:
-        return StaticPrior.from_bytes(path.read_bytes())
-    except (ValueError, KeyError, EOFError, OSError) as exc:
-        if isinstance(exc, FileNotFoundError):
-            raise
-        raise ValueError(f"{path} is not a prior file (write one with 'draftcache warm --out'): {exc}") from exc
-
-
 def write_atomic(path: Path, blob: bytes) -> None:
     """Write a file whole or not at all: a crash never leaves a truncated prior behind."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -205,6 +193,8 @@ def cmd_warm(a: argparse.Namespace) -> int:
     if a.from_prior is not None:
         if a.out is not None:
             raise ValueError("--from-prior publishes a prior file to Redis; --out writes one (drop one of them)")
+        from indexer.prior import read_prior
+
         prior = read_prior(a.from_prior)
     else:
         prior = warm_prior(a.corpus, a.format, a.tokenizer, prior_config(a))

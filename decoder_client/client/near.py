@@ -36,7 +36,6 @@ import dataclasses
 import logging
 import threading
 from collections.abc import Sequence
-from pathlib import Path
 
 import numpy as np
 
@@ -55,15 +54,6 @@ logger = logging.getLogger(__name__)
 
 NEAR_MEMORY_TOKENS = 1 << 22  # the near copy's lifetime memory: the requests this process finished
 COMMIT_POLL_S = 0.05  # how often the committing thread books commits under way
-
-
-def read_prior(path: str | Path) -> StaticPrior:
-    """A prior file written by ``draftcache warm --out``; anything else is a clear error."""
-    blob = Path(path).read_bytes()
-    try:
-        return StaticPrior.from_bytes(blob)
-    except ValueError as exc:
-        raise ValueError(f"{path} is not a prior file (write one with 'draftcache warm --out'): {exc}") from exc
 
 
 class NearSession:

@@ -172,7 +172,8 @@ class EngineSettings:
             from decoder_client.client import DraftClient
 
             return DraftClient(config)
-        from decoder_client.client.near import NearClient, read_prior
+        from decoder_client.client.near import NearClient
+        from indexer.prior import read_prior
 
         if vocab_size is None:
             raise ValueError("a near copy needs the model's vocabulary size")

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from decoder_client.client.config import ClientConfig
-from decoder_client.client.near import NearClient, read_prior
+from decoder_client.client.near import NearClient
 from indexer.drafter import DraftParams
-from indexer.prior import PriorConfig, StaticPrior
+from indexer.prior import PriorConfig, StaticPrior, read_prior
 
 VOCAB = 128
 ANSWER = [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51]
