@@ -44,6 +44,7 @@ from indexer.kernels.chain import (
     chain_conditional,
     chain_outcome,
     chain_path,
+    chain_reach_outcome,
 )
 from indexer.tree_builder import DraftTree, Tier, TreeBatch
 
@@ -162,16 +163,13 @@ class ChainCalibrator:
         a node is reached while the chain matches them; past the first mismatch every node is
         known unreached, and where every produced token matched (the chain went on past what was
         verified) the rest are not counted."""
-        n = min(tokens.size, claims.size)
-        if not n or not produced.size:
-            return
-        m = min(n, produced.size)
-        same = tokens[:m] == produced[:m]
-        matched = int(np.argmin(same)) if not same.all() else m
-        known = n if matched < produced.size else matched
-        depth, bins = self._reach_cells(claims[:known])
-        np.add.at(self._reach_claims[track], (depth, bins), claims[:known])
-        np.add.at(self._reach_hits[track], (depth[:matched], bins[:matched]), 1.0)
+        if not 0 <= track < TRACKS:
+            raise ValueError(f"track must be in [0, {TRACKS}), got {track}")
+        chain_reach_outcome(
+            np.ascontiguousarray(tokens, dtype=np.int32), np.ascontiguousarray(claims, dtype=np.float64),
+            np.ascontiguousarray(produced, dtype=np.int32), self._reach_hits[track], self._reach_claims[track],
+            _REACH_EDGES,
+        )  # fmt: skip
 
     @staticmethod
     def _reach_cells(claims: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

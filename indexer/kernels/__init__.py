@@ -37,6 +37,7 @@ from indexer.kernels.chain import (
     chain_path,
     chain_pick,
     chain_reach,
+    chain_reach_outcome,
 )
 from indexer.kernels.draft import calibrate, draft_batch, draft_batch_parallel, no_prior, prior_args
 from indexer.kernels.draft_chain import draft_chain_batch
@@ -88,6 +89,7 @@ __all__ = [
     "chain_path",
     "chain_pick",
     "chain_reach",
+    "chain_reach_outcome",
     "context_continuations",
     "context_followers",
     "draft_batch",
@@ -224,6 +226,7 @@ def warm_up() -> None:
     chain_path(root, np.ones(1), np.ones(1), 2, 0.0)
     chain_reach(root, np.ones(1))
     chain_outcome(root, one, one, cells, grid, grid.copy(), np.zeros((9, 4)), np.zeros((9, 4)))
+    chain_reach_outcome(one, np.ones(1), one, reached[0], reached[0].copy(), np.ones(11))
 
 
 def _tiny_store() -> tuple:

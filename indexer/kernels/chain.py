@@ -169,6 +169,37 @@ def chain_outcome(
 
 
 @njit(cache=True, nogil=True)
+def chain_reach_outcome(
+    tokens: np.ndarray,
+    claims: np.ndarray,
+    produced: np.ndarray,
+    reach_hits: np.ndarray,
+    reach_claims: np.ndarray,
+    reach_edges: np.ndarray,
+) -> None:
+    """Count a cut chain's outcome (its ``tokens`` and raw ``claims``, the ``produced`` tokens
+    after it) into one track record's (depth bin, claim bin) cells: each node's claim where it
+    is known whether the target reached it, a hit where it did. A node is reached while the
+    chain matches the produced tokens; past the first mismatch every node is known unreached;
+    where every produced token matched (the chain went on past what was verified) the rest are
+    not counted."""
+    n = min(tokens.size, claims.size)
+    if n == 0 or produced.size == 0:
+        return
+    m = min(n, produced.size)
+    matched = 0
+    while matched < m and tokens[matched] == produced[matched]:
+        matched += 1
+    known = n if matched < produced.size else matched
+    for i in range(known):
+        d = depth_bin(i + 1)
+        b = np.searchsorted(reach_edges, claims[i], side="right")
+        reach_claims[d, b] += claims[i]
+        if i < matched:
+            reach_hits[d, b] += 1.0
+
+
+@njit(cache=True, nogil=True)
 def chain_backoff(coarse_hits: np.ndarray, coarse_trials: np.ndarray, claim: np.ndarray, prior: float) -> np.ndarray:
     """The (ratio bin, track record) rates a fine cell backs off to: each shrunk by ``prior``
     pseudo-trials toward its ratio bin's rate over every track record, that toward the bin's

@@ -394,3 +394,45 @@ def test_a_chain_drafted_in_one_compiled_call_is_the_tree_cut_after():
         mixed.accept(sb, produced)
         at += n
     assert one.chain_calibrator.trials == mixed.chain_calibrator.trials > 0
+
+
+def _reach_counts_by_hand(tokens, claims, produced):
+    """What update_reach counts, written out: (depth bin, claim bin) -> [hits, claims]."""
+    from indexer.chain import _REACH_EDGES
+    from indexer.kernels.chain import DEPTH_EDGES
+
+    counts: dict[tuple[int, int], list[float]] = {}
+    n = min(len(tokens), len(claims))
+    if not n or not len(produced):
+        return counts
+    matched = 0
+    while matched < min(n, len(produced)) and tokens[matched] == produced[matched]:
+        matched += 1
+    known = n if matched < len(produced) else matched
+    for i in range(known):
+        depth = int(np.searchsorted(DEPTH_EDGES, i + 1, side="right")) - 1
+        cell = counts.setdefault((depth, int(np.searchsorted(_REACH_EDGES, claims[i], side="right"))), [0.0, 0.0])
+        cell[0] += float(i < matched)
+        cell[1] += claims[i]
+    return counts
+
+
+def test_a_cut_chains_outcome_counts_each_node_whose_reach_is_known():
+    rng = np.random.default_rng(11)
+    for _ in range(300):
+        cal, track = ChainCalibrator(), int(rng.integers(0, TRACKS))
+        n = int(rng.integers(0, 20))
+        tokens = rng.integers(0, 3, n).astype(np.int32)
+        claims = np.minimum.accumulate(rng.random(n)) if n else np.zeros(0)
+        produced = rng.integers(0, 3, int(rng.integers(0, 12))).astype(np.int32)
+        cal.update_reach(tokens, claims, produced, track)
+        want = _reach_counts_by_hand(tokens.tolist(), claims.tolist(), produced.tolist())
+        hits, claimed = cal._reach_hits[track], cal._reach_claims[track]
+        assert {c for c in zip(*np.nonzero(claimed), strict=True)} <= set(want)
+        for (d, b), (h, c) in want.items():
+            assert hits[d, b] == h and claimed[d, b] == pytest.approx(c)
+        assert hits.sum() == sum(h for h, _ in want.values())
+        others = np.delete(cal._reach_hits, track, axis=0)
+        assert not others.any()  # only the session's own track record learns
+    with pytest.raises(ValueError, match="track"):
+        ChainCalibrator().update_reach(_a([1]), np.ones(1), _a([1]), TRACKS)
