@@ -158,15 +158,17 @@ def _request(
     target = seg.tokens
     rows = seg.topk if feed else None
     drafter.start(prompt)
+    # Checked once a request: a runtime protocol check costs about as much as a draft.
+    ahead = drafter if isinstance(drafter, DraftsAhead) and drafter.lookahead > 0 else None
     pos, steps = 0, 0
     while pos < target.size:
         t0 = time.perf_counter()
         tree = drafter.propose()
         stats.latencies_us.append((time.perf_counter() - t0) * 1e6)
-        if isinstance(drafter, DraftsAhead) and drafter.lookahead > 0:  # done while the target verifies
-            stats.ahead_hits += int(drafter.last_was_ahead)
+        if ahead is not None:  # done while the target verifies
+            stats.ahead_hits += int(ahead.last_was_ahead)
             t0 = time.perf_counter()
-            drafter.draft_ahead()
+            ahead.draft_ahead()
             stats.ahead_us.append((time.perf_counter() - t0) * 1e6)
         path = tree.accept(target[pos:])
         for node in path:
