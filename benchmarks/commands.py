@@ -21,7 +21,7 @@ from benchmarks import replay_bench
 from benchmarks.replay import ReplayStats
 from benchmarks.traces import check_vocabulary, read_traces, sharegpt_conversations, write_traces
 from cache_service.admin import warm
-from cache_service.admin.commands import prior_args, prior_config, warm_prior, write_atomic
+from cache_service.admin.commands import prior_args, prior_config, tokenize, warm_prior, write_atomic
 from cache_service.admin.options import add, non_negative, positive
 from indexer import kernels
 from indexer.drafter import DrafterConfig, DraftParams
@@ -30,6 +30,8 @@ from indexer.successors import MAX_TOPK
 from indexer.tokens import Namespace
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from benchmarks.load_bench import LoadConfig
     from indexer.prior import StaticPrior
 
@@ -86,6 +88,13 @@ def _replay_args(r: argparse.ArgumentParser) -> None:
     add(r, "--corpus-format", default="sharegpt", choices=warm.FORMATS, help="format of --warm-corpus")
     add(r, "--tokenizer", type=Path, default=None, help="tokenizer folder of the traces' namespace")
     add(r, "--prior-cache", type=Path, default=None, help="reuse / store the warmed prior here")
+    r.add_argument(
+        "--corpus-lifetime",
+        action="store_true",
+        help="also append --warm-corpus's documents to our lifetime memory before replaying, as 'draftcache warm "
+        "--lifetime' does for a service (its most recent documents, up to the memory's capacity): searchable "
+        "whole, as REST's datastore is",
+    )
     prior_args(r)
     r.add_argument("--json", action="store_true", help="machine-readable output")
 
@@ -104,6 +113,20 @@ def _replay_prior(a: argparse.Namespace, vocab_size: int) -> StaticPrior | None:
     if a.prior_cache is not None:
         write_atomic(a.prior_cache, prior.to_bytes())
     return prior
+
+
+def _corpus_documents(a: argparse.Namespace, vocab_size: int) -> list[np.ndarray]:
+    """--warm-corpus's documents for our lifetime memory, with --corpus-lifetime (else none)."""
+    if not a.corpus_lifetime:
+        return []
+    if a.target:
+        raise ValueError(
+            "--corpus-lifetime warms the in-process memory; warm a service's with 'draftcache warm --lifetime'"
+        )
+    if a.warm_corpus is None or a.tokenizer is None:
+        raise ValueError("--corpus-lifetime needs --warm-corpus and --tokenizer")
+    tokens, _ = tokenize(a.warm_corpus, a.corpus_format, a.tokenizer, vocab_size)
+    return warm.split_documents(tokens)
 
 
 def _ensure_rest_datastore(a: argparse.Namespace) -> None:
@@ -194,10 +217,11 @@ def cmd_replay(a: argparse.Namespace) -> int:
     for namespace, part in groups:  # namespaces share nothing: each has drafters of its own
         # Through a service, its own priors apply (warmed into its storage); in-process, ours.
         prior = None if a.target else _replay_prior(a, namespace.vocab_size)
+        documents = _corpus_documents(a, namespace.vocab_size)
         drafter_list = (
             [replay_bench.remote_drafter(a.target, namespace, config.params, config.lookahead)] if a.target else []
         )
-        drafter_list += replay_bench.drafters(namespace, config, prior)
+        drafter_list += replay_bench.drafters(namespace, config, prior, documents)
         per_namespace.append((namespace.name, replay_bench.run_replay(part, drafter_list, topk=config.topk)))
     if len(per_namespace) == 1:
         print(replay_bench.report(per_namespace[0][1], a.traces, as_json=a.json, step_cost=a.step_cost))

@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from cache_service.admin.warm import split_documents
 from decoder_client.adapters import best_chain
 from indexer.drafter import DrafterConfig, DraftParams, NamespaceDrafter
 from indexer.prior import StaticPrior
-from indexer.tokens import Namespace
+from indexer.tokens import Namespace, as_tokens
 from indexer.tree_builder import DraftTree
 
 logger = logging.getLogger(__name__)
@@ -133,17 +134,42 @@ class BestChain:
         self._inner.finish(commit_from)
 
 
-def drafters(namespace: Namespace, config: ReplayConfig, prior: StaticPrior | None) -> list[ReplayDrafter]:
+def warmed_engine(
+    namespace: Namespace, config: DrafterConfig, prior: StaticPrior | None, documents: Sequence[np.ndarray] = ()
+) -> NamespaceDrafter:
+    """Our in-process engine, its lifetime memory holding ``documents`` (a corpus's, as
+    ``draftcache warm --lifetime`` appends them to a service's log) indexed before any request.
+
+    >>> docs = [np.array([1, 2, 3], np.int32), np.array([4, 5], np.int32)]
+    >>> warmed_engine(Namespace(name="t", vocab_size=10), DrafterConfig(), None, docs).memory.requests
+    2
+    """
+    engine = NamespaceDrafter(namespace, config, prior=prior)
+    for start in range(0, len(documents), _WARM_BATCH):
+        engine.memory.commit_many([as_tokens(d, namespace.vocab_size) for d in documents[start : start + _WARM_BATCH]])
+        if engine.memory.needs_rebuild():
+            engine.memory.rebuild()
+    if documents:
+        engine.memory.rebuild()
+    return engine
+
+
+_WARM_BATCH = 2048  # documents per delta run while warming
+
+
+def drafters(
+    namespace: Namespace, config: ReplayConfig, prior: StaticPrior | None, documents: Sequence[np.ndarray] = ()
+) -> list[ReplayDrafter]:
     """The drafters to replay: ours in-process (in chain replay also our tree cut to its best
-    path, as the adapters cut it) and the baselines named, each cut to ``config.chain`` tokens
-    in chain replay."""
+    path, as the adapters cut it), their lifetime memory warmed with ``documents``, and the
+    baselines named, each cut to ``config.chain`` tokens in chain replay."""
     k = config.chain
     out: list[ReplayDrafter] = []
     if config.include_engine:
-        engine = NamespaceDrafter(namespace, config.drafter, prior=prior)
+        engine = warmed_engine(namespace, config.drafter, prior, documents)
         out.append(EngineDrafter(engine, config.params, lookahead=config.lookahead))
         if k:
-            tree_engine = NamespaceDrafter(namespace, config.drafter, prior=prior)
+            tree_engine = warmed_engine(namespace, config.drafter, prior, documents)
             tree = EngineDrafter(tree_engine, replace(config.params, chain=0), name="draftcache-tree")
             out.append(BestChain(tree, k))
     if "prompt-lookup" in config.baselines:

@@ -266,6 +266,41 @@ def test_replay_beside_rest_builds_its_datastore_from_every_turn(
     assert main([*args[:-1], "--json"]) == 0  # a second run reads the datastore it built
 
 
+def test_replay_with_the_corpus_in_lifetime_memory_drafts_what_it_holds_once(
+    tmp_path: Path, llama_tokenizer: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    story = "Once upon a time there was a little cache that remembered every token it had ever seen."
+    corpus = tmp_path / "c.json.gz"
+    with gzip.open(corpus, "wt") as fh:  # the story once: too rare for the prior's tables
+        turns = [{"from": "human", "value": "Tell me a story."}, {"from": "gpt", "value": story}]
+        json.dump([{"id": "0", "conversations": turns}], fh)
+    question = _tokens(llama_tokenizer, "Please tell me the story about the little cache.")
+    traces = _write_traces(
+        tmp_path / "t.jsonl.gz",
+        [
+            {
+                "id": "s",
+                "namespace": "llama2",
+                "segments": [
+                    {"kind": "input", "tokens": question},
+                    {"kind": "output", "tokens": _tokens(llama_tokenizer, story)},
+                ],
+            }
+        ],
+    )
+    args = ["replay", str(traces), "--warm-corpus", str(corpus), "--tokenizer", str(llama_tokenizer), "--json"]
+    mat = {}
+    for flags in ([], ["--corpus-lifetime"]):
+        assert main([*args, *flags]) == 0
+        mat[bool(flags)] = json.loads(capsys.readouterr().out)["results"][0]["mat"]
+    assert mat[True] > 2.0 and mat[True] > 1.5 * mat[False]
+    # Without the corpus, or through a service (warmed with 'draftcache warm --lifetime'), it says so.
+    assert main(["replay", str(traces), "--corpus-lifetime", "--tokenizer", str(llama_tokenizer)]) == 2
+    assert "--warm-corpus" in capsys.readouterr().err
+    assert main([*args, "--corpus-lifetime", "--target", "127.0.0.1:1"]) == 2
+    assert "warm --lifetime" in capsys.readouterr().err
+
+
 def test_rest_needs_a_datastore_or_a_corpus(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("draftretriever")
     traces = _write_traces(tmp_path / "t.jsonl.gz", CONVERSATIONS)
