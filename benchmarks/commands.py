@@ -444,6 +444,7 @@ def _bench_draft_args(bd: argparse.ArgumentParser) -> None:
     add(bd, "--steps", type=positive, default=1200, help="batch steps timed")
     add(bd, "--rebuild-every", type=non_negative, default=300, help="steps between lifetime rebuilds (0: never)")
     add(bd, "--budget", type=positive, default=64, help="draft tree size in tokens")
+    add(bd, "--chain", type=non_negative, default=0, help="draft chains of at most K tokens (0: trees)")
     add(bd, "--draft-threads", type=positive, default=1, help="worker threads one batch's draft step is shared among")
     add(bd, "--prior", type=Path, default=None, help="a static prior to draft from too (a `warm --out` file)")
     add(bd, "--lookahead", type=non_negative, default=0, help="pre-speculation: outcomes drafted ahead per step")
@@ -461,7 +462,7 @@ def cmd_bench_draft(a: argparse.Namespace) -> int:
         rebuild_every=a.rebuild_every,
         lookahead=a.lookahead,
         step_interval_s=a.step_ms / 1e3,
-        params=DraftParams(budget=a.budget),
+        params=DraftParams(budget=a.budget, chain=a.chain),
         drafter=DrafterConfig(threads=a.draft_threads),
     )
     prior = read_prior(a.prior) if a.prior is not None else None

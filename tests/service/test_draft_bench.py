@@ -100,3 +100,16 @@ def test_draft_bench_idles_between_steps_without_changing_the_trees(shared_data:
     assert idle["trees_sha256"] == back_to_back["trees_sha256"]
     with pytest.raises(ValueError):
         DraftBenchConfig(step_interval_s=-0.001)
+
+
+def test_draft_bench_drafts_chains_when_asked(shared_data: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    traces = shared_data / "traces/spec_bench_vicuna7b.jsonl.gz"
+    args = ["bench-draft", str(traces), "--batch", "8", "--steps", "60", "--rebuild-every", "0"]
+    reports = []
+    for extra in ([], ["--chain", "4"]):
+        assert main(args + extra) == 0
+        reports.append(json.loads(capsys.readouterr().out))
+    trees, chains = reports
+    # Chains of at most 4 tokens are verified: fewer tokens a step than trees, more than none.
+    assert 1.0 < chains["mat"] < trees["mat"] and chains["mat"] <= 5.0
+    assert chains["trees_sha256"] != trees["trees_sha256"]
