@@ -21,6 +21,7 @@ import collections
 import hashlib
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 import grpc
@@ -78,18 +79,55 @@ class OwnCommits:
         return False
 
 
+def read_recent(read: LogRead, max_tokens: int, seconds: float) -> tuple[list[np.ndarray], str]:
+    """The log's most recent entries, of at most ``max_tokens`` tokens in all, read from its
+    start for at most ``seconds`` (the rest is left to following): oldest first, and the id
+    reading goes on after. Raises what ``read`` raises.
+
+    >>> log = [(f"1-{i}", np.arange(i, i + 3, dtype=np.int32)) for i in range(5)]
+    >>> def read(after, n):  # as the service answers: entries of up to n tokens after ``after``
+    ...     at = 0 if after == "0" else int(after.split("-")[1]) + 1
+    ...     part = log[at : at + n // 3]
+    ...     return part, part[-1][0] if part else after
+    >>> entries, after = read_recent(read, 7, 10.0)
+    >>> [e.tolist() for e in entries], after  # 15 tokens in the log, the newest 7 or fewer kept
+    ([[3, 4, 5], [4, 5, 6]], '1-4')
+    """
+    kept: collections.deque[np.ndarray] = collections.deque()
+    held, after = 0, "0"
+    ends = time.monotonic() + seconds
+    while time.monotonic() < ends:
+        entries, last = read(after, READ_TOKENS)
+        after = last or after
+        for _, tokens in entries:
+            kept.append(tokens)
+            held += tokens.size
+        while held > max_tokens and kept:
+            held -= kept.popleft().size
+        if sum(t.size for _, t in entries) < READ_TOKENS:  # the log's end
+            break
+    return list(kept), after
+
+
 class LogFollower:
-    """Reads the log through ``read`` every ``every_s`` seconds on a thread of its own, from its
-    end when the first read lands; keeps the entries ``own`` does not claim, at most
-    ``max_pending`` tokens of them (the oldest go first), until :meth:`take`."""
+    """Reads the log through ``read`` every ``every_s`` seconds on a thread of its own, after
+    the entry ``after`` (empty: from the log's end when the first read lands); keeps the entries
+    ``own`` does not claim, at most ``max_pending`` tokens of them (the oldest go first), until
+    :meth:`take`."""
 
     def __init__(
-        self, read: LogRead, own: OwnCommits, *, every_s: float = FOLLOW_S, max_pending: int = 1 << 22
+        self,
+        read: LogRead,
+        own: OwnCommits,
+        *,
+        every_s: float = FOLLOW_S,
+        max_pending: int = 1 << 22,
+        after: str = "",
     ) -> None:
         if every_s <= 0 or max_pending < 1:
             raise ValueError("every_s must be > 0 and max_pending >= 1")
         self._read, self._own, self._every_s, self._max_pending = read, own, every_s, max_pending
-        self._after = ""  # the last entry read; empty: the first read asks where the log ends
+        self._after = after  # the last entry read; empty: the first read asks where the log ends
         self._pending: collections.deque[np.ndarray] = collections.deque()
         self._pending_tokens = 0
         self._lock = threading.Lock()
@@ -108,12 +146,16 @@ class LogFollower:
         if self._thread.is_alive():
             self._thread.join()
 
-    def take(self) -> list[np.ndarray]:
-        """The entries read since the last call, oldest first."""
+    def take(self, max_tokens: int | None = None) -> list[np.ndarray]:
+        """The entries read and not taken yet, oldest first: all of them, or as many as fit
+        ``max_tokens`` (at least one), the rest left for the next call."""
         with self._lock:
-            out = list(self._pending)
-            self._pending.clear()
-            self._pending_tokens = 0
+            out: list[np.ndarray] = []
+            taken = 0
+            while self._pending and (max_tokens is None or not out or taken + self._pending[0].size <= max_tokens):
+                out.append(self._pending.popleft())
+                taken += out[-1].size
+            self._pending_tokens -= taken
         return out
 
     def read_once(self) -> bool:

@@ -13,7 +13,10 @@ too, in the background, through a :class:`~decoder_client.client.sync.DraftClien
 sent again while the service does not take it), so replicas drafting through the service learn
 from it. And the near copy follows the service's lifetime log (every ``follow_s`` seconds, on a
 thread of its own, :mod:`decoder_client.client.follow`): what other replicas commit after it
-starts joins its lifetime memory when it next drafts, its own commits skipped.
+starts joins its lifetime memory when it next drafts, its own commits skipped. What they
+committed before it started is read first: a new near copy indexes the log's newest entries (as
+many tokens as its memory holds, for at most ``start_s`` seconds) before its first request, so
+a replica that joins a running fleet drafts from the fleet's history at once.
 
 It answers the calls an engine adapter makes of a :class:`~decoder_client.client.DraftClient`
 (open, draft, add_tokens, close, settle, shutdown), so an adapter takes either.
@@ -35,13 +38,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Sequence
 
+import grpc
 import numpy as np
 
 from decoder_client.client.config import ClientConfig
 from decoder_client.client.core import ClientStats
-from decoder_client.client.follow import FOLLOW_S, LogFollower, OwnCommits
+from decoder_client.client.follow import FOLLOW_S, LogFollower, OwnCommits, read_recent
 from decoder_client.client.session import TopkRows
 from indexer.drafter import DrafterConfig, NamespaceDrafter
 from indexer.lifetime_index import LifetimeConfig
@@ -53,6 +58,11 @@ from indexer.tree_builder import DraftTree
 logger = logging.getLogger(__name__)
 
 NEAR_MEMORY_TOKENS = 1 << 22  # the near copy's lifetime memory: the requests this process finished
+# At most this long at start reading the fleet's recent history from the service's log.
+START_S = 10.0
+# Followed tokens that join the memory at one draft call at most (a backlog after an outage
+# joins over several calls: each new run of the memory is sorted on the drafting thread).
+TAKE_TOKENS = 1 << 16
 COMMIT_POLL_S = 0.05  # how often the committing thread books commits under way
 
 
@@ -74,7 +84,8 @@ class NearClient:
     ``prior``: the namespace's static prior (None: none); ``memory_tokens``: the size of the
     near copy's lifetime memory; ``commit``: also commit to the service (False: nothing is sent
     anywhere, a decoder on its own); ``follow_s``: how often the service's log is read for other
-    processes' commits (0: never)."""
+    processes' commits (0: never); ``start_s``: the most time spent at start reading the log's
+    recent history (0: the near copy starts empty)."""
 
     def __init__(
         self,
@@ -85,11 +96,14 @@ class NearClient:
         memory_tokens: int = NEAR_MEMORY_TOKENS,
         commit: bool = True,
         follow_s: float = FOLLOW_S,
+        start_s: float = START_S,
     ) -> None:
         if config.lookahead:
             raise ValueError("a near copy drafts at each step and never ahead: lookahead must be 0")
         if follow_s < 0:
             raise ValueError(f"follow_s must be >= 0 (0: the service's log is not followed), got {follow_s}")
+        if start_s < 0:
+            raise ValueError(f"start_s must be >= 0 (0: the near copy starts empty), got {start_s}")
         self._config = config
         self._params = config.params
         self.drafter = NamespaceDrafter(
@@ -116,11 +130,33 @@ class NearClient:
             self._committer = threading.Thread(target=self._commit_loop, name="draftcache-near-commits", daemon=True)
             self._committer.start()
             if follow_s:
+                after = self._start_from_log(memory_tokens, start_s) if start_s else ""
                 # The read touches only the client's stub (thread-safe), never what the lock guards.
                 self._follower = LogFollower(
-                    self._remote.read_log, self._own, every_s=follow_s, max_pending=memory_tokens
+                    self._remote.read_log, self._own, every_s=follow_s, max_pending=memory_tokens, after=after
                 )
                 self._follower.start()
+
+    def _start_from_log(self, memory_tokens: int, seconds: float) -> str:
+        """The fleet's recent history, read from the service's log (its newest entries, as many
+        tokens as the memory holds, for at most ``seconds``), indexed before the first request;
+        the id following goes on after ("": nothing read, it follows from the log's end)."""
+        assert self._remote is not None
+        started = time.monotonic()
+        try:
+            entries, after = read_recent(self._remote.read_log, memory_tokens, seconds)
+        except grpc.RpcError as exc:
+            logger.warning("near copy: the service's log could not be read (%s); it starts empty", exc.code())
+            return ""
+        if entries:
+            self.drafter.commit_finished(entries)
+            self.drafter.memory.rebuild()
+            self.stats.followed += len(entries)
+        logger.info(
+            "near copy: %d requests (%d tokens) of the fleet's history in %.1f s",
+            len(entries), sum(e.size for e in entries), time.monotonic() - started,
+        )  # fmt: skip
+        return after
 
     @property
     def config(self) -> ClientConfig:
@@ -215,7 +251,7 @@ class NearClient:
         the drafting thread: the memory changes only there)."""
         if self._follower is None:
             return
-        followed = self._follower.take()
+        followed = self._follower.take(TAKE_TOKENS)
         if followed:
             self.drafter.commit_finished(followed)
             self.stats.followed += len(followed)

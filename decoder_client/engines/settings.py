@@ -70,6 +70,9 @@ class EngineSettings:
     near_memory_tokens: int = 1 << 22  # the near copy's lifetime memory
     # How often the near copy reads other replicas' commits from the service's log (0: never).
     near_follow_s: float = 1.0
+    # At start, the near copy reads the fleet's recent history from the service's log for at
+    # most this long (0: it starts empty).
+    near_start_s: float = 10.0
     create_namespace: bool = True  # create the namespace (the model's vocabulary) when it is missing
     idle_close_s: float = 2.0  # the engine made no step this long: its requests are closed, with commit
     stats_path: str = ""  # a JSON file the proposer's step timings and counts are written to
@@ -94,6 +97,8 @@ class EngineSettings:
             raise ValueError(f"near_memory_tokens must be >= 2, got {self.near_memory_tokens}")
         if self.near_follow_s < 0:
             raise ValueError(f"near_follow_s must be >= 0 (0: never), got {self.near_follow_s}")
+        if self.near_start_s < 0:
+            raise ValueError(f"near_start_s must be >= 0 (0: the near copy starts empty), got {self.near_start_s}")
         if self.token_cost >= 1:
             raise ValueError(f"token_cost must be < 1 (< 0: measured), got {self.token_cost}")
         # Their own checks. Imported here: the engine's process may not import numba yet (see
@@ -178,7 +183,10 @@ class EngineSettings:
         if vocab_size is None:
             raise ValueError("a near copy needs the model's vocabulary size")
         prior = read_prior(self.prior_file) if self.prior_file else None
-        return NearClient(config, vocab_size, prior, memory_tokens=self.near_memory_tokens, follow_s=self.near_follow_s)
+        return NearClient(
+            config, vocab_size, prior, memory_tokens=self.near_memory_tokens, follow_s=self.near_follow_s,
+            start_s=self.near_start_s,
+        )  # fmt: skip
 
     @classmethod
     def from_sources(cls, engine: Mapping[str, Any] | None, env: Mapping[str, str]) -> EngineSettings:

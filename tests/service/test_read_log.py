@@ -5,6 +5,7 @@ Redis."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -148,3 +149,38 @@ def test_near_copies_draft_from_what_the_other_decoders_finished(replica: Replic
     finally:
         one.shutdown()
         two.shutdown()
+
+
+def test_a_near_copy_starts_with_what_the_fleet_finished_before_it(replica: Replica) -> None:
+    commit(replica, [1, 2, 3], ANSWER)
+    config = ClientConfig(target=replica.target, namespace=NS, params=DraftParams(chain=8))
+    late = NearClient(config, VOCAB, memory_tokens=1 << 16, follow_s=0.05)
+    empty = NearClient(config, VOCAB, memory_tokens=1 << 16, follow_s=0.05, start_s=0)
+    try:
+        # Indexed before its first request: the first draft knows the answer, no settle needed.
+        (s,) = late.open([[7, 8, 1, 2, 3, 40, 41]])
+        assert late.draft([s], [[]])[0].tokens.tolist()[:4] == ANSWER[2:6]
+        assert late.stats.followed == 1
+        # Following goes on after what it read: a later commit arrives once, the first not again.
+        commit(replica, [9, 9, 9], [60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70, 71, 72, 73, 74, 75, 76, 77])
+        eventually(lambda: late._follower is not None and late._follower.followed == 1)
+        late.settle()
+        assert late.stats.followed == 2
+        # Started empty, a near copy follows from the log's end: the answer is not in it.
+        (t,) = empty.open([[7, 8, 1, 2, 3, 40, 41]])
+        assert empty.draft([t], [[]])[0].tokens.tolist()[:4] != ANSWER[2:6]
+    finally:
+        late.shutdown()
+        empty.shutdown()
+
+
+def test_a_near_copy_whose_service_is_down_starts_empty_at_once(tmp_path: Path) -> None:
+    config = ClientConfig(target="127.0.0.1:1", namespace=NS, params=DraftParams(chain=8), control_timeout_s=1.0)
+    started = time.monotonic()
+    near = NearClient(config, VOCAB, memory_tokens=1 << 16, follow_s=0.05, start_s=5.0)
+    try:
+        assert time.monotonic() - started < 3.0 and near.stats.followed == 0
+        (s,) = near.open([[5, 6, 7, 8, 5, 6]])
+        assert near.draft([s], [[]])[0].tokens.tolist()[:2] == [7, 8]  # its own context still drafts
+    finally:
+        near.shutdown()
