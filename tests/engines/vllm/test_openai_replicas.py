@@ -154,3 +154,33 @@ def test_replica_two_drafts_from_what_replica_one_answered(replicas: list[ApiSer
     assert first["drafts"] > 0 and second["drafts"] > 0
     # Replica 2 drafts the answer it has never seen from replica 1's commit.
     assert second["accepted_per_draft"] > first["accepted_per_draft"]
+
+
+def test_a_replica_that_joins_later_drafts_what_the_fleet_answered(
+    model_folder: Path, serve: Serve, tmp_path: Path
+) -> None:
+    # Near copies: replica 2 starts only after replica 1 answered; its near copy reads the
+    # service's log at start, so it begins with that answer in its memory.
+    cores = max(1, os.cpu_count() or 1)
+    one = ApiServer(model_folder, serve.port, 0, tmp_path / "vllm-1.log", near=True)
+    two: ApiServer | None = None
+    try:
+        wait_for(one.ready, 900, "a vLLM server to be ready", every_s=1.0)
+        before = one.spec_counters()
+        answer_one, seconds_one = one.chat(QUESTION, model_folder, 160)
+        first = per_draft(before, one.spec_counters())
+        time.sleep(5)  # replica 1's proposer closes the finished request (idle, 2 s) and commits it
+        two = ApiServer(model_folder, serve.port, 1 % cores, tmp_path / "vllm-2.log", near=True)
+        wait_for(two.ready, 900, "a vLLM server to be ready", every_s=1.0)
+        before = two.spec_counters()
+        answer_two, seconds_two = two.chat(QUESTION, model_folder, 160)
+        second = per_draft(before, two.spec_counters())
+        print(json.dumps({"replica_1": {**first, "seconds": round(seconds_one, 2)},
+                          "replica_2_joined_later": {**second, "seconds": round(seconds_two, 2)}}))  # fmt: skip
+        assert answer_two == answer_one
+        assert first["drafts"] > 0 and second["drafts"] > 0
+        assert second["accepted_per_draft"] > first["accepted_per_draft"]
+    finally:
+        one.stop()
+        if two is not None:
+            two.stop()
