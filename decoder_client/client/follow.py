@@ -104,7 +104,7 @@ def read_recent(read: LogRead, max_tokens: int, seconds: float) -> tuple[list[np
             held += tokens.size
         while held > max_tokens and kept:
             held -= kept.popleft().size
-        if sum(t.size for _, t in entries) < READ_TOKENS:  # the log's end
+        if not entries:  # the log's end (a page stops short of the entry that would overflow it)
             break
     return list(kept), after
 
@@ -159,8 +159,8 @@ class LogFollower:
         return out
 
     def read_once(self) -> bool:
-        """One read; whether the log had more past it (read again at once). Raises what the
-        read raises."""
+        """One read; whether it brought entries (then the log may hold more: read again at
+        once, until a read comes back empty). Raises what the read raises."""
         entries, last = self._read(self._after, READ_TOKENS)
         self._after = last or self._after
         theirs = []
@@ -176,7 +176,7 @@ class LogFollower:
             while self._pending_tokens > self._max_pending and len(self._pending) > 1:
                 self._pending_tokens -= self._pending.popleft().size
             self.followed += len(theirs)
-        return sum(t.size for _, t in entries) >= READ_TOKENS
+        return bool(entries)
 
     def _loop(self) -> None:
         wait = 0.0  # the first read at once: it fixes where following starts
