@@ -219,19 +219,6 @@ class StepCost:
         best = int(np.argmax(value))  # the fewest tokens among equal values
         return np.bincount(rows[order[:best]], minlength=len(sizes)).tolist()
 
-    def worth_a_step(self, expected: float, proposed: int) -> bool:
-        """Whether drafts of ``proposed`` tokens over a step's rows, ``expected`` of them to be
-        accepted (the sum of their scores), save more than they cost, the step's own included.
-
-        >>> cost = StepCost(prior=0.2)
-        >>> cost._token, cost._step = 0.2, 0.5  # as measured: a step with drafts costs half a step more
-        >>> cost.worth_a_step(0.6, 1), cost.worth_a_step(2.4, 3)  # 0.6 - 0.2 < 0.5; 2.4 - 0.6 > 0.5
-        (False, True)
-        """
-        if proposed == 0:
-            return False
-        return expected - float(self.costs(proposed)[proposed]) >= 0
-
     def summary(self) -> dict[str, Any]:
         """The measured figures (milliseconds) and the cut they give."""
         return {

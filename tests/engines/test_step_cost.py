@@ -63,14 +63,13 @@ def test_a_step_that_verifies_drafts_may_cost_more_than_its_tokens() -> None:
     token_s = 0.125 + 0.030 * 8 / 9 + 0.008 * 4  # a step, producing one token
     assert cost.min_prob == pytest.approx(0.008 / token_s, abs=0.01)
     # A step's drafts must be expected to save 30 / 184 of a token's time beyond their tokens':
-    assert not cost.worth_a_step(expected=0.15, proposed=1)  # one unlikely token does not pay
-    assert cost.worth_a_step(expected=2.0, proposed=4)  # four that should mostly be accepted do
-    assert not cost.worth_a_step(expected=0.0, proposed=0)
+    assert cost.costs(1)[1] > 0.15  # one unlikely token does not pay
+    assert cost.costs(4)[4] <= 2.0  # four that should mostly be accepted do
     # Where every step drafts (or none does), that cost cannot be told from the base: not asked.
     flat = StepCost(prior=0.3)
     for i in range(100):
         flat.record(0.125 + 0.030 + 0.008 * (1 + i % 8), 1 + i % 8, rows=1)
-    assert flat.worth_a_step(expected=0.3, proposed=1)
+    assert flat.costs(1)[1] <= 0.3
 
 
 def test_a_batch_makes_proposed_tokens_dearer() -> None:
@@ -100,7 +99,7 @@ def test_a_step_verifies_its_first_tokens_for_nothing() -> None:
     (n,) = cost.keep(likely)
     assert 4 <= n <= 5  # the four free tokens, and a fifth only where it pays for itself (noise)
     # Free tokens cost nothing in a step's reckoning either: one unlikely token is worth a step.
-    assert cost.worth_a_step(expected=0.15, proposed=1)
+    assert cost.costs(1)[1] <= 0.15
     # The same engine seen as a straight line: no knee, and one slope for every token.
     straight = StepCost(prior=0.3, floor=0.1)
     steps(straight, 400, base=0.059, per_token=0.004)
@@ -140,7 +139,7 @@ def test_a_curve_no_line_follows_is_taken_as_measured() -> None:
     assert cost.keep([np.array([one + 0.05])]) == [1]  # a lone token likely enough to pay for the step
     assert cost.keep([np.array([one - 0.05])]) == [0]  # ... and one that is not
     assert cost.keep([np.array([one - 0.05, 0.12])]) == [2]  # two cost nothing: both go
-    assert not cost.worth_a_step(one - 0.05, 1) and cost.worth_a_step(0.2, 2)
+    assert cost.costs(2)[2] <= 0.2
 
 
 def test_the_prior_holds_until_the_line_is_known() -> None:
