@@ -159,8 +159,10 @@ class LogFollower:
         return out
 
     def read_once(self) -> bool:
-        """One read; whether it brought entries (then the log may hold more: read again at
-        once, until a read comes back empty). Raises what the read raises."""
+        """One read; whether it came back at least half full (then the log holds more: read
+        again at once. A page stops short of the entry that would overflow it, so a full one is
+        rarely exactly full; one that is less than half full waits for the next turn, as a
+        stream of small commits should). Raises what the read raises."""
         entries, last = self._read(self._after, READ_TOKENS)
         self._after = last or self._after
         theirs = []
@@ -176,7 +178,7 @@ class LogFollower:
             while self._pending_tokens > self._max_pending and len(self._pending) > 1:
                 self._pending_tokens -= self._pending.popleft().size
             self.followed += len(theirs)
-        return bool(entries)
+        return 2 * sum(t.size for _, t in entries) >= READ_TOKENS
 
     def _loop(self) -> None:
         wait = 0.0  # the first read at once: it fixes where following starts

@@ -9,7 +9,9 @@ from decoder_client.client.follow import LogFollower, OwnCommits, read_recent
 
 
 class Log:
-    """Entries ``1-i`` of ``sizes[i]`` tokens (each filled with ``i``), read at most ``per_read`` at a time."""
+    """Entries ``1-i`` of ``sizes[i]`` tokens (each filled with ``i``), answered as the service
+    answers: a page holds entries up to the tokens asked for (at least one), at most
+    ``per_read`` of them."""
 
     def __init__(self, sizes: list[int], per_read: int) -> None:
         self.entries = [(f"1-{i}", np.full(n, i, dtype=np.int32)) for i, n in enumerate(sizes)]
@@ -21,7 +23,11 @@ class Log:
         if after == "":
             return [], self.entries[-1][0]
         at = 0 if after == "0" else int(after.split("-")[1]) + 1
-        part = self.entries[at : at + self.per_read]
+        part: list[tuple[str, np.ndarray]] = []
+        for entry in self.entries[at : at + self.per_read]:
+            if part and sum(t.size for _, t in part) + entry[1].size > max_tokens:
+                break
+            part.append(entry)
         return part, part[-1][0] if part else after
 
 
@@ -34,16 +40,19 @@ def test_a_start_reads_the_whole_log_in_short_pages_and_keeps_its_newest_entries
 
 
 def test_following_reads_a_backlog_back_to_back_and_hands_it_over_in_budgets() -> None:
-    log = Log([4] * 10, per_read=3)
+    # 20,000-token entries: three fill most of a read (the fourth would overflow it).
+    log = Log([20_000] * 10, per_read=100)
     follower = LogFollower(log, OwnCommits(), after="0")
-    while follower.read_once():  # the loop reads again at once while reads bring entries
-        pass
-    assert follower.followed == 10 and log.reads == 5
-    # At most 9 tokens a take (at least one entry): the backlog comes over in parts, oldest first.
-    parts = [follower.take(9) for _ in range(6)]
+    reads = [follower.read_once() for _ in range(4)]
+    assert reads == [True, True, True, False]  # read again at once while pages come back full
+    assert follower.followed == 10 and log.reads == 4
+    # At most 50,000 tokens a take (at least one entry): the backlog comes over in parts, oldest first.
+    parts = [follower.take(50_000) for _ in range(6)]
     assert [len(p) for p in parts] == [2, 2, 2, 2, 2, 0]
     assert [int(e[0]) for p in parts for e in p] == list(range(10))
-    follower.take()  # nothing left
-    log.entries.append(("1-10", np.full(20, 10, dtype=np.int32)))
+    # A trickle of small commits is read once a turn, not again at once.
+    log.entries += [(f"1-{i}", np.full(30, i, dtype=np.int32)) for i in (10, 11)]
+    assert follower.read_once() is False and [e.size for e in follower.take()] == [30, 30]
+    log.entries.append(("1-12", np.full(90_000, 12, dtype=np.int32)))
     follower.read_once()
-    assert [e.size for e in follower.take(9)] == [20]  # one entry over the budget still comes
+    assert [e.size for e in follower.take(50_000)] == [90_000]  # one entry over the budget still comes
