@@ -149,7 +149,7 @@ def warmed_engine(
         engine.memory.commit_many([as_tokens(d, namespace.vocab_size) for d in documents[start : start + _WARM_BATCH]])
         if engine.memory.needs_rebuild():
             engine.memory.rebuild()
-    if documents:
+    if engine.memory.delta_tokens():  # the last documents, unless a rebuild just took them
         engine.memory.rebuild()
     return engine
 

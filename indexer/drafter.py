@@ -272,19 +272,13 @@ class NamespaceDrafter:
         its counts are updated in place, so a draft beside an outcome's update reads each count
         before or after it."""
         sessions = [session for session, _ in items]
-        ks = np.array([p.chain for _, p in items], dtype=np.int64)
-        min_probs = np.array([p.chain_min_prob for _, p in items], dtype=np.float64)
-        tracks = np.array([s.track for s in sessions], dtype=np.int64)
         args = (
-            *self._step_args(table, min_score, _NO_TOKENS, _NO_TOKENS), ks, min_probs, tracks,
+            *self._step_args(table, min_score, _NO_TOKENS, _NO_TOKENS), *_chain_jobs(items),
             *self.chain_calibrator.kernel_args(),
         )  # fmt: skip
         tokens, parents, sources, scores, ends, claims, grown = draft_chain_batch(*args)
         self._follow_grown(sessions, grown)
-        at = ends.tolist()
-        for j, session in enumerate(sessions):
-            session.calibrates = True
-            session.chain = (tokens[at[j] : at[j + 1]], claims[at[j] : at[j + 1]], session.track)
+        _keep_chains(sessions, tokens, claims, ends)
         return DraftedTrees(TreeBatch(tokens, parents, sources, scores, ends))
 
     def _chains(self, trees: DraftedTrees, items: Sequence[tuple[Session, DraftParams]]) -> DraftedTrees:
@@ -292,16 +286,10 @@ class NamespaceDrafter:
         as drafted. The session keeps the whole tree: its outcome teaches the calibrator which
         nodes the target accepts, and its rejected branches are remembered as a tree's are."""
         sessions = [session for session, _ in items]
-        if all(p.chain for _, p in items):  # the usual call: every tree cut, in one compiled pass
-            ks = np.array([p.chain for _, p in items], dtype=np.int64)
-            min_probs = np.array([p.chain_min_prob for _, p in items])
-            tracks = np.array([s.track for s in sessions], dtype=np.int64)
+        if all(p.chain for _, p in items):  # every tree cut (a threaded step's batch), in one compiled pass
             with self._lock:
-                batch, claims = self.chain_calibrator.chains(trees.batch, ks, min_probs, tracks)
-            ends = batch.offsets.tolist()
-            for j, session in enumerate(sessions):
-                session.calibrates = True
-                session.chain = (batch.tokens[ends[j] : ends[j + 1]], claims[ends[j] : ends[j + 1]], session.track)
+                batch, claims = self.chain_calibrator.chains(trees.batch, *_chain_jobs(items))
+            _keep_chains(sessions, batch.tokens, claims, batch.offsets)
             return DraftedTrees(batch)
         out = []
         for tree, (session, params) in zip(trees, items, strict=True):
@@ -558,6 +546,23 @@ class NamespaceDrafter:
         """The store takes up each session whose tree buffer the step had to grow."""
         for j in np.flatnonzero(grown).tolist():
             self.store.follow(sessions[j], int(grown[j]))
+
+
+def _chain_jobs(items: Sequence[tuple[Session, DraftParams]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per chain-mode job, its chain's most tokens, its stopping chance and its session's track
+    record, as the compiled cut takes them."""
+    ks = np.array([p.chain for _, p in items], dtype=np.int64)
+    min_probs = np.array([p.chain_min_prob for _, p in items], dtype=np.float64)
+    return ks, min_probs, np.array([s.track for s, _ in items], dtype=np.int64)
+
+
+def _keep_chains(sessions: Sequence[Session], tokens: np.ndarray, claims: np.ndarray, ends: np.ndarray) -> None:
+    """Each session keeps its chain (``tokens`` and raw ``claims`` between ``ends``) and track
+    record until the outcome teaches the chain calibrator."""
+    at = ends.tolist()
+    for j, session in enumerate(sessions):
+        session.calibrates = True
+        session.chain = (tokens[at[j] : at[j + 1]], claims[at[j] : at[j + 1]], session.track)
 
 
 def _tree_depth(p: DraftParams) -> int:
