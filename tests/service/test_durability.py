@@ -94,6 +94,9 @@ def test_service_killed_while_storage_is_down_keeps_every_commit(tmp_path: Path)
     serve = _start(tmp_path / "data", redis_url=redis.url)
     try:
         acked = _commits(serve, range(10))
+        # A commit that found another write under way was journaled, not waited for: the first
+        # ten are all in Redis before it dies.
+        wait_for(lambda: serve.stats().storage.journaled_commits == 0, 30, "the first commits written")
         redis.kill()
         acked += _commits(serve, range(10, 40))  # Redis stays down: all of these are journaled
         health = serve.stats().storage
