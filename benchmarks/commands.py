@@ -285,6 +285,8 @@ def _bench_generate_args(bg: argparse.ArgumentParser) -> None:
     add(bg, "--agentic-prompt-tokens", type=positive, default=512, help="an agent task's user turn is cut to this")
     add(bg, "--budget", type=positive, default=64, help="most draft tokens per tree before cutting")
     add(bg, "--prior", type=Path, default=Path("data/prior-smollm2.npz"), help="static prior, used if present")
+    add(bg, "--topk-at", default="tree", help="where the target's top-k feeds the successor tier: tree (every "
+        "verified node), path (the positions that produced tokens) or none")  # fmt: skip
     bg.add_argument("--json", action="store_true", help="machine-readable output")
 
 
@@ -303,6 +305,7 @@ def cmd_bench_generate(a: argparse.Namespace) -> int:
         rounds=a.rounds,
         agentic_prompt_tokens=a.agentic_prompt_tokens,
         budget=a.budget,
+        topk_at=a.topk_at,
     )
     prior = read_prior(a.prior) if a.prior is not None and a.prior.is_file() else None
     model, tokenizer = load_model(a.model, a.tokenizer)

@@ -14,7 +14,7 @@ import torch
 from decoder_client import cost_model
 from decoder_client.client import ClientConfig, ClientSession, DraftClient
 from decoder_client.cost_model import AcceptanceModel, CalibrationConfig, CostCurve
-from decoder_client.reference_decoder import ReferenceDecoder
+from decoder_client.reference_decoder import ReferenceDecoder, VerifiedTopk
 from indexer.drafter import DrafterConfig, DraftParams, NamespaceDrafter, Session
 from indexer.successors import MAX_TOPK
 from indexer.tokens import Namespace
@@ -37,18 +37,23 @@ class TierCounter:
 
 class InProcessDrafter:
     """The engine in-process as a reference-decoder drafter (context in, tree out), for one
-    request; pass ``engine`` to share one engine's memory between requests."""
+    request; pass ``engine`` to share one engine's memory between requests. The target's top-k
+    feeds the successor tier at every node a step verified, or with ``every_node=False`` only
+    where it produced the step's tokens (what the service's wire carries)."""
 
-    def __init__(self, vocab_size: int, params: DraftParams, engine: NamespaceDrafter | None = None) -> None:
+    def __init__(
+        self, vocab_size: int, params: DraftParams, engine: NamespaceDrafter | None = None, *, every_node: bool = True
+    ) -> None:
         self._engine = engine or NamespaceDrafter(Namespace(name="local", vocab_size=vocab_size), DrafterConfig())
         self._params = params
+        self._every_node = every_node
         self._session: Session | None = None
-        self._topk: np.ndarray | None = None
+        self._verified: VerifiedTopk | None = None
         self.tiers = TierCounter()
 
-    def observe_topk(self, rows: np.ndarray) -> None:
+    def observe_topk(self, verified: VerifiedTopk) -> None:
         """The target's top-k where the last step verified (see ``ReferenceDecoder.generate``)."""
-        self._topk = rows
+        self._verified = verified
 
     def __call__(self, context: np.ndarray) -> DraftTree:
         if self._session is None:
@@ -56,10 +61,13 @@ class InProcessDrafter:
             new = np.zeros(0, dtype=np.int32)
         else:
             new = context[len(self._session.context) :]
-            if self._topk is not None and self._topk.shape[0] == new.size:
-                self._engine.observe_topk(self._session, new, self._topk)
+            v = self._verified
+            if v is not None and self._every_node:  # every node's row, the rejected ones' too
+                self._engine.observe_followers(v.after, v.rows)
+            elif v is not None:
+                self._engine.observe_topk(self._session, new, v.produced())
             self._engine.accept(self._session, new)
-        self._topk = None
+        self._verified = None
         tree = self._engine.draft(self._session, self._params)
         self.tiers.observe(new, tree)
         return tree
@@ -80,9 +88,10 @@ class ServiceDrafter:
         self._topk: np.ndarray | None = None
         self.tiers = TierCounter()
 
-    def observe_topk(self, rows: np.ndarray) -> None:
-        """The target's top-k where the last step verified: sent with its tokens."""
-        self._topk = rows
+    def observe_topk(self, verified: VerifiedTopk) -> None:
+        """The target's top-k where the last step verified: the rows that produced its tokens,
+        sent with them (the wire carries a row per new token)."""
+        self._topk = verified.produced()
 
     def __call__(self, context: np.ndarray) -> DraftTree:
         rows = None

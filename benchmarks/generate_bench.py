@@ -42,6 +42,9 @@ logger = logging.getLogger(__name__)
 MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 VICUNA_USER, VICUNA_ASSISTANT = "USER:", "ASSISTANT:"
 AGENTIC = "agentic"
+# Where the target's top-k feeds the successor tier: every tree node verified, the positions
+# that produced the step's tokens, nowhere.
+TOPK_AT = ("tree", "path", "none")
 CHATML_START, CHATML_END = "<|im_start|>", "<|im_end|>"
 
 
@@ -178,8 +181,11 @@ class BenchConfig:
     budget: int = 64
     curve_context: int = 512  # KV cache length at which verification cost is measured
     curve_repeats: int = 5
+    topk_at: str = "tree"  # one of TOPK_AT: where the target's top-k feeds our successor tier
 
     def __post_init__(self) -> None:
+        if self.topk_at not in TOPK_AT:
+            raise ValueError(f"topk_at must be one of {', '.join(TOPK_AT)}, got {self.topk_at!r}")
         positive = ("per_category", "max_new_tokens", "agentic_repeats", "agentic_prompt_tokens", "budget", "rounds")
         for name in (*positive, "curve_context", "curve_repeats"):
             if getattr(self, name) < 1:
@@ -244,8 +250,11 @@ class SharedEngine:
     """Our decoder: the tree decoder drafting from one engine for the whole run, each finished
     request committed to its lifetime memory, trees cut by one learning acceptance model."""
 
-    def __init__(self, model: Any, vocab_size: int, params: DraftParams, curve: CostCurve, prior: Any) -> None:
+    def __init__(
+        self, model: Any, vocab_size: int, params: DraftParams, curve: CostCurve, prior: Any, topk_at: str = "tree"
+    ) -> None:
         self.engine = NamespaceDrafter(Namespace(name="bench", vocab_size=vocab_size), DrafterConfig(), prior)
+        self.topk_at = topk_at
         self.acceptance = AcceptanceModel(CalibrationConfig())
         self.decoder = ReferenceDecoder(model)
         self.params, self.curve, self.vocab_size = params, curve, vocab_size
@@ -255,12 +264,13 @@ class SharedEngine:
         """Decode one request. Unless it is the ``last`` round of this prompt, everything the
         run learnt is undone afterwards, so every round starts from the same state."""
         saved = None if last else (copy.deepcopy(self.engine.calibrator), copy.deepcopy(self.acceptance))
-        drafter = InProcessDrafter(self.vocab_size, self.params, engine=self.engine)
+        drafter = InProcessDrafter(self.vocab_size, self.params, engine=self.engine, every_node=self.topk_at == "tree")
         verify = CalibratedDrafter(drafter, self.curve, self.acceptance)
         start = time.perf_counter()
         # The target's top-k at every verified position feeds the successor tier, as a
         # decoder that sees the logits sends it.
-        tokens, stats = self.decoder.generate(ids, max_new_tokens, drafter=verify, eos_token_id=eos, topk=MAX_TOPK)
+        topk = 0 if self.topk_at == "none" else MAX_TOPK
+        tokens, stats = self.decoder.generate(ids, max_new_tokens, drafter=verify, eos_token_id=eos, topk=topk)
         seconds = time.perf_counter() - start
         # Bookkeeping after the answer, as a service does it off the request path.
         drafter.close(commit=last)
@@ -380,7 +390,7 @@ def bench(
     vocab = int(model.config.get_text_config().vocab_size)
     warm_up = SharedEngine(model, vocab, params, curve, None)
     warm_up(tuning[0][1], min(config.tuning_tokens, config.max_new_tokens), eos)
-    ours = SharedEngine(model, vocab, params, curve, prior)
+    ours = SharedEngine(model, vocab, params, curve, prior, config.topk_at)
     n = config.max_new_tokens
     methods: dict[str, Method] = {
         VANILLA: lambda p, ids, last: hf_generate(model, ids, n, eos),

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
-from decoder_client.reference_decoder import cache_keyword, prune_cache
+from decoder_client.reference_decoder import VerifiedTopk, cache_keyword, prune_cache
 from decoder_client.tree_attention import tree_attention_mask, tree_position_ids
 from indexer.tree_builder import DraftTree, Tier
 
@@ -309,11 +309,11 @@ class CalibratedDrafter:
         q = sibling_normalised(tree.parents, self.model.probabilities(cells))
         return best_subtree(tree, self.curve, path_worth(tree.parents, q))
 
-    def observe_topk(self, rows: np.ndarray) -> None:
+    def observe_topk(self, verified: VerifiedTopk) -> None:
         """Passed on to the wrapped drafter, if it takes the target's top-k."""
         observe = getattr(self.drafter, "observe_topk", None)
         if observe is not None:
-            observe(rows)
+            observe(verified)
 
     def _learn(self, context: np.ndarray) -> None:
         still = []

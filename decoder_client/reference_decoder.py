@@ -218,6 +218,27 @@ def prune_cache(cache: DynamicCache, start: int, path: list[int]) -> None:
         layer.values = layer.values[..., :end, :]
 
 
+@dataclass(frozen=True)
+class VerifiedTopk:
+    """The target's top-k at every position one step verified: the root (the context's last
+    token) and each tree node, rejected ones included. A node's row is the target's own
+    distribution after that token, whether or not it accepted the token: what the successor tier
+    learns from (Token Recycling's adjacency is fed by every verified position).
+
+    >>> v = VerifiedTopk(np.array([5, 7, 9], np.int32), np.array([[7, 1], [2, 3], [8, 4]], np.int32), np.array([0, 1]))
+    >>> v.produced().tolist()  # the rows that produced the step's tokens: root's, then node 0's
+    [[7, 1], [2, 3]]
+    """
+
+    after: np.ndarray  # int32 (n + 1,): the token at each verified position (root first, then the nodes)
+    rows: np.ndarray  # int32 (n + 1, k): the target's likeliest next ids there
+    path: np.ndarray  # int64: the positions whose rows produced the step's tokens (root, then each accepted node)
+
+    def produced(self) -> np.ndarray:
+        """Row i produced the step's i-th token (the bonus token's row last)."""
+        return self.rows[self.path]
+
+
 def _finish(tokens: list[int], max_new_tokens: int, eos_token_id: int | None) -> tuple[list[int], bool]:
     """Truncate like ``model.generate``: at ``max_new_tokens``, and just after the first eos."""
     out = tokens[:max_new_tokens]
@@ -266,9 +287,9 @@ class ReferenceDecoder:
         Stops after ``eos_token_id`` or ``max_new_tokens`` tokens, whichever comes first.
 
         With ``topk`` > 0 and a drafter that has an ``observe_topk`` method, each step hands it
-        the target's ``topk`` likeliest ids at every position it verified (row i: the logits that
-        produced the step's i-th token), before the next draft: the cache's successor tier
-        learns from them.
+        the target's ``topk`` likeliest ids at every position it verified, the root and every
+        tree node (:class:`VerifiedTopk`), before the next draft: the cache's successor tier
+        learns from them, from the nodes verification rejected as well.
         """
         if not prompt_ids:
             raise ValueError("prompt_ids must not be empty")
@@ -285,9 +306,9 @@ class ReferenceDecoder:
             while not done:
                 context = np.asarray([*prompt_ids, *out], dtype=np.int32)
                 tree = drafter(context) if drafter is not None else DraftTree.empty()
-                emitted, rows = self._step(cache, int(context[-1]), tree, choose, topk if observe else 0)
-                if observe is not None:
-                    observe(rows)
+                emitted, verified = self._step(cache, int(context[-1]), tree, choose, topk if observe else 0)
+                if observe is not None and verified is not None:
+                    observe(verified)
                 stats.accepted.append(len(emitted) - 1)
                 stats.drafted.append(len(tree))
                 out, done = _finish(out + emitted, max_new_tokens, eos_token_id)
@@ -303,9 +324,9 @@ class ReferenceDecoder:
 
     def _step(
         self, cache: DynamicCache, root: int, tree: DraftTree, choose: Chooser, topk: int = 0
-    ) -> tuple[list[int], np.ndarray]:
+    ) -> tuple[list[int], VerifiedTopk | None]:
         """One forward over ``[root] + tree``; returns the accepted tokens plus the bonus token,
-        and with ``topk`` the ``topk`` likeliest ids at each position that produced them."""
+        and with ``topk`` the ``topk`` likeliest ids at every position verified."""
         self._check_tree(tree)
         past = cache.get_seq_length()
         ids = torch.tensor([[root, *tree.tokens.tolist()]], dtype=torch.long, device=self.device)
@@ -318,11 +339,12 @@ class ReferenceDecoder:
         ).logits
         path, bonus = choose(tree, logits[0])
         prune_cache(cache, past + 1, path)
-        rows = np.zeros((0, 0), dtype=np.int32)
+        verified = None
         if topk > 0:  # the root's logits produced the first token, node p's the one after p
-            at = torch.tensor([0, *(p + 1 for p in path)], device=logits.device)
-            rows = logits[0, at].topk(min(topk, logits.shape[-1]), dim=-1).indices.to(torch.int32).cpu().numpy()
-        return [*tree.tokens[path].tolist(), bonus], rows
+            rows = logits[0].topk(min(topk, logits.shape[-1]), dim=-1).indices.to(torch.int32).cpu().numpy()
+            after = np.concatenate(([root], tree.tokens)).astype(np.int32)
+            verified = VerifiedTopk(after, rows, np.array([0, *(p + 1 for p in path)], dtype=np.int64))
+        return [*tree.tokens[path].tolist(), bonus], verified
 
     def _check_tree(self, tree: DraftTree) -> None:
         if tree.tokens.dtype != np.int32 or tree.tokens.shape != tree.parents.shape:

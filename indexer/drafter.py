@@ -400,6 +400,24 @@ class NamespaceDrafter:
         prev[1:] = new[:-1]
         self.successors.observe(prev, rows)
 
+    def observe_followers(self, after: np.ndarray | list[int], topk: np.ndarray | list[list[int]]) -> None:
+        """The target's top-k after each token of ``after``: row i was the distribution at a
+        position holding ``after[i]``. A decoder that verified a tree holds such a row at every
+        node, the ones verification rejected included (Token Recycling's adjacency learns from
+        all of them), where :meth:`observe_topk` takes the rows of the tokens a step produced.
+
+        >>> d = NamespaceDrafter(Namespace(name="t", vocab_size=100), DrafterConfig())
+        >>> d.observe_followers([7, 40], [[8, 3], [41, 9]])  # 40: a node the target rejected
+        >>> d.successors.followers_of(40)
+        [41, 9]
+        >>> d.observe_followers([7], [[8], [9]])
+        Traceback (most recent call last):
+        ...
+        ValueError: top-k must be 1 rows of 1 to 8 ids, got shape (2, 1)
+        """
+        tokens = as_tokens(after, self.namespace.vocab_size, what="top-k positions")
+        self.successors.observe(tokens, checked_topk(topk, tokens.size, self.namespace.vocab_size))
+
     def _learn_chains(self, items: Sequence[tuple[Session, np.ndarray, Branches | None]]) -> None:
         """The chain calibrator learns from the outcome of each tree its probabilities were
         used for (a chain-mode draft's whole tree, a pre-speculating session's tree)."""

@@ -119,3 +119,15 @@ def test_tiny_run_is_lossless(shared_data: Path, smollm2) -> None:  # type: igno
     assert set(row["tokens_per_s"]) == {VANILLA, LOOKUP, OURS} and set(row["ratio"]) == {LOOKUP, OURS}
     assert result["prompt_lookup_num_tokens"] == {"spec_bench": 3}
     assert [d["name"] for d in result["prompts"]] == ["echo", "de"] and all(d["identical"] for d in result["prompts"])
+
+
+def test_the_topk_feed_is_one_of_the_known_places(shared_data: Path) -> None:
+    paths = {
+        "spec_bench": shared_data / "traces/spec_bench_vicuna7b.jsonl.gz",
+        "agentic": shared_data / "traces/swe_agent_dev.jsonl.gz",
+        "llama_tokenizer": shared_data / "tokenizers/llama2-spm",
+    }
+    for place in ("tree", "path", "none"):
+        assert BenchConfig(**paths, topk_at=place).topk_at == place
+    with pytest.raises(ValueError, match="topk_at must be one of tree, path, none"):
+        BenchConfig(**paths, topk_at="everywhere")

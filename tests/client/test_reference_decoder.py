@@ -15,6 +15,7 @@ from transformers import DynamicCache, LlamaForCausalLM, PreTrainedModel, PreTra
 from decoder_client.reference_decoder import (
     DecodeStats,
     ReferenceDecoder,
+    VerifiedTopk,
     cache_keyword,
     greedy_accept,
     prune_cache,
@@ -212,38 +213,49 @@ def test_tiny_decoder_matches_generate_for_every_drafter(tiny_llama: Callable[[s
 
 @torch.inference_mode()
 def test_topk_rows_are_the_verified_positions(tiny_llama: Callable[[str], LlamaForCausalLM]) -> None:
-    """Each step hands the drafter one top-k row per token it produced: the logits that
-    produced it (so the row starts with the token itself, under greedy), before the next draft."""
+    """Each step hands the drafter a top-k row for every position it verified, before the next
+    draft: the root's (after the context's last token) and each tree node's, rejected nodes
+    included, each the target's own distribution after that node's token; the rows that produced
+    the step's tokens start with those tokens, under greedy."""
     model = tiny_llama("sdpa")
     prompt = [5, 17, 99, 5, 17, 42, 8]
-    seen: list[tuple[int, np.ndarray]] = []
+    seen: list[tuple[np.ndarray, DraftTree, VerifiedTopk]] = []
 
     class Recording:
         def __init__(self) -> None:
             self.inner = _noisy_drafter(len(prompt), ref, seed=5, vocab=128)
-            self.context_len = 0
+            self.last: tuple[np.ndarray, DraftTree] | None = None
 
         def __call__(self, context: np.ndarray) -> DraftTree:
-            self.context_len = context.size
-            return self.inner(context)
+            tree = self.inner(context)
+            self.last = (context.copy(), tree)
+            return tree
 
-        def observe_topk(self, rows: np.ndarray) -> None:
-            seen.append((self.context_len, rows))
+        def observe_topk(self, verified: VerifiedTopk) -> None:
+            assert self.last is not None
+            seen.append((*self.last, verified))
 
     ref = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=30)[0, len(prompt) :].tolist()
     drafter = Recording()
     out, stats = ReferenceDecoder(model).generate(prompt, 30, drafter=drafter, topk=3)
     assert out == ref and len(seen) == stats.steps
-    produced = 0
-    for (context_len, rows), accepted in zip(seen, stats.accepted, strict=True):
-        assert context_len == len(prompt) + produced
-        assert rows.shape == (accepted + 1, 3) and rows.dtype == np.int32
-        if produced + accepted + 1 > len(ref):  # the last step ran past max_new_tokens
-            break
-        assert rows[:, 0].tolist() == ref[produced : produced + accepted + 1]
-        produced += accepted + 1
-        full = model(torch.tensor([prompt + ref[: produced - 1]])).logits[0, -1]
-        assert set(rows[-1].tolist()) == set(full.topk(3).indices.tolist())  # the bonus position's top-3
+    rejected_rows = 0
+    for (context, tree, v), accepted in zip(seen, stats.accepted, strict=True):
+        produced = context.size - len(prompt)
+        assert v.after.tolist() == [int(context[-1]), *tree.tokens.tolist()]
+        assert v.rows.shape == (len(tree) + 1, 3) and v.rows.dtype == np.int32
+        assert v.produced().shape == (accepted + 1, 3)
+        if produced + accepted + 1 <= len(ref):  # the last step may run past max_new_tokens
+            assert v.produced()[:, 0].tolist() == ref[produced : produced + accepted + 1]
+        for node in set(range(len(tree))) - {int(p) - 1 for p in v.path}:  # a node verification rejected
+            parents = [node]
+            while tree.parents[parents[-1]] >= 0:
+                parents.append(int(tree.parents[parents[-1]]))
+            branch = [int(t) for t in context] + [int(tree.tokens[i]) for i in reversed(parents)]
+            full = model(torch.tensor([branch])).logits[0, -1]
+            assert set(v.rows[node + 1].tolist()) == set(full.topk(3).indices.tolist())
+            rejected_rows += 1
+    assert rejected_rows > 0  # the noisy drafter's trees hold nodes the target rejected
 
 
 def test_cache_goes_by_the_name_the_model_takes_it(tiny_llama: Callable[[str], LlamaForCausalLM]) -> None:
