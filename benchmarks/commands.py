@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from benchmarks import replay_bench
 from benchmarks.replay import ReplayStats
@@ -32,6 +32,7 @@ from indexer.tokens import Namespace
 if TYPE_CHECKING:
     import numpy as np
 
+    from benchmarks.generate_bench import BenchConfig
     from benchmarks.load_bench import LoadConfig
     from indexer.prior import StaticPrior
 
@@ -271,30 +272,34 @@ def cmd_generate(a: argparse.Namespace) -> int:
     return 0 if result["identical"] else 1
 
 
-def _bench_generate_args(bg: argparse.ArgumentParser) -> None:
+def _model_prompt_args(
+    bg: argparse.ArgumentParser, *, per_category: int, tokens: int, families: int, repeats: int
+) -> None:
+    """The model, the prompts (Spec-Bench groups, then agent tasks asked again) and the prior of
+    the commands that decode with the real model."""
     add(bg, "--model", type=Path, default=None, help="local Hugging Face model folder (default: SmolLM2-135M)")
     add(bg, "--tokenizer", type=Path, default=SHARED / "tokenizers/smollm2", help="the model's tokenizer folder")
     add(bg, "--spec-bench", type=Path, default=SHARED / "traces/spec_bench_vicuna7b.jsonl.gz", help="Spec-Bench trace")
     add(bg, "--llama-tokenizer", type=Path, default=SHARED / "tokenizers/llama2-spm", help="the Spec-Bench ids'")
     add(bg, "--agentic-traces", type=Path, default=SHARED / "traces/swe_agent_dev.jsonl.gz", help="agent traces")
-    add(bg, "--per-category", type=positive, default=3, help="Spec-Bench prompts per task group")
-    add(bg, "--max-new-tokens", type=positive, default=128, help="tokens generated per prompt")
-    add(bg, "--agentic-families", type=non_negative, default=3, help="agent tasks, each asked --agentic-repeats times")
-    add(bg, "--agentic-repeats", type=positive, default=3, help="times each agent task is asked")
-    add(bg, "--rounds", type=positive, default=2, help="runs of every method on every prompt; the fastest counts")
+    add(bg, "--per-category", type=positive, default=per_category, help="Spec-Bench prompts per task group")
+    add(bg, "--max-new-tokens", type=positive, default=tokens, help="tokens generated per prompt")
+    add(
+        bg,
+        "--agentic-families",
+        type=non_negative,
+        default=families,
+        help="agent tasks, each asked --agentic-repeats times",
+    )
+    add(bg, "--agentic-repeats", type=positive, default=repeats, help="times each agent task is asked")
     add(bg, "--agentic-prompt-tokens", type=positive, default=512, help="an agent task's user turn is cut to this")
-    add(bg, "--budget", type=positive, default=64, help="most draft tokens per tree before cutting")
     add(bg, "--prior", type=Path, default=Path("data/prior-smollm2.npz"), help="static prior, used if present")
-    add(bg, "--topk-at", default="tree", help="where the target's top-k feeds the successor tier: tree (every "
-        "verified node), path (the positions that produced tokens) or none")  # fmt: skip
-    bg.add_argument("--json", action="store_true", help="machine-readable output")
 
 
-def cmd_bench_generate(a: argparse.Namespace) -> int:
-    from benchmarks.generate_bench import BenchConfig, report, run_bench
-    from decoder_client.models import load_model
+def _bench_config(a: argparse.Namespace, **more: Any) -> BenchConfig:
+    from benchmarks.generate_bench import BenchConfig
 
-    config = BenchConfig(
+    return BenchConfig(
         spec_bench=a.spec_bench,
         agentic=a.agentic_traces,
         llama_tokenizer=a.llama_tokenizer,
@@ -302,16 +307,50 @@ def cmd_bench_generate(a: argparse.Namespace) -> int:
         max_new_tokens=a.max_new_tokens,
         agentic_families=a.agentic_families,
         agentic_repeats=a.agentic_repeats,
-        rounds=a.rounds,
         agentic_prompt_tokens=a.agentic_prompt_tokens,
         budget=a.budget,
-        topk_at=a.topk_at,
+        **more,
     )
+
+
+def _bench_generate_args(bg: argparse.ArgumentParser) -> None:
+    _model_prompt_args(bg, per_category=3, tokens=128, families=3, repeats=3)
+    add(bg, "--rounds", type=positive, default=2, help="runs of every method on every prompt; the fastest counts")
+    add(bg, "--budget", type=positive, default=64, help="most draft tokens per tree before cutting")
+    add(bg, "--topk-at", default="tree", help="where the target's top-k feeds the successor tier: tree (every "
+        "verified node), path (the positions that produced tokens) or none")  # fmt: skip
+    bg.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def cmd_bench_generate(a: argparse.Namespace) -> int:
+    from benchmarks.generate_bench import report, run_bench
+    from decoder_client.models import load_model
+
+    config = _bench_config(a, rounds=a.rounds, topk_at=a.topk_at)
     prior = read_prior(a.prior) if a.prior is not None and a.prior.is_file() else None
     model, tokenizer = load_model(a.model, a.tokenizer)
     result = run_bench(model, tokenizer, config, prior)
     print(report(result, as_json=a.json))
     return 0 if result["lossless"] else 1
+
+
+def _bench_topk_args(bt: argparse.ArgumentParser) -> None:
+    _model_prompt_args(bt, per_category=2, tokens=96, families=1, repeats=2)
+    add(bt, "--budget", type=positive, default=64, help="draft tree size in tokens (verified whole)")
+    bt.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def cmd_bench_topk(a: argparse.Namespace) -> int:
+    from benchmarks.generate_bench import bench_prompts
+    from benchmarks.topk_bench import bench_topk, report
+    from decoder_client.models import load_model
+
+    config = _bench_config(a)
+    prior = read_prior(a.prior) if a.prior is not None and a.prior.is_file() else None
+    model, tokenizer = load_model(a.model, a.tokenizer)
+    result = bench_topk(model, tokenizer, bench_prompts(tokenizer, config, held_out=False), config, prior)
+    print(json.dumps(result, indent=2) if a.json else report(result))
+    return 0 if result["identical"] else 1
 
 
 def _topk_trace_args(t: argparse.ArgumentParser) -> None:
@@ -506,6 +545,7 @@ _COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Callable[[
     "replay": (_replay_args, cmd_replay),
     "generate": (_generate_args, cmd_generate),
     "bench-generate": (_bench_generate_args, cmd_bench_generate),
+    "bench-topk": (_bench_topk_args, cmd_bench_topk),
     "bench-rpc": (_bench_rpc_args, cmd_bench_rpc),
     "bench-load": (_bench_load_args, cmd_bench_load),
     "bench-draft": (_bench_draft_args, cmd_bench_draft),

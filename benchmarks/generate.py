@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from decoder_client import cost_model
-from decoder_client.client import ClientConfig, ClientSession, DraftClient
+from decoder_client.client import ClientConfig, ClientSession, DraftClient, TopkAt
 from decoder_client.cost_model import AcceptanceModel, CalibrationConfig, CostCurve
 from decoder_client.reference_decoder import ReferenceDecoder, VerifiedTopk
 from indexer.drafter import DrafterConfig, DraftParams, NamespaceDrafter, Session
@@ -85,13 +85,13 @@ class ServiceDrafter:
     def __init__(self, config: ClientConfig) -> None:
         self._client = DraftClient(config)
         self._session: ClientSession | None = None
-        self._topk: np.ndarray | None = None
+        self._topk: VerifiedTopk | None = None
         self.tiers = TierCounter()
 
     def observe_topk(self, verified: VerifiedTopk) -> None:
-        """The target's top-k where the last step verified: the rows that produced its tokens,
-        sent with them (the wire carries a row per new token)."""
-        self._topk = verified.produced()
+        """The target's top-k where the last step verified, every node's: sent with the next
+        call's tokens."""
+        self._topk = verified
 
     def __call__(self, context: np.ndarray) -> DraftTree:
         rows = None
@@ -100,8 +100,8 @@ class ServiceDrafter:
             new = np.zeros(0, dtype=np.int32)
         else:
             new = context[self._session.context.size :]
-            if self._topk is not None and self._topk.shape[0] == new.size:
-                rows = [self._topk]
+            if self._topk is not None:
+                rows = [TopkAt(self._topk.after, self._topk.rows)]
         self._topk = None
         (tree,) = self._client.draft([self._session], [new.tolist()], rows)
         self.tiers.observe(new, tree)

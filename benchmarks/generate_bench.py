@@ -368,8 +368,8 @@ def _row(ms: list[Measured]) -> dict[str, Any]:
 
 def run_bench(model: Any, tokenizer: Any, config: BenchConfig, prior: Any = None) -> dict[str, Any]:
     """The whole benchmark on the configured prompts (see :func:`bench`)."""
-    prompts = [(p, encode(tokenizer, p)) for p in _prompts(tokenizer, config, held_out=False)]
-    tuning = [(p, encode(tokenizer, p)) for p in _prompts(tokenizer, config, held_out=True)]
+    prompts = [(p, encode(tokenizer, p)) for p in bench_prompts(tokenizer, config, held_out=False)]
+    tuning = [(p, encode(tokenizer, p)) for p in bench_prompts(tokenizer, config, held_out=True)]
     return bench(model, tokenizer, prompts, tuning, config, prior)
 
 
@@ -410,7 +410,7 @@ def bench(
     }
 
 
-def _prompts(tokenizer: Any, config: BenchConfig, *, held_out: bool) -> list[Prompt]:
+def bench_prompts(tokenizer: Any, config: BenchConfig, *, held_out: bool) -> list[Prompt]:
     """Spec-Bench round-robin over its groups, then the agentic workload in rounds; held out:
     one Spec-Bench prompt per group and one agentic task, never measured."""
     count = 1 if held_out else config.per_category

@@ -49,6 +49,9 @@ COMMANDS: dict[str, Command] = {
     "bench-load": Command("decoder processes stepping batches of real traces against the service", _TOOLS),
     "bench-draft": Command("the draft path in process: time per sequence-draft, trees' digest", _TOOLS),
     "bench-generate": Command("tokens/s of real decoding: greedy vs prompt lookup vs draftcache", _TOOLS),
+    "bench-topk": Command(
+        "MAT of real decoding with the target's top-k fed back at every node, the path, nowhere", _TOOLS
+    ),
     "bench-index": Command("rebuild time, lookup latency and bytes per token at a buffer size", _TOOLS),
     "make-topk-trace": Command("a SmolLM2 Spec-Bench trace with the target's top-k at every output token", _TOOLS),
 }

@@ -47,6 +47,14 @@ class Admission:
         if count > self._config.max_new_tokens:
             raise ResourceExhausted(f"{count} new tokens in one call exceed {self._config.max_new_tokens}")
 
+    def topk_rows(self, rows: int, sessions: int = 1) -> None:
+        """The most top-k rows ``sessions`` may bring in one call: a row per verified position,
+        as many as the new tokens they may bring."""
+        if rows > sessions * self._config.max_new_tokens:
+            raise ResourceExhausted(
+                f"{rows} top-k rows for {sessions} sessions exceed {self._config.max_new_tokens} per session"
+            )
+
     def prompt(self, size: int) -> None:
         if size > self._config.max_prompt_tokens:
             raise ResourceExhausted(f"prompt of {size} tokens exceeds {self._config.max_prompt_tokens}")

@@ -11,6 +11,7 @@ import numpy as np
 
 from cache_service.domain.items import Drafted
 from cache_service.domain.sessions import SessionEntry, SessionTable
+from cache_service.domain.tokens import TopkPart
 from indexer.drafter import Branches, NamespaceDrafter
 from indexer.prespeculation import Prefetched
 from indexer.tree_builder import DraftTree
@@ -39,16 +40,20 @@ def draft(items: Sequence[Step], sessions: SessionTable, touched: Touched) -> Dr
     return Drafted([t for p in parts for t in p.trees], [a for p in parts for _, a in p])
 
 
-def observe_topk(items: Sequence[Step], topk: Sequence[np.ndarray | None]) -> None:
+def observe_topk(items: Sequence[Step], topk: Sequence[TopkPart | None]) -> None:
     """Checked top-k rows feed their namespaces' successor tables, before the sessions take
-    their tokens (row 0 follows a session's last token; a session named twice continues from
-    its earlier item's tokens)."""
+    their tokens: each after the token the item names for it, or after the new tokens (row 0
+    follows a session's last token; a session named twice continues from its earlier item's
+    tokens)."""
     last: dict[int, int] = {}
-    for (entry, new, _), rows in zip(items, topk, strict=True):
+    for (entry, new, _), part in zip(items, topk, strict=True):
+        after, rows = part if part is not None else (None, None)
+        if after is not None and rows is not None:
+            entry.drafter.successors.observe(after, rows)
         if not new.size:
             continue
         key = id(entry.session)
-        if rows is not None:
+        if after is None and rows is not None:
             before = last.get(key)
             if before is None and len(entry.session.context):
                 before = int(entry.session.context.tokens[-1])

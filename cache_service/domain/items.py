@@ -28,6 +28,9 @@ class DraftItem:
     new_tokens: np.ndarray | list[int]
     lookahead: int = 0  # outcomes to draft ahead for (pre-speculation)
     topk: np.ndarray | None = None  # (len(new_tokens), k) ids: the target's top-k where they were verified
+    # With ``topk``: the token each row follows (a row per verified tree node, rejected ones
+    # included); ``None``: row i follows the token before new_tokens[i].
+    topk_after: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,10 @@ class DraftColumns:
     tokens: np.ndarray  # int32, every session's new tokens end to end
     lookahead: np.ndarray | None = None  # int64, one per session
     topk: np.ndarray | None = None  # (tokens.size, k) ids: a top-k row per new token, or none
+    # With ``topk``, per row the token it follows, and per session how many rows are its
+    # (see DraftItem.topk_after); ``None``: a row per new token.
+    topk_after: np.ndarray | None = None
+    topk_counts: np.ndarray | None = None
 
 
 def named_sessions(batch: Sequence[DraftItem] | DraftColumns) -> Sequence[str]:

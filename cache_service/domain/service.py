@@ -283,7 +283,7 @@ class DraftService:
             entries = [self._entry(item.session_id, principal, read_storage) for item in items]
             news = [self._new_tokens(entry, item.new_tokens) for entry, item in zip(entries, items, strict=True)]
             rows = zip(items, news, entries, strict=True)
-            topk = [tokens.topk_rows(item.topk, new, entry.drafter) for item, new, entry in rows]
+            topk = [tokens.topk_rows(item.topk, new, entry.drafter, item.topk_after) for item, new, entry in rows]
             checked = list(zip(entries, news, ahead, strict=True))
         drafting.observe_topk(checked, topk)
         out = drafting.draft(checked, self.sessions, self._touched)
@@ -292,7 +292,7 @@ class DraftService:
 
     def _checked_columns(
         self, cols: DraftColumns, principal: Principal | None, read_storage: bool
-    ) -> tuple[list[drafting.Step], list[np.ndarray | None]]:
+    ) -> tuple[list[drafting.Step], list[tokens.TopkPart | None]]:
         """A columnar batch checked whole (shapes, limits, every id in its session's vocabulary)
         and cut into ``(session, new tokens, lookahead)`` items, with each one's top-k rows."""
         self.admission.batch(len(cols.session_ids))

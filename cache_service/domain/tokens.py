@@ -69,24 +69,50 @@ def column_tokens(cols: DraftColumns, entries: Sequence[SessionEntry]) -> list[n
     return [checked(part, entry.drafter, "new tokens") for part, entry in zip(parts, entries, strict=True)]
 
 
-def topk_rows(rows: np.ndarray | None, new: np.ndarray, drafter: NamespaceDrafter) -> np.ndarray | None:
-    """A step's top-k rows checked (:func:`indexer.successors.checked_topk`): one row of 1 to 8
-    ids per new token, each id in the vocabulary or -1 (padding)."""
+# A step's checked top-k: the token each row follows (``None``: the rows follow the step's new
+# tokens, row 0 the session's last token) and the rows.
+TopkPart = tuple[np.ndarray | None, np.ndarray]
+
+
+def topk_rows(
+    rows: np.ndarray | None, new: np.ndarray, drafter: NamespaceDrafter, after: np.ndarray | None = None
+) -> TopkPart | None:
+    """A step's top-k rows checked (:func:`indexer.successors.checked_topk`): 1 to 8 ids a row,
+    each in the vocabulary or -1 (padding); a row per new token, or with ``after`` a row per
+    token of it (each in the vocabulary)."""
     if rows is None:
         return None
+    vocab = drafter.namespace.vocab_size
     try:
-        return checked_topk(rows, new.size, drafter.namespace.vocab_size)
+        if after is None:
+            return None, checked_topk(rows, new.size, vocab)
+        tokens = as_tokens(after, vocab, what="top-k positions")
+        return tokens, checked_topk(rows, tokens.size, vocab)
     except ValueError as exc:
         raise InvalidArgument(f"namespace {drafter.namespace.name}: {exc}") from exc
 
 
 def column_topk(
     cols: DraftColumns, news: Sequence[np.ndarray], entries: Sequence[SessionEntry]
-) -> list[np.ndarray | None]:
-    """Each session's top-k rows of a columnar batch (``None`` for all when none were sent)."""
+) -> list[TopkPart | None]:
+    """Each session's top-k rows of a columnar batch (``None`` for all when none were sent): a
+    row per new token, or with ``topk_after`` the sessions' ``topk_counts`` rows each."""
     if cols.topk is None:
         return [None] * len(entries)
-    if cols.topk.ndim != 2 or cols.topk.shape[0] != cols.tokens.size:
-        raise InvalidArgument(f"top-k must hold a row for each of the {cols.tokens.size} new tokens")
-    bounds = [0, *np.cumsum(cols.counts).tolist()]
-    return [topk_rows(cols.topk[bounds[j] : bounds[j + 1]], news[j], entries[j].drafter) for j in range(len(entries))]
+    if cols.topk_after is None:
+        if cols.topk.ndim != 2 or cols.topk.shape[0] != cols.tokens.size:
+            raise InvalidArgument(f"top-k must hold a row for each of the {cols.tokens.size} new tokens")
+        bounds = [0, *np.cumsum(cols.counts).tolist()]
+        return [
+            topk_rows(cols.topk[bounds[j] : bounds[j + 1]], news[j], entries[j].drafter) for j in range(len(entries))
+        ]
+    counts, after = cols.topk_counts, cols.topk_after
+    if counts is None or counts.shape != (len(entries),):
+        raise InvalidArgument(f"top-k positions need a row count for each of the {len(entries)} sessions")
+    if int(counts.min(initial=0)) < 0 or int(counts.sum()) != after.size or cols.topk.shape[0] != after.size:
+        raise InvalidArgument(f"top-k row counts must add up to the {after.size} positions sent, a row each")
+    bounds = [0, *np.cumsum(counts).tolist()]
+    return [
+        topk_rows(cols.topk[bounds[j] : bounds[j + 1]], news[j], entries[j].drafter, after[bounds[j] : bounds[j + 1]])
+        for j in range(len(entries))
+    ]

@@ -63,9 +63,12 @@ def admit_draft(req: pb.DraftRequest, admission: Admission) -> None:
     """A draft request's sizes checked against the limits before any item or array is built."""
     if not req.HasField("columns"):
         admission.batch(len(req.items))
+        for item in req.items:
+            admission.topk_rows(len(item.topk_after))
         return
     c = req.columns
     admission.columns(len(c.session_ids), len(c.new_token_counts), len(c.lookahead), len(c.new_tokens))
+    admission.topk_rows(len(c.topk_after), len(c.session_ids))
 
 
 def topk(ids: Sequence[int], k: int, rows: int) -> np.ndarray | None:
@@ -77,6 +80,11 @@ def topk(ids: Sequence[int], k: int, rows: int) -> np.ndarray | None:
     return np.array(ids, dtype=np.int32).reshape(rows, k)
 
 
+def _after(ids: Sequence[int]) -> np.ndarray | None:
+    """A ``topk_after`` field (``None`` when none was sent: rows follow the new tokens)."""
+    return np.array(ids, dtype=np.int32) if len(ids) else None
+
+
 def draft_items(req: pb.DraftRequest) -> list[DraftItem] | DraftColumns:
     if not req.HasField("columns"):
         return [
@@ -84,19 +92,23 @@ def draft_items(req: pb.DraftRequest) -> list[DraftItem] | DraftColumns:
                 item.session_id,
                 tokens(item.new_tokens),
                 item.lookahead,
-                topk(item.topk, item.topk_k, len(item.new_tokens)),
+                topk(item.topk, item.topk_k, len(item.topk_after or item.new_tokens)),
+                _after(item.topk_after),
             )
             for item in req.items
         ]
     if len(req.items):
         raise InvalidArgument("a draft request holds items or columns, not both")
     c = req.columns
+    after = _after(c.topk_after)
     return DraftColumns(
         c.session_ids,
         np.array(c.new_token_counts, dtype=np.int64),
         np.array(c.new_tokens, dtype=np.int32),
         np.array(c.lookahead, dtype=np.int64),
-        topk(c.topk, c.topk_k, len(c.new_tokens)),
+        topk(c.topk, c.topk_k, len(c.new_tokens) if after is None else after.size),
+        after,
+        np.array(c.topk_counts, dtype=np.int64) if after is not None else None,
     )
 
 

@@ -26,7 +26,7 @@ stream transports), :mod:`~.sync` and :mod:`~.aio` (the two clients, which only 
 from decoder_client.client.aio import AsyncDraftClient
 from decoder_client.client.config import ClientConfig
 from decoder_client.client.core import ClientStats, Fallback, prompt_lookup_fallback
-from decoder_client.client.session import ClientSession
+from decoder_client.client.session import ClientSession, TopkAt
 from decoder_client.client.sync import DraftClient
 from decoder_client.wire import tree_from_proto
 
@@ -37,6 +37,7 @@ __all__ = [
     "ClientStats",
     "DraftClient",
     "Fallback",
+    "TopkAt",
     "prompt_lookup_fallback",
     "tree_from_proto",
 ]

@@ -203,7 +203,7 @@ class ClientCore:
         for s, sid, size in zip(todo, resp.session_ids, sizes, strict=True):
             if s.prompt_len != size:
                 self.stats.reopened += 1
-            s.server_id, s.pending, s.pending_topk = sid, s.tokens(size), []
+            s.server_id, s.pending, s.pending_topk, s.pending_after = sid, s.tokens(size), [], []
 
     def reopen_request(self, sessions: Sequence[ClientSession], *, now: bool = False) -> Reopening | None:
         """An open, to send in the background, of those of ``sessions`` without a server copy,
@@ -217,7 +217,7 @@ class ClientCore:
         if not remote or not self.available():
             return None
         k, top_k = self.config.lookahead, self.config.topk
-        rows = [s.take_topk(top_k) for s in remote]
+        rows = [s.take_topk(top_k) or ([], []) for s in remote]  # (after, rows) each
         for s in remote:
             s.asked_at = len(s)
         if not self.columns:
@@ -227,25 +227,25 @@ class ClientCore:
                         session_id=s.server_id,
                         new_tokens=s.pending,
                         lookahead=k,
-                        topk=r or [],
+                        topk=r,
                         topk_k=top_k if r else 0,
+                        topk_after=after,
                     )
-                    for s, r in zip(remote, rows, strict=True)
+                    for s, (after, r) in zip(remote, rows, strict=True)
                 ]
             )
         pending = [s.pending for s in remote]
-        topk: list[int] = []
-        if any(rows):  # a row per new token: sessions without send -1 rows
-            for p, r in zip(pending, rows, strict=True):
-                topk.extend(r if r else [-1] * (top_k * len(p)))
+        sent = any(after for after, _ in rows)
         return pb.DraftRequest(
             columns=pb.DraftColumns(
                 session_ids=[s.server_id for s in remote],
                 new_token_counts=[len(p) for p in pending],
                 new_tokens=[t for p in pending for t in p],
                 lookahead=[k] * len(remote) if k else [],
-                topk=topk,
-                topk_k=top_k if topk else 0,
+                topk=[i for _, r in rows for i in r],
+                topk_k=top_k if sent else 0,
+                topk_after=[t for after, _ in rows for t in after],
+                topk_counts=[len(after) for after, _ in rows] if sent else [],
             )
         )
 

@@ -47,7 +47,7 @@ import numpy as np
 from decoder_client.client.config import ClientConfig
 from decoder_client.client.core import ClientStats
 from decoder_client.client.follow import FOLLOW_S, LogFollower, OwnCommits, read_recent
-from decoder_client.client.session import TopkRows
+from decoder_client.client.session import TopkAt, TopkRows
 from indexer.drafter import DrafterConfig, NamespaceDrafter
 from indexer.lifetime_index import LifetimeConfig
 from indexer.prior import StaticPrior
@@ -204,8 +204,10 @@ class NearClient:
         news = [self._ids(new, "new tokens") for new in new_tokens]
         rows = [None] * len(sessions) if topk is None else topk
         for s, new, top in zip(sessions, news, rows, strict=True):
-            if top is not None and new.size:
-                self.drafter.observe_topk(s.local, new, np.asarray(top))  # checked there, dtype included
+            if isinstance(top, TopkAt):  # checked there, dtype included
+                self.drafter.observe_followers(self._ids(top.after, "top-k positions"), np.asarray(top.rows))
+            elif top is not None and new.size:
+                self.drafter.observe_topk(s.local, new, np.asarray(top))
         self.drafter.accept_many([(s.local, new, None) for s, new in zip(sessions, news, strict=True) if new.size])
 
     def _ids(self, tokens: Sequence[int] | np.ndarray, what: str) -> np.ndarray:

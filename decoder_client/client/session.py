@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -10,7 +11,25 @@ from indexer.prespeculation import Prefetched
 from indexer.tree_builder import DraftTree
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
-TopkRows = Sequence[Sequence[int]] | np.ndarray  # per new token, the target's top-k ids where it was verified
+
+
+@dataclass(frozen=True)
+class TopkAt:
+    """The target's top-k at positions a decoder verified, each named by the token there:
+    ``rows[i]`` are its likeliest next ids after ``after[i]``. A decoder that verified a tree
+    names the root (the context's last token) and every node, rejected ones included: each is
+    the target's own distribution after that token."""
+
+    after: Sequence[int] | np.ndarray
+    rows: Sequence[Sequence[int]] | np.ndarray
+
+    def __post_init__(self) -> None:
+        if len(self.after) != len(self.rows):
+            raise ValueError(f"{len(self.rows)} top-k rows for {len(self.after)} positions")
+
+
+# Per session, the target's top-k: a row per new token (where it was verified), or TopkAt.
+TopkRows = Sequence[Sequence[int]] | np.ndarray | TopkAt
 
 
 class ClientSession:
@@ -32,6 +51,7 @@ class ClientSession:
         "chain",
         "chain_at",
         "pending",
+        "pending_after",
         "pending_topk",
         "prefetched",
         "prompt_len",
@@ -43,7 +63,9 @@ class ClientSession:
         self.prompt_len = prompt_len
         self.server_id = ""  # "" while the service has no valid copy
         self.pending: list[int] = []  # produced since the last successful call
-        self.pending_topk: list[int] = []  # top-k rows of the pending tokens, flat (see extend)
+        # Top-k rows not sent yet, flat (see extend), and the token each follows.
+        self.pending_topk: list[int] = []
+        self.pending_after: list[int] = []
         self.prefetched: Prefetched = {}  # trees drafted ahead for the next outcome
         self.asked_at = 0  # the context's length when the last draft call was made for it
         self.chain: DraftTree | None = None  # chain mode: the service's last chain, drafted ...
@@ -62,13 +84,15 @@ class ClientSession:
 
     def extend(self, new: Sequence[int] | np.ndarray, topk: TopkRows | None = None, k: int = 0) -> None:
         """Append tokens the target produced (to the context, and to what the service has yet to
-        hear), with, where given, the target's top-k ids where each was verified (``k`` ids a
-        row: longer rows are cut, shorter ones padded with -1).
+        hear), with, where given, the target's top-k: a row per new token (where it was
+        verified), or :class:`TopkAt` (``k`` ids a row: longer rows are cut, shorter ones padded
+        with -1). Each row is kept with the token it follows until it is sent.
 
         >>> s = ClientSession([5], prompt_len=1)
         >>> s.extend([6, 7], topk=[[6, 2, 3], [7]], k=2)
+        >>> s.extend([8], topk=TopkAt([7, 9], [[8, 1], [4, 3]]), k=2)  # 9: a node the target rejected
         >>> s.take_topk(2)
-        [6, 2, 7, -1]
+        ([5, 6, 7, 9], [6, 2, 7, -1, 8, 1, 4, 3])
         """
         if isinstance(new, np.ndarray):
             if new.dtype.kind not in "iu":
@@ -78,16 +102,23 @@ class ClientSession:
             values = [int(t) for t in new]
         if values and not (min(values) >= _INT32_MIN and max(values) <= _INT32_MAX):
             raise OverflowError(f"token ids must be int32, got {values}")
+        after: list[int] = []
+        rows: Sequence[Sequence[int]] | np.ndarray = []
+        if k <= 0 or topk is None:
+            pass
+        elif isinstance(topk, TopkAt):
+            after, rows = [int(t) for t in topk.after], topk.rows
+        else:
+            if len(topk) != len(values):
+                raise ValueError(f"{len(topk)} top-k rows for {len(values)} tokens")
+            last = self._tokens[-1:]  # row i follows the token before new[i]; with none before, row 0 goes
+            after, rows = (last + values)[:-1], topk[1 - len(last) :]
+        if after and not (min(after) >= _INT32_MIN and max(after) <= _INT32_MAX):
+            raise OverflowError(f"top-k positions must be int32, got {after}")
         self._tokens.extend(values)
-        before = len(self.pending)
         self.pending.extend(values)
-        if topk is None or k <= 0:
-            return
-        if len(topk) != len(values):
-            raise ValueError(f"{len(topk)} top-k rows for {len(values)} tokens")
-        if len(self.pending_topk) != k * before:  # earlier pending tokens came without rows
-            self.pending_topk = [-1] * (k * before)
-        for row in topk:
+        self.pending_after.extend(after)
+        for row in rows:
             ids = [int(t) for t in row[:k]]
             self.pending_topk.extend(ids + [-1] * (k - len(ids)))
 
@@ -104,10 +135,11 @@ class ClientSession:
         unheard = len(self._tokens) - self.asked_at
         self.pending = self.pending[len(self.pending) - unheard :] if unheard > 0 else []
 
-    def take_topk(self, k: int) -> list[int] | None:
-        """The pending tokens' top-k rows, flat, if every one has its row (``None`` otherwise);
-        they are sent once: the next call starts without."""
-        rows, self.pending_topk = self.pending_topk, []
-        if k <= 0 or not self.pending or len(rows) != k * len(self.pending):
+    def take_topk(self, k: int) -> tuple[list[int], list[int]] | None:
+        """The rows not sent yet, flat, with the token each follows (``None``: none); they are
+        sent once: the next call starts without."""
+        after, rows = self.pending_after, self.pending_topk
+        self.pending_after, self.pending_topk = [], []
+        if k <= 0 or not after or len(rows) != k * len(after):
             return None
-        return rows
+        return after, rows

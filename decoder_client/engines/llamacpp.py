@@ -31,9 +31,10 @@ prompt with the last position's logits alone (and writes them where the engine k
 The prompt's other positions then have no logits, which only ``logprobs`` with ``echo=True``
 reads: ``attach(llm, prompt_logits=True)`` keeps them.
 
-With ``topk`` set (``connect(..., topk=8)``) an attached model also sends, for the tokens each
-call reports, the engine's own top-k ids at the positions that produced them (read from its
-logits, which llama.cpp keeps at every position when it has a draft model): they feed the
+With ``topk`` set (``connect(..., topk=8)``) an attached model also sends the engine's own
+top-k ids at every position the step verified, each after the token there: the one before the
+tokens the call reports, then every token of the draft, the rejected ones included (read from
+its logits, which llama.cpp keeps at every position when it has a draft model): they feed the
 namespace's successor tier, as the reference decoder's do. It costs a partial sort of the
 vocabulary per verified position, about a millisecond a step for SmolLM2.
 
@@ -52,6 +53,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from decoder_client.client.drafting import Drafting
+from decoder_client.client.session import TopkAt, TopkRows
 from decoder_client.engines.deadline import StepDeadline
 from decoder_client.engines.outcomes import ChainOutcomes
 from decoder_client.engines.settings import EngineSettings
@@ -227,6 +229,7 @@ class DraftcacheDraftModel(LlamaDraftModel):
             proposed = 0 if last_draft is None else last_draft.size
             counted = session is not None and last_draft is not None
             self.cost.record(interval, proposed, rows=1, produced=new.size, counted=counted)
+        verified = last_draft if session is not None else None  # the draft this step verified
         if session is None:  # a new generation: its prompt is all but the token just sampled
             session, new = self.begin(ids[:-1]), ids[-1:]
         deadline = None
@@ -235,7 +238,7 @@ class DraftcacheDraftModel(LlamaDraftModel):
             deadline = self.deadline.seconds
         topk = None
         if self.topk and self._llm is not None and 0 < new.size < ids.size:
-            topk = [self.target_topk(ids.size - new.size - 1, ids.size - 1)]
+            topk = [self.verified_topk(ids, new, verified)]
         (tree,) = self.client.draft([session], [new.tolist()], topk, deadline_s=deadline)
         min_prob = 0.0 if self.cost is None else self.cost.ask_prob
         chances = self.outcomes.chances if self.recalibrate else None
@@ -264,6 +267,18 @@ class DraftcacheDraftModel(LlamaDraftModel):
             self.stats.accepted += accepted
             self.outcomes.record(self._claims, accepted)
         return self._session, ids[self._sequence.size :]
+
+    def verified_topk(self, ids: np.ndarray, new: np.ndarray, draft: np.ndarray | None) -> TopkRows:
+        """The engine's top-k at every position the step verified: after the token before the
+        ``new`` ones, then after each token of the ``draft`` it verified, the rejected ones
+        included (llama.cpp evaluates a whole draft in one batch and keeps every position's
+        logits until it evaluates again; the next evaluation comes after this call). Without a
+        draft, the rows that produced the new tokens."""
+        start = ids.size - new.size - 1
+        if draft is None or not draft.size or start + 1 + draft.size > self._llm.n_ctx():
+            return self.target_topk(start, ids.size - 1)
+        after = np.concatenate((ids[start : start + 1], draft)).astype(np.int32)
+        return TopkAt(after, self.target_topk(start, start + after.size))
 
     def target_topk(self, start: int, stop: int) -> np.ndarray:
         """The attached engine's top-k ids (likeliest first) at positions ``start`` to

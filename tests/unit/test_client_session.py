@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from draftcache.v1 import draftcache_pb2 as pb
 
-from decoder_client.client import ClientConfig, ClientSession, prompt_lookup_fallback
+from decoder_client.client import ClientConfig, ClientSession, TopkAt, prompt_lookup_fallback
 from decoder_client.client.core import ClientCore
 from indexer.tree_builder import DraftTree
 
@@ -57,3 +57,20 @@ def test_trees_come_back_in_order_with_fallbacks_where_the_service_had_no_copy()
     # Every sequence answered by the service: its trees, as sent.
     only = core.trees([remote], resp)
     assert [t.tokens.tolist() for t in only] == [[9]] and isinstance(only[0], DraftTree)
+
+
+def test_topk_rows_are_kept_with_the_token_each_follows_until_sent() -> None:
+    s = ClientSession([], 0)
+    s.extend([4, 5], topk=[[4, 1], [5, 2]], k=2)  # the first row follows no token: dropped
+    s.extend([6], topk=[[6, 3, 9]], k=2)  # cut to k
+    s.extend([7])  # no rows
+    s.extend([8], topk=TopkAt(np.array([7, 30, 31]), [[8], [1, 2], [3, 4]]), k=2)  # every verified node
+    assert s.take_topk(2) == ([4, 5, 7, 30, 31], [5, 2, 6, 3, 8, -1, 1, 2, 3, 4])
+    assert s.take_topk(2) is None  # sent once
+    with pytest.raises(ValueError, match="2 top-k rows for 1 positions"):
+        TopkAt([7], [[8], [9]])
+    with pytest.raises(ValueError, match="2 top-k rows for 1 tokens"):
+        s.extend([9], topk=[[9], [1]], k=2)
+    with pytest.raises(OverflowError):
+        s.extend([9], topk=TopkAt([2**31], [[1]]), k=2)
+    assert s.tokens() == [4, 5, 6, 7, 8] and s.take_topk(2) is None  # refused steps changed nothing

@@ -10,6 +10,7 @@ import pytest
 
 from decoder_client.client.config import ClientConfig
 from decoder_client.client.near import NearClient
+from decoder_client.client.session import TopkAt
 from indexer.drafter import DraftParams
 from indexer.prior import PriorConfig, StaticPrior, read_prior
 
@@ -100,3 +101,8 @@ def test_the_targets_top_k_feeds_the_successor_table_and_is_checked() -> None:
     assert client.drafter.successors.followers_of(3) == [7, 9]
     with pytest.raises(ValueError, match="top-k ids must be integers"):
         client.draft([s], [[8]], topk=[[[8.0, 9.0]]])
+    # A row at every verified node, each after its token (40: a node the target rejected).
+    client.draft([s], [[8]], topk=[TopkAt([7, 40], [[8, 5], [41, 42]])])
+    assert client.drafter.successors.followers_of(40) == [41, 42]
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        client.draft([s], [[9]], topk=[TopkAt([VOCAB], [[1]])])

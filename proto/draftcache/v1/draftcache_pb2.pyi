@@ -59,34 +59,40 @@ class OpenSessionsResponse(_message.Message):
     def __init__(self, session_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class DraftItem(_message.Message):
-    __slots__ = ("session_id", "new_tokens", "lookahead", "topk", "topk_k")
+    __slots__ = ("session_id", "new_tokens", "lookahead", "topk", "topk_k", "topk_after")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOOKAHEAD_FIELD_NUMBER: _ClassVar[int]
     TOPK_FIELD_NUMBER: _ClassVar[int]
     TOPK_K_FIELD_NUMBER: _ClassVar[int]
+    TOPK_AFTER_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     new_tokens: _containers.RepeatedScalarFieldContainer[int]
     lookahead: int
     topk: _containers.RepeatedScalarFieldContainer[int]
     topk_k: int
-    def __init__(self, session_id: _Optional[str] = ..., new_tokens: _Optional[_Iterable[int]] = ..., lookahead: _Optional[int] = ..., topk: _Optional[_Iterable[int]] = ..., topk_k: _Optional[int] = ...) -> None: ...
+    topk_after: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., new_tokens: _Optional[_Iterable[int]] = ..., lookahead: _Optional[int] = ..., topk: _Optional[_Iterable[int]] = ..., topk_k: _Optional[int] = ..., topk_after: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DraftColumns(_message.Message):
-    __slots__ = ("session_ids", "new_token_counts", "new_tokens", "lookahead", "topk", "topk_k")
+    __slots__ = ("session_ids", "new_token_counts", "new_tokens", "lookahead", "topk", "topk_k", "topk_after", "topk_counts")
     SESSION_IDS_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_COUNTS_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOOKAHEAD_FIELD_NUMBER: _ClassVar[int]
     TOPK_FIELD_NUMBER: _ClassVar[int]
     TOPK_K_FIELD_NUMBER: _ClassVar[int]
+    TOPK_AFTER_FIELD_NUMBER: _ClassVar[int]
+    TOPK_COUNTS_FIELD_NUMBER: _ClassVar[int]
     session_ids: _containers.RepeatedScalarFieldContainer[str]
     new_token_counts: _containers.RepeatedScalarFieldContainer[int]
     new_tokens: _containers.RepeatedScalarFieldContainer[int]
     lookahead: _containers.RepeatedScalarFieldContainer[int]
     topk: _containers.RepeatedScalarFieldContainer[int]
     topk_k: int
-    def __init__(self, session_ids: _Optional[_Iterable[str]] = ..., new_token_counts: _Optional[_Iterable[int]] = ..., new_tokens: _Optional[_Iterable[int]] = ..., lookahead: _Optional[_Iterable[int]] = ..., topk: _Optional[_Iterable[int]] = ..., topk_k: _Optional[int] = ...) -> None: ...
+    topk_after: _containers.RepeatedScalarFieldContainer[int]
+    topk_counts: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_ids: _Optional[_Iterable[str]] = ..., new_token_counts: _Optional[_Iterable[int]] = ..., new_tokens: _Optional[_Iterable[int]] = ..., lookahead: _Optional[_Iterable[int]] = ..., topk: _Optional[_Iterable[int]] = ..., topk_k: _Optional[int] = ..., topk_after: _Optional[_Iterable[int]] = ..., topk_counts: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
     __slots__ = ("items", "columns")

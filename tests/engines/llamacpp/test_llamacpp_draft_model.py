@@ -17,7 +17,8 @@ import pytest
 
 from benchmarks.engines_llamacpp import greedy
 from cache_service.host.embedded_redis import free_port
-from decoder_client.client import ClientConfig, DraftClient
+from decoder_client.client import ClientConfig, DraftClient, TopkAt
+from decoder_client.client.session import TopkRows
 from decoder_client.engines.llamacpp import DraftcacheDraftModel
 from indexer.drafter import DraftParams
 from indexer.tree_builder import DraftTree
@@ -179,27 +180,24 @@ def test_without_attach_a_generation_is_committed_when_the_next_one_starts(serve
 
 
 class TopkRecorded(DraftcacheDraftModel):
-    """Ours, with the top-k rows it read from the engine kept, beside the tokens they produced."""
+    """Ours, with the top-k rows it sent kept, beside the sequence each call saw, its new tokens
+    and the draft its step had verified."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.rows: list[tuple[list[int], list[list[int]]]] = []
-        self._seen: list[int] = []
+        self.rows: list[tuple[list[int], list[int], list[int], TopkRows]] = []
 
-    def __call__(self, input_ids: Any, /, **kwargs: Any) -> np.ndarray:
-        self._seen = np.asarray(input_ids).tolist()
-        return super().__call__(input_ids)
-
-    def target_topk(self, start: int, stop: int) -> np.ndarray:
-        rows = super().target_topk(start, stop)
-        self.rows.append((self._seen[start + 1 : stop + 1], rows.tolist()))
+    def verified_topk(self, ids: np.ndarray, new: np.ndarray, draft: np.ndarray | None) -> TopkRows:
+        rows = super().verified_topk(ids, new, draft)
+        self.rows.append((ids.tolist(), new.tolist(), [] if draft is None else draft.tolist(), rows))
         return rows
 
 
 def test_the_engines_own_top_k_goes_back_to_the_service(serve: Serve, make_llama) -> None:  # type: ignore[no-untyped-def]
-    """With ``topk``: at every position a step reports, the engine's greedy token is its top-1
-    (the rows are the engine's own distributions, read from its logits), and the service's
-    successor table, shared through Redis, fills from them."""
+    """With ``topk``: a row at every position a step verified, each after the token there: the
+    token before the new ones, then every token of the draft, rejected ones included. Where a
+    row produced a token, that token is its top-1 (the rows are the engine's own distributions,
+    read from its logits); the service's successor table, shared through Redis, fills from them."""
     import redis
 
     from cache_service.storage import keys
@@ -208,9 +206,24 @@ def test_the_engines_own_top_k_goes_back_to_the_service(serve: Serve, make_llama
     llm = draft.attach(make_llama(draft))
     greedy(llm, chat_ids(llm, QUESTIONS[2]), 32)  # an answer not copied from the prompt: many steps
     assert len(draft.rows) >= 4  # steps that reported tokens (how many depends on what was accepted)
-    for produced, rows in draft.rows:
-        assert len(rows) == len(produced) and all(len(r) == 8 and len(set(r)) == 8 for r in rows)
-        assert [r[0] for r in rows] == produced  # greedy: the token produced is the likeliest
+    rejected = 0
+    for seen, new, verified, sent in draft.rows:
+        before = len(seen) - len(new)  # where the new tokens start
+        if not verified:  # no draft verified: a row per new token, the one that produced it
+            rows = np.asarray(sent).tolist()
+            assert [r[0] for r in rows] == new and all(len(set(r)) == 8 for r in rows)
+            continue
+        assert isinstance(sent, TopkAt)
+        after, rows = list(sent.after), np.asarray(sent.rows).tolist()
+        assert after == [seen[before - 1], *verified] and len(rows) == len(after)
+        assert all(len(set(r)) == 8 for r in rows)
+        assert [r[0] for r in rows[: len(new)]] == new  # the rows that produced the new tokens
+        accepted = len(new) - 1  # the draft tokens kept, then the engine's own
+        assert verified[:accepted] == new[:accepted]
+        if accepted < len(verified):
+            assert verified[accepted] != new[accepted]
+        rejected += len(verified) - accepted  # positions past the first rejection: rows sent too
+    assert rejected > 0
     client = redis.Redis.from_url(serve.redis_url())
     wait_for(lambda: client.hlen(keys.successors(NAMESPACE)) > 0, 20, "successor rows in storage")
     client.close()
