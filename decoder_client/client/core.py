@@ -235,19 +235,24 @@ class ClientCore:
                 ]
             )
         pending = [s.pending for s in remote]
-        sent = any(after for after, _ in rows)
-        return pb.DraftRequest(
-            columns=pb.DraftColumns(
-                session_ids=[s.server_id for s in remote],
-                new_token_counts=[len(p) for p in pending],
-                new_tokens=[t for p in pending for t in p],
-                lookahead=[k] * len(remote) if k else [],
-                topk=[i for _, r in rows for i in r],
-                topk_k=top_k if sent else 0,
-                topk_after=[t for after, _ in rows for t in after],
-                topk_counts=[len(after) for after, _ in rows] if sent else [],
-            )
+        cols = pb.DraftColumns(
+            session_ids=[s.server_id for s in remote],
+            new_token_counts=[len(p) for p in pending],
+            new_tokens=[t for p in pending for t in p],
+            lookahead=[k] * len(remote) if k else [],
         )
+        if any(after for after, _ in rows):  # every session's rows named by the token each follows
+            for s, (after, r) in zip(remote, rows, strict=True):
+                named = after or (s.tokens(len(s) - len(s.pending) - 1)[: len(s.pending)] if r else [])
+                cols.topk_after.extend(named)
+                cols.topk_counts.append(len(named))
+                cols.topk.extend(r)
+            cols.topk_k = top_k
+        elif any(r for _, r in rows):  # a row per new token: sessions without send -1 rows
+            for p, (_, r) in zip(pending, rows, strict=True):
+                cols.topk.extend(r or [-1] * (top_k * len(p)))
+            cols.topk_k = top_k
+        return pb.DraftRequest(columns=cols)
 
     def split_ahead(
         self, sessions: Sequence[ClientSession], new_tokens: Sequence[Sequence[int]]

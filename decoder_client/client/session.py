@@ -91,7 +91,7 @@ class ClientSession:
         >>> s = ClientSession([5], prompt_len=1)
         >>> s.extend([6, 7], topk=[[6, 2, 3], [7]], k=2)
         >>> s.extend([8], topk=TopkAt([7, 9], [[8, 1], [4, 3]]), k=2)  # 9: a node the target rejected
-        >>> s.take_topk(2)
+        >>> s.take_topk(2)  # the rows, and the token each follows
         ([5, 6, 7, 9], [6, 2, 7, -1, 8, 1, 4, 3])
         """
         if isinstance(new, np.ndarray):
@@ -137,9 +137,20 @@ class ClientSession:
 
     def take_topk(self, k: int) -> tuple[list[int], list[int]] | None:
         """The rows not sent yet, flat, with the token each follows (``None``: none); they are
-        sent once: the next call starts without."""
+        sent once: the next call starts without. The tokens come back empty where the rows are
+        one per pending token, each after the token before it: the form every version of the
+        service reads (``topk_after`` unset).
+
+        >>> s = ClientSession([5], prompt_len=1)
+        >>> s.extend([6, 7], topk=[[6], [7]], k=1)
+        >>> s.take_topk(1)
+        ([], [6, 7])
+        """
         after, rows = self.pending_after, self.pending_topk
         self.pending_after, self.pending_topk = [], []
         if k <= 0 or not after or len(rows) != k * len(after):
             return None
+        n = len(self.pending)
+        if len(after) == n and after == self._tokens[len(self._tokens) - n - 1 : len(self._tokens) - 1]:
+            return [], rows
         return after, rows

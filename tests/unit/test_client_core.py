@@ -7,7 +7,7 @@ import grpc
 import pytest
 from draftcache.v1 import draftcache_pb2 as pb
 
-from decoder_client.client import ClientConfig, ClientSession, prompt_lookup_fallback
+from decoder_client.client import ClientConfig, ClientSession, TopkAt, prompt_lookup_fallback
 from decoder_client.client.core import ClientCore
 
 
@@ -127,3 +127,36 @@ def test_late_before_skip_is_checked() -> None:
     core = _core(late_before_skip=1)
     core.failed(None)
     assert not core.available()  # 1: every miss skips the service, as an error does
+
+
+@pytest.mark.parametrize("columns", [True, False], ids=["columns", "items"])
+def test_topk_rows_go_in_the_form_every_service_reads_unless_they_name_their_tokens(columns: bool) -> None:
+    config = ClientConfig(target="unused", namespace="ns", topk=2)
+    core = ClientCore(config, prompt_lookup_fallback)
+    core.columns = columns
+    plain, other = _remote([1, 2], "a"), _remote([5, 6], "b")
+    core.add_tokens([plain, other], [[3, 4], [7]], [[[3, 9], [4, 9]], None])
+    req = core.draft_request([plain, other])
+    assert req is not None
+    if columns:  # a row per new token, -1 rows for a session without: no positions named
+        c = req.columns
+        assert list(c.topk) == [3, 9, 4, 9, -1, -1] and c.topk_k == 2
+        assert not c.topk_after and not c.topk_counts
+    else:
+        a, b = req.items
+        assert list(a.topk) == [3, 9, 4, 9] and a.topk_k == 2 and not a.topk_after
+        assert not b.topk and b.topk_k == 0
+    # Rows at every verified node name the token each follows (50: a rejected node); a session
+    # whose rows follow its new tokens is named too where the batch names any.
+    plain.heard(), other.heard()  # the service answered
+    core.add_tokens([plain, other], [[5], [8]], [TopkAt([4, 50], [[5, 1], [51, 52]]), [[8, 1]]])
+    req = core.draft_request([plain, other])
+    assert req is not None
+    if columns:
+        c = req.columns
+        assert list(c.topk_after) == [4, 50, 7] and list(c.topk_counts) == [2, 1]
+        assert list(c.topk) == [5, 1, 51, 52, 8, 1]
+    else:
+        a, b = req.items
+        assert list(a.topk_after) == [4, 50] and list(a.topk) == [5, 1, 51, 52]
+        assert not b.topk_after and list(b.topk) == [8, 1]
