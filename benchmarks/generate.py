@@ -39,7 +39,7 @@ class InProcessDrafter:
     """The engine in-process as a reference-decoder drafter (context in, tree out), for one
     request; pass ``engine`` to share one engine's memory between requests. The target's top-k
     feeds the successor tier at every node a step verified, or with ``every_node=False`` only
-    where it produced the step's tokens (what the service's wire carries)."""
+    where it produced the step's tokens (all a trace replay can feed)."""
 
     def __init__(
         self, vocab_size: int, params: DraftParams, engine: NamespaceDrafter | None = None, *, every_node: bool = True
