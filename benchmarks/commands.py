@@ -313,6 +313,15 @@ def _bench_config(a: argparse.Namespace, **more: Any) -> BenchConfig:
     )
 
 
+def _model_and_prior(a: argparse.Namespace) -> tuple[Any, Any, StaticPrior | None]:
+    """The model, its tokenizer and the prior (when its file is there) of ``_model_prompt_args``."""
+    from decoder_client.models import load_model
+
+    prior = read_prior(a.prior) if a.prior is not None and a.prior.is_file() else None
+    model, tokenizer = load_model(a.model, a.tokenizer)
+    return model, tokenizer, prior
+
+
 def _bench_generate_args(bg: argparse.ArgumentParser) -> None:
     _model_prompt_args(bg, per_category=3, tokens=128, families=3, repeats=3)
     add(bg, "--rounds", type=positive, default=2, help="runs of every method on every prompt; the fastest counts")
@@ -324,11 +333,9 @@ def _bench_generate_args(bg: argparse.ArgumentParser) -> None:
 
 def cmd_bench_generate(a: argparse.Namespace) -> int:
     from benchmarks.generate_bench import report, run_bench
-    from decoder_client.models import load_model
 
     config = _bench_config(a, rounds=a.rounds, topk_at=a.topk_at)
-    prior = read_prior(a.prior) if a.prior is not None and a.prior.is_file() else None
-    model, tokenizer = load_model(a.model, a.tokenizer)
+    model, tokenizer, prior = _model_and_prior(a)
     result = run_bench(model, tokenizer, config, prior)
     print(report(result, as_json=a.json))
     return 0 if result["lossless"] else 1
@@ -343,11 +350,9 @@ def _bench_topk_args(bt: argparse.ArgumentParser) -> None:
 def cmd_bench_topk(a: argparse.Namespace) -> int:
     from benchmarks.generate_bench import bench_prompts
     from benchmarks.topk_bench import bench_topk, report
-    from decoder_client.models import load_model
 
     config = _bench_config(a)
-    prior = read_prior(a.prior) if a.prior is not None and a.prior.is_file() else None
-    model, tokenizer = load_model(a.model, a.tokenizer)
+    model, tokenizer, prior = _model_and_prior(a)
     result = bench_topk(model, tokenizer, bench_prompts(tokenizer, config, held_out=False), config, prior)
     print(json.dumps(result, indent=2) if a.json else report(result))
     return 0 if result["identical"] else 1

@@ -45,6 +45,14 @@ AGENTIC = "agentic"
 # Where the target's top-k feeds the successor tier: every tree node verified, the positions
 # that produced the step's tokens, nowhere.
 TOPK_AT = ("tree", "path", "none")
+
+
+def topk_feed(at: str) -> tuple[int, bool]:
+    """For a place of :data:`TOPK_AT`: the top-k the decoder hands over (0: none) and whether
+    every verified node's row feeds the successor tier (else the produced positions' only)."""
+    return (0 if at == "none" else MAX_TOPK), at == "tree"
+
+
 CHATML_START, CHATML_END = "<|im_start|>", "<|im_end|>"
 
 
@@ -264,12 +272,12 @@ class SharedEngine:
         """Decode one request. Unless it is the ``last`` round of this prompt, everything the
         run learnt is undone afterwards, so every round starts from the same state."""
         saved = None if last else (copy.deepcopy(self.engine.calibrator), copy.deepcopy(self.acceptance))
-        drafter = InProcessDrafter(self.vocab_size, self.params, engine=self.engine, every_node=self.topk_at == "tree")
+        topk, every_node = topk_feed(self.topk_at)
+        drafter = InProcessDrafter(self.vocab_size, self.params, engine=self.engine, every_node=every_node)
         verify = CalibratedDrafter(drafter, self.curve, self.acceptance)
         start = time.perf_counter()
         # The target's top-k at every verified position feeds the successor tier, as a
         # decoder that sees the logits sends it.
-        topk = 0 if self.topk_at == "none" else MAX_TOPK
         tokens, stats = self.decoder.generate(ids, max_new_tokens, drafter=verify, eos_token_id=eos, topk=topk)
         seconds = time.perf_counter() - start
         # Bookkeeping after the answer, as a service does it off the request path.

@@ -16,10 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from benchmarks.generate import InProcessDrafter
-from benchmarks.generate_bench import TOPK_AT, BenchConfig, Prompt, encode, workload
+from benchmarks.generate_bench import TOPK_AT, BenchConfig, Prompt, encode, topk_feed, workload
 from decoder_client.reference_decoder import ReferenceDecoder
 from indexer.drafter import DrafterConfig, DraftParams, NamespaceDrafter
-from indexer.successors import MAX_TOPK
 from indexer.tokens import Namespace
 
 logger = logging.getLogger(__name__)
@@ -46,10 +45,10 @@ def run_feed(
     engine = NamespaceDrafter(Namespace(name="topk", vocab_size=vocab), DrafterConfig(), prior)
     decoder = ReferenceDecoder(model)
     params = DraftParams(budget=config.budget)
+    topk, every_node = topk_feed(at)
     feed = Feed({}, {}, [])
     for prompt, ids in prompts:
-        drafter = InProcessDrafter(vocab, params, engine=engine, every_node=at == "tree")
-        topk = 0 if at == "none" else MAX_TOPK
+        drafter = InProcessDrafter(vocab, params, engine=engine, every_node=every_node)
         out, stats = decoder.generate(ids, config.max_new_tokens, drafter=drafter, eos_token_id=eos, topk=topk)
         drafter.close(commit=True)
         if engine.memory.needs_rebuild():

@@ -20,6 +20,16 @@ from transformers import (
 from decoder_client.models import GGUF_FILE, smollm2_dir
 
 
+@pytest.fixture
+def bench_paths(shared_data: Path) -> dict[str, Path]:
+    """The real traces and tokenizer a benchmark's ``BenchConfig`` reads its prompts from."""
+    return {
+        "spec_bench": shared_data / "traces/spec_bench_vicuna7b.jsonl.gz",
+        "agentic": shared_data / "traces/swe_agent_dev.jsonl.gz",
+        "llama_tokenizer": shared_data / "tokenizers/llama2-spm",
+    }
+
+
 @pytest.fixture(scope="session")
 def smollm2(shared_data: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """SmolLM2-135M-Instruct (float32, CPU, eval) and its tokenizer, loaded once per session."""

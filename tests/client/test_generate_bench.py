@@ -95,12 +95,10 @@ def test_prompts_from_the_real_traces(shared_data: Path, smollm2) -> None:  # ty
     assert len(tokenizer.encode(first.messages[1][1], add_special_tokens=False)) <= 64 + 8
 
 
-def test_tiny_run_is_lossless(shared_data: Path, smollm2) -> None:  # type: ignore[no-untyped-def]
+def test_tiny_run_is_lossless(bench_paths: dict[str, Path], smollm2) -> None:  # type: ignore[no-untyped-def]
     model, tokenizer = smollm2
     config = BenchConfig(
-        spec_bench=shared_data / "traces/spec_bench_vicuna7b.jsonl.gz",
-        agentic=shared_data / "traces/swe_agent_dev.jsonl.gz",
-        llama_tokenizer=shared_data / "tokenizers/llama2-spm",
+        **bench_paths,
         max_new_tokens=12,
         pld_candidates=(3,),
         tuning_tokens=4,
@@ -121,13 +119,8 @@ def test_tiny_run_is_lossless(shared_data: Path, smollm2) -> None:  # type: igno
     assert [d["name"] for d in result["prompts"]] == ["echo", "de"] and all(d["identical"] for d in result["prompts"])
 
 
-def test_the_topk_feed_is_one_of_the_known_places(shared_data: Path) -> None:
-    paths = {
-        "spec_bench": shared_data / "traces/spec_bench_vicuna7b.jsonl.gz",
-        "agentic": shared_data / "traces/swe_agent_dev.jsonl.gz",
-        "llama_tokenizer": shared_data / "tokenizers/llama2-spm",
-    }
+def test_the_topk_feed_is_one_of_the_known_places(bench_paths: dict[str, Path]) -> None:
     for place in ("tree", "path", "none"):
-        assert BenchConfig(**paths, topk_at=place).topk_at == place
+        assert BenchConfig(**bench_paths, topk_at=place).topk_at == place
     with pytest.raises(ValueError, match="topk_at must be one of tree, path, none"):
-        BenchConfig(**paths, topk_at="everywhere")
+        BenchConfig(**bench_paths, topk_at="everywhere")

@@ -8,15 +8,9 @@ from benchmarks.generate_bench import BenchConfig, Prompt
 from benchmarks.topk_bench import bench_topk, report
 
 
-def test_a_tiny_run_compares_the_feeds_on_the_same_outputs(shared_data: Path, smollm2) -> None:  # type: ignore[no-untyped-def]
+def test_a_tiny_run_compares_the_feeds_on_the_same_outputs(bench_paths: dict[str, Path], smollm2) -> None:  # type: ignore[no-untyped-def]
     model, tokenizer = smollm2
-    config = BenchConfig(
-        spec_bench=shared_data / "traces/spec_bench_vicuna7b.jsonl.gz",
-        agentic=shared_data / "traces/swe_agent_dev.jsonl.gz",
-        llama_tokenizer=shared_data / "tokenizers/llama2-spm",
-        max_new_tokens=16,
-        budget=16,
-    )
+    config = BenchConfig(**bench_paths, max_new_tokens=16, budget=16)
     prompts = [
         Prompt("qa", "echo", (("user", "Repeat exactly: alpha beta gamma delta alpha beta gamma delta"),)),
         Prompt("agentic", "echo#2", (("user", "Repeat exactly: alpha beta gamma delta alpha beta gamma delta"),)),
