@@ -37,12 +37,15 @@ def replica(tmp_path: Path) -> Iterator[Replica]:
 
 
 def commit(r: Replica, prompt: list[int], output: list[int]) -> None:
+    """One request committed, and in the log: a commit that finds another write under way is
+    journaled (durable) and written after it, so the log may not hold it yet when acknowledged."""
     (sid,) = r.stub.OpenSessions(
         pb.OpenSessionsRequest(sessions=[pb.OpenSession(namespace=NS, prompt=prompt)])
     ).session_ids
     r.stub.CloseSessions(
         pb.CloseSessionsRequest(sessions=[pb.CloseSession(session_id=sid, commit=True, new_tokens=output)])
     )
+    eventually(lambda: r.admin.Stats(pb.StatsRequest()).storage.journaled_commits == 0)
 
 
 def read(r: Replica, after: str, max_tokens: int, ns: str = NS) -> pb.ReadLogResponse:
