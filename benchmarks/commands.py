@@ -344,16 +344,25 @@ def cmd_bench_generate(a: argparse.Namespace) -> int:
 def _bench_topk_args(bt: argparse.ArgumentParser) -> None:
     _model_prompt_args(bt, per_category=2, tokens=96, families=1, repeats=2)
     add(bt, "--budget", type=positive, default=64, help="draft tree size in tokens (verified whole)")
+    add(bt, "--chain", type=non_negative, default=0, help="draft and verify chains of at most K tokens, as "
+        "engines do (0: whole trees)")  # fmt: skip
+    add(bt, "--lookahead", type=non_negative, default=0, help="draft ahead for this many outcomes of each step "
+        "(pre-speculation) and report how often the outcome had a tree")  # fmt: skip
     bt.add_argument("--json", action="store_true", help="machine-readable output")
 
 
 def cmd_bench_topk(a: argparse.Namespace) -> int:
     from benchmarks.generate_bench import bench_prompts
-    from benchmarks.topk_bench import bench_topk, report
+    from benchmarks.topk_bench import bench_topk, report, topk_params
 
+    try:
+        topk_params(a.budget, a.chain, a.lookahead)
+    except ValueError as exc:
+        raise SystemExit(f"bench-topk: {exc}") from None
     config = _bench_config(a)
     model, tokenizer, prior = _model_and_prior(a)
-    result = bench_topk(model, tokenizer, bench_prompts(tokenizer, config, held_out=False), config, prior)
+    prompts = bench_prompts(tokenizer, config, held_out=False)
+    result = bench_topk(model, tokenizer, prompts, config, prior, chain=a.chain, lookahead=a.lookahead)
     print(json.dumps(result, indent=2) if a.json else report(result))
     return 0 if result["identical"] else 1
 

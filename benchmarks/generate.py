@@ -39,17 +39,29 @@ class InProcessDrafter:
     """The engine in-process as a reference-decoder drafter (context in, tree out), for one
     request; pass ``engine`` to share one engine's memory between requests. The target's top-k
     feeds the successor tier at every node a step verified, or with ``every_node=False`` only
-    where it produced the step's tokens (all a trace replay can feed)."""
+    where it produced the step's tokens (all a trace replay can feed). With ``lookahead`` > 0
+    each tree is followed by trees drafted ahead for that many likely outcomes (pre-speculation,
+    done while the target verifies), and a step whose outcome had one verifies it
+    (``ahead_hits`` of ``ahead_steps``)."""
 
     def __init__(
-        self, vocab_size: int, params: DraftParams, engine: NamespaceDrafter | None = None, *, every_node: bool = True
+        self,
+        vocab_size: int,
+        params: DraftParams,
+        engine: NamespaceDrafter | None = None,
+        *,
+        every_node: bool = True,
+        lookahead: int = 0,
     ) -> None:
         self._engine = engine or NamespaceDrafter(Namespace(name="local", vocab_size=vocab_size), DrafterConfig())
         self._params = params
         self._every_node = every_node
+        self._lookahead = lookahead
         self._session: Session | None = None
         self._verified: VerifiedTopk | None = None
         self.tiers = TierCounter()
+        self.ahead_hits = 0  # steps that verified a tree drafted ahead for their outcome
+        self.ahead_steps = 0  # steps after one that drafted ahead
 
     def observe_topk(self, verified: VerifiedTopk) -> None:
         """The target's top-k where the last step verified (see ``ReferenceDecoder.generate``)."""
@@ -67,8 +79,15 @@ class InProcessDrafter:
             elif v is not None:
                 self._engine.observe_topk(self._session, new, v.produced())
             self._engine.accept(self._session, new)
+            self.ahead_steps += self._lookahead > 0
         self._verified = None
-        tree = self._engine.draft(self._session, self._params)
+        tree = self._session.last_tree if self._lookahead and new.size else None
+        if tree is not None:  # the outcome had been drafted ahead for: accept made it the tree
+            self.ahead_hits += 1
+        else:
+            tree = self._engine.draft(self._session, self._params)
+        if self._lookahead:
+            self._engine.prespeculate(self._session, self._lookahead, self._params)
         self.tiers.observe(new, tree)
         return tree
 
