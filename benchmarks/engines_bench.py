@@ -204,6 +204,7 @@ def make_runner(a: argparse.Namespace) -> Runner:
             chain_min_prob=a.chain_min_prob,
             token_cost=a.token_cost,
             n_threads=a.llama_threads or None,
+            topk=a.llama_topk,
             methods=a.methods,
         )
     from benchmarks.engines_vllm import METHODS, VllmRunner
@@ -281,6 +282,13 @@ def parser() -> argparse.ArgumentParser:
         help="llama.cpp: threads for decoding and batches (0: its default); 1 leaves a core to the service, "
         "as vLLM's CPU worker binds one core and reserves the rest",
     )
+    p.add_argument(
+        "--llama-topk",
+        type=int,
+        default=0,
+        help="llama.cpp: draftcache sends the engine's top-k ids at every position a step verified (0: none, "
+        "at most 8), which feed the namespace's successor tier",
+    )
     p.add_argument("--model", type=Path, default=None, help="vLLM: a Hugging Face folder (default: SmolLM2)")
     p.add_argument("--compile", action="store_true", help="vLLM: torch.compile the model (default: eager)")
     p.add_argument(
@@ -314,6 +322,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(message)s")
     if a.max_new_tokens < 1 or a.k < 1 or a.kv_cache_mib < 1 or a.deadline_ms <= 0:
         p.error("--max-new-tokens, --k and --kv-cache-mib must be >= 1, --deadline-ms > 0")
+    if not 0 <= a.llama_topk <= 8:
+        p.error("--llama-topk must be in [0, 8]")
     if a.variant and a.engine != "vllm":
         p.error("--variant: vLLM's benchmark runs variants (llama.cpp's runs one draft model)")
     try:

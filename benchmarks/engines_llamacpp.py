@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from decoder_client.engines.llamacpp import DraftcacheDraftModel, DraftStats, accepted_drafts
+from indexer.successors import MAX_TOPK
 
 ENGINE = "llama.cpp"
 PLAIN, LOOKUP, OURS = "plain", "prompt-lookup", "draftcache"
@@ -41,6 +42,7 @@ class LlamaCppBench:
     chain_min_prob: float = 0.1
     token_cost: float = -1.0
     deadline_s: float = 0.005
+    topk: int = 0  # the engine's top-k ids sent back at every verified position (0: none; at most 8)
     lookup_max_ngram: int = 2  # LlamaPromptLookupDecoding's defaults
     lookup_num_pred_tokens: int = 10
 
@@ -50,6 +52,8 @@ class LlamaCppBench:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.n_threads is not None and self.n_threads < 1:
             raise ValueError(f"n_threads must be >= 1, got {self.n_threads}")
+        if not 0 <= self.topk <= MAX_TOPK:
+            raise ValueError(f"topk must be in [0, {MAX_TOPK}], got {self.topk}")
 
 
 class CountedDraftModel:
@@ -114,6 +118,7 @@ class Engines:
             chain_min_prob=config.chain_min_prob,
             token_cost=config.token_cost,
             deadline_s=config.deadline_s,
+            topk=config.topk,
         )
         engines.llms = {PLAIN: llama(), LOOKUP: llama(lookup), OURS: ours.attach(llama(ours))}
         engines.counters = {LOOKUP: lookup, OURS: ours}

@@ -32,6 +32,7 @@ class LlamaCppRunner:
         chain_min_prob: float,
         token_cost: float = -1.0,
         n_threads: int | None = None,
+        topk: int = 0,
         methods: Sequence[str] = (),
     ) -> None:
         from benchmarks import engines_llamacpp as lc
@@ -49,6 +50,7 @@ class LlamaCppRunner:
             chain_min_prob=chain_min_prob,
             token_cost=token_cost,
             n_threads=n_threads,
+            topk=topk,
         )
         self._engines = lc.Engines.load(self.config)  # its drafting Llamas keep every position's logits
         lc.ensure_namespace(target, namespace, self._engines.vocab_size)
@@ -98,6 +100,7 @@ class LlamaCppRunner:
                 "deadline_ms": c.deadline_s * 1e3,
                 "chain_min_prob": c.chain_min_prob,
                 "token_cost": c.token_cost,
+                "topk": c.topk,
                 **self._client_counts(),
                 **self._cost_figures(),
             }

@@ -82,6 +82,8 @@ def test_llama_cpp_lines_for_every_workload_and_method(shared_data: Path, serve:
             "16",
             "--deadline-ms",
             "250",
+            "--llama-topk",
+            "8",
             "--work-dir",
             str(tmp_path / "work"),
             "--out",
@@ -106,6 +108,7 @@ def test_llama_cpp_lines_for_every_workload_and_method(shared_data: Path, serve:
     # Where its drafts came from, per workload: one per step, the service's or the local fallback's.
     assert ours["remote_drafts"] > 0 and ours["remote_drafts"] + ours["fallback_drafts"] >= ours["drafts"]
     assert ours["draft_call_wait_ms"] > 0  # the mean wait on a draft call's reply
+    assert ours["topk"] == 8  # the engine's rows went back with its steps
 
 
 def test_a_variant_is_draftcache_with_its_own_settings_namespace_and_stats(tmp_path: Path) -> None:
@@ -158,6 +161,7 @@ def test_the_kv_cache_flag_reaches_every_engine(tmp_path: Path) -> None:
         (["--engine", "vllm", "--variant", "a:", "--variant", "a:deadline_s=0.01"], "two variants with one name"),
         (["--engine", "vllm", "--variant", "a b:"], "NAME of letters"),
         (["--engine", "vllm", "--kv-cache-mib", "0"], "--kv-cache-mib must be >= 1"),
+        (["--engine", "llama.cpp", "--llama-topk", "9"], "--llama-topk must be in [0, 8]"),
     ],
 )
 def test_bad_variants_are_refused_before_any_engine_starts(
