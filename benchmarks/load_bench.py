@@ -309,6 +309,7 @@ def summarise(
         "steps": steps,
         "step_ms_p50": round(float(np.percentile(lat, 50)), 3) if lat.size else None,
         "step_ms_p99": round(float(np.percentile(lat, 99)), 3) if lat.size else None,
+        "step_ms_mean": round(float(lat.mean()), 3) if lat.size else None,  # steps drafted ahead count, at ~0
         "sequence_drafts_per_s": round(sum(r.sequence_drafts for r in results) / stepping, 1),
         "server_drafts_per_s": None if server_drafts is None else round(server_drafts / stepping, 1),
         "fallback_share": round(sum(r.fallbacks for r in results) / max(1, steps * config.batch), 4),

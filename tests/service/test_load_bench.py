@@ -48,6 +48,9 @@ def test_summary_counts_and_percentiles() -> None:
     out = summarise(config, [a, b], [], server_drafts=11, elapsed=2.5)
     assert out["steps"] == 3
     assert out["step_ms_p50"] == pytest.approx(2.0)
+    a.latencies = [0.0, 0.003]  # a step drafted ahead waits for nothing: the mean shows it, the median not
+    out = summarise(config, [a, b], [], server_drafts=11, elapsed=2.5)
+    assert out["step_ms_p50"] == pytest.approx(2.0) and out["step_ms_mean"] == pytest.approx(5 / 3, abs=1e-3)
     assert out["sequence_drafts_per_s"] == pytest.approx(5.5)  # 11 remote trees in 2 s
     assert out["fallback_share"] == pytest.approx(1 / 12, abs=1e-4)  # 1 of 3 steps x 4 sequences
     assert out["mat"] == pytest.approx(20 / 12, abs=1e-3)
