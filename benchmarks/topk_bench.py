@@ -52,17 +52,16 @@ def run_feed(
     prior: Any,
     eos: int | None,
     at: str,
+    params: DraftParams,
     *,
-    chain: int = 0,
     lookahead: int = 0,
 ) -> Feed:
     """Every prompt in order through one engine fed the target's top-k ``at`` (see
     :data:`~benchmarks.generate_bench.TOPK_AT`), each finished request joining its memory.
-    ``chain`` > 0: chains of at most that many tokens are drafted and verified (what engines
-    take) instead of whole trees, and every chain position's row is a verified node's.
+    ``params`` with a chain: chains of at most that many tokens are drafted and verified (what
+    engines take) instead of whole trees, and every chain position's row is a verified node's.
     ``lookahead`` > 0: trees drafted ahead for that many outcomes of each step (counted in
     ``ahead_hits`` where the outcome had one)."""
-    params = topk_params(config.budget, chain, lookahead)
     vocab = int(model.config.get_text_config().vocab_size)
     engine = NamespaceDrafter(Namespace(name="topk", vocab_size=vocab), DrafterConfig(), prior)
     decoder = ReferenceDecoder(model)
@@ -97,12 +96,10 @@ def bench_topk(
     """MAT per workload for each feed, its ratio to no feed, and whether outputs agree (trees,
     or with ``chain`` chains of at most that many tokens); with ``lookahead`` each feed's
     pre-speculation hit rate too."""
-    topk_params(config.budget, chain, lookahead)
+    params = topk_params(config.budget, chain, lookahead)
     encoded = [(p, encode(tokenizer, p)) for p in prompts]
-    feeds = {
-        at: run_feed(model, encoded, config, prior, tokenizer.eos_token_id, at, chain=chain, lookahead=lookahead)
-        for at in TOPK_AT
-    }
+    eos = tokenizer.eos_token_id
+    feeds = {at: run_feed(model, encoded, config, prior, eos, at, params, lookahead=lookahead) for at in TOPK_AT}
     none = feeds["none"]
     names = [n for n in none.tokens if n != "all"] + ["all"]
     return {
