@@ -84,11 +84,25 @@ def _step(items: Sequence[Step], sessions: SessionTable, touched: Touched) -> Dr
         trees = drafter.draft_many([(entry.session, entry.params) for entry in entries])
         touched(entries)
         return Drafted(trees)
-    pending = [
-        _Pending(entry, k, entry.session.last_tree if new.size and entry.session.has_tree else None)
-        for entry, new, k in items
-    ]
+    pending = [_Pending(entry, k, _held(entry, new, k)) for entry, new, k in items]
     return _settle(pending, touched)
+
+
+def _held(entry: SessionEntry, new: np.ndarray, lookahead: int) -> DraftTree | None:
+    """The item's tree where the session already holds it, once it took its new tokens: the
+    one drafted ahead for the outcome those tokens are (``None``: still to draft).
+
+    An item with no new tokens that asks for outcomes ahead, on a session still holding the
+    tree drafted for its context (in tree mode: a chain-mode session holds the tree its chain
+    was cut from), gets that tree again and the trees ahead of it: a client that asked for its
+    step's trees alone asks for what lies ahead of them in a call of its own, and the context
+    is not drafted twice."""
+    session = entry.session
+    if not session.has_tree:
+        return None
+    if new.size or (lookahead and not entry.params.chain):
+        return session.last_tree
+    return None
 
 
 def _settle(steps: list[_Pending], touched: Touched) -> Drafted:

@@ -212,11 +212,14 @@ class ClientCore:
         req = self.open_request(todo, now=now)
         return None if req is None else Reopening(todo, [len(s) for s in todo], req)
 
-    def draft_request(self, sessions: Sequence[ClientSession]) -> pb.DraftRequest | None:
+    def draft_request(self, sessions: Sequence[ClientSession], *, ahead: bool = True) -> pb.DraftRequest | None:
+        """The draft call for those of ``sessions`` with a server copy (None: none, or the
+        service is being skipped): their pending tokens and top-k rows; with ``ahead``, the
+        outcomes to draft ahead for too (the client's ``lookahead``)."""
         remote = [s for s in sessions if s.server_id]
         if not remote or not self.available():
             return None
-        k, top_k = self.config.lookahead, self.config.topk
+        k, top_k = self.config.lookahead if ahead else 0, self.config.topk
         rows = [s.take_topk(top_k) or ([], []) for s in remote]  # (after, rows) each
         for s in remote:
             s.asked_at = len(s)

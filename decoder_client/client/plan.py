@@ -91,7 +91,11 @@ def draft_step(
     session (remote or fallback), within ``deadline_s`` (None: the client's).
 
     A session whose outcome was drafted ahead gets that tree at once; the call delivering its
-    tokens (and drafting ahead for its next outcome) is yielded as :class:`DraftAhead`.
+    tokens (and drafting ahead for its next outcome) is yielded as :class:`DraftAhead`. With
+    ``lookahead`` the draft call itself asks for nothing ahead: the sessions it answered ask
+    again in that background call, with no new tokens, for the outcomes ahead of the tree just
+    sent (the service holds it and drafts only what lies ahead of it), so drafting ahead never
+    delays a step's draft.
     """
     if deadline_s is not None and not deadline_s > 0:
         raise ValueError(f"deadline_s must be > 0, got {deadline_s}")
@@ -101,13 +105,17 @@ def draft_step(
     yield Reopen(sessions)
     ready, rest = core.split_ahead(sessions, new_tokens)
     trees = yield from _draft_rest(core, rest, end)
+    # Answered by the service: a server copy holding every token (a failed or late call
+    # leaves the tokens pending, or the copy in doubt).
+    again = [s for s in rest if s.server_id and not s.pending] if core.config.lookahead else []
+    if ready or again:
+        ahead = [s for s in sessions if id(s) in ready] + again
+        req = core.draft_request(ahead)
+        if req is not None:
+            yield DraftAhead(ahead, req)
     if not ready:  # nothing was drafted ahead: every tree is fresh, in order
         return trees
     fresh = dict(zip(map(id, rest), trees, strict=True))
-    ahead = [s for s in sessions if id(s) in ready]
-    req = core.draft_request(ahead)
-    if req is not None:
-        yield DraftAhead(ahead, req)
     return [ready[id(s)] if id(s) in ready else fresh[id(s)] for s in sessions]
 
 
@@ -116,7 +124,7 @@ def _draft_rest(
 ) -> Generator[Effect, Drafted | None, list[DraftTree]]:
     """Trees for the sessions nothing was drafted ahead for: one call within what is left of
     the step's deadline, the fallback wherever it does not answer."""
-    req = core.draft_request(rest)
+    req = core.draft_request(rest, ahead=False)  # drafting ahead goes in the background (see draft_step)
     left = end - time.monotonic()
     got = (yield Draft(req, left)) if req is not None and left > 0 else None
     resp, late = (got.response, got.late) if got is not None else (None, None)

@@ -124,8 +124,12 @@ def test_trees_drafted_ahead_answer_at_once_and_their_tokens_go_in_the_backgroun
     effects, trees = _run(draft_step(core, [hit, miss], [[7], [6]]), [None, None, Drafted(_answer([60]))])
     _, _, draft, ahead = effects
     assert isinstance(draft, Draft) and list(draft.request.columns.session_ids) == ["m"]
-    assert isinstance(ahead, DraftAhead) and ahead.sessions == [hit]
-    assert list(ahead.request.columns.new_tokens) == [7] and list(ahead.request.columns.lookahead) == [1]
+    assert list(draft.request.columns.lookahead) == []  # the step's draft waits on nothing drafted ahead
+    # One background call: the hit's tokens, and the outcomes ahead of both trees just handed
+    # out (the miss's copy has all its tokens: the service drafts only what lies ahead).
+    assert isinstance(ahead, DraftAhead) and ahead.sessions == [hit, miss]
+    cols = ahead.request.columns
+    assert list(cols.new_token_counts) == [1, 0] and list(cols.new_tokens) == [7] and list(cols.lookahead) == [1, 1]
     # In the sessions' order: the tree below 7 drafted ahead, then the fresh one.
     assert [t.tokens.tolist() for t in trees] == [[8, 9], [60]]
     assert (core.stats.ahead_hits, core.stats.ahead_misses) == (1, 1)
@@ -208,3 +212,19 @@ def test_a_step_while_the_service_is_skipped_keeps_the_copy_and_the_tokens_pendi
     assert s.server_id == "a" and s.pending == [2] and core.abandoned == []
     core.down_until = 0.0
     assert list(core.draft_request([s]).columns.new_tokens) == [2]
+
+
+def test_drafting_ahead_follows_an_answered_draft_and_never_a_failed_one() -> None:
+    core = _core(lookahead=2)
+    s = _remote([1, 2], "a")
+    effects, trees = _run(draft_step(core, [s], [[3]]), [None, None, Drafted(_answer([4, 5]))])
+    _, _, draft, ahead = effects
+    assert isinstance(draft, Draft) and list(draft.request.columns.lookahead) == []
+    assert trees[0].tokens.tolist() == [4, 5] and s.pending == []
+    assert isinstance(ahead, DraftAhead) and ahead.sessions == [s]
+    assert list(ahead.request.columns.new_token_counts) == [0] and list(ahead.request.columns.lookahead) == [2]
+    # The call failed: the fallback answers, the tokens wait for the next call, nothing goes ahead.
+    t = _remote([1, 2], "b")
+    effects, trees = _run(draft_step(core, [t], [[3]]), [None, None, Drafted(None)])
+    assert not any(isinstance(e, DraftAhead) for e in effects)
+    assert core.stats.fallback == 1
