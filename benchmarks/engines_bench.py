@@ -205,6 +205,7 @@ def make_runner(a: argparse.Namespace) -> Runner:
             token_cost=a.token_cost,
             n_threads=a.llama_threads or None,
             topk=a.llama_topk,
+            prompt_cache_mib=a.llama_prompt_cache_mib,
             methods=a.methods,
         )
     from benchmarks.engines_vllm import METHODS, VllmRunner
@@ -289,6 +290,13 @@ def parser() -> argparse.ArgumentParser:
         help="llama.cpp: draftcache sends the engine's top-k ids at every position a step verified (0: none, "
         "at most 8), which feed the namespace's successor tier",
     )
+    p.add_argument(
+        "--llama-prompt-cache-mib",
+        type=int,
+        default=1024,
+        help="llama.cpp: each engine keeps its prompts' states, as llama.cpp's server does, so a prompt asked "
+        "again is not evaluated again (0: every run evaluates its whole prompt; default: %(default)s)",
+    )
     p.add_argument("--model", type=Path, default=None, help="vLLM: a Hugging Face folder (default: SmolLM2)")
     p.add_argument("--compile", action="store_true", help="vLLM: torch.compile the model (default: eager)")
     p.add_argument(
@@ -324,6 +332,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         p.error("--max-new-tokens, --k and --kv-cache-mib must be >= 1, --deadline-ms > 0")
     if not 0 <= a.llama_topk <= 8:
         p.error("--llama-topk must be in [0, 8]")
+    if a.llama_prompt_cache_mib < 0:
+        p.error("--llama-prompt-cache-mib must be >= 0")
     if a.variant and a.engine != "vllm":
         p.error("--variant: vLLM's benchmark runs variants (llama.cpp's runs one draft model)")
     try:

@@ -45,6 +45,8 @@ class LlamaCppBench:
     topk: int = 0  # the engine's top-k ids sent back at every verified position (0: none; at most 8)
     lookup_max_ngram: int = 2  # LlamaPromptLookupDecoding's defaults
     lookup_num_pred_tokens: int = 10
+    # Each engine's prompt cache, MiB (0: every run evaluates its whole prompt); see PromptCache.
+    prompt_cache_mib: int = 1024
 
     def __post_init__(self) -> None:
         for name in ("n_ctx", "max_new_tokens", "num_pred_tokens", "lookup_max_ngram", "lookup_num_pred_tokens"):
@@ -52,6 +54,8 @@ class LlamaCppBench:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.n_threads is not None and self.n_threads < 1:
             raise ValueError(f"n_threads must be >= 1, got {self.n_threads}")
+        if self.prompt_cache_mib < 0:
+            raise ValueError(f"prompt_cache_mib must be >= 0, got {self.prompt_cache_mib}")
         if not 0 <= self.topk <= MAX_TOPK:
             raise ValueError(f"topk must be in [0, {MAX_TOPK}], got {self.topk}")
 
@@ -84,6 +88,70 @@ class CountedDraftModel:
         return draft
 
 
+class PromptCache:
+    """One engine's evaluated prompts kept in memory, as llama.cpp's server keeps them
+    (``cache_prompt``, on by default, and its host-memory prompt cache, ``--cache-ram``): a
+    prompt asked again starts from the K/V state its last generation left, and only its last
+    token is evaluated again (for its logits). llama-cpp-python's own ``LlamaRAMCache`` serves
+    completions only, not ``generate``, and saves every position's logits with the state
+    (hundreds of MB for an engine that keeps them all, as a draft model's does); this keeps the
+    sequence's K/V cells alone (about 23 KiB a token for SmolLM2-135M). Oldest out first past
+    ``capacity_bytes``; every method's engine gets one alike, so no method gains on another
+    but by what it does after the prompt.
+    """
+
+    def __init__(self, capacity_bytes: int) -> None:
+        self.capacity_bytes = capacity_bytes
+        self._kept: dict[tuple[int, ...], tuple[bytes, np.ndarray]] = {}  # prompt -> (cells, tokens)
+        self.hits = 0
+
+    @property
+    def size_bytes(self) -> int:
+        return sum(len(cells) for cells, _ in self._kept.values())
+
+    def restore(self, llm: Any, prompt: Sequence[int]) -> bool:
+        """Put ``prompt``'s kept state into ``llm`` (reset first), so that its next
+        ``generate(prompt)`` evaluates only the prompt's last token; False: none kept."""
+        import ctypes
+
+        import llama_cpp
+
+        found = self._kept.get(tuple(prompt))
+        if found is None:
+            return False
+        cells, tokens = found
+        buf = (ctypes.c_uint8 * len(cells)).from_buffer_copy(cells)
+        llm.reset()
+        if llama_cpp.llama_state_seq_set_data(llm._ctx.ctx, buf, len(cells), 0) != len(cells):
+            return False  # the engine evaluates the whole prompt, as without a cache
+        llm.input_ids[: tokens.size] = tokens
+        llm.n_tokens = int(tokens.size)
+        llm._requires_eval = True  # its logits are not the restored state's: evaluate again
+        self.hits += 1
+        return True
+
+    def keep(self, llm: Any, prompt: Sequence[int]) -> None:
+        """Keep the state ``llm`` holds after generating from ``prompt`` (its K/V cells hold the
+        prompt and what followed it)."""
+        import ctypes
+
+        import llama_cpp
+
+        n = int(llm.n_tokens)
+        if n < len(prompt) or self.capacity_bytes <= 0:
+            return
+        size = llama_cpp.llama_state_seq_get_size(llm._ctx.ctx, 0)
+        buf = (ctypes.c_uint8 * size)()
+        written = llama_cpp.llama_state_seq_get_data(llm._ctx.ctx, buf, size, 0)
+        if written <= 0 or written > self.capacity_bytes:
+            return
+        key = tuple(prompt)
+        self._kept.pop(key, None)
+        self._kept[key] = (bytes(buf)[:written], np.array(llm.input_ids[:n], dtype=np.intc))
+        while self.size_bytes > self.capacity_bytes:
+            del self._kept[next(iter(self._kept))]
+
+
 @dataclass
 class Engines:
     """One ``Llama`` per method on the same GGUF file, made once per run."""
@@ -91,6 +159,7 @@ class Engines:
     config: LlamaCppBench
     llms: dict[str, Any] = field(default_factory=dict)
     counters: dict[str, Any] = field(default_factory=dict)  # method -> object with .stats
+    prompt_caches: dict[str, PromptCache] = field(default_factory=dict)  # method -> its engine's
 
     @classmethod
     def load(cls, config: LlamaCppBench) -> Engines:
@@ -122,6 +191,8 @@ class Engines:
         )
         engines.llms = {PLAIN: llama(), LOOKUP: llama(lookup), OURS: ours.attach(llama(ours))}
         engines.counters = {LOOKUP: lookup, OURS: ours}
+        if config.prompt_cache_mib:
+            engines.prompt_caches = {m: PromptCache(config.prompt_cache_mib << 20) for m in engines.llms}
         return engines
 
     @property

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,6 +34,7 @@ class LlamaCppRunner:
         token_cost: float = -1.0,
         n_threads: int | None = None,
         topk: int = 0,
+        prompt_cache_mib: int = 1024,
         methods: Sequence[str] = (),
     ) -> None:
         from benchmarks import engines_llamacpp as lc
@@ -51,6 +53,7 @@ class LlamaCppRunner:
             token_cost=token_cost,
             n_threads=n_threads,
             topk=topk,
+            prompt_cache_mib=prompt_cache_mib,
         )
         self._engines = lc.Engines.load(self.config)  # its drafting Llamas keep every position's logits
         lc.ensure_namespace(target, namespace, self._engines.vocab_size)
@@ -62,13 +65,23 @@ class LlamaCppRunner:
             self.run(method, self._engines.llms[PLAIN].tokenize(WARM_UP, add_bos=False), max_new_tokens=8)
 
     def run(self, method: str, ids: Sequence[int], max_new_tokens: int | None = None) -> Measurement:
-        """``method`` greedy on ``ids`` from an empty cache (every run evaluates its whole
-        prompt), timed from the start and from the first generated token."""
+        """``method`` greedy on ``ids``, timed from the start and from the first generated
+        token. Its engine starts from the state its prompt cache kept for ``ids``, if any (see
+        :class:`~benchmarks.engines_llamacpp.PromptCache`; restoring and keeping are timed),
+        else evaluates the whole prompt."""
         llm = self._engines.llms[method]
         counter = self._engines.counters.get(method)
+        cache = self._engines.prompt_caches.get(method)
         before = dataclasses.replace(counter.stats) if counter is not None else None
-        llm.reset()
+        start = time.perf_counter()
+        if cache is None or not cache.restore(llm, ids):
+            llm.reset()
+        restored = time.perf_counter() - start
         tokens, seconds, decode = self._greedy(llm, ids, max_new_tokens or self.config.max_new_tokens)
+        start = time.perf_counter()
+        if cache is not None:
+            cache.keep(llm, ids)
+        seconds += restored + time.perf_counter() - start
         if counter is None or before is None:
             return Measurement(tokens, seconds, decode_seconds=decode)
         s = counter.stats
@@ -87,15 +100,12 @@ class LlamaCppRunner:
 
     def workload_notes(self, method: str) -> dict[str, Any]:
         c = self.config
+        notes: dict[str, Any] = {"n_threads": c.n_threads, **self._cache_notes(method)}
         if method == self._lookup:
-            return {
-                "max_ngram_size": c.lookup_max_ngram,
-                "num_pred_tokens": c.lookup_num_pred_tokens,
-                "n_threads": c.n_threads,
-            }
+            return {"max_ngram_size": c.lookup_max_ngram, "num_pred_tokens": c.lookup_num_pred_tokens, **notes}
         if method == self._ours:
             return {
-                "n_threads": c.n_threads,
+                **notes,
                 "num_pred_tokens": c.num_pred_tokens,
                 "deadline_ms": c.deadline_s * 1e3,
                 "chain_min_prob": c.chain_min_prob,
@@ -104,7 +114,15 @@ class LlamaCppRunner:
                 **self._client_counts(),
                 **self._cost_figures(),
             }
-        return {"n_threads": c.n_threads}
+        return notes
+
+    def _cache_notes(self, method: str) -> dict[str, Any]:
+        """The engine's prompt cache: its size, and the runs it started so far (the warm-up's
+        included)."""
+        cache = self._engines.prompt_caches.get(method)
+        if cache is None:
+            return {"prompt_cache_mib": 0}
+        return {"prompt_cache_mib": self.config.prompt_cache_mib, "prompt_cache_hits": cache.hits}
 
     def _client_counts(self) -> dict[str, float]:
         """Drafts the service answered and drafts the client's local fallback made (its deadline

@@ -100,6 +100,9 @@ def test_llama_cpp_lines_for_every_workload_and_method(shared_data: Path, serve:
         assert x["tokens_per_s"] > 0 and x["mean_accepted_tokens"] >= 1.0 and 0.0 <= x["identical_to_greedy"] <= 1.0
         assert x["tokens"] > 0 and x["prompts"] == len(workloads[x["workload"]])
         assert x["decode_tokens_per_s"] > 0  # timed from each run's first token, the prompt left out
+        # Each engine keeps its prompts' states: pass 2 of the agent workload starts from them.
+        assert x["prompt_cache_mib"] == 1024
+        assert (x["prompt_cache_hits"] > 0) == (x["workload"] == AGENT_REPEAT)
     ours = next(x for x in lines if x["workload"] == AGENT_REPEAT and x["method"] == "draftcache")
     # Pass 2 asks pass 1's task again: the service has its answer (committed at the end of
     # the generation) and drafts it, many tokens per step.
