@@ -28,6 +28,7 @@ more tokens per unit of verification time; chains of 8 level).
 from __future__ import annotations
 
 import bisect
+from typing import Any
 
 import numpy as np
 
@@ -43,6 +44,7 @@ from indexer.kernels.chain import (
     chain_cells,
     chain_conditional,
     chain_outcome,
+    chain_outcome_rows,
     chain_path,
     chain_reach_outcome,
 )
@@ -142,6 +144,11 @@ class ChainCalibrator:
             _COARSE_PRIOR, _FINE_PRIOR, self._reach_hits, self._reach_claims, _REACH_EDGES, _REACH_PRIOR,
         )  # fmt: skip
 
+    def select_args(self) -> tuple:
+        """The calibration as :func:`~indexer.kernels.tree_select.select_batch` takes it: the
+        first eight of :meth:`kernel_args` (the node cells' counts and their back-off)."""
+        return self.kernel_args()[:8]
+
     def reach(self, claims: np.ndarray, track: int = 0) -> np.ndarray:
         """A chain's nodes' claimed reach (by depth from 1: the products of their conditionals)
         as the chains cut so far bore them out for sessions of track record ``track``: each
@@ -181,6 +188,24 @@ class ChainCalibrator:
         """Outcomes learnt from so far: nodes whose parent the target accepted."""
         return int(self._coarse_trials.sum())
 
+    def update_rows(
+        self, i32: Any, i64: Any, rows: np.ndarray, produced: np.ndarray, ends: np.ndarray, tracks: np.ndarray
+    ) -> list[int]:
+        """:meth:`update` for the tree each session in store row ``rows[j]`` holds, drafted for
+        its track record ``tracks[j]``, and the tokens produced after it (``produced`` between
+        ``ends[j]`` and ``ends[j + 1]``), in one compiled pass. Returns each session's track
+        record from now on."""
+        if not rows.size:
+            return []
+        if not (tracks.min() >= 0 and tracks.max() < TRACKS):
+            raise ValueError(f"tracks must be in [0, {TRACKS}), got {tracks.tolist()}")
+        self._coarse = None
+        followed = chain_outcome_rows(
+            i32, i64, rows, produced, ends, tracks, _SCORE_EDGES, self._hits, self._trials, self._coarse_hits,
+            self._coarse_trials,
+        )  # fmt: skip
+        return tracks_of(followed)
+
     def update(self, tree: DraftTree, produced: np.ndarray, track: int = 0) -> int:
         """Learn from the tokens the target produced after ``tree`` (accepted ones plus the bonus
         token), drafted for a session whose track record was ``track``: every node whose parent
@@ -201,6 +226,15 @@ class ChainCalibrator:
                 self._coarse_trials,
             )
         )
+
+
+def tracks_of(followed: np.ndarray) -> list[int]:
+    """:func:`track_of` of each depth followed.
+
+    >>> tracks_of(np.array([0, 3, 20]))
+    [0, 2, 5]
+    """
+    return (np.searchsorted(TRACK_EDGES, followed, side="right") - 1).clip(0).tolist()
 
 
 def track_of(followed: int) -> int:

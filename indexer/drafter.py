@@ -24,6 +24,7 @@ from indexer.kernels import draft as draft_kernel
 from indexer.kernels.draft import JOB_COLUMNS
 from indexer.kernels.draft import SETTINGS as _SETTINGS
 from indexer.kernels.draft_chain import draft_chain_batch
+from indexer.kernels.tree_select import draft_select_batch, select_batch
 from indexer.lifetime_index import LifetimeConfig, LifetimeMemory, SearchArrays, prompt_key
 from indexer.prespeculation import Prefetched, select
 from indexer.prior import StaticPrior
@@ -40,6 +41,7 @@ _TIER_NAMES = [t.name for t in Tier]  # by value: counting by name without build
 MAX_BUDGET = 1024
 MAX_DEPTH = 128
 MAX_LOOKAHEAD = 16  # outcomes drafted ahead per step
+MAX_TREE_POOL = 8  # most times a tree's budget drafted before its likeliest nodes are kept
 MIN_SKIP = 256  # a known leading part shorter than this is committed again (not worth a cut)
 _BRANCHES = 4  # rejected branches remembered where verification left a tree
 # Fewest sequences a worker thread of the threaded draft step takes: waking the threads costs
@@ -129,8 +131,11 @@ def warm_draft_step(lifetime: SearchArrays, threads: int = 1) -> None:
     for n in {1, threads}:
         kernels.draft_step(n)(*args)
     none64 = np.zeros(0, dtype=np.int64)
-    chain_args = (*args, none64, np.zeros(0), none64, *ChainCalibrator().kernel_args())
+    calibrator = ChainCalibrator()
+    chain_args = (*args, none64, np.zeros(0), none64, *calibrator.kernel_args())
     draft_chain_batch(*chain_args)
+    select_args = (*args, none64, none64, none64, *calibrator.select_args())
+    draft_select_batch(*select_args)
 
 
 def _lifetime_args(a: SearchArrays) -> tuple:
@@ -170,11 +175,18 @@ class DrafterConfig:
     # alone), each taking at least MIN_PER_THREAD. The trees are the same either way; more
     # threads shorten a large batch's step.
     threads: int = 1
+    # A tree-mode draft drafts this many times its budget of nodes, then keeps the budget's
+    # nodes verification most likely reaches by the chain calibrator's chances
+    # (:mod:`indexer.kernels.tree_select`), once it has learnt from _CALIBRATED_AFTER node
+    # outcomes; 1: the budget's nodes as the merge ranks them.
+    tree_pool: int = 2
 
     def __post_init__(self) -> None:
         for name in ("max_match", "samples", "context_samples", "calibration_buckets", "threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 1 <= self.tree_pool <= MAX_TREE_POOL:
+            raise ValueError(f"tree_pool must be in [1, {MAX_TREE_POOL}], got {self.tree_pool}")
 
 
 @dataclass
@@ -206,7 +218,8 @@ class NamespaceDrafter:
         self.memory = LifetimeMemory(config.lifetime, ring=own_ring)  # own_ring=False: indexes adopted
         self.prior = prior
         self.calibrator = Calibrator(config.calibration_buckets)
-        self.chain_calibrator = ChainCalibrator()  # node acceptance, for chain mode
+        self.chain_calibrator = ChainCalibrator()  # node acceptance: chains cut and trees kept by it
+        self._calibrated = False  # it has learnt enough to keep trees by (see _selecting)
         self.successors = SuccessorTable(namespace.vocab_size)  # the target's own top-k, fed back
         self.counters = DraftCounters()
         self._lock = threading.Lock()
@@ -258,10 +271,81 @@ class NamespaceDrafter:
         chains = [p.chain for _, p in items]
         if all(chains) and step_threads(self.threads, len(table)) == 1:  # the usual chain-mode call
             return self._chain_step(items, table, min_score)
-        trees = self._step(sessions, table, min_score, _NO_TOKENS, _NO_TOKENS)
+        for session, params in items:
+            if not params.chain:  # a tree's outcome teaches the chances its nodes are kept by
+                session.calibrates = True
+        budgets = self._pooled(table, items)
+        if budgets is None:
+            trees = self._step(sessions, table, min_score, _NO_TOKENS, _NO_TOKENS)
+        elif step_threads(self.threads, len(table)) == 1:
+            trees = self._select_step(items, table, min_score, rows, budgets)
+        else:  # drafted by the threads, then the trees kept
+            trees = self._select(self._step(sessions, table, min_score, _NO_TOKENS, _NO_TOKENS), items, rows, budgets)
         if not any(chains):
             return trees
         return self._chains(trees, items)
+
+    def _pooled(self, table: np.ndarray, items: Sequence[tuple[Session, DraftParams]]) -> np.ndarray | None:
+        """Where trees are kept by their calibrated chances, each tree-mode job's budget in
+        ``table`` raised to its pool, and every job's budget to keep (-1: a chain-mode job's
+        tree, kept whole); ``None`` when nothing is selected."""
+        pool = self.config.tree_pool
+        if pool == 1 or not self._selecting():
+            return None
+        first = items[0][1]
+        if all(p is first for _, p in items):  # the usual batch: one request's settings
+            if first.chain or first.budget <= 0:
+                return None
+            table[:, draft_kernel.BUDGET] = min(first.budget * pool, MAX_BUDGET)
+            return np.full(len(items), first.budget, dtype=np.int64)
+        budgets = np.array([-1 if p.chain else p.budget for _, p in items], dtype=np.int64)
+        trees = budgets > 0
+        if not trees.any():
+            return None
+        table[trees, draft_kernel.BUDGET] = np.minimum(budgets[trees] * pool, MAX_BUDGET)
+        return budgets
+
+    def _selecting(self) -> bool:
+        """Whether the chain calibrator has learnt enough to keep trees by its chances (its
+        counts only grow, so once it has, it stays so)."""
+        if not self._calibrated:
+            self._calibrated = self.chain_calibrator.trials >= _CALIBRATED_AFTER
+        return self._calibrated
+
+    def _select_step(
+        self,
+        items: Sequence[tuple[Session, DraftParams]],
+        table: np.ndarray,
+        min_score: np.ndarray,
+        rows: np.ndarray,
+        budgets: np.ndarray,
+    ) -> DraftedTrees:
+        """Every job's tree drafted and kept in one compiled call
+        (:func:`~indexer.kernels.tree_select.draft_select_batch`), as :meth:`_step` then
+        :meth:`_select` make them."""
+        sessions = [session for session, _ in items]
+        tracks = np.array([s.track for s in sessions], dtype=np.int64)
+        args = (
+            *self._step_args(table, min_score, _NO_TOKENS, _NO_TOKENS), budgets, tracks, rows,
+            *self.chain_calibrator.select_args(),
+        )  # fmt: skip
+        tokens, parents, sources, scores, ends, grown = draft_select_batch(*args)
+        self._follow_grown(sessions, grown)
+        return DraftedTrees(TreeBatch(tokens, parents, sources, scores, ends))
+
+    def _select(
+        self, trees: DraftedTrees, items: Sequence[tuple[Session, DraftParams]], rows: np.ndarray, budgets: np.ndarray
+    ) -> DraftedTrees:
+        """Each tree-mode job's pool cut to its budget's likeliest nodes, in one compiled pass
+        (:func:`~indexer.kernels.tree_select.select_batch`); each session holds the tree kept.
+        The calibration is read without the lock, as :meth:`_chain_step` reads it."""
+        b = trees.batch
+        tracks = np.array([s.track for s, _ in items], dtype=np.int64)
+        kept = select_batch(
+            b.tokens, b.parents, b.sources, b.scores, b.offsets, budgets, tracks, rows, self.store.i32,
+            self.store.i64, *self.chain_calibrator.select_args(),
+        )  # fmt: skip
+        return DraftedTrees(TreeBatch(*kept))
 
     def _chain_step(
         self, items: Sequence[tuple[Session, DraftParams]], table: np.ndarray, min_score: np.ndarray
@@ -421,17 +505,23 @@ class NamespaceDrafter:
     def _learn_chains(self, items: Sequence[tuple[Session, np.ndarray, Branches | None]]) -> None:
         """The chain calibrator learns from the outcome of each tree its probabilities were
         used for (a chain-mode draft's whole tree, a pre-speculating session's tree)."""
-        for session, new, _ in items:
-            if session.calibrates:
+        learning = [(session, new) for session, new, _ in items if session.calibrates]
+        if learning:  # every held tree's outcome in one compiled pass
+            rows = np.array([self.store.hold(s) for s, _ in learning], dtype=np.int64)
+            ends = np.cumsum([0] + [new.size for _, new in learning], dtype=np.int64)
+            tracks = np.array([s.track for s, _ in learning], dtype=np.int64)
+            produced = _joined([new for _, new in learning], np.int32)
+            with self._lock:
+                after = self.chain_calibrator.update_rows(self.store.i32, self.store.i64, rows, produced, ends, tracks)
+            for (session, new), track in zip(learning, after, strict=True):
                 session.calibrates = False
-                tree = session.last_tree
-                if tree is not None:
-                    with self._lock:
-                        session.track = self.chain_calibrator.update(tree, new, session.track)
+                if session.has_tree:
+                    session.track = track
                 if session.chain is not None:
-                    tokens, claims, track = session.chain
+                    tokens, claims, cut_for = session.chain
                     with self._lock:
-                        self.chain_calibrator.update_reach(tokens, claims, new, track)
+                        self.chain_calibrator.update_reach(tokens, claims, new, cut_for)
+        for session, _, _ in items:
             session.chain = None
 
     def prespeculate(self, session: Session, k: int, params: DraftParams) -> Prefetched:

@@ -16,6 +16,15 @@ import argparse
 import os
 from typing import Any
 
+TREE_POOL_HELP = (
+    "a tree is drafted this many times its budget, then cut to the budget's nodes the target most likely "
+    "accepts, by the namespace's calibrated chances (1: the budget's nodes as the merge ranks them; more "
+    "draft CPU for longer accepted runs)"
+)
+# indexer.drafter's DrafterConfig.tree_pool default and MAX_TREE_POOL (a test keeps them equal):
+# the command line is parsed without loading the drafter.
+TREE_POOL, MAX_TREE_POOL = 2, 8
+
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows every option's default (``(default: ...)``), except where there is none to show."""
@@ -41,6 +50,22 @@ def add(p: argparse.ArgumentParser, flag: str, **kw: Any) -> None:
     if "help" not in kw:
         raise ValueError(f"{flag}: every option needs help text")
     p.add_argument(flag, **kw)
+
+
+def pool(text: str) -> int:
+    """A tree pool: an integer in [1, MAX_TREE_POOL].
+
+    >>> pool("2")
+    2
+    >>> pool("9")
+    Traceback (most recent call last):
+    ...
+    argparse.ArgumentTypeError: must be in [1, 8], got 9
+    """
+    value = int(text)
+    if not 1 <= value <= MAX_TREE_POOL:
+        raise argparse.ArgumentTypeError(f"must be in [1, {MAX_TREE_POOL}], got {value}")
+    return value
 
 
 def positive(text: str) -> int:

@@ -34,6 +34,7 @@ from indexer.kernels.chain import (
     chain_cells,
     chain_conditional,
     chain_outcome,
+    chain_outcome_rows,
     chain_path,
     chain_pick,
     chain_reach,
@@ -73,6 +74,7 @@ from indexer.kernels.tree import (
     verification_outcome,
     verification_outcomes,
 )
+from indexer.kernels.tree_select import draft_select_batch, keep_likeliest, select_batch
 
 # Threading layers that take threaded calls from several threads at once ("workqueue" aborts).
 _THREADSAFE_LAYERS = ("omp", "tbb")
@@ -86,6 +88,7 @@ __all__ = [
     "chain_cells",
     "chain_conditional",
     "chain_outcome",
+    "chain_outcome_rows",
     "chain_path",
     "chain_pick",
     "chain_reach",
@@ -95,6 +98,7 @@ __all__ = [
     "draft_batch",
     "draft_batch_parallel",
     "draft_chain_batch",
+    "draft_select_batch",
     "draft_step",
     "find_leader",
     "find_longest_leader",
@@ -102,6 +106,7 @@ __all__ = [
     "gather_rows",
     "hash_rows",
     "hash_tokens",
+    "keep_likeliest",
     "lcp",
     "leader_runs",
     "longest_match",
@@ -118,6 +123,7 @@ __all__ = [
     "rejected_branches",
     "sample_rows",
     "sample_starts",
+    "select_batch",
     "stacked_continuations",
     "stopping_points",
     "stopping_points_rows",
@@ -205,6 +211,18 @@ def warm_up() -> None:
         coarse_counts, coarse_counts, np.ones(RATIO_BINS), 2.0, 4.0, reached, reached, np.ones(11), 8.0,
     )  # fmt: skip
     draft_chain_batch(*chain_args)
+    # Trees kept by their calibrated chances (a budget of 1 of each tiny tree), and the held
+    # trees' outcomes learnt in one pass.
+    select_args = (
+        *_tiny_draft(), np.ones(2, dtype=np.int64), np.zeros(2, dtype=np.int64), np.zeros(2, dtype=np.int64),
+        np.ones(6), cells, cells, coarse_counts, coarse_counts, np.ones(RATIO_BINS), 2.0, 4.0,
+    )  # fmt: skip
+    draft_select_batch(*select_args)
+    keep_likeliest(root, np.ones(1), 1)
+    i32b, i64b = _tiny_store()
+    chain_outcome_rows(i32b, i64b, np.zeros(2, dtype=np.int64), toks[:2].copy(), np.array([0, 1, 2]),
+                       np.zeros(2, dtype=np.int64), np.ones(6), cells, cells.copy(), coarse_counts,
+                       coarse_counts.copy())  # fmt: skip
     subtree_nodes(one, root, 1)
     for at in (-1, 0):  # stored scores, and probabilities given
         reach_at = np.array([at, -1], dtype=np.int64)

@@ -5,8 +5,12 @@ precedes its children."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 from numba import njit
+
+from indexer.kernels.store import I32_PER_ROW, I64_PER_ROW, STATE, TREE, TREE_SIZE, tree_views
 
 RATIO_BINS = 9  # score / parent score in eighths, 1.0 in a bin of its own
 # A node's depth, binned: 1, 2, 3, 4-5, 6-8, 9-12, 13 or more. Deep nodes of one score and
@@ -165,6 +169,37 @@ def chain_outcome(
             coarse_hits[r, k] += hit
             if matched[i]:
                 followed = max(followed, depth[i])
+    return followed
+
+
+@njit(cache=True, nogil=True)
+def chain_outcome_rows(
+    i32: Any,
+    i64: Any,
+    rows: np.ndarray,
+    produced: np.ndarray,
+    ends: np.ndarray,
+    tracks: np.ndarray,
+    score_edges: np.ndarray,
+    hits: np.ndarray,
+    trials: np.ndarray,
+    coarse_hits: np.ndarray,
+    coarse_trials: np.ndarray,
+) -> np.ndarray:
+    """:func:`chain_outcome` of the tree each session in store row ``rows[j]`` holds, drafted
+    for its track record ``tracks[j]``, against the tokens produced after it (``produced``
+    between ``ends[j]`` and ``ends[j + 1]``), all in one call. Returns how deep each tree was
+    followed (0 where a session holds no tree or nothing was produced)."""
+    followed = np.zeros(rows.size, dtype=np.int64)
+    for j in range(rows.size):
+        r = rows[j]
+        n = i64[r * I64_PER_ROW + STATE][TREE_SIZE]
+        new = produced[ends[j] : ends[j + 1]]
+        if n <= 0 or new.size == 0:
+            continue
+        tokens, parents, sources, scores = tree_views(i32[r * I32_PER_ROW + TREE], n)
+        cells = chain_cells(parents, scores, sources, score_edges, tracks[j])
+        followed[j] = chain_outcome(parents, tokens, new, cells, hits, trials, coarse_hits, coarse_trials)
     return followed
 
 

@@ -204,7 +204,7 @@ def test_trees_drafted_ahead_are_the_supposed_contexts_merged_without_the_exclud
         depth = min(params.max_depth + 1, 128, max(params.budget, 1))
         t = s.last_tree
         if calibrated:
-            reach = chain_reach(t.parents, d.chain_calibrator.conditional(t)).astype(np.float32)
+            reach = chain_reach(t.parents, d.chain_calibrator.conditional(t, s.track)).astype(np.float32)
             t = DraftTree(t.tokens, t.parents, t.sources, reach)
         points = stopping_points(t, 4)
         assert len(ahead) == len(points)
