@@ -221,6 +221,9 @@ def test_a_full_disk_refuses_commits_and_recovers_by_itself(tmp_path: Path) -> N
                 time.sleep(0.2)
             acked += [i, *_commits(serve, range(i + 1, i + 11))]
             wait_for(lambda: serve.stats().storage.journaled_commits == 0, 15, "the journal to drain")
+            # The supervisor counts the restart once its own readiness check (a PING every 50 ms)
+            # passes; commits may reach the new server a poll before that.
+            wait_for(lambda: serve.stats().storage.embedded_restarts >= 1, 5, "the restart to be counted")
             health = serve.stats().storage
             assert health.available and not health.disk_full and health.embedded_restarts >= 1
             log = serve.log()  # (Redis, on a full disk, may not manage to log why it exits)
