@@ -116,3 +116,21 @@ def test_the_tree_pool_is_checked_and_the_command_lines_agree_with_the_drafter()
             DrafterConfig(tree_pool=bad)
     assert DrafterConfig().tree_pool == options.TREE_POOL
     assert options.MAX_TREE_POOL == drafter_module.MAX_TREE_POOL
+
+
+def test_a_threaded_step_keeps_the_trees_one_thread_keeps():
+    import numba
+
+    def drafted(threads: int) -> tuple[NamespaceDrafter, list, list]:
+        d = NamespaceDrafter(NS, DrafterConfig(threads=threads, tree_pool=3))
+        _teach(d)
+        sessions = [d.open([t for k in range(30) for t in (1, 2, 10 + (k * (j + 1)) % 60)] + [1, 2]) for j in range(8)]
+        return d, sessions, d.draft_many([(s, DraftParams(budget=8)) for s in sessions])
+
+    threaded, sessions, shared = drafted(2)
+    assert threaded.threads == (2 if numba.threading_layer() in ("omp", "tbb") else 1)
+    _, _, alone = drafted(1)
+    for a, b, s in zip(alone, shared, sessions, strict=True):
+        assert len(b) == 8 and a.tokens.tolist() == b.tokens.tolist() and a.parents.tolist() == b.parents.tolist()
+        held = s.last_tree
+        assert held is not None and held.tokens.tolist() == b.tokens.tolist()
