@@ -234,7 +234,7 @@ def tracks_of(followed: np.ndarray) -> list[int]:
     >>> tracks_of(np.array([0, 3, 20]))
     [0, 2, 5]
     """
-    return (np.searchsorted(TRACK_EDGES, followed, side="right") - 1).clip(0).tolist()
+    return [track_of(n) for n in followed.tolist()]
 
 
 def track_of(followed: int) -> int:
