@@ -22,7 +22,7 @@ from benchmarks.replay import ReplayStats
 from benchmarks.traces import check_vocabulary, read_traces, sharegpt_conversations, write_traces
 from cache_service.admin import warm
 from cache_service.admin.commands import prior_args, prior_config, tokenize, warm_prior, write_atomic
-from cache_service.admin.options import TREE_POOL, TREE_POOL_HELP, add, non_negative, pool, positive
+from cache_service.admin.options import TREE_RANK, TREE_RANK_HELP, TREE_RANKS, add, non_negative, positive
 from indexer import kernels
 from indexer.drafter import DrafterConfig, DraftParams
 from indexer.prior import read_prior
@@ -44,7 +44,7 @@ def _replay_args(r: argparse.ArgumentParser) -> None:
     r.add_argument("traces", type=Path, help="trace file: one JSON conversation per line (.gz read transparently)")
     add(r, "--target", default=None, help="host:port of a running service (default: the engine in-process)")
     add(r, "--budget", type=positive, default=64, help="draft tree size in tokens (at least 1)")
-    add(r, "--tree-pool", type=pool, default=TREE_POOL, help=TREE_POOL_HELP)
+    add(r, "--tree-rank", choices=TREE_RANKS, default=TREE_RANK, help=TREE_RANK_HELP)
     add(r, "--max-depth", type=positive, default=32, help="deepest path of a tree")
     add(r, "--min-score", type=float, default=0.0, help="nodes scoring below this are not drafted")
     add(r, "--limit", type=positive, default=None, help="replay only the first N conversations")
@@ -200,7 +200,7 @@ def cmd_replay(a: argparse.Namespace) -> int:
             chain=a.chain,
             chain_min_prob=a.chain_min_prob,
         ),
-        drafter=DrafterConfig(tree_pool=a.tree_pool),
+        drafter=DrafterConfig(tree_rank=a.tree_rank),
         baselines=tuple(b for b in str(a.baselines).split(",") if b),
         suffix_factor=a.suffix_factor,
         suffix_min_prob=a.suffix_min_prob,
@@ -503,7 +503,7 @@ def _bench_draft_args(bd: argparse.ArgumentParser) -> None:
     add(bd, "--budget", type=positive, default=64, help="draft tree size in tokens")
     add(bd, "--chain", type=non_negative, default=0, help="draft chains of at most K tokens (0: trees)")
     add(bd, "--draft-threads", type=positive, default=1, help="worker threads one batch's draft step is shared among")
-    add(bd, "--tree-pool", type=pool, default=TREE_POOL, help=TREE_POOL_HELP)
+    add(bd, "--tree-rank", choices=TREE_RANKS, default=TREE_RANK, help=TREE_RANK_HELP)
     add(bd, "--prior", type=Path, default=None, help="a static prior to draft from too (a `warm --out` file)")
     add(bd, "--lookahead", type=non_negative, default=0, help="pre-speculation: outcomes drafted ahead per step")
     add(bd, "--step-ms", type=float, default=0.0, help="idle time between steps (the target's verification)")
@@ -521,7 +521,7 @@ def cmd_bench_draft(a: argparse.Namespace) -> int:
         lookahead=a.lookahead,
         step_interval_s=a.step_ms / 1e3,
         params=DraftParams(budget=a.budget, chain=a.chain),
-        drafter=DrafterConfig(threads=a.draft_threads, tree_pool=a.tree_pool),
+        drafter=DrafterConfig(threads=a.draft_threads, tree_rank=a.tree_rank),
     )
     prior = read_prior(a.prior) if a.prior is not None else None
     namespace = replay_bench.namespace_of(conversations, vocab)

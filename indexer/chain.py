@@ -27,7 +27,6 @@ more tokens per unit of verification time; chains of 8 level).
 
 from __future__ import annotations
 
-import bisect
 from typing import Any
 
 import numpy as np
@@ -57,6 +56,7 @@ _FINE_PRIOR = 4.0  # pseudo-trials at the ratio bin's estimate, per fine cell
 # calibration, and the pseudo-trials at the claim itself per (depth, claim) cell.
 _REACH_EDGES = np.array([0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9])
 _REACH_PRIOR = 8.0
+_TRACK_EDGES = np.array(TRACK_EDGES)
 
 
 class ChainCalibrator:
@@ -134,20 +134,20 @@ class ChainCalibrator:
         )  # fmt: skip
         return TreeBatch(*arrays), claims
 
-    def kernel_args(self) -> tuple:
-        """The calibration as :func:`~indexer.kernels.draft_chain.draft_chain_batch` takes it,
-        after the draft step's own arguments and the jobs' ``ks``, ``min_probs`` and tracks: the
+    def cell_args(self) -> tuple:
+        """The node cells' calibration as the draft step takes it (the last eight arguments of
+        :func:`~indexer.kernels.draft.draft_batch`, which ranks a tree's nodes by it): the
         counts themselves (updated in place by each outcome, never replaced), so a draft reads
         every count as it stands, and the back-off is worked out there."""
         return (
             _SCORE_EDGES, self._hits, self._trials, self._coarse_hits, self._coarse_trials, self._claim,
-            _COARSE_PRIOR, _FINE_PRIOR, self._reach_hits, self._reach_claims, _REACH_EDGES, _REACH_PRIOR,
+            _COARSE_PRIOR, _FINE_PRIOR,
         )  # fmt: skip
 
-    def select_args(self) -> tuple:
-        """The calibration as :func:`~indexer.kernels.tree_select.select_batch` takes it: the
-        first eight of :meth:`kernel_args` (the node cells' counts and their back-off)."""
-        return self.kernel_args()[:8]
+    def reach_args(self) -> tuple:
+        """The chains' reach calibration as :func:`~indexer.kernels.draft_chain.draft_chain_batch`
+        takes it, after the jobs' ``ks``, ``min_probs`` and tracks."""
+        return self._reach_hits, self._reach_claims, _REACH_EDGES, _REACH_PRIOR
 
     def reach(self, claims: np.ndarray, track: int = 0) -> np.ndarray:
         """A chain's nodes' claimed reach (by depth from 1: the products of their conditionals)
@@ -192,19 +192,19 @@ class ChainCalibrator:
         self, i32: Any, i64: Any, rows: np.ndarray, produced: np.ndarray, ends: np.ndarray, tracks: np.ndarray
     ) -> list[int]:
         """:meth:`update` for the tree each session in store row ``rows[j]`` holds, drafted for
-        its track record ``tracks[j]``, and the tokens produced after it (``produced`` between
-        ``ends[j]`` and ``ends[j + 1]``), in one compiled pass. Returns each session's track
-        record from now on."""
+        its track record ``tracks[j]`` (-1: not learnt from), and the tokens produced after it
+        (``produced`` between ``ends[j]`` and ``ends[j + 1]``), in one compiled pass. Returns
+        each session's track record from now on (-1 where not learnt from)."""
         if not rows.size:
             return []
-        if not (tracks.min() >= 0 and tracks.max() < TRACKS):
-            raise ValueError(f"tracks must be in [0, {TRACKS}), got {tracks.tolist()}")
+        if not (tracks.min() >= -1 and tracks.max() < TRACKS):
+            raise ValueError(f"tracks must be -1 or in [0, {TRACKS}), got {tracks.tolist()}")
         self._coarse = None
         followed = chain_outcome_rows(
             i32, i64, rows, produced, ends, tracks, _SCORE_EDGES, self._hits, self._trials, self._coarse_hits,
             self._coarse_trials,
         )  # fmt: skip
-        return tracks_of(followed)
+        return np.where(tracks < 0, -1, tracks_of(followed)).tolist()
 
     def update(self, tree: DraftTree, produced: np.ndarray, track: int = 0) -> int:
         """Learn from the tokens the target produced after ``tree`` (accepted ones plus the bonus
@@ -228,22 +228,23 @@ class ChainCalibrator:
         )
 
 
-def tracks_of(followed: np.ndarray) -> list[int]:
-    """:func:`track_of` of each depth followed.
+def tracks_of(followed: np.ndarray) -> np.ndarray:
+    """The track record of sessions whose last trees the target followed ``followed`` tokens
+    deep: the bin of :data:`TRACK_EDGES` each falls in.
 
-    >>> tracks_of(np.array([0, 3, 20]))
-    [0, 2, 5]
+    >>> tracks_of(np.array([0, 1, 2, 3, 4, 7, 8, 15, 16, 24])).tolist()
+    [0, 1, 2, 2, 3, 3, 4, 4, 5, 5]
     """
-    return [track_of(n) for n in followed.tolist()]
+    return np.maximum(np.searchsorted(_TRACK_EDGES, followed, side="right") - 1, 0)
 
 
 def track_of(followed: int) -> int:
-    """A session's track record once the target followed its last tree ``followed`` tokens deep.
+    """:func:`tracks_of` of one session.
 
-    >>> [track_of(n) for n in (0, 1, 2, 3, 4, 7, 8, 15, 16, 24)]
-    [0, 1, 2, 2, 3, 3, 4, 4, 5, 5]
+    >>> track_of(5)
+    3
     """
-    return max(bisect.bisect_right(TRACK_EDGES, followed) - 1, 0)
+    return int(tracks_of(np.array([followed]))[0])
 
 
 def best_path(

@@ -24,7 +24,6 @@ from indexer.kernels import draft as draft_kernel
 from indexer.kernels.draft import JOB_COLUMNS
 from indexer.kernels.draft import SETTINGS as _SETTINGS
 from indexer.kernels.draft_chain import draft_chain_batch
-from indexer.kernels.tree_select import draft_select_batch, select_batch
 from indexer.lifetime_index import LifetimeConfig, LifetimeMemory, SearchArrays, prompt_key
 from indexer.prespeculation import Prefetched, select
 from indexer.prior import StaticPrior
@@ -41,7 +40,7 @@ _TIER_NAMES = [t.name for t in Tier]  # by value: counting by name without build
 MAX_BUDGET = 1024
 MAX_DEPTH = 128
 MAX_LOOKAHEAD = 16  # outcomes drafted ahead per step
-MAX_TREE_POOL = 8  # most times a tree's budget drafted before its likeliest nodes are kept
+TREE_RANKS = ("calibrated", "score")  # how a tree's nodes may be ranked (DrafterConfig.tree_rank)
 MIN_SKIP = 256  # a known leading part shorter than this is committed again (not worth a cut)
 _BRANCHES = 4  # rejected branches remembered where verification left a tree
 # Fewest sequences a worker thread of the threaded draft step takes: waking the threads costs
@@ -59,7 +58,7 @@ def step_threads(threads: int, sequences: int) -> int:
 Branches = Sequence[tuple[int, np.ndarray]]  # rejected branches: (accepted tokens before it, its tokens)
 
 
-_CALIBRATED_AFTER = 2000  # node outcomes the chain calibrator learns from before pre-speculation ranks by it
+_CALIBRATED_AFTER = 2000  # node outcomes the chain calibrator learns from before trees and pre-speculation rank by it
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -126,16 +125,15 @@ def warm_draft_step(lifetime: SearchArrays, threads: int = 1) -> None:
     counts = np.zeros((len(_TIERS), 2))
     settings = np.zeros(len(_SETTINGS), dtype=np.int64)
     none = np.zeros(0, dtype=np.int32)
+    calibrator = ChainCalibrator()
     args = (jobs, np.zeros(0), none, none, *kernels.no_prior(), store.i32, store.i64, *_lifetime_args(lifetime),
-            *SuccessorTable(0).kernel_args(), settings, _HALF_ARRAY, counts, counts)  # fmt: skip
+            *SuccessorTable(0).kernel_args(), settings, _HALF_ARRAY, counts, counts,
+            *calibrator.cell_args())  # fmt: skip
     for n in {1, threads}:
         kernels.draft_step(n)(*args)
     none64 = np.zeros(0, dtype=np.int64)
-    calibrator = ChainCalibrator()
-    chain_args = (*args, none64, np.zeros(0), none64, *calibrator.kernel_args())
+    chain_args = (*args, none64, np.zeros(0), none64, *calibrator.reach_args())
     draft_chain_batch(*chain_args)
-    select_args = (*args, none64, none64, none64, *calibrator.select_args())
-    draft_select_batch(*select_args)
 
 
 def _lifetime_args(a: SearchArrays) -> tuple:
@@ -175,18 +173,17 @@ class DrafterConfig:
     # alone), each taking at least MIN_PER_THREAD. The trees are the same either way; more
     # threads shorten a large batch's step.
     threads: int = 1
-    # A tree-mode draft drafts this many times its budget of nodes, then keeps the budget's
-    # nodes verification most likely reaches by the chain calibrator's chances
-    # (:mod:`indexer.kernels.tree_select`), once it has learnt from _CALIBRATED_AFTER node
-    # outcomes; 1: the budget's nodes as the merge ranks them.
-    tree_pool: int = 2
+    # How a tree-mode draft ranks its nodes: "calibrated", by the chance verification reaches
+    # each (the chain calibrator's, see indexer.kernels.tree.merge_tree) once the calibrator
+    # has learnt from _CALIBRATED_AFTER node outcomes; "score", by the merged tiers' scores.
+    tree_rank: str = "calibrated"
 
     def __post_init__(self) -> None:
         for name in ("max_match", "samples", "context_samples", "calibration_buckets", "threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not 1 <= self.tree_pool <= MAX_TREE_POOL:
-            raise ValueError(f"tree_pool must be in [1, {MAX_TREE_POOL}], got {self.tree_pool}")
+        if self.tree_rank not in TREE_RANKS:
+            raise ValueError(f"tree_rank must be one of {TREE_RANKS}, got {self.tree_rank!r}")
 
 
 @dataclass
@@ -219,7 +216,7 @@ class NamespaceDrafter:
         self.prior = prior
         self.calibrator = Calibrator(config.calibration_buckets)
         self.chain_calibrator = ChainCalibrator()  # node acceptance: chains cut and trees kept by it
-        self._calibrated = False  # it has learnt enough to keep trees by (see _selecting)
+        self._calibrated = False  # it has learnt enough to keep trees by (see _calibrated_enough)
         self.successors = SuccessorTable(namespace.vocab_size)  # the target's own top-k, fed back
         self.counters = DraftCounters()
         self._lock = threading.Lock()
@@ -274,78 +271,26 @@ class NamespaceDrafter:
         for session, params in items:
             if not params.chain:  # a tree's outcome teaches the chances its nodes are kept by
                 session.calibrates = True
-        budgets = self._pooled(table, items)
-        if budgets is None:
-            trees = self._step(sessions, table, min_score, _NO_TOKENS, _NO_TOKENS)
-        elif step_threads(self.threads, len(table)) == 1:
-            trees = self._select_step(items, table, min_score, rows, budgets)
-        else:  # drafted by the threads, then the trees kept
-            trees = self._select(self._step(sessions, table, min_score, _NO_TOKENS, _NO_TOKENS), items, rows, budgets)
+        self._rank(table, items)
+        trees = self._step(sessions, table, min_score, _NO_TOKENS, _NO_TOKENS)
         if not any(chains):
             return trees
         return self._chains(trees, items)
 
-    def _pooled(self, table: np.ndarray, items: Sequence[tuple[Session, DraftParams]]) -> np.ndarray | None:
-        """Where trees are kept by their calibrated chances, each tree-mode job's budget in
-        ``table`` raised to its pool, and every job's budget to keep (-1: a chain-mode job's
-        tree, kept whole); ``None`` when nothing is selected."""
-        pool = self.config.tree_pool
-        if pool == 1 or not self._selecting():
-            return None
-        first = items[0][1]
-        if all(p is first for _, p in items):  # the usual batch: one request's settings
-            if first.chain or first.budget <= 0:
-                return None
-            table[:, draft_kernel.BUDGET] = min(first.budget * pool, MAX_BUDGET)
-            return np.full(len(items), first.budget, dtype=np.int64)
-        budgets = np.array([-1 if p.chain else p.budget for _, p in items], dtype=np.int64)
-        trees = budgets > 0
-        if not trees.any():
-            return None
-        table[trees, draft_kernel.BUDGET] = np.minimum(budgets[trees] * pool, MAX_BUDGET)
-        return budgets
+    def _rank(self, table: np.ndarray, items: Sequence[tuple[Session, DraftParams]]) -> None:
+        """Where trees are ranked by their calibrated chances, each tree-mode job's session
+        track record in ``table``'s track column (else -1 there: ranked by score)."""
+        if self.config.tree_rank != "calibrated" or not self._calibrated_enough():
+            return
+        tracks = [-1 if p.chain else s.track for s, p in items]
+        table[:, draft_kernel.TRACK] = tracks
 
-    def _selecting(self) -> bool:
-        """Whether the chain calibrator has learnt enough to keep trees by its chances (its
+    def _calibrated_enough(self) -> bool:
+        """Whether the chain calibrator has learnt enough to rank trees by its chances (its
         counts only grow, so once it has, it stays so)."""
         if not self._calibrated:
             self._calibrated = self.chain_calibrator.trials >= _CALIBRATED_AFTER
         return self._calibrated
-
-    def _select_step(
-        self,
-        items: Sequence[tuple[Session, DraftParams]],
-        table: np.ndarray,
-        min_score: np.ndarray,
-        rows: np.ndarray,
-        budgets: np.ndarray,
-    ) -> DraftedTrees:
-        """Every job's tree drafted and kept in one compiled call
-        (:func:`~indexer.kernels.tree_select.draft_select_batch`), as :meth:`_step` then
-        :meth:`_select` make them."""
-        sessions = [session for session, _ in items]
-        tracks = np.array([s.track for s in sessions], dtype=np.int64)
-        args = (
-            *self._step_args(table, min_score, _NO_TOKENS, _NO_TOKENS), budgets, tracks, rows,
-            *self.chain_calibrator.select_args(),
-        )  # fmt: skip
-        tokens, parents, sources, scores, ends, grown = draft_select_batch(*args)
-        self._follow_grown(sessions, grown)
-        return DraftedTrees(TreeBatch(tokens, parents, sources, scores, ends))
-
-    def _select(
-        self, trees: DraftedTrees, items: Sequence[tuple[Session, DraftParams]], rows: np.ndarray, budgets: np.ndarray
-    ) -> DraftedTrees:
-        """Each tree-mode job's pool cut to its budget's likeliest nodes, in one compiled pass
-        (:func:`~indexer.kernels.tree_select.select_batch`); each session holds the tree kept.
-        The calibration is read without the lock, as :meth:`_chain_step` reads it."""
-        b = trees.batch
-        tracks = np.array([s.track for s, _ in items], dtype=np.int64)
-        kept = select_batch(
-            b.tokens, b.parents, b.sources, b.scores, b.offsets, budgets, tracks, rows, self.store.i32,
-            self.store.i64, *self.chain_calibrator.select_args(),
-        )  # fmt: skip
-        return DraftedTrees(TreeBatch(*kept))
 
     def _chain_step(
         self, items: Sequence[tuple[Session, DraftParams]], table: np.ndarray, min_score: np.ndarray
@@ -358,7 +303,7 @@ class NamespaceDrafter:
         sessions = [session for session, _ in items]
         args = (
             *self._step_args(table, min_score, _NO_TOKENS, _NO_TOKENS), *_chain_jobs(items),
-            *self.chain_calibrator.kernel_args(),
+            *self.chain_calibrator.reach_args(),
         )  # fmt: skip
         tokens, parents, sources, scores, ends, claims, grown = draft_chain_batch(*args)
         self._follow_grown(sessions, grown)
@@ -422,12 +367,14 @@ class NamespaceDrafter:
         items = [item for item in items if item[1].size]
         if not items:
             return
-        self._learn_chains(items)
         table, new_at = [], 0
         for session, new, rejected in items:
             branches = _BRANCHES if rejected is None else 0  # branches the item names are recorded here
             table.append((self.store.hold(session), new_at, new_at + new.size, branches))
             new_at += new.size
+        jobs = np.array(table, dtype=np.int64).reshape(-1, len(accept_kernel.ITEM_COLUMNS))
+        produced = _joined([new for _, new, _ in items], np.int32)
+        self._learn_chains(items, jobs, produced)
         # A tree drafted ahead for this outcome is what the decoder verifies next.
         ahead = [(s, select(s.prefetched, new)) for s, new, _ in items if s.prefetched]
         c = self.counters
@@ -438,8 +385,8 @@ class NamespaceDrafter:
         by_tier = np.zeros(len(_TIERS), dtype=np.int64)
         with self._lock:
             steps, drafted, grown = accept_kernel.accept_batch(
-                np.array(table, dtype=np.int64).reshape(-1, len(accept_kernel.ITEM_COLUMNS)),
-                _joined([new for _, new, _ in items], np.int32),
+                jobs,
+                produced,
                 self.store.i32,
                 self.store.i64,
                 *self.calibrator.arrays(),
@@ -502,18 +449,24 @@ class NamespaceDrafter:
         tokens = as_tokens(after, self.namespace.vocab_size, what="top-k positions")
         self.successors.observe(tokens, checked_topk(topk, tokens.size, self.namespace.vocab_size))
 
-    def _learn_chains(self, items: Sequence[tuple[Session, np.ndarray, Branches | None]]) -> None:
-        """The chain calibrator learns from the outcome of each tree its probabilities were
-        used for (a chain-mode draft's whole tree, a pre-speculating session's tree)."""
-        learning = [(session, new) for session, new, _ in items if session.calibrates]
-        if learning:  # every held tree's outcome in one compiled pass
-            rows = np.array([self.store.hold(s) for s, _ in learning], dtype=np.int64)
-            ends = np.cumsum([0] + [new.size for _, new in learning], dtype=np.int64)
-            tracks = np.array([s.track for s, _ in learning], dtype=np.int64)
-            produced = _joined([new for _, new in learning], np.int32)
+    def _learn_chains(
+        self, items: Sequence[tuple[Session, np.ndarray, Branches | None]], jobs: np.ndarray, produced: np.ndarray
+    ) -> None:
+        """The chain calibrator learns from the outcome of each tree its probabilities rank (a
+        tree-mode draft's, a chain-mode draft's whole tree, a pre-speculating session's tree):
+        the accept step's ``jobs`` table and ``produced`` tokens, every outcome in one compiled
+        pass."""
+        tracks = np.array([s.track if s.calibrates else -1 for s, _, _ in items], dtype=np.int64)
+        if tracks.max() >= 0:
+            ends = np.empty(len(items) + 1, dtype=np.int64)
+            ends[0], ends[1:] = 0, jobs[:, accept_kernel.NEW_END]
             with self._lock:
-                after = self.chain_calibrator.update_rows(self.store.i32, self.store.i64, rows, produced, ends, tracks)
-            for (session, new), track in zip(learning, after, strict=True):
+                after = self.chain_calibrator.update_rows(
+                    self.store.i32, self.store.i64, jobs[:, accept_kernel.ROW], produced, ends, tracks
+                )
+            for (session, new, _), track in zip(items, after, strict=True):
+                if track < 0:
+                    continue
                 session.calibrates = False
                 if session.has_tree:
                     session.track = track
@@ -647,7 +600,7 @@ class NamespaceDrafter:
         return (
             table, min_score, suffix, exclude, *prior, self.store.i32, self.store.i64,
             *_lifetime_args(self.memory.search_arrays()), *self.successors.kernel_args(), self._settings, _HALF_ARRAY,
-            *self.calibrator.arrays(),
+            *self.calibrator.arrays(), *self.chain_calibrator.cell_args(),
         )  # fmt: skip
 
     def _follow_grown(self, sessions: Sequence[Session], grown: np.ndarray) -> None:
@@ -701,6 +654,7 @@ def _jobs(
     match-length hints and how far its output agrees with an exact-prompt response."""
     table = np.zeros((rows.size, len(JOB_COLUMNS)), dtype=np.int64)
     table[:, draft_kernel.ROW] = rows
+    table[:, draft_kernel.TRACK] = -1  # ranked by score
     table[:, draft_kernel.REMEMBER] = int(remember)
     first = params[0] if params else None
     if first is None or all(p is first for p in params):  # the usual batch: one request's settings

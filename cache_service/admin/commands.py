@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from cache_service.admin.options import TREE_POOL, TREE_POOL_HELP, HelpFormatter, add, pool, positive
+from cache_service.admin.options import TREE_RANK, TREE_RANK_HELP, TREE_RANKS, HelpFormatter, add, positive
 from cache_service.admin.warm import FORMATS as CORPUS_FORMATS
 
 if TYPE_CHECKING:
@@ -143,7 +143,7 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     add(p, "--processes", type=positive, default=1, help="server processes sharing the port (one per core)")
     add(p, "--worker-ports", type=int, default=None, help="process i also serves port BASE + i alone")
     add(p, "--draft-threads", type=positive, default=1, help="worker threads one batch's draft step is shared among")
-    add(p, "--tree-pool", type=pool, default=TREE_POOL, help=TREE_POOL_HELP)
+    add(p, "--tree-rank", choices=TREE_RANKS, default=TREE_RANK, help=TREE_RANK_HELP)
     add(p, "--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
     add(p, "--metrics-host", default="0.0.0.0", help="address of the metrics endpoint")
     add(p, "--tokens-file", type=Path, default=None, help="bearer tokens of tenants (JSON); default: no auth")
@@ -245,7 +245,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
     config = AppConfig(
         service=ServiceConfig(
-            drafter=DrafterConfig(threads=a.draft_threads, tree_pool=a.tree_pool),
+            drafter=DrafterConfig(threads=a.draft_threads, tree_rank=a.tree_rank),
             rebuild_interval_s=a.rebuild_interval,
             follow_interval_s=a.follow_interval,
             flush_interval_s=a.flush_interval,

@@ -16,14 +16,14 @@ import argparse
 import os
 from typing import Any
 
-TREE_POOL_HELP = (
-    "a tree is drafted this many times its budget, then cut to the budget's nodes the target most likely "
-    "accepts, by the namespace's calibrated chances (1: the budget's nodes as the merge ranks them; more "
-    "draft CPU for longer accepted runs)"
+TREE_RANK_HELP = (
+    "how a tree's nodes are ranked for its budget: 'calibrated', by the chance the target accepts each "
+    "(the namespace's calibration, once it has learnt from its first outcomes), or 'score', by the tiers' "
+    "merged scores"
 )
-# indexer.drafter's DrafterConfig.tree_pool default and MAX_TREE_POOL (a test keeps them equal):
-# the command line is parsed without loading the drafter.
-TREE_POOL, MAX_TREE_POOL = 2, 8
+# indexer.drafter's DrafterConfig.tree_rank default and TREE_RANKS (a test keeps them equal): the
+# command line is parsed without loading the drafter.
+TREE_RANK, TREE_RANKS = "calibrated", ("calibrated", "score")
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -50,22 +50,6 @@ def add(p: argparse.ArgumentParser, flag: str, **kw: Any) -> None:
     if "help" not in kw:
         raise ValueError(f"{flag}: every option needs help text")
     p.add_argument(flag, **kw)
-
-
-def pool(text: str) -> int:
-    """A tree pool: an integer in [1, MAX_TREE_POOL].
-
-    >>> pool("2")
-    2
-    >>> pool("9")
-    Traceback (most recent call last):
-    ...
-    argparse.ArgumentTypeError: must be in [1, 8], got 9
-    """
-    value = int(text)
-    if not 1 <= value <= MAX_TREE_POOL:
-        raise argparse.ArgumentTypeError(f"must be in [1, {MAX_TREE_POOL}], got {value}")
-    return value
 
 
 def positive(text: str) -> int:

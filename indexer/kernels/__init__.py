@@ -70,11 +70,11 @@ from indexer.kernels.tree import (
     accepted_path,
     merge_batch,
     merge_tree,
+    no_calibration,
     rejected_branches,
     verification_outcome,
     verification_outcomes,
 )
-from indexer.kernels.tree_select import draft_select_batch, keep_likeliest, select_batch
 
 # Threading layers that take threaded calls from several threads at once ("workqueue" aborts).
 _THREADSAFE_LAYERS = ("omp", "tbb")
@@ -98,7 +98,6 @@ __all__ = [
     "draft_batch",
     "draft_batch_parallel",
     "draft_chain_batch",
-    "draft_select_batch",
     "draft_step",
     "find_leader",
     "find_longest_leader",
@@ -106,7 +105,6 @@ __all__ = [
     "gather_rows",
     "hash_rows",
     "hash_tokens",
-    "keep_likeliest",
     "lcp",
     "leader_runs",
     "longest_match",
@@ -114,6 +112,7 @@ __all__ = [
     "merge_batch",
     "merge_suffix_arrays",
     "merge_tree",
+    "no_calibration",
     "no_prior",
     "prefer_passive_workers",
     "prior_args",
@@ -123,7 +122,6 @@ __all__ = [
     "rejected_branches",
     "sample_rows",
     "sample_starts",
-    "select_batch",
     "stacked_continuations",
     "stopping_points",
     "stopping_points_rows",
@@ -168,7 +166,8 @@ def warm_up() -> None:
     find_leader(np.array([1, 2], dtype=np.int32), 2, np.zeros(1, dtype=np.uint64))
     hash_rows(np.zeros((1, 2), dtype=np.int32))
     rows = np.array([[1, 2], [1, -1]], dtype=np.int32)
-    merge_tree(rows, np.ones((2, 2)), np.zeros(2, dtype=np.bool_), np.zeros(2, dtype=np.int64), 7, 4, 0.0, 1)
+    merge_tree(rows, np.ones((2, 2)), np.zeros(2, dtype=np.bool_), np.zeros(2, dtype=np.int64), 7, 4, 0.0, 1,
+               _tiny_calibration(0))  # fmt: skip
     meta = np.array([[2, 2, 1, 1]], dtype=np.int64)
     one_tree = np.array([0, 1], dtype=np.int64)
     ints = np.array([2], dtype=np.int64)
@@ -205,20 +204,12 @@ def warm_up() -> None:
                4.0, 2, 0.1, reached[0], reached[0], np.ones(11), 8.0)  # fmt: skip
     chain_batch(one, root, np.zeros(1, dtype=np.uint8), np.ones(1, dtype=np.float32), one_tree, ints, np.ones(1),
                 ints, np.ones(6), cells, cells, coarse, 4.0, reached, reached, np.ones(11), 8.0)  # fmt: skip
-    coarse_counts = np.zeros((RATIO_BINS, TRACKS))
     chain_args = (
-        *_tiny_draft(), np.full(2, 4), np.zeros(2), np.zeros(2, dtype=np.int64), np.ones(6), cells, cells,
-        coarse_counts, coarse_counts, np.ones(RATIO_BINS), 2.0, 4.0, reached, reached, np.ones(11), 8.0,
+        *_tiny_draft(), np.full(2, 4), np.zeros(2), np.zeros(2, dtype=np.int64), reached, reached, np.ones(11), 8.0,
     )  # fmt: skip
     draft_chain_batch(*chain_args)
-    # Trees kept by their calibrated chances (a budget of 1 of each tiny tree), and the held
-    # trees' outcomes learnt in one pass.
-    select_args = (
-        *_tiny_draft(), np.ones(2, dtype=np.int64), np.zeros(2, dtype=np.int64), np.zeros(2, dtype=np.int64),
-        np.ones(6), cells, cells, coarse_counts, coarse_counts, np.ones(RATIO_BINS), 2.0, 4.0,
-    )  # fmt: skip
-    draft_select_batch(*select_args)
-    keep_likeliest(root, np.ones(1), 1)
+    # The held trees' outcomes learnt in one pass.
+    coarse_counts = np.zeros((RATIO_BINS, TRACKS))
     i32b, i64b = _tiny_store()
     chain_outcome_rows(i32b, i64b, np.zeros(2, dtype=np.int64), toks[:2].copy(), np.array([0, 1, 2]),
                        np.zeros(2, dtype=np.int64), np.ones(6), cells, cells.copy(), coarse_counts,
@@ -261,6 +252,13 @@ def _tiny_store() -> tuple:
     return i32, i64
 
 
+def _tiny_calibration(track: int) -> tuple:
+    """A :func:`merge_tree` calibration of :mod:`indexer.chain`'s types, for sessions of track
+    record ``track`` (-1: nodes ranked by score)."""
+    cells = np.zeros((RATIO_BINS, 7, 8, DEPTHS, TRACKS, RANKS))
+    return track, np.ones(6), cells, cells, np.ones((RATIO_BINS, TRACKS)), 4.0
+
+
 def _tiny_draft() -> tuple:
     """Arguments of a two-tree :func:`draft_batch` call, to compile it."""
     toks = np.array([1, 2, 1, 2, 2147483647], dtype=np.int32)
@@ -269,7 +267,7 @@ def _tiny_draft() -> tuple:
     one = np.array([1], dtype=np.int32)
     one_tree = np.array([0, 1], dtype=np.int64)
     offsets = np.array([0, 5], dtype=np.int64)
-    jobs = np.array([[0, 0, 1, 0, 1, 2, 4, 1, 1], [1, 0, 0, 0, 0, 2, 4, 1, 0]], dtype=np.int64)
+    jobs = np.array([[0, 0, 1, 0, 1, 2, 4, 1, 1, -1], [1, 0, 0, 0, 0, 2, 4, 1, 0, 0]], dtype=np.int64)
     key = hash_tokens(toks, 3, 1)  # a one-token prior leader: "2"
     prior = prior_args(
         np.array([1]), np.array([key], dtype=np.uint64), np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64),
@@ -281,7 +279,8 @@ def _tiny_draft() -> tuple:
         toks, sa, toks, sa, offsets, np.zeros(1, dtype=np.uint64), one_tree, rows, np.zeros((2, 2), dtype=np.uint16),
         2, 1, np.full((2, 8), -1, dtype=np.int32), np.zeros((2, 8)), np.zeros(2),
         np.array([32, 4, 4, 2, 2, 2, 4, 2147483647, 2048], dtype=np.int64), np.ones(8), np.zeros((8, 5)),
-        np.zeros((8, 5)),
+        np.zeros((8, 5)), *_tiny_calibration(0)[1:4], np.zeros((RATIO_BINS, TRACKS)),
+        np.zeros((RATIO_BINS, TRACKS)), np.ones(RATIO_BINS), 2.0, 4.0,
     )  # fmt: skip
 
 

@@ -32,14 +32,46 @@ def depth_bin(depth: int) -> int:
     return d
 
 
+@njit(cache=True, nogil=True, inline="always")
+def node_cell(
+    score: float, above: float, source: int, depth: int, track: int, rank: int, score_edges: np.ndarray
+) -> tuple[int, int, int, int, int, int]:
+    """The calibration cell of a node scoring ``score`` under a parent scoring ``above`` (1 for
+    a root child), of tier ``source``, ``depth`` levels deep (from 1), for a session of track
+    record bin ``track``, its parent's best-scoring child (``rank`` 0) or another (1)."""
+    ratio = min(max(score / max(above, 1e-9), 0.0), 1.0)
+    b = 0  # edges at or below the score
+    while b < score_edges.size and score_edges[b] <= score:
+        b += 1
+    return min(int(ratio * 8), RATIO_BINS - 1), b, source, depth_bin(depth), track, rank
+
+
+@njit(cache=True, nogil=True, inline="always")
+def cell_rate(
+    r: int,
+    s: int,
+    t: int,
+    d: int,
+    k: int,
+    b: int,
+    hits: np.ndarray,
+    trials: np.ndarray,
+    coarse: np.ndarray,
+    fine_prior: float,
+) -> float:
+    """A cell's acceptance rate: its own, shrunk toward its (ratio bin, track record)'s
+    (``coarse``) by ``fine_prior`` pseudo-trials."""
+    return (hits[r, s, t, d, k, b] + fine_prior * coarse[r, k]) / (trials[r, s, t, d, k, b] + fine_prior)
+
+
 @njit(cache=True, nogil=True)
 def chain_cells(
     parents: np.ndarray, scores: np.ndarray, sources: np.ndarray, score_edges: np.ndarray, track: int
 ) -> np.ndarray:
-    """Per node its calibration cell: (ratio bin, score bin, tier, depth bin, the session's
-    track-record bin ``track``, sibling rank), as an (n, 6) table. The rank tells the child a
-    chain follows (its parent's best-scoring, ties to the earlier) from the alternatives beside
-    it: a cell's rate over both would under-claim the one chosen."""
+    """Per node its calibration cell (:func:`node_cell`: ratio bin, score bin, tier, depth bin,
+    the session's track-record bin ``track``, sibling rank), as an (n, 6) table. The rank tells
+    the child a chain follows (its parent's best-scoring, ties to the earlier) from the
+    alternatives beside it: a cell's rate over both would under-claim the one chosen."""
     n = parents.size
     cells = np.zeros((n, 6), dtype=np.int64)
     depth = np.zeros(n, dtype=np.int64)
@@ -50,19 +82,11 @@ def chain_cells(
             best[p] = i
     for i in range(n):
         p = parents[i]
-        s = np.float64(scores[i])
         above = 1.0 if p < 0 else np.float64(scores[p])
-        ratio = min(max(s / max(above, 1e-9), 0.0), 1.0)
-        cells[i, 0] = min(int(ratio * 8), RATIO_BINS - 1)
-        b = 0  # edges at or below the score
-        while b < score_edges.size and score_edges[b] <= s:
-            b += 1
-        cells[i, 1] = b
-        cells[i, 2] = sources[i]
         depth[i] = 1 if p < 0 else depth[p] + 1
-        cells[i, 3] = depth_bin(depth[i])
-        cells[i, 4] = track
-        cells[i, 5] = 0 if best[p if p >= 0 else n] == i else 1
+        rank = 0 if best[p if p >= 0 else n] == i else 1
+        r, s, t, d, k, b = node_cell(np.float64(scores[i]), above, sources[i], depth[i], track, rank, score_edges)
+        cells[i, 0], cells[i, 1], cells[i, 2], cells[i, 3], cells[i, 4], cells[i, 5] = r, s, t, d, k, b
     return cells
 
 
@@ -74,13 +98,15 @@ def chain_conditional(
     coarse: np.ndarray,
     fine_prior: float,
 ) -> np.ndarray:
-    """Per node the probability it is accepted once its parent was: the cell's rate, shrunk
-    toward its (ratio bin, track record)'s (``coarse``) by ``fine_prior`` pseudo-trials."""
+    """Per node the probability it is accepted once its parent was: its cell's
+    :func:`cell_rate`."""
     n = cells.shape[0]
     out = np.empty(n)
     for i in range(n):
-        r, s, t, d, k, b = cells[i, 0], cells[i, 1], cells[i, 2], cells[i, 3], cells[i, 4], cells[i, 5]
-        out[i] = (hits[r, s, t, d, k, b] + fine_prior * coarse[r, k]) / (trials[r, s, t, d, k, b] + fine_prior)
+        out[i] = cell_rate(
+            cells[i, 0], cells[i, 1], cells[i, 2], cells[i, 3], cells[i, 4], cells[i, 5], hits, trials, coarse,
+            fine_prior,
+        )  # fmt: skip
     return out
 
 
@@ -187,15 +213,15 @@ def chain_outcome_rows(
     coarse_trials: np.ndarray,
 ) -> np.ndarray:
     """:func:`chain_outcome` of the tree each session in store row ``rows[j]`` holds, drafted
-    for its track record ``tracks[j]``, against the tokens produced after it (``produced``
-    between ``ends[j]`` and ``ends[j + 1]``), all in one call. Returns how deep each tree was
-    followed (0 where a session holds no tree or nothing was produced)."""
+    for its track record ``tracks[j]`` (< 0: skipped), against the tokens produced after it
+    (``produced`` between ``ends[j]`` and ``ends[j + 1]``), all in one call. Returns how deep each
+    tree was followed (0 where a session holds no tree, was skipped or nothing was produced)."""
     followed = np.zeros(rows.size, dtype=np.int64)
     for j in range(rows.size):
         r = rows[j]
         n = i64[r * I64_PER_ROW + STATE][TREE_SIZE]
         new = produced[ends[j] : ends[j + 1]]
-        if n <= 0 or new.size == 0:
+        if n <= 0 or new.size == 0 or tracks[j] < 0:
             continue
         tokens, parents, sources, scores = tree_views(i32[r * I32_PER_ROW + TREE], n)
         cells = chain_cells(parents, scores, sources, score_edges, tracks[j])

@@ -16,6 +16,7 @@ from numba import njit, prange, typed, types
 
 from indexer.kernels import lru
 from indexer.kernels.arrays import read_only
+from indexer.kernels.chain import chain_backoff
 from indexer.kernels.search import context_continuations, context_followers, stacked_continuations
 from indexer.kernels.store import (
     CTX,
@@ -55,8 +56,8 @@ SUCCESSOR_MIN_PROB = 0.02  # a successor row stops where its prefix is less like
 
 # Columns of the per-tree ``jobs`` table, and the ``settings`` vector's fields.
 JOB_COLUMNS = ("row", "suffix_start", "suffix_end", "exclude_start", "exclude_end", "depth", "budget",
-               "depth_reserve", "remember")  # fmt: skip
-ROW, SUFFIX_START, SUFFIX_END, EXCLUDE_START, EXCLUDE_END, DEPTH, BUDGET, DEPTH_RESERVE, REMEMBER = range(9)
+               "depth_reserve", "remember", "track")  # fmt: skip
+ROW, SUFFIX_START, SUFFIX_END, EXCLUDE_START, EXCLUDE_END, DEPTH, BUDGET, DEPTH_RESERVE, REMEMBER, TRACK = range(10)
 SETTINGS = ("max_match", "samples", "context_samples", "leader_len", "follower_len", "max_followers", "buckets",
             "stop", "window")  # fmt: skip
 
@@ -253,7 +254,7 @@ def _draft_one(j: int, args: tuple, out: tuple) -> None:
         jobs, min_score, suffix, exclude, prior_orders, prior_keys, prior_owner, prior_slot, prior_offsets,
         prior_followers, prior_probs, i32, i64, main_tokens, main_sa, run_tokens, run_sa, run_offsets, table_keys,
         table_offsets, table_followers, table_probs, table_ll, main_serial, succ_followers, succ_weights, succ_norm,
-        settings, half, hits, pred
+        settings, half, hits, pred, score_edges, cell_hits, cell_trials, coarse, fine_prior
     ) = args  # fmt: skip
     tokens, parents, sources, scores, slot, sizes, first_tok, guess, lengths, _ = out
     n_tiers = half.size
@@ -351,8 +352,9 @@ def _draft_one(j: int, args: tuple, out: tuple) -> None:
         rows, vals, is_max, tiers = stack_parts(
             rows_flat[: at[1]], vals_flat[: at[2]], meta[:n_parts], confs[:n_parts], depth
         )
+        calibration = (jobs[j, TRACK], score_edges, cell_hits, cell_trials, coarse, fine_prior)
         tok, par, src, sc, ft, fv = merge_tree(
-            rows, vals, is_max, tiers, n_tiers, budget, min_score[j], jobs[j, DEPTH_RESERVE]
+            rows, vals, is_max, tiers, n_tiers, budget, min_score[j], jobs[j, DEPTH_RESERVE], calibration
         )
         k = tok.size
         a = slot[j]
@@ -459,6 +461,14 @@ def draft_batch(
     half: np.ndarray,
     hits: np.ndarray,
     pred: np.ndarray,
+    score_edges: np.ndarray,
+    cell_hits: np.ndarray,
+    cell_trials: np.ndarray,
+    coarse_hits: np.ndarray,
+    coarse_trials: np.ndarray,
+    claim: np.ndarray,
+    coarse_prior: float,
+    fine_prior: float,
 ) -> tuple:
     """Draft trees for a batch of jobs, each over a session its store holds.
 
@@ -467,7 +477,11 @@ def draft_batch(
     extended by ``suffix[suffix_start:suffix_end]``; the tree takes at most ``budget`` nodes,
     ``depth`` levels and reserves ``depth_reserve`` nodes for its best chain, keeping nodes
     scoring above ``min_score[j]``; root children whose token is in
-    ``exclude[exclude_start:exclude_end]`` are left out. With ``remember`` the session keeps
+    ``exclude[exclude_start:exclude_end]`` are left out. A job's nodes rank by score when its
+    ``track`` is negative; otherwise by their chance of acceptance for a session of that track
+    record (see :func:`~indexer.kernels.tree.merge_tree`), as the chain calibrator's counts
+    (``score_edges`` to ``fine_prior``, as :func:`~indexer.kernels.draft_chain.draft_chain_batch`
+    takes them) tell it. With ``remember`` the session keeps
     the tree and its first guesses (until :func:`~indexer.kernels.accept.accept_batch` takes
     the outcome), how far its output agrees with an exact-prompt response and the match lengths
     its own-context and lifetime-suffix searches found (where the next step's searches start).
@@ -498,7 +512,8 @@ def draft_batch(
         jobs, min_score, suffix, exclude, prior_orders, prior_keys, prior_owner, prior_slot, prior_offsets,
         prior_followers, prior_probs, i32, i64, main_tokens, main_sa, run_tokens, run_sa, run_offsets, table_keys,
         table_offsets, table_followers, table_probs, table_ll, main_serial, succ_followers, succ_weights, succ_norm,
-        settings, half, hits, pred
+        settings, half, hits, pred, score_edges, cell_hits, cell_trials,
+        chain_backoff(coarse_hits, coarse_trials, claim, coarse_prior), fine_prior,
     )  # fmt: skip
     out = _outputs(jobs, half.size)
     for j in range(jobs.shape[0]):
@@ -539,6 +554,14 @@ def draft_batch_parallel(
     half: np.ndarray,
     hits: np.ndarray,
     pred: np.ndarray,
+    score_edges: np.ndarray,
+    cell_hits: np.ndarray,
+    cell_trials: np.ndarray,
+    coarse_hits: np.ndarray,
+    coarse_trials: np.ndarray,
+    claim: np.ndarray,
+    coarse_prior: float,
+    fine_prior: float,
 ) -> tuple:
     """:func:`draft_batch` (the same arguments) with the trees shared among the compiled
     code's worker threads: the same trees, each depending on its own inputs only. The
@@ -551,7 +574,8 @@ def draft_batch_parallel(
         jobs, min_score, suffix, exclude, prior_orders, prior_keys, prior_owner, prior_slot, prior_offsets,
         prior_followers, prior_probs, i32, i64, main_tokens, main_sa, run_tokens, run_sa, run_offsets, table_keys,
         table_offsets, table_followers, table_probs, table_ll, main_serial, succ_followers, succ_weights, succ_norm,
-        settings, half, hits, pred
+        settings, half, hits, pred, score_edges, cell_hits, cell_trials,
+        chain_backoff(coarse_hits, coarse_trials, claim, coarse_prior), fine_prior,
     )  # fmt: skip
     out = _outputs(jobs, half.size)
     for j in prange(jobs.shape[0]):

@@ -52,9 +52,6 @@ def draft_chain_batch(
     half: np.ndarray,
     hits: np.ndarray,
     pred: np.ndarray,
-    ks: np.ndarray,
-    min_probs: np.ndarray,
-    tracks: np.ndarray,
     score_edges: np.ndarray,
     cell_hits: np.ndarray,
     cell_trials: np.ndarray,
@@ -63,12 +60,15 @@ def draft_chain_batch(
     claim: np.ndarray,
     coarse_prior: float,
     fine_prior: float,
+    ks: np.ndarray,
+    min_probs: np.ndarray,
+    tracks: np.ndarray,
     reach_hits: np.ndarray,
     reach_claims: np.ndarray,
     reach_edges: np.ndarray,
     reach_prior: float,
 ) -> tuple:
-    """:func:`~indexer.kernels.draft.draft_batch` over the first 31 arguments (each job's
+    """:func:`~indexer.kernels.draft.draft_batch` over the first 39 arguments (each job's
     session keeps its whole tree, as there), then each tree cut as
     :func:`~indexer.kernels.chain.chain_batch` cuts it: job ``j``'s chain at most ``ks[j]``
     tokens, ended at ``min_probs[j]``, for a session of track record ``tracks[j]`` (clamped to
@@ -84,7 +84,8 @@ def draft_chain_batch(
         jobs, min_score, suffix, exclude, prior_orders, prior_keys, prior_owner, prior_slot, prior_offsets,
         prior_followers, prior_probs, i32, i64, main_tokens, main_sa, run_tokens, run_sa, run_offsets, table_keys,
         table_offsets, table_followers, table_probs, table_ll, main_serial, succ_followers, succ_weights, succ_norm,
-        settings, half, hits, pred,
+        settings, half, hits, pred, score_edges, cell_hits, cell_trials, coarse_hits, coarse_trials, claim,
+        coarse_prior, fine_prior,
     )  # fmt: skip
     coarse = chain_backoff(coarse_hits, coarse_trials, claim, coarse_prior)
     records = np.empty(tracks.size, dtype=np.int64)

@@ -1,9 +1,12 @@
-"""The compiled draft-tree merge: a trie of every tier's rows, scored per node, kept best first."""
+"""The compiled draft-tree merge: a trie of every tier's rows, scored per node, kept best first
+(by score, or by the chance verification reaches the node)."""
 
 from __future__ import annotations
 
 import numpy as np
 from numba import njit
+
+from indexer.kernels.chain import TRACKS, cell_rate, node_cell
 
 # -- tree merge -----------------------------------------------------------------------------------
 
@@ -48,18 +51,19 @@ def _row_order(rows: np.ndarray) -> np.ndarray:
 
 
 @njit(cache=True, nogil=True)
-def _best(score: np.ndarray, skip: np.ndarray, min_score: float, m: int) -> np.ndarray:
-    """Ids of the ``m`` highest scores above ``min_score`` not in ``skip``; ties to lower ids."""
+def _best(value: np.ndarray, score: np.ndarray, skip: np.ndarray, min_score: float, m: int) -> np.ndarray:
+    """Ids of the ``m`` highest values of nodes scoring above ``min_score`` not in ``skip``;
+    ties to lower ids."""
     if m <= 0:
         return np.zeros(0, dtype=np.int64)
     buf = np.empty(m, dtype=np.int64)  # sorted best first
     size = 0
-    for node in range(score.size):
-        v = score[node]
-        if skip[node] or v <= min_score or (size == m and v <= score[buf[m - 1]]):
+    for node in range(value.size):
+        v = value[node]
+        if skip[node] or score[node] <= min_score or (size == m and v <= value[buf[m - 1]]):
             continue
         pos = size if size < m else m - 1
-        while pos > 0 and score[buf[pos - 1]] < v:  # equal scores stay ahead (lower ids)
+        while pos > 0 and value[buf[pos - 1]] < v:  # equal values stay ahead (lower ids)
             if pos < m:
                 buf[pos] = buf[pos - 1]
             pos -= 1
@@ -67,6 +71,50 @@ def _best(score: np.ndarray, skip: np.ndarray, min_score: float, m: int) -> np.n
         if size < m:
             size += 1
     return buf[:size]
+
+
+@njit(cache=True, nogil=True)
+def _level_reach(
+    lo: int,
+    hi: int,
+    depth: int,
+    parent: np.ndarray,
+    score: np.ndarray,
+    source: np.ndarray,
+    reach: np.ndarray,
+    calibration: tuple,
+) -> None:
+    """The reach of nodes ``[lo, hi)``, one level ``depth`` deep (from 1), whose parents' reach
+    is known: each parent's reach times the node's calibrated conditional (at most 1, so reach
+    never grows from parent to child). A parent's children are consecutive ids; its
+    best-scoring one (ties to the earlier) is the child a chain takes, the calibration's rank 0.
+    Scores are binned as the float32 the tree carries, as the outcomes that teach the
+    calibration are."""
+    track, score_edges, hits, trials, coarse, fine_prior = calibration
+    i = lo
+    while i < hi:
+        p = parent[i]
+        end = i
+        best = i
+        while end < hi and parent[end] == p:
+            if score[end] > score[best]:
+                best = end
+            end += 1
+        above = 1.0 if p < 0 else np.float64(np.float32(score[p]))
+        up = 1.0 if p < 0 else reach[p]
+        for c in range(i, end):
+            r, s, t, d, k, b = node_cell(
+                np.float64(np.float32(score[c])), above, source[c], depth, track, 0 if c == best else 1, score_edges
+            )
+            reach[c] = up * min(cell_rate(r, s, t, d, k, b, hits, trials, coarse, fine_prior), 1.0)
+        i = end
+
+
+@njit(cache=True, nogil=True)
+def no_calibration() -> tuple:
+    """A :func:`merge_tree` calibration that ranks nodes by score."""
+    cells = np.zeros((1, 1, 1, 1, 1, 1))
+    return -1, np.zeros(0), cells, cells, np.zeros((1, 1)), 0.0
 
 
 @njit(cache=True, nogil=True)
@@ -79,9 +127,19 @@ def merge_tree(
     budget: int,
     min_score: float,
     depth_reserve: int,
+    calibration: tuple,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Trie of all rows; per node and tier the summed (weights) or best (probs) value; keep the
-    reserved best chain and then the highest scores, parents first.
+    reserved best chain and then the highest-ranked nodes scoring above ``min_score``, parents
+    first.
+
+    ``calibration`` is ``(track, score_edges, cell_hits, cell_trials, coarse, fine_prior)``
+    (:func:`no_calibration`: none). With ``track`` < 0 nodes rank by score. Otherwise by their
+    reach: the chance verification accepts the node, the product along its path of each node's
+    calibrated conditional (:mod:`indexer.chain`'s cells for a session of track-record bin
+    ``track``, each cell's rate backed off to ``coarse``). A tree's expected accepted length is
+    the sum of its nodes' reach, so those nodes make the tree of its size the target follows
+    furthest; the scores, which sum the tiers' votes and cap at 1, are not probabilities.
 
     Returns ``(tokens, parents, sources, scores, first_token, first_value)``, the last two per
     tier: its best first-level token (-1 if none) and that token's value.
@@ -102,6 +160,11 @@ def merge_tree(
     source = np.empty(cap, dtype=np.uint8)
     child_lo = np.empty(cap + 1, dtype=np.int64)  # slot 0 is the root; children are consecutive ids
     child_hi = np.empty(cap + 1, dtype=np.int64)
+    by_reach = calibration[0] >= 0
+    reach = np.empty(cap if by_reach else 0)
+    value = reach if by_reach else score  # what nodes rank by
+    track = min(calibration[0], TRACKS - 1)
+    level_calibration = (track, calibration[1], calibration[2], calibration[3], calibration[4], calibration[5])
     acc = np.zeros(n_tiers)
     first_tok = np.full(n_tiers, -1, dtype=np.int64)
     first_val = np.zeros(n_tiers)
@@ -153,14 +216,16 @@ def merge_tree(
             child_lo[0], child_hi[0] = 0, n_first
         if kept == 0:
             break
-        # Pruning. Scores never grow from parent to child, so a node scoring below the
-        # `budget`-th best score seen so far (or not above min_score) can be neither kept nor
-        # lead to a kept node: its rows stop here. So can one that only ties the `budget`-th
-        # best of the levels above, as ties go to lower ids. The reserved chain's node is
-        # exempt, as the chain follows the best child wherever it leads.
+        if by_reach:
+            _level_reach(level_start, n, d + 1, parent, score, source, reach, level_calibration)
+        # Pruning. Neither scores nor reach grow from parent to child, so a node ranking below
+        # the `budget`-th best seen so far (or not scoring above min_score) can be neither kept
+        # nor lead to a kept node: its rows stop here. So can one that only ties the
+        # `budget`-th best of the levels above, as ties go to lower ids. The reserved chain's
+        # node is exempt, as the chain follows the best child wherever it leads.
         above = top[0] if 0 < budget == top_size else -np.inf
         for node in range(level_start, n):
-            v = score[node]
+            v = value[node]
             if top_size < budget:
                 top[top_size] = v
                 top_size += 1
@@ -184,7 +249,7 @@ def merge_tree(
         for a in range(kept):
             row = active[a]
             node = node_of[row]
-            if node == chain or not (score[node] <= max(min_score, above) or score[node] < floor):
+            if node == chain or not (score[node] <= min_score or value[node] <= above or value[node] < floor):
                 active[n_active] = row
                 n_active += 1
     chosen = np.zeros(n, dtype=np.bool_)
@@ -201,9 +266,9 @@ def merge_tree(
         chosen[best] = True
         taken += 1
         node = best
-    # Then the best remaining scores (ties to the lower id). Scores never grow from parent to
-    # child and a parent's id is lower, so the kept set stays a tree with every parent kept.
-    for node in _best(score[:n], chosen, min_score, budget - taken):
+    # Then the best remaining (ties to the lower id). Neither scores nor reach grow from parent
+    # to child and a parent's id is lower, so the kept set stays a tree with every parent kept.
+    for node in _best(value[:n], score[:n], chosen, min_score, budget - taken):
         chosen[node] = True
         taken += 1
     remap = np.full(n, -1, dtype=np.int64)
@@ -376,6 +441,7 @@ def merge_batch(
     first_tok = np.full((trees, n_tiers), -1, dtype=np.int64)
     first_val = np.zeros((trees, n_tiers))
     ro, vo, at = 0, 0, 0
+    unranked = no_calibration()
     for j in range(trees):
         p0, p1 = part_offsets[j], part_offsets[j + 1]
         if p1 > p0 and budget[j] > 0 and depth[j] > 0:
@@ -383,7 +449,7 @@ def merge_batch(
                 rows_flat[ro : ro + cells[j]], vals_flat[vo : vo + values[j]], meta[p0:p1], confidence[p0:p1], depth[j]
             )
             tok, par, src, sc, ft, fv = merge_tree(
-                rows, vals, is_max, tiers, n_tiers, budget[j], min_score[j], depth_reserve[j]
+                rows, vals, is_max, tiers, n_tiers, budget[j], min_score[j], depth_reserve[j], unranked
             )
             k = tok.size
             tokens[at : at + k] = tok
@@ -442,7 +508,7 @@ def rejected_branches(
         if parents[i] == stop:
             kids[k] = i
             k += 1
-    chosen = _best(scores[kids[:k]], np.zeros(k, dtype=np.bool_), -np.inf, limit)
+    chosen = _best(scores[kids[:k]], scores[kids[:k]], np.zeros(k, dtype=np.bool_), -np.inf, limit)
     width = 0
     for j in range(chosen.size):
         length, node = 1, kids[chosen[j]]

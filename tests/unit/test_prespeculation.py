@@ -220,4 +220,5 @@ def _drafted_alone(d, s, path, kids, depth):
     job[0, draft_kernel.EXCLUDE_END] = len(kids)
     job[0, draft_kernel.DEPTH], job[0, draft_kernel.BUDGET] = depth, PARAMS.budget
     job[0, draft_kernel.DEPTH_RESERVE] = PARAMS.depth_reserve
+    job[0, draft_kernel.TRACK] = -1  # ranked by score, as the steps drafted ahead are
     return d._step([s], job, np.full(1, PARAMS.min_score), _a(path), _a(sorted(kids)))

@@ -442,7 +442,7 @@ def _stack_reference(parts, depth):
 def test_merge_equals_stacking_then_merging(parts, budget, max_depth):
     # The one-call kernel (flattened parts) builds exactly the tree of stacking then merging.
     rows, vals, is_max, tiers = _stack_reference(parts, max_depth)
-    expected = kernels.merge_tree(rows, vals, is_max, tiers, len(Tier), budget, 0.0, 2)
+    expected = kernels.merge_tree(rows, vals, is_max, tiers, len(Tier), budget, 0.0, 2, kernels.no_calibration())
     got = merge_candidates(parts, budget=budget, max_depth=max_depth, depth_reserve=2)[0]
     assert got.tokens.tolist() == expected[0].tolist()
     assert got.parents.tolist() == expected[1].tolist()
@@ -475,7 +475,9 @@ def test_merge_many_gives_each_job_its_own_tree(jobs):
             assert len(tree) == 0 and firsts == {}
             continue
         rows, vals, is_max, tiers = _stack_reference(kept, depth)
-        expected = kernels.merge_tree(rows, vals, is_max, tiers, len(Tier), budget, min_score, reserve)
+        expected = kernels.merge_tree(
+            rows, vals, is_max, tiers, len(Tier), budget, min_score, reserve, kernels.no_calibration()
+        )
         assert tree.tokens.tolist() == expected[0].tolist()
         assert tree.parents.tolist() == expected[1].tolist()
         assert tree.sources.tolist() == expected[2].tolist()
