@@ -461,9 +461,8 @@ class NamespaceDrafter:
             ends = np.empty(len(items) + 1, dtype=np.int64)
             ends[0], ends[1:] = 0, jobs[:, accept_kernel.NEW_END]
             with self._lock:
-                after = self.chain_calibrator.update_rows(
-                    self.store.i32, self.store.i64, jobs[:, accept_kernel.ROW], produced, ends, tracks
-                )
+                rows = np.ascontiguousarray(jobs[:, accept_kernel.ROW])  # the compiled pass's one layout
+                after = self.chain_calibrator.update_rows(self.store.i32, self.store.i64, rows, produced, ends, tracks)
             for (session, new, _), track in zip(items, after, strict=True):
                 if track < 0:
                     continue
