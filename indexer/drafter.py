@@ -460,8 +460,8 @@ class NamespaceDrafter:
         if tracks.max() >= 0:
             ends = np.empty(len(items) + 1, dtype=np.int64)
             ends[0], ends[1:] = 0, jobs[:, accept_kernel.NEW_END]
+            rows = np.ascontiguousarray(jobs[:, accept_kernel.ROW])  # the compiled pass's one layout
             with self._lock:
-                rows = np.ascontiguousarray(jobs[:, accept_kernel.ROW])  # the compiled pass's one layout
                 after = self.chain_calibrator.update_rows(self.store.i32, self.store.i64, rows, produced, ends, tracks)
             for (session, new, _), track in zip(items, after, strict=True):
                 if track < 0:
@@ -528,7 +528,7 @@ class NamespaceDrafter:
         parts, at, n = [], np.full(len(sessions), -1, dtype=np.int64), 0
         for session in sessions:
             session.calibrates = True
-        if self.chain_calibrator.trials < _CALIBRATED_AFTER:  # its first guesses rank worse than the scores
+        if not self._calibrated_enough():  # its first guesses rank worse than the scores
             return np.zeros(0, dtype=np.float32), at
         for j, session in enumerate(sessions):
             tree = session.last_tree

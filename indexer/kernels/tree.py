@@ -85,12 +85,15 @@ def _level_reach(
     calibration: tuple,
 ) -> None:
     """The reach of nodes ``[lo, hi)``, one level ``depth`` deep (from 1), whose parents' reach
-    is known: each parent's reach times the node's calibrated conditional (at most 1, so reach
-    never grows from parent to child). A parent's children are consecutive ids; its
-    best-scoring one (ties to the earlier) is the child a chain takes, the calibration's rank 0.
+    is known, for ``calibration`` as :func:`merge_tree` takes it (its track record clamped to
+    the records there are): each parent's reach times the node's calibrated conditional (at
+    most 1, so reach never grows from parent to child). A parent's children are consecutive
+    ids; its best-scoring one (ties to the earlier) is the child a chain takes, the
+    calibration's rank 0.
     Scores are binned as the float32 the tree carries, as the outcomes that teach the
     calibration are."""
     track, score_edges, hits, trials, coarse, fine_prior = calibration
+    track = min(track, TRACKS - 1)
     i = lo
     while i < hi:
         p = parent[i]
@@ -163,8 +166,6 @@ def merge_tree(
     by_reach = calibration[0] >= 0
     reach = np.empty(cap if by_reach else 0)
     value = reach if by_reach else score  # what nodes rank by
-    track = min(calibration[0], TRACKS - 1)
-    level_calibration = (track, calibration[1], calibration[2], calibration[3], calibration[4], calibration[5])
     acc = np.zeros(n_tiers)
     first_tok = np.full(n_tiers, -1, dtype=np.int64)
     first_val = np.zeros(n_tiers)
@@ -217,7 +218,7 @@ def merge_tree(
         if kept == 0:
             break
         if by_reach:
-            _level_reach(level_start, n, d + 1, parent, score, source, reach, level_calibration)
+            _level_reach(level_start, n, d + 1, parent, score, source, reach, calibration)
         # Pruning. Neither scores nor reach grow from parent to child, so a node ranking below
         # the `budget`-th best seen so far (or not scoring above min_score) can be neither kept
         # nor lead to a kept node: its rows stop here. So can one that only ties the
