@@ -3,6 +3,7 @@ password-protected), a 3-master Redis Cluster, a Sentinel, and a throwaway CA fo
 
 from __future__ import annotations
 
+import random
 import shutil
 import socket
 import subprocess
@@ -19,18 +20,37 @@ SLOTS = 16384
 BUS_OFFSET = 10000  # a cluster node's bus listens this far above its port (no --cluster-port before Redis 7)
 
 
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out to outgoing connections and ``bind(0)``."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def cluster_port() -> int:
-    """A free port whose cluster bus port is free and in range too."""
+    """A free port whose cluster bus port is free too, both below the ephemeral range.
+
+    A port picked from the ephemeral range (``bind(0)``) is free only at the moment it is
+    checked: before the node binds its bus port ten thousand above, any outgoing connection on
+    the host may take it as its local port. Below the range only an explicit ``bind`` can."""
+    high = _ephemeral_low() - BUS_OFFSET
+    low = max(1024, min(10000, high - 1000))
+    rng = random.Random()
     while True:
-        port = free_port()
-        if port + BUS_OFFSET > 65535:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port + BUS_OFFSET))
-            except OSError:
-                continue
-        return port
+        # a host whose ephemeral range starts too low leaves no such ports: take its chances there
+        port = rng.randrange(low, high) if high > low else free_port()
+        if port + BUS_OFFSET <= 65535 and _bindable(port) and _bindable(port + BUS_OFFSET):
+            return port
 
 
 @dataclass(frozen=True)
