@@ -142,11 +142,12 @@ class DraftedTrees(Sequence[DraftTree]):
     def __getitem__(self, j: int | slice) -> DraftTree | list[DraftTree]:
         if isinstance(j, slice):
             return [self[i] for i in range(*j.indices(len(self)))]
-        if not -len(self) <= j < len(self):
-            raise IndexError(j)
-        j %= len(self)
         b = self.batch
-        lo, hi = int(b.offsets[j]), int(b.offsets[j + 1])
+        n = b.offsets.size - 1
+        if not -n <= j < n:
+            raise IndexError(j)
+        j %= n
+        lo, hi = b.offsets[j : j + 2].tolist()
         return DraftTree(b.tokens[lo:hi], b.parents[lo:hi], b.sources[lo:hi], b.scores[lo:hi], b, j)
 
 

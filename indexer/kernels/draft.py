@@ -423,9 +423,9 @@ def _outputs(jobs: np.ndarray, n_tiers: int) -> tuple:
 @njit(cache=True, nogil=True)
 def _results(out: tuple) -> tuple:
     """:func:`draft_batch`'s return value from the written outputs."""
-    tokens, parents, sources, scores, slot, sizes, first_tok, guess, lengths, grown = out
+    tokens, parents, sources, scores, slot, sizes, _, _, _, grown = out
     tokens, parents, sources, scores, offsets = _packed(tokens, parents, sources, scores, slot, sizes)
-    return tokens, parents, sources, scores, offsets, first_tok, guess, lengths, grown
+    return tokens, parents, sources, scores, offsets, grown
 
 
 @njit(cache=True, nogil=True)
@@ -502,11 +502,11 @@ def draft_batch(
     arrays: none) drafts chains of the target's own likeliest followers of the context's last
     token.
 
-    Returns the trees end to end ``(tokens, parents, sources, scores, offsets)``; per tree and
-    tier, ``first_token`` (-1: no first guess), the first guess's probability under that tier
-    alone times the tier's prior (what calibration compares with the outcome), and the match
-    length behind the tier (0: the tier found nothing); and per tree whether its session's
-    tree buffer had to grow (the store holds the new one).
+    Returns the trees end to end ``(tokens, parents, sources, scores, offsets)`` and per tree
+    whether its session's tree buffer had to grow (the store holds the new one). Each tier's
+    first guess (its token, its probability under that tier alone times the tier's prior, the
+    match length behind it) stays in the session for calibration, not in the result: an
+    array returned costs the call as much as several taken.
     """
     args = (
         jobs, min_score, suffix, exclude, prior_orders, prior_keys, prior_owner, prior_slot, prior_offsets,

@@ -80,7 +80,7 @@ def draft_chain_batch(
     Returns the chains end to end ``(tokens, parents, sources, reach as scores, offsets)``,
     their nodes' raw claims laid out as the chains are, and per job whether its session's tree
     buffer had to grow (as :func:`~indexer.kernels.draft.draft_batch` returns it)."""
-    tokens, parents, sources, scores, offsets, _, _, _, grown = draft_batch(
+    tokens, parents, sources, scores, offsets, grown = draft_batch(
         jobs, min_score, suffix, exclude, prior_orders, prior_keys, prior_owner, prior_slot, prior_offsets,
         prior_followers, prior_probs, i32, i64, main_tokens, main_sa, run_tokens, run_sa, run_offsets, table_keys,
         table_offsets, table_followers, table_probs, table_ll, main_serial, succ_followers, succ_weights, succ_norm,
