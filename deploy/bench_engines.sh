@@ -7,30 +7,32 @@
 #   bash deploy/bench_engines.sh            # 3 Spec-Bench prompts per group, 4 agent tasks x 2 passes, 128 tokens
 #   bash deploy/bench_engines.sh --quick    # 1 per group, 2 agent tasks x 2 passes (shorter prompts), 64 tokens
 #   bash deploy/bench_engines.sh --engines vllm     # one engine only (vllm, llama.cpp)
-#   bash deploy/bench_engines.sh --prior            # the service with a static prior, as a deployment warms one;
-#                                                   # vLLM also runs draftcache drafting near (draftcache-near)
+#   bash deploy/bench_engines.sh --cold             # the service with an empty memory and no static prior
 #
 # Sets up what it needs on a fresh machine: .venv (the service, the prompts and llama.cpp),
 # .venv-vllm (deploy/setup_vllm.sh) with arctic-inference for vLLM's suffix method, the SmolLM2
 # model folder, and for each engine a fresh `draftcache serve` on its embedded Redis (an empty
-# memory: each engine starts cold), stopped on exit. With --prior the service also gets a static
-# prior for SmolLM2's tokenizer warmed from the ShareGPT corpus (ChatGPT's answers: none of the
-# benchmark's prompts or SmolLM2's outputs; warmed once, about 90 s, kept in data/). An engine, or a
-# method, that cannot be set up is reported as a JSON line with a "skipped" reason and the others
-# run. Logs, the prompts and the lines (results.jsonl) are kept in data/bench-engines/. vLLM runs
+# lifetime memory), stopped on exit. As a deployment is warmed (deploy/quickstart.sh does the
+# same), the service gets a static prior for SmolLM2's tokenizer warmed from the ShareGPT corpus
+# (ChatGPT's answers: none of the benchmark's prompts or SmolLM2's outputs; warmed once, about
+# 90 s, kept in data/). Except with --quick, vLLM also runs draftcache drafting near
+# (draftcache-near: the prior and the fleet's history in the worker, no round trip a step).
+# --cold leaves both out. An engine, or a method, that cannot be set up is reported as a JSON
+# line with a "skipped" reason and the others run. Logs, the prompts and the lines (results.jsonl) are kept in data/bench-engines/. vLLM runs
 # in bfloat16 where the CPU has bf16 instructions, else float32 (emulated bf16 is several times
 # slower on prompts).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 QUICK=0
-PRIOR_ON=0
+PRIOR_ON=1
 ENGINES="vllm,llama.cpp"
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) QUICK=1 ;;
-    --prior) PRIOR_ON=1 ;;
+    --prior) PRIOR_ON=1 ;;  # the default; kept for the command lines that name it
+    --cold) PRIOR_ON=0 ;;
     --engines) ENGINES="$2"; shift ;;
-    *) echo "usage: bash deploy/bench_engines.sh [--quick] [--prior] [--engines vllm,llama.cpp]" >&2; exit 2 ;;
+    *) echo "usage: bash deploy/bench_engines.sh [--quick] [--cold] [--engines vllm,llama.cpp]" >&2; exit 2 ;;
   esac
   shift
 done
@@ -125,7 +127,7 @@ run_engine() {  # $1 engine, $2 its python
   if [ "$1" = vllm ]; then
     # The compiled drafting loops of vLLM's virtualenv (another numba than .venv's) cached apart.
     CACHE="${NUMBA_CACHE_DIR:-$(pwd)/.venv-vllm/numba-cache}"
-    if [ "$PRIOR_ON" = 1 ]; then  # also drafting near, from the same prior file
+    if [ "$PRIOR_ON" = 1 ] && [ "$QUICK" = 0 ]; then  # also drafting near, from the same prior file
       EXTRA=(--variant "near:near=true,prior_file=$(pwd)/$PRIOR")
     fi
   fi
