@@ -663,12 +663,12 @@ def _jobs(
         if first is not None:
             job[draft_kernel.DEPTH], job[draft_kernel.BUDGET] = depth(first), first.budget
             job[draft_kernel.DEPTH_RESERVE] = first.depth_reserve
-        table = []
+        written = []
         for row in rows.tolist():
             job[draft_kernel.ROW] = row
-            table.append(job.copy())
+            written.append(job.copy())
         min_score = float(first.min_score) if first is not None else 0.0  # a float: float64, as compiled
-        return np.array(table, dtype=np.int64).reshape(rows.size, len(JOB_COLUMNS)), np.array([min_score] * rows.size)
+        return np.array(written, dtype=np.int64).reshape(rows.size, len(JOB_COLUMNS)), np.array([min_score] * rows.size)
     table = np.zeros((rows.size, len(JOB_COLUMNS)), dtype=np.int64)
     table[:, draft_kernel.ROW] = rows
     table[:, draft_kernel.TRACK] = -1
