@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from typing import Any
 
 import numba
 import numpy as np
@@ -184,9 +185,8 @@ def warm_up() -> None:
     )  # fmt: skip
     guesses = np.full((1, 8), -1, dtype=np.int64)
     calibrate(np.zeros((8, 5)), np.zeros((8, 5)), guesses, np.zeros((1, 8)), guesses, one_tree[:1], one_tree[:1], 4)
-    args = _tiny_draft()
-    draft_batch(*args)
-    i32, i64 = args[11], args[12]
+    i32, i64 = _tiny_store()
+    draft_batch(*_tiny_draft(i32, i64))
     kstore.put_i32(i32, 0, kstore.get_i32(i32, 0))
     kstore.put_i64(i64, 1, kstore.get_i64(i64, 1))
     items = np.array([[0, 0, 1, 4], [1, 1, 2, 0]], dtype=np.int64)
@@ -259,8 +259,9 @@ def _tiny_calibration(track: int) -> tuple:
     return track, np.ones(6), cells, cells, np.ones((RATIO_BINS, TRACKS)), 4.0
 
 
-def _tiny_draft() -> tuple:
-    """Arguments of a two-tree :func:`draft_batch` call, to compile it."""
+def _tiny_draft(i32: Any = None, i64: Any = None) -> tuple:
+    """Arguments of a two-tree :func:`draft_batch` call over the store lists ``i32`` and
+    ``i64`` (else a new :func:`_tiny_store`), to compile it."""
     toks = np.array([1, 2, 1, 2, 2147483647], dtype=np.int32)
     sa = np.array([0, 2, 1, 3, 4], dtype=np.int32)
     rows = np.array([[1, 2], [1, -1]], dtype=np.int32)
@@ -273,7 +274,8 @@ def _tiny_draft() -> tuple:
         np.array([1]), np.array([key], dtype=np.uint64), np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64),
         [(one_tree, rows, np.zeros((2, 2), dtype=np.uint16))],
     )  # fmt: skip
-    i32, i64 = _tiny_store()
+    if i32 is None or i64 is None:
+        i32, i64 = _tiny_store()
     return (
         jobs, np.zeros(2), one, one, *prior, i32, i64,
         toks, sa, toks, sa, offsets, np.zeros(1, dtype=np.uint64), one_tree, rows, np.zeros((2, 2), dtype=np.uint16),

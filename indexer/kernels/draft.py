@@ -64,6 +64,7 @@ SETTINGS = ("max_match", "samples", "context_samples", "leader_len", "follower_l
 _RO_FOLLOWERS = types.Array(types.int32, 2, "C", readonly=True)
 _RO_PROBS = types.Array(types.uint16, 2, "C", readonly=True)
 _RO_OFFSETS = types.Array(types.int64, 1, "C", readonly=True)
+_RO_TABLE = types.Tuple((_RO_OFFSETS, _RO_FOLLOWERS, _RO_PROBS))
 
 
 def prior_args(
@@ -77,18 +78,15 @@ def prior_args(
     first), every table's leader hashes sorted (``keys``) with the table (``owner``) and leader
     (``slot``) of each, and per table ``(offsets, followers, probability bits)`` as
     :meth:`~indexer.ngram_table.NgramTable.search_arrays` gives them. All read-only views in
-    typed lists, so built, loaded and memory-mapped priors, and no prior (empty ones), are one
-    type to the compiler: one compiled step serves them all."""
-    offsets = typed.List.empty_list(_RO_OFFSETS)
-    followers = typed.List.empty_list(_RO_FOLLOWERS)
-    probs = typed.List.empty_list(_RO_PROBS)
+    one typed list, so built, loaded and memory-mapped priors, and no prior (empty ones), are one
+    type to the compiler: one compiled step serves them all. One list of the tables' tuples, not
+    a list per array: each typed list a call takes costs it about a microsecond to unbox."""
+    held = typed.List.empty_list(_RO_TABLE)
     for off, fol, bits in tables:
-        offsets.append(read_only(off, np.int64))
-        followers.append(read_only(fol, np.int32))
-        probs.append(read_only(bits, np.uint16))
+        held.append((read_only(off, np.int64), read_only(fol, np.int32), read_only(bits, np.uint16)))
     return (
         read_only(orders, np.int64), read_only(keys, np.uint64), read_only(owner, np.int64),
-        read_only(slot, np.int64), offsets, followers, probs,
+        read_only(slot, np.int64), held,
     )  # fmt: skip
 
 
@@ -251,8 +249,8 @@ def _draft_one(j: int, args: tuple, out: tuple) -> None:
     state, when it remembers, and a session has one such tree a call), so the trees may be
     drafted in any order, or at once."""
     (
-        jobs, min_score, suffix, exclude, prior_orders, prior_keys, prior_owner, prior_slot, prior_offsets,
-        prior_followers, prior_probs, i32, i64, main_tokens, main_sa, run_tokens, run_sa, run_offsets, table_keys,
+        jobs, min_score, suffix, exclude, prior_orders, prior_keys, prior_owner, prior_slot, prior_tables,
+        i32, i64, main_tokens, main_sa, run_tokens, run_sa, run_offsets, table_keys,
         table_offsets, table_followers, table_probs, table_ll, main_serial, succ_followers, succ_weights, succ_norm,
         settings, half, hits, pred, score_edges, cell_hits, cell_trials, coarse, fine_prior
     ) = args  # fmt: skip
@@ -289,9 +287,9 @@ def _draft_one(j: int, args: tuple, out: tuple) -> None:
     p_table, p_lo, p_hi, p_cells = 0, 0, 0, 0
     if hit >= 0:
         p_table = prior_owner[hit]
-        p_offsets = prior_offsets[p_table]
+        p_offsets, p_followers, _ = prior_tables[p_table]
         p_lo, p_hi = p_offsets[prior_slot[hit]], p_offsets[prior_slot[hit] + 1]
-        p_cells = (p_hi - p_lo) * prior_followers[p_table].shape[1]
+        p_cells = (p_hi - p_lo) * p_followers.shape[1]
     rows_s, probs_s = successor_rows(
         succ_followers, succ_weights, succ_norm, ctx[-1] if ctx.size else -1, depth, SUCCESSOR_MIN_PROB
     )
@@ -335,8 +333,9 @@ def _draft_one(j: int, args: tuple, out: tuple) -> None:
         n_p = prior_orders[p_table]
         conf_of[PRIOR] = _confidence(PRIOR, n_p, half, hits, pred, buckets)
         lengths[j, PRIOR] = n_p
-        probs = half_to_float(prior_probs[p_table][p_lo:p_hi])
-        _put(prior_followers[p_table][p_lo:p_hi], probs, True, PRIOR, conf_of[PRIOR], excl, rows_flat, vals_flat,
+        _, p_followers, p_bits = prior_tables[p_table]
+        probs = half_to_float(p_bits[p_lo:p_hi])
+        _put(p_followers[p_lo:p_hi], probs, True, PRIOR, conf_of[PRIOR], excl, rows_flat, vals_flat,
              meta, confs, at)  # fmt: skip
     if n_x > 0:
         conf_of[EXACT_TIER] = _confidence(EXACT_TIER, n_x, half, hits, pred, buckets)
@@ -438,9 +437,7 @@ def draft_batch(
     prior_keys: np.ndarray,
     prior_owner: np.ndarray,
     prior_slot: np.ndarray,
-    prior_offsets: Any,
-    prior_followers: Any,
-    prior_probs: Any,
+    prior_tables: Any,
     i32: Any,
     i64: Any,
     main_tokens: np.ndarray,
@@ -509,8 +506,8 @@ def draft_batch(
     array returned costs the call as much as several taken.
     """
     args = (
-        jobs, min_score, suffix, exclude, prior_orders, prior_keys, prior_owner, prior_slot, prior_offsets,
-        prior_followers, prior_probs, i32, i64, main_tokens, main_sa, run_tokens, run_sa, run_offsets, table_keys,
+        jobs, min_score, suffix, exclude, prior_orders, prior_keys, prior_owner, prior_slot, prior_tables,
+        i32, i64, main_tokens, main_sa, run_tokens, run_sa, run_offsets, table_keys,
         table_offsets, table_followers, table_probs, table_ll, main_serial, succ_followers, succ_weights, succ_norm,
         settings, half, hits, pred, score_edges, cell_hits, cell_trials,
         chain_backoff(coarse_hits, coarse_trials, claim, coarse_prior), fine_prior,
@@ -531,9 +528,7 @@ def draft_batch_parallel(
     prior_keys: np.ndarray,
     prior_owner: np.ndarray,
     prior_slot: np.ndarray,
-    prior_offsets: Any,
-    prior_followers: Any,
-    prior_probs: Any,
+    prior_tables: Any,
     i32: Any,
     i64: Any,
     main_tokens: np.ndarray,
@@ -571,8 +566,8 @@ def draft_batch_parallel(
     each other's machine code. A test holds the two parameter lists equal.
     """
     args = (
-        jobs, min_score, suffix, exclude, prior_orders, prior_keys, prior_owner, prior_slot, prior_offsets,
-        prior_followers, prior_probs, i32, i64, main_tokens, main_sa, run_tokens, run_sa, run_offsets, table_keys,
+        jobs, min_score, suffix, exclude, prior_orders, prior_keys, prior_owner, prior_slot, prior_tables,
+        i32, i64, main_tokens, main_sa, run_tokens, run_sa, run_offsets, table_keys,
         table_offsets, table_followers, table_probs, table_ll, main_serial, succ_followers, succ_weights, succ_norm,
         settings, half, hits, pred, score_edges, cell_hits, cell_trials,
         chain_backoff(coarse_hits, coarse_trials, claim, coarse_prior), fine_prior,

@@ -29,9 +29,7 @@ def draft_chain_batch(
     prior_keys: np.ndarray,
     prior_owner: np.ndarray,
     prior_slot: np.ndarray,
-    prior_offsets: Any,
-    prior_followers: Any,
-    prior_probs: Any,
+    prior_tables: Any,
     i32: Any,
     i64: Any,
     main_tokens: np.ndarray,
@@ -68,7 +66,7 @@ def draft_chain_batch(
     reach_edges: np.ndarray,
     reach_prior: float,
 ) -> tuple:
-    """:func:`~indexer.kernels.draft.draft_batch` over the first 39 arguments (each job's
+    """:func:`~indexer.kernels.draft.draft_batch` over the first 37 arguments (each job's
     session keeps its whole tree, as there), then each tree cut as
     :func:`~indexer.kernels.chain.chain_batch` cuts it: job ``j``'s chain at most ``ks[j]``
     tokens, ended at ``min_probs[j]``, for a session of track record ``tracks[j]`` (clamped to
@@ -81,8 +79,8 @@ def draft_chain_batch(
     their nodes' raw claims laid out as the chains are, and per job whether its session's tree
     buffer had to grow (as :func:`~indexer.kernels.draft.draft_batch` returns it)."""
     tokens, parents, sources, scores, offsets, grown = draft_batch(
-        jobs, min_score, suffix, exclude, prior_orders, prior_keys, prior_owner, prior_slot, prior_offsets,
-        prior_followers, prior_probs, i32, i64, main_tokens, main_sa, run_tokens, run_sa, run_offsets, table_keys,
+        jobs, min_score, suffix, exclude, prior_orders, prior_keys, prior_owner, prior_slot, prior_tables,
+        i32, i64, main_tokens, main_sa, run_tokens, run_sa, run_offsets, table_keys,
         table_offsets, table_followers, table_probs, table_ll, main_serial, succ_followers, succ_weights, succ_norm,
         settings, half, hits, pred, score_edges, cell_hits, cell_trials, coarse_hits, coarse_trials, claim,
         coarse_prior, fine_prior,

@@ -49,7 +49,7 @@ def test_built_restored_and_mapped_priors_draft_the_same_trees_with_one_compiled
         "mapped": prior_files.load(folder),
     }
     mapped_followers = variants["mapped"].tables[0].arrays()["followers"]
-    assert np.shares_memory(variants["mapped"].kernel_args[5][0], mapped_followers)
+    assert np.shares_memory(variants["mapped"].kernel_args[4][0][1], mapped_followers)
     rng = np.random.default_rng(2)
     prompts = [rng.integers(0, 30, int(rng.integers(2, 40))).astype(np.int32) for _ in range(12)]
     trees = {}
