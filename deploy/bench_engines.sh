@@ -8,6 +8,8 @@
 #   bash deploy/bench_engines.sh --quick    # 1 per group, 2 agent tasks x 2 passes (shorter prompts), 64 tokens
 #   bash deploy/bench_engines.sh --engines vllm     # one engine only (vllm, llama.cpp)
 #   bash deploy/bench_engines.sh --cold             # the service with an empty memory and no static prior
+#   bash deploy/bench_engines.sh --vllm-dtype float32   # vLLM's dtype (default: bfloat16 with bf16
+#                                                   # instructions, else float32; see below)
 #
 # Sets up what it needs on a fresh machine: .venv (the service, the prompts and llama.cpp),
 # .venv-vllm (deploy/setup_vllm.sh) with arctic-inference for vLLM's suffix method, the SmolLM2
@@ -18,21 +20,26 @@
 # 90 s, kept in data/). Except with --quick, vLLM also runs draftcache drafting near
 # (draftcache-near: the prior and the fleet's history in the worker, no round trip a step).
 # --cold leaves both out. An engine, or a method, that cannot be set up is reported as a JSON
-# line with a "skipped" reason and the others run. Logs, the prompts and the lines (results.jsonl) are kept in data/bench-engines/. vLLM runs
-# in bfloat16 where the CPU has bf16 instructions, else float32 (emulated bf16 is several times
-# slower on prompts).
+# line with a "skipped" reason and the others run. Logs, the prompts and the lines
+# (results.jsonl) are kept in data/bench-engines/. vLLM runs in bfloat16 where the CPU has bf16
+# instructions, else float32 (emulated bf16 is several times slower on prompts). In bfloat16 a
+# batched verification rounds differently from a one-token step, so every drafting method's
+# output, vLLM's own too, can leave plain greedy's at a near tie; in float32 they stay identical
+# (--vllm-dtype float32 compares the methods on the same outputs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 QUICK=0
 PRIOR_ON=1
 ENGINES="vllm,llama.cpp"
+VLLM_DTYPE=auto
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) QUICK=1 ;;
     --prior) PRIOR_ON=1 ;;  # the default; kept for the command lines that name it
     --cold) PRIOR_ON=0 ;;
     --engines) ENGINES="$2"; shift ;;
-    *) echo "usage: bash deploy/bench_engines.sh [--quick] [--cold] [--engines vllm,llama.cpp]" >&2; exit 2 ;;
+    --vllm-dtype) VLLM_DTYPE="$2"; shift ;;
+    *) echo "usage: bash deploy/bench_engines.sh [--quick] [--cold] [--engines vllm,llama.cpp] [--vllm-dtype auto|float32|bfloat16]" >&2; exit 2 ;;
   esac
   shift
 done
@@ -127,8 +134,9 @@ run_engine() {  # $1 engine, $2 its python
   if [ "$1" = vllm ]; then
     # The compiled drafting loops of vLLM's virtualenv (another numba than .venv's) cached apart.
     CACHE="${NUMBA_CACHE_DIR:-$(pwd)/.venv-vllm/numba-cache}"
+    EXTRA=(--dtype "$VLLM_DTYPE")
     if [ "$PRIOR_ON" = 1 ] && [ "$QUICK" = 0 ]; then  # also drafting near, from the same prior file
-      EXTRA=(--variant "near:near=true,prior_file=$(pwd)/$PRIOR")
+      EXTRA+=(--variant "near:near=true,prior_file=$(pwd)/$PRIOR")
     fi
   fi
   NUMBA_CACHE_DIR="$CACHE" setsid -w "$2" -m benchmarks.engines_bench --engine "$1" --workloads "$OUT/prompts.json" \
