@@ -152,6 +152,14 @@ class Serve:
         self.proc.kill()
         self.proc.wait()
 
+    def freeze(self) -> None:
+        """SIGSTOP: the service keeps its port and connections and answers nothing (a hung
+        host, a stop-the-world pause); its embedded Redis runs on."""
+        kill(self.pid, signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        kill(self.pid, signal.SIGCONT)
+
     def close(self) -> None:
         if self.channel is not None:
             self.channel.close()

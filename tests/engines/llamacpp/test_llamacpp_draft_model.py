@@ -1,6 +1,6 @@
 """draftcache as llama.cpp's draft model, in the real engine (llama-cpp-python on SmolLM2) with a
 real ``draftcache serve``: the deltas and drafts it hands the engine, its commits, the fleet's
-memory across replicas, and a service killed mid-generation."""
+memory across replicas, and a service killed or frozen mid-generation."""
 
 from __future__ import annotations
 
@@ -252,9 +252,13 @@ def test_a_request_the_fleet_has_seen_is_drafted_further_on_another_replica(serv
     b.close()
 
 
-def test_the_service_killed_mid_generation_does_not_stall_decoding(tmp_path: Path, vocab_size: int, make_llama) -> None:  # type: ignore[no-untyped-def]
-    """SIGKILL to ``draftcache serve`` after a few tokens: every later step is drafted locally
-    within milliseconds and the generation runs to its end."""
+@pytest.mark.parametrize("fault", ["killed", "frozen"])
+def test_the_service_failing_mid_generation_does_not_stall_decoding(  # type: ignore[no-untyped-def]
+    tmp_path: Path, vocab_size: int, make_llama, fault: str
+) -> None:
+    """SIGKILL, or SIGSTOP (its port still takes calls, nothing answers them), to ``draftcache
+    serve`` after a few tokens: every later step is drafted locally within milliseconds and the
+    generation runs to its end."""
     serve = start_serve(tmp_path / "data", vocab_size)
     redis = serve.redis_pid()
     try:
@@ -266,7 +270,7 @@ def test_the_service_killed_mid_generation_does_not_stall_decoding(tmp_path: Pat
         for token in steps:
             out.append(token)
             if len(out) == 12:
-                serve.sigkill()
+                (serve.sigkill if fault == "killed" else serve.freeze)()
                 killed_at = len(draft.calls)
             if len(out) >= 64:
                 break

@@ -1,12 +1,12 @@
 """draftcache inside real vLLM as its speculative proposer: greedy outputs identical to plain
 vLLM, one session per request whatever vLLM does to its batch, finished requests in the
-service's lifetime log, and the service killed mid-generation."""
+service's lifetime log, and the service frozen or killed mid-generation."""
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -101,33 +101,38 @@ def test_each_request_is_one_session_committed_whole(
     assert expected == []
 
 
-def test_service_killed_mid_generation(
-    drafting: tuple[Any, Path], serve: Serve, long_batch: Requests, plain: dict[str, list[list[int]]]
-) -> None:
-    llm, stats_path = drafting
+def _generate_through(
+    fault: Callable[[], None], llm: Any, stats_path: Path, long_batch: Requests, plain: dict[str, list[list[int]]]
+) -> dict[str, Any]:
+    """The long batch generated with ``fault`` done to the service after ten drafting steps:
+    vLLM runs to the end with plain greedy's tokens, the local drafter answering, and no step
+    waits on the service past the client's deadlines. The proposer's stats after it."""
     wait_stats(stats_path, lambda s: s["sessions_live"] == 0, 30, "earlier sessions to close")
-    steps_before = read_stats(stats_path)["steps"]
+    before = read_stats(stats_path)
     out: list[list[list[int]]] = []
     worker = threading.Thread(target=lambda: out.append(generate(llm, long_batch)))
     started = time.monotonic()
     worker.start()
-    wait_stats(stats_path, lambda s: s["steps"] >= steps_before + 10, 300, "ten drafting steps")
-    serve.sigkill()
+    wait_stats(stats_path, lambda s: s["steps"] >= before["steps"] + 10, 300, "ten drafting steps")
+    fault()
     worker.join(timeout=600)
-    assert not worker.is_alive(), "vLLM stalled after the service died"
+    assert not worker.is_alive(), "vLLM stalled after the fault"
     assert out == [plain["long"]]  # still plain greedy's tokens
     stats = wait_stats(stats_path, lambda s: s["sessions_live"] == 0, 30, "the sessions to close")
-    assert stats["fallback_drafts"] > 0 and stats["failed_calls"] > 0  # the local drafter answered
-    # No step waited on the dead service past the client's deadlines (a stuck call would take
-    # the control timeout, 1 s, or forever).
+    assert stats["fallback_drafts"] > before["fallback_drafts"] and stats["failed_calls"] > before["failed_calls"]
+    # No step waited on the service past the client's deadlines (a stuck call would take the
+    # control timeout, 1 s, or forever).
     assert stats["proposer_ms_max"] < 1000, stats
     assert stats["errors"] == 0
-    print(f"generation with the service killed took {time.monotonic() - started:.1f} s; proposer {stats}")
+    print(f"generation through the fault took {time.monotonic() - started:.1f} s; proposer {stats}")
+    return stats
 
-    # The service back (same data): the proposer drafts from it again. A fresh service on a busy
-    # machine may miss the first steps' deadlines (the fallback answers those), so a few requests
-    # in a row are allowed before its drafts must be back.
-    serve.start()
+
+def _drafts_from_the_service_again(
+    llm: Any, stats_path: Path, stats: dict[str, Any], long_batch: Requests, plain: dict[str, list[list[int]]]
+) -> None:
+    """A service on a busy machine may miss the first steps' deadlines once it is back (the
+    fallback answers those), so a few requests in a row are allowed before its drafts must be."""
     remote, closed = stats["remote_drafts"], stats["sessions_closed"]
     for _ in range(4):
         assert generate(llm, long_batch[:1]) == plain["long"][:1]
@@ -136,3 +141,24 @@ def test_service_killed_mid_generation(
         if after["remote_drafts"] > remote:
             break
     assert after["remote_drafts"] > remote, after
+
+
+def test_service_frozen_mid_generation(
+    drafting: tuple[Any, Path], serve: Serve, long_batch: Requests, plain: dict[str, list[list[int]]]
+) -> None:
+    """SIGSTOP: the service's port still takes connections and calls, and nothing answers them."""
+    llm, stats_path = drafting
+    try:
+        stats = _generate_through(serve.freeze, llm, stats_path, long_batch, plain)
+    finally:
+        serve.thaw()
+    _drafts_from_the_service_again(llm, stats_path, stats, long_batch, plain)
+
+
+def test_service_killed_mid_generation(
+    drafting: tuple[Any, Path], serve: Serve, long_batch: Requests, plain: dict[str, list[list[int]]]
+) -> None:
+    llm, stats_path = drafting
+    stats = _generate_through(serve.sigkill, llm, stats_path, long_batch, plain)
+    serve.start()  # back, on the same data
+    _drafts_from_the_service_again(llm, stats_path, stats, long_batch, plain)
