@@ -398,9 +398,7 @@ class NamespaceDrafter:
         for tier, n in enumerate(by_tier.tolist()):
             if n:
                 c.accepted[_TIER_NAMES[tier]] += n
-        for j, size in enumerate(grown.tolist()):
-            if size:
-                self.store.follow(items[j][0], size)
+        self._follow_grown([session for session, _, _ in items], grown)
         for session, new, rejected in items:
             if rejected:  # each branch is keyed by the context tail where it branched off
                 before = len(session.context) - new.size
@@ -671,7 +669,7 @@ def _jobs(
         return np.array(written, dtype=np.int64).reshape(rows.size, len(JOB_COLUMNS)), np.array([min_score] * rows.size)
     table = np.zeros((rows.size, len(JOB_COLUMNS)), dtype=np.int64)
     table[:, draft_kernel.ROW] = rows
-    table[:, draft_kernel.TRACK] = -1
+    table[:, draft_kernel.TRACK] = -1  # ranked by score
     table[:, draft_kernel.REMEMBER] = int(remember)
     table[:, draft_kernel.DEPTH] = [depth(p) for p in params]
     table[:, draft_kernel.BUDGET] = [p.budget for p in params]
