@@ -45,6 +45,10 @@ class ClientConfig:
     # ... for which chains are asked to run on past the cut the decoder cuts them at
     # (params.chain_min_prob, or cut_chains_at), to tokens this fraction as likely to be reached.
     chain_run_on: float = 1.0
+    # ... and where a chain was cut at the length asked (params.chain), its rest stands in for a
+    # call only while it still holds this many tokens (what the decoder takes of a chain; 0: any
+    # rest): a short rest of a long sure chain would cost the step the long chain the call brings.
+    chain_take: int = 0
     topk: int = 0  # the target's top-k ids sent per verified position, when the decoder gives them (0: none)
     stream: bool = True  # calls on two bidirectional streams (False: one unary call each)
     token: str = ""  # bearer token, when the service authenticates callers
@@ -63,6 +67,8 @@ class ClientConfig:
             raise ValueError(f"lookahead must be in [0, {MAX_LOOKAHEAD}], got {self.lookahead}")
         if self.continue_chains and not self.params.chain:
             raise ValueError("continue_chains needs chain mode (params.chain > 0)")
+        if not 0 <= self.chain_take <= self.params.chain:
+            raise ValueError(f"chain_take must be in [0, params.chain={self.params.chain}], got {self.chain_take}")
         if not 0 < self.chain_run_on <= 1:
             raise ValueError(f"chain_run_on must be in (0, 1], got {self.chain_run_on}")
         if not 0 <= self.topk <= MAX_TOPK:

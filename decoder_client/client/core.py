@@ -117,6 +117,7 @@ class ClientCore:
             raise ValueError(f"chain_min_prob must be in [0, 1), got {min_prob}")
         run_on = self.config.chain_run_on if self.config.continue_chains else 1.0
         self.params.chain_min_prob = min_prob * run_on  # each open copies it
+        self.chain_cut = min_prob
 
     def available(self) -> bool:
         return time.monotonic() >= self.down_until
@@ -268,7 +269,7 @@ class ClientCore:
             tree = select(s.prefetched, new) if s.server_id and s.prefetched and len(new) else None
             s.prefetched = {}
             if tree is None and s.chain is not None and s.server_id and len(new):
-                tree = continue_chain(s.chain, s.tokens(s.chain_at))
+                tree = self._continued(s.chain, s.tokens(s.chain_at))
                 self.stats.continued += tree is not None
             if tree is None:
                 if self.config.lookahead and s.server_id and len(new):
@@ -279,6 +280,20 @@ class ClientCore:
                 self.stats.remote += 1
                 ready[id(s)] = tree
         return ready, rest
+
+    def _continued(self, chain: DraftTree, produced: Sequence[int]) -> DraftTree | None:
+        """What ``chain`` still holds after ``produced`` (see
+        :func:`~indexer.prespeculation.continue_chain`), where that is as good as what a call
+        would bring: the chain ended before the length asked (its rest is all the service saw
+        worth drafting), or its rest still holds ``chain_take`` tokens or more than the decoder
+        would take (it runs below the decoder's cut). A sure chain cut at the length asked and
+        taken whole (a request asked again) leaves a few tokens, where a call brings a whole
+        chain again."""
+        rest = continue_chain(chain, produced)
+        if rest is None or len(chain) < self.config.params.chain or len(rest) >= self.config.chain_take:
+            return rest
+        # Or its last token is less likely than the decoder's cut: it would not take all of it.
+        return rest if float(rest.scores[-1]) < self.chain_cut else None
 
     def in_doubt(self, sessions: Sequence[ClientSession]) -> None:
         """Their server copies may have missed tokens: they are closed, and the sessions

@@ -61,6 +61,9 @@ class EngineSettings:
     # ... for which the service's chains run on past the proposer's cut, to tokens this fraction
     # as likely to be reached (once the tokens before them are produced, they are likelier).
     chain_run_on: float = 0.5
+    # ... and where such a chain was cut at the length asked, its rest goes on only while it holds
+    # this many tokens (else the step calls for a whole chain): -1, the engine's most; 0, any rest.
+    chain_take: int = -1
     topk: int = 0  # the target's top-k ids sent back per verified position, where the engine shows its logits
     # Draft in the engine's own process from a near copy of the namespace (each request's own
     # context, the requests this engine finished, the prior in ``prior_file``): no draft call on
@@ -89,6 +92,8 @@ class EngineSettings:
         if self.deadline_s <= 0 or self.idle_close_s <= 0 or self.stats_every_s <= 0:
             raise ValueError("deadline_s, idle_close_s and stats_every_s must be > 0")
         self.step_deadline()  # its own checks
+        if self.chain_take < -1:
+            raise ValueError(f"chain_take must be >= 0, or -1 (the engine's most), got {self.chain_take}")
         if not 0 < self.chain_run_on <= 1:
             raise ValueError(f"chain_run_on must be in (0, 1], got {self.chain_run_on}")
         if self.prior_file and not self.near:
@@ -163,6 +168,7 @@ class EngineSettings:
             retry_after_s=self.retry_after_s,
             continue_chains=continued,
             chain_run_on=self.chain_run_on,
+            chain_take=min(k if self.chain_take < 0 else self.chain_take, chain) if continued else 0,
             topk=self.topk,
             token=self.token,
             tls_root_cert_file=self.tls_root_cert_file,

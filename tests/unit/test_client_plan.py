@@ -18,7 +18,9 @@ from indexer.tree_builder import DraftTree
 Step = Generator[Effect, Drafted | None, list[DraftTree]]
 
 
-def _core(*, deadline_s: float = 0.005, lookahead: int = 0, continue_chains: bool = False) -> ClientCore:
+def _core(
+    *, deadline_s: float = 0.005, lookahead: int = 0, continue_chains: bool = False, chain_take: int = 0
+) -> ClientCore:
     params = DraftParams(chain=8) if continue_chains else DraftParams()
     config = ClientConfig(
         target="unused",
@@ -27,6 +29,7 @@ def _core(*, deadline_s: float = 0.005, lookahead: int = 0, continue_chains: boo
         deadline_s=deadline_s,
         lookahead=lookahead,
         continue_chains=continue_chains,
+        chain_take=chain_take,
     )
     return ClientCore(config, prompt_lookup_fallback)
 
@@ -159,6 +162,28 @@ def test_a_chain_that_foresaw_the_outcome_goes_on_at_once_and_its_tokens_go_in_t
     effects, trees = _run(draft_step(core, [s], [[12]]), [None, None, Drafted(_answer([30]))])
     assert [type(e) for e in effects] == [CatchUp, Reopen, Draft] and trees[0].tokens.tolist() == [30]
     assert core.stats.continued == 1 and (s.chain_at, s.chain.tokens.tolist()) == (7, [30])
+
+
+def test_a_chain_cut_at_the_length_asked_goes_on_only_where_its_rest_is_what_a_call_would_bring() -> None:
+    # Chains of 8 asked, the decoder takes 4 (and is cut at 0.1): a chain of 8 sure tokens,
+    # taken 4 and the bonus token, leaves 3, where a call brings 8 again: the step calls.
+    core = _core(continue_chains=True, chain_take=4)
+    core.cut_chains_at(0.1)
+    s = _remote([1, 2], "a")
+    sure = list(range(10, 18))
+    _run(draft_step(core, [s], [[3]]), [None, None, Drafted(_answer(sure))])
+    effects, trees = _run(draft_step(core, [s], [sure[:5]]), [None, None, Drafted(_answer(list(range(20, 28))))])
+    assert [type(e) for e in effects] == [CatchUp, Reopen, Draft] and trees[0].tokens.tolist() == list(range(20, 28))
+    assert core.stats.continued == 0
+    # Taken 3 and the bonus token: the 4 left fill what the decoder takes, at once.
+    effects, trees = _run(draft_step(core, [s], [[20, 21, 22, 23]]), [])
+    assert [type(e) for e in effects] == [CatchUp, Reopen, DraftAhead] and trees[0].tokens.tolist() == [24, 25, 26, 27]
+    assert core.stats.continued == 1
+    # A rest shorter than that, which falls below the decoder's cut: all the decoder would take.
+    core.answered([s], _answer(list(range(30, 38)), scores=[0.9, 0.8, 0.7, 0.6, 0.5, 0.3, 0.1, 0.04]))
+    effects, trees = _run(draft_step(core, [s], [[30, 31, 32, 33, 34]]), [])
+    assert [type(e) for e in effects] == [CatchUp, Reopen, DraftAhead] and trees[0].tokens.tolist() == [35, 36, 37]
+    assert core.stats.continued == 2
 
 
 def test_tokens_added_while_a_call_is_in_the_background_stay_pending() -> None:

@@ -29,6 +29,15 @@ def test_defaults() -> None:
     assert s.target == "127.0.0.1:50051" and s.token == "" and s.create_namespace
 
 
+def test_a_continued_chains_rest_must_fill_what_the_engine_takes_unless_told_otherwise() -> None:
+    config = EngineSettings.from_sources({"namespace": "ns"}, {}).client_config(24)
+    assert (config.params.chain, config.chain_take) == (32, 24)  # asked 8 longer, the rest must fill 24
+    assert EngineSettings.from_sources({"namespace": "ns", "chain_take": 0}, {}).client_config(24).chain_take == 0
+    assert EngineSettings.from_sources({"namespace": "ns", "chain_take": 40}, {}).client_config(24).chain_take == 32
+    off = EngineSettings.from_sources({"namespace": "ns", "continue_chains": False}, {}).client_config(24)
+    assert (off.params.chain, off.chain_take) == (24, 0)
+
+
 @pytest.mark.parametrize(
     ("engine", "env", "message"),
     [
@@ -42,6 +51,7 @@ def test_defaults() -> None:
         ({"namespace": "ns", "deadline_s": 0}, {}, "must be > 0"),
         ({"namespace": "ns"}, {"DRAFTCACHE_BUDGET": "-1"}, "budget must be in"),
         ({"namespace": "ns", "chain_min_prob": 1.5}, {}, "chain_min_prob must be in"),
+        ({"namespace": "ns", "chain_take": -2}, {}, "chain_take must be >= 0"),
     ],
 )
 def test_bad_settings_are_refused(engine: dict[str, object], env: dict[str, str], message: str) -> None:
