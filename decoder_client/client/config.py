@@ -45,9 +45,9 @@ class ClientConfig:
     # ... for which chains are asked to run on past the cut the decoder cuts them at
     # (params.chain_min_prob, or cut_chains_at), to tokens this fraction as likely to be reached.
     chain_run_on: float = 1.0
-    # ... and where a chain was cut at the length asked (params.chain), its rest stands in for a
-    # call only while it still holds this many tokens (what the decoder takes of a chain; 0: any
-    # rest): a short rest of a long sure chain would cost the step the long chain the call brings.
+    # ... and its rest stands in for a call only while it still holds this many tokens (what the
+    # decoder takes of a chain; 0: any rest) or runs below the decoder's cut (it would not take
+    # all of it): a short rest of a long sure chain would cost the step the chain a call brings.
     chain_take: int = 0
     # ... and a session the decoder proposed nothing of at its last step (:meth:`proposed`) waits on
     # no call at its next unless its chain goes on: its tokens go in the background, the reply's

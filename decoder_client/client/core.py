@@ -286,22 +286,25 @@ class ClientCore:
                 ready[id(s)] = tree
         return ready, rest
 
-    def proposed(self, sessions: Sequence[ClientSession], counts: Sequence[int]) -> None:
+    def proposed(self, sessions: Sequence[ClientSession], counts: Sequence[int], *, dear: bool = True) -> None:
         """How many tokens of each session's last tree the decoder proposed: with ``quiet``, a
-        session that proposed none waits on no call at its next step (see :class:`ClientConfig`)."""
+        session that proposed none waits on no call at its next step (see :class:`ClientConfig`),
+        where the decoder finds drafting ``dear`` (a step with any draft costs it much more than
+        one without: most of its steps propose nothing)."""
         for s, n in zip(sessions, counts, strict=True):
-            s.quiet = n == 0
+            s.quiet = dear and n == 0
 
     def _continued(self, chain: DraftTree, produced: Sequence[int]) -> DraftTree | None:
         """What ``chain`` still holds after ``produced`` (see
-        :func:`~indexer.prespeculation.continue_chain`), where that is as good as what a call
-        would bring: the chain ended before the length asked (its rest is all the service saw
-        worth drafting), or its rest still holds ``chain_take`` tokens or more than the decoder
-        would take (it runs below the decoder's cut). A sure chain cut at the length asked and
-        taken whole (a request asked again) leaves a few tokens, where a call brings a whole
-        chain again."""
+        :func:`~indexer.prespeculation.continue_chain`), where that is as much as the decoder
+        would take of what a call brings: the rest still holds ``chain_take`` tokens, or more
+        than the decoder takes of it (it runs below the decoder's cut). A sure chain taken whole
+        (a request asked again) leaves a few tokens, where a call, drafting for the longer
+        context, brings a whole chain again. (Whether the chain ended at the length asked or
+        at the run-on chance says nothing here: its chances were reckoned from where it was
+        drafted, and the tokens produced since make the next ones likelier.)"""
         rest = continue_chain(chain, produced)
-        if rest is None or len(chain) < self.config.params.chain or len(rest) >= self.config.chain_take:
+        if rest is None or len(rest) >= self.config.chain_take:
             return rest
         # Or its last token is less likely than the decoder's cut: it would not take all of it.
         return rest if float(rest.scores[-1]) < self.chain_cut else None

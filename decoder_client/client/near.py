@@ -167,7 +167,7 @@ class NearClient:
         if min_prob != self._params.chain_min_prob:
             self._params = dataclasses.replace(self._params, chain_min_prob=min_prob)
 
-    def proposed(self, sessions: Sequence[NearSession], counts: Sequence[int]) -> None:
+    def proposed(self, sessions: Sequence[NearSession], counts: Sequence[int], *, dear: bool = True) -> None:
         """Nothing to do: a near copy drafts at every step without a call."""
 
     def open(

@@ -61,8 +61,8 @@ class EngineSettings:
     # ... for which the service's chains run on past the proposer's cut, to tokens this fraction
     # as likely to be reached (once the tokens before them are produced, they are likelier).
     chain_run_on: float = 0.5
-    # ... and where such a chain was cut at the length asked, its rest goes on only while it holds
-    # this many tokens (else the step calls for a whole chain): -1, the engine's most; 0, any rest.
+    # ... and its rest goes on only while it holds this many tokens or runs below the proposer's
+    # cut (else the step calls for a whole chain): -1, the engine's most; 0, any rest.
     chain_take: int = -1
     # A request the proposer proposed nothing for at a step waits on no call at its next unless
     # the chain held goes on: its tokens go in the background and the step proposes nothing (see

@@ -208,7 +208,7 @@ class DraftcacheProposer:
             drafts[i] = chain[:n].tolist()
             if n:  # the claims, not the corrected chances: the correction learns from them
                 self._sent[id(track)] = (track, claims[:n])
-        self._client.proposed([_session(c[1]) for c in chains], kept)
+        self._client.proposed([_session(c[1]) for c in chains], kept, dear=self._cost.dear)
         if not self._sent:
             self._unworthy += 1
         return drafts, len(live)

@@ -211,7 +211,11 @@ def test_a_session_that_proposed_nothing_waits_on_no_call_until_its_chain_goes_o
     core.answered([s], _answer([9], scores=[0.5]))
     effects, trees = _run(draft_step(core, [s], [[4]]), [None, None, Drafted(_answer([30]))])
     assert [type(e) for e in effects] == [CatchUp, Reopen, Draft] and trees[0].tokens.tolist() == [30]
-    # Without the setting, a session that proposed nothing waits on its call as before.
+    # Where the decoder does not find drafting dear (most of its steps propose something), or
+    # without the setting, a session that proposed nothing waits on its call as before.
+    core.proposed([s], [0], dear=False)
+    effects, _ = _run(draft_step(core, [s], [[12]]), [None, None, Drafted(_answer([13]))])
+    assert [type(e) for e in effects] == [CatchUp, Reopen, Draft] and core.stats.quiet == 1
     plain = _core(continue_chains=True)
     t = _remote([1, 2], "b")
     plain.proposed([t], [0])
