@@ -125,10 +125,9 @@ class LlamaCppRunner:
         return {"prompt_cache_mib": self.config.prompt_cache_mib, "prompt_cache_hits": cache.hits}
 
     def _client_counts(self) -> dict[str, float]:
-        """Drafts the service answered, drafts the client's local fallback made (its deadline
-        missed, the service down, a session still opening), steps that waited on no call after
-        one that proposed nothing (quiet), and the mean wait on a draft call's reply (ms), this
-        workload."""
+        """Drafts the service answered and drafts the client's local fallback made (its deadline
+        missed, the service down, a session still opening), and the mean wait on a draft call's
+        reply (ms), this workload."""
         now, before = self._engines.counters[self._ours].client.stats, self._client_before
         if before is None:
             return {}
@@ -136,7 +135,6 @@ class LlamaCppRunner:
         return {
             "remote_drafts": now.remote - before.remote,
             "fallback_drafts": now.fallback - before.fallback,
-            "quiet_steps": now.quiet - before.quiet,
             "failed_calls": now.failures - before.failures,
             "draft_call_wait_ms": round(1e3 * (now.draft_wait_s - before.draft_wait_s) / calls, 3) if calls else 0.0,
         }

@@ -482,7 +482,6 @@ def proposer_notes(before: dict[str, Any], after: dict[str, Any]) -> dict[str, A
         "proposer_ms_p99_recent": round(float(after.get("proposer_ms_p99", 0.0)), 3),
         "remote_drafts": delta("remote_drafts"),
         "fallback_drafts": delta("fallback_drafts"),
-        "quiet_steps": delta("quiet_steps"),
         "failed_calls": delta("failed_calls"),
         "proposer_errors": delta("errors"),
     }

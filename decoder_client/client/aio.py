@@ -154,10 +154,6 @@ class AsyncDraftClient:
             if task.cancelled() or task.exception() is not None:
                 self._core.late_failed(pairs)
 
-    def proposed(self, sessions: Sequence[ClientSession], counts: Sequence[int], *, dear: bool = True) -> None:
-        """See :meth:`DraftClient.proposed`."""
-        self._core.proposed(sessions, counts, dear=dear)
-
     def add_tokens(self, sessions: Sequence[ClientSession], new_tokens: Sequence[Sequence[int]]) -> None:
         """See :meth:`DraftClient.add_tokens`."""
         self._core.add_tokens(sessions, new_tokens)

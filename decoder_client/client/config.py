@@ -49,11 +49,6 @@ class ClientConfig:
     # decoder takes of a chain; 0: any rest) or runs below the decoder's cut (it would not take
     # all of it): a short rest of a long sure chain would cost the step the chain a call brings.
     chain_take: int = 0
-    # ... and a session the decoder proposed nothing of at its last step (:meth:`proposed`) waits on
-    # no call at its next unless its chain goes on: its tokens go in the background, the reply's
-    # chain is the one to go on from, and the step proposes nothing. A step a decoder would pay a
-    # round trip for, to propose nothing again, then costs it nothing.
-    quiet: bool = False
     topk: int = 0  # the target's top-k ids sent per verified position, when the decoder gives them (0: none)
     stream: bool = True  # calls on two bidirectional streams (False: one unary call each)
     token: str = ""  # bearer token, when the service authenticates callers
@@ -72,8 +67,6 @@ class ClientConfig:
             raise ValueError(f"lookahead must be in [0, {MAX_LOOKAHEAD}], got {self.lookahead}")
         if self.continue_chains and not self.params.chain:
             raise ValueError("continue_chains needs chain mode (params.chain > 0)")
-        if self.quiet and not self.continue_chains:
-            raise ValueError("quiet needs continue_chains (a quiet step goes on from the chain held)")
         if not 0 <= self.chain_take <= self.params.chain:
             raise ValueError(f"chain_take must be in [0, params.chain={self.params.chain}], got {self.chain_take}")
         if not 0 < self.chain_run_on <= 1:

@@ -69,7 +69,6 @@ class ClientStats:
     ahead_hits: int = 0  # trees that were drafted ahead (no wait)
     ahead_misses: int = 0  # outcomes nothing had been drafted ahead for
     continued: int = 0  # chains that went on from the last one, which foresaw the outcome (no wait)
-    quiet: int = 0  # steps of sessions the decoder proposed nothing of, that waited on no call (nothing drafted)
     lost_opens: int = 0  # opens given up on (deadline): the service may hold copies until they expire
     commits_retried: int = 0  # ended requests whose commit did not land at once (kept to send again)
     commits_dropped: int = 0  # ended requests never committed (the backlog was full, or the service refused them)
@@ -272,10 +271,6 @@ class ClientCore:
             if tree is None and s.chain is not None and s.server_id and len(new):
                 tree = self._continued(s.chain, s.tokens(s.chain_at))
                 self.stats.continued += tree is not None
-            if tree is None and s.quiet and s.server_id and len(new) and self.config.quiet:
-                self.stats.quiet += 1
-                ready[id(s)] = DraftTree.empty()  # its tokens go in the background call
-                continue
             if tree is None:
                 if self.config.lookahead and s.server_id and len(new):
                     self.stats.ahead_misses += 1
@@ -285,14 +280,6 @@ class ClientCore:
                 self.stats.remote += 1
                 ready[id(s)] = tree
         return ready, rest
-
-    def proposed(self, sessions: Sequence[ClientSession], counts: Sequence[int], *, dear: bool = True) -> None:
-        """How many tokens of each session's last tree the decoder proposed: with ``quiet``, a
-        session that proposed none waits on no call at its next step (see :class:`ClientConfig`),
-        where the decoder finds drafting ``dear`` (a step with any draft costs it much more than
-        one without: most of its steps propose nothing)."""
-        for s, n in zip(sessions, counts, strict=True):
-            s.quiet = dear and n == 0
 
     def _continued(self, chain: DraftTree, produced: Sequence[int]) -> DraftTree | None:
         """What ``chain`` still holds after ``produced`` (see

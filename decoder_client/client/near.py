@@ -167,9 +167,6 @@ class NearClient:
         if min_prob != self._params.chain_min_prob:
             self._params = dataclasses.replace(self._params, chain_min_prob=min_prob)
 
-    def proposed(self, sessions: Sequence[NearSession], counts: Sequence[int], *, dear: bool = True) -> None:
-        """Nothing to do: a near copy drafts at every step without a call."""
-
     def open(
         self, prompts: Sequence[Sequence[int] | np.ndarray], *, wait: bool = True, wait_s: float = 0.0
     ) -> list[NearSession]:

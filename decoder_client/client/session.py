@@ -55,7 +55,6 @@ class ClientSession:
         "pending_topk",
         "prefetched",
         "prompt_len",
-        "quiet",
         "server_id",
     )
 
@@ -71,7 +70,6 @@ class ClientSession:
         self.asked_at = 0  # the context's length when the last draft call was made for it
         self.chain: DraftTree | None = None  # chain mode: the service's last chain, drafted ...
         self.chain_at = 0  # ... for the context's first this many tokens
-        self.quiet = False  # the decoder proposed nothing of its last tree (see ClientConfig.quiet)
 
     def __len__(self) -> int:
         return len(self._tokens)

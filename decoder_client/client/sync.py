@@ -62,11 +62,6 @@ class DraftClient:
         not always the start of its best chain above a lower cut)."""
         self._core.cut_chains_at(min_prob)
 
-    def proposed(self, sessions: Sequence[ClientSession], counts: Sequence[int], *, dear: bool = True) -> None:
-        """How many tokens of each session's last tree the decoder proposed (see
-        :meth:`ClientCore.proposed`)."""
-        self._core.proposed(sessions, counts, dear=dear)
-
     def open(
         self, prompts: Sequence[Sequence[int] | np.ndarray], *, wait: bool = True, wait_s: float = 0.0
     ) -> list[ClientSession]:

@@ -246,7 +246,6 @@ class DraftcacheDraftModel(LlamaDraftModel):
         if self.cost is not None:  # what the step pays for, its own cost included (none where nothing pays)
             (n,) = self.cost.keep([scores])
             chain, claims = chain[:n], claims[:n]
-        self.client.proposed([session], [chain.size], dear=self.cost is not None and self.cost.dear)
         chain = chain.astype(np.intc)
         self._sequence, self._draft, self._claims = ids, chain, claims[: chain.size]
         self.stats.calls += 1

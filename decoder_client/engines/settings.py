@@ -64,10 +64,6 @@ class EngineSettings:
     # ... and its rest goes on only while it holds this many tokens or runs below the proposer's
     # cut (else the step calls for a whole chain): -1, the engine's most; 0, any rest.
     chain_take: int = -1
-    # A request the proposer proposed nothing for at a step waits on no call at its next unless
-    # the chain held goes on: its tokens go in the background and the step proposes nothing (see
-    # decoder_client.client.config). Where a step pays for any draft (llama.cpp), most steps.
-    quiet: bool = True
     topk: int = 0  # the target's top-k ids sent back per verified position, where the engine shows its logits
     # Draft in the engine's own process from a near copy of the namespace (each request's own
     # context, the requests this engine finished, the prior in ``prior_file``): no draft call on
@@ -173,7 +169,6 @@ class EngineSettings:
             continue_chains=continued,
             chain_run_on=self.chain_run_on,
             chain_take=min(k if self.chain_take < 0 else self.chain_take, chain) if continued else 0,
-            quiet=continued and self.quiet,
             topk=self.topk,
             token=self.token,
             tls_root_cert_file=self.tls_root_cert_file,

@@ -77,10 +77,6 @@ PRIOR = 0.3  # the cost until measured: a drafted token's share of a one-token s
 MAX_FREE = 16  # the most tokens a step is taken to verify at no cost (the knee, see the module docstring)
 KNEE_GAIN = 0.8  # a knee is kept where its line leaves at most this share of the straight line's squared error
 MIN_AT = 8  # steps seen with one number of proposed tokens before their median stands for it
-# A step that verifies any draft costing this share of a step or more on top of its tokens (llama.cpp
-# here: a whole step) makes drafting dear: steps then propose only sure chains, and most propose
-# nothing (see :attr:`StepCost.dear`).
-DEAR_STEP = 0.25
 
 
 class StepCost:
@@ -170,28 +166,6 @@ class StepCost:
         """The least chance of acceptance a proposed token should have."""
         ratio = self.prior if self._token is None else self._token
         return min(MAX_MIN_PROB, max(self.floor, ratio))
-
-    @property
-    def dear(self) -> bool:
-        """Whether a step that verifies any draft costs, besides its tokens, at least
-        :data:`DEAR_STEP` of a step without (measured; not yet: no). Then most steps propose
-        nothing, and a step after one that proposed nothing need not wait on a draft call to
-        learn it again (the client's ``quiet`` steps).
-
-        >>> cost = StepCost(prior=0.3)
-        >>> for i in range(64):  # 10 ms a step, 10 ms more for any draft, 1 ms per token
-        ...     proposed = i % 4
-        ...     cost.record(0.010 + (0.010 + 0.001 * proposed if proposed else 0.0), proposed, rows=1)
-        >>> cost.dear
-        True
-        >>> cheap = StepCost(prior=0.3)
-        >>> for i in range(64):  # the same steps, 0.5 ms more for any draft
-        ...     proposed = i % 4
-        ...     cheap.record(0.010 + (0.0005 + 0.001 * proposed if proposed else 0.0), proposed, rows=1)
-        >>> cheap.dear
-        False
-        """
-        return self.measured and self.per_step_s >= DEAR_STEP * self.base_s
 
     @property
     def ask_prob(self) -> float:

@@ -203,12 +203,10 @@ class DraftcacheProposer:
             if room > 0:
                 chains.append((i, track, *self._chain_to_propose(tree, room, self._cost.ask_prob, chances)))
         # keep() weighs the step as a whole: where no drafts pay for the step's cost, none go.
-        kept = self._cost.keep([c[-1] for c in chains])
-        for (i, track, chain, claims, _), n in zip(chains, kept, strict=True):
+        for (i, track, chain, claims, _), n in zip(chains, self._cost.keep([c[-1] for c in chains]), strict=True):
             drafts[i] = chain[:n].tolist()
             if n:  # the claims, not the corrected chances: the correction learns from them
                 self._sent[id(track)] = (track, claims[:n])
-        self._client.proposed([_session(c[1]) for c in chains], kept, dear=self._cost.dear)
         if not self._sent:
             self._unworthy += 1
         return drafts, len(live)
@@ -256,7 +254,6 @@ class DraftcacheProposer:
             "near_followed": client.followed,
             "fallback_drafts": client.fallback,
             "chains_continued": client.continued,
-            "quiet_steps": client.quiet,
             "failed_calls": client.failures,
             "draft_calls": client.draft_calls,
             "draft_wait_ms_total": 1e3 * client.draft_wait_s,  # of the proposer's time: waiting on the service

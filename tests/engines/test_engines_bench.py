@@ -108,10 +108,8 @@ def test_llama_cpp_lines_for_every_workload_and_method(shared_data: Path, serve:
     # the generation) and drafts it, many tokens per step.
     assert ours["by_group"]["pass2"]["mean_accepted_tokens"] > 2.0
     assert ours["by_group"]["pass2"]["mean_accepted_tokens"] > ours["by_group"]["pass1"]["mean_accepted_tokens"]
-    # Where its drafts came from, per workload: one per step, the service's or the local fallback's,
-    # or none, waiting on no call, after a step that proposed nothing (quiet).
-    assert ours["remote_drafts"] > 0
-    assert ours["remote_drafts"] + ours["fallback_drafts"] + ours["quiet_steps"] >= ours["drafts"]
+    # Where its drafts came from, per workload: one per step, the service's or the local fallback's.
+    assert ours["remote_drafts"] > 0 and ours["remote_drafts"] + ours["fallback_drafts"] >= ours["drafts"]
     assert ours["draft_call_wait_ms"] > 0  # the mean wait on a draft call's reply
     assert ours["topk"] == 8  # the engine's rows went back with its steps
 

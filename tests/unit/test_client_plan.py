@@ -7,7 +7,6 @@ import time
 from collections.abc import Generator, Sequence
 
 import numpy as np
-import pytest
 from draftcache.v1 import draftcache_pb2 as pb
 
 from decoder_client.client import ClientConfig, ClientSession, prompt_lookup_fallback
@@ -20,12 +19,7 @@ Step = Generator[Effect, Drafted | None, list[DraftTree]]
 
 
 def _core(
-    *,
-    deadline_s: float = 0.005,
-    lookahead: int = 0,
-    continue_chains: bool = False,
-    chain_take: int = 0,
-    quiet: bool = False,
+    *, deadline_s: float = 0.005, lookahead: int = 0, continue_chains: bool = False, chain_take: int = 0
 ) -> ClientCore:
     params = DraftParams(chain=8) if continue_chains else DraftParams()
     config = ClientConfig(
@@ -36,7 +30,6 @@ def _core(
         lookahead=lookahead,
         continue_chains=continue_chains,
         chain_take=chain_take,
-        quiet=quiet,
     )
     return ClientCore(config, prompt_lookup_fallback)
 
@@ -191,41 +184,12 @@ def test_a_chain_cut_at_the_length_asked_goes_on_only_where_its_rest_is_what_a_c
     effects, trees = _run(draft_step(core, [s], [[30, 31, 32, 33, 34]]), [])
     assert [type(e) for e in effects] == [CatchUp, Reopen, DraftAhead] and trees[0].tokens.tolist() == [35, 36, 37]
     assert core.stats.continued == 2
-
-
-def test_a_session_that_proposed_nothing_waits_on_no_call_until_its_chain_goes_on() -> None:
-    core = _core(continue_chains=True, quiet=True)
-    s = _remote([1, 2], "a")
-    _run(draft_step(core, [s], [[3]]), [None, None, Drafted(_answer([7, 8, 9], scores=[0.3, 0.2, 0.1]))])
-    core.proposed([s], [0])  # the decoder found nothing worth proposing
-    # The engine made 5, not the chain's 7: no call waited on, no tree; 5 goes in the background.
-    effects, trees = _run(draft_step(core, [s], [[5]]), [])
-    assert [type(e) for e in effects] == [CatchUp, Reopen, DraftAhead] and len(trees[0]) == 0
-    assert list(effects[2].request.columns.new_tokens) == [5] and core.stats.quiet == 1
-    # Its reply is the chain drafted after 5; the engine makes its first token: the rest at once.
-    core.answered([s], _answer([6, 7, 8], scores=[0.9, 0.8, 0.7]))
-    effects, trees = _run(draft_step(core, [s], [[6]]), [])
-    assert [type(e) for e in effects] == [CatchUp, Reopen, DraftAhead] and trees[0].tokens.tolist() == [7, 8]
-    assert (core.stats.quiet, core.stats.continued) == (1, 1)
-    core.proposed([s], [2])  # proposed: the next step the chain did not foresee waits on a call
-    core.answered([s], _answer([9], scores=[0.5]))
-    effects, trees = _run(draft_step(core, [s], [[4]]), [None, None, Drafted(_answer([30]))])
-    assert [type(e) for e in effects] == [CatchUp, Reopen, Draft] and trees[0].tokens.tolist() == [30]
-    # Where the decoder does not find drafting dear (most of its steps propose something), or
-    # without the setting, a session that proposed nothing waits on its call as before.
-    core.proposed([s], [0], dear=False)
-    effects, _ = _run(draft_step(core, [s], [[12]]), [None, None, Drafted(_answer([13]))])
-    assert [type(e) for e in effects] == [CatchUp, Reopen, Draft] and core.stats.quiet == 1
-    plain = _core(continue_chains=True)
-    t = _remote([1, 2], "b")
-    plain.proposed([t], [0])
-    effects, _ = _run(draft_step(plain, [t], [[3]]), [None, None, Drafted(_answer([4]))])
-    assert [type(e) for e in effects] == [CatchUp, Reopen, Draft] and plain.stats.quiet == 0
-
-
-def test_quiet_needs_continued_chains() -> None:
-    with pytest.raises(ValueError, match="quiet needs continue_chains"):
-        ClientConfig(target="unused", namespace="ns", params=DraftParams(chain=8), quiet=True)
+    # A chain that ended short of the length asked, at its own chances, goes by the same rule:
+    # its sure rest of 2, drafted from further back, is not what a call brings now.
+    core.answered([s], _answer([40, 41, 42, 43, 44, 45], scores=[0.9, 0.8, 0.7, 0.6, 0.5, 0.45]))
+    effects, trees = _run(draft_step(core, [s], [[40, 41, 42, 43]]), [None, None, Drafted(_answer([50]))])
+    assert [type(e) for e in effects] == [CatchUp, Reopen, Draft] and trees[0].tokens.tolist() == [50]
+    assert core.stats.continued == 2
 
 
 def test_tokens_added_while_a_call_is_in_the_background_stay_pending() -> None:

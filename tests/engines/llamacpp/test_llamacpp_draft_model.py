@@ -202,9 +202,7 @@ def test_the_engines_own_top_k_goes_back_to_the_service(serve: Serve, make_llama
 
     from cache_service.storage import keys
 
-    # Every step drafts (quiet=False: a step after one that proposed nothing still asks for a
-    # chain), so that some drafts are rejected and their positions' rows are sent too.
-    draft = TopkRecorded.connect(_target(serve), NAMESPACE, num_pred_tokens=K, deadline_s=0.05, topk=8, quiet=False)
+    draft = TopkRecorded.connect(_target(serve), NAMESPACE, num_pred_tokens=K, deadline_s=0.05, topk=8)
     llm = draft.attach(make_llama(draft))
     greedy(llm, chat_ids(llm, QUESTIONS[2]), 32)  # an answer not copied from the prompt: many steps
     assert len(draft.rows) >= 4  # steps that reported tokens (how many depends on what was accepted)
