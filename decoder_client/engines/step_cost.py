@@ -33,7 +33,9 @@ cut at the floor (:attr:`StepCost.ask_prob`), else at :attr:`StepCost.min_prob`.
 
 Steps that started a request (its prompt evaluated in them) and pauses are not steps of
 the line; until enough steps with different numbers of proposed tokens have been seen, the
-cost is the configured prior.
+cost is the configured prior; and again once a whole window of steps drafted nothing (else a
+measurement that priced every draft out would stand for good: steps that draft nothing never
+correct it).
 
 >>> cost = StepCost(prior=0.3, floor=0.0)
 >>> cost.min_prob
@@ -51,6 +53,10 @@ cost is the configured prior.
 ...     cost.record(0.020 + 0.005 * proposed, proposed, rows=1, produced=1 + proposed // 2)
 >>> round(cost.min_prob, 2)  # a token takes 16.7 ms now: 5 ms is worth a 0.3 chance of one
 0.3
+>>> for i in range(512):  # a whole window of steps that drafted nothing: nothing left to measure
+...     cost.record(0.020, 0, rows=1)
+>>> cost.measured, cost.min_prob  # back to the prior, so that steps draft (and measure) again
+(False, 0.3)
 """
 
 from __future__ import annotations
@@ -87,6 +93,7 @@ class StepCost:
         if not 0 <= floor < 1 or not 0 <= prior < 1:
             raise ValueError(f"prior and floor must be in [0, 1), got {prior} and {floor}")
         self.prior, self.floor, self.measure = prior, floor, measure
+        self.window = window
         self._steps: deque[tuple[float, float, float]] = deque(maxlen=window)  # (seconds, proposed, produced)
         self._since_fit = 0
         self._token: float | None = None  # the measured per_token / token_s
@@ -117,6 +124,8 @@ class StepCost:
         steps = np.array(self._steps)
         seconds, proposed, produced = steps[:, 0], steps[:, 1], steps[:, 2]
         if proposed.std() < MIN_SPREAD:
+            if self._token is not None and np.count_nonzero(proposed) < MIN_SIDE and len(self._steps) == self.window:
+                self._forget()
             return
         drafted = (proposed > 0).astype(np.float64)
         # A step that verifies any draft may cost more than its tokens (vLLM runs its rejection
@@ -156,6 +165,16 @@ class StepCost:
         }
         self.token_s = float(seconds[kept].sum() / produced[kept].sum())  # what an accepted token saves
         self._token, self._step = per_token / self.token_s, self.per_step_s / self.token_s
+
+    def _forget(self) -> None:
+        """The steps the measurement came from have all left the window, and too few since
+        drafted anything to measure again: the cost goes back to the prior. A measurement that
+        priced every draft out (drafting looked dear once) would otherwise stand for good, since
+        steps that draft nothing never correct it, whatever the engine's later requests hold (a
+        request asked again, whose chains are sure)."""
+        self._token, self._step = None, 0.0
+        self.base_s = self.per_step_s = self.per_token_s = 0.0
+        self.free, self._at, self.token_s = 0, {}, 0.0
 
     @property
     def measured(self) -> bool:
