@@ -89,19 +89,16 @@ class StepCost:
     """The engine's cost per proposed token, and per step that verifies any, against a step's
     saving; see the module docstring."""
 
+    _token: float | None  # the measured per_token / token_s (None: not measured, see _unmeasured)
+    _at: dict[int, float]  # proposed tokens -> the median step seen with them (MIN_AT or more)
+
     def __init__(self, *, prior: float, floor: float = 0.0, measure: bool = True, window: int = WINDOW) -> None:
         if not 0 <= floor < 1 or not 0 <= prior < 1:
             raise ValueError(f"prior and floor must be in [0, 1), got {prior} and {floor}")
         self.prior, self.floor, self.measure = prior, floor, measure
-        self.window = window
         self._steps: deque[tuple[float, float, float]] = deque(maxlen=window)  # (seconds, proposed, produced)
         self._since_fit = 0
-        self._token: float | None = None  # the measured per_token / token_s
-        self._step = 0.0  # the measured per_step / token_s
-        self.base_s = self.per_step_s = self.per_token_s = 0.0
-        self.free = 0  # tokens a step verifies at no cost per token (the knee)
-        self._at: dict[int, float] = {}  # proposed tokens -> the median step seen with them (MIN_AT or more)
-        self.token_s = 0.0  # the steps' time per token they produced
+        self._unmeasured()
 
     def record(
         self, seconds: float, proposed: int, *, rows: int, produced: int | None = None, counted: bool = True
@@ -124,8 +121,12 @@ class StepCost:
         steps = np.array(self._steps)
         seconds, proposed, produced = steps[:, 0], steps[:, 1], steps[:, 2]
         if proposed.std() < MIN_SPREAD:
-            if self._token is not None and np.count_nonzero(proposed) < MIN_SIDE and len(self._steps) == self.window:
-                self._forget()
+            if (
+                self._token is not None
+                and np.count_nonzero(proposed) < MIN_SIDE
+                and len(self._steps) == self._steps.maxlen
+            ):
+                self._unmeasured()  # see the method
             return
         drafted = (proposed > 0).astype(np.float64)
         # A step that verifies any draft may cost more than its tokens (vLLM runs its rejection
@@ -166,15 +167,18 @@ class StepCost:
         self.token_s = float(seconds[kept].sum() / produced[kept].sum())  # what an accepted token saves
         self._token, self._step = per_token / self.token_s, self.per_step_s / self.token_s
 
-    def _forget(self) -> None:
-        """The steps the measurement came from have all left the window, and too few since
-        drafted anything to measure again: the cost goes back to the prior. A measurement that
-        priced every draft out (drafting looked dear once) would otherwise stand for good, since
-        steps that draft nothing never correct it, whatever the engine's later requests hold (a
-        request asked again, whose chains are sure)."""
-        self._token, self._step = None, 0.0
+    def _unmeasured(self) -> None:
+        """No measurement: the cost is the prior. So it starts; and so it goes back once the
+        steps the measurement came from have all left the window with too few drafting since to
+        measure again. A measurement that priced every draft out (drafting looked dear once)
+        would otherwise stand for good, since steps that draft nothing never correct it, whatever
+        the engine's later requests hold (a request asked again, whose chains are sure)."""
+        self._token = None
+        self._step = 0.0  # the measured per_step / token_s
         self.base_s = self.per_step_s = self.per_token_s = 0.0
-        self.free, self._at, self.token_s = 0, {}, 0.0
+        self.free = 0  # tokens a step verifies at no cost per token (the knee)
+        self._at = {}
+        self.token_s = 0.0  # the steps' time per token they produced
 
     @property
     def measured(self) -> bool:

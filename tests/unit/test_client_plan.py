@@ -164,7 +164,7 @@ def test_a_chain_that_foresaw_the_outcome_goes_on_at_once_and_its_tokens_go_in_t
     assert core.stats.continued == 1 and (s.chain_at, s.chain.tokens.tolist()) == (7, [30])
 
 
-def test_a_chain_cut_at_the_length_asked_goes_on_only_where_its_rest_is_what_a_call_would_bring() -> None:
+def test_a_continued_chains_rest_goes_on_only_where_the_decoder_would_take_no_more_of_a_call() -> None:
     # Chains of 8 asked, the decoder takes 4 (and is cut at 0.1): a chain of 8 sure tokens,
     # taken 4 and the bonus token, leaves 3, where a call brings 8 again: the step calls.
     core = _core(continue_chains=True, chain_take=4)
