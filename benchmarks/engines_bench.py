@@ -207,6 +207,7 @@ def make_runner(a: argparse.Namespace) -> Runner:
             topk=a.llama_topk,
             prompt_cache_mib=a.llama_prompt_cache_mib,
             methods=a.methods,
+            variants=a.variants,
         )
     from benchmarks.engines_vllm import METHODS, VllmRunner
 
@@ -314,7 +315,7 @@ def parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="NAME:key=value,...",
-        help="vLLM: also run draftcache with these proposer settings, as method draftcache-NAME, in a "
+        help="also run draftcache with these proposer (draft model) settings, as method draftcache-NAME, in a "
         "namespace of its own (NAMESPACE-NAME), side by side with the rest (repeatable); "
         "target=HOST:PORT drafts from another service",
     )
@@ -334,8 +335,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         p.error("--llama-topk must be in [0, 8]")
     if a.llama_prompt_cache_mib < 0:
         p.error("--llama-prompt-cache-mib must be >= 0")
-    if a.variant and a.engine != "vllm":
-        p.error("--variant: vLLM's benchmark runs variants (llama.cpp's runs one draft model)")
     try:
         parsed = [variant(v) for v in a.variant]
     except ValueError as exc:

@@ -1,7 +1,9 @@
 """llama.cpp (llama-cpp-python) set up three ways on one GGUF file, for the engine benchmark
 (:mod:`benchmarks.engines_bench`, through :mod:`benchmarks.engines_llamacpp_runner`): plain
 greedy, the engine's own model-free drafter (``LlamaPromptLookupDecoding``) and draftcache as
-its draft model, one ``Llama`` each.
+its draft model, one ``Llama`` each; and one more for each variant of draftcache
+(``LlamaCppBench.variants``: draft-model settings of its own, such as ``near``), drafting from a
+namespace of its own, as vLLM's benchmark runs its variants.
 
 The engine counts no drafts itself: each draft model's proposals are compared with the next
 call's sequence (:func:`decoder_client.engines.llamacpp.accepted_drafts`), the engine's own
@@ -47,6 +49,10 @@ class LlamaCppBench:
     lookup_num_pred_tokens: int = 10
     # Each engine's prompt cache, MiB (0: every run evaluates its whole prompt); see PromptCache.
     prompt_cache_mib: int = 1024
+    # draftcache again with draft-model settings of its own (EngineSettings keys, such as
+    # ``near``): method name -> settings, each drafting from a namespace of its own
+    # (NAMESPACE-NAME), as vLLM's benchmark runs its variants.
+    variants: dict[str, dict[str, str]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("n_ctx", "max_new_tokens", "num_pred_tokens", "lookup_max_ngram", "lookup_num_pred_tokens"):
@@ -191,6 +197,12 @@ class Engines:
         )
         engines.llms = {PLAIN: llama(), LOOKUP: llama(lookup), OURS: ours.attach(llama(ours))}
         engines.counters = {LOOKUP: lookup, OURS: ours}
+        vocab_size = int(engines.llms[PLAIN].n_vocab())
+        for method, settings in config.variants.items():  # each in a namespace of its own, made first
+            ensure_namespace(config.target, variant_namespace(config, method), vocab_size)
+            other = variant_model(config, method, settings, vocab_size)
+            engines.llms[method] = other.attach(llama(other))
+            engines.counters[method] = other
         if config.prompt_cache_mib:
             engines.prompt_caches = {m: PromptCache(config.prompt_cache_mib << 20) for m in engines.llms}
         return engines
@@ -200,9 +212,34 @@ class Engines:
         return int(self.llms[PLAIN].n_vocab())
 
     def close(self) -> None:
-        self.counters[OURS].close()
+        for method, counter in self.counters.items():
+            if method == OURS or method in self.config.variants:
+                counter.close()
         for llm in self.llms.values():
             llm.close()
+
+
+def variant_model(
+    config: LlamaCppBench, method: str, settings: dict[str, str], vocab_size: int
+) -> DraftcacheDraftModel:
+    """draftcache as the draft model of variant ``method`` (``draftcache-NAME``): the run's
+    settings, then the variant's own, drafting from namespace NAMESPACE-NAME."""
+    from decoder_client.engines.settings import EngineSettings
+
+    base = {
+        "target": config.target,
+        "chain_min_prob": str(config.chain_min_prob),
+        "token_cost": str(config.token_cost),
+        "deadline_s": str(config.deadline_s),
+        "topk": str(config.topk),
+    }
+    parsed = EngineSettings.from_sources({**base, **settings, "namespace": variant_namespace(config, method)}, {})
+    return DraftcacheDraftModel.from_settings(parsed, config.num_pred_tokens, vocab_size)
+
+
+def variant_namespace(config: LlamaCppBench, method: str) -> str:
+    """The namespace variant ``method`` (``draftcache-NAME``) drafts from: NAMESPACE-NAME."""
+    return f"{config.namespace}-{method.removeprefix(OURS + '-')}"
 
 
 def timed_greedy(llm: Any, prompt: Sequence[int], max_new_tokens: int) -> tuple[list[int], float, float | None]:

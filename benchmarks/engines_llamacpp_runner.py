@@ -36,6 +36,7 @@ class LlamaCppRunner:
         topk: int = 0,
         prompt_cache_mib: int = 1024,
         methods: Sequence[str] = (),
+        variants: dict[str, dict[str, str]] | None = None,
     ) -> None:
         from benchmarks import engines_llamacpp as lc
         from decoder_client.models import GGUF_FILE, smollm2_dir
@@ -54,13 +55,15 @@ class LlamaCppRunner:
             n_threads=n_threads,
             topk=topk,
             prompt_cache_mib=prompt_cache_mib,
+            variants=dict(variants or {}),
         )
         self._engines = lc.Engines.load(self.config)  # its drafting Llamas keep every position's logits
         lc.ensure_namespace(target, namespace, self._engines.vocab_size)
-        self.methods: tuple[str, ...] = tuple(m for m in lc.METHODS if not methods or m == PLAIN or m in methods)
+        chosen = tuple(m for m in lc.METHODS if not methods or m == PLAIN or m in methods)
+        self.methods: tuple[str, ...] = (*chosen, *self.config.variants)
         self.unavailable: dict[str, str] = {}
         self._lookup, self._ours, self._greedy = lc.LOOKUP, lc.OURS, lc.timed_greedy
-        self._client_before: ClientStats | None = None  # the draft client's counts when the workload began
+        self._client_before: dict[str, ClientStats] = {}  # each draft client's counts when the workload began
         for method in self.methods:  # first-call costs (buffers, threads, the client's streams), unmeasured
             self.run(method, self._engines.llms[PLAIN].tokenize(WARM_UP, add_bos=False), max_new_tokens=8)
 
@@ -95,15 +98,20 @@ class LlamaCppRunner:
             draft_seconds=s.seconds - before.seconds,
         )
 
+    def _drafting(self) -> list[str]:
+        """draftcache's methods: the draft model as the run sets it, and its variants."""
+        return [self._ours, *self.config.variants]
+
     def begin_workload(self) -> None:
-        self._client_before = dataclasses.replace(self._engines.counters[self._ours].client.stats)
+        counters = self._engines.counters
+        self._client_before = {m: dataclasses.replace(counters[m].client.stats) for m in self._drafting()}
 
     def workload_notes(self, method: str) -> dict[str, Any]:
         c = self.config
         notes: dict[str, Any] = {"n_threads": c.n_threads, **self._cache_notes(method)}
         if method == self._lookup:
             return {"max_ngram_size": c.lookup_max_ngram, "num_pred_tokens": c.lookup_num_pred_tokens, **notes}
-        if method == self._ours:
+        if method in self._drafting():
             return {
                 **notes,
                 "num_pred_tokens": c.num_pred_tokens,
@@ -111,8 +119,9 @@ class LlamaCppRunner:
                 "chain_min_prob": c.chain_min_prob,
                 "token_cost": c.token_cost,
                 "topk": c.topk,
-                **self._client_counts(),
-                **self._cost_figures(),
+                **c.variants.get(method, {}),
+                **self._client_counts(method),
+                **self._cost_figures(method),
             }
         return notes
 
@@ -124,11 +133,11 @@ class LlamaCppRunner:
             return {"prompt_cache_mib": 0}
         return {"prompt_cache_mib": self.config.prompt_cache_mib, "prompt_cache_hits": cache.hits}
 
-    def _client_counts(self) -> dict[str, float]:
+    def _client_counts(self, method: str) -> dict[str, float]:
         """Drafts the service answered and drafts the client's local fallback made (its deadline
         missed, the service down, a session still opening), and the mean wait on a draft call's
         reply (ms), this workload."""
-        now, before = self._engines.counters[self._ours].client.stats, self._client_before
+        now, before = self._engines.counters[method].client.stats, self._client_before.get(method)
         if before is None:
             return {}
         calls = now.draft_calls - before.draft_calls
@@ -139,9 +148,9 @@ class LlamaCppRunner:
             "draft_call_wait_ms": round(1e3 * (now.draft_wait_s - before.draft_wait_s) / calls, 3) if calls else 0.0,
         }
 
-    def _cost_figures(self) -> dict[str, Any]:
+    def _cost_figures(self, method: str) -> dict[str, Any]:
         """Where the draft model cuts its chains, as measured so far (see step_cost)."""
-        cost = self._engines.counters[self._ours].cost
+        cost = self._engines.counters[method].cost
         return {} if cost is None else cost.summary()
 
     def close(self) -> None:

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+from draftcache.v1 import draftcache_pb2 as pb
 
 from benchmarks.engine_runs import Measurement
 from benchmarks.engine_workloads import AGENT_REPEAT, SPEC_BENCH, EnginePrompt, build, save
@@ -84,6 +85,8 @@ def test_llama_cpp_lines_for_every_workload_and_method(shared_data: Path, serve:
             "250",
             "--llama-topk",
             "8",
+            "--variant",
+            "near:near=true",
             "--work-dir",
             str(tmp_path / "work"),
             "--out",
@@ -93,7 +96,7 @@ def test_llama_cpp_lines_for_every_workload_and_method(shared_data: Path, serve:
 
     lines = [json.loads(x) for x in out.read_text().splitlines()]
     assert [(x["workload"], x["method"]) for x in lines] == [
-        (w, m) for w in (SPEC_BENCH, AGENT_REPEAT) for m in ("plain", "prompt-lookup", "draftcache")
+        (w, m) for w in (SPEC_BENCH, AGENT_REPEAT) for m in ("plain", "prompt-lookup", "draftcache", "draftcache-near")
     ]
     for x in lines:
         assert x["engine"] == "llama.cpp" and set(REQUIRED) <= set(x)
@@ -112,6 +115,13 @@ def test_llama_cpp_lines_for_every_workload_and_method(shared_data: Path, serve:
     assert ours["remote_drafts"] > 0 and ours["remote_drafts"] + ours["fallback_drafts"] >= ours["drafts"]
     assert ours["draft_call_wait_ms"] > 0  # the mean wait on a draft call's reply
     assert ours["topk"] == 8  # the engine's rows went back with its steps
+    # A variant is one more draft model with settings of its own, in a namespace of its own:
+    # drafting near, it made every draft in the engine's process and learnt pass 1 there.
+    near = next(x for x in lines if x["workload"] == AGENT_REPEAT and x["method"] == "draftcache-near")
+    assert near["near"] == "true" and near["topk"] == 8 and near["remote_drafts"] == 0
+    assert near["by_group"]["pass2"]["mean_accepted_tokens"] > near["by_group"]["pass1"]["mean_accepted_tokens"]
+    names = {n.name for n in serve.admin.Namespaces(pb.NamespacesRequest(), timeout=10).namespaces}
+    assert {"smollm2", "smollm2-near"} <= names
 
 
 def test_a_variant_is_draftcache_with_its_own_settings_namespace_and_stats(tmp_path: Path) -> None:
@@ -156,7 +166,7 @@ def test_the_kv_cache_flag_reaches_every_engine(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--engine", "llama.cpp", "--variant", "a:chain_min_prob=0.2"], "llama.cpp's runs one draft model"),
+        (["--engine", "llama.cpp", "--variant", "a:chain_min_prob=2"], "chain_min_prob must be in"),
         (["--engine", "vllm", "--variant", "a:chain_min_prob=2"], "chain_min_prob must be in"),
         (["--engine", "vllm", "--variant", "a:no_such=1"], "unknown draftcache settings"),
         (["--engine", "vllm", "--variant", "a:stats_path=x"], "stats_path is set by the benchmark"),
