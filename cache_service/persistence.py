@@ -18,7 +18,7 @@ import numpy as np
 from cache_service.commits import CommitWriter
 from cache_service.domain.changes import SessionChange, SessionDelta
 from cache_service.domain.errors import Unavailable
-from cache_service.domain.ports import Logged
+from cache_service.domain.ports import Logged, PriorPage
 from cache_service.host import prior_files
 from cache_service.host.journal import Journal
 from cache_service.storage.errors import StorageUnavailable
@@ -120,6 +120,22 @@ class RedisPersistence:
                     return out, last
         except StorageUnavailable as exc:
             raise Unavailable(f"storage unavailable: {exc}") from exc
+
+    def prior_page(self, ns: str, version: int, offset: int, max_bytes: int) -> PriorPage | None:
+        """See :meth:`~cache_service.domain.ports.Persistence.prior_page`."""
+        try:
+            if version == 0:
+                current = self.store.prior_version(ns)
+                if current is None:
+                    return None
+                version = current
+            found = self.store.get_prior_range(ns, version, offset, max_bytes)
+        except StorageUnavailable as exc:
+            raise Unavailable(f"storage unavailable: {exc}") from exc
+        if found is None:
+            return None
+        meta, data = found
+        return PriorPage(version=version, size=meta.size, digest=meta.digest, data=data)
 
     # -- successor rows ------------------------------------------------------------------------
 

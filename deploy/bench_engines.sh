@@ -17,8 +17,9 @@
 # lifetime memory), stopped on exit. As a deployment is warmed (deploy/quickstart.sh does the
 # same), the service gets a static prior for SmolLM2's tokenizer warmed from the ShareGPT corpus
 # (ChatGPT's answers: none of the benchmark's prompts or SmolLM2's outputs; warmed once, about
-# 90 s, kept in data/). Except with --quick, vLLM also runs draftcache drafting near
-# (draftcache-near: the prior and the fleet's history in the worker, no round trip a step).
+# 90 s, kept in data/). Except with --quick, each engine also runs draftcache drafting near
+# (draftcache-near: the prior, read from the service, and the fleet's history in the engine's
+# process, no round trip a step).
 # --cold leaves both out. An engine, or a method, that cannot be set up is reported as a JSON
 # line with a "skipped" reason and the others run. Logs, the prompts and the lines
 # (results.jsonl) are kept in data/bench-engines/. vLLM runs in bfloat16 where the CPU has bf16
@@ -121,9 +122,11 @@ start_service() {  # $1: the service's data folder, emptied first
   draftcache serve --port "$PORT" --data-dir "$1" >"$1.log" 2>&1 &
   SERVER=$!
   wait_healthy "$PORT"
-  if [ "$PRIOR_ON" = 1 ]; then  # published into its storage, then loaded
-    draftcache warm --namespace smollm2 --tokenizer "$TOKENIZER" --from-prior "$PRIOR" --data-dir "$1" >>"$1.log" 2>&1
-    draftcache rebuild --target "127.0.0.1:$PORT" --namespace smollm2 >>"$1.log" 2>&1
+  if [ "$PRIOR_ON" = 1 ]; then  # published into its storage, then loaded; and for the near copies to read
+    for ns in smollm2 smollm2-near; do
+      draftcache warm --namespace "$ns" --tokenizer "$TOKENIZER" --from-prior "$PRIOR" --data-dir "$1" >>"$1.log" 2>&1
+      draftcache rebuild --target "127.0.0.1:$PORT" --namespace "$ns" >>"$1.log" 2>&1
+    done
   fi
 }
 
@@ -135,9 +138,9 @@ run_engine() {  # $1 engine, $2 its python
     # The compiled drafting loops of vLLM's virtualenv (another numba than .venv's) cached apart.
     CACHE="${NUMBA_CACHE_DIR:-$(pwd)/.venv-vllm/numba-cache}"
     EXTRA=(--dtype "$VLLM_DTYPE")
-    if [ "$PRIOR_ON" = 1 ] && [ "$QUICK" = 0 ]; then  # also drafting near, from the same prior file
-      EXTRA+=(--variant "near:near=true,prior_file=$(pwd)/$PRIOR")
-    fi
+  fi
+  if [ "$PRIOR_ON" = 1 ] && [ "$QUICK" = 0 ]; then  # also drafting near, with the prior read from the service
+    EXTRA+=(--variant "near:near=true")
   fi
   NUMBA_CACHE_DIR="$CACHE" setsid -w "$2" -m benchmarks.engines_bench --engine "$1" --workloads "$OUT/prompts.json" \
     --target "127.0.0.1:$PORT" --max-new-tokens "$MAX_NEW_TOKENS" --work-dir "$OUT" --out "$RESULTS" \

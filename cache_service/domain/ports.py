@@ -44,6 +44,23 @@ class Persistence(Protocol):
         most ``max_tokens`` tokens in all but at least one; and the id to read on after."""
         ...
 
+    def prior_page(self, ns: str, version: int, offset: int, max_bytes: int) -> PriorPage | None:
+        """At most ``max_bytes`` of the blob of prior ``version`` of ``ns`` (0: the current one)
+        from ``offset``; ``None`` where the namespace has no such version (none published, or
+        dropped by later publishes)."""
+        ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class PriorPage:
+    """A page of a static prior's stored blob (``StaticPrior.to_bytes()``), for a decoder's
+    near copy: which version, the whole blob's size and blake2b-256 digest (hex), and the page."""
+
+    version: int
+    size: int
+    digest: str
+    data: bytes
+
 
 @dataclass(frozen=True, kw_only=True)
 class StorageHealth:

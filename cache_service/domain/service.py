@@ -34,7 +34,7 @@ from cache_service.domain.items import (
 )
 from cache_service.domain.namespaces import Namespaces, check_vocab_size
 from cache_service.domain.opening import Opener
-from cache_service.domain.ports import Logged, Persistence
+from cache_service.domain.ports import Logged, Persistence, PriorPage
 from cache_service.domain.sessions import SessionEntry, SessionTable
 from cache_service.domain.tenants import Principal, owns
 from cache_service.storage.stored_session import StoredSession
@@ -45,6 +45,7 @@ from indexer.session import Session
 from indexer.tree_builder import DraftTree
 
 MAX_LOG_READ_TOKENS = 1 << 18  # tokens one log read returns at most (about 0.8 MB on the wire)
+MAX_PRIOR_PAGE_BYTES = 3 << 20  # bytes of a prior one read returns at most (under gRPC's 4 MB message)
 
 __all__ = ["CloseItem", "DraftColumns", "DraftItem", "DraftService", "Drafted", "FeedbackItem", "OpenItem"]
 
@@ -214,6 +215,34 @@ class DraftService:
         if self._persistence is None:
             raise FailedPrecondition("this service keeps no lifetime log: it runs without storage")
         return self._persistence.log_after(name, after, max_tokens)
+
+    def read_prior(
+        self, name: str, version: int, offset: int, max_bytes: int, *, principal: Principal | None = None
+    ) -> PriorPage:
+        """A page of the stored blob of ``name``'s static prior ``version`` (0: the current one),
+        for a near copy to draft with the prior the service drafts with. Version 0 in the
+        answer: the namespace has no prior. A version gone (two publishes since) is NOT_FOUND:
+        the reader starts again from the current one. Checked before storage is asked."""
+        names.namespace_name(name)
+        if principal is not None:
+            principal.check_namespace(name)
+        self.namespace(name)  # an unknown one is NOT_FOUND
+        if not 1 <= max_bytes <= MAX_PRIOR_PAGE_BYTES:
+            raise InvalidArgument(f"max_bytes must be in [1, {MAX_PRIOR_PAGE_BYTES}], got {max_bytes}")
+        if version < 0 or offset < 0:
+            raise InvalidArgument(f"version and offset must be >= 0, got {version} and {offset}")
+        if version == 0 and offset:
+            raise InvalidArgument("a read from an offset names the version it continues")
+        if self._persistence is None:
+            raise FailedPrecondition("this service keeps no priors in storage: it runs without storage")
+        page = self._persistence.prior_page(name, version, offset, max_bytes)
+        if page is None:
+            if version:
+                raise NotFound(f"prior version {version} of namespace {name!r} is gone; read the current one")
+            return PriorPage(version=0, size=0, digest="", data=b"")
+        if offset > page.size:
+            raise InvalidArgument(f"offset {offset} is past the prior's end ({page.size} bytes)")
+        return page
 
     # -- opening sessions --------------------------------------------------------------------
 

@@ -94,6 +94,18 @@ class DraftCacheServicer(pb_grpc.DraftCacheServicer):
         )
         return pb.ReadLogResponse(entries=[pb.LogEntry(id=i, tokens=t.tolist()) for i, t in entries], last=last)
 
+    async def ReadPrior(self, request: pb.ReadPriorRequest, context: grpc.aio.ServicerContext) -> pb.ReadPriorResponse:
+        principal = auth.current()
+        page = await asyncio.to_thread(  # storage on a worker thread, as ReadLog
+            self._service.read_prior,
+            request.namespace,
+            request.version,
+            request.offset,
+            request.max_bytes,
+            principal=principal,
+        )
+        return pb.ReadPriorResponse(version=page.version, size=page.size, digest=page.digest, data=page.data)
+
     async def _continue_stored(self, sids: Sequence[str], principal: auth.Principal | None) -> None:
         """Sessions this replica does not hold are read from storage on a worker thread: a slow
         storage delays the calls naming them, never the event loop serving everyone else."""

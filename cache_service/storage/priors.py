@@ -185,3 +185,32 @@ def read_current(client: StorageClient, ns: str) -> tuple[int, bytearray] | None
         if current_version(client, ns) == version:
             raise StorageCorrupt(f"prior {version} of namespace {ns!r} is current but incomplete")
     raise StorageUnavailable(f"the prior of namespace {ns!r} kept changing while being read; retry")
+
+
+def read_range(
+    client: StorageClient, ns: str, version: int, offset: int, length: int
+) -> tuple[PriorMeta, bytes] | None:
+    """``length`` bytes (fewer at the end) of ``version``'s blob from ``offset``, and its
+    metadata, or ``None`` where the version (or a part it needs) is gone. Each part is read
+    with GETRANGE: a page costs what it carries, not its parts' size. The blob is checked
+    against ``meta.digest`` by whoever reassembles it."""
+    where = f"prior {version} of namespace {ns!r}"
+    raw_meta = codec.as_fields(client.hgetall(keys.prior_meta(ns, version)), what=where)
+    if not raw_meta:
+        return None
+    meta = PriorMeta.parse(raw_meta, where=where)
+    if offset >= meta.size:
+        return meta, b""
+    end = min(meta.size, offset + length)
+    out = bytearray()
+    while offset + len(out) < end:
+        at = offset + len(out)
+        part, start = divmod(at, meta.part_size)
+        stop = min(meta.part_size, start + end - at)  # GETRANGE's end is inclusive
+        raw = codec.as_bytes(client.getrange(keys.prior_part(ns, version, part), start, stop - 1), what=where)
+        if not raw:  # a part never holds nothing: the version went
+            return None
+        if len(raw) != stop - start:
+            raise StorageCorrupt(f"{where}: part {part} is shorter than its metadata says")
+        out += raw
+    return meta, bytes(out)

@@ -243,6 +243,11 @@ class RedisStore:
         return priors.read_current(self.client, ns)
 
     @guarded
+    def get_prior_range(self, ns: str, version: int, offset: int, length: int) -> tuple[priors.PriorMeta, bytes] | None:
+        """A page of ``version``'s blob and its metadata (see :func:`.priors.read_range`)."""
+        return priors.read_range(self.client, ns, version, offset, length)
+
+    @guarded
     def prior_version(self, ns: str) -> int | None:
         """The current prior version (one GET: cheap enough to poll), or ``None``."""
         return priors.current_version(self.client, ns)

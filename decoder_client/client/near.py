@@ -47,6 +47,7 @@ import numpy as np
 from decoder_client.client.config import ClientConfig
 from decoder_client.client.core import ClientStats
 from decoder_client.client.follow import FOLLOW_S, LogFollower, OwnCommits, read_recent
+from decoder_client.client.prior_follow import PriorFollower
 from decoder_client.client.session import TopkAt, TopkRows
 from indexer.drafter import DrafterConfig, NamespaceDrafter
 from indexer.lifetime_index import LifetimeConfig
@@ -85,7 +86,9 @@ class NearClient:
     near copy's lifetime memory; ``commit``: also commit to the service (False: nothing is sent
     anywhere, a decoder on its own); ``follow_s``: how often the service's log is read for other
     processes' commits (0: never); ``start_s``: the most time spent at start reading the log's
-    recent history (0: the near copy starts empty)."""
+    recent history and the service's prior (0: the near copy starts empty); ``prior_check_s``:
+    without ``prior``, how often the service is asked for its prior of the namespace, a newer
+    version than the one held (0: never; see :mod:`~decoder_client.client.prior_follow`)."""
 
     def __init__(
         self,
@@ -97,6 +100,7 @@ class NearClient:
         commit: bool = True,
         follow_s: float = FOLLOW_S,
         start_s: float = START_S,
+        prior_check_s: float = 0.0,
     ) -> None:
         if config.lookahead:
             raise ValueError("a near copy drafts at each step and never ahead: lookahead must be 0")
@@ -104,6 +108,8 @@ class NearClient:
             raise ValueError(f"follow_s must be >= 0 (0: the service's log is not followed), got {follow_s}")
         if start_s < 0:
             raise ValueError(f"start_s must be >= 0 (0: the near copy starts empty), got {start_s}")
+        if prior_check_s < 0:
+            raise ValueError(f"prior_check_s must be >= 0 (0: the service's prior is never read), got {prior_check_s}")
         self._config = config
         self._params = config.params
         self.drafter = NamespaceDrafter(
@@ -112,6 +118,7 @@ class NearClient:
             prior,
         )
         self.stats = ClientStats()
+        self.prior_version = 0  # of the prior read from the service (0: none read)
         self._rebuilding: threading.Thread | None = None
         # The service's client: touched under the lock only, by close and by a thread of its own
         # that carries the commits through (a decoder may never call again once it is done).
@@ -122,13 +129,18 @@ class NearClient:
         self._committer: threading.Thread | None = None
         self._own = OwnCommits()
         self._follower: LogFollower | None = None
+        self.prior_follower: PriorFollower | None = None
         self._rebuild_lock = threading.Lock()
         if commit:
             from decoder_client.client.sync import DraftClient
 
+            started = time.monotonic()
             self._remote = DraftClient(config)
             self._committer = threading.Thread(target=self._commit_loop, name="draftcache-near-commits", daemon=True)
             self._committer.start()
+            if prior is None and prior_check_s:  # read beside the log's history, below
+                self.prior_follower = PriorFollower(self._remote.read_prior, self._set_prior, every_s=prior_check_s)
+                self.prior_follower.start()
             if follow_s:
                 after = self._start_from_log(memory_tokens, start_s) if start_s else ""
                 # The read touches only the client's stub (thread-safe), never what the lock guards.
@@ -136,6 +148,14 @@ class NearClient:
                     self._remote.read_log, self._own, every_s=follow_s, max_pending=memory_tokens, after=after
                 )
                 self._follower.start()
+            if self.prior_follower is not None and start_s:  # the first requests draft with it
+                self.prior_follower.loaded.wait(max(0.0, start_s - (time.monotonic() - started)))
+
+    def _set_prior(self, prior: StaticPrior, version: int) -> None:
+        """A version of the namespace's prior read from the service: drafts take it from their
+        next call (one reference swap, as the service swaps its own)."""
+        self.drafter.prior = prior
+        self.prior_version = version
 
     def _start_from_log(self, memory_tokens: int, seconds: float) -> str:
         """The fleet's recent history, read from the service's log (its newest entries, as many
@@ -307,6 +327,8 @@ class NearClient:
         self._stopping.set()
         if self._follower is not None:
             self._follower.stop()
+        if self.prior_follower is not None:
+            self.prior_follower.stop(0)  # a read under way ends with the channel
         self._work.set()
         if self._committer is not None:
             self._committer.join()

@@ -219,6 +219,16 @@ class DraftClient:
         resp = self._stub.ReadLog(req, timeout=self.config.control_timeout_s, metadata=self.config.metadata)
         return [(e.id, np.array(e.tokens, dtype=np.int32)) for e in resp.entries], resp.last
 
+    def read_prior(self, version: int, offset: int, max_bytes: int) -> tuple[int, int, str, bytes]:
+        """A page of the namespace's static prior as the service stores it: ``version`` (0: the
+        current one, from offset 0), at most ``max_bytes`` from ``offset``; returns the version
+        (0: the namespace has none), the blob's size and digest, and the page. A unary call
+        within the control timeout; it raises ``grpc.RpcError`` (see
+        :mod:`~decoder_client.client.prior_follow`)."""
+        req = pb.ReadPriorRequest(namespace=self.config.namespace, version=version, offset=offset, max_bytes=max_bytes)
+        resp = self._stub.ReadPrior(req, timeout=self.config.control_timeout_s, metadata=self.config.metadata)
+        return resp.version, resp.size, resp.digest, resp.data
+
     def settle(self) -> None:
         """Book the background calls that ended and carry on with the ended requests kept to
         commit (:class:`~decoder_client.client.commits.CommitBacklog`): a decoder with nothing

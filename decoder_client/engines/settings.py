@@ -66,10 +66,14 @@ class EngineSettings:
     chain_take: int = -1
     topk: int = 0  # the target's top-k ids sent back per verified position, where the engine shows its logits
     # Draft in the engine's own process from a near copy of the namespace (each request's own
-    # context, the requests this engine finished, the prior in ``prior_file``): no draft call on
-    # a step's path. The service is then only committed to (see decoder_client.client.near).
+    # context, the requests this engine finished, the fleet's commits, the static prior): no
+    # draft call on a step's path. The service is then committed to and read from in the
+    # background only (see decoder_client.client.near).
     near: bool = False
-    prior_file: str = ""  # the namespace's static prior for the near copy ('draftcache warm --out')
+    # The near copy's static prior: read from this file ('draftcache warm --out'); empty: the
+    # one published to the service, read at start and every ``near_prior_s`` (0: none at all).
+    prior_file: str = ""
+    near_prior_s: float = 60.0
     near_memory_tokens: int = 1 << 22  # the near copy's lifetime memory
     # How often the near copy reads other replicas' commits from the service's log (0: never).
     near_follow_s: float = 1.0
@@ -102,6 +106,8 @@ class EngineSettings:
             raise ValueError(f"near_memory_tokens must be >= 2, got {self.near_memory_tokens}")
         if self.near_follow_s < 0:
             raise ValueError(f"near_follow_s must be >= 0 (0: never), got {self.near_follow_s}")
+        if self.near_prior_s < 0:
+            raise ValueError(f"near_prior_s must be >= 0 (0: the service's prior is not read), got {self.near_prior_s}")
         if self.near_start_s < 0:
             raise ValueError(f"near_start_s must be >= 0 (0: the near copy starts empty), got {self.near_start_s}")
         if self.token_cost >= 1:
@@ -177,7 +183,8 @@ class EngineSettings:
     def draft_client(self, num_speculative_tokens: int, vocab_size: int | None = None) -> Drafting:
         """The client a proposer drafts with: the service's, or (``near``) a near copy in this
         process over ``vocab_size`` ids, with the prior file read now (a missing or corrupt file
-        is an error at the engine's start, not a silent loss of drafts)."""
+        is an error at the engine's start, not a silent loss of drafts) or, without one, the
+        service's prior read in the background."""
         config = self.client_config(num_speculative_tokens)
         if not self.near:
             from decoder_client.client import DraftClient
@@ -191,7 +198,7 @@ class EngineSettings:
         prior = read_prior(self.prior_file) if self.prior_file else None
         return NearClient(
             config, vocab_size, prior, memory_tokens=self.near_memory_tokens, follow_s=self.near_follow_s,
-            start_s=self.near_start_s,
+            start_s=self.near_start_s, prior_check_s=0.0 if self.prior_file else self.near_prior_s,
         )  # fmt: skip
 
     @classmethod

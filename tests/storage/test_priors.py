@@ -35,6 +35,26 @@ def test_large_blob_is_chunked_and_verified(store: RedisStore, client: StorageCl
     assert all(client.ttl(k) == -1 for k in _prior_keys(client, "ns", version))  # published: permanent
 
 
+def test_a_range_is_read_across_parts_and_a_gone_version_reads_none(store: RedisStore) -> None:
+    blob = os.urandom(3 * MiB + 777)  # parts of 1 MiB: 4 parts, the last 777 bytes
+    version = store.put_prior("ns", blob)
+    pages = []
+    for offset in range(0, len(blob), 700_001):  # pages that straddle parts
+        found = store.get_prior_range("ns", version, offset, 700_001)
+        assert found is not None
+        meta, page = found
+        assert (meta.size, meta.digest) == (len(blob), priors.PriorMeta.describe(blob, part_size=MiB).digest)
+        pages.append(page)
+    assert b"".join(pages) == blob
+    assert store.get_prior_range("ns", version, MiB - 1, 2)[1] == blob[MiB - 1 : MiB + 1]  # type: ignore[index]
+    assert store.get_prior_range("ns", version, len(blob), 10)[1] == b""  # type: ignore[index]
+    assert store.get_prior_range("ns", version, len(blob) - 5, 10)[1] == blob[-5:]  # type: ignore[index]
+    store.put_prior("ns", b"second")
+    store.put_prior("ns", b"third")  # two publishes later the first version is gone
+    assert store.get_prior_range("ns", version, 0, 10) is None
+    assert store.get_prior_range("other", 1, 0, 10) is None
+
+
 def test_a_real_static_prior_round_trips(store: RedisStore) -> None:
     tokens = np.array([1, 2, 3, 9, 1, 2, 3, 9, 4, 2, 5] * 20, dtype=np.int32)
     prior = StaticPrior.build(tokens, PriorConfig(orders=(1, 2), follower_len=2))

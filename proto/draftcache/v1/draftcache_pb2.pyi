@@ -240,6 +240,30 @@ class ReadLogResponse(_message.Message):
     last: str
     def __init__(self, entries: _Optional[_Iterable[_Union[LogEntry, _Mapping]]] = ..., last: _Optional[str] = ...) -> None: ...
 
+class ReadPriorRequest(_message.Message):
+    __slots__ = ("namespace", "version", "offset", "max_bytes")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    version: int
+    offset: int
+    max_bytes: int
+    def __init__(self, namespace: _Optional[str] = ..., version: _Optional[int] = ..., offset: _Optional[int] = ..., max_bytes: _Optional[int] = ...) -> None: ...
+
+class ReadPriorResponse(_message.Message):
+    __slots__ = ("version", "size", "digest", "data")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    size: int
+    digest: str
+    data: bytes
+    def __init__(self, version: _Optional[int] = ..., size: _Optional[int] = ..., digest: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
+
 class EchoRequest(_message.Message):
     __slots__ = ("payload",)
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]

@@ -69,6 +69,11 @@ class DraftCacheStub:
                 request_serializer=draftcache_dot_v1_dot_draftcache__pb2.ReadLogRequest.SerializeToString,
                 response_deserializer=draftcache_dot_v1_dot_draftcache__pb2.ReadLogResponse.FromString,
                 _registered_method=True)
+        self.ReadPrior = channel.unary_unary(
+                '/draftcache.v1.DraftCache/ReadPrior',
+                request_serializer=draftcache_dot_v1_dot_draftcache__pb2.ReadPriorRequest.SerializeToString,
+                response_deserializer=draftcache_dot_v1_dot_draftcache__pb2.ReadPriorResponse.FromString,
+                _registered_method=True)
 
 
 class DraftCacheServicer:
@@ -116,6 +121,12 @@ class DraftCacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReadPrior(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DraftCacheServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -153,6 +164,11 @@ def add_DraftCacheServicer_to_server(servicer, server):
                     servicer.ReadLog,
                     request_deserializer=draftcache_dot_v1_dot_draftcache__pb2.ReadLogRequest.FromString,
                     response_serializer=draftcache_dot_v1_dot_draftcache__pb2.ReadLogResponse.SerializeToString,
+            ),
+            'ReadPrior': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReadPrior,
+                    request_deserializer=draftcache_dot_v1_dot_draftcache__pb2.ReadPriorRequest.FromString,
+                    response_serializer=draftcache_dot_v1_dot_draftcache__pb2.ReadPriorResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -344,6 +360,33 @@ class DraftCache:
             '/draftcache.v1.DraftCache/ReadLog',
             draftcache_dot_v1_dot_draftcache__pb2.ReadLogRequest.SerializeToString,
             draftcache_dot_v1_dot_draftcache__pb2.ReadLogResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadPrior(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/draftcache.v1.DraftCache/ReadPrior',
+            draftcache_dot_v1_dot_draftcache__pb2.ReadPriorRequest.SerializeToString,
+            draftcache_dot_v1_dot_draftcache__pb2.ReadPriorResponse.FromString,
             options,
             channel_credentials,
             insecure,
