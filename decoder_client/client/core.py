@@ -64,6 +64,7 @@ class ClientStats:
     fallback: int = 0  # trees the local drafter made
     near: int = 0  # trees drafted in this process from a near copy of the namespace (see client.near)
     followed: int = 0  # other processes' requests a near copy took from the service's log (see client.follow)
+    prior_version: int = 0  # the static prior a near copy read from the service (0: none; see client.prior_follow)
     failures: int = 0  # calls that failed or missed their deadline
     reopened: int = 0  # sessions opened with more than their prompt (an earlier copy was lost)
     ahead_hits: int = 0  # trees that were drafted ahead (no wait)

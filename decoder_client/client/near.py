@@ -118,7 +118,6 @@ class NearClient:
             prior,
         )
         self.stats = ClientStats()
-        self.prior_version = 0  # of the prior read from the service (0: none read)
         self._rebuilding: threading.Thread | None = None
         # The service's client: touched under the lock only, by close and by a thread of its own
         # that carries the commits through (a decoder may never call again once it is done).
@@ -155,7 +154,7 @@ class NearClient:
         """A version of the namespace's prior read from the service: drafts take it from their
         next call (one reference swap, as the service swaps its own)."""
         self.drafter.prior = prior
-        self.prior_version = version
+        self.stats.prior_version = version
 
     def _start_from_log(self, memory_tokens: int, seconds: float) -> str:
         """The fleet's recent history, read from the service's log (its newest entries, as many

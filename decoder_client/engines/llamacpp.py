@@ -38,9 +38,10 @@ its logits, which llama.cpp keeps at every position when it has a draft model): 
 namespace's successor tier, as the reference decoder's do. It costs a partial sort of the
 vocabulary per verified position, about a millisecond a step for SmolLM2.
 
-llama-cpp-python's OpenAI-compatible server (``llama_cpp.server``) cannot host it: its
+llama-cpp-python's OpenAI-compatible server (``llama_cpp.server``) cannot be told to use it: its
 ``draft_model`` setting only ever builds the engine's own ``LlamaPromptLookupDecoding``
-(``llama_cpp/server/model.py``); there is no setting naming another class.
+(``llama_cpp/server/model.py``). :mod:`decoder_client.engines.llamacpp_server` runs that server
+with this draft model in.
 """
 
 from __future__ import annotations

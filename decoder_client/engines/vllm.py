@@ -252,6 +252,7 @@ class DraftcacheProposer:
             "remote_drafts": client.remote,
             "near_drafts": client.near,
             "near_followed": client.followed,
+            "near_prior_version": client.prior_version,
             "fallback_drafts": client.fallback,
             "chains_continued": client.continued,
             "failed_calls": client.failures,

@@ -153,15 +153,15 @@ def test_a_near_copy_drafts_with_the_published_prior_and_takes_a_newer_one(
     without = NearClient(config, VOCAB, memory_tokens=1 << 16, follow_s=0, start_s=10.0)  # prior_check_s 0
     try:
         # Read before the first request: its first draft comes from the prior.
-        assert near.prior_version == first
+        assert near.stats.prior_version == first
         (s,) = near.open([[7, 8, 40, 41]])
         assert near.draft([s], [[]])[0].tokens.tolist()[:2] == [42, 43]
         (t,) = without.open([[7, 8, 40, 41]])
         assert without.draft([t], [[]])[0].tokens.tolist()[:2] != [42, 43]
-        assert without.prior_version == 0 and without.prior_follower is None
+        assert without.stats.prior_version == 0 and without.prior_follower is None
         # A newer version published: the near copy takes it from its next look.
         second = store.put_prior(NS, prior_of([40, 41, 60, 61, 62, 63] * 20).to_bytes())
-        eventually(lambda: near.prior_version == second)
+        eventually(lambda: near.stats.prior_version == second)
         (u,) = near.open([[7, 8, 40, 41]])
         assert near.draft([u], [[]])[0].tokens.tolist()[:2] == [60, 61]
     finally:
@@ -173,7 +173,7 @@ def test_a_near_copy_whose_service_is_down_starts_without_the_prior() -> None:
     config = ClientConfig(target="127.0.0.1:1", namespace=NS, params=DraftParams(chain=4), control_timeout_s=0.5)
     near = NearClient(config, VOCAB, memory_tokens=1 << 16, follow_s=0, start_s=2.0, prior_check_s=0.1)
     try:
-        assert near.prior_version == 0 and near.drafter.prior is None
+        assert near.stats.prior_version == 0 and near.drafter.prior is None
         (s,) = near.open([[5, 6, 7, 8, 5, 6]])
         assert near.draft([s], [[]])[0].tokens.tolist()[:2] == [7, 8]  # its own context still drafts
     finally:

@@ -1,13 +1,17 @@
 """draftcache drafting near, inside real vLLM: every draft made in vLLM's worker from the near
-copy (its prior read from a file), greedy outputs identical to plain vLLM, and every request
-still committed to the service's lifetime log."""
+copy (its prior read from the service, as published there), greedy outputs identical to plain
+vLLM, and every request still committed to the service's lifetime log."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
+from draftcache.v1 import draftcache_pb2 as pb
 
+from cache_service.storage.connect import connect
+from cache_service.storage.redis_store import RedisStore
 from tests.engines.vllm.conftest import (
     NAMESPACE,
     K,
@@ -20,6 +24,8 @@ from tests.engines.vllm.conftest import (
 )
 from tests.faults import Serve, log_entries, wait_for
 
+NEAR_NAMESPACE = NAMESPACE + "-near"  # a prior of its own, published to the service: no other test drafts with it
+
 
 def test_a_near_copy_drafts_in_vllms_worker_and_commits_every_request(
     model_folder: Path, serve: Serve, chat_prompts: list[list[int]], tmp_path: Path
@@ -31,16 +37,19 @@ def test_a_near_copy_drafts_in_vllms_worker_and_commits_every_request(
         plain = generate(llm, batch)
     finally:
         shutdown(llm)
-    # A prior as 'draftcache warm --out' writes one, from text like the answers (each twice:
-    # a prior keeps what its corpus repeats): the planets' answer, which nothing in its prompt
-    # foretells.
+    # A prior as 'draftcache warm' publishes one, from text like the answers (each twice: a
+    # prior keeps what its corpus repeats): the planets' answer, which nothing in its prompt
+    # foretells. The near copy reads it from the service before its first request.
     from indexer.prior import PriorConfig, StaticPrior
 
     corpus = np.array([*plain[2], 0] * 2, dtype=np.int32)
-    prior = tmp_path / "prior.npz"
-    prior.write_bytes(StaticPrior.build(corpus, PriorConfig()).to_bytes())
+    vocab = json.loads((model_folder / "config.json").read_text())["vocab_size"]
+    serve.admin.CreateNamespace(pb.CreateNamespaceRequest(name=NEAR_NAMESPACE, vocab_size=vocab))
+    version = RedisStore(connect(serve.redis_url())).put_prior(
+        NEAR_NAMESPACE, StaticPrior.build(corpus, PriorConfig()).to_bytes()
+    )
     stats_path = tmp_path / "stats.json"
-    llm = make_llm(model_folder, **drafting_kwargs(serve, stats_path, near=True, prior_file=str(prior)))
+    llm = make_llm(model_folder, **drafting_kwargs(serve, stats_path, near=True, namespace=NEAR_NAMESPACE))
     try:
         before = spec_counters(llm)
         assert generate(llm, batch) == plain
@@ -51,12 +60,13 @@ def test_a_near_copy_drafts_in_vllms_worker_and_commits_every_request(
     assert accepted > 0  # vLLM verified the near copy's drafts and kept some
     stats = wait_stats(stats_path, lambda s: s["sessions_closed"] == len(batch), 30, "every request closed")
     assert stats["near_drafts"] > 0 and stats["errors"] == 0
+    assert stats["near_prior_version"] == version
     assert stats["remote_drafts"] == stats["fallback_drafts"] == stats["draft_calls"] == 0  # no call on a step
     assert stats["commits_dropped"] == 0
     # Each request reached the service's lifetime log, prompt and output (at most K tokens more:
     # accepted drafts past max_tokens that vLLM drops from its output).
-    wait_for(lambda: len(log_entries(serve.redis_url(), NAMESPACE)) >= len(batch), 30, "the commits")
-    entries = log_entries(serve.redis_url(), NAMESPACE)
+    wait_for(lambda: len(log_entries(serve.redis_url(), NEAR_NAMESPACE)) >= len(batch), 30, "the commits")
+    entries = log_entries(serve.redis_url(), NEAR_NAMESPACE)
     assert len(entries) == len(batch)
     for (prompt, _), out in zip(batch, plain, strict=True):
         want = prompt + out
