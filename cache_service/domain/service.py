@@ -201,10 +201,7 @@ class DraftService:
         """The lifetime log of ``name`` after the entry ``after`` (empty: from its end now), in
         entries of at most ``max_tokens`` tokens in all (at least one); and where to go on from.
         Checked before storage is asked: the name, the caller's right to it, the range, the id."""
-        names.namespace_name(name)
-        if principal is not None:
-            principal.check_namespace(name)
-        self.namespace(name)  # an unknown one is NOT_FOUND
+        self._check_readable(name, principal)
         if not 1 <= max_tokens <= MAX_LOG_READ_TOKENS:
             raise InvalidArgument(f"max_tokens must be in [1, {MAX_LOG_READ_TOKENS}], got {max_tokens}")
         if after:
@@ -216,6 +213,14 @@ class DraftService:
             raise FailedPrecondition("this service keeps no lifetime log: it runs without storage")
         return self._persistence.log_after(name, after, max_tokens)
 
+    def _check_readable(self, name: str, principal: Principal | None) -> None:
+        """A namespace a near copy may read: a valid name, the caller's right to it, one this
+        service has (else NOT_FOUND)."""
+        names.namespace_name(name)
+        if principal is not None:
+            principal.check_namespace(name)
+        self.namespace(name)
+
     def read_prior(
         self, name: str, version: int, offset: int, max_bytes: int, *, principal: Principal | None = None
     ) -> PriorPage:
@@ -223,10 +228,7 @@ class DraftService:
         for a near copy to draft with the prior the service drafts with. Version 0 in the
         answer: the namespace has no prior. A version gone (two publishes since) is NOT_FOUND:
         the reader starts again from the current one. Checked before storage is asked."""
-        names.namespace_name(name)
-        if principal is not None:
-            principal.check_namespace(name)
-        self.namespace(name)  # an unknown one is NOT_FOUND
+        self._check_readable(name, principal)
         if not 1 <= max_bytes <= MAX_PRIOR_PAGE_BYTES:
             raise InvalidArgument(f"max_bytes must be in [1, {MAX_PRIOR_PAGE_BYTES}], got {max_bytes}")
         if version < 0 or offset < 0:

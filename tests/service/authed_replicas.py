@@ -4,9 +4,11 @@ tokens, on one real Redis, in this process: what the tenancy and deletion tests 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import shutil
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -72,3 +74,22 @@ class AuthReplica:
         self.channel.close()
         asyncio.run_coroutine_threadsafe(self.app.stop(), self.loop).result(60)
         self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+@contextlib.contextmanager
+def tenants_replica(workdir: Path, vocab_size: int) -> Iterator[AuthReplica]:
+    """One authenticating replica on an embedded Redis of its own, with namespaces ns-a (tenant
+    a's) and ns-b (tenant b's), made by the operator."""
+    from cache_service.host.embedded_redis import EmbeddedRedis
+
+    server = EmbeddedRedis(EmbeddedRedisConfig(data_dir=workdir / "redis", appendonly=False)).start()
+    replica = AuthReplica(server.url, workdir / "replica")
+    try:
+        for name in ("ns-a", "ns-b"):
+            replica.admin.CreateNamespace(
+                pb.CreateNamespaceRequest(name=name, vocab_size=vocab_size), metadata=md("tok-ops")
+            )
+        yield replica
+    finally:
+        replica.stop()
+        server.stop()

@@ -19,7 +19,7 @@ from cache_service.host.embedded_redis import EmbeddedRedis
 from decoder_client.client.config import ClientConfig
 from decoder_client.client.near import NearClient
 from indexer.drafter import DraftParams
-from tests.service.authed_replicas import AuthReplica, md
+from tests.service.authed_replicas import md, tenants_replica
 from tests.service.conftest import Replica, Running, eventually
 
 NS = "toy"
@@ -101,13 +101,7 @@ def test_a_service_without_storage_has_no_log_to_read(running: Running) -> None:
 
 
 def test_a_tenant_reads_only_its_own_namespaces(tmp_path: Path) -> None:
-    server = EmbeddedRedis(EmbeddedRedisConfig(data_dir=tmp_path / "redis", appendonly=False)).start()
-    replica = AuthReplica(server.url, tmp_path / "replica")
-    try:
-        for name in ("ns-a", "ns-b"):
-            replica.admin.CreateNamespace(
-                pb.CreateNamespaceRequest(name=name, vocab_size=VOCAB), metadata=md("tok-ops")
-            )
+    with tenants_replica(tmp_path, VOCAB) as replica:
         ok = replica.stub.ReadLog(pb.ReadLogRequest(namespace="ns-a", after="0", max_tokens=10), metadata=md("tok-a"))
         assert list(ok.entries) == []
         with pytest.raises(grpc.RpcError) as err:
@@ -116,9 +110,6 @@ def test_a_tenant_reads_only_its_own_namespaces(tmp_path: Path) -> None:
         with pytest.raises(grpc.RpcError) as err:
             replica.stub.ReadLog(pb.ReadLogRequest(namespace="ns-a", after="0", max_tokens=10))
         assert err.value.code() is grpc.StatusCode.UNAUTHENTICATED
-    finally:
-        replica.stop()
-        server.stop()
 
 
 ANSWER = [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59]

@@ -23,7 +23,7 @@ from decoder_client.client.near import NearClient
 from decoder_client.client.prior_follow import PageRead, PriorChanged, digest, read_blob
 from indexer.drafter import DraftParams
 from indexer.prior import PriorConfig, StaticPrior
-from tests.service.authed_replicas import AuthReplica, md
+from tests.service.authed_replicas import md, tenants_replica
 from tests.service.conftest import Replica, eventually
 
 NS = "toy"
@@ -118,13 +118,7 @@ def test_a_bad_read_is_refused(
 
 
 def test_a_tenant_reads_only_its_own_namespaces_prior(tmp_path: Path) -> None:
-    server = EmbeddedRedis(EmbeddedRedisConfig(data_dir=tmp_path / "redis", appendonly=False)).start()
-    replica = AuthReplica(server.url, tmp_path / "replica")
-    try:
-        for name in ("ns-a", "ns-b"):
-            replica.admin.CreateNamespace(
-                pb.CreateNamespaceRequest(name=name, vocab_size=VOCAB), metadata=md("tok-ops")
-            )
+    with tenants_replica(tmp_path, VOCAB) as replica:
 
         def read(ns: str, token: str | None) -> pb.ReadPriorResponse:
             req = pb.ReadPriorRequest(namespace=ns, max_bytes=10)
@@ -138,9 +132,6 @@ def test_a_tenant_reads_only_its_own_namespaces_prior(tmp_path: Path) -> None:
             with pytest.raises(grpc.RpcError) as err:
                 read(ns, token)
             assert err.value.code() is code
-    finally:
-        replica.stop()
-        server.stop()
 
 
 def test_a_near_copy_drafts_with_the_published_prior_and_takes_a_newer_one(
