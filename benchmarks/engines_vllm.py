@@ -452,7 +452,8 @@ class VllmRunner:
 def proposer_notes(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     """The proposer's figures over one workload, from its stats file before and after it:
     its own milliseconds per step (mean over the workload, split into the wait on the service's
-    replies and its own work; p50 and p99 over its latest steps) and where the drafts came from.
+    replies and its own work; p50 and p99 over its latest steps), where the drafts came from and
+    which version of the prior a near copy drafted with.
 
     >>> notes = proposer_notes({"steps": 10, "proposer_ms_mean": 1.0, "remote_drafts": 8, "draft_wait_ms_total": 6.0},
     ...                        {"steps": 30, "proposer_ms_mean": 2.0, "remote_drafts": 20, "fallback_drafts": 1,
@@ -483,6 +484,8 @@ def proposer_notes(before: dict[str, Any], after: dict[str, Any]) -> dict[str, A
         "remote_drafts": delta("remote_drafts"),
         "fallback_drafts": delta("fallback_drafts"),
         "failed_calls": delta("failed_calls"),
+        "near_drafts": delta("near_drafts"),
+        "near_prior_version": int(after.get("near_prior_version", 0)),  # the prior a near copy read from the service
         "proposer_errors": delta("errors"),
     }
 
