@@ -146,7 +146,7 @@ class StaticPrior:
         return buf.getvalue()
 
     @classmethod
-    def from_bytes(cls, blob: bytes) -> StaticPrior:
+    def from_bytes(cls, blob: bytes | bytearray) -> StaticPrior:
         """Inverse of :meth:`to_bytes`; ``ValueError`` on anything corrupt."""
         try:
             with np.load(io.BytesIO(blob), allow_pickle=False) as z:

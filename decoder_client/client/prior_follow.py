@@ -15,7 +15,7 @@ version it has, and the next look tries again.
 ...     v, blob = pages[0]
 ...     return v, len(blob), digest(blob), blob[offset : offset + max_bytes]
 >>> read_blob(read, known=0, page_bytes=4)
-(7, b'abcdef')
+(7, bytearray(b'abcdef'))
 >>> read_blob(read, known=7) is None  # nothing new
 True
 """
@@ -45,19 +45,22 @@ class PriorChanged(Exception):
     """The version being read went (later publishes dropped it), or its pages disagree."""
 
 
-def digest(blob: bytes) -> str:
+def digest(blob: bytes | bytearray) -> str:
     """The digest the service stores with a prior blob (blake2b-256, hex)."""
     return hashlib.blake2b(blob, digest_size=32).hexdigest()
 
 
-def read_blob(read: PageRead, *, known: int, page_bytes: int = PAGE_BYTES) -> tuple[int, bytes] | None:
+def read_blob(read: PageRead, *, known: int, page_bytes: int = PAGE_BYTES) -> tuple[int, bytearray] | None:
     """The current prior's version and blob, checked against its digest; ``None`` when it is
     version ``known`` or the namespace has none. ``PriorChanged`` when the version went while it
     was read, or the blob does not match its digest; ``grpc.RpcError`` as the calls raise it."""
     version, size, expected, first = read(0, 0, page_bytes)
     if version == 0 or version == known:
         return None
-    parts = [first]
+    if len(first) > size:
+        raise PriorChanged(f"prior version {version}: its first page is longer than the blob")
+    blob = bytearray(size)  # filled in place: the blob is held once, not once more to join its pages
+    blob[: len(first)] = first
     got = len(first)
     while got < size:
         try:
@@ -66,12 +69,11 @@ def read_blob(read: PageRead, *, known: int, page_bytes: int = PAGE_BYTES) -> tu
             if exc.code() == grpc.StatusCode.NOT_FOUND:
                 raise PriorChanged(f"prior version {version} went while it was read") from exc
             raise
-        if (v, s, d) != (version, size, expected) or not data:
+        if (v, s, d) != (version, size, expected) or not data or got + len(data) > size:
             raise PriorChanged(f"prior version {version}: a page disagrees with the first")
-        parts.append(data)
+        blob[got : got + len(data)] = data
         got += len(data)
-    blob = b"".join(parts)
-    if len(blob) != size or digest(blob) != expected:
+    if digest(blob) != expected:
         raise PriorChanged(f"prior version {version}: the blob read does not match its digest")
     return version, blob
 
