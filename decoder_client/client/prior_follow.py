@@ -10,13 +10,15 @@ version gone while it was read (two publishes since) is read again from the curr
 service down or slow costs nothing but the prior: the near copy drafts without it, or with the
 version it has, and the next look tries again.
 
->>> pages = {0: (7, b"abcdef")}  # a service holding version 7 of a 6-byte blob
+>>> asked = []  # a service holding version 7 of a 6-byte blob
 >>> def read(version, offset, max_bytes):
-...     v, blob = pages[0]
-...     return v, len(blob), digest(blob), blob[offset : offset + max_bytes]
+...     asked.append((version, offset, max_bytes))
+...     return 7, 6, digest(b"abcdef"), b"abcdef"[offset : offset + max_bytes]
 >>> read_blob(read, known=0, page_bytes=4)
 (7, bytearray(b'abcdef'))
->>> read_blob(read, known=7) is None  # nothing new
+>>> asked  # one byte to learn the version, then pages of that version
+[(0, 0, 1), (7, 1, 4), (7, 5, 4)]
+>>> read_blob(read, known=7) is None  # nothing new: one call of one byte
 True
 """
 
@@ -54,7 +56,8 @@ def read_blob(read: PageRead, *, known: int, page_bytes: int = PAGE_BYTES) -> tu
     """The current prior's version and blob, checked against its digest; ``None`` when it is
     version ``known`` or the namespace has none. ``PriorChanged`` when the version went while it
     was read, or the blob does not match its digest; ``grpc.RpcError`` as the calls raise it."""
-    version, size, expected, first = read(0, 0, page_bytes)
+    # A look that finds the version held costs one small call: the first asks for one byte.
+    version, size, expected, first = read(0, 0, 1)
     if version == 0 or version == known:
         return None
     if len(first) > size:
