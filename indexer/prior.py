@@ -6,6 +6,7 @@ four-token leader uses the more specific followers and a rare context still gets
 
 from __future__ import annotations
 
+import hashlib
 import io
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -159,6 +160,16 @@ class StaticPrior:
             raise ValueError("corrupt prior blob: no tables")
         tables = sorted((NgramTable.from_bytes(b) for b in raw), key=lambda t: -t.config.leader_len)
         return cls(tuple(tables), source)
+
+
+def blob_digest(blob: bytes | bytearray | memoryview) -> str:
+    """The digest a prior blob (:meth:`StaticPrior.to_bytes`) is stored and checked with:
+    blake2b-256, hex (storage keeps it beside the blob; a near copy checks what it read).
+
+    >>> len(blob_digest(b"prior"))
+    64
+    """
+    return hashlib.blake2b(blob, digest_size=32).hexdigest()
 
 
 def read_prior(path: str | Path) -> StaticPrior:

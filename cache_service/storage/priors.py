@@ -12,7 +12,6 @@ dies while staging leaves nothing behind once the TTL runs out.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 
 import redis
@@ -21,6 +20,7 @@ from redis.typing import EncodableT, FieldT
 from cache_service.storage import codec, keys
 from cache_service.storage.clients import StorageClient, transaction
 from cache_service.storage.errors import StorageCorrupt, StorageUnavailable
+from indexer.prior import blob_digest
 
 _READ_ATTEMPTS = 3  # a version may be dropped under a reader only by two publishes in a row
 
@@ -45,7 +45,7 @@ class PriorMeta:
             parts=-(-len(blob) // part_size),
             size=len(blob),
             part_size=part_size,
-            digest=hashlib.blake2b(blob, digest_size=32).hexdigest(),
+            digest=blob_digest(blob),
         )
 
     def fields(self) -> dict[FieldT, EncodableT]:
@@ -169,7 +169,7 @@ def _read_version(client: StorageClient, ns: str, version: int) -> bytearray | N
         if len(part) != expected:
             raise StorageCorrupt(f"{where}: part {i} is {len(part)} bytes, expected {expected}")
         blob[i * meta.part_size : i * meta.part_size + expected] = part
-    if hashlib.blake2b(blob, digest_size=32).hexdigest() != meta.digest:
+    if blob_digest(blob) != meta.digest:
         raise StorageCorrupt(f"{where}: checksum mismatch")
     return blob
 

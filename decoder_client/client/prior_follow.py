@@ -2,7 +2,7 @@
 
 A near copy (:mod:`decoder_client.client.near`) drafts with the namespace's static prior as the
 service does. Rather than a file shipped beside every engine, it can read the prior the
-operator published (``draftcache warm --publish``) from the service: page by page
+operator published (``draftcache warm`` without ``--out``) from the service: page by page
 (``ReadPrior``), the reassembled blob checked against the digest the service stored with it.
 A :class:`PriorFollower` does that on a thread of its own, at start and then now and then, and
 hands each new version to the near copy (a reference swap: a draft never waits on it). A
@@ -13,7 +13,7 @@ version it has, and the next look tries again.
 >>> asked = []  # a service holding version 7 of a 6-byte blob
 >>> def read(version, offset, max_bytes):
 ...     asked.append((version, offset, max_bytes))
-...     return 7, 6, digest(b"abcdef"), b"abcdef"[offset : offset + max_bytes]
+...     return 7, 6, blob_digest(b"abcdef"), b"abcdef"[offset : offset + max_bytes]
 >>> read_blob(read, known=0, page_bytes=4)
 (7, bytearray(b'abcdef'))
 >>> asked  # one byte to learn the version, then pages of that version
@@ -24,14 +24,13 @@ True
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 from collections.abc import Callable
 
 import grpc
 
-from indexer.prior import StaticPrior
+from indexer.prior import StaticPrior, blob_digest
 
 logger = logging.getLogger(__name__)
 
@@ -45,11 +44,6 @@ PageRead = Callable[[int, int, int], tuple[int, int, str, bytes]]
 
 class PriorChanged(Exception):
     """The version being read went (later publishes dropped it), or its pages disagree."""
-
-
-def digest(blob: bytes | bytearray) -> str:
-    """The digest the service stores with a prior blob (blake2b-256, hex)."""
-    return hashlib.blake2b(blob, digest_size=32).hexdigest()
 
 
 def read_blob(read: PageRead, *, known: int, page_bytes: int = PAGE_BYTES) -> tuple[int, bytearray] | None:
@@ -76,7 +70,7 @@ def read_blob(read: PageRead, *, known: int, page_bytes: int = PAGE_BYTES) -> tu
             raise PriorChanged(f"prior version {version}: a page disagrees with the first")
         blob[got : got + len(data)] = data
         got += len(data)
-    if digest(blob) != expected:
+    if blob_digest(blob) != expected:
         raise PriorChanged(f"prior version {version}: the blob read does not match its digest")
     return version, blob
 

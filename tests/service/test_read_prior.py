@@ -20,9 +20,9 @@ from cache_service.host.embedded_redis import EmbeddedRedis
 from cache_service.storage.redis_store import RedisStore
 from decoder_client.client.config import ClientConfig
 from decoder_client.client.near import NearClient
-from decoder_client.client.prior_follow import PageRead, PriorChanged, digest, read_blob
+from decoder_client.client.prior_follow import PageRead, PriorChanged, read_blob
 from indexer.drafter import DraftParams
-from indexer.prior import PriorConfig, StaticPrior
+from indexer.prior import PriorConfig, StaticPrior, blob_digest
 from tests.service.authed_replicas import md, tenants_replica
 from tests.service.conftest import Replica, eventually
 
@@ -64,7 +64,7 @@ def test_the_published_prior_is_read_in_pages_and_checked(served: tuple[Replica,
     blob = prior_of([40, 41, 42, 43] * 50).to_bytes()
     version = store.put_prior(NS, blob)
     first = page(replica, 0, 0, 100)  # the current version, from its start
-    assert (first.version, first.size, first.digest, first.data) == (version, len(blob), digest(blob), blob[:100])
+    assert (first.version, first.size, first.digest, first.data) == (version, len(blob), blob_digest(blob), blob[:100])
     assert page(replica, version, 100, 50).data == blob[100:150]
     assert page(replica, version, len(blob) - 3, 50).data == blob[-3:]
     assert page(replica, version, len(blob), 50).data == b""
