@@ -186,23 +186,15 @@ class Engines:
                 max_ngram_size=config.lookup_max_ngram, num_pred_tokens=config.lookup_num_pred_tokens
             )
         )
-        ours = DraftcacheDraftModel.connect(
-            config.target,
-            config.namespace,
-            num_pred_tokens=config.num_pred_tokens,
-            chain_min_prob=config.chain_min_prob,
-            token_cost=config.token_cost,
-            deadline_s=config.deadline_s,
-            topk=config.topk,
-        )
-        engines.llms = {PLAIN: llama(), LOOKUP: llama(lookup), OURS: ours.attach(llama(ours))}
-        engines.counters = {LOOKUP: lookup, OURS: ours}
+        engines.llms = {PLAIN: llama(), LOOKUP: llama(lookup)}
+        engines.counters = {LOOKUP: lookup}
         vocab_size = int(engines.llms[PLAIN].n_vocab())
-        for method, settings in config.variants.items():  # each in a namespace of its own, made first
-            ensure_namespace(config.target, variant_namespace(config, method), vocab_size)
-            other = variant_model(config, method, settings, vocab_size)
-            engines.llms[method] = other.attach(llama(other))
-            engines.counters[method] = other
+        for method, settings in {OURS: {}, **config.variants}.items():
+            if method != OURS:  # a variant's namespace of its own, made first
+                ensure_namespace(config.target, variant_namespace(config, method), vocab_size)
+            ours = draft_model(config, method, settings, vocab_size)
+            engines.llms[method] = ours.attach(llama(ours))
+            engines.counters[method] = ours
         if config.prompt_cache_mib:
             engines.prompt_caches = {m: PromptCache(config.prompt_cache_mib << 20) for m in engines.llms}
         return engines
@@ -219,21 +211,21 @@ class Engines:
             llm.close()
 
 
-def variant_model(
-    config: LlamaCppBench, method: str, settings: dict[str, str], vocab_size: int
-) -> DraftcacheDraftModel:
-    """draftcache as the draft model of variant ``method`` (``draftcache-NAME``): the run's
-    settings, then the variant's own, drafting from namespace NAMESPACE-NAME."""
+def draft_model(config: LlamaCppBench, method: str, settings: dict[str, str], vocab_size: int) -> DraftcacheDraftModel:
+    """draftcache as the draft model of ``method``: the run's settings, then ``settings`` (a
+    variant's own); draftcache itself drafts from NAMESPACE, a variant (``draftcache-NAME``) from
+    NAMESPACE-NAME."""
     from decoder_client.engines.settings import EngineSettings
 
-    base = {
+    run = {
         "target": config.target,
-        "chain_min_prob": str(config.chain_min_prob),
-        "token_cost": str(config.token_cost),
-        "deadline_s": str(config.deadline_s),
-        "topk": str(config.topk),
+        "chain_min_prob": config.chain_min_prob,
+        "token_cost": config.token_cost,
+        "deadline_s": config.deadline_s,
+        "topk": config.topk,
     }
-    parsed = EngineSettings.from_sources({**base, **settings, "namespace": variant_namespace(config, method)}, {})
+    namespace = config.namespace if method == OURS else variant_namespace(config, method)
+    parsed = EngineSettings.from_sources({**run, **settings, "namespace": namespace}, {})
     return DraftcacheDraftModel.from_settings(parsed, config.num_pred_tokens, vocab_size)
 
 
