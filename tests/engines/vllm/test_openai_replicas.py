@@ -34,7 +34,7 @@ QUESTION = "Write a Python function that checks whether a string is a palindrome
 class ApiServer:
     """``python -m vllm.entrypoints.openai.api_server`` with draftcache as its proposer."""
 
-    def __init__(self, model: Path, service_port: int, core: int, log: Path, near: bool = False) -> None:
+    def __init__(self, model: Path, service_port: int, core: int, log: Path, near: bool, namespace: str) -> None:
         self.port = free_port()
         self.log = log
         cmd = [
@@ -53,7 +53,7 @@ class ApiServer:
             "--speculative-config",
             json.dumps(speculative_config(K)),
             "--additional-config",
-            json.dumps({"draftcache": {"target": f"127.0.0.1:{service_port}", "namespace": NAMESPACE, "near": near}}),
+            json.dumps({"draftcache": {"target": f"127.0.0.1:{service_port}", "namespace": namespace, "near": near}}),
         ]
         # Each replica computes on a core of its own (by default every vLLM binds the first).
         env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": str(core), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
@@ -115,7 +115,12 @@ def replicas(
 ) -> Iterator[list[ApiServer]]:
     cores = max(1, os.cpu_count() or 1)
     near = bool(request.param)
-    servers = [ApiServer(model_folder, serve.port, i % cores, tmp_path / f"vllm-{i}.log", near) for i in range(2)]
+    # A namespace of the test's own: the module's service keeps what other tests answered, which
+    # a near copy would read at start (replica 1 would then know the answer too).
+    namespace = f"{NAMESPACE}-replicas-{request.param_index}"
+    servers = [
+        ApiServer(model_folder, serve.port, i % cores, tmp_path / f"vllm-{i}.log", near, namespace) for i in range(2)
+    ]
     try:
         for s in servers:
             wait_for(s.ready, 900, "a vLLM server to be ready", every_s=1.0)
@@ -162,7 +167,8 @@ def test_a_replica_that_joins_later_drafts_what_the_fleet_answered(
     # Near copies: replica 2 starts only after replica 1 answered; its near copy reads the
     # service's log at start, so it begins with that answer in its memory.
     cores = max(1, os.cpu_count() or 1)
-    one = ApiServer(model_folder, serve.port, 0, tmp_path / "vllm-1.log", near=True)
+    namespace = f"{NAMESPACE}-joins-later"  # of its own (see the replicas fixture)
+    one = ApiServer(model_folder, serve.port, 0, tmp_path / "vllm-1.log", near=True, namespace=namespace)
     two: ApiServer | None = None
     try:
         wait_for(one.ready, 900, "a vLLM server to be ready", every_s=1.0)
@@ -170,7 +176,7 @@ def test_a_replica_that_joins_later_drafts_what_the_fleet_answered(
         answer_one, seconds_one = one.chat(QUESTION, model_folder, 160)
         first = per_draft(before, one.spec_counters())
         time.sleep(5)  # replica 1's proposer closes the finished request (idle, 2 s) and commits it
-        two = ApiServer(model_folder, serve.port, 1 % cores, tmp_path / "vllm-2.log", near=True)
+        two = ApiServer(model_folder, serve.port, 1 % cores, tmp_path / "vllm-2.log", near=True, namespace=namespace)
         wait_for(two.ready, 900, "a vLLM server to be ready", every_s=1.0)
         before = two.spec_counters()
         answer_two, seconds_two = two.chat(QUESTION, model_folder, 160)
