@@ -10,10 +10,12 @@ So :class:`DraftcacheDraftModel` keeps one draftcache session per generation and
 off the sequences: a call whose sequence is the previous one, then a prefix of the previous
 draft, then one sampled token, continues the generation (only those tokens travel); anything
 else starts a new one: the previous session is closed with commit and a new one is opened on
-the sequence's prompt. The engine never waits on the service: opens run in the background,
-each draft call has a deadline (with :meth:`DraftcacheDraftModel.connect`, a fraction of the
-engine's recent step: :mod:`~decoder_client.engines.deadline`), and past it the client's local
-fallback answers.
+the sequence's prompt. The engine never waits on the service. By default the sessions live in a
+near copy of the namespace in this process (:mod:`decoder_client.client.near`), which drafts
+with no call and commits to the service in the background; with ``near=False`` they live on
+the service: opens run in the background, each draft call has a deadline (with
+:meth:`DraftcacheDraftModel.connect`, a fraction of the engine's recent step:
+:mod:`~decoder_client.engines.deadline`), and past it the client's local fallback answers.
 
 Where a generation ends: without help, only the next generation's first call shows it, and
 the last step's tokens never reach the draft model. :meth:`DraftcacheDraftModel.attach` wraps
@@ -147,15 +149,17 @@ def _prompt_eval_hookable(llm: Any) -> bool:
 
 
 class DraftcacheDraftModel(LlamaDraftModel):
-    """A ``LlamaDraftModel`` drafting from a draftcache service: chains of at most
-    ``num_pred_tokens`` ids, one session per generation (see the module's docstring).
+    """A ``LlamaDraftModel`` drafting with draftcache: chains of at most ``num_pred_tokens``
+    ids, one session per generation (see the module's docstring).
 
     The client is injected (its deadline, fallback and chain settings are the caller's); with
     :meth:`connect` the model builds its own client in chain mode and shuts it down on
     :meth:`close`.
 
-    >>> draft = DraftcacheDraftModel.connect("127.0.0.1:50051", "smollm2", num_pred_tokens=8)  # doctest: +SKIP
-    >>> llm = draft.attach(Llama(model_path=GGUF, draft_model=draft, logits_all=True))  # doctest: +SKIP
+    >>> llm = Llama(model_path=GGUF, logits_all=True)  # doctest: +SKIP
+    >>> vocab = llm.n_vocab()  # doctest: +SKIP
+    >>> draft = DraftcacheDraftModel.connect("127.0.0.1:50051", "smollm2", vocab_size=vocab)  # doctest: +SKIP
+    >>> draft.attach(llm)  # doctest: +SKIP
     >>> llm("Q: name the planets. A:", max_tokens=64, temperature=0.0)  # doctest: +SKIP
     >>> draft.close()  # doctest: +SKIP
     """
@@ -193,11 +197,12 @@ class DraftcacheDraftModel(LlamaDraftModel):
     def connect(
         cls, target: str, namespace: str, *, num_pred_tokens: int = 10, vocab_size: int | None = None, **settings: Any
     ) -> DraftcacheDraftModel:
-        """A draft model with a client of its own, asking the service for chains of at most
+        """A draft model with a client of its own, drafting chains of at most
         ``num_pred_tokens`` tokens (chain mode); ``settings``: any other
         :class:`~decoder_client.engines.settings.EngineSettings` (``deadline_s``,
         ``chain_min_prob``, ``token``, ``near``, ...), as vLLM's proposer takes them.
-        ``vocab_size``: the model's (``llm.n_vocab()``), which a near copy needs."""
+        ``vocab_size``: the model's (``llm.n_vocab()``), which the near copy it drafts from by
+        default needs (with ``near=False`` each step asks the service instead)."""
         settings_ = EngineSettings(target=target, namespace=namespace, **settings)
         return cls.from_settings(settings_, num_pred_tokens, vocab_size)
 
@@ -321,14 +326,16 @@ class DraftcacheDraftModel(LlamaDraftModel):
         """Mark ``llm``'s generations out exactly (see the module's docstring): its
         ``generate`` is wrapped on this instance, and unless ``prompt_logits`` its ``eval``
         too, so that a generation's prompt is evaluated for its last position's logits alone.
-        ``llm`` must have been made with ``draft_model=self`` and ``logits_all=True``: with a
-        draft model llama-cpp-python (0.3.36) keeps every position's logits, in a buffer sized
-        by ``logits_all`` alone, so without it a prompt longer than ``n_batch`` fails in the
-        engine's ``eval``."""
-        if llm.draft_model is not self:
-            raise ValueError("make the Llama with draft_model=<this draft model> before attaching it")
+        ``llm`` becomes this model's engine: made with ``draft_model=self`` or with none (then
+        this becomes its draft model, as ``Llama(draft_model=...)`` sets it), and with
+        ``logits_all=True``: with a draft model llama-cpp-python (0.3.36) keeps every
+        position's logits, in a buffer sized by ``logits_all`` alone, so without it a prompt
+        longer than ``n_batch`` fails in the engine's ``eval``."""
+        if llm.draft_model is not None and llm.draft_model is not self:
+            raise ValueError("this Llama has another draft model: make it with draft_model=None or this one")
         if llm.scores.shape[0] < llm.n_ctx():
             raise ValueError("make the Llama with logits_all=True: its logits buffer is too small for a draft model")
+        llm.draft_model = self  # what its generate reads
         self._llm = llm
         inner = llm.generate
         prompt_pending = [False]  # the wrapped generate's next eval is its prompt's

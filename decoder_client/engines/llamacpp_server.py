@@ -41,9 +41,9 @@ logger = logging.getLogger(__name__)
 def draftcache_settings(pairs: Sequence[str], env: Mapping[str, str]) -> EngineSettings:
     """The draft models' settings: ``KEY=VALUE`` pairs over ``DRAFTCACHE_*`` variables.
 
-    >>> s = draftcache_settings(["namespace=smollm2", "near=true"], {"DRAFTCACHE_TARGET": "h:1"})
+    >>> s = draftcache_settings(["namespace=smollm2", "near=false"], {"DRAFTCACHE_TARGET": "h:1"})
     >>> (s.target, s.namespace, s.near)
-    ('h:1', 'smollm2', True)
+    ('h:1', 'smollm2', False)
     >>> draftcache_settings(["namespace"], {})
     Traceback (most recent call last):
     ...
@@ -75,7 +75,6 @@ def proxy_class(settings: EngineSettings, num_pred_tokens: int) -> type:
             model_settings = model_settings.model_copy(update={"logits_all": True, "draft_model": None})
             llm = LlamaProxy.load_llama_from_model_settings(model_settings)
             draft = DraftcacheDraftModel.from_settings(settings, num_pred_tokens, int(llm.n_vocab()))
-            llm.draft_model = draft  # what Llama(draft_model=...) sets: its generate reads it
             draft.attach(llm)
             self.draft_models[id(llm)] = draft
             self._close_unloaded(keep=llm)

@@ -68,8 +68,8 @@ class EngineSettings:
     # Draft in the engine's own process from a near copy of the namespace (each request's own
     # context, the requests this engine finished, the fleet's commits, the static prior): no
     # draft call on a step's path. The service is then committed to and read from in the
-    # background only (see decoder_client.client.near).
-    near: bool = False
+    # background only (see decoder_client.client.near). False: every step asks the service.
+    near: bool = True
     # The near copy's static prior: read from this file ('draftcache warm --out'); empty: the
     # one published to the service, read at start and every ``near_prior_s`` (0: none at all).
     prior_file: str = ""
@@ -101,7 +101,7 @@ class EngineSettings:
         if not 0 < self.chain_run_on <= 1:
             raise ValueError(f"chain_run_on must be in (0, 1], got {self.chain_run_on}")
         if self.prior_file and not self.near:
-            raise ValueError("prior_file is read by the near copy only: set near too")
+            raise ValueError("prior_file is read by the near copy only, and near is false")
         if self.near_memory_tokens < 2:
             raise ValueError(f"near_memory_tokens must be >= 2, got {self.near_memory_tokens}")
         if self.near_follow_s < 0:
@@ -145,12 +145,14 @@ class EngineSettings:
 
     def client_config(self, num_speculative_tokens: int) -> ClientConfig:
         """The draft client's settings: chain mode, chains of at most ``num_speculative_tokens``
-        (and :data:`CONTINUE_TOKENS` more to continue them).
+        (and, drafting through the service, :data:`CONTINUE_TOKENS` more to continue them).
 
-        >>> EngineSettings(namespace="smollm2", continue_chains=False).client_config(4).params.chain
+        >>> EngineSettings(namespace="smollm2").client_config(4).params.chain  # near: a chain every step
         4
-        >>> EngineSettings(namespace="smollm2").client_config(4).params.chain
+        >>> EngineSettings(namespace="smollm2", near=False).client_config(4).params.chain
         12
+        >>> EngineSettings(namespace="smollm2", near=False, continue_chains=False).client_config(4).params.chain
+        4
         """
         from decoder_client.client import ClientConfig
         from indexer.drafter import MAX_DEPTH, DraftParams
@@ -194,7 +196,10 @@ class EngineSettings:
         from indexer.prior import read_prior
 
         if vocab_size is None:
-            raise ValueError("a near copy needs the model's vocabulary size")
+            raise ValueError(
+                "drafting near (the default) needs the model's vocabulary size (llama.cpp: "
+                "vocab_size=llm.n_vocab()); near=False drafts through the service instead"
+            )
         prior = read_prior(self.prior_file) if self.prior_file else None
         return NearClient(
             config, vocab_size, prior, memory_tokens=self.near_memory_tokens, follow_s=self.near_follow_s,

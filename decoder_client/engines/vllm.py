@@ -13,6 +13,11 @@ and the batch's token matrix. It wants at most ``num_speculative_tokens`` ids pe
 the engine). Settings: :class:`~decoder_client.engines.settings.EngineSettings`, from
 ``additional_config["draftcache"]`` or ``DRAFTCACHE_*``.
 
+Where drafts come from. By default (``near``) from a near copy of the namespace in the worker
+(:mod:`decoder_client.client.near`): no call on a step's path, the service committed to and
+followed in the background. With ``near`` false, from the service, one batched call a step.
+Either answers the same calls below.
+
 Request identity. vLLM gives a custom proposer no request ids and no "request finished" call:
 rows move when the batch condenses, vanish when a request finishes or is preempted, and
 identical prompts can run side by side. Rather than reach into the model runner (its

@@ -86,7 +86,7 @@ def test_llama_cpp_lines_for_every_workload_and_method(shared_data: Path, serve:
             "--llama-topk",
             "8",
             "--variant",
-            "near:near=true",
+            "service:near=false",
             "--work-dir",
             str(tmp_path / "work"),
             "--out",
@@ -96,7 +96,9 @@ def test_llama_cpp_lines_for_every_workload_and_method(shared_data: Path, serve:
 
     lines = [json.loads(x) for x in out.read_text().splitlines()]
     assert [(x["workload"], x["method"]) for x in lines] == [
-        (w, m) for w in (SPEC_BENCH, AGENT_REPEAT) for m in ("plain", "prompt-lookup", "draftcache", "draftcache-near")
+        (w, m)
+        for w in (SPEC_BENCH, AGENT_REPEAT)
+        for m in ("plain", "prompt-lookup", "draftcache", "draftcache-service")
     ]
     for x in lines:
         assert x["engine"] == "llama.cpp" and set(REQUIRED) <= set(x)
@@ -107,21 +109,23 @@ def test_llama_cpp_lines_for_every_workload_and_method(shared_data: Path, serve:
         assert x["prompt_cache_mib"] == 1024
         assert (x["prompt_cache_hits"] > 0) == (x["workload"] == AGENT_REPEAT)
     ours = next(x for x in lines if x["workload"] == AGENT_REPEAT and x["method"] == "draftcache")
-    # Pass 2 asks pass 1's task again: the service has its answer (committed at the end of
-    # the generation) and drafts it, many tokens per step.
-    assert ours["by_group"]["pass2"]["mean_accepted_tokens"] > 2.0
+    # Drafting near (the default): every draft made in the engine's process. Pass 2 asks pass
+    # 1's task again, which the near copy finished and drafts, more tokens per step.
+    assert ours["remote_drafts"] == 0 and ours["topk"] == 8
     assert ours["by_group"]["pass2"]["mean_accepted_tokens"] > ours["by_group"]["pass1"]["mean_accepted_tokens"]
-    # Where its drafts came from, per workload: one per step, the service's or the local fallback's.
-    assert ours["remote_drafts"] > 0 and ours["remote_drafts"] + ours["fallback_drafts"] >= ours["drafts"]
-    assert ours["draft_call_wait_ms"] > 0  # the mean wait on a draft call's reply
-    assert ours["topk"] == 8  # the engine's rows went back with its steps
     # A variant is one more draft model with settings of its own, in a namespace of its own:
-    # drafting near, it made every draft in the engine's process and learnt pass 1 there.
-    near = next(x for x in lines if x["workload"] == AGENT_REPEAT and x["method"] == "draftcache-near")
-    assert near["near"] == "true" and near["topk"] == 8 and near["remote_drafts"] == 0
-    assert near["by_group"]["pass2"]["mean_accepted_tokens"] > near["by_group"]["pass1"]["mean_accepted_tokens"]
+    # drafting through the service, which has pass 1's answer (committed at the end of the
+    # generation) and drafts it, many tokens per step.
+    service = next(x for x in lines if x["workload"] == AGENT_REPEAT and x["method"] == "draftcache-service")
+    assert service["near"] == "false"
+    assert service["by_group"]["pass2"]["mean_accepted_tokens"] > 2.0
+    assert service["by_group"]["pass2"]["mean_accepted_tokens"] > service["by_group"]["pass1"]["mean_accepted_tokens"]
+    # Where its drafts came from, per workload: one per step, the service's or the local fallback's.
+    assert service["remote_drafts"] > 0 and service["remote_drafts"] + service["fallback_drafts"] >= service["drafts"]
+    assert service["draft_call_wait_ms"] > 0  # the mean wait on a draft call's reply
+    assert service["topk"] == 8  # the engine's rows went back with its steps
     names = {n.name for n in serve.admin.Namespaces(pb.NamespacesRequest(), timeout=10).namespaces}
-    assert {"smollm2", "smollm2-near"} <= names
+    assert {"smollm2", "smollm2-service"} <= names
 
 
 def test_a_variant_is_draftcache_with_its_own_settings_namespace_and_stats(tmp_path: Path) -> None:

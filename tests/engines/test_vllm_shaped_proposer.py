@@ -119,10 +119,13 @@ class Engine:
 def vllm_config(target: str, **settings: Any) -> Any:
     """The parts of vLLM's VllmConfig the proposer reads. Chains are cut where the service cut
     them (``token_cost`` 0): this engine's steps cost what the proposer's calls cost, which
-    says nothing of what verifying a token would (one test measures it on steps that do)."""
+    says nothing of what verifying a token would (one test measures it on steps that do).
+    Drafting through the service (``near`` False), whose calls, sessions and faults most tests
+    here are about; the near copy's tests ask for it."""
     section = {
         "target": target,
         "namespace": NS,
+        "near": False,
         "deadline_s": 0.05,
         "idle_close_s": 0.5,
         "token_cost": 0.0,
@@ -402,8 +405,12 @@ def near_prior(tmp_path: Path) -> Path:
 
 
 def test_a_near_copy_drafts_in_the_engine_and_commits_to_the_service(running: Running) -> None:
-    proposer = DraftcacheProposer(vllm_config(running.target, near=True))
+    """Drafting near, the default (no ``near`` setting given)."""
+    config = vllm_config(running.target)
+    del config.additional_config["draftcache"]["near"]
+    proposer = DraftcacheProposer(config)
     try:
+        assert proposer.settings.near
         first = Engine(proposer)
         reqs = workload()
         first.run(reqs)
@@ -455,5 +462,5 @@ def test_near_settings_are_checked_at_the_engines_start(tmp_path: Path) -> None:
     (tmp_path / "bad.npz").write_bytes(b"x")
     with pytest.raises(ValueError, match="is not a prior file"):
         DraftcacheProposer(vllm_config("127.0.0.1:1", near=True, prior_file=str(tmp_path / "bad.npz")))
-    with pytest.raises(ValueError, match="set near too"):
+    with pytest.raises(ValueError, match="near copy only, and near is false"):
         DraftcacheProposer(vllm_config("127.0.0.1:1", prior_file=str(tmp_path / "bad.npz")))

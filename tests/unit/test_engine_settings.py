@@ -30,12 +30,16 @@ def test_defaults() -> None:
 
 
 def test_a_continued_chains_rest_must_fill_what_the_engine_takes_unless_told_otherwise() -> None:
-    config = EngineSettings.from_sources({"namespace": "ns"}, {}).client_config(24)
+    service = {"namespace": "ns", "near": False}  # chains continue only when drafted by the service
+    config = EngineSettings.from_sources(service, {}).client_config(24)
     assert (config.params.chain, config.chain_take) == (32, 24)  # asked 8 longer, the rest must fill 24
-    assert EngineSettings.from_sources({"namespace": "ns", "chain_take": 0}, {}).client_config(24).chain_take == 0
-    assert EngineSettings.from_sources({"namespace": "ns", "chain_take": 40}, {}).client_config(24).chain_take == 32
-    off = EngineSettings.from_sources({"namespace": "ns", "continue_chains": False}, {}).client_config(24)
+    assert EngineSettings.from_sources({**service, "chain_take": 0}, {}).client_config(24).chain_take == 0
+    assert EngineSettings.from_sources({**service, "chain_take": 40}, {}).client_config(24).chain_take == 32
+    off = EngineSettings.from_sources({**service, "continue_chains": False}, {}).client_config(24)
     assert (off.params.chain, off.chain_take) == (24, 0)
+    # Drafting near (the default), a chain is drafted at every step: nothing to continue.
+    near = EngineSettings.from_sources({"namespace": "ns"}, {}).client_config(24)
+    assert (near.params.chain, near.chain_take, near.continue_chains) == (24, 0, False)
 
 
 @pytest.mark.parametrize(

@@ -148,7 +148,7 @@ def test_an_attached_model_evaluates_a_prompt_for_its_last_logits_alone(make_lla
 def test_an_attached_generation_reaches_the_lifetime_log_whole(serve: Serve, make_llama) -> None:  # type: ignore[no-untyped-def]
     """Through the engine's own completion call: the log gets the prompt and every generated
     token, the last step's included, as soon as the completion returns."""
-    draft = DraftcacheDraftModel.connect(_target(serve), NAMESPACE, num_pred_tokens=K, deadline_s=0.05)
+    draft = DraftcacheDraftModel.connect(_target(serve), NAMESPACE, num_pred_tokens=K, deadline_s=0.05, near=False)
     llm = draft.attach(make_llama(draft))
     ids = chat_ids(llm, QUESTIONS[2])
     done = llm.create_completion(prompt=ids, max_tokens=24, temperature=0.0)
@@ -164,7 +164,7 @@ def test_an_attached_generation_reaches_the_lifetime_log_whole(serve: Serve, mak
 def test_without_attach_a_generation_is_committed_when_the_next_one_starts(serve: Serve, make_llama) -> None:  # type: ignore[no-untyped-def]
     """A plain ``Llama``: the next generation's first call ends the previous one (all but its
     last step's tokens); ``close`` ends the last."""
-    draft = DraftcacheDraftModel.connect(_target(serve), NAMESPACE, num_pred_tokens=K, deadline_s=0.05)
+    draft = DraftcacheDraftModel.connect(_target(serve), NAMESPACE, num_pred_tokens=K, deadline_s=0.05, near=False)
     llm = make_llama(draft)
     first, second = chat_ids(llm, QUESTIONS[1]), chat_ids(llm, QUESTIONS[0])
     whole = first + greedy(llm, first, 24)
@@ -202,7 +202,7 @@ def test_the_engines_own_top_k_goes_back_to_the_service(serve: Serve, make_llama
 
     from cache_service.storage import keys
 
-    draft = TopkRecorded.connect(_target(serve), NAMESPACE, num_pred_tokens=K, deadline_s=0.05, topk=8)
+    draft = TopkRecorded.connect(_target(serve), NAMESPACE, num_pred_tokens=K, deadline_s=0.05, topk=8, near=False)
     llm = draft.attach(make_llama(draft))
     greedy(llm, chat_ids(llm, QUESTIONS[2]), 32)  # an answer not copied from the prompt: many steps
     assert len(draft.rows) >= 4  # steps that reported tokens (how many depends on what was accepted)
@@ -236,7 +236,7 @@ def test_a_request_the_fleet_has_seen_is_drafted_further_on_another_replica(serv
     llama.cpp's batched verification flips near-ties, and a flip would part B's output from A's.)"""
     # Chains as long as the service made them (no cut for cost): the test is about what B is
     # drafted, not how much of it a CPU should verify.
-    uncut = {"deadline_s": 0.05, "token_cost": 0.0, "chain_min_prob": 0.0}
+    uncut = {"deadline_s": 0.05, "token_cost": 0.0, "chain_min_prob": 0.0, "near": False}
     a = DraftcacheDraftModel.connect(_target(serve), NAMESPACE, num_pred_tokens=K, **uncut)
     b = Traced.connect(_target(serve), NAMESPACE, num_pred_tokens=K, **uncut)
     llm_a, llm_b = a.attach(make_llama(a)), b.attach(make_llama(b))
@@ -262,7 +262,7 @@ def test_the_service_failing_mid_generation_does_not_stall_decoding(  # type: ig
     serve = start_serve(tmp_path / "data", vocab_size)
     redis = serve.redis_pid()
     try:
-        draft = Traced.connect(_target(serve), NAMESPACE, num_pred_tokens=K, deadline_s=0.01)
+        draft = Traced.connect(_target(serve), NAMESPACE, num_pred_tokens=K, deadline_s=0.01, near=False)
         llm = draft.attach(make_llama(draft))
         out: list[int] = []
         killed_at = 0
@@ -287,16 +287,17 @@ def test_the_service_failing_mid_generation_does_not_stall_decoding(  # type: ig
 
 
 def test_a_near_copy_drafts_in_the_engine_and_commits_to_the_log(serve: Serve, make_llama, vocab_size: int) -> None:  # type: ignore[no-untyped-def]
-    """``near=True``: every draft is made in this process (no draft call), a question asked
+    """Drafting near (the default): every draft is made in this process (no draft call), a question asked
     again is drafted from the generation the near copy finished, and each generation still
     reaches the service's lifetime log whole."""
     uncut = {"token_cost": 0.0, "chain_min_prob": 0.0}
     # Started empty: the service's log holds other tests' answers to this question, which a near
     # copy would read at start (tests/service/test_read_log.py covers that).
     draft = DraftcacheDraftModel.connect(
-        _target(serve), NAMESPACE, num_pred_tokens=K, near=True, vocab_size=vocab_size, near_start_s=0, **uncut
+        _target(serve), NAMESPACE, num_pred_tokens=K, vocab_size=vocab_size, near_start_s=0, **uncut
     )
-    llm = draft.attach(make_llama(draft))
+    llm = draft.attach(make_llama())  # made without a draft model: attach makes this one its own
+    assert llm.draft_model is draft
     ids = chat_ids(llm, "Count from 1 to 30, separated by commas.")
     logged = lambda: [e for e in log_entries(serve.redis_url(), NAMESPACE) if e[: len(ids)] == ids]  # noqa: E731
     before = len(logged())  # other tests of this module's service asked it too
@@ -309,4 +310,21 @@ def test_a_near_copy_drafts_in_the_engine_and_commits_to_the_log(serve: Serve, m
     assert stats.near == draft.stats.calls and stats.remote == stats.fallback == stats.draft_calls == 0
     wait_for(lambda: len(logged()) == before + 2, 10, "both generations in the lifetime log")
     assert all(e[len(ids) : len(ids) + len(out)] == out for e in logged()[before:])
+    draft.close()
+
+
+def test_drafting_near_needs_the_vocabulary_and_an_engine_of_its_own(serve: Serve, make_llama, vocab_size: int) -> None:  # type: ignore[no-untyped-def]
+    """The default, drafting near, is refused at once without the model's vocabulary size (not
+    at the engine's first step); a ``Llama`` that has another draft model is not attached."""
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    with pytest.raises(ValueError, match=r"vocabulary size .*near=False"):
+        DraftcacheDraftModel.connect(_target(serve), NAMESPACE, num_pred_tokens=K)
+    draft = DraftcacheDraftModel.connect(
+        _target(serve), NAMESPACE, num_pred_tokens=K, vocab_size=vocab_size, near_start_s=0
+    )
+    other = make_llama(LlamaPromptLookupDecoding(num_pred_tokens=K))
+    with pytest.raises(ValueError, match="another draft model"):
+        draft.attach(other)
+    assert isinstance(other.draft_model, LlamaPromptLookupDecoding)
     draft.close()

@@ -45,15 +45,16 @@ def ready(port: int) -> bool:
         return False
 
 
-def test_the_server_drafts_from_the_service_and_commits_every_completion(
-    gguf: Path, serve: Serve, tmp_path: Path
-) -> None:
+@pytest.mark.parametrize("near", [True, False], ids=["near", "through-the-service"])
+def test_the_server_drafts_and_commits_every_completion(gguf: Path, serve: Serve, tmp_path: Path, near: bool) -> None:
+    """Drafting near (the default: a near copy in the server's process) or through the service
+    (``near=false``: the service drafts every step): each completion is committed when it stops."""
     port = free_port()
     env = {**os.environ, "DRAFTCACHE_TARGET": f"127.0.0.1:{serve.port}", "DRAFTCACHE_NAMESPACE": NAMESPACE}
     log = (tmp_path / "server.log").open("w")
     cmd = [sys.executable, "-m", "decoder_client.engines.llamacpp_server", "--model", str(gguf), "--port", str(port)]
     server = subprocess.Popen(
-        [*cmd, "--n_ctx", "1024", "--n_threads", "1", "--draftcache", "deadline_s=0.25"],
+        [*cmd, "--n_ctx", "1024", "--n_threads", "1", "--draftcache", "deadline_s=0.25", "--draftcache", f"{near=}"],
         env=env,
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -71,7 +72,8 @@ def test_the_server_drafts_from_the_service_and_commits_every_completion(
         drafts_before = serve.stats().drafts
         again = post(port, "/v1/completions", body)
         assert again["choices"][0]["text"]
-        assert serve.stats().drafts > drafts_before  # the service drafted for the server's steps
+        # The service drafted for the server's steps, or (near) nothing: the near copy did.
+        assert (serve.stats().drafts == drafts_before) if near else (serve.stats().drafts > drafts_before)
         # Its session closed when it stopped (its log entry may be empty: the service holds it all).
         wait_for(lambda: serve.stats().sessions == 0, 30, "the second session closed")
         # A chat completion goes through the same engine, and the same draft model.
@@ -90,6 +92,7 @@ def test_the_server_drafts_from_the_service_and_commits_every_completion(
     text = (tmp_path / "server.log").read_text()
     assert code in (0, -signal.SIGTERM) and "Application shutdown complete" in text, text[-3000:]
     assert "drafts from" in text and "Traceback" not in text  # the launcher's draft model was loaded
+    assert ("(near)" in text) == near
     assert "1 draft models closed" in text  # ... and closed while the server stopped
 
 

@@ -1,7 +1,7 @@
-"""Preemption in real vLLM with draftcache as its proposer: with a KV cache too small for the
-batch, vLLM preempts requests (they leave the batch) and resumes them later (they come back
-with their whole history). Outputs stay plain greedy's, a request that comes back is a new
-session, and each request's whole sequence reaches the lifetime log.
+"""Preemption in real vLLM with draftcache as its proposer (drafting near, the default): with a
+KV cache too small for the batch, vLLM preempts requests (they leave the batch) and resumes
+them later (they come back with their whole history). Outputs stay plain greedy's, a request
+that comes back is a new session, and each request's whole sequence reaches the lifetime log.
 
 Slow (its own two engines): ``-m slow``."""
 

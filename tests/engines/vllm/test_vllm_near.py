@@ -1,6 +1,6 @@
-"""draftcache drafting near, inside real vLLM: every draft made in vLLM's worker from the near
-copy (its prior read from the service, as published there), greedy outputs identical to plain
-vLLM, and every request still committed to the service's lifetime log."""
+"""draftcache drafting near (the default), inside real vLLM: every draft made in vLLM's worker
+from the near copy (its prior read from the service, as published there), greedy outputs
+identical to plain vLLM, and every request still committed to the service's lifetime log."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def test_a_near_copy_drafts_in_vllms_worker_and_commits_every_request(
         NEAR_NAMESPACE, StaticPrior.build(corpus, PriorConfig()).to_bytes()
     )
     stats_path = tmp_path / "stats.json"
-    llm = make_llm(model_folder, **drafting_kwargs(serve, stats_path, near=True, namespace=NEAR_NAMESPACE))
+    llm = make_llm(model_folder, **drafting_kwargs(serve, stats_path, namespace=NEAR_NAMESPACE))  # near: the default
     try:
         before = spec_counters(llm)
         assert generate(llm, batch) == plain

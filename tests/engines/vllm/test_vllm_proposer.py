@@ -56,10 +56,12 @@ def plain(model_folder: Path, batch: Requests, long_batch: Requests) -> dict[str
 def drafting(
     model_folder: Path, serve: Serve, tmp_path_factory: pytest.TempPathFactory, plain: dict[str, Any]
 ) -> Iterator[tuple[Any, Path]]:
-    """vLLM with draftcache as its proposer (started after ``plain``: one engine at a time) and
-    the proposer's stats file."""
+    """vLLM with draftcache as its proposer (started after ``plain``: one engine at a time),
+    drafting through the service (its calls, sessions and faults are what these tests are
+    about; tests/engines/vllm/test_vllm_near.py drafts near, the default), and the proposer's
+    stats file."""
     stats = tmp_path_factory.mktemp("proposer") / "stats.json"
-    llm = make_llm(model_folder, **drafting_kwargs(serve, stats))
+    llm = make_llm(model_folder, **drafting_kwargs(serve, stats, near=False))
     yield llm, stats
     shutdown(llm)
 
