@@ -17,11 +17,11 @@
 # lifetime memory), stopped on exit. As a deployment is warmed (deploy/quickstart.sh does the
 # same), the service gets a static prior for SmolLM2's tokenizer warmed from the ShareGPT corpus
 # (ChatGPT's answers: none of the benchmark's prompts or SmolLM2's outputs; warmed once, about
-# 90 s, kept in data/). Except with --quick, each engine also runs draftcache drafting near
-# (draftcache-near: the prior, read from the service, and the fleet's history in the engine's
-# process, no round trip a step).
-# --cold leaves both out. An engine, or a method, that cannot be set up is reported as a JSON
-# line with a "skipped" reason and the others run. Logs, the prompts and the lines
+# 90 s, kept in data/). draftcache drafts near, as it does by default (the prior, read from the
+# service, and the fleet's history in the engine's process: no round trip a step); except with
+# --quick, each engine also runs draftcache-service, drafting through the service at every step
+# (near=false). --cold leaves the prior out. An engine, or a method, that cannot be set up is
+# reported as a JSON line with a "skipped" reason and the others run. Logs, the prompts and the lines
 # (results.jsonl) are kept in data/bench-engines/. vLLM runs in bfloat16 where the CPU has bf16
 # instructions, else float32 (emulated bf16 is several times slower on prompts). In bfloat16 a
 # batched verification rounds differently from a one-token step, so every drafting method's
@@ -122,8 +122,8 @@ start_service() {  # $1: the service's data folder, emptied first
   draftcache serve --port "$PORT" --data-dir "$1" >"$1.log" 2>&1 &
   SERVER=$!
   wait_healthy "$PORT"
-  if [ "$PRIOR_ON" = 1 ]; then  # published into its storage, then loaded; and for the near copies to read
-    for ns in smollm2 smollm2-near; do
+  if [ "$PRIOR_ON" = 1 ]; then  # published into its storage, then loaded (and read by the near copies)
+    for ns in smollm2 smollm2-service; do
       draftcache warm --namespace "$ns" --tokenizer "$TOKENIZER" --from-prior "$PRIOR" --data-dir "$1" >>"$1.log" 2>&1
       draftcache rebuild --target "127.0.0.1:$PORT" --namespace "$ns" >>"$1.log" 2>&1
     done
@@ -139,8 +139,8 @@ run_engine() {  # $1 engine, $2 its python
     CACHE="${NUMBA_CACHE_DIR:-$(pwd)/.venv-vllm/numba-cache}"
     EXTRA=(--dtype "$VLLM_DTYPE")
   fi
-  if [ "$PRIOR_ON" = 1 ] && [ "$QUICK" = 0 ]; then  # also drafting near, with the prior read from the service
-    EXTRA+=(--variant "near:near=true")
+  if [ "$QUICK" = 0 ]; then  # also drafting through the service at every step
+    EXTRA+=(--variant "service:near=false")
   fi
   NUMBA_CACHE_DIR="$CACHE" setsid -w "$2" -m benchmarks.engines_bench --engine "$1" --workloads "$OUT/prompts.json" \
     --target "127.0.0.1:$PORT" --max-new-tokens "$MAX_NEW_TOKENS" --work-dir "$OUT" --out "$RESULTS" \
