@@ -287,9 +287,9 @@ def test_the_service_failing_mid_generation_does_not_stall_decoding(  # type: ig
 
 
 def test_a_near_copy_drafts_in_the_engine_and_commits_to_the_log(serve: Serve, make_llama, vocab_size: int) -> None:  # type: ignore[no-untyped-def]
-    """Drafting near (the default): every draft is made in this process (no draft call), a question asked
-    again is drafted from the generation the near copy finished, and each generation still
-    reaches the service's lifetime log whole."""
+    """Drafting near (the default): every draft is made in this process (no draft call), a
+    question asked again is drafted from the generation the near copy finished, and each
+    generation still reaches the service's lifetime log whole."""
     uncut = {"token_cost": 0.0, "chain_min_prob": 0.0}
     # Started empty: the service's log holds other tests' answers to this question, which a near
     # copy would read at start (tests/service/test_read_log.py covers that).
