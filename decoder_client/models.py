@@ -23,10 +23,14 @@ def smollm2_dir() -> Path | None:
     return folder if (folder / GGUF_FILE).is_file() else None
 
 
-def load_model(model: Path | None, tokenizer: Path, *, device: str = "cpu") -> tuple[Any, Any]:
-    """``(model, tokenizer)`` in float32 eval mode; nothing is fetched from a hub."""
+def load_model(model: Path | None, tokenizer: Path, *, device: str = "cpu", pack: bool = True) -> tuple[Any, Any]:
+    """``(model, tokenizer)`` in float32 eval mode; nothing is fetched from a hub. On a CPU,
+    unless ``pack`` is False, its linear layers' weights are packed once for verifying a few
+    tokens at a time (:mod:`decoder_client.cpu_linears`)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from decoder_client.cpu_linears import pack_linears
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if model is None:
@@ -39,7 +43,10 @@ def load_model(model: Path | None, tokenizer: Path, *, device: str = "cpu") -> t
     else:
         lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
     lm = lm.to(torch.device(device))  # type: ignore[arg-type]  # transformers' stub of .to is too narrow
-    return lm.eval(), AutoTokenizer.from_pretrained(tokenizer)
+    lm.eval()
+    if pack:
+        pack_linears(lm)
+    return lm, AutoTokenizer.from_pretrained(tokenizer)
 
 
 MODEL_CACHE_ENV = "DRAFTCACHE_MODEL_CACHE"

@@ -1,0 +1,101 @@
+"""Linear layers packed for the CPU: the same model, the same greedy output, trees verified on it."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+
+from decoder_client.cpu_linears import pack_linears, packable
+from decoder_client.models import load_model
+from decoder_client.reference_decoder import ReferenceDecoder
+from indexer.prompt_lookup import prompt_lookup
+from indexer.tree_builder import DraftTree
+
+needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this PyTorch has no oneDNN")
+
+
+def _linears(model: torch.nn.Module) -> int:
+    return sum(type(m) is torch.nn.Linear for m in model.modules())
+
+
+@needs_onednn
+@torch.inference_mode()
+def test_every_linear_is_packed_and_the_logits_stay(tiny_llama: Callable[[str], LlamaForCausalLM]) -> None:
+    model = tiny_llama("sdpa")
+    ids = torch.tensor([[5, 17, 99, 5, 17, 42, 8, 3, 77]])
+    before = model(ids).logits
+    linears = _linears(model)
+    assert linears == 2 * 7 + 1  # q, k, v, o, gate, up, down per layer, and the output layer
+    assert pack_linears(model) == linears
+    assert _linears(model) == 0
+    assert torch.allclose(model(ids).logits, before, atol=1e-5)
+    assert pack_linears(model) == 0  # nothing left to pack
+
+
+@torch.inference_mode()
+def test_models_off_the_cpu_float32_path_are_left_alone(tiny_llama: Callable[[str], LlamaForCausalLM]) -> None:
+    model = tiny_llama("sdpa").to(torch.bfloat16)
+    assert not packable(model)
+    assert pack_linears(model) == 0 and _linears(model) == 2 * 7 + 1
+
+
+@needs_onednn
+@torch.inference_mode()
+def test_packed_tiny_decoder_matches_packed_generate(tiny_llama: Callable[[str], LlamaForCausalLM]) -> None:
+    model = tiny_llama("sdpa")
+    prompt = [5, 17, 99, 5, 17, 42, 8]
+    n = 40
+    ref = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n)[0, len(prompt) :].tolist()
+    pack_linears(model)
+    packed = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n)[0, len(prompt) :].tolist()
+    assert packed == ref
+    out, stats = ReferenceDecoder(model).generate(prompt, n, drafter=_lookup)
+    assert out == ref and stats.steps < n  # drafts were verified a few tokens at a time
+
+
+def _lookup(ctx: np.ndarray) -> DraftTree:
+    return DraftTree.chain(prompt_lookup(ctx, num_tokens=8))
+
+
+CHATS = ("Write a haiku about the sea.", "How do I reverse a list in Python? Show the code twice.")
+
+
+@needs_onednn
+@torch.inference_mode()
+def test_smollm2_packed_decodes_as_the_dense_model(smollm2: tuple[PreTrainedModel, PreTrainedTokenizerBase]) -> None:
+    dense, tokenizer = smollm2
+    model = copy.deepcopy(dense)  # the session's model stays dense
+    assert pack_linears(model) == 30 * 7 + 1
+    eos = int(dense.generation_config.eos_token_id)
+    decoder = ReferenceDecoder(model, tokenizer)
+    for chat in CHATS:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": chat}], add_generation_prompt=True, tokenize=False
+        )
+        prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = torch.tensor([prompt])
+        ref = dense.generate(ids, do_sample=False, max_new_tokens=48, eos_token_id=eos, pad_token_id=eos)
+        ref_tokens = ref[0, len(prompt) :].tolist()
+        packed = model.generate(ids, do_sample=False, max_new_tokens=48, eos_token_id=eos, pad_token_id=eos)
+        assert packed[0, len(prompt) :].tolist() == ref_tokens, chat
+        out, _ = decoder.generate(prompt, 48, drafter=_lookup, eos_token_id=eos)
+        assert out == ref_tokens, chat
+
+
+@needs_onednn
+def test_load_model_packs_on_the_cpu_unless_told_not_to(
+    shared_data: Path, smollm2: tuple[PreTrainedModel, PreTrainedTokenizerBase]
+) -> None:
+    tokenizer = shared_data / "tokenizers" / "smollm2"
+    packed, _ = load_model(None, tokenizer)
+    dense, _ = load_model(None, tokenizer, pack=False)
+    assert _linears(packed) == 0 and _linears(dense) == 30 * 7 + 1
+    ids = torch.tensor([smollm2[1]("Speculative decoding drafts tokens.")["input_ids"]])
+    with torch.inference_mode():
+        torch.testing.assert_close(packed(ids).logits, dense(ids).logits, atol=1e-4, rtol=1e-4)
