@@ -16,17 +16,21 @@ print(before, os.environ.get("OMP_WAIT_POLICY"))
 """
 
 
-def _run(env: dict[str, str]) -> str:
+def _run(env: dict[str, str], script: str = _SCRIPT, *args: str) -> str:
     done = subprocess.run(
-        [sys.executable, "-c", _SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", script, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, done.stderr
     return done.stdout.strip()
 
 
+def _unset() -> dict[str, str]:
+    """This process's environment without a wait policy of its own."""
+    return {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+
+
 def test_importing_the_kernels_sets_nothing_and_the_entry_point_call_does():
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    assert _run(env) == "None PASSIVE"
+    assert _run(_unset()) == "None PASSIVE"
 
 
 def test_a_policy_the_environment_chose_is_kept():
@@ -44,12 +48,7 @@ commands.run(name, None)
 
 
 def _policy_in(command: str) -> str:
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    done = subprocess.run(
-        [sys.executable, "-c", _COMMAND_SCRIPT, command], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 0, done.stderr
-    return done.stdout.strip()
+    return _run(_unset(), _COMMAND_SCRIPT, command)
 
 
 def test_commands_that_run_a_model_leave_the_policy_to_openmp():
