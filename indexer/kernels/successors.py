@@ -127,3 +127,99 @@ def successor_rows(
             if taken == 0:
                 alive[r] = False
     return rows[:n], probs[:n]
+
+
+@njit(cache=True, nogil=True)
+def successor_extensions(
+    rows: np.ndarray,
+    vals: np.ndarray,
+    tiers: np.ndarray,
+    own_tier: int,
+    followers: np.ndarray,
+    weights: np.ndarray,
+    norm: np.ndarray,
+    min_prob: float,
+    confidence: float,
+    max_roots: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Successor rows under the first tokens the other tiers propose. The successor tier's own
+    rows start from the followers of the context's last token; a first token only another tier
+    proposed would otherwise end where that tier's rows end, though the table may know what the
+    target writes after it. For each of the ``max_roots`` first tokens the other tiers value
+    most (``rows`` and ``vals`` as :func:`~indexer.kernels.tree.stack_parts` lays them out,
+    ``tiers`` per row; a token the successor tier's own rows start with is left to them): that
+    token, then its followers as :func:`successor_rows` carries them, each added cell worth the
+    token's best row value times ``confidence`` times the followers' prefix probability. The
+    token's own cell is worth 0: the successor tier adds nothing to what the others proposed.
+
+    >>> f = np.full((10, 2), -1, np.int32); w = np.zeros((10, 2)); nrm = np.zeros(10)
+    >>> f[3], w[3], nrm[3] = [4, 5], [0.6, 0.3], 1.0  # after 3: 4 (.6) or 5 (.3)
+    >>> f[4, 0], w[4, 0], nrm[4] = 6, 0.9, 1.0  # after 4: 6 (.9)
+    >>> rows = np.array([[3, 1, -1], [2, -1, -1], [7, 8, 9]], np.int32)
+    >>> vals = np.array([[0.5, 0.4, 0.0], [0.2, 0.0, 0.0], [0.6, 0.5, 0.4]])
+    >>> tiers = np.array([1, 1, 7])  # two rows of tier 1 (3 and 2 first), one of the successor tier (7)
+    >>> ext, worth = successor_extensions(rows, vals, tiers, 7, f, w, nrm, 0.02, 0.8, 4)
+    >>> ext.tolist(), np.round(worth, 3).tolist()  # 3 carried on; 2 has no followers
+    ([[3, 4, 6], [3, 5, -1]], [[0.0, 0.24, 0.216], [0.0, 0.12, 0.0]])
+    """
+    r_count, depth = rows.shape
+    out_rows = np.full((0, depth), -1, dtype=np.int32)
+    out_vals = np.zeros((0, depth))
+    if norm.size == 0 or depth < 2 or max_roots <= 0 or confidence <= 0:
+        return out_rows, out_vals
+    cand = np.full(max_roots, -1, dtype=np.int32)
+    cval = np.zeros(max_roots)
+    for r in range(r_count):  # the likeliest first tokens, each at its best row's value
+        t = rows[r, 0]
+        if t < 0 or tiers[r] == own_tier:
+            continue
+        v = vals[r, 0]
+        slot = -1
+        for s in range(max_roots):
+            if cand[s] == t:
+                slot = s
+                break
+        if slot >= 0:
+            cval[slot] = max(cval[slot], v)
+            continue
+        low = 0
+        for s in range(1, max_roots):
+            if cval[s] < cval[low]:
+                low = s
+        if cand[low] < 0 or v > cval[low]:
+            cand[low], cval[low] = t, v
+    for r in range(r_count):  # the successor tier's own rows carry these on already
+        if tiers[r] == own_tier:
+            for s in range(max_roots):
+                if cand[s] == rows[r, 0]:
+                    cand[s] = -1
+    grown_rows = []
+    grown_vals = []
+    total = 0
+    for s in range(max_roots):
+        c = cand[s]
+        base = cval[s] * confidence
+        if c < 0 or c >= norm.size or norm[c] <= 0 or base < min_prob:
+            continue
+        srows, sprobs = successor_rows(followers, weights, norm, c, depth - 1, min_prob / base, 2, 8)
+        if srows.shape[0] == 0:
+            continue
+        er = np.full((srows.shape[0], depth), -1, dtype=np.int32)
+        ev = np.zeros((srows.shape[0], depth))
+        er[:, 0] = c
+        er[:, 1:] = srows
+        ev[:, 1:] = sprobs * base
+        grown_rows.append(er)
+        grown_vals.append(ev)
+        total += srows.shape[0]
+    if total == 0:
+        return out_rows, out_vals
+    out_rows = np.full((total, depth), -1, dtype=np.int32)
+    out_vals = np.zeros((total, depth))
+    at = 0
+    for i in range(len(grown_rows)):
+        k = grown_rows[i].shape[0]
+        out_rows[at : at + k] = grown_rows[i]
+        out_vals[at : at + k] = grown_vals[i]
+        at += k
+    return out_rows, out_vals

@@ -20,6 +20,8 @@ from indexer.drafter import (
     warm_draft_step,
 )
 from indexer.kernels import draft as draft_kernel
+from indexer.kernels.successors import successor_extensions
+from indexer.kernels.tree import stack_parts
 from indexer.lifetime_index import LifetimeIndexes
 from indexer.ngram_table import NgramTable
 from indexer.prespeculation import stopping_points
@@ -102,9 +104,35 @@ def _reference(d: NamespaceDrafter, s: Session, params: DraftParams, ctx=None, e
     )
     if rows.shape[0]:
         add(Tier.SUCCESSOR, 1, rows, probs=probs)
+    extended = _successor_extensions(d, parts, depth)
+    if extended is not None:  # before the tier's own rows, which give its first guess
+        own = len(parts) - 1 if parts[-1].tier == Tier.SUCCESSOR else len(parts)
+        parts.insert(own, extended)
     return merge_candidates(
         parts, budget=params.budget, max_depth=depth, min_score=params.min_score, depth_reserve=params.depth_reserve
     )
+
+
+def _successor_extensions(d: NamespaceDrafter, parts: list[Candidates], depth: int) -> Candidates | None:
+    """The successor rows the draft step adds under the other tiers' first tokens, as a part
+    whose values are final (confidence 1), or ``None``."""
+    if not parts or depth < 1:
+        return None
+    meta = np.array([(*c.rows.shape, c.probs is not None, c.tier) for c in parts], dtype=np.int64)
+    values = [c.probs if c.probs is not None else c.weights for c in parts]
+    rows, vals, _, tiers = stack_parts(
+        np.concatenate([c.rows.ravel() for c in parts]).astype(np.int32),
+        np.concatenate([v.ravel() for v in values]).astype(np.float64),
+        meta,
+        np.array([c.confidence for c in parts], dtype=np.float64),
+        depth,
+    )
+    conf = min(1.0, 1 / (1 + _HALF[Tier.SUCCESSOR]) * d.calibrator.factor(Tier.SUCCESSOR, 1))
+    ext, worth = successor_extensions(
+        rows, vals, tiers, int(Tier.SUCCESSOR), *d.successors.kernel_args(), draft_kernel.SUCCESSOR_ROOT_MIN_PROB,
+        conf, draft_kernel.SUCCESSOR_ROOTS,
+    )  # fmt: skip
+    return Candidates(Tier.SUCCESSOR, ext, probs=worth, confidence=1.0) if ext.shape[0] else None
 
 
 def _guesses(s: Session) -> list[Guess]:

@@ -111,6 +111,23 @@ def test_repeated_phrase_in_prompt_is_drafted_from_context():
     assert set(tree.sources.tolist()) == {Tier.CONTEXT}
 
 
+def test_successor_tier_carries_on_another_tiers_first_token():
+    d = _drafter()
+    # The target's top-k seen elsewhere: after 7 it writes 20, after 20 it writes 21; nothing
+    # is known after 6 (the context's last token below).
+    d.observe_followers([7, 20], [[20, -1], [21, -1]])
+    s = d.open([5, 6, 7, 8, 5, 6])
+    tree = d.draft(s, DraftParams(budget=8))
+    paths = {}
+    for i, (tok, parent) in enumerate(zip(tree.tokens.tolist(), tree.parents.tolist(), strict=True)):
+        paths[i] = (paths[parent] if parent >= 0 else ()) + (tok,)
+    by_path = {p: int(tree.sources[i]) for i, p in paths.items()}
+    assert by_path[(7,)] == Tier.CONTEXT  # the request's own text proposes 7 ...
+    assert by_path[(7, 20)] == Tier.SUCCESSOR  # ... and the table knows what follows it
+    assert by_path[(7, 20, 21)] == Tier.SUCCESSOR
+    assert by_path[(7, 8)] == Tier.CONTEXT
+
+
 def test_no_repeat_and_no_history_drafts_nothing():
     d = _drafter()
     s = d.open([1, 2, 3, 4])
