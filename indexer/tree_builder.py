@@ -219,14 +219,9 @@ def merge_many(jobs: Sequence[MergeJob]) -> list[tuple[DraftTree, dict[Tier, tup
         offsets.append(len(parts))
     if not parts:
         return [(DraftTree.empty(), {}) for _ in jobs]
-    # Per part (rows, width, per-cell values, tier): one small array instead of four.
-    meta = np.array([(*c.rows.shape, c.probs is not None, c.tier) for c in parts], dtype=np.int64)
     limits = np.array([(j.max_depth, j.budget, j.depth_reserve) for j in jobs], dtype=np.int64)
     tokens, parents, sources, scores, bounds, first_tok, first_val = kernels.merge_batch(
-        np.concatenate([c.rows.ravel() for c in parts]).astype(np.int32, copy=False),
-        np.concatenate([_values(c).ravel() for c in parts]).astype(np.float64, copy=False),
-        meta,
-        np.array([c.confidence for c in parts], dtype=np.float64),
+        *flat_parts(parts),
         np.array(offsets, dtype=np.int64),
         limits[:, 0],
         limits[:, 1],
@@ -245,6 +240,20 @@ def merge_many(jobs: Sequence[MergeJob]) -> list[tuple[DraftTree, dict[Tier, tup
                 firsts[c.tier] = (tok, first_values[j][c.tier] / c.confidence)
         out.append((DraftTree(tokens[a:b], parents[a:b], sources[a:b], scores[a:b]), firsts))
     return out
+
+
+def flat_parts(parts: Sequence[Candidates]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Non-empty parts laid end to end as the compiled merge reads them
+    (:func:`~indexer.kernels.tree.stack_parts`): their rows' tokens, their values, per part
+    ``(rows, width, per-cell values, tier)`` (one small array instead of four), and their
+    confidences."""
+    meta = np.array([(*c.rows.shape, c.probs is not None, c.tier) for c in parts], dtype=np.int64)
+    return (
+        np.concatenate([c.rows.ravel() for c in parts]).astype(np.int32, copy=False),
+        np.concatenate([_values(c).ravel() for c in parts]).astype(np.float64, copy=False),
+        meta,
+        np.array([c.confidence for c in parts], dtype=np.float64),
+    )
 
 
 def _values(c: Candidates) -> np.ndarray:

@@ -298,6 +298,7 @@ def _draft_one(j: int, args: tuple, out: tuple) -> None:
     rows_s, probs_s = successor_rows(
         succ_followers, succ_weights, succ_norm, ctx[-1] if ctx.size else -1, depth, SUCCESSOR_MIN_PROB
     )
+    succ_conf = _confidence(SUCCESSOR, 1, half, hits, pred, buckets)  # its own rows', and those it carries on
     bound_r = rows_c.size + rows_d.size + rows_r.size + rows_l.size + exact_rest.size + p_cells + rows_s.size
     if leader >= 0:
         bound_r += (table_offsets[leader + 1] - table_offsets[leader]) * table_followers.shape[1]
@@ -348,7 +349,7 @@ def _draft_one(j: int, args: tuple, out: tuple) -> None:
         _put(exact_rest.reshape((1, -1)), np.ones((1, 1)), False, EXACT_TIER, conf_of[EXACT_TIER], excl, rows_flat,
              vals_flat, meta, confs, at)  # fmt: skip
     if rows_s.shape[0] > 0:
-        conf_of[SUCCESSOR] = _confidence(SUCCESSOR, 1, half, hits, pred, buckets)
+        conf_of[SUCCESSOR] = succ_conf
         lengths[j, SUCCESSOR] = 1
         _put(rows_s, probs_s, True, SUCCESSOR, conf_of[SUCCESSOR], excl, rows_flat, vals_flat, meta, confs, at)
     n_parts = at[0]
@@ -358,8 +359,8 @@ def _draft_one(j: int, args: tuple, out: tuple) -> None:
         )
         # The successor tier carries on the other tiers' likeliest first tokens too.
         ext_r, ext_v = successor_extensions(
-            rows, vals, tiers, SUCCESSOR, succ_followers, succ_weights, succ_norm, SUCCESSOR_ROOT_MIN_PROB,
-            _confidence(SUCCESSOR, 1, half, hits, pred, buckets), SUCCESSOR_ROOTS,
+            rows, vals, tiers, SUCCESSOR, succ_followers, succ_weights, succ_norm, SUCCESSOR_ROOT_MIN_PROB, succ_conf,
+            SUCCESSOR_ROOTS,
         )  # fmt: skip
         if ext_r.shape[0] > 0:
             rows = np.concatenate((rows, ext_r))

@@ -13,6 +13,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+ROOT_ROWS = 8  # the most successor rows under each token successor_extensions carries on
+
 
 @njit(cache=True, nogil=True)
 def successor_observe(
@@ -163,10 +165,8 @@ def successor_extensions(
     ([[3, 4, 6], [3, 5, -1]], [[0.0, 0.24, 0.216], [0.0, 0.12, 0.0]])
     """
     r_count, depth = rows.shape
-    out_rows = np.full((0, depth), -1, dtype=np.int32)
-    out_vals = np.zeros((0, depth))
     if norm.size == 0 or depth < 2 or max_roots <= 0 or confidence <= 0:
-        return out_rows, out_vals
+        return np.full((0, depth), -1, dtype=np.int32), np.zeros((0, depth))
     cand = np.full(max_roots, -1, dtype=np.int32)
     cval = np.zeros(max_roots)
     for r in range(r_count):  # the likeliest first tokens, each at its best row's value
@@ -193,33 +193,19 @@ def successor_extensions(
             for s in range(max_roots):
                 if cand[s] == rows[r, 0]:
                     cand[s] = -1
-    grown_rows = []
-    grown_vals = []
-    total = 0
+    cap = max(followers.shape[1], ROOT_ROWS)  # the most rows successor_rows gives under one token
+    out_rows = np.full((max_roots * cap, depth), -1, dtype=np.int32)
+    out_vals = np.zeros((max_roots * cap, depth))
+    n = 0
     for s in range(max_roots):
         c = cand[s]
         base = cval[s] * confidence
         if c < 0 or c >= norm.size or norm[c] <= 0 or base < min_prob:
             continue
-        srows, sprobs = successor_rows(followers, weights, norm, c, depth - 1, min_prob / base, 2, 8)
-        if srows.shape[0] == 0:
-            continue
-        er = np.full((srows.shape[0], depth), -1, dtype=np.int32)
-        ev = np.zeros((srows.shape[0], depth))
-        er[:, 0] = c
-        er[:, 1:] = srows
-        ev[:, 1:] = sprobs * base
-        grown_rows.append(er)
-        grown_vals.append(ev)
-        total += srows.shape[0]
-    if total == 0:
-        return out_rows, out_vals
-    out_rows = np.full((total, depth), -1, dtype=np.int32)
-    out_vals = np.zeros((total, depth))
-    at = 0
-    for i in range(len(grown_rows)):
-        k = grown_rows[i].shape[0]
-        out_rows[at : at + k] = grown_rows[i]
-        out_vals[at : at + k] = grown_vals[i]
-        at += k
-    return out_rows, out_vals
+        srows, sprobs = successor_rows(followers, weights, norm, c, depth - 1, min_prob / base, 2, ROOT_ROWS)
+        k = srows.shape[0]
+        out_rows[n : n + k, 0] = c
+        out_rows[n : n + k, 1:] = srows
+        out_vals[n : n + k, 1:] = sprobs * base
+        n += k
+    return out_rows[:n], out_vals[:n]

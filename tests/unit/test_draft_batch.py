@@ -29,7 +29,7 @@ from indexer.prior import PriorConfig, StaticPrior
 from indexer.session import Session
 from indexer.suffix_array import SuffixIndex
 from indexer.tokens import SEPARATOR, Namespace
-from indexer.tree_builder import Candidates, DraftTree, Tier, merge_candidates
+from indexer.tree_builder import Candidates, DraftTree, Tier, flat_parts, merge_candidates
 
 VOCAB = 40
 NS = Namespace(name="batch", vocab_size=VOCAB)
@@ -55,8 +55,11 @@ def _reference(d: NamespaceDrafter, s: Session, params: DraftParams, ctx=None, e
     stop = int(SEPARATOR)
     parts = []
 
+    def confidence(tier, n):
+        return min(1.0, n / (n + _HALF[tier]) * cal.factor(tier, n))
+
     def add(tier, n, rows, weights=None, probs=None):
-        conf = min(1.0, n / (n + _HALF[tier]) * cal.factor(tier, n))
+        conf = confidence(tier, n)
         keep = ~np.isin(rows[:, 0], list(exclude)) if exclude and rows.size else np.ones(rows.shape[0], bool)
         if keep.any():
             parts.append(
@@ -104,7 +107,7 @@ def _reference(d: NamespaceDrafter, s: Session, params: DraftParams, ctx=None, e
     )
     if rows.shape[0]:
         add(Tier.SUCCESSOR, 1, rows, probs=probs)
-    extended = _successor_extensions(d, parts, depth)
+    extended = _successor_extensions(d, parts, depth, confidence(Tier.SUCCESSOR, 1))
     if extended is not None:  # before the tier's own rows, which give its first guess
         own = len(parts) - 1 if parts[-1].tier == Tier.SUCCESSOR else len(parts)
         parts.insert(own, extended)
@@ -113,21 +116,12 @@ def _reference(d: NamespaceDrafter, s: Session, params: DraftParams, ctx=None, e
     )
 
 
-def _successor_extensions(d: NamespaceDrafter, parts: list[Candidates], depth: int) -> Candidates | None:
-    """The successor rows the draft step adds under the other tiers' first tokens, as a part
-    whose values are final (confidence 1), or ``None``."""
+def _successor_extensions(d: NamespaceDrafter, parts: list[Candidates], depth: int, conf: float) -> Candidates | None:
+    """The successor rows the draft step adds under the other tiers' first tokens (the tier's
+    confidence ``conf``), as a part whose values are final (confidence 1), or ``None``."""
     if not parts or depth < 1:
         return None
-    meta = np.array([(*c.rows.shape, c.probs is not None, c.tier) for c in parts], dtype=np.int64)
-    values = [c.probs if c.probs is not None else c.weights for c in parts]
-    rows, vals, _, tiers = stack_parts(
-        np.concatenate([c.rows.ravel() for c in parts]).astype(np.int32),
-        np.concatenate([v.ravel() for v in values]).astype(np.float64),
-        meta,
-        np.array([c.confidence for c in parts], dtype=np.float64),
-        depth,
-    )
-    conf = min(1.0, 1 / (1 + _HALF[Tier.SUCCESSOR]) * d.calibrator.factor(Tier.SUCCESSOR, 1))
+    rows, vals, _, tiers = stack_parts(*flat_parts(parts), depth)
     ext, worth = successor_extensions(
         rows, vals, tiers, int(Tier.SUCCESSOR), *d.successors.kernel_args(), draft_kernel.SUCCESSOR_ROOT_MIN_PROB,
         conf, draft_kernel.SUCCESSOR_ROOTS,
