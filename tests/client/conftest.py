@@ -20,6 +20,13 @@ from transformers import (
 from decoder_client.models import GGUF_FILE, smollm2_dir
 
 
+def greedy_continuation(model: PreTrainedModel, prompt: list[int], n: int) -> list[int]:
+    """Hugging Face's own greedy decoding of ``n`` tokens after ``prompt``: what every decoder
+    and every packing of the model must reproduce."""
+    out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n)
+    return out[0, len(prompt) :].tolist()
+
+
 @pytest.fixture
 def bench_paths(shared_data: Path) -> dict[str, Path]:
     """The real traces and tokenizer a benchmark's ``BenchConfig`` reads its prompts from."""

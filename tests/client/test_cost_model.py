@@ -21,6 +21,7 @@ from decoder_client.cost_model import (
 )
 from decoder_client.reference_decoder import ReferenceDecoder
 from indexer.tree_builder import DraftTree
+from tests.client.conftest import greedy_continuation
 
 
 def _tree(tokens: list[int], parents: list[int], scores: list[float]) -> DraftTree:
@@ -70,9 +71,7 @@ def test_measured_curve_and_lossless_decoding(tiny_llama) -> None:  # type: igno
     assert curve.sizes[0] == 1 and all(s > 0 for s in curve.seconds)
     prompt = [3, 9, 27, 81 % 128, 5, 3, 9]
     with torch.inference_mode():
-        reference = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=12)[
-            0, len(prompt) :
-        ].tolist()
+        reference = greedy_continuation(model, prompt, 12)
 
     def guess(context: np.ndarray) -> DraftTree:  # a fixed wrong-ish chain: pruning must not change output
         return _tree([1, 2, 3], [-1, 0, 1], [0.9, 0.8, 0.7])

@@ -16,6 +16,7 @@ from decoder_client.models import load_model
 from decoder_client.reference_decoder import ReferenceDecoder
 from indexer.prompt_lookup import prompt_lookup
 from indexer.tree_builder import DraftTree
+from tests.client.conftest import greedy_continuation
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this PyTorch has no oneDNN")
 
@@ -51,9 +52,9 @@ def test_packed_tiny_decoder_matches_packed_generate(tiny_llama: Callable[[str],
     model = tiny_llama("sdpa")
     prompt = [5, 17, 99, 5, 17, 42, 8]
     n = 40
-    ref = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n)[0, len(prompt) :].tolist()
+    ref = greedy_continuation(model, prompt, n)
     pack_linears(model)
-    packed = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n)[0, len(prompt) :].tolist()
+    packed = greedy_continuation(model, prompt, n)
     assert packed == ref
     out, stats = ReferenceDecoder(model).generate(prompt, n, drafter=_lookup)
     assert out == ref and stats.steps < n  # drafts were verified a few tokens at a time

@@ -23,6 +23,7 @@ from decoder_client.reference_decoder import (
 from decoder_client.tree_attention import check_parents, tree_attention_mask, tree_position_ids
 from indexer.prompt_lookup import prompt_lookup
 from indexer.tree_builder import DraftTree
+from tests.client.conftest import greedy_continuation
 
 Drafter = Callable[[np.ndarray], DraftTree]
 
@@ -201,7 +202,7 @@ def test_tiny_decoder_matches_generate_for_every_drafter(tiny_llama: Callable[[s
     model = tiny_llama("sdpa")
     prompt = [5, 17, 99, 5, 17, 42, 8]
     n = 40
-    ref = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n)[0, len(prompt) :].tolist()
+    ref = greedy_continuation(model, prompt, n)
     decoder = ReferenceDecoder(model)
     drafters: list[Drafter | None] = [None, _lookup, _noisy_drafter(len(prompt), ref, seed=3, vocab=128)]
     for drafter in drafters:
@@ -235,7 +236,7 @@ def test_topk_rows_are_the_verified_positions(tiny_llama: Callable[[str], LlamaF
             assert self.last is not None
             seen.append((*self.last, verified))
 
-    ref = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=30)[0, len(prompt) :].tolist()
+    ref = greedy_continuation(model, prompt, 30)
     drafter = Recording()
     out, stats = ReferenceDecoder(model).generate(prompt, 30, drafter=drafter, topk=3)
     assert out == ref and len(seen) == stats.steps
@@ -278,7 +279,7 @@ def test_cache_goes_by_the_name_the_model_takes_it(tiny_llama: Callable[[str], L
 def test_tiny_decoder_stops_after_eos_like_generate(tiny_llama: Callable[[str], LlamaForCausalLM]) -> None:
     model = tiny_llama("sdpa")
     prompt = [1, 2, 3, 4]
-    ref = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=20)[0, len(prompt) :].tolist()
+    ref = greedy_continuation(model, prompt, 20)
     eos = ref[5]  # pretend a token emitted mid-way is the end of sequence
     ref_eos = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=20, eos_token_id=eos)
     out, _ = ReferenceDecoder(model).generate(

@@ -20,6 +20,7 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopP
 from decoder_client import reference_decoder
 from decoder_client.reference_decoder import ReferenceDecoder, sample_accept
 from indexer.tree_builder import DraftTree
+from tests.client.conftest import greedy_continuation
 
 VOCAB = 8
 PROMPT = [1, 5, 2, 7]
@@ -220,7 +221,7 @@ def test_seeded_sampling_is_reproducible(model: LlamaForCausalLM) -> None:
 def test_near_zero_temperature_is_greedy_over_many_steps(model: LlamaForCausalLM) -> None:
     # At temperature 1e-4 every target row is one-hot on the argmax, so sampling must reproduce
     # greedy decoding token for token: a check of the sampling path's cache pruning across steps.
-    ref = model.generate(torch.tensor([PROMPT]), do_sample=False, max_new_tokens=30)[0, len(PROMPT) :].tolist()
+    ref = greedy_continuation(model, PROMPT, 30)
     tree = draft_tree(first_token_probs(exact_distribution(model, 1.0, 1.0)))
     out, stats = ReferenceDecoder(model).generate(
         PROMPT, 30, drafter=lambda ctx: tree, temperature=1e-4, generator=torch.Generator().manual_seed(0)
