@@ -39,6 +39,12 @@ The engine calls nothing once its last request ends, so a watcher thread closes 
 with commit, once the engine has made no step for ``idle_close_s``; a request that was only in
 a long step comes back as a new session, as a resumed one does.
 
+One proposer drafts per engine. vLLM builds a custom proposer on every worker of its last
+pipeline stage, tensor-parallel ranks included, and reads the drafts of one of them (see
+:func:`drafts_read_here`); the others stand by: no client, no near copy, no sessions. Every
+rank drafting would have drafted each step several times over and committed every request
+once per rank, so that the fleet's memory counted it as several.
+
 How much to propose. The service answers each row a chain with the calibrated chance of each
 token being reached (with ``recalibrate``, corrected by how the proposer's own chains fared
 in this engine: :meth:`~decoder_client.engines.outcomes.ChainOutcomes.chances`). The proposer
@@ -109,6 +115,10 @@ class DraftcacheProposer:
         self._chain_to_propose = chain_to_propose
         self.num_speculative_tokens = int(vllm_config.speculative_config.num_speculative_tokens)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
+        self.standby = not drafts_read_here(vllm_config)
+        if self.standby:  # vLLM reads another worker's drafts: this one only answers its calls
+            logger.info("draftcache proposer on standby: vLLM reads the drafts of another rank")
+            return
         self.settings = EngineSettings.from_sources(_section(vllm_config.additional_config), os.environ)
         self.client_config = self.settings.client_config(self.num_speculative_tokens)
         self._clock = self.settings.step_clock()
@@ -144,6 +154,8 @@ class DraftcacheProposer:
     ) -> list[list[int]]:
         """At most ``num_speculative_tokens`` draft ids per batch row (none for a row still
         prefilling its prompt)."""
+        if self.standby:
+            return [[] for _ in sampled_token_ids]
         start = time.perf_counter()
         with self._lock:
             self._last_call = time.monotonic()
@@ -244,7 +256,9 @@ class DraftcacheProposer:
     def stats(self) -> dict[str, Any]:
         """Step timings (the proposer's own time per step beside the engine's step time, in ms,
         and how much of it went waiting on draft calls), sessions opened and closed, and where
-        the drafts came from."""
+        the drafts came from (a proposer on standby: that alone)."""
+        if self.standby:
+            return {"standby": True, "num_speculative_tokens": self.num_speculative_tokens}
         client = self._client.stats
         return {
             **self._stats.summary(),
@@ -288,7 +302,7 @@ class DraftcacheProposer:
 
     def shutdown(self) -> None:
         """Close every session with commit and the client's channel (at exit)."""
-        if self._stopping.is_set():
+        if self.standby or self._stopping.is_set():
             return
         self._stopping.set()
         with self._lock:
@@ -298,6 +312,35 @@ class DraftcacheProposer:
             except Exception:
                 logger.exception("draftcache proposer: shutdown failed")
             self._write_stats()
+
+
+def drafts_read_here(vllm_config: Any) -> bool:
+    """Whether vLLM reads the drafts of the proposer it builds with ``vllm_config``.
+
+    vLLM builds a custom proposer on each worker of its last pipeline stage and takes every
+    step's output, the drafts in it, from one worker: the first of that stage's
+    tensor-parallel (times prefill-context-parallel) ranks (vLLM 0.32's
+    ``MultiprocExecutor._get_output_rank``; its ``_is_driver_worker`` counts ranks alike).
+    The stage's ranks start at a multiple of that group's size, so the worker whose rank is one
+    is the one. A configuration without parallel settings is a single worker's.
+
+    >>> from types import SimpleNamespace as Config
+    >>> def worker(rank, tp, pcp=1):
+    ...     return Config(parallel_config=Config(rank=rank, tensor_parallel_size=tp, prefill_context_parallel_size=pcp))
+    >>> [drafts_read_here(worker(rank, tp=3)) for rank in range(6)]  # pipeline stages 0 and 1 of 3 ranks each
+    [True, False, False, True, False, False]
+    >>> drafts_read_here(worker(2, tp=2, pcp=2)), drafts_read_here(worker(4, tp=2, pcp=2))
+    (False, True)
+    >>> drafts_read_here(Config())
+    True
+    """
+    parallel = getattr(vllm_config, "parallel_config", None)
+    if parallel is None:
+        return True
+    group = int(getattr(parallel, "tensor_parallel_size", 1) or 1) * int(
+        getattr(parallel, "prefill_context_parallel_size", 1) or 1
+    )
+    return int(getattr(parallel, "rank", 0) or 0) % group == 0
 
 
 def ensure_namespace(config: ClientConfig, vocab_size: int, timeout_s: float = 60.0) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -258,6 +259,25 @@ def test_service_gone_local_drafts_within_the_deadline() -> None:
         assert time.monotonic() - started < 30
     finally:
         proposer.shutdown()
+
+
+def test_a_rank_whose_drafts_vllm_does_not_read_stands_by(running: Running) -> None:
+    """The second of two tensor-parallel ranks: no client, no session, nothing committed; its
+    calls answered with no drafts (vLLM reads the first rank's)."""
+    config = vllm_config(running.target)
+    config.parallel_config = SimpleNamespace(rank=1, tensor_parallel_size=2, prefill_context_parallel_size=1)
+    threads = threading.active_count()
+    proposer = DraftcacheProposer(config)
+    try:
+        assert proposer.standby and threading.active_count() == threads  # no client, no idle watcher
+        reqs = workload()
+        engine = Engine(proposer)
+        engine.run(reqs)
+        assert [r.out for r in reqs] == [r.target for r in reqs] and engine.longest_draft == 0
+        assert proposer.stats() == {"standby": True, "num_speculative_tokens": K}
+    finally:
+        proposer.shutdown()
+    assert not any(n.name == NS for n in running.admin.Stats(pb.StatsRequest(), timeout=5).namespaces)  # never asked
 
 
 def test_the_deadline_follows_the_engine_step(running: Running) -> None:
