@@ -61,7 +61,6 @@ correct it).
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -96,7 +95,11 @@ class StepCost:
         if not 0 <= floor < 1 or not 0 <= prior < 1:
             raise ValueError(f"prior and floor must be in [0, 1), got {prior} and {floor}")
         self.prior, self.floor, self.measure = prior, floor, measure
-        self._steps: deque[tuple[float, float, float]] = deque(maxlen=window)  # (seconds, proposed, produced)
+        # The latest steps, (seconds, proposed, produced) a row, in a ring: the fit takes them
+        # as they lie (it does not depend on their order) rather than building an array a fit.
+        self._steps = np.zeros((window, 3))
+        self._held = 0  # steps in the ring
+        self._next = 0  # the row the next step goes to
         self._since_fit = 0
         self._unmeasured()
 
@@ -109,23 +112,21 @@ class StepCost:
         if not (self.measure and counted) or seconds <= 0 or rows < 1:
             return
         made = float(rows if produced is None else produced)
-        self._steps.append((seconds, float(proposed), max(made, 1.0)))
+        self._steps[self._next] = (seconds, float(proposed), max(made, 1.0))
+        self._next = (self._next + 1) % len(self._steps)
+        self._held = min(self._held + 1, len(self._steps))
         self._since_fit += 1
         if self._since_fit >= REFIT_EVERY or self._token is None:
             self._fit()
 
     def _fit(self) -> None:
         self._since_fit = 0
-        if len(self._steps) < MIN_STEPS:
+        if self._held < MIN_STEPS:
             return
-        steps = np.array(self._steps)
+        steps = self._steps[: self._held]
         seconds, proposed, produced = steps[:, 0], steps[:, 1], steps[:, 2]
         if proposed.std() < MIN_SPREAD:
-            if (
-                self._token is not None
-                and np.count_nonzero(proposed) < MIN_SIDE
-                and len(self._steps) == self._steps.maxlen
-            ):
+            if self._token is not None and np.count_nonzero(proposed) < MIN_SIDE and self._held == len(self._steps):
                 self._unmeasured()  # see the method
             return
         drafted = (proposed > 0).astype(np.float64)
@@ -135,19 +136,11 @@ class StepCost:
         ones = np.ones(seconds.size)
         line = np.stack([ones, drafted, proposed] if both else [ones, proposed], axis=1)
         coef, kept = _robust_line(line, seconds)
-        free, a = 0, line
         error = _squared_error(line[kept], seconds[kept], coef)
-        for knee in np.unique(proposed[(proposed > 0) & (proposed <= MAX_FREE)]).tolist():
-            past = np.maximum(proposed - knee, 0.0)
-            if np.count_nonzero(past) < MIN_SIDE or past.std() < MIN_SPREAD:
-                continue  # too few steps past it to measure the slope there
-            bent = line.copy()
-            bent[:, -1] = past
-            bent_coef = np.linalg.lstsq(bent[kept], seconds[kept], rcond=None)[0]
-            bent_error = _squared_error(bent[kept], seconds[kept], bent_coef)
-            if bent_error <= KNEE_GAIN * error:
-                free, a, coef, error = int(knee), bent, bent_coef, bent_error
+        free = _knee(line, proposed, seconds, kept, error)
         if free:
+            a = line.copy()
+            a[:, -1] = np.maximum(proposed - free, 0.0)
             coef, kept = _robust_line(a, seconds)
         coef = coef.tolist()
         base, per_token = coef[0], max(0.0, coef[-1])
@@ -158,12 +151,7 @@ class StepCost:
         if base <= 0:
             return
         self.base_s, self.per_token_s, self.free = base, per_token, free
-        counts, at = np.unique(proposed, return_inverse=True)
-        self._at = {
-            int(k): float(np.median(seconds[at == j]))
-            for j, k in enumerate(counts.tolist())
-            if np.count_nonzero(at == j) >= MIN_AT
-        }
+        self._at = _medians_by_count(proposed, seconds, MIN_AT)
         self.token_s = float(seconds[kept].sum() / produced[kept].sum())  # what an accepted token saves
         self._token, self._step = per_token / self.token_s, self.per_step_s / self.token_s
 
@@ -265,10 +253,9 @@ class StepCost:
         >>> cost.steps_by_proposed()
         {'0': [80.0, 2], '2': [96.0, 1], '5-6': [128.0, 1]}
         """
-        if not self._steps:
+        if not self._held:
             return {}
-        steps = np.array(self._steps)
-        seconds, proposed = steps[:, 0], steps[:, 1]
+        seconds, proposed = self._steps[: self._held, 0], self._steps[: self._held, 1]
         out: dict[str, list[float]] = {}
         for low, high in PROPOSED_GROUPS:
             at = (proposed >= low) & (proposed <= high)
@@ -287,6 +274,64 @@ def _robust_line(a: np.ndarray, seconds: np.ndarray) -> tuple[np.ndarray, np.nda
     keep = residual <= 4 * np.median(np.abs(residual)) + 1e-6
     coef, *_ = np.linalg.lstsq(a[keep], seconds[keep], rcond=None)
     return np.asarray(coef, dtype=np.float64), keep
+
+
+def _knee(line: np.ndarray, proposed: np.ndarray, seconds: np.ndarray, kept: np.ndarray, error: float) -> int:
+    """The knee the steps show: the number of tokens ``free`` a step verifies for nothing, or
+    0. Each of the steps' own numbers of proposed tokens from 1 to :data:`MAX_FREE`, smallest
+    first, with at least :data:`MIN_SIDE` steps past it and a spread there, bends ``line`` (its
+    last column becomes ``max(0, proposed - free)``); a bend fitted through the ``kept`` steps
+    that leaves at most :data:`KNEE_GAIN` of the squared error of the best line before it
+    (``error``, the straight one's to begin with) becomes the best. Every bend is fitted at
+    once, through its normal equations: the pseudo-inverse of each small Gram matrix solves
+    them as least squares would.
+
+    >>> proposed = np.array([0.0, 1, 2, 3, 4, 5, 6, 7, 8] * 4)
+    >>> seconds = 0.05 + 0.004 * np.maximum(proposed - 4, 0)  # free up to 4, then 4 ms a token
+    >>> line = np.stack([np.ones(proposed.size), proposed], axis=1)
+    >>> kept = np.ones(proposed.size, dtype=bool)
+    >>> coef = np.linalg.lstsq(line, seconds, rcond=None)[0]
+    >>> _knee(line, proposed, seconds, kept, _squared_error(line, seconds, coef))
+    4
+    """
+    knees = np.unique(proposed[(proposed > 0) & (proposed <= MAX_FREE)])
+    if not knees.size:
+        return 0
+    past = np.maximum(proposed[None, :] - knees[:, None], 0.0)  # a row per knee
+    measurable = (np.count_nonzero(past, axis=1) >= MIN_SIDE) & (past.std(axis=1) >= MIN_SPREAD)
+    knees, past = knees[measurable], past[measurable][:, kept]
+    if not knees.size:
+        return 0
+    fixed = line[kept, :-1]  # the columns every bend shares
+    a = np.concatenate((np.broadcast_to(fixed, (knees.size, *fixed.shape)), past[:, :, None]), axis=2)
+    y = seconds[kept]
+    at = a.transpose(0, 2, 1)
+    coefs = np.linalg.pinv(at @ a) @ (at @ y)[:, :, None]
+    residual = y[None, :] - (a @ coefs)[:, :, 0]
+    errors = (residual * residual).sum(axis=1)
+    free = 0
+    for knee, bent_error in zip(knees.tolist(), errors.tolist(), strict=True):  # each against the best line before it
+        if bent_error <= KNEE_GAIN * error:
+            free, error = int(knee), bent_error
+    return free
+
+
+def _medians_by_count(proposed: np.ndarray, seconds: np.ndarray, least: int) -> dict[int, float]:
+    """The median step time per number of tokens proposed, where at least ``least`` steps had
+    that number.
+
+    >>> _medians_by_count(np.array([0.0, 0, 0, 2, 2, 5]), np.array([3.0, 1, 2, 8, 6, 9]), 2)
+    {0: 2.0, 2: 7.0}
+    """
+    order = np.lexsort((seconds, proposed))
+    counts, starts, sizes = np.unique(proposed[order], return_index=True, return_counts=True)
+    ordered = seconds[order]
+    out = {}
+    for k, start, size in zip(counts.tolist(), starts.tolist(), sizes.tolist(), strict=True):
+        if size >= least:
+            mid = start + size // 2
+            out[int(k)] = float(ordered[mid] if size % 2 else (ordered[mid - 1] + ordered[mid]) / 2)
+    return out
 
 
 def _squared_error(a: np.ndarray, seconds: np.ndarray, coef: np.ndarray) -> float:

@@ -8,7 +8,19 @@ import numpy as np
 import pytest
 
 from decoder_client.engines.settings import EngineSettings
-from decoder_client.engines.step_cost import MAX_MIN_PROB, MIN_STEPS, StepCost, chain_to_propose, cut
+from decoder_client.engines.step_cost import (
+    KNEE_GAIN,
+    MAX_FREE,
+    MAX_MIN_PROB,
+    MIN_SIDE,
+    MIN_SPREAD,
+    MIN_STEPS,
+    StepCost,
+    _knee,
+    _squared_error,
+    chain_to_propose,
+    cut,
+)
 from indexer.tree_builder import DraftTree
 
 
@@ -104,6 +116,43 @@ def test_a_step_verifies_its_first_tokens_for_nothing() -> None:
     straight = StepCost(prior=0.3, floor=0.1)
     steps(straight, 400, base=0.059, per_token=0.004)
     assert straight.free == 0 and straight.ask_prob == straight.min_prob
+
+
+def knee_one_bend_at_a_time(
+    line: np.ndarray, proposed: np.ndarray, seconds: np.ndarray, kept: np.ndarray, error: float
+) -> int:
+    """What ``_knee`` finds, a least-squares fit per bend (how the fit went before every bend
+    was fitted at once)."""
+    free = 0
+    for knee in np.unique(proposed[(proposed > 0) & (proposed <= MAX_FREE)]).tolist():
+        past = np.maximum(proposed - knee, 0.0)
+        if np.count_nonzero(past) < MIN_SIDE or past.std() < MIN_SPREAD:
+            continue
+        bent = line.copy()
+        bent[:, -1] = past
+        coef = np.linalg.lstsq(bent[kept], seconds[kept], rcond=None)[0]
+        bent_error = _squared_error(bent[kept], seconds[kept], coef)
+        if bent_error <= KNEE_GAIN * error:
+            free, error = int(knee), bent_error
+    return free
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_every_bend_fitted_at_once_finds_the_knee_one_at_a_time_finds(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(MIN_STEPS, 512))
+    most = int(rng.integers(1, 25))
+    proposed = np.where(rng.random(n) < rng.uniform(0, 0.9), 0, rng.integers(1, most + 1, n)).astype(np.float64)
+    # Timed steps, noisy as measured ones are (with none, every fit's error is rounding's).
+    knee, per_token, noise = int(rng.integers(0, 8)), rng.uniform(5e-4, 0.01), rng.uniform(1e-5, 3e-3)
+    seconds = 0.03 + per_token * np.maximum(proposed - knee, 0) + np.abs(rng.normal(0, 1, n)) * noise
+    drafted = (proposed > 0).astype(np.float64)
+    columns = [np.ones(n), drafted, proposed] if seed % 2 else [np.ones(n), proposed]
+    line = np.stack(columns, axis=1)  # with the drafting step's own column, and without
+    kept = rng.random(n) > 0.05  # the steps a robust fit kept
+    coef = np.linalg.lstsq(line[kept], seconds[kept], rcond=None)[0]
+    error = _squared_error(line[kept], seconds[kept], coef)
+    assert _knee(line, proposed, seconds, kept, error) == knee_one_bend_at_a_time(line, proposed, seconds, kept, error)
 
 
 def measured(curve: dict[int, float], produced: int = 1, rounds: int = 20) -> StepCost:
