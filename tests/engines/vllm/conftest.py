@@ -25,7 +25,7 @@ import pytest
 from decoder_client.engines.vllm import speculative_config
 from decoder_client.models import smollm2_dir, smollm2_hf_folder
 from tests import faults
-from tests.faults import Serve
+from tests.faults import Serve, log_entries, wait_for
 
 CHECKOUT = Path(__file__).resolve().parents[3]
 NAMESPACE = "smollm2"
@@ -166,3 +166,17 @@ def wait_stats(path: Path, check: Callable[[dict[str, Any]], bool], timeout_s: f
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s} s waiting for {what}; stats: {stats}")
         time.sleep(0.1)
+
+
+def assert_committed_once(
+    serve: Serve, namespace: str, batch: list[tuple[list[int], int]], outputs: list[list[int]]
+) -> None:
+    """Each request of ``batch`` (prompt ids, max_tokens) reached the service's lifetime log
+    once, its prompt and its answer in ``outputs`` (at most K tokens more: accepted drafts past
+    max_tokens that vLLM drops from its output), and nothing else did."""
+    wait_for(lambda: len(log_entries(serve.redis_url(), namespace)) >= len(batch), 30, "the commits")
+    entries = log_entries(serve.redis_url(), namespace)
+    assert len(entries) == len(batch), f"{len(entries)} commits for {len(batch)} requests"
+    for (prompt, _), out in zip(batch, outputs, strict=True):
+        want = prompt + out
+        assert any(e[: len(want)] == want and len(e) - len(want) <= K for e in entries), want

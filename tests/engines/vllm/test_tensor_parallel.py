@@ -11,7 +11,7 @@ import pytest
 
 from tests.engines.vllm.conftest import (
     NAMESPACE,
-    K,
+    assert_committed_once,
     drafting_kwargs,
     generate,
     make_llm,
@@ -19,7 +19,7 @@ from tests.engines.vllm.conftest import (
     spec_counters,
     wait_stats,
 )
-from tests.faults import Serve, log_entries, wait_for
+from tests.faults import Serve
 
 TP_NAMESPACE = NAMESPACE + "-tp"  # this module's commits only
 # SmolLM2-135M has 9 attention heads and 3 key/value heads: 3 ranks. On a 2-core host two of
@@ -50,9 +50,4 @@ def test_one_rank_drafts_and_each_request_is_committed_once(
         shutdown(llm)
     assert counters["vllm:spec_decode_num_accepted_tokens"] > 0  # the drafting rank's drafts were read
     assert "standby" not in stats and stats["sessions_opened"] == len(batch) and stats["errors"] == 0
-    wait_for(lambda: len(log_entries(serve.redis_url(), TP_NAMESPACE)) >= len(batch), 30, "the commits")
-    entries = log_entries(serve.redis_url(), TP_NAMESPACE)
-    assert len(entries) == len(batch), f"{len(entries)} commits for {len(batch)} requests"
-    for (prompt, _), out in zip(batch, plain, strict=True):
-        want = prompt + out
-        assert any(e[: len(want)] == want and len(e) - len(want) <= K for e in entries), want
+    assert_committed_once(serve, TP_NAMESPACE, batch, plain)

@@ -14,7 +14,7 @@ from cache_service.storage.connect import connect
 from cache_service.storage.redis_store import RedisStore
 from tests.engines.vllm.conftest import (
     NAMESPACE,
-    K,
+    assert_committed_once,
     drafting_kwargs,
     generate,
     make_llm,
@@ -22,7 +22,7 @@ from tests.engines.vllm.conftest import (
     spec_counters,
     wait_stats,
 )
-from tests.faults import Serve, log_entries, wait_for
+from tests.faults import Serve
 
 NEAR_NAMESPACE = NAMESPACE + "-near"  # a prior of its own, published to the service: no other test drafts with it
 
@@ -63,11 +63,4 @@ def test_a_near_copy_drafts_in_vllms_worker_and_commits_every_request(
     assert stats["near_prior_version"] == version
     assert stats["remote_drafts"] == stats["fallback_drafts"] == stats["draft_calls"] == 0  # no call on a step
     assert stats["commits_dropped"] == 0
-    # Each request reached the service's lifetime log, prompt and output (at most K tokens more:
-    # accepted drafts past max_tokens that vLLM drops from its output).
-    wait_for(lambda: len(log_entries(serve.redis_url(), NEAR_NAMESPACE)) >= len(batch), 30, "the commits")
-    entries = log_entries(serve.redis_url(), NEAR_NAMESPACE)
-    assert len(entries) == len(batch)
-    for (prompt, _), out in zip(batch, plain, strict=True):
-        want = prompt + out
-        assert any(e[: len(want)] == want and len(e) - len(want) <= K for e in entries), want
+    assert_committed_once(serve, NEAR_NAMESPACE, batch, plain)
