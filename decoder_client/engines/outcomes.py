@@ -26,6 +26,7 @@ accepted.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -78,12 +79,31 @@ class ChainOutcomes:
     def record(self, scores: np.ndarray, accepted: int) -> None:
         """A chain whose tokens had these ``scores`` (chances of being reached, root first) and
         whose first ``accepted`` tokens the engine kept."""
-        if not scores.size:
+        self.record_many([scores], [accepted])
+
+    def record_many(self, chains: Sequence[np.ndarray], accepted: Sequence[int]) -> None:
+        """:meth:`record` for a step's chains at once: ``chains[j]``'s first ``accepted[j]``
+        tokens kept.
+
+        >>> out = ChainOutcomes()
+        >>> out.record_many([np.array([0.9, 0.5]), np.array([]), np.array([0.95])], [1, 0, 1])
+        >>> out.summary()["by_score"]["0.80-1.00"], out.summary()["accepted_tokens"]
+        ({'proposed': 2, 'expected': 1.85, 'accepted': 2}, 2)
+        """
+        if len(chains) != len(accepted):
+            raise ValueError(f"{len(chains)} chains, {len(accepted)} accepted counts")
+        sizes = np.fromiter((c.size for c in chains), dtype=np.int64, count=len(chains))
+        if not sizes.sum():
             return
+        scores = np.concatenate(chains).astype(np.float64, copy=False)
         bins = self._bins(scores)
-        np.add.at(self.proposed, bins, 1)
-        np.add.at(self.expected, bins, scores)
-        np.add.at(self.accepted, bins[: max(0, min(accepted, scores.size))], 1)
+        # Each token's place in its chain: kept where it is among the chain's first accepted.
+        place = np.arange(scores.size) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+        kept = place < np.repeat(np.asarray(accepted, dtype=np.int64), sizes)
+        n = self.proposed.size
+        self.proposed += np.bincount(bins, minlength=n)
+        self.expected += np.bincount(bins, weights=scores, minlength=n)
+        self.accepted += np.bincount(bins[kept], minlength=n)
 
     def summary(self) -> dict[str, Any]:
         return {

@@ -183,10 +183,13 @@ class DraftcacheProposer:
         self._moved += step.moved
         self._close(step.left)
         tracks = [step.track(i) for i in live]
-        for track, gained in step.continued.values():  # what the engine made of the last chains
-            sent = self._sent.get(id(track))
-            if sent is not None and sent[0] is track:
-                self._outcomes.record(sent[1], accepted=len(gained) - 1)
+        fared = [  # what the engine made of the last chains: each one's claims, and how many it kept
+            (sent[1], len(gained) - 1)
+            for track, gained in step.continued.values()
+            if (sent := self._sent.get(id(track))) is not None and sent[0] is track
+        ]
+        if fared:
+            self._outcomes.record_many(*zip(*fared, strict=True))
         self._sent = {}
         fresh = [t for t in tracks if t.payload is None]  # new rows (and any an earlier error left unopened)
         if interval is not None:
