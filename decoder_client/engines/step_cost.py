@@ -5,9 +5,11 @@ knows: on a 2-core CPU a drafted token cost llama.cpp about 0.3 of a one-token s
 (bfloat16 without bf16 instructions) about 0.35, vLLM in float32 under 0.1; on a GPU at
 batch 1 almost nothing, at a large batch nearly a whole row's step. The proposer sees both
 sides of it: how many tokens it proposed for a step and, at its next call, how long that step
-took. A least-squares fit through the latest steps, ``time = base + per_step * drafted +
-per_token * proposed`` (``drafted``: 1 where the step verified any draft; vLLM, for one, runs
-its rejection sampler only then), gives the costs. An accepted token is one token the engine
+took. A least-squares fit through the latest steps, ``time = base + per_row * rows +
+per_step * drafted + per_token * proposed`` (``drafted``: 1 where the step verified any draft;
+vLLM, for one, runs its rejection sampler only then; ``rows`` where the batches differ: a
+larger batch takes longer and proposes more, and without its own column its time would be put
+down to the tokens it proposed), gives the costs. An accepted token is one token the engine
 does not have to produce later, so it is worth the time a token takes now: the inverse of the
 tokens the engine's steps produced per second over the same steps (with nothing accepted that
 is one step per row, ``base / rows``; the more drafts are accepted, the less a further token
@@ -95,9 +97,9 @@ class StepCost:
         if not 0 <= floor < 1 or not 0 <= prior < 1:
             raise ValueError(f"prior and floor must be in [0, 1), got {prior} and {floor}")
         self.prior, self.floor, self.measure = prior, floor, measure
-        # The latest steps, (seconds, proposed, produced) a row, in a ring: the fit takes them
-        # as they lie (it does not depend on their order) rather than building an array a fit.
-        self._steps = np.zeros((window, 3))
+        # The latest steps, (seconds, proposed, produced, rows) a row, in a ring: the fit takes
+        # them as they lie (it does not depend on their order) rather than building an array a fit.
+        self._steps = np.zeros((window, 4))
         self._held = 0  # steps in the ring
         self._next = 0  # the row the next step goes to
         self._since_fit = 0
@@ -112,7 +114,7 @@ class StepCost:
         if not (self.measure and counted) or seconds <= 0 or rows < 1:
             return
         made = float(rows if produced is None else produced)
-        self._steps[self._next] = (seconds, float(proposed), max(made, 1.0))
+        self._steps[self._next] = (seconds, float(proposed), max(made, 1.0), float(rows))
         self._next = (self._next + 1) % len(self._steps)
         self._held = min(self._held + 1, len(self._steps))
         self._since_fit += 1
@@ -124,7 +126,7 @@ class StepCost:
         if self._held < MIN_STEPS:
             return
         steps = self._steps[: self._held]
-        seconds, proposed, produced = steps[:, 0], steps[:, 1], steps[:, 2]
+        seconds, proposed, produced, rows = steps[:, 0], steps[:, 1], steps[:, 2], steps[:, 3]
         if proposed.std() < MIN_SPREAD:
             if self._token is not None and np.count_nonzero(proposed) < MIN_SIDE and self._held == len(self._steps):
                 self._unmeasured()  # see the method
@@ -133,8 +135,12 @@ class StepCost:
         # A step that verifies any draft may cost more than its tokens (vLLM runs its rejection
         # sampler only then): measured where there are enough steps of both kinds.
         both = min(drafted.sum(), (1 - drafted).sum()) >= MIN_SIDE
-        ones = np.ones(seconds.size)
-        line = np.stack([ones, drafted, proposed] if both else [ones, proposed], axis=1)
+        # A batch of more rows takes longer whatever it verifies, and proposes more: where the
+        # steps' batches differ, the rows are a column of their own, or the tokens' cost would
+        # take in theirs.
+        batches = rows.std() >= MIN_SPREAD
+        columns = [np.ones(seconds.size), *([rows] if batches else []), *([drafted] if both else []), proposed]
+        line = np.stack(columns, axis=1)
         coef, kept = _robust_line(line, seconds)
         error = _squared_error(line[kept], seconds[kept], coef)
         free = _knee(line, proposed, seconds, kept, error)
@@ -143,15 +149,16 @@ class StepCost:
             a[:, -1] = np.maximum(proposed - free, 0.0)
             coef, kept = _robust_line(a, seconds)
         coef = coef.tolist()
-        base, per_token = coef[0], max(0.0, coef[-1])
+        per_row = coef[1] if batches else 0.0
+        base, per_token = coef[0] + per_row * float(rows.mean()), max(0.0, coef[-1])
         if both:
-            self.per_step_s = max(0.0, coef[1])
+            self.per_step_s = max(0.0, coef[-2])
         elif drafted.all():  # every step drafted: the base holds the per-step cost measured before
             base -= self.per_step_s
         if base <= 0:
             return
-        self.base_s, self.per_token_s, self.free = base, per_token, free
-        self._at = _medians_by_count(proposed, seconds, MIN_AT)
+        self.base_s, self.per_row_s, self.per_token_s, self.free = base, per_row, per_token, free
+        self._at = _medians_by_count(proposed, seconds - per_row * rows, MIN_AT)  # as if of one batch
         self.token_s = float(seconds[kept].sum() / produced[kept].sum())  # what an accepted token saves
         self._token, self._step = per_token / self.token_s, self.per_step_s / self.token_s
 
@@ -163,7 +170,7 @@ class StepCost:
         the engine's later requests hold (a request asked again, whose chains are sure)."""
         self._token = None
         self._step = 0.0  # the measured per_step / token_s
-        self.base_s = self.per_step_s = self.per_token_s = 0.0
+        self.base_s = self.per_row_s = self.per_step_s = self.per_token_s = 0.0
         self.free = 0  # tokens a step verifies at no cost per token (the knee)
         self._at = {}
         self.token_s = 0.0  # the steps' time per token they produced
@@ -234,7 +241,8 @@ class StepCost:
         """The measured figures (milliseconds) and the cut they give."""
         return {
             "cost_measured": self.measured,
-            "step_base_ms": round(1e3 * self.base_s, 3),
+            "step_base_ms": round(1e3 * self.base_s, 3),  # at the steps' mean batch
+            "step_per_row_ms": round(1e3 * self.per_row_s, 3),  # 0: the batches did not differ
             "step_drafting_ms": round(1e3 * self.per_step_s, 3),
             "step_per_token_ms": round(1e3 * self.per_token_s, 3),
             "step_free_tokens": self.free,

@@ -92,6 +92,27 @@ def test_a_batch_makes_proposed_tokens_dearer() -> None:
     assert batched.min_prob == pytest.approx(16 / 44, abs=0.04)
 
 
+def test_a_larger_batch_is_not_taken_for_dearer_tokens() -> None:
+    # Continuous batching: the batch grows and shrinks as requests come and go, and a larger
+    # batch proposes more (a chain per row). 20 ms a step, 4 ms a row, 1 ms a proposed token: a
+    # fit without the rows puts their time down to the tokens the larger batches proposed.
+    cost = StepCost(prior=0.3)
+    rng = np.random.default_rng(0)
+    for _ in range(400):
+        rows = int(rng.integers(1, 17))
+        proposed = int(rng.integers(0, 3 * rows + 1))
+        seconds = 0.020 + 0.004 * rows + 0.001 * proposed
+        cost.record(seconds * rng.uniform(0.97, 1.03), proposed, rows=rows, produced=rows)
+    s = cost.summary()
+    assert s["step_per_token_ms"] == pytest.approx(1.0, rel=0.15)
+    assert s["step_per_row_ms"] == pytest.approx(4.0, rel=0.1)
+    assert cost.min_prob == pytest.approx(0.001 / cost.token_s, rel=0.15)
+    # The step times measured by tokens proposed, too: steps that proposed none were mostly
+    # small batches, and those that proposed three larger ones.
+    assert 3 in cost._at and 0 in cost._at
+    assert cost.costs(3)[3] * cost.token_s == pytest.approx(0.003, rel=0.35)
+
+
 def test_a_step_verifies_its_first_tokens_for_nothing() -> None:
     # vLLM in float32 on this CPU, a 1,700-token context: 59 ms a step up to 4 proposed tokens
     # (the weights are read once a step, whatever it verifies), then 4.3 ms a token. A straight
