@@ -9,7 +9,7 @@ import dataclasses
 import itertools
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -389,13 +389,13 @@ def test_chains_are_cut_on_the_chances_this_engine_bore_out(running: Running) ->
 
     proposer._chain_to_propose = chosen
     learnt: list[np.ndarray] = []
-    record = proposer._outcomes.record
+    record_many = proposer._outcomes.record_many
 
-    def recorded(scores: np.ndarray, accepted: int) -> None:
-        learnt.append(scores)
-        record(scores, accepted)
+    def recorded(chains: Sequence[np.ndarray], accepted: Sequence[int]) -> None:
+        learnt.extend(chains)
+        record_many(chains, accepted)
 
-    proposer._outcomes.record = recorded  # type: ignore[method-assign]
+    proposer._outcomes.record_many = recorded  # type: ignore[method-assign]
     try:
         for _ in range(2):  # the second time, the service knows the requests and its chains run long
             Engine(proposer).run(workload())
