@@ -257,7 +257,13 @@ def parser() -> argparse.ArgumentParser:
         help="vLLM: draftcache's num_speculative_tokens (suffix drafts up to 24 too); its chains end where "
         "a token is not worth verifying",
     )
-    p.add_argument("--dtype", default="auto", help="vLLM: the model's dtype (auto: bfloat16 with bf16 instructions)")
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16", "auto"),
+        default="float32",
+        help="vLLM: the model's dtype (default: float32, where every method's output can be plain greedy's; "
+        "auto: bfloat16 with bf16 instructions)",
+    )
     p.add_argument(
         "--deadline-ms",
         type=float,

@@ -8,8 +8,8 @@
 #   bash deploy/bench_engines.sh --quick    # 1 per group, 2 agent tasks x 2 passes (shorter prompts), 64 tokens
 #   bash deploy/bench_engines.sh --engines vllm     # one engine only (vllm, llama.cpp)
 #   bash deploy/bench_engines.sh --cold             # the service with an empty memory and no static prior
-#   bash deploy/bench_engines.sh --vllm-dtype float32   # vLLM's dtype (default: bfloat16 with bf16
-#                                                   # instructions, else float32; see below)
+#   bash deploy/bench_engines.sh --vllm-dtype auto  # vLLM's dtype (default: float32; auto: bfloat16
+#                                                   # where the CPU has bf16 instructions; see below)
 #
 # Sets up what it needs on a fresh machine: .venv (the service, the prompts and llama.cpp),
 # .venv-vllm (deploy/setup_vllm.sh) with arctic-inference for vLLM's suffix method, the SmolLM2
@@ -22,17 +22,19 @@
 # --quick, each engine also runs draftcache-service, drafting through the service at every step
 # (near=false). --cold leaves the prior out. An engine, or a method, that cannot be set up is
 # reported as a JSON line with a "skipped" reason and the others run. Logs, the prompts and the lines
-# (results.jsonl) are kept in data/bench-engines/. vLLM runs in bfloat16 where the CPU has bf16
-# instructions, else float32 (emulated bf16 is several times slower on prompts). In bfloat16 a
-# batched verification rounds differently from a one-token step, so every drafting method's
-# output, vLLM's own too, can leave plain greedy's at a near tie; in float32 they stay identical
-# (--vllm-dtype float32 compares the methods on the same outputs).
+# (results.jsonl) are kept in data/bench-engines/. vLLM runs in float32 unless told otherwise: in
+# bfloat16 a batched verification rounds differently from a one-token step, so every drafting
+# method's output, vLLM's own ngram and suffix too, leaves plain greedy's at near ties (about half
+# the prompts). Then the run can show no method lossless, and the methods decode different texts
+# of different lengths, so their rates over whole requests compare unequal work. In float32 every
+# method's output stays plain greedy's on every prompt. --vllm-dtype auto (bfloat16 where the CPU
+# has bf16 instructions, else float32) or bfloat16 measures the faster dtype.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 QUICK=0
 PRIOR_ON=1
 ENGINES="vllm,llama.cpp"
-VLLM_DTYPE=auto
+VLLM_DTYPE=float32
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) QUICK=1 ;;

@@ -167,6 +167,23 @@ def test_the_kv_cache_flag_reaches_every_engine(tmp_path: Path) -> None:
     assert kv_bytes() == {VllmBench.kv_cache_mib << 20}
 
 
+def test_every_vllm_engine_runs_in_float32_unless_told(tmp_path: Path) -> None:
+    """float32 by default: there every drafting method's output can be plain greedy's, so the
+    run checks it and the methods' rates compare equal work (bfloat16 rounds a batched
+    verification unlike a one-token step)."""
+    from benchmarks.engines_vllm import cpu_dtype, llm_kwargs
+
+    def dtypes(*flags: str) -> set[str]:
+        a = parser().parse_args(["--engine", "vllm", "--workloads", "w.json", *flags])
+        a.variants = {"draftcache-b": {}}
+        config = vllm_bench(a)
+        return {llm_kwargs(m, config, tmp_path, tmp_path / "s.json")["dtype"] for m in ("plain", "draftcache-b")}
+
+    assert dtypes() == {"float32"}
+    assert dtypes("--dtype", "bfloat16") == {"bfloat16"}
+    assert dtypes("--dtype", "auto") == {cpu_dtype()}
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -178,6 +195,7 @@ def test_the_kv_cache_flag_reaches_every_engine(tmp_path: Path) -> None:
         (["--engine", "vllm", "--variant", "a:", "--variant", "a:deadline_s=0.01"], "two variants with one name"),
         (["--engine", "vllm", "--variant", "a b:"], "NAME of letters"),
         (["--engine", "vllm", "--kv-cache-mib", "0"], "--kv-cache-mib must be >= 1"),
+        (["--engine", "vllm", "--dtype", "fp8"], "invalid choice: 'fp8'"),
         (["--engine", "llama.cpp", "--llama-topk", "9"], "--llama-topk must be in [0, 8]"),
     ],
 )
