@@ -102,15 +102,20 @@ def figures(runs: Sequence[Measurement], reference: Sequence[Measurement] | None
 def engine_step_ms(runs: Sequence[Measurement]) -> float:
     """Milliseconds per engine step: decoding time over the steps it took (every step yields its
     accepted tokens plus one). From first to last generated token where the engine times them,
-    else the whole request over all its steps (the prompt's evaluation included).
+    else the whole request over all its steps (the prompt's evaluation included). At least the
+    steps that carried a draft: vLLM counts as accepted the drafts its last step verified past
+    the request's ``max_tokens``, which the output then leaves out, so tokens less accepted can
+    undercount the steps of a request that ended on a long chain.
 
     >>> engine_step_ms([Measurement([1] * 11, 1.0, accepted=4, decode_seconds=0.6)])
     100.0
+    >>> engine_step_ms([Measurement([1] * 11, 1.0, steps=4, accepted=20, decode_seconds=0.6)])
+    150.0
     """
     if all(r.decode_seconds is not None for r in runs):
-        steps = sum(max(1, len(r.tokens) - 1 - r.accepted) for r in runs)
+        steps = sum(max(1, len(r.tokens) - 1 - r.accepted, r.steps) for r in runs)
         return round(1e3 * sum(r.decode_seconds or 0.0 for r in runs) / steps, 3)
-    steps = sum(max(1, len(r.tokens) - r.accepted) for r in runs)
+    steps = sum(max(1, len(r.tokens) - r.accepted, r.steps) for r in runs)
     return round(1e3 * sum(r.seconds for r in runs) / steps, 3)
 
 
