@@ -124,8 +124,6 @@ class DraftcacheProposer:
         self._clock = self.settings.step_clock()
         self._deadline = self.settings.step_deadline()
         self._cost = self.settings.step_cost()
-        self._proposed = 0  # tokens proposed at the last call, over ...
-        self._rows = 0  # ... this many rows
         vocab = int(vllm_config.model_config.get_vocab_size())
         if self.settings.create_namespace:  # in the background: the engine's start never waits on the service
             threading.Thread(target=ensure_namespace, args=(self.client_config, vocab), daemon=True).start()
@@ -168,7 +166,6 @@ class DraftcacheProposer:
                 logger.exception("draftcache proposer failed; no drafts this step")
                 drafts, live = [[] for _ in sampled_token_ids], 0
                 self._sent = {}  # no chain went out: none to score at the next step
-            self._proposed, self._rows = sum(len(d) for d in drafts), live
             self._stats.record(interval=interval, seconds=time.perf_counter() - start, rows=live)
             if time.monotonic() - self._stats_written >= self.settings.stats_every_s:
                 self._write_stats()
@@ -193,13 +190,15 @@ class DraftcacheProposer:
         self._sent = {}
         fresh = [t for t in tracks if t.payload is None]  # new rows (and any an earlier error left unopened)
         if interval is not None:
-            # The step just verified what the last call proposed; one that evaluated a prompt
-            # (a row still prefilling, or one that just started) is not a step of the cost line.
+            # The step just verified what the last call proposed to the requests still here (a
+            # request that ended at the last step had its drafts dropped unverified), over the
+            # rows that produced tokens now; one that evaluated a prompt (a row still
+            # prefilling, or one that just started) is not a step of the cost line.
             prefill = bool(fresh) or any(not len(s) and int(lengths[i]) > 0 for i, s in enumerate(sampled))
             self._cost.record(
                 interval,
-                self._proposed,
-                rows=max(1, self._rows),
+                sum(len(claims) for claims, _ in fared),
+                rows=max(1, len(live)),
                 produced=sum(produced.values()),
                 counted=not prefill,
             )

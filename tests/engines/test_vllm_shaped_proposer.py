@@ -98,8 +98,8 @@ class Engine:
 
     def _condense(self) -> None:
         for i, req in enumerate(self.reqs):
-            if req is not None and req.done:
-                self.reqs[i], self.lengths[i] = None, 0
+            if req is not None and req.done:  # its drafts are dropped unverified
+                self.reqs[i], self.lengths[i], self.drafts[i] = None, 0, []
         while None in self.reqs:
             hole = self.reqs.index(None)
             last = max((j for j, r in enumerate(self.reqs) if r is not None), default=-1)
@@ -108,7 +108,7 @@ class Engine:
             n = self.lengths[last]
             self.tokens[hole, :n] = self.tokens[last, :n]
             self.lengths[hole], self.reqs[hole], self.drafts[hole] = n, self.reqs[last], self.drafts[last]
-            self.reqs[last], self.lengths[last] = None, 0
+            self.reqs[last], self.lengths[last], self.drafts[last] = None, 0, []
 
     def run(self, requests: list[Request]) -> None:
         for r in requests:
@@ -359,7 +359,9 @@ def test_chains_end_where_a_token_costs_more_than_it_is_likely_to_save(running: 
         for _ in range(6):
             Engine(proposer, token_s=0.01).run(workload())
         stats = proposer.stats()
-        assert stats["cost_measured"] and stats["step_per_token_ms"] >= 5, stats
+        # What the engine charges, 10 ms a token it verifies: the drafts of a request that ended
+        # at a step are dropped unverified, and not counted as the next step's.
+        assert stats["cost_measured"] and stats["step_per_token_ms"] == pytest.approx(10, rel=0.2), stats
         assert stats["chain_cut_prob"] >= 0.5, stats
         # Beside the line, the step times it was fitted to: longer the more tokens were proposed.
         curve = [ms for ms, _ in stats["step_ms_by_proposed"].values()]
