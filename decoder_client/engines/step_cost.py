@@ -25,13 +25,15 @@ time it takes to verify one, and pays per token only past that knee (vLLM in flo
 2-core CPU, a 1,700-token context: 59 ms a step from 0 to 4 proposed tokens, then 4.3 ms a
 token up to 24). A straight line through such steps puts the slope between the two, too cheap
 past the knee. So the fit also tries the line bent at a knee, ``per_token * max(0, proposed -
-free)``, for every ``free`` the steps show up to :data:`MAX_FREE`, and keeps the bend that fits
-clearly better (:data:`KNEE_GAIN`). And where the steps seen with a number of proposed tokens are
-enough, their median stands for it, the line elsewhere: some curves follow no line (vLLM on this
-CPU verifies one draft token 12 ms slower than two to five). Each step proposes its likeliest
-tokens, as many as make their expected accepted number less their cost the largest
-(:meth:`StepCost.keep`); where a step's first tokens are free, the drafter is asked for chains
-cut at the floor (:attr:`StepCost.ask_prob`), else at :attr:`StepCost.min_prob`.
+free)``, for every ``free`` the steps show up to :data:`MAX_FREE` (bending within one batch
+size: where each batch size had its own numbers of tokens, the rows' column fits a bend as
+well), and keeps the bend that fits clearly better (:data:`KNEE_GAIN`). And where the steps
+seen with a number of proposed tokens are enough, their median stands for it, the line
+elsewhere: some curves follow no line (vLLM on this CPU verifies one draft token 12 ms slower
+than two to five). Each step proposes its likeliest tokens, as many as make their expected
+accepted number less their cost the largest (:meth:`StepCost.keep`); where a step's first tokens
+are free, the drafter is asked for chains cut at the floor (:attr:`StepCost.ask_prob`), else at
+:attr:`StepCost.min_prob`.
 
 Steps that started a request (its prompt evaluated in them) and pauses are not steps of
 the line; until enough steps with different numbers of proposed tokens have been seen, the
@@ -143,7 +145,7 @@ class StepCost:
         line = np.stack(columns, axis=1)
         coef, kept = _robust_line(line, seconds)
         error = _squared_error(line[kept], seconds[kept], coef)
-        free = _knee(line, proposed, seconds, kept, error)
+        free = _knee(line, proposed, seconds, kept, error, rows)
         if free:
             a = line.copy()
             a[:, -1] = np.maximum(proposed - free, 0.0)
@@ -284,22 +286,24 @@ def _robust_line(a: np.ndarray, seconds: np.ndarray) -> tuple[np.ndarray, np.nda
     return np.asarray(coef, dtype=np.float64), keep
 
 
-def _knee(line: np.ndarray, proposed: np.ndarray, seconds: np.ndarray, kept: np.ndarray, error: float) -> int:
+def _knee(
+    line: np.ndarray, proposed: np.ndarray, seconds: np.ndarray, kept: np.ndarray, error: float, rows: np.ndarray
+) -> int:
     """The knee the steps show: the number of tokens ``free`` a step verifies for nothing, or
     0. Each of the steps' own numbers of proposed tokens from 1 to :data:`MAX_FREE`, smallest
-    first, with at least :data:`MIN_SIDE` steps past it and a spread there, bends ``line`` (its
-    last column becomes ``max(0, proposed - free)``); a bend fitted through the ``kept`` steps
-    that leaves at most :data:`KNEE_GAIN` of the squared error of the best line before it
-    (``error``, the straight one's to begin with) becomes the best. Every bend is fitted at
-    once, through its normal equations: the pseudo-inverse of each small Gram matrix solves
-    them as least squares would.
+    first, with at least :data:`MIN_SIDE` steps past it and a spread there, and seen bending
+    within one batch (:func:`_bends_seen`), bends ``line`` (its last column becomes ``max(0,
+    proposed - free)``); a bend fitted through the ``kept`` steps that leaves at most
+    :data:`KNEE_GAIN` of the squared error of the best line before it (``error``, the straight
+    one's to begin with) becomes the best. Every bend is fitted at once, through its normal
+    equations: the pseudo-inverse of each small Gram matrix solves them as least squares would.
 
     >>> proposed = np.array([0.0, 1, 2, 3, 4, 5, 6, 7, 8] * 4)
     >>> seconds = 0.05 + 0.004 * np.maximum(proposed - 4, 0)  # free up to 4, then 4 ms a token
     >>> line = np.stack([np.ones(proposed.size), proposed], axis=1)
     >>> kept = np.ones(proposed.size, dtype=bool)
     >>> coef = np.linalg.lstsq(line, seconds, rcond=None)[0]
-    >>> _knee(line, proposed, seconds, kept, _squared_error(line, seconds, coef))
+    >>> _knee(line, proposed, seconds, kept, _squared_error(line, seconds, coef), np.ones(proposed.size))
     4
     """
     knees = np.unique(proposed[(proposed > 0) & (proposed <= MAX_FREE)])
@@ -307,6 +311,7 @@ def _knee(line: np.ndarray, proposed: np.ndarray, seconds: np.ndarray, kept: np.
         return 0
     past = np.maximum(proposed[None, :] - knees[:, None], 0.0)  # a row per knee
     measurable = (np.count_nonzero(past, axis=1) >= MIN_SIDE) & (past.std(axis=1) >= MIN_SPREAD)
+    measurable &= _bends_seen(knees, proposed[kept], rows[kept])
     knees, past = knees[measurable], past[measurable][:, kept]
     if not knees.size:
         return 0
@@ -322,6 +327,27 @@ def _knee(line: np.ndarray, proposed: np.ndarray, seconds: np.ndarray, kept: np.
         if bent_error <= KNEE_GAIN * error:
             free, error = int(knee), bent_error
     return free
+
+
+def _bends_seen(knees: np.ndarray, proposed: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Which ``knees`` steps of one batch size show: at least two numbers of proposed tokens up
+    to the knee (a flat stretch, not one point) and one past it. Where every batch size had
+    its own numbers of proposed tokens (each row proposing its K: 4 tokens at one row, 12 and
+    16 at four, 20 at five), a bend and the rows' column together fit any curve through them,
+    and noise alone would pick a knee; such steps say nothing of one.
+
+    >>> knees = np.array([4.0, 12.0])
+    >>> _bends_seen(knees, np.array([4.0, 12, 16, 20]), np.array([1.0, 4, 4, 5])).tolist()
+    [False, False]
+    >>> _bends_seen(knees, np.array([0.0, 4, 8, 12, 16]), np.array([4.0, 4, 4, 4, 4])).tolist()
+    [True, True]
+    """
+    seen = np.zeros(knees.size, dtype=bool)
+    for size in np.unique(rows).tolist():
+        counts = np.unique(proposed[rows == size])
+        below = np.count_nonzero(counts[None, :] <= knees[:, None], axis=1)
+        seen |= (below >= 2) & (below < counts.size)
+    return seen
 
 
 def _medians_by_count(proposed: np.ndarray, seconds: np.ndarray, least: int) -> dict[int, float]:

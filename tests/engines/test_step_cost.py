@@ -113,6 +113,26 @@ def test_a_larger_batch_is_not_taken_for_dearer_tokens() -> None:
     assert cost.costs(3)[3] * cost.token_s == pytest.approx(0.003, rel=0.35)
 
 
+def test_a_knee_is_seen_within_one_batch_size() -> None:
+    # Every row proposes its K (4) tokens, so a batch of r rows proposes 4r: the rows and the
+    # tokens rise together. Attention makes a larger batch dearer per row (2 ms x rows^2), and a
+    # bend in the tokens' column beside the rows' one fits that curve as well as a knee would:
+    # taken for one, it had the first 16 tokens free, and every chain cut at the floor.
+    cost = StepCost(prior=0.3, floor=0.1)
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        rows = int(rng.integers(1, 9))
+        seconds = 0.030 + 0.002 * rows * rows + 0.002 * 4 * rows
+        cost.record(seconds * rng.uniform(0.97, 1.03), 4 * rows, rows=rows, produced=3 * rows)
+    assert cost.measured and cost.free == 0 and cost.ask_prob == cost.min_prob > 0.1
+    # Where one batch size does show it (four rows, 0 to 24 tokens), the knee is taken.
+    for _ in range(200):
+        proposed = int(rng.integers(0, 25))
+        seconds = 0.062 + 0.004 * max(0, proposed - 6)
+        cost.record(seconds * rng.uniform(0.97, 1.03), proposed, rows=4, produced=4 + proposed // 3)
+    assert 5 <= cost.free <= 7
+
+
 def test_a_step_verifies_its_first_tokens_for_nothing() -> None:
     # vLLM in float32 on this CPU, a 1,700-token context: 59 ms a step up to 4 proposed tokens
     # (the weights are read once a step, whatever it verifies), then 4.3 ms a token. A straight
@@ -142,13 +162,16 @@ def test_a_step_verifies_its_first_tokens_for_nothing() -> None:
 def knee_one_bend_at_a_time(
     line: np.ndarray, proposed: np.ndarray, seconds: np.ndarray, kept: np.ndarray, error: float
 ) -> int:
-    """What ``_knee`` finds, a least-squares fit per bend (how the fit went before every bend
-    was fitted at once)."""
+    """What ``_knee`` finds for steps of one batch size, a least-squares fit per bend (how the
+    fit went before every bend was fitted at once)."""
     free = 0
     for knee in np.unique(proposed[(proposed > 0) & (proposed <= MAX_FREE)]).tolist():
         past = np.maximum(proposed - knee, 0.0)
         if np.count_nonzero(past) < MIN_SIDE or past.std() < MIN_SPREAD:
             continue
+        counts = np.unique(proposed[kept])
+        if np.count_nonzero(counts <= knee) < 2 or counts.max() <= knee:
+            continue  # no flat stretch to bend at, or nothing past it
         bent = line.copy()
         bent[:, -1] = past
         coef = np.linalg.lstsq(bent[kept], seconds[kept], rcond=None)[0]
@@ -173,7 +196,8 @@ def test_every_bend_fitted_at_once_finds_the_knee_one_at_a_time_finds(seed: int)
     kept = rng.random(n) > 0.05  # the steps a robust fit kept
     coef = np.linalg.lstsq(line[kept], seconds[kept], rcond=None)[0]
     error = _squared_error(line[kept], seconds[kept], coef)
-    assert _knee(line, proposed, seconds, kept, error) == knee_one_bend_at_a_time(line, proposed, seconds, kept, error)
+    found = _knee(line, proposed, seconds, kept, error, np.ones(n))  # one batch size
+    assert found == knee_one_bend_at_a_time(line, proposed, seconds, kept, error)
 
 
 def measured(curve: dict[int, float], produced: int = 1, rounds: int = 20) -> StepCost:
