@@ -165,11 +165,11 @@ def knee_one_bend_at_a_time(
     """What ``_knee`` finds for steps of one batch size, a least-squares fit per bend (how the
     fit went before every bend was fitted at once)."""
     free = 0
+    counts = np.unique(proposed[kept])
     for knee in np.unique(proposed[(proposed > 0) & (proposed <= MAX_FREE)]).tolist():
         past = np.maximum(proposed - knee, 0.0)
         if np.count_nonzero(past) < MIN_SIDE or past.std() < MIN_SPREAD:
             continue
-        counts = np.unique(proposed[kept])
         if np.count_nonzero(counts <= knee) < 2 or counts.max() <= knee:
             continue  # no flat stretch to bend at, or nothing past it
         bent = line.copy()
