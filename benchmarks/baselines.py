@@ -11,6 +11,7 @@ from multiprocessing.connection import Connection
 import numpy as np
 
 from indexer.drafter import DraftParams, NamespaceDrafter, Session
+from indexer.prespeculation import Prefetched
 from indexer.prompt_lookup import prompt_lookup
 from indexer.tree_builder import DraftTree, Tier
 
@@ -30,6 +31,7 @@ class EngineDrafter:
         self.name = name
         self.lookahead = lookahead  # outcomes drafted ahead per step (0: no pre-speculation)
         self.last_was_ahead = False
+        self.ahead: Prefetched = {}  # trees drafted ahead for the tree last proposed
         self._engine = engine
         self._params = params
         self._rebuild = rebuild
@@ -56,7 +58,7 @@ class EngineDrafter:
     def draft_ahead(self) -> None:
         """Pre-speculation, run while the target would verify the proposed tree."""
         if self.lookahead:
-            self._engine.prespeculate(self._active(), self.lookahead, self._params)
+            self.ahead = self._engine.prespeculate(self._active(), self.lookahead, self._params)
 
     def advance(self, tokens: np.ndarray, topk: np.ndarray | None = None) -> None:
         """The step's tokens; ``topk``, the target's top-k where they were verified, feeds the

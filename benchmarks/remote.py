@@ -33,7 +33,7 @@ class RemoteDrafter:
         self.name = f"draftcache@{target}"
         self.lookahead = lookahead  # outcomes drafted ahead per step (0: no pre-speculation)
         self.last_was_ahead = False
-        self._ahead: Prefetched = {}
+        self.ahead: Prefetched = {}  # what the service drafted ahead for the tree last proposed
         self._channel = grpc.insecure_channel(target)
         self._stub = pb_grpc.DraftCacheStub(self._channel)
         self._namespace = namespace
@@ -48,11 +48,11 @@ class RemoteDrafter:
             sessions=[pb.OpenSession(namespace=self._namespace, prompt=prompt.tolist(), params=self._params)]
         )
         self._sid = self._stub.OpenSessions(req, timeout=self._timeout).session_ids[0]
-        self._pending, self._ahead, self._pending_topk = [], {}, _NO_ROWS
+        self._pending, self.ahead, self._pending_topk = [], {}, _NO_ROWS
 
     def propose(self) -> DraftTree:
         # The service goes on with a tree drafted ahead when these tokens are its outcome.
-        self.last_was_ahead = bool(self._pending) and select(self._ahead, self._pending) is not None
+        self.last_was_ahead = bool(self._pending) and select(self.ahead, self._pending) is not None
         rows = self._pending_topk if self._pending_topk.shape[0] == len(self._pending) else None
         item = pb.DraftItem(
             session_id=self._sid,
@@ -63,7 +63,7 @@ class RemoteDrafter:
         )
         self._pending, self._pending_topk = [], _NO_ROWS
         resp = self._stub.Draft(pb.DraftRequest(items=[item]), timeout=self._timeout)
-        self._ahead = prefetched_from_response(resp)[0] if len(resp.prefetched) else {}
+        self.ahead = prefetched_from_response(resp)[0] if len(resp.prefetched) else {}
         return tree_from_proto(resp.trees[0])
 
     def draft_ahead(self) -> None:

@@ -23,6 +23,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from benchmarks.traces import Conversation, Segment
+from indexer.prespeculation import Prefetched
 from indexer.tree_builder import DraftTree, Tier
 
 
@@ -47,11 +48,13 @@ class ReplayDrafter(Protocol):
 @runtime_checkable
 class DraftsAhead(Protocol):
     """A drafter that pre-speculates: it drafts ahead for the likely outcomes of the tree it
-    proposed while the target verifies it (``draft_ahead``), and says whether the tree it just
-    proposed had been drafted ahead (``last_was_ahead``)."""
+    proposed while the target verifies it (``draft_ahead``), holds what it drafted ahead for that
+    tree (``ahead``: the trees by the accepted draft tokens they follow), and says whether the
+    tree it just proposed had been drafted ahead (``last_was_ahead``)."""
 
     lookahead: int  # 0: it does not
     last_was_ahead: bool
+    ahead: Prefetched
 
     def draft_ahead(self) -> None: ...
 
@@ -68,6 +71,10 @@ class ReplayStats:
     latencies_us: list[float] = field(default_factory=list)
     ahead_us: list[float] = field(default_factory=list)  # drafting ahead, hidden behind verification
     ahead_hits: int = 0  # steps whose tree was drafted ahead
+    # Where a hit is lost: steps whose stopping point (the accepted draft tokens) had a tree
+    # drafted ahead for it, and of those, the steps whose bonus token was among its roots.
+    ahead_points: int = 0
+    ahead_bonus: int = 0
     topk_rows: int = 0  # verified positions whose target top-k was handed to the drafter
 
     @classmethod
@@ -82,6 +89,8 @@ class ReplayStats:
             out.drafted += p.drafted
             out.requests += p.requests
             out.ahead_hits += p.ahead_hits
+            out.ahead_points += p.ahead_points
+            out.ahead_bonus += p.ahead_bonus
             out.topk_rows += p.topk_rows
             out.latencies_us += p.latencies_us
             out.ahead_us += p.ahead_us
@@ -119,6 +128,10 @@ class ReplayStats:
         ahead = np.array(self.ahead_us)
         return {
             "prespeculation_hit_rate": round(self.ahead_hits / max(self.steps - self.requests, 1), 4),
+            # hit rate ~ point rate x bonus rate: which outcomes were drafted ahead for, and
+            # whether the trees drafted there held the target's next token
+            "prespeculation_point_rate": round(self.ahead_points / max(self.steps, 1), 4),
+            "prespeculation_bonus_rate": round(self.ahead_bonus / max(self.ahead_points, 1), 4),
             "draft_ahead_us_p50": round(float(np.percentile(ahead, 50)), 1),
             "draft_ahead_us_p99": round(float(np.percentile(ahead, 99)), 1),
         }
@@ -171,6 +184,8 @@ def _request(
             ahead.draft_ahead()
             stats.ahead_us.append((time.perf_counter() - t0) * 1e6)
         path = tree.accept(target[pos:])
+        if ahead is not None:
+            _score_ahead(ahead.ahead, target[pos : pos + len(path) + 1], stats)
         for node in path:
             stats.accepted_by_tier[Tier(int(tree.sources[node])).name] += 1
         step = target[pos : pos + len(path) + 1]
@@ -188,3 +203,21 @@ def _request(
     cat = stats.by_category[category]
     cat[0] += int(target.size)
     cat[1] += steps
+
+
+def _score_ahead(ahead: Prefetched, produced: np.ndarray, stats: ReplayStats) -> None:
+    """Count whether the step that ``produced`` these tokens (accepted draft tokens, then the
+    bonus token) ended at a stopping point drafted ahead for, and whether the tree drafted there
+    has the bonus token among its roots (the next step then verifies its subtree).
+
+    >>> ahead = {(5,): DraftTree.chain(np.array([7, 8], np.int32))}
+    >>> stats = ReplayStats("d")
+    >>> for produced in ([5, 7], [5, 9], [6, 7]):
+    ...     _score_ahead(ahead, np.array(produced), stats)
+    >>> stats.ahead_points, stats.ahead_bonus
+    (2, 1)
+    """
+    tree = ahead.get(tuple(produced[:-1].tolist()))
+    if tree is not None:
+        stats.ahead_points += 1
+        stats.ahead_bonus += bool(np.any(tree.tokens[tree.parents == -1] == produced[-1]))

@@ -321,7 +321,9 @@ def report(
         if "prespeculation_hit_rate" in r:
             lines.append(
                 f"{r['drafter']}: trees drafted ahead for {r['prespeculation_hit_rate']:.1%} of steps "
-                f"(drafting ahead p50 {r['draft_ahead_us_p50']:.0f} us, p99 {r['draft_ahead_us_p99']:.0f} us)"
+                f"(drafting ahead p50 {r['draft_ahead_us_p50']:.0f} us, p99 {r['draft_ahead_us_p99']:.0f} us): "
+                f"the stopping point drafted for on {r['prespeculation_point_rate']:.1%} of steps, "
+                f"the bonus token among the roots drafted there on {r['prespeculation_bonus_rate']:.1%} of those"
             )
     if by_namespace is not None:
         lines.append("")

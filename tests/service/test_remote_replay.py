@@ -57,6 +57,7 @@ def test_remote_replay_drafting_ahead_matches_in_process(shared_data: Path) -> N
     # The same outcomes were drafted ahead for, and the same trees served after them.
     assert local.ahead_hits > 0
     assert (over_grpc.ahead_hits, over_grpc.steps, over_grpc.drafted) == (local.ahead_hits, local.steps, local.drafted)
+    assert (over_grpc.ahead_points, over_grpc.ahead_bonus) == (local.ahead_points, local.ahead_bonus)
     assert over_grpc.mat == local.mat
 
 

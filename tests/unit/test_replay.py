@@ -1,9 +1,11 @@
 import gzip
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+import benchmarks
 from benchmarks.baselines import EngineDrafter, PromptLookupDrafter
 from benchmarks.replay import ReplayStats, replay
 from benchmarks.replay_bench import BestChain, ReplayConfig, drafters
@@ -98,6 +100,20 @@ def test_engine_replays_identical_request_in_one_step():
     # the exact-prompt tier drafts the whole previous response, accepted in one step.
     assert (stats.steps, stats.tokens, stats.requests) == (7, 12, 2)
     assert stats.accepted_by_tier["EXACT"] == 6
+
+
+def test_drafting_ahead_counts_where_each_hit_was_won_or_lost():
+    convs = read_traces(Path(benchmarks.__file__).parent / "data" / "spec_bench_smollm2_topk.jsonl.gz", limit=16)
+    engine = NamespaceDrafter(Namespace(name="smollm2", vocab_size=49152), DrafterConfig())
+    stats = replay(convs, EngineDrafter(engine, DraftParams(), lookahead=4))
+    # Every step's outcome is scored against what was drafted ahead for the tree it verified: a
+    # hit is a bonus token among the roots drafted at the right stopping point, served at the
+    # next step unless the request ended there.
+    assert 0 < stats.ahead_hits <= stats.ahead_bonus <= stats.ahead_hits + stats.requests
+    assert stats.ahead_bonus < stats.ahead_points < stats.steps
+    summary = stats.summary()
+    assert summary["prespeculation_point_rate"] == round(stats.ahead_points / stats.steps, 4)
+    assert summary["prespeculation_bonus_rate"] == round(stats.ahead_bonus / stats.ahead_points, 4)
 
 
 class _Recorder:
@@ -237,6 +253,7 @@ def test_read_traces_truncated_gzip(tmp_path):
 def test_merged_stats_add_up_disjoint_replays():
     a, b = ReplayStats("d"), ReplayStats("d")
     a.steps, a.tokens, a.drafted, a.requests, a.ahead_hits = 4, 10, 40, 1, 2
+    a.ahead_points, a.ahead_bonus, b.ahead_points, b.ahead_bonus = 3, 2, 4, 1
     b.steps, b.tokens, b.drafted, b.requests = 6, 20, 30, 2
     a.by_category["x"] = [10, 4]
     b.by_category["x"] = [5, 3]
@@ -248,6 +265,7 @@ def test_merged_stats_add_up_disjoint_replays():
     m = ReplayStats.merged([a, b])
     assert (m.name, m.steps, m.tokens, m.drafted, m.requests, m.ahead_hits) == ("d", 10, 30, 70, 3, 2)
     assert m.mat == 3.0
+    assert (m.ahead_points, m.ahead_bonus) == (7, 3)
     assert dict(m.by_category) == {"x": [15, 7], "y": [15, 3]}
     assert dict(m.accepted_by_tier) == {"CONTEXT": 7, "PRIOR": 1}
     assert m.latencies_us == [1.0, 2.0, 3.0]
