@@ -184,11 +184,11 @@ def _request(
             ahead.draft_ahead()
             stats.ahead_us.append((time.perf_counter() - t0) * 1e6)
         path = tree.accept(target[pos:])
-        if ahead is not None:
-            _score_ahead(ahead.ahead, target[pos : pos + len(path) + 1], stats)
         for node in path:
             stats.accepted_by_tier[Tier(int(tree.sources[node])).name] += 1
         step = target[pos : pos + len(path) + 1]
+        if ahead is not None and step.size > len(path):  # the request's end may leave no bonus token
+            _score_ahead(ahead.ahead, step, stats)
         if rows is None:
             drafter.advance(step)
         else:  # the target's top-k at the positions this step verified: pos .. pos + accepted
