@@ -23,7 +23,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from benchmarks.traces import Conversation, Segment
-from indexer.prespeculation import Prefetched
+from indexer.prespeculation import Prefetched, subtree
 from indexer.tree_builder import DraftTree, Tier
 
 
@@ -220,4 +220,4 @@ def _score_ahead(ahead: Prefetched, produced: np.ndarray, stats: ReplayStats) ->
     tree = ahead.get(tuple(produced[:-1].tolist()))
     if tree is not None:
         stats.ahead_points += 1
-        stats.ahead_bonus += bool(np.any(tree.tokens[tree.parents == -1] == produced[-1]))
+        stats.ahead_bonus += subtree(tree, int(produced[-1])) is not None  # as the next step selects it
