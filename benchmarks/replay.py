@@ -23,7 +23,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from benchmarks.traces import Conversation, Segment
-from indexer.prespeculation import Prefetched, subtree
+from indexer.prespeculation import Prefetched, select
 from indexer.tree_builder import DraftTree, Tier
 
 
@@ -217,7 +217,6 @@ def _score_ahead(ahead: Prefetched, produced: np.ndarray, stats: ReplayStats) ->
     >>> stats.ahead_points, stats.ahead_bonus
     (2, 1)
     """
-    tree = ahead.get(tuple(produced[:-1].tolist()))
-    if tree is not None:
+    if tuple(produced[:-1].tolist()) in ahead:
         stats.ahead_points += 1
-        stats.ahead_bonus += subtree(tree, int(produced[-1])) is not None  # as the next step selects it
+        stats.ahead_bonus += select(ahead, produced) is not None  # the lookup that serves the next step
