@@ -47,6 +47,10 @@ class ApiServer:
             str(self.port),
             "--max-model-len",
             str(MAX_MODEL_LEN),
+            # As make_llm's engines: on a CPU with bf16 instructions vLLM's default is bfloat16,
+            # where a replica verifying other drafts rounds otherwise and flips greedy near-ties.
+            "--dtype",
+            "float32",
             "--enforce-eager",
             "--kv-cache-memory-bytes",
             str(256 << 20),
