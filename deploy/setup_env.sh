@@ -35,8 +35,9 @@ if ! python -c "import indexer, cache_service, decoder_client, benchmarks" 2>/de
 fi
 # A llama.cpp built with its AMX backend (pip's wheel cache keeps an earlier build, whatever
 # CMAKE_ARGS says now) is built again without it.
-if [ "$EXTRAS" = dev ] && [ -z "${CMAKE_ARGS:-}" ] && python -c "import llama_cpp, sys
-sys.exit(b'AMX_INT8 = 1' not in llama_cpp.llama_print_system_info())" 2>/dev/null; then
+if [ "$EXTRAS" = dev ] && [ -z "${CMAKE_ARGS:-}" ] && python -c "import sys
+from benchmarks.engines_llamacpp import amx_backend_problem
+sys.exit(amx_backend_problem() is None)" 2>/dev/null; then
   echo "llama.cpp was built with its AMX backend: building it again without" >&2
   CMAKE_ARGS="$LLAMA_CMAKE_ARGS" pip install -q --no-cache-dir --force-reinstall --no-deps \
     "$(python -c 'import importlib.metadata as m; print("llama-cpp-python==" + m.version("llama-cpp-python"))')"
