@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from benchmarks import replay_bench
+from benchmarks.draft_rows import DraftRows
 from benchmarks.replay import ReplayStats
 from benchmarks.traces import check_vocabulary, read_traces, sharegpt_conversations, write_traces
 from cache_service.admin import warm
@@ -67,6 +68,14 @@ def _replay_args(r: argparse.ArgumentParser) -> None:
         "each baseline cut to its best path); 0: trees",
     )
     add(r, "--chain-min-prob", type=float, default=0.0, help="chain mode: stop before a token less likely than this")
+    add(
+        r,
+        "--draft-rows",
+        type=Path,
+        default=None,
+        help="a draft model's rows for these traces (make-draft-rows): with --chain, also replay its greedy chains "
+        "and ours beside them",
+    )
     add(
         r,
         "--step-cost",
@@ -209,6 +218,9 @@ def cmd_replay(a: argparse.Namespace) -> int:
         chain=a.chain,
         topk=a.topk is not False,
     )
+    if a.draft_rows is not None and (not a.chain or a.target):
+        raise ValueError("--draft-rows replays chains in-process: give --chain K and no --target")
+    rows_file = DraftRows(a.draft_rows) if a.draft_rows is not None else None
     groups = _replay_groups(a, config)
     if "rest" in config.baselines:
         _ensure_rest_datastore(a)
@@ -223,7 +235,8 @@ def cmd_replay(a: argparse.Namespace) -> int:
         drafter_list = (
             [replay_bench.remote_drafter(a.target, namespace, config.params, config.lookahead)] if a.target else []
         )
-        drafter_list += replay_bench.drafters(namespace, config, prior, documents)
+        rows = None if rows_file is None else rows_file.requests(part)
+        drafter_list += replay_bench.drafters(namespace, config, prior, documents, rows)
         per_namespace.append((namespace.name, replay_bench.run_replay(part, drafter_list, topk=config.topk)))
     if len(per_namespace) == 1:
         print(replay_bench.report(per_namespace[0][1], a.traces, as_json=a.json, step_cost=a.step_cost))
@@ -408,6 +421,60 @@ def cmd_make_topk_trace(a: argparse.Namespace) -> int:
     return 0
 
 
+def _draft_rows_args(d: argparse.ArgumentParser) -> None:
+    d.add_argument("traces", type=Path, help="trace file whose outputs the draft model predicts")
+    add(d, "--out", type=Path, required=True, help="the rows file to write (.npz)")
+    add(d, "--model", type=Path, default=None, help="local Hugging Face model folder (default: SmolLM2-135M)")
+    add(d, "--tokenizer", type=Path, default=SHARED / "tokenizers/smollm2", help="the model's tokenizer folder")
+    add(d, "--limit", type=positive, default=None, help="only the first N conversations")
+    add(d, "--k", type=positive, default=4, help="top-k ids and log-probs kept per output token")
+    add(d, "--window", type=positive, default=4096, help="tokens the model reads at once (at most its context)")
+    add(d, "--context", type=non_negative, default=1024, help="least text before every prediction after a window")
+    add(d, "--dtype", choices=("float32", "bfloat16"), default="bfloat16", help="the model's weights")
+    add(d, "--threads", type=positive, default=2, help="torch CPU threads")
+
+
+def cmd_make_draft_rows(a: argparse.Namespace) -> int:
+    import torch
+
+    from benchmarks import draft_rows
+    from decoder_client.models import load_model
+
+    draft_rows.windows(0, a.window, a.context)  # the passes' shape, checked before any work
+    conversations = read_traces(a.traces, limit=a.limit)
+    if not conversations:
+        raise ValueError(f"{a.traces}: no conversations")
+    torch.set_num_threads(a.threads)
+    model, _ = load_model(a.model, a.tokenizer, pack=False)
+    vocab = int(model.config.vocab_size)
+    check_vocabulary(conversations, vocab)  # ids the model cannot read fail here, before any pass
+    model = model.to(getattr(torch, a.dtype))
+    start = time.perf_counter()
+    rows = draft_rows.make_rows(model, conversations, k=a.k, window=a.window, context=a.context)
+    seconds = time.perf_counter() - start
+    model_name = str(a.model) if a.model is not None else "SmolLM2-135M-Instruct"
+    meta: dict[str, str | int] = {
+        "model": model_name,
+        "vocab_size": vocab,
+        "dtype": a.dtype,
+        "window": a.window,
+        "context": a.context,
+        "traces": str(a.traces),
+    }
+    draft_rows.write_rows(a.out, rows, meta)
+    right, tokens = draft_rows.first_guesses_right(rows, conversations)
+    summary = {
+        "out": str(a.out),
+        "conversations": len(conversations),
+        "output_tokens": tokens,
+        "top1_right": round(right / tokens, 4) if tokens else None,  # the model's first guess, teacher-forced
+        "seconds": round(seconds, 1),
+        **meta,
+    }
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
 def _bench_rpc_args(rb: argparse.ArgumentParser) -> None:
     rb.add_argument("traces", type=Path, help="prompts come from these conversations")
     add(rb, "--target", default="127.0.0.1:50051", help="host:port of the service")
@@ -573,6 +640,7 @@ _COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Callable[[
     "bench-draft": (_bench_draft_args, cmd_bench_draft),
     "bench-index": (_bench_index_args, cmd_bench_index),
     "make-topk-trace": (_topk_trace_args, cmd_make_topk_trace),
+    "make-draft-rows": (_draft_rows_args, cmd_make_draft_rows),
 }
 
 
@@ -585,7 +653,7 @@ def add_arguments(name: str, p: argparse.ArgumentParser) -> None:
 # wake for each of the model's operations (a float32 SmolLM2 with packed linear layers decoded
 # at 7.4 tokens/s with passive workers on a 2-core CPU, 13-14 without), so these commands leave
 # OpenMP's default alone.
-_RUN_A_MODEL = frozenset({"generate", "bench-generate", "bench-topk", "make-topk-trace"})
+_RUN_A_MODEL = frozenset({"generate", "bench-generate", "bench-topk", "make-topk-trace", "make-draft-rows"})
 
 
 def run(name: str, a: argparse.Namespace) -> int:

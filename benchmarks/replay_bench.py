@@ -20,6 +20,8 @@ from benchmarks.baselines import (
     rest_available,
     suffix_decoding_available,
 )
+from benchmarks.draft_model_replay import DraftModelChain, WithDraftModel
+from benchmarks.draft_rows import SegmentRows
 from benchmarks.replay import ReplayDrafter, ReplayStats, replay, takes_topk
 from benchmarks.traces import Conversation, check_vocabulary
 from cache_service.admin import warm
@@ -158,12 +160,20 @@ _WARM_BATCH = 2048  # documents per delta run while warming
 
 
 def drafters(
-    namespace: Namespace, config: ReplayConfig, prior: StaticPrior | None, documents: Sequence[np.ndarray] = ()
+    namespace: Namespace,
+    config: ReplayConfig,
+    prior: StaticPrior | None,
+    documents: Sequence[np.ndarray] = (),
+    draft_rows: Sequence[SegmentRows] | None = None,
 ) -> list[ReplayDrafter]:
     """The drafters to replay: ours in-process (in chain replay also our tree cut to its best
     path, as the adapters cut it), their lifetime memory warmed with ``documents``, and the
-    baselines named, each cut to ``config.chain`` tokens in chain replay."""
+    baselines named, each cut to ``config.chain`` tokens in chain replay. With ``draft_rows``
+    (a draft model's rows for every request replayed, in order; chain replay only), also the
+    draft model's greedy chains, and ours beside them."""
     k = config.chain
+    if draft_rows is not None and not (k and config.include_engine):
+        raise ValueError("a draft model's rows replay chains beside our in-process engine (chain > 0)")
     out: list[ReplayDrafter] = []
     if config.include_engine:
         engine = warmed_engine(namespace, config.drafter, prior, documents)
@@ -172,6 +182,10 @@ def drafters(
             tree_engine = warmed_engine(namespace, config.drafter, prior, documents)
             tree = EngineDrafter(tree_engine, replace(config.params, chain=0), name="draftcache-tree")
             out.append(BestChain(tree, k))
+        if draft_rows is not None:
+            out.append(DraftModelChain(draft_rows, k))
+            mixed = EngineDrafter(warmed_engine(namespace, config.drafter, prior, documents), config.params)
+            out.append(WithDraftModel(mixed, draft_rows, k))
     if "prompt-lookup" in config.baselines:
         out.append(PromptLookupDrafter(num_tokens=k) if k else PromptLookupDrafter())
     if "suffix-decoding" in config.baselines:

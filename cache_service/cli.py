@@ -54,6 +54,7 @@ COMMANDS: dict[str, Command] = {
     ),
     "bench-index": Command("rebuild time, lookup latency and bytes per token at a buffer size", _TOOLS),
     "make-topk-trace": Command("a SmolLM2 Spec-Bench trace with the target's top-k at every output token", _TOOLS),
+    "make-draft-rows": Command("a draft model's next-token predictions along a trace, for chains in replay", _TOOLS),
 }
 
 # Packages the optional extras bring, by the extra that installs them.
