@@ -34,15 +34,18 @@ class _Rows:
         self._next += 1
         self.pos = 0
 
-    def chain(self, k: int) -> np.ndarray:
+    def _active(self) -> SegmentRows:
         if self.current is None:
             raise RuntimeError("no request in progress: call start() first")
-        tokens = self.current.chain(self.pos, k)
+        return self.current
+
+    def chain(self, k: int) -> np.ndarray:
+        tokens = self._active().chain(self.pos, k)
         gone = np.flatnonzero(tokens < 0)  # a position nothing predicted (a stream's first)
         return tokens[: gone[0]] if gone.size else tokens
 
     def first_prob(self) -> float:
-        return 0.0 if self.current is None else self.current.first_prob(self.pos)
+        return self._active().first_prob(self.pos)
 
 
 class DraftModelChain:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import hashlib
 import io
 import logging
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.traces import Conversation
+from cache_service.admin.commands import write_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -165,9 +165,7 @@ def write_rows(path: Path, rows: dict[str, list[SegmentRows]], meta: dict[str, s
             arrays[f"{fp}.{i}.logp"] = s.logp.astype(np.float16)
     buf = io.BytesIO()
     np.savez_compressed(buf, **arrays)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(buf.getvalue())
-    os.replace(tmp, path)
+    write_atomic(path, buf.getvalue())
 
 
 class DraftRows:
@@ -189,7 +187,6 @@ class DraftRows:
     def requests(self, conversations: Sequence[Conversation]) -> list[SegmentRows]:
         """The rows of every output segment of ``conversations``, in replay order. Raises
         ``ValueError`` if the file lacks a conversation or its rows do not fit it."""
-        vocab_size = self.vocab_size
         out = []
         for conv in conversations:
             fp = fingerprint(conv)
@@ -201,10 +198,10 @@ class DraftRows:
                     f"{self.path}: conversation {conv.id!r} has {len(outputs)} outputs, its rows another count"
                 )
             for i, seg in enumerate(outputs):
-                out.append(self._checked(fp, i, seg.tokens.size, vocab_size, conv.id))
+                out.append(self._checked(fp, i, seg.tokens.size, conv.id))
         return out
 
-    def _checked(self, fp: str, i: int, n: int, vocab_size: int, conv_id: str) -> SegmentRows:
+    def _checked(self, fp: str, i: int, n: int, conv_id: str) -> SegmentRows:
         ids = self._arrays.get(f"{fp}.{i}.ids")
         logp = self._arrays.get(f"{fp}.{i}.logp")
         where = f"{self.path}: conversation {conv_id!r}, output {i}"
@@ -212,8 +209,8 @@ class DraftRows:
             raise ValueError(f"{where}: rows missing")
         if ids.ndim != 2 or ids.shape[0] != n or ids.shape != logp.shape or ids.shape[1] < 1:
             raise ValueError(f"{where}: rows of shape {ids.shape} / {logp.shape} for {n} tokens")
-        if ids.dtype != np.int32 or ids.min(initial=0) < -1 or ids.max(initial=0) >= vocab_size:
-            raise ValueError(f"{where}: ids must be int32 in [-1, {vocab_size})")
+        if ids.dtype != np.int32 or ids.min(initial=0) < -1 or ids.max(initial=0) >= self.vocab_size:
+            raise ValueError(f"{where}: ids must be int32 in [-1, {self.vocab_size})")
         lp = logp.astype(np.float32)
         if np.isnan(lp).any() or (lp > 0).any():
             raise ValueError(f"{where}: log-probs must be <= 0")
