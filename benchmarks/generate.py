@@ -14,6 +14,7 @@ import torch
 from decoder_client import cost_model
 from decoder_client.client import ClientConfig, ClientSession, DraftClient, TopkAt
 from decoder_client.cost_model import AcceptanceModel, CalibrationConfig, CostCurve
+from decoder_client.draft_model import BesideCache, ModelDrafter
 from decoder_client.reference_decoder import ReferenceDecoder, VerifiedTopk
 from indexer.drafter import DrafterConfig, DraftParams, NamespaceDrafter, Session
 from indexer.successors import MAX_TOPK
@@ -133,11 +134,20 @@ class ServiceDrafter:
 
 
 def run_generate(
-    model: Any, tokenizer: Any, prompt: str, drafter: Any, *, max_new_tokens: int, cost_aware: bool = True
+    model: Any,
+    tokenizer: Any,
+    prompt: str,
+    drafter: Any,
+    *,
+    max_new_tokens: int,
+    cost_aware: bool = True,
+    draft_model: ModelDrafter | None = None,
 ) -> dict:
     """Vanilla greedy, transformers' prompt lookup and draftcache on the same prompt. With
     ``cost_aware`` the device's verification cost curve is measured first and every tree is cut
-    to its most profitable prefix, valued by acceptance probabilities learned as decoding goes."""
+    to its most profitable prefix, valued by acceptance probabilities learned as decoding goes.
+    With ``draft_model`` each step proposes its chain or the cache's, whichever first token is
+    likelier (:class:`decoder_client.draft_model.BesideCache`)."""
     messages = [{"role": "user", "content": prompt}]
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     input_ids = ids["input_ids"]
@@ -145,6 +155,7 @@ def run_generate(
     if cost_aware:
         curve = CostCurve.measure(model, context=max(int(input_ids.shape[1]), 64))
         verify = cost_model.cost_aware(drafter, curve, AcceptanceModel(CalibrationConfig()))
+    beside = BesideCache(verify, draft_model) if draft_model is not None else None
     eos = tokenizer.eos_token_id
     results: dict[str, Any] = {}
     with torch.inference_mode():
@@ -155,7 +166,7 @@ def run_generate(
             results[name] = {"tokens_per_s": round(len(tokens) / (time.perf_counter() - start), 2), "tokens": tokens}
         decoder = ReferenceDecoder(model)
         tokens, stats = decoder.generate(
-            input_ids[0].tolist(), max_new_tokens, drafter=verify, eos_token_id=eos, topk=MAX_TOPK
+            input_ids[0].tolist(), max_new_tokens, drafter=beside or verify, eos_token_id=eos, topk=MAX_TOPK
         )
     results["draftcache"] = {
         "tokens_per_s": round(stats.tokens_per_s, 2),
@@ -163,6 +174,9 @@ def run_generate(
         "mat": round(stats.mat, 3),
         "accepted_by_tier": dict(drafter.tiers.counts),
     }
+    if beside is not None:  # whose drafts were verified, and accepted (all but the last step's)
+        results["draftcache"]["model_steps"] = beside.model_steps
+        results["draftcache"]["accepted_by_drafter"] = dict(beside.accepted)
     results["identical"] = all(
         r["tokens"] == results["vanilla"]["tokens"] for r in results.values() if isinstance(r, dict)
     )
