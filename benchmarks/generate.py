@@ -12,9 +12,10 @@ import numpy as np
 import torch
 
 from decoder_client import cost_model
+from decoder_client.chain_model import BesideCache
 from decoder_client.client import ClientConfig, ClientSession, DraftClient, TopkAt
 from decoder_client.cost_model import AcceptanceModel, CalibrationConfig, CostCurve
-from decoder_client.draft_model import BesideCache, ModelDrafter
+from decoder_client.draft_model import ModelDrafter
 from decoder_client.reference_decoder import ReferenceDecoder, VerifiedTopk
 from indexer.drafter import DrafterConfig, DraftParams, NamespaceDrafter, Session
 from indexer.successors import MAX_TOPK

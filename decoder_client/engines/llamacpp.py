@@ -55,13 +55,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from decoder_client.chain_model import ChainModel, model_goes
 from decoder_client.client.drafting import Drafting
 from decoder_client.client.session import TopkAt, TopkRows
 from decoder_client.engines.deadline import StepDeadline
 from decoder_client.engines.outcomes import ChainOutcomes
 from decoder_client.engines.settings import EngineSettings
 from decoder_client.engines.step_clock import StepClock
-from decoder_client.engines.step_cost import StepCost, chain_to_propose
+from decoder_client.engines.step_cost import StepCost, chain_to_propose, cut
 from indexer.drafter import MAX_DEPTH
 
 if TYPE_CHECKING:
@@ -120,7 +121,10 @@ class DraftStats:
     steps: int = 0
     proposed: int = 0  # draft tokens in the counted steps
     accepted: int = 0  # of those, accepted by the engine
-    seconds: float = 0.0  # spent inside the calls: the client's work and the round trip
+    model_steps: int = 0  # of the counted steps, those that proposed the draft model's chain
+    model_proposed: int = 0  # its tokens in them
+    model_accepted: int = 0  # of those, accepted
+    seconds: float = 0.0  # spent inside the calls: the client's work, the round trip, the draft model
 
     @property
     def mean_accepted_tokens(self) -> float:
@@ -174,6 +178,7 @@ class DraftcacheDraftModel(LlamaDraftModel):
         cost: StepCost | None = None,
         idle_s: float = 2.0,
         recalibrate: bool = False,
+        chain_model: ChainModel | None = None,
     ) -> None:
         if not 1 <= num_pred_tokens <= MAX_DEPTH:
             raise ValueError(f"num_pred_tokens must be in [1, {MAX_DEPTH}], got {num_pred_tokens}")
@@ -192,23 +197,40 @@ class DraftcacheDraftModel(LlamaDraftModel):
         self._claims = np.zeros(0)  # ... and its tokens' scores as the service claimed them
         self.outcomes = ChainOutcomes()  # how the proposals fared: with ``recalibrate``, what corrects the claims
         self.recalibrate = recalibrate
+        self.chain_model = chain_model  # a small model drafting beside the cache (decoder_client.chain_model)
+        self._model_draft = False  # whether the last proposal was the model's
 
     @classmethod
     def connect(
-        cls, target: str, namespace: str, *, num_pred_tokens: int = 10, vocab_size: int | None = None, **settings: Any
+        cls,
+        target: str,
+        namespace: str,
+        *,
+        num_pred_tokens: int = 10,
+        vocab_size: int | None = None,
+        chain_model: ChainModel | None = None,
+        **settings: Any,
     ) -> DraftcacheDraftModel:
         """A draft model with a client of its own, drafting chains of at most
         ``num_pred_tokens`` tokens (chain mode); ``settings``: any other
         :class:`~decoder_client.engines.settings.EngineSettings` (``deadline_s``,
         ``chain_min_prob``, ``token``, ``near``, ...), as vLLM's proposer takes them.
         ``vocab_size``: the model's (``llm.n_vocab()``), which the near copy it drafts from by
-        default needs (with ``near=False`` each step asks the service instead)."""
+        default needs (with ``near=False`` each step asks the service instead).
+        ``chain_model``: a small model drafting beside the cache
+        (:class:`~decoder_client.engines.llamacpp_chains.LlamaChainModel`): each step proposes
+        its chain unless the cache's first token is likelier."""
         settings_ = EngineSettings(target=target, namespace=namespace, **settings)
-        return cls.from_settings(settings_, num_pred_tokens, vocab_size)
+        return cls.from_settings(settings_, num_pred_tokens, vocab_size, chain_model=chain_model)
 
     @classmethod
     def from_settings(
-        cls, settings: EngineSettings, num_pred_tokens: int = 10, vocab_size: int | None = None
+        cls,
+        settings: EngineSettings,
+        num_pred_tokens: int = 10,
+        vocab_size: int | None = None,
+        *,
+        chain_model: ChainModel | None = None,
     ) -> DraftcacheDraftModel:
         """See :meth:`connect`; each call's deadline follows the engine's step."""
         client = settings.draft_client(num_pred_tokens, vocab_size)
@@ -220,6 +242,7 @@ class DraftcacheDraftModel(LlamaDraftModel):
             cost=settings.step_cost(),
             idle_s=settings.idle_close_s,
             recalibrate=settings.recalibrate,
+            chain_model=chain_model,
         )
 
     def __call__(self, input_ids: Any, /, **kwargs: Any) -> np.ndarray:
@@ -249,6 +272,9 @@ class DraftcacheDraftModel(LlamaDraftModel):
         min_prob = 0.0 if self.cost is None else self.cost.ask_prob
         chances = self.outcomes.chances if self.recalibrate else None
         chain, claims, scores = chain_to_propose(tree, self.num_pred_tokens, min_prob, chances)
+        self._model_draft = False
+        if self.chain_model is not None:
+            chain, claims, scores = self._beside(self.chain_model, ids, chain, claims, scores, min_prob)
         if self.cost is not None:  # what the step pays for, its own cost included (none where nothing pays)
             (n,) = self.cost.keep([scores])
             chain, claims = chain[:n], claims[:n]
@@ -257,6 +283,27 @@ class DraftcacheDraftModel(LlamaDraftModel):
         self.stats.calls += 1
         self.stats.seconds += time.perf_counter() - start
         return chain
+
+    def _beside(
+        self,
+        model: ChainModel,
+        ids: np.ndarray,
+        chain: np.ndarray,
+        claims: np.ndarray,
+        scores: np.ndarray,
+        min_prob: float,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The draft model's chain instead of the cache's where its first token is at least
+        as likely (see :mod:`decoder_client.chain_model`), cut at ``min_prob`` as the cache's
+        are; its claims are left out of the cache's outcomes."""
+        nxt = model.first(ids)
+        if not model_goes(nxt, float(scores[0]) if chain.size else 0.0):
+            return chain, claims, scores
+        tokens, probs = model.extend()
+        likely = np.cumprod(probs[: self.num_pred_tokens].astype(np.float64))
+        tokens = cut(tokens[: self.num_pred_tokens], likely, min_prob)
+        self._model_draft = True
+        return tokens, np.zeros(0), likely[: tokens.size]
 
     def _continue(self, ids: np.ndarray) -> tuple[Any, np.ndarray]:
         """The open generation's session and the tokens ``ids`` adds to it (the step they end
@@ -271,7 +318,12 @@ class DraftcacheDraftModel(LlamaDraftModel):
             self.stats.steps += 1
             self.stats.proposed += self._draft.size
             self.stats.accepted += accepted
-            self.outcomes.record(self._claims, accepted)
+            if self._model_draft:
+                self.stats.model_steps += 1
+                self.stats.model_proposed += self._draft.size
+                self.stats.model_accepted += accepted
+            else:
+                self.outcomes.record(self._claims, accepted)
         return self._session, ids[self._sequence.size :]
 
     def verified_topk(self, ids: np.ndarray, new: np.ndarray, draft: np.ndarray | None) -> TopkRows:
@@ -335,6 +387,10 @@ class DraftcacheDraftModel(LlamaDraftModel):
             raise ValueError("this Llama has another draft model: make it with draft_model=None or this one")
         if llm.scores.shape[0] < llm.n_ctx():
             raise ValueError("make the Llama with logits_all=True: its logits buffer is too small for a draft model")
+        if self.chain_model is not None and self.chain_model.vocab_size < llm.n_vocab():
+            raise ValueError(
+                f"the chain model reads {self.chain_model.vocab_size} ids; this Llama's vocabulary has {llm.n_vocab()}"
+            )
         llm.draft_model = self  # what its generate reads
         self._llm = llm
         inner = llm.generate

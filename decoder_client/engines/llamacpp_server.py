@@ -17,7 +17,10 @@ Run it as the server is run, with draftcache's settings in ``DRAFTCACHE_*`` (the
     DRAFTCACHE_TARGET=127.0.0.1:50051 DRAFTCACHE_NAMESPACE=smollm2 \\
         python -m decoder_client.engines.llamacpp_server --model SmolLM2.gguf --port 8000
 
-``--draftcache-tokens N`` is the chain length (the draft model's ``num_pred_tokens``, 10). The
+``--draftcache-tokens N`` is the chain length (the draft model's ``num_pred_tokens``, 10).
+``--draftcache-model SMALL.gguf`` loads a small model with the served model's tokenizer to
+draft beside the cache (:class:`~decoder_client.engines.llamacpp_chains.LlamaChainModel`): each
+step proposes its chain unless the cache's first token is likelier. The
 model is loaded with ``logits_all`` (a draft model needs it; see
 :meth:`~decoder_client.engines.llamacpp.DraftcacheDraftModel.attach`); the server's own
 ``--draft_model`` is refused, as two draft models cannot share one engine.
@@ -58,12 +61,15 @@ def draftcache_settings(pairs: Sequence[str], env: Mapping[str, str]) -> EngineS
     return EngineSettings.from_sources(given, env)
 
 
-def proxy_class(settings: EngineSettings, num_pred_tokens: int) -> type:
+def proxy_class(settings: EngineSettings, num_pred_tokens: int, chain_model: str | None = None) -> type:
     """llama-cpp-python's ``LlamaProxy`` (the server's holder of its loaded model), loading each
-    model with draftcache as its draft model."""
+    model with draftcache as its draft model, and with ``chain_model`` (a GGUF path) a small
+    model drafting beside the cache for each."""
+    from llama_cpp import Llama
     from llama_cpp.server.model import LlamaProxy
 
     from decoder_client.engines.llamacpp import DraftcacheDraftModel
+    from decoder_client.engines.llamacpp_chains import LlamaChainModel
 
     class DraftcacheLlamaProxy(LlamaProxy):
         def __init__(self, models: Any) -> None:
@@ -74,29 +80,44 @@ def proxy_class(settings: EngineSettings, num_pred_tokens: int) -> type:
         def load_llama_from_model_settings(self, model_settings: Any) -> Any:  # type: ignore[override]
             model_settings = model_settings.model_copy(update={"logits_all": True, "draft_model": None})
             llm = LlamaProxy.load_llama_from_model_settings(model_settings)
-            draft = DraftcacheDraftModel.from_settings(settings, num_pred_tokens, int(llm.n_vocab()))
+            chains = None
+            if chain_model is not None:
+                small = Llama(
+                    model_path=chain_model, n_ctx=llm.n_ctx(), n_threads=model_settings.n_threads, verbose=False
+                )
+                chains = LlamaChainModel(small, num_pred_tokens)
+            vocab = int(llm.n_vocab())
+            draft = DraftcacheDraftModel.from_settings(settings, num_pred_tokens, vocab, chain_model=chains)
             draft.attach(llm)
             self.draft_models[id(llm)] = draft
             self._close_unloaded(keep=llm)
             logger.info(
-                "draftcache: %s drafts from %s, namespace %s%s",
+                "draftcache: %s drafts from %s, namespace %s%s%s",
                 model_settings.model, settings.target, settings.namespace, " (near)" if settings.near else "",
+                f", beside the draft model {chain_model}" if chain_model else "",
             )  # fmt: skip
             return llm
 
         def _close_unloaded(self, keep: Any) -> None:
             """Commit and shut down the draft models of the models the server unloaded."""
             for key in [k for k in self.draft_models if k != id(keep)]:
-                self.draft_models.pop(key).close()
+                _close(self.draft_models.pop(key))
 
         def free(self) -> None:
             super().free()
             for draft in self.draft_models.values():
-                draft.close()
+                _close(draft)
             logger.info("draftcache: %d draft models closed, their generations committed", len(self.draft_models))
             self.draft_models.clear()
 
     return DraftcacheLlamaProxy
+
+
+def _close(draft: Any) -> None:
+    """Commit a draft model's open generation, shut its client down, free its chain model's."""
+    draft.close()
+    if draft.chain_model is not None:
+        draft.chain_model.llm.close()
 
 
 def parser() -> argparse.ArgumentParser:
@@ -111,6 +132,9 @@ def parser() -> argparse.ArgumentParser:
     add_args_from_model(p, Settings)
     p.add_argument("--draftcache", action="append", default=[], metavar="KEY=VALUE", help="a draftcache setting")
     p.add_argument("--draftcache-tokens", type=int, default=10, help="the draft chain's length at most (10)")
+    p.add_argument(
+        "--draftcache-model", default=None, metavar="GGUF", help="a small model with its tokenizer, drafting beside"
+    )
     return p
 
 
@@ -131,11 +155,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         p.error("--draft_model: draftcache is this server's draft model")
     if a.draftcache_tokens < 1:
         p.error("--draftcache-tokens must be >= 1")
+    if a.draftcache_model is not None and not os.path.isfile(a.draftcache_model):
+        p.error(f"--draftcache-model: no such file: {a.draftcache_model}")
     # (typed as returning its argument, the class; it returns an instance)
     server_settings = cast("ServerSettings", parse_model_from_args(ServerSettings, a))
     model_settings = [cast("ModelSettings", parse_model_from_args(ModelSettings, a))]
     # The app builds its model proxy through this module attribute (set_llama_proxy).
-    setattr(server_app, "LlamaProxy", proxy_class(settings, a.draftcache_tokens))  # noqa: B010
+    setattr(server_app, "LlamaProxy", proxy_class(settings, a.draftcache_tokens, a.draftcache_model))  # noqa: B010
     app = server_app.create_app(server_settings=server_settings, model_settings=model_settings)
     app.router.lifespan_context = _freeing(app.router.lifespan_context, server_app)
     uvicorn.run(

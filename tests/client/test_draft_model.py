@@ -15,8 +15,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from benchmarks.generate import InProcessDrafter, ServiceDrafter, run_generate
 from cache_service.host.embedded_redis import free_port
+from decoder_client.chain_model import BesideCache, first_token_chance
 from decoder_client.client import ClientConfig
-from decoder_client.draft_model import BesideCache, ModelDrafter, first_token_chance
+from decoder_client.draft_model import ModelDrafter
 from decoder_client.reference_decoder import ReferenceDecoder
 from indexer.drafter import DraftParams
 from indexer.tree_builder import DraftTree

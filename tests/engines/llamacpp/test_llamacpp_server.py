@@ -45,14 +45,23 @@ def ready(port: int) -> bool:
         return False
 
 
-@pytest.mark.parametrize("near", [True, False], ids=["near", "through-the-service"])
-def test_the_server_drafts_and_commits_every_completion(gguf: Path, serve: Serve, tmp_path: Path, near: bool) -> None:
+@pytest.mark.parametrize(
+    ("near", "beside"),
+    [(True, False), (False, False), (True, True)],
+    ids=["near", "through-the-service", "beside-a-model"],
+)
+def test_the_server_drafts_and_commits_every_completion(
+    gguf: Path, serve: Serve, tmp_path: Path, near: bool, beside: bool
+) -> None:
     """Drafting near (the default: a near copy in the server's process) or through the service
-    (``near=false``: the service drafts every step): each completion is committed when it stops."""
+    (``near=false``: the service drafts every step), or near beside a small draft model (the
+    only GGUF here, the served model itself): each completion is committed when it stops."""
     port = free_port()
     env = {**os.environ, "DRAFTCACHE_TARGET": f"127.0.0.1:{serve.port}", "DRAFTCACHE_NAMESPACE": NAMESPACE}
     log = (tmp_path / "server.log").open("w")
     cmd = [sys.executable, "-m", "decoder_client.engines.llamacpp_server", "--model", str(gguf), "--port", str(port)]
+    if beside:
+        cmd += ["--draftcache-model", str(gguf)]
     server = subprocess.Popen(
         [*cmd, "--n_ctx", "1024", "--n_threads", "1", "--draftcache", "deadline_s=0.25", "--draftcache", f"{near=}"],
         env=env,
@@ -93,6 +102,7 @@ def test_the_server_drafts_and_commits_every_completion(gguf: Path, serve: Serve
     assert code in (0, -signal.SIGTERM) and "Application shutdown complete" in text, text[-3000:]
     assert "drafts from" in text and "Traceback" not in text  # the launcher's draft model was loaded
     assert ("(near)" in text) == near
+    assert ("beside the draft model" in text) == beside
     assert "1 draft models closed" in text  # ... and closed while the server stopped
 
 
@@ -113,3 +123,12 @@ def test_a_bad_draftcache_setting_stops_the_launcher_before_the_model_loads(gguf
         timeout=60,
     )
     assert run.returncode == 2 and "draftcache is this server's draft model" in run.stderr
+    missing = ["--draftcache-model", str(gguf.with_name("missing.gguf"))]
+    run = subprocess.run(
+        [sys.executable, "-m", "decoder_client.engines.llamacpp_server", "--model", str(gguf), *missing],
+        env={**os.environ, "DRAFTCACHE_TARGET": "127.0.0.1:1", "DRAFTCACHE_NAMESPACE": NAMESPACE},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 2 and "--draftcache-model: no such file" in run.stderr
