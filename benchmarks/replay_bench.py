@@ -20,13 +20,14 @@ from benchmarks.baselines import (
     rest_available,
     suffix_decoding_available,
 )
-from benchmarks.draft_model_replay import DraftModelChain, WithDraftModel
+from benchmarks.draft_model_replay import DraftModelChain, LiveDraftModel, LiveWithDraftModel, WithDraftModel
 from benchmarks.draft_rows import SegmentRows
 from benchmarks.replay import ReplayDrafter, ReplayStats, replay, takes_topk
 from benchmarks.traces import Conversation, check_vocabulary
 from cache_service.admin import warm
 from cache_service.admin.warm import split_documents
 from decoder_client.adapters import best_chain
+from decoder_client.chain_model import ChainSource
 from indexer.drafter import DrafterConfig, DraftParams, NamespaceDrafter
 from indexer.prior import StaticPrior
 from indexer.tokens import Namespace, as_tokens
@@ -165,15 +166,17 @@ def drafters(
     prior: StaticPrior | None,
     documents: Sequence[np.ndarray] = (),
     draft_rows: Sequence[SegmentRows] | None = None,
+    chain_model: ChainSource | None = None,
 ) -> list[ReplayDrafter]:
     """The drafters to replay: ours in-process (in chain replay also our tree cut to its best
     path, as the adapters cut it), their lifetime memory warmed with ``documents``, and the
     baselines named, each cut to ``config.chain`` tokens in chain replay. With ``draft_rows``
     (a draft model's rows for every request replayed, in order; chain replay only), also the
-    draft model's greedy chains, and ours beside them."""
+    draft model's greedy chains, and ours beside them; with ``chain_model``, the same from a
+    draft model run at every step."""
     k = config.chain
-    if draft_rows is not None and not (k and config.include_engine):
-        raise ValueError("a draft model's rows replay chains beside our in-process engine (chain > 0)")
+    if (draft_rows is not None or chain_model is not None) and not (k and config.include_engine):
+        raise ValueError("a draft model replays chains beside our in-process engine (chain > 0)")
     out: list[ReplayDrafter] = []
     if config.include_engine:
         engine = warmed_engine(namespace, config.drafter, prior, documents)
@@ -186,6 +189,10 @@ def drafters(
             out.append(DraftModelChain(draft_rows, k))
             mixed = EngineDrafter(warmed_engine(namespace, config.drafter, prior, documents), config.params)
             out.append(WithDraftModel(mixed, draft_rows, k))
+        if chain_model is not None:
+            out.append(LiveDraftModel(chain_model, k))
+            mixed = EngineDrafter(warmed_engine(namespace, config.drafter, prior, documents), config.params)
+            out.append(LiveWithDraftModel(mixed, chain_model))
     if "prompt-lookup" in config.baselines:
         out.append(PromptLookupDrafter(num_tokens=k) if k else PromptLookupDrafter())
     if "suffix-decoding" in config.baselines:

@@ -37,8 +37,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks.generate_bench import MT_BENCH, spread, vicuna_question
-from benchmarks.traces import MAX_TOPK, Conversation, Segment, write_traces
+from benchmarks.generate_bench import MT_BENCH, vicuna_question
+from benchmarks.traces import MAX_TOPK, Conversation, Segment, spread, write_traces
 
 logger = logging.getLogger(__name__)
 

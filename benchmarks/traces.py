@@ -12,6 +12,7 @@ import json
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -174,3 +175,14 @@ def sharegpt_conversations(
         )
         for cid, kept in picked
     ]
+
+
+def spread(items: list[Any], n: int) -> list[Any]:
+    """``n`` items evenly spaced over ``items`` (all of them when there are fewer).
+
+    >>> spread(list(range(10)), 3)
+    [0, 3, 6]
+    """
+    if n >= len(items):
+        return list(items)
+    return [items[i * len(items) // n] for i in range(n)]

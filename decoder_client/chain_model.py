@@ -24,6 +24,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -60,6 +61,21 @@ class NextToken:
 
     token: int
     prob: float
+
+
+class ChainSource(Protocol):
+    """What drafts beside the cache: a :class:`ChainModel`, or one behind another tokenizer
+    (:class:`decoder_client.retokenized.Retokenized`)."""
+
+    k: int
+    vocab_size: int  # the target's ids it reads
+
+    def first(self, context: np.ndarray) -> NextToken | None:
+        """The model's first token after ``context`` and its probability; ``None``: no chain here."""
+
+    def extend(self) -> tuple[np.ndarray, np.ndarray]:
+        """The chain in the target's ids from that token, and each token's chance given the one
+        before; empty where the model gives none after all."""
 
 
 def model_goes(model: NextToken | None, cache_chance: float) -> bool:
@@ -189,7 +205,7 @@ class BesideCache:
     0.64
     """
 
-    def __init__(self, cache: Drafter, model: ChainModel) -> None:
+    def __init__(self, cache: Drafter, model: ChainSource) -> None:
         self.cache = cache
         self.model = model
         self.steps = 0
@@ -205,8 +221,11 @@ class BesideCache:
         if not model_goes(nxt, first_token_chance(ours)):
             self._last = (ours, "cache", int(context.size))
             return ours
-        self.model_steps += 1
         tree = model_chain(*self.model.extend())
+        if len(tree) == 0:  # the model gave no chain after all
+            self._last = (ours, "cache", int(context.size))
+            return ours
+        self.model_steps += 1
         self._last = (tree, "model", int(context.size))
         return tree
 

@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from decoder_client.chain_model import ChainModel, model_goes
+from decoder_client.chain_model import ChainSource, model_goes
 from decoder_client.client.drafting import Drafting
 from decoder_client.client.session import TopkAt, TopkRows
 from decoder_client.engines.deadline import StepDeadline
@@ -178,7 +178,7 @@ class DraftcacheDraftModel(LlamaDraftModel):
         cost: StepCost | None = None,
         idle_s: float = 2.0,
         recalibrate: bool = False,
-        chain_model: ChainModel | None = None,
+        chain_model: ChainSource | None = None,
     ) -> None:
         if not 1 <= num_pred_tokens <= MAX_DEPTH:
             raise ValueError(f"num_pred_tokens must be in [1, {MAX_DEPTH}], got {num_pred_tokens}")
@@ -208,7 +208,7 @@ class DraftcacheDraftModel(LlamaDraftModel):
         *,
         num_pred_tokens: int = 10,
         vocab_size: int | None = None,
-        chain_model: ChainModel | None = None,
+        chain_model: ChainSource | None = None,
         **settings: Any,
     ) -> DraftcacheDraftModel:
         """A draft model with a client of its own, drafting chains of at most
@@ -230,7 +230,7 @@ class DraftcacheDraftModel(LlamaDraftModel):
         num_pred_tokens: int = 10,
         vocab_size: int | None = None,
         *,
-        chain_model: ChainModel | None = None,
+        chain_model: ChainSource | None = None,
     ) -> DraftcacheDraftModel:
         """See :meth:`connect`; each call's deadline follows the engine's step."""
         client = settings.draft_client(num_pred_tokens, vocab_size)
@@ -286,7 +286,7 @@ class DraftcacheDraftModel(LlamaDraftModel):
 
     def _beside(
         self,
-        model: ChainModel,
+        model: ChainSource,
         ids: np.ndarray,
         chain: np.ndarray,
         claims: np.ndarray,
@@ -300,6 +300,8 @@ class DraftcacheDraftModel(LlamaDraftModel):
         if not model_goes(nxt, float(scores[0]) if chain.size else 0.0):
             return chain, claims, scores
         tokens, probs = model.extend()
+        if not tokens.size:  # the model gave no chain after all
+            return chain, claims, scores
         likely = np.cumprod(probs[: self.num_pred_tokens].astype(np.float64))
         tokens = cut(tokens[: self.num_pred_tokens], likely, min_prob)
         self._model_draft = True

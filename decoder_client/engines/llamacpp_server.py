@@ -116,8 +116,9 @@ def proxy_class(settings: EngineSettings, num_pred_tokens: int, chain_model: str
 def _close(draft: Any) -> None:
     """Commit a draft model's open generation, shut its client down, free its chain model's."""
     draft.close()
-    if draft.chain_model is not None:
-        draft.chain_model.llm.close()
+    small = getattr(draft.chain_model, "llm", None)  # the LlamaChainModel's own engine
+    if small is not None:
+        small.close()
 
 
 def parser() -> argparse.ArgumentParser:

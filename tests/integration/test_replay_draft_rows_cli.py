@@ -65,7 +65,7 @@ def test_draft_rows_refused_where_they_cannot_apply(tmp_path: Path, capsys: pyte
     traces = _trace(tmp_path / "t.jsonl.gz")
     rows = _rows(traces, tmp_path / "r.npz")
     assert main(["replay", str(traces), "--draft-rows", str(rows)]) == 2
-    assert "--draft-rows replays chains in-process" in capsys.readouterr().err
+    assert "--draft-rows and --draft-model replay chains in-process" in capsys.readouterr().err
     assert main(["replay", str(traces), "--chain", "4", "--draft-rows", str(rows), "--target", "127.0.0.1:1"]) == 2
     assert "--draft-rows" in capsys.readouterr().err
     other = tmp_path / "other.jsonl.gz"
