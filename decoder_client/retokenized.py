@@ -3,14 +3,14 @@ transformers' universal assisted generation): a small model of one family beside
 target of another.
 
 Each step the target's context is turned into bytes (every token's bytes, exactly, from either
-kind of tokenizer this module reads: byte-level BPE, or SentencePiece with byte fallback),
-encoded with the draft model's tokenizer, and its last draft token dropped: the context's end
-may cut a draft token in two, so the model drafts from the draft-token boundary before it, and
-its chain must first spell the bytes between that boundary and the context's end. The bytes the
-chain adds are encoded with the target's tokenizer behind a few of the context's own tokens (an
-anchor that starts a word, so the target's tokenizer splits it as the context did); where the
-anchor comes back changed the model abstains. The last target token of a chain that did not end
-is dropped: more bytes might have joined it.
+kind of tokenizer this module reads: byte-level BPE, or SentencePiece with byte fallback) and
+encoded with the draft model's tokenizer; the model's KV cache keeps what that encoding shares
+with the last step's. Where the context's end cuts a draft token in two, the model reads the
+cut encoding as it stands. The bytes its chain adds are encoded with the target's tokenizer
+behind an anchor of the context's last tokens, from one that starts a word or a line, so the
+target's tokenizer splits the anchor as the context did; where the anchor comes back changed the
+model abstains (the cache drafts alone). The last target token of a chain that did not end is
+dropped: more bytes might have joined it.
 """
 
 from __future__ import annotations
@@ -98,8 +98,10 @@ class Retokenized:
                 f"the draft model reads {inner.vocab_size} ids; its tokenizer has {len(self._draft_bytes)}"
             )
         self._prefix_space = _adds_prefix_space(target_tokenizer, self._target_bytes)
-        self._pending: tuple[np.ndarray, bytes] | None = None  # the context, the bytes the chain must spell first
-        self.abstained = 0  # steps the model sat out: the context's end or the re-encoding did not fit
+        # The context, and the bytes the chain must spell first (the draft encoding of a context
+        # whose bytes are not whole characters may leave some out).
+        self._pending: tuple[np.ndarray, bytes] | None = None
+        self.abstained = 0  # steps the model sat out: its first token or the re-encoding did not fit
 
     def first(self, context: np.ndarray) -> NextToken | None:
         ctx = as_tokens(context, self.vocab_size, what="context")
