@@ -159,10 +159,11 @@ def running() -> Iterator[Running]:
     stop_service(r)
 
 
-def proposer_for(running: Running) -> DraftcacheProposer:
-    """A proposer on ``running``, once the namespace it creates at start (in the background)
-    is there: steps without a model take microseconds, a whole workload would be over first."""
-    proposer = DraftcacheProposer(vllm_config(running.target))
+def proposer_for(running: Running, config: Any = None) -> DraftcacheProposer:
+    """A proposer on ``running`` (with ``config``, else the default one), once the namespace it
+    creates at start (in the background) is there: steps without a model take microseconds, a
+    whole workload would be over first."""
+    proposer = DraftcacheProposer(vllm_config(running.target) if config is None else config)
     eventually(lambda: any(n.name == NS for n in running.admin.Stats(pb.StatsRequest(), timeout=5).namespaces), 30)
     return proposer
 
@@ -430,7 +431,7 @@ def test_a_near_copy_drafts_in_the_engine_and_commits_to_the_service(running: Ru
     """Drafting near, the default (no ``near`` setting given)."""
     config = vllm_config(running.target)
     del config.additional_config["draftcache"]["near"]
-    proposer = DraftcacheProposer(config)
+    proposer = proposer_for(running, config)
     try:
         assert proposer.settings.near
         first = Engine(proposer)
