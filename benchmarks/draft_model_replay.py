@@ -19,7 +19,7 @@ import numpy as np
 
 from benchmarks.draft_rows import SegmentRows
 from benchmarks.replay import ReplayDrafter, takes_topk
-from decoder_client.chain_model import ChainSource, first_token_chance, model_chain, model_goes
+from decoder_client.chain_model import BesideCache, ChainSource, model_chain
 from indexer.tree_builder import DraftTree, Tier
 
 
@@ -131,10 +131,7 @@ class WithDraftModel:
         return DraftTree.chain(model, Tier.CONTEXT)
 
     def advance(self, tokens: np.ndarray, topk: np.ndarray | None = None) -> None:
-        if topk is not None and self._inner_takes_topk:
-            self._inner.advance(tokens, topk=topk)
-        else:
-            self._inner.advance(tokens)
+        _advance(self._inner, self._inner_takes_topk, tokens, topk)
         self._rows.pos += int(tokens.size)
 
     def finish(self, commit_from: int) -> None:
@@ -169,7 +166,6 @@ class LiveDraftModel:
     def __init__(self, model: ChainSource, k: int, *, name: str = "draft-model") -> None:
         self.name = f"{name}/live({k})"
         self._model = model
-        self._k = k
         self._context = _Context()
 
     def start(self, prompt: np.ndarray) -> None:
@@ -188,40 +184,44 @@ class LiveDraftModel:
 
 
 class LiveWithDraftModel:
-    """Our chains beside a draft model run at every step: the model's chain unless ours has the
+    """Our chains beside a draft model run at every step, by the decoders' own drafter
+    (:class:`decoder_client.chain_model.BesideCache`): the model's chain unless ours has the
     likelier first token, ours where the model gives none. Ours advance on every step."""
 
     def __init__(self, inner: ReplayDrafter, model: ChainSource, *, name: str = "draft-model") -> None:
         self.name = f"{inner.name}+{name}/live"
         self._inner = inner
         self._inner_takes_topk = takes_topk(inner)
-        self._model = model
+        self._beside = BesideCache(lambda context: inner.propose(), model)
         self._context = _Context()
-        self.model_steps = 0
-        self.steps = 0
+
+    @property
+    def model_steps(self) -> int:
+        return self._beside.model_steps
+
+    @property
+    def steps(self) -> int:
+        return self._beside.steps
 
     def start(self, prompt: np.ndarray) -> None:
         self._inner.start(prompt)
         self._context.start(prompt)
 
     def propose(self) -> DraftTree:
-        ours = self._inner.propose()
-        self.steps += 1
-        if not model_goes(self._model.first(self._context.ids()), first_token_chance(ours)):
-            return ours
-        theirs = model_chain(*self._model.extend())
-        if not len(theirs):
-            return ours
-        self.model_steps += 1
-        return theirs
+        return self._beside(self._context.ids())
 
     def advance(self, tokens: np.ndarray, topk: np.ndarray | None = None) -> None:
-        if topk is not None and self._inner_takes_topk:
-            self._inner.advance(tokens, topk=topk)
-        else:
-            self._inner.advance(tokens)
+        _advance(self._inner, self._inner_takes_topk, tokens, topk)
         self._context.add(tokens)
 
     def finish(self, commit_from: int) -> None:
         self._inner.finish(commit_from)
         self._context.start(np.zeros(0, dtype=np.int32))
+
+
+def _advance(inner: ReplayDrafter, takes: bool, tokens: np.ndarray, topk: np.ndarray | None) -> None:
+    """The step's tokens to ``inner``, with the target's top-k where it takes them."""
+    if topk is not None and takes:
+        inner.advance(tokens, topk=topk)
+    else:
+        inner.advance(tokens)
