@@ -73,9 +73,10 @@ class ChainSource(Protocol):
     def first(self, context: np.ndarray) -> NextToken | None:
         """The model's first token after ``context`` and its probability; ``None``: no chain here."""
 
-    def extend(self) -> tuple[np.ndarray, np.ndarray]:
+    def extend(self, min_prob: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
         """The chain in the target's ids from that token, and each token's chance given the one
-        before; empty where the model gives none after all."""
+        before; empty where the model gives none after all. It may end once its chance of being
+        reached falls below ``min_prob`` (a proposal cut there would drop the rest)."""
 
 
 def model_goes(model: NextToken | None, cache_chance: float) -> bool:
@@ -147,18 +148,22 @@ class ChainModel(abc.ABC):
         self._next = NextToken(token, float(probs[token]))
         return self._next
 
-    def extend(self) -> tuple[np.ndarray, np.ndarray]:
+    def extend(self, min_prob: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
         """The chain from the token :meth:`first` last gave, greedy up to ``k`` tokens, and the
-        probability the model gave each of its tokens."""
+        probability the model gave each of its tokens; it ends at the first token whose chance
+        of being reached (the product of the probabilities up to it) is below ``min_prob``,
+        without reading further."""
         if self._next is None:
             raise RuntimeError("no next token to extend: call first() with a context that fits")
         tokens, probs = [self._next.token], [self._next.prob]
-        while len(tokens) < self.k:
+        reach = self._next.prob
+        while len(tokens) < self.k and reach >= min_prob:
             p = self._read(np.array(tokens[-1:], dtype=np.int32))
             self._held = np.append(self._held, np.int32(tokens[-1]))
             token = int(np.argmax(p))
             tokens.append(token)
             probs.append(float(p[token]))
+            reach *= probs[-1]
         self._next = None
         return np.array(tokens, dtype=np.int32), np.array(probs, dtype=np.float32)
 

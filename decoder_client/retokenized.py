@@ -121,12 +121,12 @@ class Retokenized:
         self._pending = (ctx, tail)
         return nxt
 
-    def extend(self) -> tuple[np.ndarray, np.ndarray]:
+    def extend(self, min_prob: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
         if self._pending is None:
             raise RuntimeError("no next token to extend: call first() with a context it drafts for")
         ctx, tail = self._pending
         self._pending = None
-        tokens, probs = self.inner.extend()
+        tokens, probs = self.inner.extend(min_prob)  # a target token's chance is the reach of its last draft token
         pieces = [self._draft_bytes[t] for t in tokens.tolist()]
         ended = b"" in pieces  # an end of text (or another special token): the chain stops there
         if ended:

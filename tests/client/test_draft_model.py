@@ -106,6 +106,24 @@ def test_a_context_is_checked_before_any_forward() -> None:
             ModelDrafter(_llama(0), k)
 
 
+def test_a_chain_ends_where_its_chance_falls_below_the_cut_without_reading_on() -> None:
+    model = _llama(0)
+    context = _ids(range(10, 30))
+    full = ModelDrafter(model, 8)
+    full.first(context)
+    tokens, probs = full.extend()
+    reach = np.cumprod(probs.astype(np.float64))
+    cut = float(reach[2])  # the third token is reached at exactly the cut: the fourth falls below it
+    drafter = ModelDrafter(model, 8)
+    drafter.first(context)
+    before = drafter.forwards
+    short, short_probs = drafter.extend(min_prob=cut)
+    assert short.tolist() == tokens[:4].tolist()  # the first token below the cut, and no more
+    assert np.array_equal(short_probs, probs[:4])
+    assert drafter.forwards - before == 3  # not the 7 of the whole chain
+    assert drafter.chain(context).tolist() == tokens.tolist()  # the next chain is whole again
+
+
 def test_a_context_past_the_models_positions_leaves_the_cache_drafting() -> None:
     drafter = ModelDrafter(_llama(0, positions=32), 4)
     assert drafter.first(_ids(range(28))) is not None  # 28 + a chain of 4 fits
