@@ -55,14 +55,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from decoder_client.chain_model import ChainSource, model_goes
+from decoder_client.chain_model import ChainSource
 from decoder_client.client.drafting import Drafting
 from decoder_client.client.session import TopkAt, TopkRows
+from decoder_client.engines.beside import beside
 from decoder_client.engines.deadline import StepDeadline
 from decoder_client.engines.outcomes import ChainOutcomes
 from decoder_client.engines.settings import EngineSettings
 from decoder_client.engines.step_clock import StepClock
-from decoder_client.engines.step_cost import StepCost, chain_to_propose, cut
+from decoder_client.engines.step_cost import StepCost, chain_to_propose
 from indexer.drafter import MAX_DEPTH
 
 if TYPE_CHECKING:
@@ -274,7 +275,9 @@ class DraftcacheDraftModel(LlamaDraftModel):
         chain, claims, scores = chain_to_propose(tree, self.num_pred_tokens, min_prob, chances)
         self._model_draft = False
         if self.chain_model is not None:
-            chain, claims, scores = self._beside(self.chain_model, ids, chain, claims, scores, min_prob)
+            chain, claims, scores, self._model_draft = beside(
+                self.chain_model, ids, chain, claims, scores, self.num_pred_tokens, min_prob
+            )
         if self.cost is not None:  # what the step pays for, its own cost included (none where nothing pays)
             (n,) = self.cost.keep([scores])
             chain, claims = chain[:n], claims[:n]
@@ -283,29 +286,6 @@ class DraftcacheDraftModel(LlamaDraftModel):
         self.stats.calls += 1
         self.stats.seconds += time.perf_counter() - start
         return chain
-
-    def _beside(
-        self,
-        model: ChainSource,
-        ids: np.ndarray,
-        chain: np.ndarray,
-        claims: np.ndarray,
-        scores: np.ndarray,
-        min_prob: float,
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The draft model's chain instead of the cache's where its first token is at least
-        as likely (see :mod:`decoder_client.chain_model`), cut at ``min_prob`` as the cache's
-        are; its claims are left out of the cache's outcomes."""
-        nxt = model.first(ids)
-        if not model_goes(nxt, float(scores[0]) if chain.size else 0.0):
-            return chain, claims, scores
-        tokens, probs = model.extend()
-        if not tokens.size:  # the model gave no chain after all
-            return chain, claims, scores
-        likely = np.cumprod(probs[: self.num_pred_tokens].astype(np.float64))
-        tokens = cut(tokens[: self.num_pred_tokens], likely, min_prob)
-        self._model_draft = True
-        return tokens, np.zeros(0), likely[: tokens.size]
 
     def _continue(self, ids: np.ndarray) -> tuple[Any, np.ndarray]:
         """The open generation's session and the tokens ``ids`` adds to it (the step they end

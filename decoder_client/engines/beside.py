@@ -1,0 +1,135 @@
+"""A draft model's chain in an engine's proposal, beside the cache's (the rule of
+:mod:`decoder_client.chain_model`), and the per-request draft models of an engine that batches.
+
+:func:`beside` is the step's choice, as every engine adapter makes it: the model's chain where
+its first token is at least as likely as the cache's, cut where a token is less likely than the
+engine's cut to be reached, as the cache's chains are. Its tokens carry no claims: the model's
+probabilities are its own, and the outcomes that correct the cache's claims
+(:class:`~decoder_client.engines.outcomes.ChainOutcomes`) must not learn from them.
+
+:class:`ModelRows` keeps one :class:`~decoder_client.chain_model.ChainSource` per request of a
+batch: each holds its own KV cache along its request, so a step reads only the request's new
+tokens. A cache is memory (for a 135M model in float32, about 46 KB a token), so at most
+``limit`` requests draft beside the model at once; the others draft from the cache alone until
+one of those ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Iterable
+from typing import NamedTuple
+
+import numpy as np
+
+from decoder_client.chain_model import ChainModel, ChainSource, model_goes
+from decoder_client.engines.step_cost import cut
+
+
+class Proposal(NamedTuple):
+    """One request's chain this step: its tokens, the cache's claims for them (empty for the
+    model's), each token's chance of being reached, and whether it is the model's."""
+
+    chain: np.ndarray
+    claims: np.ndarray
+    scores: np.ndarray
+    model: bool
+
+
+def beside(
+    model: ChainSource,
+    context: np.ndarray,
+    chain: np.ndarray,
+    claims: np.ndarray,
+    scores: np.ndarray,
+    max_len: int,
+    min_prob: float,
+) -> Proposal:
+    """The cache's chain (``chain``, ``claims``, ``scores``, as
+    :func:`~decoder_client.engines.step_cost.chain_to_propose` gives them) or the model's after
+    ``context``, whichever's first token is likelier; the model's is at most ``max_len`` tokens,
+    cut at ``min_prob``. The model reads ``context`` either way (its cache follows the request).
+
+    >>> from decoder_client.chain_model import NextToken
+    >>> class Sure:  # a model sure of 7, 8, then less so
+    ...     k, vocab_size = 4, 16
+    ...     def first(self, context): return NextToken(7, 0.9)
+    ...     def extend(self, min_prob): return np.array([7, 8, 9, 10]), np.array([0.9, 0.9, 0.2, 0.5])
+    >>> ours = np.array([3, 4]), np.array([0.5, 0.4]), np.array([0.5, 0.4])
+    >>> p = beside(Sure(), np.array([1, 2]), *ours, max_len=4, min_prob=0.1)
+    >>> p.chain.tolist(), p.claims.size, p.model
+    ([7, 8, 9], 0, True)
+    >>> beside(Sure(), np.array([1, 2]), np.array([3]), np.array([0.95]), np.array([0.95]), 4, 0.1).model
+    False
+    """
+    nxt = model.first(context)
+    if not model_goes(nxt, float(scores[0]) if chain.size else 0.0):
+        return Proposal(chain, claims, scores, False)
+    tokens, probs = model.extend(min_prob)
+    if not tokens.size:  # the model gave no chain after all
+        return Proposal(chain, claims, scores, False)
+    likely = np.cumprod(probs[:max_len].astype(np.float64))
+    tokens = cut(tokens[:max_len], likely, min_prob)
+    return Proposal(tokens, np.zeros(0), likely[: tokens.size], True)
+
+
+class ModelRows:
+    """A draft model per running request, made by ``make`` (each with its own KV cache, the
+    weights shared), at most ``limit`` at once; a request that ends gives its model back.
+
+    >>> rows = ModelRows(lambda: object(), limit=1)
+    >>> a = rows.get("a")
+    >>> rows.get("a") is a, rows.get("b") is None  # "b" waits: the one model is held
+    (True, True)
+    >>> rows.release(["a"])
+    >>> rows.get("b") is a, rows.live
+    (True, 1)
+    """
+
+    def __init__(self, make: Callable[[], ChainSource], limit: int) -> None:
+        if limit < 1:
+            raise ValueError(f"limit must be >= 1, got {limit}")
+        self._make = make
+        self.limit = limit
+        self._held: dict[Hashable, ChainSource] = {}
+        self._free: list[ChainSource] = []
+        self._made: list[ChainSource] = []
+
+    def get(self, request: Hashable) -> ChainSource | None:
+        """``request``'s model: the one it holds, else a free one, else a new one while fewer
+        than ``limit`` are held; ``None`` when all are."""
+        model = self._held.get(request)
+        if model is not None:
+            return model
+        if self._free:
+            model = self._free.pop()
+        elif len(self._made) < self.limit:
+            model = self._make()
+            self._made.append(model)
+        else:
+            return None
+        self._held[request] = model
+        return model
+
+    def release(self, requests: Iterable[Hashable]) -> None:
+        """These requests ended: their models forget them and are free for others."""
+        for request in requests:
+            model = self._held.pop(request, None)
+            if model is not None:
+                if isinstance(model, ChainModel):
+                    model.reset()  # its cache's memory goes now, not at the next request
+                self._free.append(model)
+
+    @property
+    def live(self) -> int:
+        """Requests holding a model now."""
+        return len(self._held)
+
+    @property
+    def forwards(self) -> int:
+        """Forward passes of every model made (what drafting beside them cost)."""
+        return sum(int(getattr(m, "forwards", 0)) for m in self._made)
+
+    @property
+    def fed(self) -> int:
+        """Tokens those passes read."""
+        return sum(int(getattr(m, "fed", 0)) for m in self._made)
