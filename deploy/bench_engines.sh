@@ -10,6 +10,11 @@
 #   bash deploy/bench_engines.sh --cold             # the service with an empty memory and no static prior
 #   bash deploy/bench_engines.sh --vllm-dtype auto  # vLLM's dtype (default: float32; auto: bfloat16
 #                                                   # where the CPU has bf16 instructions; see below)
+#   bash deploy/bench_engines.sh --vllm-draft-model smollm2  # also vLLM's draft-model method with this
+#                                                   # model (a folder with SmolLM2's tokenizer) and
+#                                                   # draftcache beside it (draftcache-beside)
+#   bash deploy/bench_engines.sh --vllm-methods draftcache  # vLLM: these methods only, and plain (each
+#                                                   # engine holds 2-3 GB here: six at once need more)
 #
 # Sets up what it needs on a fresh machine: .venv (the service, the prompts and llama.cpp),
 # .venv-vllm (deploy/setup_vllm.sh) with arctic-inference for vLLM's suffix method, the SmolLM2
@@ -35,6 +40,8 @@ QUICK=0
 PRIOR_ON=1
 ENGINES="vllm,llama.cpp"
 VLLM_DTYPE=float32
+VLLM_DRAFT_MODEL=""
+VLLM_METHODS=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) QUICK=1 ;;
@@ -42,7 +49,9 @@ while [ $# -gt 0 ]; do
     --cold) PRIOR_ON=0 ;;
     --engines) ENGINES="$2"; shift ;;
     --vllm-dtype) VLLM_DTYPE="$2"; shift ;;
-    *) echo "usage: bash deploy/bench_engines.sh [--quick] [--cold] [--engines vllm,llama.cpp] [--vllm-dtype auto|float32|bfloat16]" >&2; exit 2 ;;
+    --vllm-draft-model) VLLM_DRAFT_MODEL="$2"; shift ;;
+    --vllm-methods) VLLM_METHODS="$2"; shift ;;
+    *) echo "usage: bash deploy/bench_engines.sh [--quick] [--cold] [--engines vllm,llama.cpp] [--vllm-dtype auto|float32|bfloat16] [--vllm-draft-model DIR|smollm2] [--vllm-methods ngram,suffix,draftcache]" >&2; exit 2 ;;
   esac
   shift
 done
@@ -125,7 +134,7 @@ start_service() {  # $1: the service's data folder, emptied first
   SERVER=$!
   wait_healthy "$PORT"
   if [ "$PRIOR_ON" = 1 ]; then  # published into its storage, then loaded (and read by the near copies)
-    for ns in smollm2 smollm2-service; do
+    for ns in smollm2 smollm2-service ${VLLM_DRAFT_MODEL:+smollm2-beside}; do
       draftcache warm --namespace "$ns" --tokenizer "$TOKENIZER" --from-prior "$PRIOR" --data-dir "$1" >>"$1.log" 2>&1
       draftcache rebuild --target "127.0.0.1:$PORT" --namespace "$ns" >>"$1.log" 2>&1
     done
@@ -140,6 +149,8 @@ run_engine() {  # $1 engine, $2 its python
     # The compiled drafting loops of vLLM's virtualenv (another numba than .venv's) cached apart.
     CACHE="${NUMBA_CACHE_DIR:-$(pwd)/.venv-vllm/numba-cache}"
     EXTRA=(--dtype "$VLLM_DTYPE")
+    if [ -n "$VLLM_DRAFT_MODEL" ]; then EXTRA+=(--draft-model "$VLLM_DRAFT_MODEL"); fi
+    if [ -n "$VLLM_METHODS" ]; then EXTRA+=(--methods "$VLLM_METHODS"); fi
   fi
   if [ "$QUICK" = 0 ]; then  # also drafting through the service at every step
     EXTRA+=(--variant "service:near=false")

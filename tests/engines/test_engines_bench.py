@@ -151,6 +151,29 @@ def test_a_variant_is_draftcache_with_its_own_settings_namespace_and_stats(tmp_p
         VllmBench(target="h:1", work_dir=tmp_path, variants={"suffix": {}})
 
 
+def test_a_draft_model_runs_vllms_own_method_and_draftcache_beside_it(tmp_path: Path) -> None:
+    from benchmarks.engines_vllm import BESIDE, DRAFT_MODEL, llm_kwargs
+
+    a = parser().parse_args(["--engine", "vllm", "--workloads", "w.json", "--draft-model", str(tmp_path), "--k", "6"])
+    a.variants = {}
+    config = vllm_bench(a)
+    assert config.methods() == ["plain", "ngram", "suffix", "draftcache", DRAFT_MODEL, BESIDE]
+    theirs = llm_kwargs(DRAFT_MODEL, config, tmp_path, tmp_path / "s.json")
+    assert theirs["speculative_config"] == {
+        "method": "draft_model",
+        "model": str(tmp_path),
+        "num_speculative_tokens": 6,
+    }
+    assert "additional_config" not in theirs
+    ours = llm_kwargs(BESIDE, config, tmp_path, tmp_path / "b.json")["additional_config"]["draftcache"]
+    assert (ours["draft_model"], ours["namespace"]) == (str(tmp_path), "smollm2-beside")
+    plain_ours = llm_kwargs("draftcache", config, tmp_path, tmp_path / "a.json")["additional_config"]["draftcache"]
+    assert "draft_model" not in plain_ours  # draftcache alone stays alone
+    a.variants = {BESIDE: {}}
+    with pytest.raises(ValueError, match="the draft model's variant"):
+        vllm_bench(a)
+
+
 def test_the_kv_cache_flag_reaches_every_engine(tmp_path: Path) -> None:
     from benchmarks.engines_vllm import VllmBench, llm_kwargs
 
