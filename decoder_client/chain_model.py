@@ -182,7 +182,11 @@ class ChainModel(abc.ABC):
     def _read(self, ids: np.ndarray) -> np.ndarray:
         self.forwards += 1
         self.fed += int(ids.size)
-        return self._feed(ids)
+        try:
+            return self._feed(ids)
+        except BaseException:  # the cache may hold part of what it was fed: start it over
+            self.reset()
+            raise
 
 
 def model_chain(tokens: np.ndarray, probs: np.ndarray) -> DraftTree:

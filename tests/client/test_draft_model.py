@@ -124,6 +124,26 @@ def test_a_chain_ends_where_its_chance_falls_below_the_cut_without_reading_on() 
     assert drafter.chain(context).tolist() == tokens.tolist()  # the next chain is whole again
 
 
+def test_a_failed_forward_leaves_no_stale_cache_behind() -> None:
+    model = _llama(0)
+    drafter = ModelDrafter(model, 4)
+    context = _ids(range(10, 40))
+    drafter.chain(context[:20])  # the cache holds the first 20 ids and the chain's
+    feed = drafter._feed
+
+    def fails(ids: np.ndarray) -> np.ndarray:
+        feed(ids)  # the cache took the ids, then the forward failed
+        raise RuntimeError("out of memory")
+
+    drafter._feed = fails  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="out of memory"):
+        drafter.first(context)
+    drafter._feed = feed  # type: ignore[method-assign]
+    before = drafter.fed
+    assert drafter.chain(context).tolist() == greedy_continuation(model, context.tolist(), 4)
+    assert drafter.fed - before == context.size + 3  # read again from the start
+
+
 def test_a_context_past_the_models_positions_leaves_the_cache_drafting() -> None:
     drafter = ModelDrafter(_llama(0, positions=32), 4)
     assert drafter.first(_ids(range(28))) is not None  # 28 + a chain of 4 fits
