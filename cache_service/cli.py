@@ -7,7 +7,7 @@ that the server imports nothing from them. Every flag can also come from a ``DRA
 environment variable (``--budget`` from ``DRAFTCACHE_BUDGET``); flags win.
 
 >>> sorted(COMMANDS)[:4]
-['bench-draft', 'bench-generate', 'bench-index', 'bench-load']
+['bench-draft', 'bench-draft-model', 'bench-generate', 'bench-index']
 >>> missing_extra("transformers")
 'decoder'
 """
@@ -53,6 +53,7 @@ COMMANDS: dict[str, Command] = {
         "MAT of real decoding with the target's top-k fed back at every node, the path, nowhere", _TOOLS
     ),
     "bench-index": Command("rebuild time, lookup latency and bytes per token at a buffer size", _TOOLS),
+    "bench-draft-model": Command("a draft model's step time at a batch: rows read together vs one by one", _TOOLS),
     "make-topk-trace": Command("a SmolLM2 Spec-Bench trace with the target's top-k at every output token", _TOOLS),
     "make-draft-rows": Command("a draft model's next-token predictions along a trace, for chains in replay", _TOOLS),
 }

@@ -22,7 +22,7 @@ the cache to what the two share. This module needs neither torch nor an engine:
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -129,43 +129,23 @@ class ChainModel(abc.ABC):
     def _rewind(self, n: int) -> None:
         """Keep only the first ``n`` ids' entries in the cache."""
 
+    @classmethod
+    def _feed_many(cls, models: Sequence[ChainModel], feeds: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """:meth:`_feed` for several of this class's models at once (each its own ids after its
+        own cache). One at a time here; a class whose models can share a forward overrides it."""
+        return [m._feed(ids) for m, ids in zip(models, feeds, strict=True)]
+
     def first(self, context: np.ndarray) -> NextToken | None:
         """The model's next token after ``context`` (int32 ids), or ``None`` where the context
         and a chain of ``k`` would not fit the model's positions."""
-        ctx = as_tokens(context, self.vocab_size, what="context")
-        if ctx.size == 0:
-            raise ValueError("context must not be empty")
-        self._next = None
-        if self.max_positions is not None and ctx.size + self.k > self.max_positions:
-            self.reset()
-            return None
-        shared = min(shared_prefix(self._held, ctx), ctx.size - 1)  # the last id is read again for its logits
-        if shared < self._held.size:
-            self._rewind(shared)
-        probs = self._read(ctx[shared:])
-        self._held = ctx.copy()
-        token = int(np.argmax(probs))
-        self._next = NextToken(token, float(probs[token]))
-        return self._next
+        return first_many([self], [context])[0]
 
     def extend(self, min_prob: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
         """The chain from the token :meth:`first` last gave, greedy up to ``k`` tokens, and the
         probability the model gave each of its tokens; it ends at the first token whose chance
         of being reached (the product of the probabilities up to it) is below ``min_prob``,
         without reading further."""
-        if self._next is None:
-            raise RuntimeError("no next token to extend: call first() with a context that fits")
-        tokens, probs = [self._next.token], [self._next.prob]
-        reach = self._next.prob
-        while len(tokens) < self.k and reach >= min_prob:
-            p = self._read(np.array(tokens[-1:], dtype=np.int32))
-            self._held = np.append(self._held, np.int32(tokens[-1]))
-            token = int(np.argmax(p))
-            tokens.append(token)
-            probs.append(float(p[token]))
-            reach *= probs[-1]
-        self._next = None
-        return np.array(tokens, dtype=np.int32), np.array(probs, dtype=np.float32)
+        return extend_many([self], min_prob)[0]
 
     def chain(self, context: np.ndarray) -> np.ndarray:
         """The model's greedy chain of ``k`` after ``context``; empty where it does not fit."""
@@ -179,14 +159,81 @@ class ChainModel(abc.ABC):
         self._held = np.zeros(0, dtype=np.int32)
         self._next = None
 
-    def _read(self, ids: np.ndarray) -> np.ndarray:
-        self.forwards += 1
-        self.fed += int(ids.size)
-        try:
-            return self._feed(ids)
-        except BaseException:  # the cache may hold part of what it was fed: start it over
+    def _start(self, context: np.ndarray) -> np.ndarray | None:
+        """Check ``context``, rewind the cache to what it shares with it, and give the ids left
+        to read (at least the last, for its logits); ``None`` where it does not fit."""
+        ctx = as_tokens(context, self.vocab_size, what="context")
+        if ctx.size == 0:
+            raise ValueError("context must not be empty")
+        self._next = None
+        if self.max_positions is not None and ctx.size + self.k > self.max_positions:
             self.reset()
-            raise
+            return None
+        shared = min(shared_prefix(self._held, ctx), ctx.size - 1)  # the last id is read again for its logits
+        if shared < self._held.size:
+            self._rewind(shared)
+        self._held = ctx.copy()
+        return ctx[shared:]
+
+
+def read_many(models: Sequence[ChainModel], feeds: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """Each model reads its ids (in one forward where their class can share one); each one's
+    next-token probabilities. A failed read starts every model in it over: a cache may hold
+    part of what it was fed.
+    """
+    if len({id(m) for m in models}) != len(models):
+        raise ValueError("a model may read only once in a batch")
+    for m, ids in zip(models, feeds, strict=True):
+        m.forwards += 1
+        m.fed += int(ids.size)
+    kinds = {type(m) for m in models}
+    try:
+        if len(kinds) == 1:
+            return kinds.pop()._feed_many(models, feeds)
+        return [m._feed(ids) for m, ids in zip(models, feeds, strict=True)]
+    except BaseException:
+        for m in models:
+            m.reset()
+        raise
+
+
+def first_many(models: Sequence[ChainModel], contexts: Sequence[np.ndarray]) -> list[NextToken | None]:
+    """:meth:`ChainModel.first` for each model and its context (distinct models), read together."""
+    feeds = [m._start(c) for m, c in zip(models, contexts, strict=True)]
+    fit = [i for i, f in enumerate(feeds) if f is not None]
+    out: list[NextToken | None] = [None] * len(models)
+    probs = read_many([models[i] for i in fit], [feeds[i] for i in fit])  # type: ignore[misc]
+    for i, p in zip(fit, probs, strict=True):
+        token = int(np.argmax(p))
+        models[i]._next = out[i] = NextToken(token, float(p[token]))
+    return out
+
+
+def extend_many(models: Sequence[ChainModel], min_prob: float = 0.0) -> list[tuple[np.ndarray, np.ndarray]]:
+    """:meth:`ChainModel.extend` for each model (distinct models), one read of all the chains
+    still going per depth."""
+    tokens: list[list[int]] = []
+    probs: list[list[float]] = []
+    for m in models:
+        if m._next is None:
+            raise RuntimeError("no next token to extend: call first() with a context that fits")
+        tokens.append([m._next.token])
+        probs.append([m._next.prob])
+    reach = [p[0] for p in probs]
+    going = [i for i, m in enumerate(models) if m.k > 1 and reach[i] >= min_prob]
+    while going:
+        read = read_many([models[i] for i in going], [np.array(tokens[i][-1:], dtype=np.int32) for i in going])
+        for i, p in zip(going, read, strict=True):
+            m = models[i]
+            m._held = np.append(m._held, np.int32(tokens[i][-1]))
+            token = int(np.argmax(p))
+            tokens[i].append(token)
+            probs[i].append(float(p[token]))
+            reach[i] *= probs[i][-1]
+        going = [i for i in going if len(tokens[i]) < models[i].k and reach[i] >= min_prob]
+    for m in models:
+        m._next = None
+    return [(np.array(t, dtype=np.int32), np.array(p, dtype=np.float32)) for t, p in zip(tokens, probs, strict=True)]
 
 
 def model_chain(tokens: np.ndarray, probs: np.ndarray) -> DraftTree:

@@ -1,18 +1,30 @@
 """A Hugging Face causal LM as the draft model beside the cache (see
 :mod:`decoder_client.chain_model`): its own ``DynamicCache`` kept along the request.
+
+Drafters over one copy of a model (an engine's requests, :func:`drafters`) read together: a
+step's short reads (the tokens a step accepted, then one token per depth of the chains) go
+through one forward of the whole batch. Each request's cache is padded to the longest and
+stacked, the new ids right-padded; a 4D mask lets each row see only its own past and its own
+ids before it (a pad sees only itself), and position ids continue each row's own past, so every
+row gets what it would have got alone. The new entries then go back to each request's cache.
+A long read (a prompt) goes alone: padded beside it, every other row would compute as much.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
 
 from decoder_client.chain_model import ChainModel
 from decoder_client.models import hf_model_folder
 from decoder_client.reference_decoder import cache_keyword, prune_cache
+
+# A read longer than this goes in a forward of its own (see the module docstring).
+ALONE_FROM = 17
 
 
 class ModelDrafter(ChainModel):
@@ -42,11 +54,104 @@ class ModelDrafter(ChainModel):
             ).logits
         return torch.softmax(logits[0, -1].float(), dim=-1).cpu().numpy()
 
+    @classmethod
+    def _feed_many(cls, models: Sequence[ChainModel], feeds: Sequence[np.ndarray]) -> list[np.ndarray]:
+        out: list[np.ndarray | None] = [None] * len(models)
+        together: dict[int, list[int]] = {}  # id(model) -> the rows read in one forward over it
+        for i, (m, ids) in enumerate(zip(models, feeds, strict=True)):
+            if isinstance(m, ModelDrafter) and ids.size < ALONE_FROM and _stackable(m._cache):
+                together.setdefault(id(m.model), []).append(i)
+            else:
+                out[i] = m._feed(ids)
+        for rows in together.values():
+            if len(rows) == 1:
+                out[rows[0]] = models[rows[0]]._feed(feeds[rows[0]])
+                continue
+            drafters = [models[i] for i in rows]
+            assert all(isinstance(d, ModelDrafter) for d in drafters)
+            read = _forward_rows(drafters, [feeds[i] for i in rows])  # type: ignore[arg-type]
+            for i, probs in zip(rows, read, strict=True):
+                out[i] = probs
+        return out  # type: ignore[return-value]
+
     def _rewind(self, n: int) -> None:
         if n == 0:
             self._cache = DynamicCache(config=self.model.config)
         else:
             prune_cache(self._cache, n, [])  # keep the first n entries of every layer
+
+
+def _stackable(cache: DynamicCache) -> bool:
+    """Whether every layer of ``cache`` keeps the whole past (a sliding window's does not)."""
+    return all(type(layer) is DynamicLayer for layer in cache.layers)
+
+
+def _full_layers(cache: DynamicCache) -> list[DynamicLayer]:
+    """The layers of a cache :func:`_stackable` allowed."""
+    layers = [layer for layer in cache.layers if isinstance(layer, DynamicLayer)]
+    if len(layers) != len(cache.layers):
+        raise NotImplementedError("only full-attention layers read in a batch")
+    return layers
+
+
+def _forward_rows(drafters: Sequence[ModelDrafter], feeds: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """One forward of ``drafters`` (over one model), each reading its ids after its own cache;
+    each one's next-token probabilities. See the module docstring."""
+    model, device = drafters[0].model, drafters[0].device
+    b, n = len(drafters), torch.tensor([f.size for f in feeds])
+    past = torch.tensor([d._cache.get_seq_length() for d in drafters])
+    t, w = int(past.max()), int(n.max())
+    ids = torch.zeros((b, w), dtype=torch.long)
+    for r, f in enumerate(feeds):
+        ids[r, : f.size] = torch.from_numpy(f.astype(np.int64))
+    real = torch.arange(w)[None, :] < n[:, None]  # (b, w): a row's ids, not its padding
+    allowed = torch.zeros((b, w, t + w), dtype=torch.bool)
+    allowed[:, :, :t] = (torch.arange(t)[None, :] < past[:, None])[:, None, :] & real[:, :, None]
+    causal = torch.ones((w, w), dtype=torch.bool).tril()
+    allowed[:, :, t:] = torch.where(real[:, :, None], causal, torch.eye(w, dtype=torch.bool))
+    dtype = model.dtype
+    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)[:, None]
+    stacked = DynamicCache(config=model.config)
+    if t:
+        rows = [_full_layers(d._cache) for d in drafters]
+        for li in range(len(rows[0])):
+            keys, values = _stack([layers[li] for layers in rows], t)
+            stacked.update(keys.to(device), values.to(device), li)
+    last = n - 1
+    keep = torch.unique(last)
+    with torch.inference_mode():
+        logits = model(
+            input_ids=ids.to(device),
+            attention_mask=mask.to(device),
+            position_ids=(past[:, None] + torch.arange(w)[None, :]).to(device),
+            **{drafters[0]._keyword: stacked},
+            use_cache=True,
+            logits_to_keep=keep.to(device),
+        ).logits
+    at = torch.searchsorted(keep, last)
+    probs = torch.softmax(logits[torch.arange(b), at.to(logits.device)].float(), dim=-1).cpu().numpy()
+    for li, layer in enumerate(_full_layers(stacked)):
+        if layer.keys is None or layer.values is None:
+            continue
+        for r, d in enumerate(drafters):
+            span = slice(t, t + int(n[r]))
+            d._cache.update(layer.keys[r : r + 1, :, span], layer.values[r : r + 1, :, span], li)
+    return list(probs)
+
+
+def _stack(layers: Sequence[DynamicLayer], t: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's keys and values of every row, each padded to ``t`` entries (zeros: masked)."""
+    like = next(layer for layer in layers if layer.keys is not None and layer.keys.numel())
+    assert like.keys is not None and like.values is not None
+    shape = (len(layers), like.keys.shape[1], t, like.keys.shape[3])
+    keys = like.keys.new_zeros(shape)
+    values = like.values.new_zeros((*shape[:3], like.values.shape[3]))
+    for r, layer in enumerate(layers):
+        if layer.keys is not None and layer.values is not None and layer.keys.numel():
+            held = layer.keys.shape[2]
+            keys[r, :, :held] = layer.keys[0]
+            values[r, :, :held] = layer.values[0]
+    return keys, values
 
 
 def drafters(

@@ -52,6 +52,8 @@ def test_help_shows_the_defaults(capsys: pytest.CaptureFixture[str]) -> None:
         ["replay", "t.jsonl", "--budget", "0"],
         ["replay", "t.jsonl", "--lookahead", "-1"],
         ["bench-draft", "t.jsonl", "--batch", "0"],
+        ["bench-draft-model", "--batches", "1,0"],
+        ["bench-draft-model", "--k", "0"],
         ["serve", "--max-batch", "0"],
     ],
 )
@@ -60,6 +62,11 @@ def test_out_of_range_values_are_usage_errors(argv: list[str], capsys: pytest.Ca
         main(argv)
     assert exit_.value.code == 2
     assert "must be at least" in capsys.readouterr().err
+
+
+def test_a_draft_model_benchmark_is_checked_before_its_model_loads(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench-draft-model", "--k", "4", "--accept", "4", "--model", "/nowhere"]) == 2
+    assert "accept must be in [0, k)" in capsys.readouterr().err
 
 
 def test_a_prior_that_is_not_a_prior_file_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,0 +1,134 @@
+"""Drafters over one model read together: one forward per depth for a batch of requests, and
+every request's chain exactly what the model's own greedy generation gives after its context,
+as contexts grow, are cut back, start over and arrive with long prompts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from benchmarks.draft_model_bench import DraftModelBenchConfig, run_draft_model_bench
+from decoder_client.chain_model import extend_many, first_many
+from decoder_client.draft_model import ALONE_FROM, ModelDrafter
+from tests.client.conftest import greedy_continuation
+from tests.client.test_draft_model import VOCAB, _ids, _llama
+
+K = 6
+
+
+def _forwards(model: torch.nn.Module) -> list[int]:
+    """Counts the model's forward passes (its batch size each)."""
+    calls: list[int] = []
+    model.register_forward_hook(
+        lambda _m, _args, kwargs, _out: calls.append(int(kwargs["input_ids"].shape[0])), with_kwargs=True
+    )
+    return calls
+
+
+def test_a_batch_reads_together_and_each_row_gets_its_own_greedy_chain() -> None:
+    model = _llama(0)
+    calls = _forwards(model)
+    rows = [ModelDrafter(model, K) for _ in range(4)]
+    rng = np.random.default_rng(3)
+    contexts = [_ids(rng.integers(0, VOCAB, n)) for n in (5, 12, 3, 40)]  # the last is a long prompt
+    for step in range(12):
+        calls.clear()
+        firsts = first_many(rows, contexts)
+        assert all(f is not None for f in firsts)
+        chains = extend_many(rows, 0.0)
+        seen = list(calls)
+        if step == 0:  # the long prompt alone, the three short ones together; then the chains
+            assert seen == [1, 3] + [4] * (K - 1)
+        else:  # every read this step is short: one forward per depth for all four
+            assert seen == [4] * K, step
+        for r, (ctx, (tokens, probs)) in enumerate(zip(contexts, chains, strict=True)):
+            assert tokens.tolist() == greedy_continuation(model, ctx.tolist(), K), (step, r)
+            assert probs.dtype == np.float32 and np.all((probs > 0) & (probs <= 1))
+        for r, (tokens, _) in enumerate(chains):
+            move = (step + r) % 4
+            if move == 0:  # part of the chain accepted, then the bonus
+                contexts[r] = _ids([*contexts[r], *tokens[: 1 + r], int(rng.integers(0, VOCAB))])
+            elif move == 1:  # nothing accepted
+                contexts[r] = _ids([*contexts[r], int(rng.integers(0, VOCAB))])
+            elif move == 2:  # cut back below what the cache holds
+                contexts[r] = contexts[r][: max(2, contexts[r].size - 3)]
+            else:  # the whole chain and the bonus
+                contexts[r] = _ids([*contexts[r], *tokens, int(rng.integers(0, VOCAB))])
+
+
+def test_rows_of_one_batch_stop_at_their_own_cut_and_a_new_request_starts_clean() -> None:
+    model = _llama(1)
+    rows = [ModelDrafter(model, 8) for _ in range(3)]
+    contexts = [_ids(range(10, 20)), _ids(range(30, 45)), _ids(range(50, 53))]
+    first_many(rows, contexts)
+    whole = extend_many(rows, 0.0)
+    reach = [np.cumprod(p.astype(np.float64)) for _, p in whole]
+    cut = float(reach[0][1])  # row 0's third token falls below it; the others' by their own chances
+    first_many(rows, contexts)
+    short = extend_many(rows, cut)
+    for (tokens, probs), (t_all, p_all), r in zip(short, whole, reach, strict=True):
+        below = np.flatnonzero(r < cut)
+        n = int(below[0]) + 1 if below.size else t_all.size
+        assert tokens.tolist() == t_all[:n].tolist()
+        assert np.allclose(probs, p_all[:n], atol=1e-5)
+    rows[1].reset()  # its request ended; another arrives on the same drafter
+    fresh = _ids(range(90, 100))
+    first_many(rows, [contexts[0], fresh, contexts[2]])
+    tokens = extend_many(rows, 0.0)[1][0]
+    assert tokens.tolist() == greedy_continuation(model, fresh.tolist(), 8)
+
+
+def test_reads_over_different_models_or_long_ones_go_alone_and_agree() -> None:
+    a, b = _llama(0), _llama(2)
+    calls_a, calls_b = _forwards(a), _forwards(b)
+    rows = [ModelDrafter(a, 4), ModelDrafter(b, 4), ModelDrafter(a, 4)]
+    contexts = [_ids(range(1, 9)), _ids(range(2, 10)), _ids(range(3, 3 + ALONE_FROM))]
+    first_many(rows, contexts)
+    assert calls_a == [1, 1] and calls_b == [1]  # row 2's read is long: alone
+    chains = extend_many(rows, 0.0)
+    assert calls_a[2:] == [2] * 3 and calls_b[1:] == [1] * 3
+    for model, ctx, (tokens, _) in zip((a, b, a), contexts, chains, strict=True):
+        assert tokens.tolist() == greedy_continuation(model, ctx.tolist(), 4)
+
+
+def test_a_batch_is_checked_before_any_forward_and_a_failed_one_starts_every_row_over() -> None:
+    model = _llama(0)
+    calls = _forwards(model)
+    rows = [ModelDrafter(model, 4) for _ in range(2)]
+    with pytest.raises(ValueError, match="only once"):
+        first_many([rows[0], rows[0]], [_ids([1, 2]), _ids([3, 4])])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        first_many(rows, [_ids([1, 2]), _ids([3, VOCAB])])
+    assert calls == []
+    calls.clear()
+    contexts = [_ids(range(10, 20)), _ids(range(20, 32))]
+    first_many(rows, contexts)
+    extend_many(rows, 0.0)
+    forward = model.forward
+
+    def fails(*args: object, **kwargs: object) -> object:
+        forward(*args, **kwargs)  # the caches took the ids, then the forward failed
+        raise RuntimeError("out of memory")
+
+    model.forward = fails  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="out of memory"):
+        first_many(rows, [_ids([*c, 5]) for c in contexts])
+    del model.forward
+    assert all(r._held.size == 0 and r._cache.get_seq_length() == 0 for r in rows)
+    first_many(rows, contexts)
+    for ctx, (tokens, _) in zip(contexts, extend_many(rows, 0.0), strict=True):
+        assert tokens.tolist() == greedy_continuation(model, ctx.tolist(), 4)
+
+
+def test_the_benchmark_times_both_ways_over_the_same_chains() -> None:
+    model = _llama(0)
+    prompts = [_ids(np.arange(n) % VOCAB) for n in (30, 12, 50)]
+    config = DraftModelBenchConfig(batches=(1, 3), k=4, accept=1, steps=3, prompt_tokens=40)
+    report = run_draft_model_bench(lambda: ModelDrafter(model, 4), prompts, config)
+    assert report["chains_agree"] is True
+    assert set(report["batches"]) == {1, 3}
+    for row in report["batches"].values():
+        assert 0 < row["together_ms_p50"] <= row["together_ms_p90"] and 0 < row["alone_ms_p50"] <= row["alone_ms_p90"]
+    with pytest.raises(ValueError, match="3 prompts for a batch of 4"):
+        run_draft_model_bench(lambda: ModelDrafter(model, 4), prompts, DraftModelBenchConfig(batches=(4,), k=4))
