@@ -7,21 +7,22 @@ engine's cut to be reached, as the cache's chains are. Its tokens carry no claim
 probabilities are its own, and the outcomes that correct the cache's claims
 (:class:`~decoder_client.engines.outcomes.ChainOutcomes`) must not learn from them.
 
-:class:`ModelRows` keeps one :class:`~decoder_client.chain_model.ChainSource` per request of a
+:class:`ModelRows` keeps one :class:`~decoder_client.chain_model.ChainModel` per request of a
 batch: each holds its own KV cache along its request, so a step reads only the request's new
-tokens. A cache is memory (for a 135M model in float32, about 46 KB a token), so at most
-``limit`` requests draft beside the model at once; the others draft from the cache alone until
-one of those ends.
+tokens, and :meth:`ModelRows.beside` reads the whole batch's together (one forward per depth
+where the model's class can share one, as :mod:`decoder_client.draft_model`'s does). A cache
+is memory (for a 135M model in float32, about 46 KB a token), so at most ``limit`` requests
+draft beside the model at once; the others draft from the cache alone until one of those ends.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import NamedTuple
 
 import numpy as np
 
-from decoder_client.chain_model import ChainModel, ChainSource, model_goes
+from decoder_client.chain_model import ChainModel, ChainSource, extend_many, first_many, model_goes
 from decoder_client.engines.step_cost import cut
 
 
@@ -64,9 +65,14 @@ def beside(
     nxt = model.first(context)
     if not model_goes(nxt, float(scores[0]) if chain.size else 0.0):
         return Proposal(chain, claims, scores, False)
-    tokens, probs = model.extend(min_prob)
-    if not tokens.size:  # the model gave no chain after all
-        return Proposal(chain, claims, scores, False)
+    return _models(Proposal(chain, claims, scores, False), *model.extend(min_prob), max_len, min_prob)
+
+
+def _models(ours: Proposal, tokens: np.ndarray, probs: np.ndarray, max_len: int, min_prob: float) -> Proposal:
+    """The model's chain (``tokens``, each one's ``probs``) cut as the cache's are; ``ours``
+    where it gave none after all."""
+    if not tokens.size:
+        return ours
     likely = np.cumprod(probs[:max_len].astype(np.float64))
     tokens = cut(tokens[:max_len], likely, min_prob)
     return Proposal(tokens, np.zeros(0), likely[: tokens.size], True)
@@ -76,7 +82,9 @@ class ModelRows:
     """A draft model per running request, made by ``make`` (each with its own KV cache, the
     weights shared), at most ``limit`` at once; a request that ends gives its model back.
 
-    >>> rows = ModelRows(lambda: object(), limit=1)
+    >>> class Model:  # a ChainModel's part that ModelRows uses on its own
+    ...     def reset(self): pass
+    >>> rows = ModelRows(Model, limit=1)
     >>> a = rows.get("a")
     >>> rows.get("a") is a, rows.get("b") is None  # "b" waits: the one model is held
     (True, True)
@@ -85,16 +93,43 @@ class ModelRows:
     (True, 1)
     """
 
-    def __init__(self, make: Callable[[], ChainSource], limit: int) -> None:
+    def __init__(self, make: Callable[[], ChainModel], limit: int) -> None:
         if limit < 1:
             raise ValueError(f"limit must be >= 1, got {limit}")
         self._make = make
         self.limit = limit
-        self._held: dict[Hashable, ChainSource] = {}
-        self._free: list[ChainSource] = []
-        self._made: list[ChainSource] = []
+        self._held: dict[Hashable, ChainModel] = {}
+        self._free: list[ChainModel] = []
+        self._made: list[ChainModel] = []
+        self.reads = 0  # reads of the batch: one for the step's contexts, one per depth of its chains
 
-    def get(self, request: Hashable) -> ChainSource | None:
+    def beside(
+        self,
+        requests: Sequence[Hashable],
+        contexts: Sequence[np.ndarray],
+        ours: Sequence[Proposal],
+        max_lens: Sequence[int],
+        min_prob: float,
+    ) -> list[Proposal]:
+        """:func:`beside` for a batch: each request's proposal (``ours``: the cache's chain,
+        claims and chances), the model's chain where it holds a model and its first token is
+        likelier. The models read every context and chain of the batch together."""
+        held = [(i, m) for i, r in enumerate(requests) if (m := self.get(r)) is not None]
+        nexts = first_many([m for _, m in held], [contexts[i] for i, _ in held])
+        self.reads += 1 if held else 0
+        going = [
+            (i, m)
+            for (i, m), nxt in zip(held, nexts, strict=True)
+            if model_goes(nxt, float(ours[i].scores[0]) if ours[i].chain.size else 0.0)
+        ]
+        chains = extend_many([m for _, m in going], min_prob)
+        self.reads += max((t.size - 1 for t, _ in chains), default=0)
+        out = list(ours)
+        for (i, _), (tokens, probs) in zip(going, chains, strict=True):
+            out[i] = _models(ours[i], tokens, probs, max_lens[i], min_prob)
+        return out
+
+    def get(self, request: Hashable) -> ChainModel | None:
         """``request``'s model: the one it holds, else a free one, else a new one while fewer
         than ``limit`` are held; ``None`` when all are."""
         model = self._held.get(request)
@@ -115,8 +150,7 @@ class ModelRows:
         for request in requests:
             model = self._held.pop(request, None)
             if model is not None:
-                if isinstance(model, ChainModel):
-                    model.reset()  # its cache's memory goes now, not at the next request
+                model.reset()  # its cache's memory goes now, not at the next request
                 self._free.append(model)
 
     @property
@@ -126,7 +160,8 @@ class ModelRows:
 
     @property
     def forwards(self) -> int:
-        """Forward passes of every model made (what drafting beside them cost)."""
+        """Forward passes of every model made, a request's share of a batch's counted as one
+        of its own."""
         return sum(int(getattr(m, "forwards", 0)) for m in self._made)
 
     @property

@@ -57,11 +57,12 @@ Beside a draft model. With ``draft_model`` (a Hugging Face folder whose tokenize
 target's), a request's chain is a small model's greedy one wherever the model's first token is
 likelier than the cache's (:mod:`decoder_client.engines.beside`; the rule and why in
 :mod:`decoder_client.chain_model`). The model runs in this worker on the target's device and in
-its dtype, in the engine's thread, one request after another, each with its own KV cache: every
-step costs each such request one forward over its new tokens, and ``K - 1`` more where its chain
-goes. At most ``draft_model_rows`` requests hold a model at once; the rest draft from the cache
-alone. The model's chains are counted apart (``model_*`` in the stats) and stay out of the
-outcomes that correct the cache's claims. With the service down, they still go.
+its dtype, in the engine's thread, each request with its own KV cache. The batch reads
+together: every step costs one forward over all rows' new tokens (a prompt is read alone), and
+one more per depth of the chains that go, at most ``K - 1``. At most ``draft_model_rows``
+requests hold a model at once; the rest draft from the cache alone. The model's chains are
+counted apart (``model_*`` in the stats) and stay out of the outcomes that correct the cache's
+claims. With the service down, they still go.
 
 The service slow or down costs a step at most the draft call's deadline (a fraction of the
 engine's recent step time, within set bounds: :mod:`~decoder_client.engines.deadline`): past it
@@ -121,11 +122,11 @@ class DraftcacheProposer:
 
     def __init__(self, vllm_config: Any) -> None:
         # The client, in vLLM's worker (see the module docstring).
-        from decoder_client.engines.beside import Proposal, beside
+        from decoder_client.engines.beside import Proposal
         from decoder_client.engines.step_cost import chain_to_propose
 
         self._chain_to_propose = chain_to_propose
-        self._proposal, self._beside = Proposal, beside
+        self._proposal = Proposal
         self.num_speculative_tokens = int(vllm_config.speculative_config.num_speculative_tokens)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         self.standby = not drafts_read_here(vllm_config)
@@ -239,15 +240,19 @@ class DraftcacheProposer:
         drafts: list[list[int]] = [[] for _ in sampled]
         chances = self._outcomes.chances if self.settings.recalibrate else None
         chains = []  # each row's chain cut at the drafter's cut, then trimmed to what the step pays for
+        rooms = []
         for i, track, tree in zip(live, tracks, trees, strict=True):
             room = min(self.num_speculative_tokens, self.max_model_len - int(lengths[i]) - 1)
             if room > 0:
                 ours = self._chain_to_propose(tree, room, self._cost.ask_prob, chances)
-                model = None if self._models is None else self._models.get(track)
-                if model is None:
-                    chains.append((i, track, self._proposal(*ours, model=False)))
-                else:  # the model reads the row either way: its cache follows the request
-                    chains.append((i, track, self._beside(model, track.tokens, *ours, room, self._cost.ask_prob)))
+                chains.append((i, track, self._proposal(*ours, model=False)))
+                rooms.append(room)
+        if self._models is not None and chains:  # the models read every row either way: they follow the requests
+            held = [c[1] for c in chains]
+            proposals = self._models.beside(
+                held, [t.tokens for t in held], [c[2] for c in chains], rooms, self._cost.ask_prob
+            )
+            chains = [(i, track, p) for (i, track, _), p in zip(chains, proposals, strict=True)]
         # keep() weighs the step as a whole: where no drafts pay for the step's cost, none go.
         for (i, track, p), n in zip(chains, self._cost.keep([c[-1].scores for c in chains]), strict=True):
             drafts[i] = p.chain[:n].tolist()
@@ -323,8 +328,9 @@ class DraftcacheProposer:
 
     def _model_summary(self) -> dict[str, Any]:
         """The draft model's part (none without one): the steps that proposed its chain, its
-        tokens in them and how many were accepted, requests holding a model now, and its
-        forward passes and the tokens they read."""
+        tokens in them and how many were accepted, requests holding a model now, its
+        per-request forward passes, the batch's reads (one per depth for all rows, where they
+        share a forward) and the tokens they read."""
         if self._models is None:
             return {}
         return {
@@ -333,6 +339,7 @@ class DraftcacheProposer:
             "model_accepted": self._model_accepted,
             "model_rows_live": self._models.live,
             "model_forwards": self._models.forwards,
+            "model_reads": self._models.reads,
             "model_tokens_read": self._models.fed,
         }
 

@@ -540,6 +540,9 @@ def test_a_draft_model_drafts_beside_the_cache(running: Running, tmp_path: Path)
         assert stats["model_forwards"] <= engine.steps * len(reqs) + (K - 1) * chains_made, stats
         text = sum(len(r.prompt) + len(r.target) for r in reqs)
         assert text <= stats["model_tokens_read"] <= text + engine.steps * len(reqs) + K * chains_made, stats
+        # The rows read together: a read a step for the batch's new tokens, one per depth of its chains.
+        assert stats["model_reads"] <= engine.steps * K, stats
+        assert stats["model_reads"] < stats["model_forwards"] / 2, stats  # five requests shared them
         # The cache's outcomes learnt from the cache's chains only.
         assert stats["chains"]["proposed_tokens"] == engine.verified - stats["model_proposed"], stats
         eventually(lambda: namespace_info(running).requests == len(reqs), 10)

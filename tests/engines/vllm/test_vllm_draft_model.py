@@ -52,4 +52,5 @@ def test_a_draft_model_drafts_beside_the_cache_in_vllms_worker(
     assert stats["model_accepted"] >= 0.9 * stats["model_proposed"] > 0, stats
     assert accepted >= 0.8 * drafted > 0, (drafted, accepted)  # vLLM's own counters say the same
     assert stats["model_rows_live"] == 0, stats  # every request gave its model back
+    assert stats["model_reads"] < stats["model_forwards"], stats  # the batch's rows read together
     assert_committed_once(serve, MODEL_NAMESPACE, batch, plain)
