@@ -182,8 +182,12 @@ def row(
         "engine_step_ms": engine_step_ms(runs),
         "by_group": by_group,
     }
-    if batch > 1:
+    if batch > 1:  # a request's decode time overlaps the others': the batch's wall time is the rate
         out["batch"] = batch
+        for key in ("decode_tokens_per_s", "first_token_s"):
+            out.pop(key, None)
+            for figures_of_group in by_group.values():
+                figures_of_group.pop(key, None)
     if all(r.draft_seconds is not None for r in runs) and out["drafts"]:
         out["drafter_ms_per_step"] = round(1e3 * sum(r.draft_seconds or 0.0 for r in runs) / out["drafts"], 3)
     if reference is None:

@@ -77,7 +77,7 @@ class Batching:
 
     def run_batch(self, method: str, prompts: Sequence[Sequence[int]]) -> list[Measurement]:
         self.calls.append((method, len(prompts)))
-        return share_batch([list(p) for p in prompts], 1.0, [None] * len(prompts), 2, 6, 3)
+        return share_batch([list(p) for p in prompts], 1.0, [0.9] * len(prompts), 2, 6, 3)
 
     def begin_workload(self) -> None: ...
 
@@ -96,6 +96,7 @@ def test_a_batch_runs_its_prompts_together_and_never_both_agent_passes() -> None
     line = row("fake", prompts, "ours", runs["ours"], runs["plain"], batch=2)
     assert line["batch"] == 2 and line["identical_to_greedy"] == 1.0 and line["drafts"] == 2 * 3
     assert set(line["by_group"]) == {"pass1", "pass2"}  # the passes never share a batch
+    assert line["engine_step_ms"] > 0 and "first_token_s" not in line and "decode_tokens_per_s" not in line
     spec = [EnginePrompt(SPEC_BENCH, g, "p", (1, 2)) for g in ("qa", "rag")]
     assert row("fake", spec, "ours", runs["ours"][:2], runs["plain"][:2], batch=2)["by_group"] == {}
     with pytest.raises(ValueError, match="one prompt at a time"):
