@@ -56,23 +56,21 @@ class ModelDrafter(ChainModel):
 
     @classmethod
     def _feed_many(cls, models: Sequence[ChainModel], feeds: Sequence[np.ndarray]) -> list[np.ndarray]:
-        out: list[np.ndarray | None] = [None] * len(models)
-        together: dict[int, list[int]] = {}  # id(model) -> the rows read in one forward over it
+        out: dict[int, np.ndarray] = {}
+        together: dict[int, list[tuple[int, ModelDrafter]]] = {}  # id(model) -> the rows read in one forward
         for i, (m, ids) in enumerate(zip(models, feeds, strict=True)):
-            if isinstance(m, ModelDrafter) and ids.size < ALONE_FROM and _stackable(m._cache):
-                together.setdefault(id(m.model), []).append(i)
+            if isinstance(m, ModelDrafter) and ids.size < ALONE_FROM and _full_layers(m._cache) is not None:
+                together.setdefault(id(m.model), []).append((i, m))
             else:
                 out[i] = m._feed(ids)
         for rows in together.values():
             if len(rows) == 1:
-                out[rows[0]] = models[rows[0]]._feed(feeds[rows[0]])
-                continue
-            drafters = [models[i] for i in rows]
-            assert all(isinstance(d, ModelDrafter) for d in drafters)
-            read = _forward_rows(drafters, [feeds[i] for i in rows])  # type: ignore[arg-type]
-            for i, probs in zip(rows, read, strict=True):
-                out[i] = probs
-        return out  # type: ignore[return-value]
+                i, m = rows[0]
+                out[i] = m._feed(feeds[i])
+            else:
+                read = _forward_rows([m for _, m in rows], [feeds[i] for i, _ in rows])
+                out.update(zip((i for i, _ in rows), read, strict=True))
+        return [out[i] for i in range(len(models))]
 
     def _rewind(self, n: int) -> None:
         if n == 0:
@@ -81,17 +79,11 @@ class ModelDrafter(ChainModel):
             prune_cache(self._cache, n, [])  # keep the first n entries of every layer
 
 
-def _stackable(cache: DynamicCache) -> bool:
-    """Whether every layer of ``cache`` keeps the whole past (a sliding window's does not)."""
-    return all(type(layer) is DynamicLayer for layer in cache.layers)
-
-
-def _full_layers(cache: DynamicCache) -> list[DynamicLayer]:
-    """The layers of a cache :func:`_stackable` allowed."""
-    layers = [layer for layer in cache.layers if isinstance(layer, DynamicLayer)]
-    if len(layers) != len(cache.layers):
-        raise NotImplementedError("only full-attention layers read in a batch")
-    return layers
+def _full_layers(cache: DynamicCache) -> list[DynamicLayer] | None:
+    """The layers of ``cache`` where every one keeps the whole past; ``None`` where one does not
+    (a sliding window's, a subclass of the full layer, drops its oldest entries)."""
+    layers = [layer for layer in cache.layers if type(layer) is DynamicLayer]
+    return layers if len(layers) == len(cache.layers) else None
 
 
 def _forward_rows(drafters: Sequence[ModelDrafter], feeds: Sequence[np.ndarray]) -> list[np.ndarray]:
@@ -113,7 +105,9 @@ def _forward_rows(drafters: Sequence[ModelDrafter], feeds: Sequence[np.ndarray])
     mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)[:, None]
     stacked = DynamicCache(config=model.config)
     if t:
-        rows = [_full_layers(d._cache) for d in drafters]
+        rows = [layers for d in drafters if (layers := _full_layers(d._cache)) is not None]
+        if len(rows) != b:
+            raise ValueError("only caches of full-attention layers read in a batch")
         for li in range(len(rows[0])):
             keys, values = _stack([layers[li] for layers in rows], t)
             stacked.update(keys.to(device), values.to(device), li)
@@ -130,7 +124,10 @@ def _forward_rows(drafters: Sequence[ModelDrafter], feeds: Sequence[np.ndarray])
         ).logits
     at = torch.searchsorted(keep, last)
     probs = torch.softmax(logits[torch.arange(b), at.to(logits.device)].float(), dim=-1).cpu().numpy()
-    for li, layer in enumerate(_full_layers(stacked)):
+    full = _full_layers(stacked)
+    if full is None:  # the rows' own layers were full, and the batch's are made from the same config
+        raise ValueError("only caches of full-attention layers read in a batch")
+    for li, layer in enumerate(full):
         if layer.keys is None or layer.values is None:
             continue
         for r, d in enumerate(drafters):

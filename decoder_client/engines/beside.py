@@ -62,13 +62,18 @@ def beside(
     >>> beside(Sure(), np.array([1, 2]), np.array([3]), np.array([0.95]), np.array([0.95]), 4, 0.1).model
     False
     """
-    nxt = model.first(context)
-    if not model_goes(nxt, float(scores[0]) if chain.size else 0.0):
-        return Proposal(chain, claims, scores, False)
-    return _models(Proposal(chain, claims, scores, False), *model.extend(min_prob), max_len, min_prob)
+    ours = Proposal(chain, claims, scores, False)
+    if not model_goes(model.first(context), _first_chance(ours)):
+        return ours
+    return _model_proposal(ours, *model.extend(min_prob), max_len, min_prob)
 
 
-def _models(ours: Proposal, tokens: np.ndarray, probs: np.ndarray, max_len: int, min_prob: float) -> Proposal:
+def _first_chance(ours: Proposal) -> float:
+    """The cache's chance for its chain's first token (0 where it has none)."""
+    return float(ours.scores[0]) if ours.chain.size else 0.0
+
+
+def _model_proposal(ours: Proposal, tokens: np.ndarray, probs: np.ndarray, max_len: int, min_prob: float) -> Proposal:
     """The model's chain (``tokens``, each one's ``probs``) cut as the cache's are; ``ours``
     where it gave none after all."""
     if not tokens.size:
@@ -117,16 +122,12 @@ class ModelRows:
         held = [(i, m) for i, r in enumerate(requests) if (m := self.get(r)) is not None]
         nexts = first_many([m for _, m in held], [contexts[i] for i, _ in held])
         self.reads += 1 if held else 0
-        going = [
-            (i, m)
-            for (i, m), nxt in zip(held, nexts, strict=True)
-            if model_goes(nxt, float(ours[i].scores[0]) if ours[i].chain.size else 0.0)
-        ]
+        going = [(i, m) for (i, m), nxt in zip(held, nexts, strict=True) if model_goes(nxt, _first_chance(ours[i]))]
         chains = extend_many([m for _, m in going], min_prob)
         self.reads += max((t.size - 1 for t, _ in chains), default=0)
         out = list(ours)
         for (i, _), (tokens, probs) in zip(going, chains, strict=True):
-            out[i] = _models(ours[i], tokens, probs, max_lens[i], min_prob)
+            out[i] = _model_proposal(ours[i], tokens, probs, max_lens[i], min_prob)
         return out
 
     def get(self, request: Hashable) -> ChainModel | None:
@@ -162,9 +163,9 @@ class ModelRows:
     def forwards(self) -> int:
         """Forward passes of every model made, a request's share of a batch's counted as one
         of its own."""
-        return sum(int(getattr(m, "forwards", 0)) for m in self._made)
+        return sum(m.forwards for m in self._made)
 
     @property
     def fed(self) -> int:
         """Tokens those passes read."""
-        return sum(int(getattr(m, "fed", 0)) for m in self._made)
+        return sum(m.fed for m in self._made)

@@ -248,9 +248,9 @@ class DraftcacheProposer:
                 chains.append((i, track, self._proposal(*ours, model=False)))
                 rooms.append(room)
         if self._models is not None and chains:  # the models read every row either way: they follow the requests
-            held = [c[1] for c in chains]
+            rows = [c[1] for c in chains]
             proposals = self._models.beside(
-                held, [t.tokens for t in held], [c[2] for c in chains], rooms, self._cost.ask_prob
+                rows, [t.tokens for t in rows], [c[2] for c in chains], rooms, self._cost.ask_prob
             )
             chains = [(i, track, p) for (i, track, _), p in zip(chains, proposals, strict=True)]
         # keep() weighs the step as a whole: where no drafts pay for the step's cost, none go.
