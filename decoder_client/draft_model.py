@@ -3,12 +3,15 @@
 
 Drafters over one copy of a model (an engine's requests, :func:`drafters`) read together: a
 step's short reads (the tokens a step accepted, then one token per depth of the chains) go
-through one forward of the whole batch. Each request's cache is padded to the longest and
-stacked, the new ids right-padded; a 4D mask lets each row see only its own past and its own
-ids before it (a pad sees only itself), and position ids continue each row's own past, so every
-row gets what it would have got alone. The new entries then go back to each request's cache.
-A long read (a prompt) goes alone: padded beside it, every other row would compute as much.
-"""
+through one forward of the whole batch. The rows' caches are stacked into one, each padded to
+the longest, and the stack lasts while the same rows read on: each read appends a column to
+every row (a masked pad for a row with nothing to read), so a step's depth reads neither stack
+the caches again nor write entries back.
+A 4D mask lets each row see only its own entries and its own ids before it (a pad sees only
+itself), and position ids continue each row's own past, so every row gets what it would have got
+alone. A row's new entries go back to its own cache when something else needs that cache (a
+rewind, a read alone, another batch). A long read (a prompt) goes alone: padded beside it, every
+other row would compute as much."""
 
 from __future__ import annotations
 
@@ -25,6 +28,9 @@ from decoder_client.reference_decoder import cache_keyword, prune_cache
 
 # A read longer than this goes in a forward of its own (see the module docstring).
 ALONE_FROM = 17
+# Entries a stack may gain past its build before it is built again: every read adds a column to
+# every row, the rows not reading a masked pad, and attention pays for each.
+RESTACK_AFTER = 32
 
 
 class ModelDrafter(ChainModel):
@@ -44,7 +50,15 @@ class ModelDrafter(ChainModel):
         module.to(self.device)
         self.model = model.eval()
         self._keyword = cache_keyword(model)
-        self._cache = DynamicCache(config=model.config)
+        self._own = DynamicCache(config=model.config)
+        self._stack: _Stack | None = None  # the batch this drafter reads in, holding its newest entries
+
+    @property
+    def _cache(self) -> DynamicCache:
+        """The request's cache, whole: entries still in a batch's stack are moved into it first."""
+        if self._stack is not None:
+            self._stack.settle()
+        return self._own
 
     def _feed(self, ids: np.ndarray) -> np.ndarray:
         tensor = torch.from_numpy(ids.astype(np.int64)).unsqueeze(0).to(self.device)
@@ -59,7 +73,7 @@ class ModelDrafter(ChainModel):
         out: dict[int, np.ndarray] = {}
         together: dict[int, list[tuple[int, ModelDrafter]]] = {}  # id(model) -> the rows read in one forward
         for i, (m, ids) in enumerate(zip(models, feeds, strict=True)):
-            if isinstance(m, ModelDrafter) and ids.size < ALONE_FROM and _full_layers(m._cache) is not None:
+            if isinstance(m, ModelDrafter) and ids.size < ALONE_FROM and _full_layers(m._own) is not None:
                 together.setdefault(id(m.model), []).append((i, m))
             else:
                 out[i] = m._feed(ids)
@@ -68,13 +82,15 @@ class ModelDrafter(ChainModel):
                 i, m = rows[0]
                 out[i] = m._feed(feeds[i])
             else:
-                read = _forward_rows([m for _, m in rows], [feeds[i] for i, _ in rows])
+                read = _Stack.holding([m for _, m in rows]).read([m for _, m in rows], [feeds[i] for i, _ in rows])
                 out.update(zip((i for i, _ in rows), read, strict=True))
         return [out[i] for i in range(len(models))]
 
     def _rewind(self, n: int) -> None:
         if n == 0:
-            self._cache = DynamicCache(config=self.model.config)
+            if self._stack is not None:
+                self._stack.settle()  # the other rows keep theirs
+            self._own = DynamicCache(config=self.model.config)
         else:
             prune_cache(self._cache, n, [])  # keep the first n entries of every layer
 
@@ -86,54 +102,104 @@ def _full_layers(cache: DynamicCache) -> list[DynamicLayer] | None:
     return layers if len(layers) == len(cache.layers) else None
 
 
-def _forward_rows(drafters: Sequence[ModelDrafter], feeds: Sequence[np.ndarray]) -> list[np.ndarray]:
-    """One forward of ``drafters`` (over one model), each reading its ids after its own cache;
-    each one's next-token probabilities. See the module docstring."""
-    model, device = drafters[0].model, drafters[0].device
-    b, n = len(drafters), torch.tensor([f.size for f in feeds])
-    past = torch.tensor([d._cache.get_seq_length() for d in drafters])
-    t, w = int(past.max()), int(n.max())
-    ids = torch.zeros((b, w), dtype=torch.long)
-    for r, f in enumerate(feeds):
-        ids[r, : f.size] = torch.from_numpy(f.astype(np.int64))
-    real = torch.arange(w)[None, :] < n[:, None]  # (b, w): a row's ids, not its padding
-    allowed = torch.zeros((b, w, t + w), dtype=torch.bool)
-    allowed[:, :, :t] = (torch.arange(t)[None, :] < past[:, None])[:, None, :] & real[:, :, None]
-    causal = torch.ones((w, w), dtype=torch.bool).tril()
-    allowed[:, :, t:] = torch.where(real[:, :, None], causal, torch.eye(w, dtype=torch.bool))
-    dtype = model.dtype
-    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)[:, None]
-    stacked = DynamicCache(config=model.config)
-    if t:
-        rows = [layers for d in drafters if (layers := _full_layers(d._cache)) is not None]
-        if len(rows) != b:
+class _Stack:
+    """Drafters over one model stacked into one cache, row by row, while they read together.
+
+    Built from the rows' own caches, each padded to the longest; every read then appends a
+    column per row (a masked pad for a row not reading), so a step's reads neither stack again
+    nor write back. The entries a row gained here go back to its own cache (one copy a layer)
+    when anything else needs that cache (:meth:`settle`): a rewind, a read alone, a read with
+    drafters outside the stack, or a stack grown :data:`RESTACK_AFTER` entries past its build.
+    Until then the rows' older entries are held twice, in their own caches and here.
+    """
+
+    def __init__(self, drafters: Sequence[ModelDrafter]) -> None:
+        for d in drafters:
+            if d._stack is not None:
+                d._stack.settle()
+        rows = [_full_layers(d._own) for d in drafters]
+        if any(layers is None for layers in rows):
             raise ValueError("only caches of full-attention layers read in a batch")
-        for li in range(len(rows[0])):
-            keys, values = _stack([layers[li] for layers in rows], t)
-            stacked.update(keys.to(device), values.to(device), li)
-    last = n - 1
-    keep = torch.unique(last)
-    with torch.inference_mode():
-        logits = model(
-            input_ids=ids.to(device),
-            attention_mask=mask.to(device),
-            position_ids=(past[:, None] + torch.arange(w)[None, :]).to(device),
-            **{drafters[0]._keyword: stacked},
-            use_cache=True,
-            logits_to_keep=keep.to(device),
-        ).logits
-    at = torch.searchsorted(keep, last)
-    probs = torch.softmax(logits[torch.arange(b), at.to(logits.device)].float(), dim=-1).cpu().numpy()
-    full = _full_layers(stacked)
-    if full is None:  # the rows' own layers were full, and the batch's are made from the same config
-        raise ValueError("only caches of full-attention layers read in a batch")
-    for li, layer in enumerate(full):
-        if layer.keys is None or layer.values is None:
-            continue
-        for r, d in enumerate(drafters):
-            span = slice(t, t + int(n[r]))
-            d._cache.update(layer.keys[r : r + 1, :, span], layer.values[r : r + 1, :, span], li)
-    return list(probs)
+        self.drafters = list(drafters)
+        self.row = {id(d): r for r, d in enumerate(drafters)}
+        self.length = torch.tensor([d._own.get_seq_length() for d in drafters])  # each row's entries
+        self.built = int(self.length.max())
+        self.valid = torch.arange(self.built)[None, :] < self.length[:, None]  # (rows, width): a row's own
+        model = drafters[0].model
+        self.cache = DynamicCache(config=model.config)
+        if self.built:
+            for li in range(len(rows[0] or [])):
+                keys, values = _stack([layers[li] for layers in rows if layers is not None], self.built)
+                self.cache.update(keys.to(drafters[0].device), values.to(drafters[0].device), li)
+        for d in drafters:
+            d._stack = self
+
+    @classmethod
+    def holding(cls, drafters: Sequence[ModelDrafter]) -> _Stack:
+        """The stack all of ``drafters`` read in, if one holds them all and has room; else a new one."""
+        stack = drafters[0]._stack
+        if (
+            stack is not None
+            and all(d._stack is stack for d in drafters)
+            and stack.valid.shape[1] - stack.built < RESTACK_AFTER
+        ):
+            return stack
+        return cls(drafters)
+
+    def read(self, drafters: Sequence[ModelDrafter], feeds: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """One forward of every row: each of ``drafters`` reads its ids after its own entries, the
+        rest a pad; each reader's next-token probabilities. See the module docstring."""
+        first = self.drafters[0]
+        b, w = len(self.drafters), max(f.size for f in feeds)
+        n = torch.zeros(b, dtype=torch.long)
+        ids = torch.zeros((b, w), dtype=torch.long)
+        for d, f in zip(drafters, feeds, strict=True):
+            r = self.row[id(d)]
+            n[r] = f.size
+            ids[r, : f.size] = torch.from_numpy(f.astype(np.int64))
+        t = self.valid.shape[1]
+        real = torch.arange(w)[None, :] < n[:, None]  # (b, w): a row's ids, not its padding
+        allowed = torch.zeros((b, w, t + w), dtype=torch.bool)
+        allowed[:, :, :t] = self.valid[:, None, :] & real[:, :, None]
+        causal = torch.ones((w, w), dtype=torch.bool).tril()
+        allowed[:, :, t:] = torch.where(real[:, :, None], causal, torch.eye(w, dtype=torch.bool))
+        dtype, device = first.model.dtype, first.device
+        mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)[:, None]
+        last = (n - 1).clamp(min=0)
+        keep = torch.unique(last)
+        with torch.inference_mode():
+            logits = first.model(
+                input_ids=ids.to(device),
+                attention_mask=mask.to(device),
+                position_ids=(self.length[:, None] + torch.arange(w)[None, :]).to(device),
+                **{first._keyword: self.cache},
+                use_cache=True,
+                logits_to_keep=keep.to(device),
+            ).logits
+        self.valid = torch.cat([self.valid, real], dim=1)  # only once the forward went through
+        self.length += n
+        at = torch.searchsorted(keep, last)
+        readers = torch.tensor([self.row[id(d)] for d in drafters])
+        probs = torch.softmax(logits[readers, at[readers].to(logits.device)].float(), dim=-1).cpu().numpy()
+        return list(probs)
+
+    def settle(self) -> None:
+        """Every row's entries gained here go back to its own cache; the stack is done."""
+        layers = _full_layers(self.cache)
+        if layers is None:  # made from the rows' config, whose layers are all full
+            raise ValueError("only caches of full-attention layers read in a batch")
+        new = self.valid[:, self.built :]
+        for r, d in enumerate(self.drafters):
+            d._stack = None
+            at = torch.nonzero(new[r]).flatten() + self.built
+            if at.numel() == 0:
+                continue
+            at = at.to(d.device)
+            for li, layer in enumerate(layers):
+                if layer.keys is None or layer.values is None:
+                    continue
+                d._own.update(layer.keys[r : r + 1, :, at], layer.values[r : r + 1, :, at], li)
+        self.drafters = []
 
 
 def _stack(layers: Sequence[DynamicLayer], t: int) -> tuple[torch.Tensor, torch.Tensor]:

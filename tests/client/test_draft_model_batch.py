@@ -10,7 +10,7 @@ import torch
 
 from benchmarks.draft_model_bench import DraftModelBenchConfig, run_draft_model_bench
 from decoder_client.chain_model import extend_many, first_many
-from decoder_client.draft_model import ALONE_FROM, ModelDrafter
+from decoder_client.draft_model import ALONE_FROM, RESTACK_AFTER, ModelDrafter, _Stack
 from tests.client.conftest import greedy_continuation
 from tests.client.test_draft_model import VOCAB, _ids, _llama
 
@@ -64,7 +64,10 @@ def test_rows_of_one_batch_stop_at_their_own_cut_and_a_new_request_starts_clean(
     first_many(rows, contexts)
     whole = extend_many(rows, 0.0)
     reach = [np.cumprod(p.astype(np.float64)) for _, p in whole]
-    cut = float(reach[0][1])  # row 0's third token falls below it; the others' by their own chances
+    # Row 0's third token falls below the cut; the others' by their own chances. The cut sits
+    # midway: rows read in another layout differ in their last bits.
+    cut = float(reach[0][1] + reach[0][2]) / 2
+    assert reach[0][2] < 0.99 * reach[0][1]
     first_many(rows, contexts)
     short = extend_many(rows, cut)
     for (tokens, probs), (t_all, p_all), r in zip(short, whole, reach, strict=True):
@@ -77,6 +80,38 @@ def test_rows_of_one_batch_stop_at_their_own_cut_and_a_new_request_starts_clean(
     first_many(rows, [contexts[0], fresh, contexts[2]])
     tokens = extend_many(rows, 0.0)[1][0]
     assert tokens.tolist() == greedy_continuation(model, fresh.tolist(), 8)
+
+
+def test_a_stack_lasts_while_its_rows_read_on_and_its_entries_go_back_when_needed() -> None:
+    model = _llama(3)
+    rows = [ModelDrafter(model, K) for _ in range(3)]
+    contexts = [_ids(range(10, 14)), _ids(range(20, 29)), _ids(range(40, 46))]
+    stacks: list[object] = []
+    for step in range(10):
+        first_many(rows, contexts)
+        stacks.append(rows[0]._stack)
+        chains = extend_many(rows, 0.0)
+        stacks.append(rows[0]._stack)
+        assert stacks[-1] is not None and all(r._stack is stacks[-1] for r in rows)
+        for r, (ctx, (tokens, _)) in enumerate(zip(contexts, chains, strict=True)):
+            assert tokens.tolist() == greedy_continuation(model, ctx.tolist(), K), (step, r)
+        # Every chain taken whole: nothing rewinds, so the next step reads in the same stack.
+        contexts = [
+            _ids([*c, *t, (step * 7 + r) % VOCAB]) for r, (c, (t, _)) in enumerate(zip(contexts, chains, strict=True))
+        ]
+    # Stacks last across steps, and are built again only once they have grown RESTACK_AFTER.
+    changes = [i for i in range(1, len(stacks)) if stacks[i] is not stacks[i - 1]]
+    assert 1 <= len(changes) <= 5  # of 19 chances
+    for i in changes:
+        old = stacks[i - 1]
+        assert isinstance(old, _Stack) and old.valid.shape[1] - old.built >= RESTACK_AFTER
+    # Until something needs it, a row's own cache lags; asking for it brings every row's back.
+    held = [r._held.size for r in rows]
+    assert rows[1]._own.get_seq_length() < held[1]
+    assert rows[1]._cache.get_seq_length() == held[1]
+    assert all(r._stack is None and r._own.get_seq_length() == h for r, h in zip(rows, held, strict=True))
+    for row, ctx in zip(rows, contexts, strict=True):  # and each reads on alone from it
+        assert row.chain(ctx).tolist() == greedy_continuation(model, ctx.tolist(), K)
 
 
 def test_reads_over_different_models_or_long_ones_go_alone_and_agree() -> None:
