@@ -106,8 +106,8 @@ class _Stack:
     """Drafters over one model stacked into one cache, row by row, while they read together.
 
     Built from the rows' own caches, each padded to the longest; every read then appends a
-    column per row (a masked pad for a row not reading), so a step's reads neither stack again
-    nor write back. The entries a row gained here go back to its own cache (one copy a layer)
+    column per row (a masked pad for a row not reading; see :meth:`holding`), so a step's reads
+    neither stack again nor write back. The entries a row gained here go back to its own cache (one copy a layer)
     when anything else needs that cache (:meth:`settle`): a rewind, a read alone, a read with
     drafters outside the stack, or a stack grown :data:`RESTACK_AFTER` entries past its build.
     Until then the rows' older entries are held twice, in their own caches and here.
@@ -136,11 +136,15 @@ class _Stack:
 
     @classmethod
     def holding(cls, drafters: Sequence[ModelDrafter]) -> _Stack:
-        """The stack all of ``drafters`` read in, if one holds them all and has room; else a new one."""
+        """The stack ``drafters`` read in: the one that holds them all, if at most one of its rows
+        would read a pad and it has room; else a new one of theirs. A pad row costs a forward
+        about what a reading row does (it attends over its whole past), more than stacking the
+        readers again (on a 2-core CPU, 2 to 6 of 8 rows going on read 4-25% faster restacked)."""
         stack = drafters[0]._stack
         if (
             stack is not None
             and all(d._stack is stack for d in drafters)
+            and len(drafters) >= len(stack.drafters) - 1
             and stack.valid.shape[1] - stack.built < RESTACK_AFTER
         ):
             return stack
