@@ -114,6 +114,27 @@ def test_a_stack_lasts_while_its_rows_read_on_and_its_entries_go_back_when_neede
         assert row.chain(ctx).tolist() == greedy_continuation(model, ctx.tolist(), K)
 
 
+def test_rows_going_on_read_in_their_stack_while_at_most_one_would_pad() -> None:
+    model = _llama(4)
+    rows = [ModelDrafter(model, 4) for _ in range(4)]
+    contexts = [_ids(range(10 + 10 * r, 16 + 10 * r)) for r in range(4)]
+    first_many(rows, contexts)
+    stack = rows[0]._stack
+    going = extend_many(rows[:3], 0.0)  # three of four go on: the fourth reads pads
+    assert all(r._stack is stack for r in rows)
+    assert rows[3]._own.get_seq_length() == 0  # its entries are still in the stack
+    first_many(rows, [_ids([*c, 7]) for c in contexts])
+    stack = rows[0]._stack
+    extend_many(rows[:2], 0.0)  # two of four: they read in a stack of their own
+    assert rows[0]._stack is rows[1]._stack is not stack and rows[2]._stack is rows[3]._stack is None
+    assert [r._own.get_seq_length() for r in rows[2:]] == [7, 7]  # the old stack's entries went back
+    for r, ctx in enumerate(contexts[:3]):
+        assert going[r][0].tolist() == greedy_continuation(model, ctx.tolist(), 4)
+    for row, ctx in zip(rows, contexts, strict=True):
+        ctx = _ids([*ctx, 7])
+        assert row.chain(ctx).tolist() == greedy_continuation(model, ctx.tolist(), 4)
+
+
 def test_reads_over_different_models_or_long_ones_go_alone_and_agree() -> None:
     a, b = _llama(0), _llama(2)
     calls_a, calls_b = _forwards(a), _forwards(b)
