@@ -699,6 +699,14 @@ def _bench_draft_model_args(b: argparse.ArgumentParser) -> None:
     add(b, "--accept", type=non_negative, default=3, help="tokens of each chain the target takes a step")
     add(b, "--steps", type=positive, default=24, help="timed steps per batch size and mode")
     add(b, "--prompt-tokens", type=positive, default=512, help="each prompt cut to at most this")
+    add(
+        b,
+        "--going",
+        type=non_negative,
+        default=None,
+        help="rows a step whose chain goes on past its first token, "
+        "in turn (default: every row); the others draft nothing more, as where the cache's chain goes",
+    )
     add(b, "--dtype", choices=("float32", "bfloat16"), default="float32", help="the model's weights")
     add(b, "--threads", type=positive, default=2, help="torch CPU threads")
 
@@ -722,7 +730,7 @@ def cmd_bench_draft_model(a: argparse.Namespace) -> int:
     from decoder_client.draft_model import drafters
 
     config = DraftModelBenchConfig(
-        batches=a.batches, k=a.k, accept=a.accept, steps=a.steps, prompt_tokens=a.prompt_tokens
+        batches=a.batches, k=a.k, accept=a.accept, steps=a.steps, prompt_tokens=a.prompt_tokens, going=a.going
     )  # checked before the model loads
     prompts = [s.tokens for c in read_traces(a.traces) for s in c.segments[:1] if s.kind == "input" and s.tokens.size]
     if len(prompts) < max(config.batches):

@@ -186,5 +186,9 @@ def test_the_benchmark_times_both_ways_over_the_same_chains() -> None:
     assert set(report["batches"]) == {1, 3}
     for row in report["batches"].values():
         assert 0 < row["together_ms_p50"] <= row["together_ms_p90"] and 0 < row["alone_ms_p50"] <= row["alone_ms_p90"]
+    some = run_draft_model_bench(
+        lambda: ModelDrafter(model, 4), prompts, DraftModelBenchConfig(batches=(3,), k=4, accept=1, steps=3, going=1)
+    )
+    assert some["chains_agree"] is True and some["going"] == 1
     with pytest.raises(ValueError, match="3 prompts for a batch of 4"):
         run_draft_model_bench(lambda: ModelDrafter(model, 4), prompts, DraftModelBenchConfig(batches=(4,), k=4))

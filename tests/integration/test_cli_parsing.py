@@ -67,6 +67,8 @@ def test_out_of_range_values_are_usage_errors(argv: list[str], capsys: pytest.Ca
 def test_a_draft_model_benchmark_is_checked_before_its_model_loads(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench-draft-model", "--k", "4", "--accept", "4", "--model", "/nowhere"]) == 2
     assert "accept must be in [0, k)" in capsys.readouterr().err
+    assert main(["bench-draft-model", "--batches", "2,4", "--going", "3", "--model", "/nowhere"]) == 2
+    assert "going must be in [0, the smallest batch 2]" in capsys.readouterr().err
 
 
 def test_a_prior_that_is_not_a_prior_file_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
