@@ -139,7 +139,7 @@ class _Stack:
         """The stack ``drafters`` read in: the one that holds them all, if at most one of its rows
         would read a pad and it has room; else a new one of theirs. A pad row costs a forward
         about what a reading row does (it attends over its whole past), more than stacking the
-        readers again (on a 2-core CPU, 2 to 6 of 8 rows going on read 4-25% faster restacked)."""
+        readers again (on a 2-core CPU, 2 to 6 of 8 rows going on read 3-25% faster restacked)."""
         stack = drafters[0]._stack
         if (
             stack is not None
