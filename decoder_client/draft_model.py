@@ -6,12 +6,11 @@ step's short reads (the tokens a step accepted, then one token per depth of the 
 through one forward of the whole batch. The rows' caches are stacked into one, each padded to
 the longest, and the stack lasts while the same rows read on: each read appends a column to
 every row (a masked pad for a row with nothing to read), so a step's depth reads neither stack
-the caches again nor write entries back.
-A 4D mask lets each row see only its own entries and its own ids before it (a pad sees only
-itself), and position ids continue each row's own past, so every row gets what it would have got
-alone. A row's new entries go back to its own cache when something else needs that cache (a
-rewind, a read alone, another batch). A long read (a prompt) goes alone: padded beside it, every
-other row would compute as much."""
+the caches again nor write entries back. A 4D mask lets each row see only its own entries and
+its own ids before it (a pad sees only itself), and position ids continue each row's own past,
+so every row gets what it would have got alone. A row's new entries go back to its own cache
+when something else needs that cache (a rewind, a read alone, another batch). A long read (a
+prompt) goes alone: padded beside it, every other row would compute as much."""
 
 from __future__ import annotations
 
@@ -107,19 +106,23 @@ class _Stack:
 
     Built from the rows' own caches, each padded to the longest; every read then appends a
     column per row (a masked pad for a row not reading; see :meth:`holding`), so a step's reads
-    neither stack again nor write back. The entries a row gained here go back to its own cache (one copy a layer)
-    when anything else needs that cache (:meth:`settle`): a rewind, a read alone, a read with
-    drafters outside the stack, or a stack grown :data:`RESTACK_AFTER` entries past its build.
-    Until then the rows' older entries are held twice, in their own caches and here.
+    neither stack again nor write back. The entries a row gained here go back to its own cache
+    (one copy a layer) when anything else needs that cache (:meth:`settle`): a rewind, a read
+    alone, a read with drafters outside the stack, or a stack grown :data:`RESTACK_AFTER`
+    entries past its build. Until then the rows' older entries are held twice, in their own
+    caches and here.
     """
 
     def __init__(self, drafters: Sequence[ModelDrafter]) -> None:
         for d in drafters:
             if d._stack is not None:
                 d._stack.settle()
-        rows = [_full_layers(d._own) for d in drafters]
-        if any(layers is None for layers in rows):
-            raise ValueError("only caches of full-attention layers read in a batch")
+        rows: list[list[DynamicLayer]] = []
+        for d in drafters:
+            layers = _full_layers(d._own)
+            if layers is None:
+                raise ValueError("only caches of full-attention layers read in a batch")
+            rows.append(layers)
         self.drafters = list(drafters)
         self.row = {id(d): r for r, d in enumerate(drafters)}
         self.length = torch.tensor([d._own.get_seq_length() for d in drafters])  # each row's entries
@@ -128,8 +131,8 @@ class _Stack:
         model = drafters[0].model
         self.cache = DynamicCache(config=model.config)
         if self.built:
-            for li in range(len(rows[0] or [])):
-                keys, values = _stack([layers[li] for layers in rows if layers is not None], self.built)
+            for li in range(len(rows[0])):
+                keys, values = _stack([layers[li] for layers in rows], self.built)
                 self.cache.update(keys.to(drafters[0].device), values.to(drafters[0].device), li)
         for d in drafters:
             d._stack = self
