@@ -93,6 +93,13 @@ def _replay_args(r: argparse.ArgumentParser) -> None:
         help="the draft model's tokenizer folder when it is not the traces' (--tokenizer): its chains are "
         "re-encoded into the traces' ids",
     )
+    r.add_argument(
+        "--cut-off-trace",
+        action="store_true",
+        help="with a GGUF --draft-model: skip its reads in a chain once the chain has left the trace, and read "
+        "each position once for both its replays (the same MAT for a fraction of the forwards; its draft times "
+        "are then not a decoder's)",
+    )
     add(
         r,
         "--step-cost",
@@ -196,6 +203,8 @@ def _replay_chain_model(a: argparse.Namespace) -> Any:
         path = str(folder / GGUF_FILE) if where == "smollm2" and folder is not None else where
         llm = Llama(model_path=path, n_ctx=8192, n_threads=os.cpu_count() or 1, verbose=False)
         model: Any = LlamaChainModel(llm, k)
+    elif a.cut_off_trace:
+        raise ValueError("--cut-off-trace cuts a GGUF --draft-model's chains (llama.cpp)")
     else:
         import torch
         from transformers import AutoModelForCausalLM
@@ -204,14 +213,24 @@ def _replay_chain_model(a: argparse.Namespace) -> Any:
 
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         model = ModelDrafter(AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32), k)
-    if a.draft_tokenizer is None:
-        return model
-    from transformers import AutoTokenizer
+    skips = None
+    if a.cut_off_trace:
+        from benchmarks.trace_cut import SkipsOffTrace
 
-    from decoder_client.retokenized import Retokenized
+        model = skips = SkipsOffTrace(model)
+    source = model
+    if a.draft_tokenizer is not None:
+        from transformers import AutoTokenizer
 
-    target, draft = (AutoTokenizer.from_pretrained(p) for p in (a.tokenizer, a.draft_tokenizer))
-    return Retokenized(model, target, draft, a.chain)
+        from decoder_client.retokenized import Retokenized
+
+        target, draft = (AutoTokenizer.from_pretrained(p) for p in (a.tokenizer, a.draft_tokenizer))
+        source = Retokenized(model, target, draft, a.chain)
+    if skips is None:
+        return source
+    from benchmarks.trace_cut import TraceCut
+
+    return TraceCut(source, skips)
 
 
 def _replay_groups(a: argparse.Namespace, config: replay_bench.ReplayConfig) -> list[tuple[Namespace, list]]:
@@ -274,6 +293,8 @@ def cmd_replay(a: argparse.Namespace) -> int:
     )
     if (a.draft_rows is not None or a.draft_model is not None) and (not a.chain or a.target):
         raise ValueError("--draft-rows and --draft-model replay chains in-process: give --chain K and no --target")
+    if a.cut_off_trace and a.draft_model is None:
+        raise ValueError("--cut-off-trace cuts a --draft-model's chains: give one")
     if a.draft_tokenizer is not None and (a.draft_model is None or a.tokenizer is None):
         raise ValueError("--draft-tokenizer re-encodes a --draft-model's chains into the --tokenizer's ids: give both")
     rows_file = DraftRows(a.draft_rows) if a.draft_rows is not None else None

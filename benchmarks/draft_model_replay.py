@@ -8,7 +8,9 @@ the chain has already left it. Or live (:class:`LiveDraftModel`, :class:`LiveWit
 the model runs at every step (:class:`decoder_client.chain_model.ChainSource`), as a decoder
 runs it, behind another tokenizer too (:class:`decoder_client.retokenized.Retokenized`). The mix
 proposes whichever chain's first token is likelier, by the rule the decoders use
-(:func:`decoder_client.chain_model.model_goes`).
+(:func:`decoder_client.chain_model.model_goes`). For long runs the live model may skip its reads
+past a chain's first wrong token (:mod:`benchmarks.trace_cut`): each request's output is then
+revealed to it as the request starts.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import numpy as np
 
 from benchmarks.draft_rows import SegmentRows
 from benchmarks.replay import ReplayDrafter, takes_topk
+from benchmarks.trace_cut import TraceCut
 from decoder_client.chain_model import BesideCache, ChainSource, model_chain
 from indexer.tree_builder import DraftTree, Tier
 
@@ -171,6 +174,9 @@ class LiveDraftModel:
     def start(self, prompt: np.ndarray) -> None:
         self._context.start(prompt)
 
+    def reveal(self, output: np.ndarray) -> None:
+        _reveal(self._model, self._context, output)
+
     def propose(self) -> DraftTree:
         if self._model.first(self._context.ids()) is None:
             return DraftTree.empty()
@@ -207,6 +213,9 @@ class LiveWithDraftModel:
         self._inner.start(prompt)
         self._context.start(prompt)
 
+    def reveal(self, output: np.ndarray) -> None:
+        _reveal(self._beside.model, self._context, output)
+
     def propose(self) -> DraftTree:
         return self._beside(self._context.ids())
 
@@ -217,6 +226,12 @@ class LiveWithDraftModel:
     def finish(self, commit_from: int) -> None:
         self._inner.finish(commit_from)
         self._context.start(np.zeros(0, dtype=np.int32))
+
+
+def _reveal(model: ChainSource, context: _Context, output: np.ndarray) -> None:
+    """The request's whole ids to a model that cuts its chains where they leave them."""
+    if isinstance(model, TraceCut):
+        model.reveal(np.concatenate([context.ids(), np.asarray(output, dtype=np.int32)]))
 
 
 def _advance(inner: ReplayDrafter, takes: bool, tokens: np.ndarray, topk: np.ndarray | None) -> None:

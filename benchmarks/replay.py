@@ -59,6 +59,14 @@ class DraftsAhead(Protocol):
     def draft_ahead(self) -> None: ...
 
 
+@runtime_checkable
+class Foresees(Protocol):
+    """A drafter told each request's output before it drafts for it, only to skip work that the
+    output shows is wasted (:mod:`benchmarks.trace_cut`); what it proposes must not depend on it."""
+
+    def reveal(self, output: np.ndarray) -> None: ...
+
+
 @dataclass
 class ReplayStats:
     name: str
@@ -171,6 +179,8 @@ def _request(
     target = seg.tokens
     rows = seg.topk if feed else None
     drafter.start(prompt)
+    if isinstance(drafter, Foresees):
+        drafter.reveal(target)
     # Checked once a request: a runtime protocol check costs about as much as a draft.
     ahead = drafter if isinstance(drafter, DraftsAhead) and drafter.lookahead > 0 else None
     pos, steps = 0, 0

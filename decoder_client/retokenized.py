@@ -103,6 +103,22 @@ class Retokenized:
         self._pending: tuple[np.ndarray, bytes] | None = None
         self.abstained = 0  # steps the model sat out: its first token or the re-encoding did not fit
 
+    @property
+    def target_bytes(self) -> list[bytes]:
+        """Each target id's bytes."""
+        return self._target_bytes
+
+    @property
+    def draft_bytes(self) -> list[bytes]:
+        """Each draft id's bytes."""
+        return self._draft_bytes
+
+    @property
+    def pending_tail(self) -> bytes | None:
+        """The context's last bytes that the draft encoding left out, which the chain's first
+        token spells first; ``None`` where :meth:`first` gave no token to extend."""
+        return None if self._pending is None else self._pending[1]
+
     def first(self, context: np.ndarray) -> NextToken | None:
         ctx = as_tokens(context, self.vocab_size, what="context")
         self._pending = None

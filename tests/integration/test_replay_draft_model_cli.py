@@ -1,6 +1,6 @@
 """``draftcache replay --chain K --draft-model M``: a draft model run at every step, alone and
-beside ours, in the same run; refused without chains, and a draft tokenizer without the
-traces' own."""
+beside ours, in the same run; refused without chains, a draft tokenizer without the traces' own,
+and a cut off the trace without a GGUF model to cut."""
 
 from __future__ import annotations
 
@@ -42,6 +42,8 @@ def test_a_live_draft_model_alone_and_beside_ours(tmp_path: Path, capsys: pytest
         (["--draft-model", "smollm2"], "give --chain K and no --target"),
         (["--chain", "4", "--draft-model", "smollm2", "--draft-tokenizer", "x"], "give both"),
         (["--chain", "4", "--draft-tokenizer", "x", "--tokenizer", "y"], "give both"),
+        (["--chain", "4", "--cut-off-trace"], "cuts a --draft-model's chains: give one"),
+        (["--chain", "4", "--draft-model", "a/folder", "--cut-off-trace"], "a GGUF --draft-model"),
     ],
 )
 def test_refused_before_any_work(
