@@ -3,18 +3,20 @@
 A chain is accepted up to its first wrong token, so whatever the model drafts after that token
 is never accepted, only counted. Replay knows each request's output, so once a chain's latest
 token is off the trace the model's further reads in that chain are skipped: each gives the token
-just read as certain (the chain repeats it to its full length, as many tokens as before) and
-leaves the model's cache alone. Most of a live model's forwards in replay are such reads (a
-chain of 8 is accepted for about two tokens), and MAT does not change:
+just read as certain (the chain repeats it to its full length) and leaves the model's cache
+alone. Most of a live model's forwards in replay are such reads (a chain of 8 is accepted for
+about two tokens), and what is accepted does not change:
 
-- the chains are the uncut model's up to and including their first wrong token, so the same
-  tokens are accepted, the same steps taken;
+- in the model's own ids the chains are the uncut model's up to and including their first wrong
+  token, so the same tokens are accepted and the same steps taken;
 - behind another tokenizer (:class:`decoder_client.retokenized.Retokenized`) the chain's bytes
-  after the wrong ones are re-encoded with the rest, and where the wrong bytes fall inside a word
-  the target's tokenizer may split the word's start differently. The tests compare cut and uncut
-  replays of real answers; on Spec-Bench they agree to the third decimal.
+  are re-encoded in the target's ids, and the target's tokenizer splits a word by all of its
+  bytes: the model reads on past the first wrong byte until the word holding it has ended (a
+  space or a newline), so every target id before the wrong one, and the re-encoding's check of
+  its anchor, come out as the uncut model's. Only the ids after the wrong one differ.
 
-What is no longer a decoder's is the draft time, and the scores of a chain's tokens past the cut.
+What is no longer a decoder's is the draft time, the scores of a chain's tokens past the cut,
+and (behind another tokenizer) how many ids the repeated tail re-encodes to.
 ``replay --cut-off-trace`` is for long runs of MAT, not for timing. For the same reason a
 position is read once per run, whichever of the model's drafters reaches it first.
 """
@@ -31,21 +33,22 @@ from decoder_client.retokenized import Retokenized
 
 
 class SkipsOffTrace(ChainModel):
-    """``inner``'s reads, except while :attr:`on_trace` says a chain has left the trace: from the
-    first token it rejects until the chain ends, reads are skipped (see the module)."""
+    """``inner``'s reads, except where :attr:`worth_reading` says a chain's next read can change
+    nothing accepted: from the first token it turns down until the chain ends, reads are skipped
+    (see the module)."""
 
     def __init__(self, inner: ChainModel) -> None:
         super().__init__(inner.k, inner.vocab_size, inner.max_positions)
         self.inner = inner
-        self.on_trace: Callable[[int], bool] | None = None  # set for one chain by :class:`TraceCut`
+        self.worth_reading: Callable[[int], bool] | None = None  # set for one chain by :class:`TraceCut`
         self.off = False  # the chain being extended has left the trace
         self.skipped = 0  # reads skipped
         self.late = 0  # skipped ids read after all, by a context that went on with them
         self._read = 0  # ids the inner model's cache holds
 
     def _feed(self, ids: np.ndarray) -> np.ndarray:
-        if self.on_trace is not None:  # a chain's next read
-            if self.off or not self.on_trace(int(ids[-1])):
+        if self.worth_reading is not None:  # a chain's next read
+            if self.off or not self.worth_reading(int(ids[-1])):
                 self.off = True
                 self.skipped += 1
                 p = np.zeros(self.vocab_size)
@@ -133,16 +136,18 @@ class TraceCut:
         if not self._fresh and self.source.first(self._truth[: self._at]) is None:
             raise RuntimeError("no next token to extend: call first() with a context it drafts for")
         self._fresh = False
-        self.model.on_trace = self._on_trace()
+        self.model.worth_reading = self._worth_reading()
         try:
             tokens, probs = self.source.extend(min_prob)
         finally:
-            self.model.on_trace = None
+            self.model.worth_reading = None
         self._chains[key] = (tokens.copy(), probs.copy())
         return tokens, probs
 
-    def _on_trace(self) -> Callable[[int], bool]:
-        """Whether each token the model reads next in this chain, in turn, continues the trace."""
+    def _worth_reading(self) -> Callable[[int], bool]:
+        """Whether each token the model reads next in this chain, in turn, can still change what is
+        accepted: in the same ids, while the chain follows the trace; behind another tokenizer, until
+        the word that leaves it has ended."""
         if not isinstance(self.source, Retokenized):
             expected = self._truth[self._at :].tolist()
             depth = 0
@@ -160,10 +165,24 @@ class TraceCut:
         at = int(self._byte_ends[self._at - 1]) - len(tail) if self._at else 0
         expected = self._truth_bytes[at:]
         spelled = b""
+        differs = -1  # the first byte of the chain's that is not the trace's, once there is one
 
-        def same_bytes(token: int) -> bool:
-            nonlocal spelled
-            spelled += table[token]
-            return bool(table[token]) and expected.startswith(spelled)
+        def word_not_ended(token: int) -> bool:
+            # Read on past the first wrong byte until the word holding it ends: the target's
+            # tokenizer splits a word by all of it, and the chain's tokens up to there are the
+            # whole model's. After a space or a newline nothing read changes what is accepted.
+            nonlocal spelled, differs
+            piece = table[token]
+            if not piece:  # a special token: the chain ends here whatever follows
+                return False
+            spelled += piece
+            if differs < 0 and expected.startswith(spelled):
+                return True
+            if differs < 0:
+                n = min(len(spelled), len(expected))
+                wrong = np.flatnonzero(np.frombuffer(spelled[:n], np.uint8) != np.frombuffer(expected[:n], np.uint8))
+                differs = int(wrong[0]) if wrong.size else n
+            rest = spelled[max(differs, len(spelled) - len(piece)) :]
+            return b" " not in rest and b"\n" not in rest
 
-        return same_bytes
+        return word_not_ended

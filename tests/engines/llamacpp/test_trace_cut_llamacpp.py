@@ -1,7 +1,6 @@
 """Replay's cut off the trace with the real draft model (SmolLM2 in llama.cpp): on answers in
-SmolLM2's own ids the cut replay accepts exactly what the whole one does; behind Llama-2's
-tokenizer, on a Spec-Bench answer, within what re-encoding a word cut short may move. Both for
-a fraction of the model's reads."""
+SmolLM2's own ids, and behind Llama-2's tokenizer on a Spec-Bench answer, the cut replay accepts
+exactly what the whole one does, for a fraction of the model's reads."""
 
 from __future__ import annotations
 
@@ -55,7 +54,7 @@ def _both(convs: list[Conversation], whole: Any, cut: Any) -> tuple[ReplayStats,
 
 
 def test_in_the_models_own_ids_the_cut_accepts_exactly_the_same(chain_model: Any) -> None:
-    convs = [_first_answer(c, 120) for c in read_traces(TOPK_TRACE, limit=2)]
+    convs = [_first_answer(c, 100) for c in read_traces(TOPK_TRACE, limit=1)]
     whole: ChainModel = chain_model(K)
     skips = SkipsOffTrace(chain_model(K))
     full, cut = _both(convs, whole, TraceCut(skips, skips))
@@ -64,12 +63,14 @@ def test_in_the_models_own_ids_the_cut_accepts_exactly_the_same(chain_model: Any
     assert skips.skipped > 0 and skips.forwards - skips.skipped < whole.forwards
 
 
-def test_behind_another_tokenizer_the_cut_moves_mat_by_a_hair(chain_model: Any, shared_data: Path) -> None:
+def test_behind_another_tokenizer_the_cut_accepts_the_same(chain_model: Any, shared_data: Path) -> None:
     folder = shared_data / "tokenizers"
     llama, smol = (AutoTokenizer.from_pretrained(folder / name) for name in ("llama2-spm", "smollm2"))
-    conv = _first_answer(read_traces(shared_data / "traces/spec_bench_vicuna7b.jsonl.gz", limit=1)[0], 150)
+    conv = _first_answer(read_traces(shared_data / "traces/spec_bench_vicuna7b.jsonl.gz", limit=1)[0], 100)
     skips = SkipsOffTrace(chain_model(K + 1))
     whole = Retokenized(chain_model(K + 1), llama, smol, K)
     full, cut = _both([conv], whole, TraceCut(Retokenized(skips, llama, smol, K), skips))
-    assert cut.mat == pytest.approx(full.mat, rel=0.02) and full.mat > 1.5
-    assert skips.skipped > 0 and skips.forwards - skips.skipped < 0.6 * whole.inner.forwards
+    # The model reads on to the end of the word that leaves the trace, so the target's ids up to
+    # the wrong one, and so what is accepted, are the whole chains'.
+    assert (cut.mat, cut.steps) == (full.mat, full.steps) and full.mat > 1.5
+    assert skips.skipped > 0 and skips.forwards - skips.skipped < 0.7 * whole.inner.forwards
