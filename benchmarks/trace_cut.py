@@ -41,7 +41,7 @@ class SkipsOffTrace(ChainModel):
         super().__init__(inner.k, inner.vocab_size, inner.max_positions)
         self.inner = inner
         self.worth_reading: Callable[[int], bool] | None = None  # set for one chain by :class:`TraceCut`
-        self.off = False  # the chain being extended has left the trace
+        self.off = False  # the chain being extended reads no more
         self.skipped = 0  # reads skipped
         self.late = 0  # skipped ids read after all, by a context that went on with them
         self._read = 0  # ids the inner model's cache holds
