@@ -18,7 +18,9 @@ about two tokens), and what is accepted does not change:
 What is no longer a decoder's is the draft time, the scores of a chain's tokens past the cut,
 and (behind another tokenizer) how many ids the repeated tail re-encodes to.
 ``replay --cut-off-trace`` is for long runs of MAT, not for timing. For the same reason a
-position is read once per run, whichever of the model's drafters reaches it first.
+position is read once per run, whichever of the model's drafters reaches it first; the second
+then compares chances from forwards made along the first one's path, and a near tie may go the
+other way (0.2% of the mix's MAT on 26 Spec-Bench conversations, docs/MEASUREMENTS.md).
 """
 
 from __future__ import annotations
