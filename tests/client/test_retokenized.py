@@ -16,7 +16,7 @@ from benchmarks.replay import replay
 from benchmarks.traces import Conversation, Segment, read_traces
 from decoder_client.chain_model import ChainModel
 from decoder_client.retokenized import Retokenized, token_bytes
-from indexer.tree_builder import DraftTree
+from tests.unit.test_trace_cut import Nothing
 
 TEXT = 'def f(x):\n    return "naïve café" + str(x)  # 日本\n\nThe answer is 42, isn\'t it?'
 
@@ -103,18 +103,6 @@ def test_a_draft_model_must_read_its_tokenizers_ids(tokenizers: tuple[Any, Any])
 def test_replay_runs_the_model_at_every_step_alone_and_beside_ours(tokenizers: tuple[Any, Any]) -> None:
     # A request whose answer the oracle knows: alone its chains are accepted whole; beside a
     # drafter that has nothing, the mix proposes the model's chain at every step.
-    class Nothing:
-        name = "nothing"
-
-        def start(self, prompt: np.ndarray) -> None: ...
-
-        def propose(self) -> DraftTree:
-            return DraftTree.empty()
-
-        def advance(self, tokens: np.ndarray) -> None: ...
-
-        def finish(self, commit_from: int) -> None: ...
-
     llama, smol = tokenizers
     prompt = llama.encode("USER: count to twenty. ASSISTANT:", add_special_tokens=False)
     answer = llama.encode(

@@ -48,6 +48,8 @@ class Patchy(ChainModel):
 
 
 class Nothing:
+    """A drafter that proposes nothing: beside it, the mix proposes the model's chain every step."""
+
     name = "nothing"
 
     def start(self, prompt: np.ndarray) -> None: ...
