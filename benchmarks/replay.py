@@ -16,7 +16,7 @@ from __future__ import annotations
 import inspect
 import time
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -153,12 +153,20 @@ def takes_topk(drafter: ReplayDrafter) -> bool:
         return False
 
 
-def replay(conversations: Iterable[Conversation], drafter: ReplayDrafter, *, topk: bool = True) -> ReplayStats:
+def replay(
+    conversations: Iterable[Conversation],
+    drafter: ReplayDrafter,
+    *,
+    topk: bool = True,
+    after_conversation: Callable[[int, ReplayStats], None] | None = None,
+) -> ReplayStats:
     """Replay every output segment of every conversation, in order. With ``topk``, segments that
-    record the target's top-k hand the verified positions' rows to a drafter that takes them."""
+    record the target's top-k hand the verified positions' rows to a drafter that takes them.
+    ``after_conversation(n, stats)`` is called once the ``n``-th conversation is replayed, with
+    the statistics so far (a long replay's progress)."""
     stats = ReplayStats(drafter.name)
     feed = topk and takes_topk(drafter)
-    for conv in conversations:
+    for n, conv in enumerate(conversations, 1):
         parts: list[np.ndarray] = []
         committed = 0  # context tokens already committed by earlier requests of this conversation
         for seg in conv.segments:
@@ -170,6 +178,8 @@ def replay(conversations: Iterable[Conversation], drafter: ReplayDrafter, *, top
             drafter.finish(committed)
             parts.append(seg.tokens)
             committed = prompt.size + seg.tokens.size
+        if after_conversation is not None:
+            after_conversation(n, stats)
     return stats
 
 

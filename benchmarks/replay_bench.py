@@ -278,15 +278,40 @@ def remote_drafter(target: str, namespace: Namespace, params: DraftParams, looka
 
 
 def run_replay(
-    conversations: list[Conversation], drafter_list: list[ReplayDrafter], *, topk: bool = True
+    conversations: list[Conversation],
+    drafter_list: list[ReplayDrafter],
+    *,
+    topk: bool = True,
+    progress_every_s: float = 60.0,
 ) -> list[ReplayStats]:
+    """Each drafter's replay of ``conversations``, one after the other. A replay that runs longer
+    than ``progress_every_s`` logs how far it has come at most that often (a draft model's replay
+    can take an hour)."""
     results = []
     for d in drafter_list:
         start = time.perf_counter()
-        stats = replay(conversations, d, topk=topk)
+        progress = _Progress(d.name, len(conversations), start, progress_every_s)
+        stats = replay(conversations, d, topk=topk, after_conversation=progress)
         logger.info("%s: MAT %.3f in %.1f s", d.name, stats.mat, time.perf_counter() - start)
         results.append(stats)
     return results
+
+
+class _Progress:
+    """Logs a replay's conversations done and its MAT so far, at most once every ``every_s``."""
+
+    def __init__(self, name: str, total: int, start: float, every_s: float) -> None:
+        self.name, self.total, self.start, self.every_s = name, total, start, every_s
+        self.last = start
+
+    def __call__(self, done: int, stats: ReplayStats) -> None:
+        now = time.perf_counter()
+        if done == self.total or now - self.last < self.every_s:
+            return
+        self.last = now
+        elapsed = now - self.start
+        line = "%s: %d of %d conversations, MAT so far %.3f, %.0f s"
+        logger.info(line, self.name, done, self.total, stats.mat, elapsed)
 
 
 def per_step_time(mat: float, drafted_per_step: float, step_cost: float) -> float:

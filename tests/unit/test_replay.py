@@ -1,5 +1,6 @@
 import gzip
 import json
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -8,7 +9,7 @@ import pytest
 import benchmarks
 from benchmarks.baselines import EngineDrafter, PromptLookupDrafter
 from benchmarks.replay import ReplayStats, replay
-from benchmarks.replay_bench import BestChain, ReplayConfig, drafters
+from benchmarks.replay_bench import BestChain, ReplayConfig, drafters, run_replay
 from benchmarks.traces import Conversation, Segment, read_traces
 from indexer.drafter import DrafterConfig, DraftParams, NamespaceDrafter
 from indexer.tokens import Namespace
@@ -74,6 +75,29 @@ def test_totals_and_categories_over_several_conversations():
     assert summary["drafted_per_step"] == 2.0  # (4 + 4 + 2) drafted / 5 steps
     # One latency sample per step.
     assert len(stats.latencies_us) == 5
+
+
+def test_progress_after_each_conversation_with_the_totals_so_far():
+    seen = []
+
+    def progress(n, stats):
+        seen.append((n, stats.steps, stats.tokens))
+
+    replay([FULL, PARTIAL, NEVER], PromptLookupDrafter(), after_conversation=progress)
+    assert seen == [(1, 1, 4), (2, 3, 8), (3, 5, 10)]
+
+
+def test_a_long_replay_logs_its_progress_but_not_past_its_end(caplog):
+    caplog.set_level(logging.INFO, logger="benchmarks.replay_bench")
+    drafter = PromptLookupDrafter()
+    run_replay([FULL, PARTIAL, NEVER], [drafter], progress_every_s=0.0)
+    lines = [r.getMessage().removeprefix(f"{drafter.name}: ") for r in caplog.records]
+    assert [m.split(",")[0] for m in lines[:-1]] == ["1 of 3 conversations", "2 of 3 conversations"]
+    assert "MAT so far 4.000" in lines[0] and "MAT so far 2.667" in lines[1]
+    assert lines[-1].startswith("MAT 2.000 in")
+    caplog.clear()
+    run_replay([FULL, PARTIAL, NEVER], [PromptLookupDrafter()])  # a quick replay: its result only
+    assert len(caplog.records) == 1
 
 
 def test_empty_replay():
