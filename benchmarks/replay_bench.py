@@ -69,8 +69,6 @@ class ReplayConfig:
             raise ValueError("the rest baseline needs a datastore (--rest-datastore)")
         if self.chain < 0 or self.chain != self.params.chain:
             raise ValueError(f"chain must be >= 0 and the params' chain, got {self.chain} and {self.params.chain}")
-        if self.chain and self.lookahead:
-            raise ValueError("chain replay drafts no trees ahead (lookahead must be 0)")
 
 
 def by_namespace(

@@ -25,9 +25,9 @@ from indexer.kernels.draft import JOB_COLUMNS
 from indexer.kernels.draft import SETTINGS as _SETTINGS
 from indexer.kernels.draft_chain import draft_chain_batch
 from indexer.lifetime_index import LifetimeConfig, LifetimeMemory, SearchArrays, prompt_key
-from indexer.prespeculation import Prefetched, select
+from indexer.prespeculation import Prefetched, chain_stopping_points, fan, likeliest_outcomes, select
 from indexer.prior import StaticPrior
-from indexer.session import Session, SessionSnapshot
+from indexer.session import HeldChain, Session, SessionSnapshot
 from indexer.session_cache import LruTableConfig
 from indexer.session_store import SessionStore
 from indexer.successors import SuccessorTable, checked_topk
@@ -40,6 +40,9 @@ _TIER_NAMES = [t.name for t in Tier]  # by value: counting by name without build
 MAX_BUDGET = 1024
 MAX_DEPTH = 128
 MAX_LOOKAHEAD = 16  # outcomes drafted ahead per step
+# Chains drafted ahead per stopping point of a chain, on average: a session drafting ahead for k
+# points drafts chains for its AHEAD_CHAINS * k likeliest outcomes (point and bonus token).
+AHEAD_CHAINS = 4
 TREE_RANKS = ("calibrated", "score")  # how a tree's nodes may be ranked (DrafterConfig.tree_rank)
 MIN_SKIP = 256  # a known leading part shorter than this is committed again (not worth a cut)
 _BRANCHES = 4  # rejected branches remembered where verification left a tree
@@ -261,7 +264,7 @@ class NamespaceDrafter:
         sessions = [session for session, _ in items]
         for session in sessions:
             if session.prefetched:
-                session.prefetched = {}
+                session.prefetched, session.ahead_chains = {}, {}
         rows = np.array([self.store.hold(s) for s in sessions], dtype=np.int64)
         # A path never holds more nodes than the tree, nor a chain's tree than the chain.
         table, min_score = _jobs(rows, [p for _, p in items], _tree_depth, True)
@@ -307,8 +310,9 @@ class NamespaceDrafter:
         )  # fmt: skip
         tokens, parents, sources, scores, ends, claims, grown = draft_chain_batch(*args)
         self._follow_grown(sessions, grown)
-        _keep_chains(sessions, tokens, claims, ends)
-        return DraftedTrees(TreeBatch(tokens, parents, sources, scores, ends))
+        drafted = DraftedTrees(TreeBatch(tokens, parents, sources, scores, ends))
+        _keep_chains(sessions, drafted, claims)
+        return drafted
 
     def _chains(self, trees: DraftedTrees, items: Sequence[tuple[Session, DraftParams]]) -> DraftedTrees:
         """Each chain-mode job's tree cut to its chain (see :mod:`indexer.chain`), the others
@@ -318,15 +322,16 @@ class NamespaceDrafter:
         if all(p.chain for _, p in items):  # every tree cut (a threaded step's batch), in one compiled pass
             with self._lock:
                 batch, claims = self.chain_calibrator.chains(trees.batch, *_chain_jobs(items))
-            _keep_chains(sessions, batch.tokens, claims, batch.offsets)
-            return DraftedTrees(batch)
+            drafted = DraftedTrees(batch)
+            _keep_chains(sessions, drafted, claims)
+            return drafted
         out = []
         for tree, (session, params) in zip(trees, items, strict=True):
             if params.chain:
                 with self._lock:
                     tree, claims = self.chain_calibrator.chain(tree, params.chain, params.chain_min_prob, session.track)
                 session.calibrates = True
-                session.chain = (tree.tokens, claims, session.track)
+                session.chain = HeldChain(tree.tokens, claims, session.track, [tree], 0)
             out.append(tree)
         return DraftedTrees(_batch_of(out))
 
@@ -376,9 +381,9 @@ class NamespaceDrafter:
         produced = _joined([new for _, new, _ in items], np.int32)
         self._learn_chains(items, jobs, produced)
         # A tree drafted ahead for this outcome is what the decoder verifies next.
-        ahead = [(s, select(s.prefetched, new)) for s, new, _ in items if s.prefetched]
+        ahead = [(s, new, select(s.prefetched, new)) for s, new, _ in items if s.prefetched]
         c = self.counters
-        for s, tree in ahead:
+        for s, _, tree in ahead:
             if s.has_tree:
                 c.ahead_hits += tree is not None
                 c.ahead_misses += tree is None
@@ -403,8 +408,14 @@ class NamespaceDrafter:
             if rejected:  # each branch is keyed by the context tail where it branched off
                 before = len(session.context) - new.size
                 session.rejected.record_at(session.context.tokens, [(before + at, b) for at, b in rejected])
-        for session, tree in ahead:
+        for session, new, tree in ahead:
             session.last_tree, session.prefetched = tree, {}
+            if session.ahead_chains:  # a chain drafted ahead for this outcome is the next chain
+                claims = session.ahead_chains.get(tuple(new.tolist()))
+                if tree is not None and claims is not None:
+                    session.chain = HeldChain(tree.tokens, claims, session.track, [tree], 0)
+                    session.calibrates = True
+                session.ahead_chains = {}
 
     def observe_topk(self, session: Session, new: np.ndarray, topk: np.ndarray | list[list[int]]) -> None:
         """The target's top-k at the positions the decoder verified for ``new`` (the tokens the
@@ -469,25 +480,42 @@ class NamespaceDrafter:
                 if session.has_tree:
                     session.track = track
                 if session.chain is not None:
-                    tokens, claims, cut_for = session.chain
+                    held = session.chain
                     with self._lock:
-                        self.chain_calibrator.update_reach(tokens, claims, new, cut_for)
+                        self.chain_calibrator.update_reach(held.tokens, held.claims, new, held.track)
         for session, _, _ in items:
             session.chain = None
 
     def prespeculate(self, session: Session, k: int, params: DraftParams) -> Prefetched:
         """Trees drafted ahead for the ``k`` likeliest outcomes of verifying the session's last
-        tree (see :mod:`indexer.prespeculation`); the next :meth:`accept` goes on with the one
-        the outcome selects. Session state is left as it was, apart from remembering them."""
+        draft (see :mod:`indexer.prespeculation`); the next :meth:`accept` goes on with the one
+        the outcome selects. For a chain-mode draft the outcomes are its chain's, and what is
+        drafted ahead for each is a fan of chains, one per bonus token. Session state is left as
+        it was, apart from remembering them."""
         return self.prespeculate_many([(session, k, params)])[0]
 
     def prespeculate_many(self, items: Sequence[tuple[Session, int, DraftParams]]) -> list[Prefetched]:
         """:meth:`prespeculate` for several sessions ``(session, k, params)``, each named once:
-        the stopping points of all their trees found, and every tree drafted ahead for them, in
-        one compiled call each."""
+        the stopping points of all their drafts found, and every tree drafted ahead for them, in
+        one compiled call each (chain-mode drafts' in their own)."""
         for _, k, _ in items:
             if not 0 <= k <= MAX_LOOKAHEAD:
                 raise ValueError(f"lookahead must be in [0, {MAX_LOOKAHEAD}], got {k}")
+        for session, _, _ in items:
+            session.ahead_chains = {}
+        chained = [bool(p.chain) and s.chain is not None and s.has_tree for s, _, p in items]
+        out: list[Prefetched] = [{} for _ in items]
+        for wanted, ahead in ((False, self._trees_ahead), (True, self._chains_ahead)):
+            js = [j for j, c in enumerate(chained) if c == wanted]
+            if js:
+                for j, prefetched in zip(js, ahead([items[j] for j in js]), strict=True):
+                    out[j] = prefetched
+        for (session, _, _), prefetched in zip(items, out, strict=True):
+            session.prefetched = prefetched
+        return out
+
+    def _trees_ahead(self, items: Sequence[tuple[Session, int, DraftParams]]) -> list[Prefetched]:
+        """Tree-mode drafts' outcomes: one tree per stopping point of each session's last tree."""
         rows = np.array([self.store.hold(s) for s, _, _ in items], dtype=np.int64)
         ks = np.array([k for _, k, _ in items], dtype=np.int64)
         reach, reach_at = self._reach([s for s, _, _ in items])
@@ -512,8 +540,70 @@ class NamespaceDrafter:
         for i, (j, end) in enumerate(zip(owner.tolist(), path_ends.tolist(), strict=True)):
             out[j][tuple(paths[start:end])] = drafted[i]
             start = end
-        for (session, _, _), ahead in zip(items, out, strict=True):
-            session.prefetched = ahead
+        return out
+
+    def _chains_ahead(self, items: Sequence[tuple[Session, int, DraftParams]]) -> list[Prefetched]:
+        """Chain-mode drafts' outcomes: at each of the ``k`` likeliest stopping points of each
+        session's chain (by each token's calibrated chance of being reached), the candidates
+        for the bonus token (a one-level tree there, leaving out the one token the chain has
+        after the point); then, for the session's :data:`AHEAD_CHAINS` ``* k`` likeliest
+        outcomes among them, the chain the next step would draft after each, all in one
+        compiled call. A point's candidates and their chains make one fan
+        (:func:`~indexer.prespeculation.fan`)."""
+        owner: list[int] = []
+        paths: list[np.ndarray] = []
+        kids: list[np.ndarray] = []
+        chances: list[float] = []
+        for j, (session, k, _) in enumerate(items):
+            held = session.chain
+            assert held is not None
+            tokens = held.tokens
+            with self._lock:
+                reach = self.chain_calibrator.reach(held.claims, held.track)
+            lengths, stops = chain_stopping_points(reach, k)
+            for n, chance in zip(lengths.tolist(), stops.tolist(), strict=True):
+                owner.append(j)
+                paths.append(np.asarray(tokens[:n], dtype=np.int32))
+                kids.append(np.asarray(tokens[n : n + 1], dtype=np.int32))
+                chances.append(chance)
+            session.calibrates = True  # the chain's outcome teaches the calibrator, as any chain's does
+        if not owner:
+            return [{} for _ in items]
+        rows = np.array([self.store.hold(s) for s, _, _ in items], dtype=np.int64)
+        params = [p for _, _, p in items]
+        points = np.array(owner, dtype=np.int64)
+        # Each point's candidates for the bonus token; nothing learnt stays (remember off).
+        per_item, min_score = _jobs(rows, params, lambda p: 1, False)
+        table = _with_suffix(per_item[points], paths, kids)
+        sessions = [items[j][0] for j in owner]
+        firsts = self._step(sessions, table, min_score[points], _joined(paths, np.int32), _joined(kids, np.int32))
+        bonus: list[DraftTree] = [DraftTree.chain(_NO_TOKENS)] * len(owner)
+        for j, (_, k, _) in enumerate(items):
+            mine = [i for i, o in enumerate(owner) if o == j]
+            kept = likeliest_outcomes([(chances[i], firsts[i]) for i in mine], AHEAD_CHAINS * k)
+            for i, tree in zip(mine, kept, strict=True):
+                bonus[i] = tree
+        # A chain after each outcome kept, its context extended by the point's path and the candidate.
+        job_of = np.repeat(points, [len(b) for b in bonus])
+        suffixes = [np.append(paths[i], t).astype(np.int32) for i, b in enumerate(bonus) for t in b.tokens.tolist()]
+        per_item, min_score = _jobs(rows, params, _tree_depth, False)
+        table = _with_suffix(per_item[job_of], suffixes, [_NO_TOKENS] * len(suffixes))
+        jobs = [(items[j][0], items[j][2]) for j in job_of.tolist()]
+        args = (
+            *self._step_args(table, min_score[job_of], _joined(suffixes, np.int32), _NO_TOKENS), *_chain_jobs(jobs),
+            *self.chain_calibrator.reach_args(),
+        )  # fmt: skip
+        tokens, parents, sources, scores, ends, claims, grown = draft_chain_batch(*args)
+        self._follow_grown([s for s, _ in jobs], grown)
+        out: list[Prefetched] = [{} for _ in items]
+        first = 0
+        for i, j in enumerate(owner):
+            last = first + len(bonus[i])
+            tree, by_bonus = fan(bonus[i], TreeBatch(tokens, parents, sources, scores, ends[first : last + 1]), claims)
+            key = tuple(paths[i].tolist())
+            out[j][key] = tree
+            items[j][0].ahead_chains.update({(*key, b): c for b, c in by_bonus.items()})
+            first = last
         return out
 
     def _reach(self, sessions: Sequence[Session]) -> tuple[np.ndarray, np.ndarray]:
@@ -608,6 +698,19 @@ class NamespaceDrafter:
                 self.store.follow(sessions[j], size)
 
 
+def _with_suffix(table: np.ndarray, suffixes: Sequence[np.ndarray], excluded: Sequence[np.ndarray]) -> np.ndarray:
+    """Jobs ``table`` (a copy), row ``i`` drafting after its context extended by
+    ``suffixes[i]`` and leaving ``excluded[i]`` out of its root, both laid end to end."""
+    table = table.copy()
+    s_ends = np.cumsum([len(x) for x in suffixes], dtype=np.int64)
+    e_ends = np.cumsum([len(x) for x in excluded], dtype=np.int64)
+    table[:, draft_kernel.SUFFIX_START] = s_ends - [len(x) for x in suffixes]
+    table[:, draft_kernel.SUFFIX_END] = s_ends
+    table[:, draft_kernel.EXCLUDE_START] = e_ends - [len(x) for x in excluded]
+    table[:, draft_kernel.EXCLUDE_END] = e_ends
+    return table
+
+
 def _chain_jobs(items: Sequence[tuple[Session, DraftParams]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per chain-mode job, its chain's most tokens, its stopping chance and its session's track
     record, as the compiled cut takes them."""
@@ -616,13 +719,14 @@ def _chain_jobs(items: Sequence[tuple[Session, DraftParams]]) -> tuple[np.ndarra
     return ks, min_probs, np.array([s.track for s, _ in items], dtype=np.int64)
 
 
-def _keep_chains(sessions: Sequence[Session], tokens: np.ndarray, claims: np.ndarray, ends: np.ndarray) -> None:
-    """Each session keeps its chain (``tokens`` and raw ``claims`` between ``ends``) and track
-    record until the outcome teaches the chain calibrator."""
-    at = ends.tolist()
+def _keep_chains(sessions: Sequence[Session], drafted: DraftedTrees, claims: np.ndarray) -> None:
+    """Each session keeps its chain (tree ``j`` of ``drafted``, its raw ``claims`` laid out as
+    the chains are) and track record until the outcome teaches the chain calibrator."""
+    at = drafted.batch.offsets.tolist()
+    tokens = drafted.batch.tokens
     for j, session in enumerate(sessions):
         session.calibrates = True
-        session.chain = (tokens[at[j] : at[j + 1]], claims[at[j] : at[j + 1]], session.track)
+        session.chain = HeldChain(tokens[at[j] : at[j + 1]], claims[at[j] : at[j + 1]], session.track, drafted, j)
 
 
 def _tree_depth(p: DraftParams) -> int:

@@ -8,9 +8,15 @@ context extended by the path to ``v``, leaving out ``v``'s children. When verifi
 ``path + [b]`` and that tree has a root child ``b``, the subtree under it is the next draft tree,
 ready at once: one tree per stopping point covers every bonus token it proposes.
 
-A chain needs no drafting ahead for its likeliest outcome: when the target accepts every token
-proposed and its bonus token is the chain's next one, the rest of a longer chain is the next
-draft (:func:`continue_chain`), ready at once as well.
+A chain is verified as a tree of one branch, so its stopping points are its tokens, each leaving
+out only the one token the chain has after it: every other candidate the tiers and the
+successor table hold for the bonus token is still in play there. Drafting ahead for a chain
+takes those candidates (a one-level tree at the point) and drafts, for each, the chain the step
+after that outcome would draft, its context extended by the point's path and the candidate.
+They are sent as a fan (:func:`fan`): each candidate a root child with its chain below it, so
+the outcome's bonus token selects the next chain as it selects a tree's subtree. And when the
+target accepts every token proposed and its bonus token is the chain's next one, the rest of a
+longer chain is the next draft (:func:`continue_chain`), ready at once as well.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from indexer import kernels
-from indexer.tree_builder import DraftTree
+from indexer.tree_builder import DraftTree, TreeBatch
 
 Prefetched = dict[tuple[int, ...], DraftTree]  # accepted draft tokens -> tree drafted after them
 
@@ -95,3 +101,77 @@ def continue_chain(chain: DraftTree, produced: np.ndarray | Sequence[int]) -> Dr
     scores = chain.scores[m:] / reached if reached > 0 else chain.scores[m:]
     parents = np.arange(-1, len(chain) - m - 1, dtype=np.int32)
     return DraftTree(chain.tokens[m:], parents, chain.sources[m:], np.minimum(scores, 1.0).astype(np.float32))
+
+
+def chain_stopping_points(reach: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The ``k`` likeliest places verification of a chain ends, best first (ties: the shorter
+    path), by ``reach`` (each token's chance of being accepted, never rising along the chain):
+    how many of its tokens each accepts, and the chance verification ends exactly there.
+
+    >>> n, chance = chain_stopping_points(np.array([0.6, 0.5, 0.1]), 3)
+    >>> n.tolist(), [round(float(c), 2) for c in chance]
+    ([0, 2, 3], [0.4, 0.4, 0.1])
+    """
+    r = np.concatenate(([1.0], np.asarray(reach, dtype=np.float64), [0.0]))
+    stop = r[:-1] - r[1:]
+    order = np.argsort(-stop, kind="stable")[: max(k, 0)]
+    return order, stop[order]
+
+
+def likeliest_outcomes(points: Sequence[tuple[float, DraftTree]], n: int) -> list[DraftTree]:
+    """Of each stopping point's candidates for the bonus token (``(the point's chance, a
+    one-level tree of them)``), those among the ``n`` likeliest outcomes in all, each point's
+    best first: an outcome's chance is its point's times the candidate's share of the point's
+    scores.
+
+    >>> def one_level(tokens, scores):
+    ...     return DraftTree(np.array(tokens, np.int32), np.full(len(tokens), -1, np.int32),
+    ...                      np.zeros(len(tokens), np.uint8), np.array(scores, np.float32))
+    >>> kept = likeliest_outcomes([(0.6, one_level([4, 5], [0.2, 0.6])), (0.3, one_level([7], [0.1]))], 2)
+    >>> [t.tokens.tolist() for t in kept]  # .45 and .3 beat .15
+    [[5], [7]]
+    """
+    chances = [c * t.scores / max(float(t.scores.sum()), 1e-12) for c, t in points]
+    flat = np.concatenate(chances) if chances else np.zeros(0)
+    keep = np.zeros(flat.size, dtype=bool)
+    keep[np.argsort(-flat, kind="stable")[: max(n, 0)]] = True  # ties: the earlier point, then candidate
+    out, at = [], 0
+    for (_, tree), chance in zip(points, chances, strict=True):
+        sel = np.flatnonzero(keep[at : at + chance.size])
+        at += chance.size
+        sel = sel[np.argsort(-tree.scores[sel], kind="stable")]
+        out.append(DraftTree(tree.tokens[sel], tree.parents[sel], tree.sources[sel], tree.scores[sel]))
+    return out
+
+
+def fan(bonus: DraftTree, chains: TreeBatch, claims: np.ndarray) -> tuple[DraftTree, dict[int, np.ndarray]]:
+    """One tree of the candidates for a bonus token, each followed by its chain: ``bonus``'s
+    nodes (a one-level tree) are the root children, and chain ``r`` of ``chains`` goes under
+    node ``r``. With it, by candidate, its chain's raw ``claims`` (laid out as the chains are).
+
+    >>> bonus = DraftTree(np.array([5, 9], np.int32), np.array([-1, -1], np.int32),
+    ...                   np.zeros(2, np.uint8), np.array([0.5, 0.2], np.float32))
+    >>> chains = TreeBatch(np.array([6, 7], np.int32), np.array([-1, 0], np.int32), np.zeros(2, np.uint8),
+    ...                    np.array([0.8, 0.6], np.float32), np.array([0, 2, 2]))
+    >>> tree, by_bonus = fan(bonus, chains, np.array([0.9, 0.7]))
+    >>> tree.tokens.tolist(), tree.parents.tolist(), {b: c.tolist() for b, c in by_bonus.items()}
+    ([5, 6, 7, 9], [-1, 0, 1, -1], {5: [0.9, 0.7], 9: []})
+    >>> select({(): tree}, [5]).tokens.tolist(), len(select({(): tree}, [9]))
+    ([6, 7], 0)
+    """
+    n = len(bonus) + int(chains.offsets[-1] - chains.offsets[0])
+    tokens, parents = np.empty(n, np.int32), np.empty(n, np.int32)
+    sources, scores = np.empty(n, np.uint8), np.empty(n, np.float32)
+    by_bonus: dict[int, np.ndarray] = {}
+    ends, at = chains.offsets.tolist(), 0
+    for r in range(len(bonus)):
+        lo, hi = ends[r], ends[r + 1]
+        tokens[at], parents[at], sources[at], scores[at] = bonus.tokens[r], -1, bonus.sources[r], bonus.scores[r]
+        m = hi - lo
+        tokens[at + 1 : at + 1 + m] = chains.tokens[lo:hi]
+        parents[at + 1 : at + 1 + m] = np.arange(at, at + m, dtype=np.int32)  # a chain under its candidate
+        sources[at + 1 : at + 1 + m] = chains.sources[lo:hi]
+        scores[at + 1 : at + 1 + m] = chains.scores[lo:hi]
+        by_bonus[int(bonus.tokens[r])] = claims[lo:hi]
+        at += 1 + m
+    return DraftTree(tokens, parents, sources, scores), by_bonus

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -27,6 +29,27 @@ from indexer.session_cache import LruTableConfig, RejectedCache, TableColumns
 from indexer.tree_builder import DraftTree
 
 _FIRST_TREE = 64  # nodes the last tree's buffer holds at first (it grows with larger trees)
+
+
+class HeldChain(NamedTuple):
+    """A chain-mode session's last chain until its outcome comes: its tokens, their raw claims
+    and the track record it was cut for (the chain calibrator learns from them), and the chain
+    as it was sent (``sent[at]``: the draft call's trees, read only if asked for again).
+
+    >>> chain = DraftTree.chain(np.array([4, 5], np.int32))
+    >>> HeldChain(chain.tokens, np.ones(2), 0, [chain], 0).tree().parents.tolist()
+    [-1, 0]
+    """
+
+    tokens: np.ndarray
+    claims: np.ndarray
+    track: int
+    sent: Sequence[DraftTree]
+    at: int
+
+    def tree(self) -> DraftTree:
+        """The chain as it was sent."""
+        return self.sent[self.at]
 
 
 @dataclass(frozen=True)
@@ -63,10 +86,12 @@ class Session:
         self.state[TREE_SIZE] = -1
         self.tree_buffer = np.zeros(4 * _FIRST_TREE, dtype=np.int32)  # the last tree (see kernels.store)
         self.prefetched: Prefetched = {}  # trees drafted ahead for outcomes of last_tree
+        # A chain-mode session's chains drafted ahead: their raw claims, by the outcome each
+        # follows (accepted tokens, then the bonus token).
+        self.ahead_chains: dict[tuple[int, ...], np.ndarray] = {}
         self.calibrates = False  # last_tree's outcome teaches chain calibration (chain mode, pre-speculation)
         self.track = 0  # how far the target followed the tree before last_tree (indexer.chain.track_of)
-        # The chain cut from last_tree: its tokens, their claimed reach, the track record it was cut for.
-        self.chain: tuple[np.ndarray, np.ndarray, int] | None = None
+        self.chain: HeldChain | None = None  # the chain cut from last_tree, until its outcome
 
     @property
     def has_tree(self) -> bool:

@@ -93,15 +93,19 @@ def _held(entry: SessionEntry, new: np.ndarray, lookahead: int) -> DraftTree | N
     one drafted ahead for the outcome those tokens are (``None``: still to draft).
 
     An item with no new tokens that asks for outcomes ahead, on a session still holding the
-    tree drafted for its context (in tree mode: a chain-mode session holds the tree its chain
-    was cut from), gets that tree again and the trees ahead of it: a client that asked for its
-    step's trees alone asks for what lies ahead of them in a call of its own, and the context
-    is not drafted twice."""
+    draft made for its context (a tree, or in chain mode the chain sent), gets that draft again
+    and what was drafted ahead of it: a client that asked for its step's drafts alone asks for
+    what lies ahead of them in a call of its own, and the context is not drafted twice (nor
+    the chain it verifies replaced by another)."""
     session = entry.session
     if not session.has_tree:
         return None
-    if new.size or (lookahead and not entry.params.chain):
+    if new.size:
         return session.last_tree
+    if lookahead and not entry.params.chain:
+        return session.last_tree
+    if lookahead and session.chain is not None:
+        return session.chain.tree()
     return None
 
 

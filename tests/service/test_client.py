@@ -18,6 +18,7 @@ from draftcache.v1 import draftcache_pb2_grpc as pb_grpc
 from cache_service.config import ServiceConfig
 from cache_service.host.embedded_redis import free_port
 from decoder_client.client import ClientConfig, ClientStats, DraftClient
+from indexer.drafter import DraftParams
 from tests.service.conftest import start_service, stop_service
 
 # A "document" the target copies around new tokens: prompt lookup and the service both draft
@@ -259,7 +260,6 @@ def test_chain_proposer_over_the_service(running) -> None:  # type: ignore[no-un
 def test_chain_mode_over_the_wire() -> None:
     """A session opened in chain mode gets chains of at most K tokens from the service, and
     from the fallback once the service is gone."""
-    from indexer.drafter import DraftParams
 
     running = start_service(ServiceConfig(), port=free_port())
     _ns(running.target)
@@ -318,7 +318,8 @@ def _repeat_target() -> tuple[list[int], np.ndarray]:
     return prompt, target
 
 
-def test_prespeculation_serves_trees_drafted_ahead_with_the_same_tokens() -> None:
+@pytest.mark.parametrize("chain", [0, 4], ids=["trees", "chains"])
+def test_prespeculation_serves_trees_drafted_ahead_with_the_same_tokens(chain: int) -> None:
     running = start_service(ServiceConfig())
     _ns(running.target)
     prompt, target = _repeat_target()
@@ -326,13 +327,21 @@ def test_prespeculation_serves_trees_drafted_ahead_with_the_same_tokens() -> Non
     try:
         for lookahead in (0, 4):
             client = DraftClient(
-                ClientConfig(target=running.target, namespace="toy", deadline_s=1.0, lookahead=lookahead)
+                ClientConfig(
+                    target=running.target,
+                    namespace="toy",
+                    deadline_s=1.0,
+                    lookahead=lookahead,
+                    params=DraftParams(chain=chain),
+                )
             )
             (session,) = client.open([prompt])
             out: list[int] = []
             new: list[int] = []
             while len(out) < target.size:
                 (tree,) = client.draft([session], [new])
+                if chain:  # what a chain-mode call serves, drafted ahead or not
+                    assert len(tree) <= chain and tree.parents.tolist() == list(range(-1, len(tree) - 1))
                 accepted = len(tree.accept(target[len(out) :]))
                 new = target[len(out) : len(out) + accepted + 1].tolist()
                 out.extend(new)

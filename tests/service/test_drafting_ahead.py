@@ -10,6 +10,7 @@ from cache_service.config import ServiceConfig
 from cache_service.domain.items import DraftItem, OpenItem
 from cache_service.domain.service import DraftService
 from indexer.drafter import DraftParams
+from indexer.prespeculation import select
 from indexer.tree_builder import DraftTree
 
 _PROMPT = [3, 4, 5, 6, 3, 4, 5, 7, 3, 4, 5, 6, 3, 4]
@@ -52,10 +53,44 @@ def test_an_item_asking_only_for_outcomes_ahead_gets_the_held_tree_not_a_new_dra
     assert len(after)
 
 
-def test_a_chain_session_asking_only_for_outcomes_ahead_gets_a_chain() -> None:
+def test_a_chain_session_asking_only_for_outcomes_ahead_gets_its_chain_not_a_new_draft() -> None:
     svc = _service()
     (sid,) = svc.open([OpenItem("a", _PROMPT, DraftParams(chain=3))])
-    ((chain, _),) = svc.draft_ahead([DraftItem(sid, _NONE)])
-    ((again, _),) = svc.draft_ahead([DraftItem(sid, _NONE, lookahead=2)])
-    for c in (chain, again):  # at most three tokens, one after another: never the tree it was cut from
-        assert 0 < len(c) <= 3 and c.parents.tolist() == list(range(-1, len(c) - 1))
+    ((chain, ahead),) = svc.draft_ahead([DraftItem(sid, _NONE)])
+    assert ahead == {}
+    held = svc.sessions.get(sid).session
+    cut_from = held.last_tree  # the tree the chain was cut from, held until the outcome
+    _teach_successors(svc)  # a second draft of the context would differ from the first
+    ((again, ahead),) = svc.draft_ahead([DraftItem(sid, _NONE, lookahead=2)])
+    assert cut_from is not None and held.last_tree is not None and _same(held.last_tree, cut_from)
+    # The chain sent, as sent (never the tree it was cut from), and the outcomes ahead of it:
+    # each drafted ahead at one of its own stopping points.
+    assert 0 < len(chain) <= 3 and chain.parents.tolist() == list(range(-1, len(chain) - 1))
+    assert _same(again, chain) and again.scores.tolist() == chain.scores.tolist()
+    assert again.sources.tolist() == chain.sources.tolist()
+    assert ahead and all(list(path) == chain.tokens[: len(path)].tolist() for path in ahead)
+    # Without lookahead an item with no new tokens is drafted anew, as before.
+    svc.draft_ahead([DraftItem(sid, _NONE)])
+    assert held.last_tree is not None and not _same(held.last_tree, cut_from)
+    assert {40, 41} & set(held.last_tree.tokens.tolist())
+
+
+def test_a_chain_session_drafting_ahead_gets_the_chain_of_the_outcome_it_reports() -> None:
+    svc = _service()
+    (sid,) = svc.open([OpenItem("a", _PROMPT, DraftParams(chain=3))])
+    ((chain, ahead),) = svc.draft_ahead([DraftItem(sid, _NONE, lookahead=2)])
+    assert 0 < len(ahead) <= 2
+    outcomes = {}
+    for path, fan in ahead.items():
+        # Drafted ahead at the chain's own stopping points: its first tokens accepted.
+        assert list(path) == chain.tokens[: len(path)].tolist()
+        for root in np.flatnonzero(fan.parents == -1).tolist():
+            bonus = int(fan.tokens[root])
+            rest = select(ahead, [*path, bonus])
+            assert rest is not None and len(rest) <= 3 and rest.parents.tolist() == list(range(-1, len(rest) - 1))
+            outcomes[(*path, bonus)] = rest
+    assert outcomes
+    (produced, want), *_ = outcomes.items()
+    # Reporting that outcome, the session goes on with the chain drafted ahead for it.
+    ((got, _),) = svc.draft_ahead([DraftItem(sid, np.array(produced, dtype=np.int32))])
+    assert _same(got, want) and got.scores.tolist() == want.scores.tolist()

@@ -42,14 +42,15 @@ def test_remote_replay_matches_in_process(shared_data: Path) -> None:
     assert over_grpc.mat == local.mat
 
 
-def test_remote_replay_drafting_ahead_matches_in_process(shared_data: Path) -> None:
+@pytest.mark.parametrize("params", [DraftParams(), DraftParams(chain=8)], ids=["trees", "chains"])
+def test_remote_replay_drafting_ahead_matches_in_process(shared_data: Path, params: DraftParams) -> None:
     convs = read_traces(shared_data / "traces" / "spec_bench_vicuna7b.jsonl.gz", limit=12)
     engine = NamespaceDrafter(Namespace(name="llama2", vocab_size=32000), DrafterConfig())
-    local = replay(convs, EngineDrafter(engine, DraftParams(), rebuild=False, lookahead=2))
+    local = replay(convs, EngineDrafter(engine, params, rebuild=False, lookahead=2))
     running = start_service(ServiceConfig())
     try:
         running.admin.CreateNamespace(pb.CreateNamespaceRequest(name="llama2", vocab_size=32000))
-        remote = RemoteDrafter(running.target, "llama2", DraftParams(), lookahead=2)
+        remote = RemoteDrafter(running.target, "llama2", params, lookahead=2)
         over_grpc = replay(convs, remote)
         remote.close()
     finally:

@@ -1,9 +1,10 @@
 import numpy as np
 import pytest
 
-from indexer.drafter import DrafterConfig, DraftParams, NamespaceDrafter
+from indexer.drafter import AHEAD_CHAINS, DrafterConfig, DraftParams, NamespaceDrafter
 from indexer.kernels import draft as draft_kernel
-from indexer.prespeculation import select, stopping_points, subtree
+from indexer.kernels.draft_chain import draft_chain_batch
+from indexer.prespeculation import chain_stopping_points, select, stopping_points, subtree
 from indexer.tokens import Namespace
 from indexer.tree_builder import DraftTree
 
@@ -222,3 +223,112 @@ def _drafted_alone(d, s, path, kids, depth):
     job[0, draft_kernel.DEPTH_RESERVE] = PARAMS.depth_reserve
     job[0, draft_kernel.TRACK] = -1  # ranked by score, as the steps drafted ahead are
     return d._step([s], job, np.full(1, PARAMS.min_score), _a(path), _a(sorted(kids)))
+
+
+# -- chains: drafting ahead for what an engine verifies --------------------------------------------
+
+CHAIN = DraftParams(budget=16, max_depth=8, chain=4)
+# Two continuations of "1 2" that the context holds ("3 4" twice, "3 5" once, "6" once).
+_CHAIN_PROMPT = [1, 2, 3, 4, 9, 1, 2, 3, 4, 8, 1, 2, 3, 5, 7, 1, 2, 6, 1, 2]
+
+
+def _is_chain(tree):
+    return tree.parents.tolist() == list(range(-1, len(tree) - 1))
+
+
+def _fan_chains(fan):
+    """A fan's candidates for the bonus token, each with the chain under it."""
+    out = {}
+    for root in np.flatnonzero(fan.parents == -1).tolist():
+        out[int(fan.tokens[root])] = subtree(fan, int(fan.tokens[root]))
+    return out
+
+
+def test_a_chain_is_drafted_ahead_at_its_own_stopping_points():
+    d = NamespaceDrafter(NS, DrafterConfig())
+    s = d.open(_a(_CHAIN_PROMPT))
+    chain = d.draft(s, CHAIN)
+    assert _is_chain(chain) and 0 < len(chain) <= 4
+    ahead = d.prespeculate(s, 3, CHAIN)
+    lengths, _ = chain_stopping_points(d.chain_calibrator.reach(s.chain.claims, s.chain.track), 3)
+    # The points are the chain's own: its first n tokens accepted, best first.
+    assert list(ahead) == [tuple(chain.tokens[:n].tolist()) for n in lengths.tolist()]
+    for path, fan in ahead.items():
+        n = len(path)
+        chains = _fan_chains(fan)
+        # Every candidate but the token the chain has next (verification stopped before it),
+        # each with a chain of at most K tokens after it.
+        assert chains and (n == len(chain) or int(chain.tokens[n]) not in chains)
+        assert all(c is not None and _is_chain(c) and len(c) <= 4 for c in chains.values())
+    # At most AHEAD_CHAINS chains per point on average, the likeliest outcomes.
+    assert sum(len(_fan_chains(f)) for f in ahead.values()) <= AHEAD_CHAINS * 3
+
+
+def test_each_chain_ahead_is_the_one_drafted_after_its_outcome():
+    d = NamespaceDrafter(NS, DrafterConfig())
+    s = d.open(_a(_CHAIN_PROMPT))
+    d.draft(s, CHAIN)
+    ahead = d.prespeculate(s, 3, CHAIN)
+    checked = 0
+    for path, fan in ahead.items():
+        for bonus, got in _fan_chains(fan).items():
+            want = _chain_drafted_alone(d, s, [*path, bonus])
+            for name in ("tokens", "parents", "sources", "scores"):
+                assert getattr(got, name).tolist() == getattr(want, name).tolist(), name
+            checked += 1
+    assert checked >= 2
+
+
+def test_an_outcome_drafted_ahead_makes_its_chain_the_next_draft():
+    d = NamespaceDrafter(NS, DrafterConfig())
+    s = d.open(_a(_CHAIN_PROMPT))
+    d.draft(s, CHAIN)
+    ahead = d.prespeculate(s, 3, CHAIN)
+    path, fan = next(iter(ahead.items()))
+    bonus, chain = next(iter(_fan_chains(fan).items()))
+    trials = d.chain_calibrator.trials
+    d.accept(s, _a([*path, bonus]))
+    assert s.last_tree is not None and s.last_tree.tokens.tolist() == chain.tokens.tolist()
+    # It is held as a chain-mode draft: its outcome teaches the calibrator, and the session
+    # drafts ahead of it as of any chain.
+    assert s.chain is not None and s.chain.tokens.tolist() == chain.tokens.tolist()
+    assert len(s.chain.claims) == len(chain)
+    assert set(d.prespeculate(s, 2, CHAIN)) <= {tuple(chain.tokens[:n].tolist()) for n in range(len(chain) + 1)}
+    d.accept(s, _a([int(chain.tokens[0]) if len(chain) else 1, 1]))
+    assert d.chain_calibrator.trials > trials
+    # An outcome nothing was drafted ahead for leaves no draft and no chain (a fresh one follows).
+    d.draft(s, CHAIN)
+    d.prespeculate(s, 1, CHAIN)
+    d.accept(s, _a([99, 98]))
+    assert s.last_tree is None and s.chain is None and s.ahead_chains == {}
+
+
+def test_sessions_of_both_modes_draft_ahead_together():
+    d = NamespaceDrafter(NS, DrafterConfig())
+    tree_s, chain_s = d.open(_a(_CHAIN_PROMPT)), d.open(_a(_CHAIN_PROMPT))
+    d.draft(tree_s, PARAMS)
+    d.draft(chain_s, CHAIN)
+    trees, chains = d.prespeculate_many([(tree_s, 2, PARAMS), (chain_s, 2, CHAIN)])
+    assert list(trees) == [path for path, _ in stopping_points(tree_s.last_tree, 2)]
+    assert all(_is_chain(c) for fan in chains.values() for c in _fan_chains(fan).values())
+    assert tree_s.ahead_chains == {} and chain_s.ahead_chains
+
+
+def _chain_drafted_alone(d, s, suffix):
+    """The chain the session would draft after its context extended by ``suffix``, nothing
+    remembered: a one-job table for the compiled chain step, written column by column."""
+    job = np.zeros((1, len(draft_kernel.JOB_COLUMNS)), dtype=np.int64)
+    job[0, draft_kernel.ROW] = d.store.hold(s)
+    job[0, draft_kernel.SUFFIX_END] = len(suffix)
+    job[0, draft_kernel.DEPTH], job[0, draft_kernel.BUDGET] = CHAIN.chain, CHAIN.budget
+    job[0, draft_kernel.DEPTH_RESERVE] = CHAIN.depth_reserve
+    job[0, draft_kernel.TRACK] = -1
+    args = (
+        *d._step_args(job, np.full(1, CHAIN.min_score), _a(suffix), _a([])),
+        np.array([CHAIN.chain]),
+        np.array([CHAIN.chain_min_prob]),
+        np.array([s.track]),
+        *d.chain_calibrator.reach_args(),
+    )
+    tokens, parents, sources, scores, _, _, _ = draft_chain_batch(*args)
+    return DraftTree(tokens, parents, sources, scores)
