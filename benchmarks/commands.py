@@ -60,7 +60,8 @@ def _replay_args(r: argparse.ArgumentParser) -> None:
         help="default: the tokenizer's, else the service's namespace (--target), else the traces' max id + 1",
     )
     add(r, "--baselines", default="", help="comma list: prompt-lookup,suffix-decoding,rest")
-    add(r, "--lookahead", type=non_negative, default=0, help="pre-speculation: outcomes drafted ahead per step")
+    add(r, "--lookahead", type=non_negative, default=0, help="pre-speculation: stopping points drafted ahead for "
+        "per step (a tree at each; in chain mode, chains after the likeliest bonus tokens there)")  # fmt: skip
     add(
         r,
         "--chain",

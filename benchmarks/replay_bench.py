@@ -50,7 +50,7 @@ class ReplayConfig:
     # as many nodes as ours (params.budget; REST's default is 64 too).
     rest_datastore: Path | None = None
     include_engine: bool = True  # off when draftcache is replayed through a remote service
-    lookahead: int = 0  # pre-speculation: outcomes drafted ahead per step
+    lookahead: int = 0  # pre-speculation: stopping points drafted ahead for per step
     # Chain replay (what engines verify): every drafter proposes at most this many tokens in
     # one chain: ours in chain mode (params.chain), beside our tree cut to its best path and
     # each baseline cut the same way (prompt lookup drafts this many tokens). 0: trees.
@@ -364,10 +364,10 @@ def report(
     for r in rows:
         if "prespeculation_hit_rate" in r:
             lines.append(
-                f"{r['drafter']}: trees drafted ahead for {r['prespeculation_hit_rate']:.1%} of steps "
+                f"{r['drafter']}: drafted ahead for {r['prespeculation_hit_rate']:.1%} of steps "
                 f"(drafting ahead p50 {r['draft_ahead_us_p50']:.0f} us, p99 {r['draft_ahead_us_p99']:.0f} us): "
                 f"the stopping point drafted for on {r['prespeculation_point_rate']:.1%} of steps, "
-                f"the bonus token among the roots drafted there on {r['prespeculation_bonus_rate']:.1%} of those"
+                f"the bonus token among the candidates drafted there on {r['prespeculation_bonus_rate']:.1%} of those"
             )
     if by_namespace is not None:
         lines.append("")
