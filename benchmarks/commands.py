@@ -624,8 +624,10 @@ def _bench_load_args(bl: argparse.ArgumentParser) -> None:
     add(bl, "--step-ms", type=float, default=0.0, help="the target's verification time per step (0: back to back)")
     add(bl, "--deadline-ms", type=float, default=50.0, help="client deadline; past it the fallback drafts")
     add(bl, "--budget", type=positive, default=64, help="draft tree size in tokens")
+    add(bl, "--chain", type=non_negative, default=0, help="draft chains of at most K tokens (0: trees)")
     add(bl, "--passes", type=non_negative, default=1, help="times each decoder replays its requests (0: no end)")
-    add(bl, "--lookahead", type=non_negative, default=0, help="pre-speculation: outcomes drafted ahead per step")
+    add(bl, "--lookahead", type=non_negative, default=0, help="pre-speculation: stopping points drafted ahead for "
+        "per step")  # fmt: skip
     add(bl, "--timeline", type=float, default=0.0, help="also report each window of this many seconds (0: none)")
     bl.add_argument("--unary", action="store_true", help="one unary call per draft instead of the stream")
     bl.add_argument("--watch-pid", type=int, action="append", default=[], help="sample this process's memory and CPU")
@@ -666,7 +668,7 @@ def _load_config(a: argparse.Namespace, targets: tuple[str, ...], namespace: str
         seconds=a.seconds,
         step_interval_s=a.step_ms / 1e3,
         deadline_s=a.deadline_ms / 1e3,
-        params=DraftParams(budget=a.budget),
+        params=DraftParams(budget=a.budget, chain=a.chain),
         watch_pids=tuple(a.watch_pid),
         passes=a.passes,
         lookahead=a.lookahead,

@@ -16,6 +16,7 @@ from benchmarks.rpc_bench import run_rpc_bench
 from benchmarks.traces import Conversation, Segment, read_traces, sharegpt_conversations, write_traces
 from cache_service.admin import warm
 from cache_service.config import ServiceConfig
+from indexer.drafter import DraftParams
 from tests.service.conftest import eventually, start_service, stop_service
 
 
@@ -276,3 +277,23 @@ def test_the_report_survives_a_server_gone_before_the_end(tmp_path: Path) -> Non
     assert out["steps"] > 0 and out["sequence_drafts_per_s"] > 0 and out["fallback_share"] > 0
     assert out["server_drafts_per_s"] is None
     assert out["server_stats_error"].startswith("UNAVAILABLE")
+
+
+def test_chain_decoders_drafting_ahead_get_chains_ahead(tmp_path: Path) -> None:
+    # Decoders verifying chains, as engines do, with their outcomes drafted ahead: the service
+    # drafts ahead at each chain's own stopping points, and some steps go on with what it drafted.
+    rng = np.random.default_rng(2)
+    text = rng.integers(0, 50, 30).tolist()
+    write_traces([_conv(("input", text), ("output", [*text, *text[:10], 7, *text[10:]]))], tmp_path / "t.jsonl.gz")
+    running = start_service(ServiceConfig())
+    try:
+        running.service.create_namespace("ns", 64)
+        config = LoadConfig(
+            targets=(running.target,), namespace="ns", traces=tmp_path / "t.jsonl.gz", decoders=1, batch=2,
+            seconds=1.0, deadline_s=1.0, passes=0, params=DraftParams(chain=4), lookahead=2,
+        )  # fmt: skip
+        result = run_decoder(config, 0)
+    finally:
+        stop_service(running)
+    assert result.fallbacks == 0 and result.failures == 0
+    assert result.ahead_hits > 0 and result.tokens > result.sequence_steps  # more than a token a step
