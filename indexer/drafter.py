@@ -528,11 +528,7 @@ class NamespaceDrafter:
         per_item, min_score = _jobs(
             rows, [p for _, _, p in items], lambda p: min(p.max_depth + 1, MAX_DEPTH, max(p.budget, 1)), False
         )
-        table = per_item[owner]
-        table[:, draft_kernel.SUFFIX_START] = np.concatenate(([0], path_ends[:-1]))
-        table[:, draft_kernel.SUFFIX_END] = path_ends
-        table[:, draft_kernel.EXCLUDE_START] = np.concatenate(([0], kid_ends[:-1]))
-        table[:, draft_kernel.EXCLUDE_END] = kid_ends
+        table = _extended(per_item[owner], path_ends, kid_ends)
         sessions = [items[j][0] for j in owner.tolist()]
         drafted = self._step(sessions, table, min_score[owner], path_tokens, kid_tokens) if owner.size else ()
         out: list[Prefetched] = [{} for _ in items]
@@ -566,7 +562,6 @@ class NamespaceDrafter:
                 paths.append(np.asarray(tokens[:n], dtype=np.int32))
                 kids.append(np.asarray(tokens[n : n + 1], dtype=np.int32))
                 chances.append(chance)
-            session.calibrates = True  # the chain's outcome teaches the calibrator, as any chain's does
         if not owner:
             return [{} for _ in items]
         rows = np.array([self.store.hold(s) for s, _, _ in items], dtype=np.int64)
@@ -574,20 +569,18 @@ class NamespaceDrafter:
         points = np.array(owner, dtype=np.int64)
         # Each point's candidates for the bonus token; nothing learnt stays (remember off).
         per_item, min_score = _jobs(rows, params, lambda p: 1, False)
-        table = _with_suffix(per_item[points], paths, kids)
+        table = _extended(per_item[points], _ends(paths), _ends(kids))
         sessions = [items[j][0] for j in owner]
         firsts = self._step(sessions, table, min_score[points], _joined(paths, np.int32), _joined(kids, np.int32))
-        bonus: list[DraftTree] = [DraftTree.chain(_NO_TOKENS)] * len(owner)
+        bonus: list[DraftTree] = []  # each point's candidates kept, in the points' order (by session)
         for j, (_, k, _) in enumerate(items):
             mine = [i for i, o in enumerate(owner) if o == j]
-            kept = likeliest_outcomes([(chances[i], firsts[i]) for i in mine], AHEAD_CHAINS * k)
-            for i, tree in zip(mine, kept, strict=True):
-                bonus[i] = tree
+            bonus += likeliest_outcomes([(chances[i], firsts[i]) for i in mine], AHEAD_CHAINS * k)
         # A chain after each outcome kept, its context extended by the point's path and the candidate.
         job_of = np.repeat(points, [len(b) for b in bonus])
         suffixes = [np.append(paths[i], t).astype(np.int32) for i, b in enumerate(bonus) for t in b.tokens.tolist()]
         per_item, min_score = _jobs(rows, params, _tree_depth, False)
-        table = _with_suffix(per_item[job_of], suffixes, [_NO_TOKENS] * len(suffixes))
+        table = _extended(per_item[job_of], _ends(suffixes), np.zeros(len(suffixes), dtype=np.int64))
         jobs = [(items[j][0], items[j][2]) for j in job_of.tolist()]
         args = (
             *self._step_args(table, min_score[job_of], _joined(suffixes, np.int32), _NO_TOKENS), *_chain_jobs(jobs),
@@ -698,17 +691,20 @@ class NamespaceDrafter:
                 self.store.follow(sessions[j], size)
 
 
-def _with_suffix(table: np.ndarray, suffixes: Sequence[np.ndarray], excluded: Sequence[np.ndarray]) -> np.ndarray:
-    """Jobs ``table`` (a copy), row ``i`` drafting after its context extended by
-    ``suffixes[i]`` and leaving ``excluded[i]`` out of its root, both laid end to end."""
-    table = table.copy()
-    s_ends = np.cumsum([len(x) for x in suffixes], dtype=np.int64)
-    e_ends = np.cumsum([len(x) for x in excluded], dtype=np.int64)
-    table[:, draft_kernel.SUFFIX_START] = s_ends - [len(x) for x in suffixes]
-    table[:, draft_kernel.SUFFIX_END] = s_ends
-    table[:, draft_kernel.EXCLUDE_START] = e_ends - [len(x) for x in excluded]
-    table[:, draft_kernel.EXCLUDE_END] = e_ends
+def _extended(table: np.ndarray, suffix_ends: np.ndarray, exclude_ends: np.ndarray) -> np.ndarray:
+    """Jobs ``table`` (written in place and returned), row ``i`` drafting after its context
+    extended by the suffix tokens ending at ``suffix_ends[i]`` and leaving those ending at
+    ``exclude_ends[i]`` out of its root (each laid end to end, row after row)."""
+    table[:, draft_kernel.SUFFIX_START] = np.concatenate(([0], suffix_ends[:-1]))
+    table[:, draft_kernel.SUFFIX_END] = suffix_ends
+    table[:, draft_kernel.EXCLUDE_START] = np.concatenate(([0], exclude_ends[:-1]))
+    table[:, draft_kernel.EXCLUDE_END] = exclude_ends
     return table
+
+
+def _ends(parts: Sequence[np.ndarray]) -> np.ndarray:
+    """Where each of ``parts`` ends, laid end to end."""
+    return np.cumsum([len(x) for x in parts], dtype=np.int64)
 
 
 def _chain_jobs(items: Sequence[tuple[Session, DraftParams]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
