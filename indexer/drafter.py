@@ -25,7 +25,7 @@ from indexer.kernels.draft import JOB_COLUMNS
 from indexer.kernels.draft import SETTINGS as _SETTINGS
 from indexer.kernels.draft_chain import draft_chain_batch
 from indexer.lifetime_index import LifetimeConfig, LifetimeMemory, SearchArrays, prompt_key
-from indexer.prespeculation import Prefetched, chain_stopping_points, fan, likeliest_outcomes, select
+from indexer.prespeculation import Prefetched, chain_stopping_points, fans, likeliest_outcomes, select
 from indexer.prior import StaticPrior
 from indexer.session import HeldChain, Session, SessionSnapshot
 from indexer.session_cache import LruTableConfig
@@ -545,7 +545,7 @@ class NamespaceDrafter:
         after the point); then, for the session's :data:`AHEAD_CHAINS` ``* k`` likeliest
         outcomes among them, the chain the next step would draft after each, all in one
         compiled call. A point's candidates and their chains make one fan
-        (:func:`~indexer.prespeculation.fan`)."""
+        (:func:`~indexer.prespeculation.fans`)."""
         owner: list[int] = []
         paths: list[np.ndarray] = []
         kids: list[np.ndarray] = []
@@ -567,35 +567,39 @@ class NamespaceDrafter:
         rows = np.array([self.store.hold(s) for s, _, _ in items], dtype=np.int64)
         params = [p for _, _, p in items]
         points = np.array(owner, dtype=np.int64)
+        path_ends, path_tokens = _ends(paths), _joined(paths, np.int32)
         # Each point's candidates for the bonus token; nothing learnt stays (remember off).
         per_item, min_score = _jobs(rows, params, lambda p: 1, False)
-        table = _extended(per_item[points], _ends(paths), _ends(kids))
+        table = _extended(per_item[points], path_ends, _ends(kids))
         sessions = [items[j][0] for j in owner]
-        firsts = self._step(sessions, table, min_score[points], _joined(paths, np.int32), _joined(kids, np.int32))
-        bonus: list[DraftTree] = []  # each point's candidates kept, in the points' order (by session)
-        for j, (_, k, _) in enumerate(items):
-            mine = [i for i, o in enumerate(owner) if o == j]
-            bonus += likeliest_outcomes([(chances[i], firsts[i]) for i in mine], AHEAD_CHAINS * k)
+        firsts = self._step(sessions, table, min_score[points], path_tokens, _joined(kids, np.int32)).batch
+        keep = np.array([AHEAD_CHAINS * k for _, k, _ in items], dtype=np.int64)
+        outcomes = likeliest_outcomes(points, np.array(chances), keep, path_tokens, path_ends, firsts)
+        kept = outcomes.kept
+        bonus = TreeBatch(
+            firsts.tokens[kept], firsts.parents[kept], firsts.sources[kept], firsts.scores[kept],
+            np.concatenate(([0], outcomes.kept_ends)),
+        )  # fmt: skip
         # A chain after each outcome kept, its context extended by the point's path and the candidate.
-        job_of = np.repeat(points, [len(b) for b in bonus])
-        suffixes = [np.append(paths[i], t).astype(np.int32) for i, b in enumerate(bonus) for t in b.tokens.tolist()]
+        job_of = np.repeat(points, np.diff(bonus.offsets))
         per_item, min_score = _jobs(rows, params, _tree_depth, False)
-        table = _extended(per_item[job_of], _ends(suffixes), np.zeros(len(suffixes), dtype=np.int64))
+        table = _extended(per_item[job_of], outcomes.suffix_ends, np.zeros(kept.size, dtype=np.int64))
         jobs = [(items[j][0], items[j][2]) for j in job_of.tolist()]
         args = (
-            *self._step_args(table, min_score[job_of], _joined(suffixes, np.int32), _NO_TOKENS), *_chain_jobs(jobs),
+            *self._step_args(table, min_score[job_of], outcomes.suffix_tokens, _NO_TOKENS), *_chain_jobs(jobs),
             *self.chain_calibrator.reach_args(),
         )  # fmt: skip
         tokens, parents, sources, scores, ends, claims, grown = draft_chain_batch(*args)
         self._follow_grown([s for s, _ in jobs], grown)
+        trees = DraftedTrees(fans(bonus, TreeBatch(tokens, parents, sources, scores, ends)))
         out: list[Prefetched] = [{} for _ in items]
-        first = 0
-        for i, j in enumerate(owner):
-            last = first + len(bonus[i])
-            tree, by_bonus = fan(bonus[i], TreeBatch(tokens, parents, sources, scores, ends[first : last + 1]), claims)
+        bonus_tokens, chain_ends, first = bonus.tokens.tolist(), ends.tolist(), 0
+        for i, (j, last) in enumerate(zip(owner, outcomes.kept_ends.tolist(), strict=True)):
             key = tuple(paths[i].tolist())
-            out[j][key] = tree
-            items[j][0].ahead_chains.update({(*key, b): c for b, c in by_bonus.items()})
+            out[j][key] = trees[i]
+            ahead = items[j][0].ahead_chains
+            for r in range(first, last):  # each candidate's chain's raw claims
+                ahead[(*key, bonus_tokens[r])] = claims[chain_ends[r] : chain_ends[r + 1]]
             first = last
         return out
 

@@ -13,7 +13,7 @@ out only the one token the chain has after it: every other candidate the tiers a
 successor table hold for the bonus token is still in play there. Drafting ahead for a chain
 takes those candidates (a one-level tree at the point) and drafts, for each, the chain the step
 after that outcome would draft, its context extended by the point's path and the candidate.
-They are sent as a fan (:func:`fan`): each candidate a root child with its chain below it, so
+They are sent as a fan (:func:`fans`): each candidate a root child with its chain below it, so
 the outcome's bonus token selects the next chain as it selects a tree's subtree. And when the
 target accepts every token proposed and its bonus token is the chain's next one, the rest of a
 longer chain is the next draft (:func:`continue_chain`), ready at once as well.
@@ -22,6 +22,7 @@ longer chain is the next draft (:func:`continue_chain`), ready at once as well.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -118,60 +119,78 @@ def chain_stopping_points(reach: np.ndarray, k: int) -> tuple[np.ndarray, np.nda
     return order, stop[order]
 
 
-def likeliest_outcomes(points: Sequence[tuple[float, DraftTree]], n: int) -> list[DraftTree]:
-    """Of each stopping point's candidates for the bonus token (``(the point's chance, a
-    one-level tree of them)``), those among the ``n`` likeliest outcomes in all, each point's
-    best first: an outcome's chance is its point's times the candidate's share of the point's
-    scores.
+class Outcomes(NamedTuple):
+    """The outcomes kept for drafting chains ahead (:func:`likeliest_outcomes`): candidate
+    indices point after point, where each point's end, and each candidate's context suffix."""
 
-    >>> def one_level(tokens, scores):
-    ...     return DraftTree(np.array(tokens, np.int32), np.full(len(tokens), -1, np.int32),
-    ...                      np.zeros(len(tokens), np.uint8), np.array(scores, np.float32))
-    >>> kept = likeliest_outcomes([(0.6, one_level([4, 5], [0.2, 0.6])), (0.3, one_level([7], [0.1]))], 2)
-    >>> [t.tokens.tolist() for t in kept]  # .45 and .3 beat .15
-    [[5], [7]]
+    kept: np.ndarray  # int64: indices into the candidates' batch
+    kept_ends: np.ndarray  # int64 (points,)
+    suffix_tokens: np.ndarray  # int32: the point's path, then the candidate, end to end
+    suffix_ends: np.ndarray  # int64 (kept,)
+
+
+def likeliest_outcomes(
+    owner: np.ndarray,
+    chances: np.ndarray,
+    keep: np.ndarray,
+    path_tokens: np.ndarray,
+    path_ends: np.ndarray,
+    candidates: TreeBatch,
+) -> Outcomes:
+    """Of each stopping point's candidates for the bonus token (point ``i``: session
+    ``owner[i]``, a session's points consecutive; its chance ``chances[i]``; its path, end to
+    end in ``path_tokens``; its candidates tree ``i`` of ``candidates``, one level), those among
+    each session's ``keep[owner]`` likeliest outcomes, each point's best-scoring first. An
+    outcome's chance is its point's times the candidate's share of the point's scores. With
+    each, its context's suffix: the point's path and then the candidate.
+
+    >>> candidates = TreeBatch(np.array([4, 5, 7], np.int32), np.full(3, -1, np.int32), np.zeros(3, np.uint8),
+    ...                        np.array([0.2, 0.6, 0.1], np.float32), np.array([0, 2, 3]))
+    >>> out = likeliest_outcomes(np.array([0, 0]), np.array([0.6, 0.3]), np.array([2]),
+    ...                          np.array([9], np.int32), np.array([0, 1]), candidates)
+    >>> out.kept.tolist(), out.kept_ends.tolist()  # .45 and .3 beat .15
+    ([1, 2], [1, 2])
+    >>> out.suffix_tokens.tolist(), out.suffix_ends.tolist()  # 5 at the chain's start, 7 after its 9
+    ([5, 9, 7], [1, 3])
     """
-    chances = [c * t.scores / max(float(t.scores.sum()), 1e-12) for c, t in points]
-    flat = np.concatenate(chances) if chances else np.zeros(0)
-    keep = np.zeros(flat.size, dtype=bool)
-    keep[np.argsort(-flat, kind="stable")[: max(n, 0)]] = True  # ties: the earlier point, then candidate
-    out, at = [], 0
-    for (_, tree), chance in zip(points, chances, strict=True):
-        sel = np.flatnonzero(keep[at : at + chance.size])
-        at += chance.size
-        sel = sel[np.argsort(-tree.scores[sel], kind="stable")]
-        out.append(DraftTree(tree.tokens[sel], tree.parents[sel], tree.sources[sel], tree.scores[sel]))
-    return out
+    return Outcomes(
+        *kernels.chain_outcomes(
+            np.asarray(owner, dtype=np.int64),
+            np.asarray(chances, dtype=np.float64),
+            np.asarray(keep, dtype=np.int64),
+            np.asarray(path_tokens, dtype=np.int32),
+            np.asarray(path_ends, dtype=np.int64),
+            candidates.tokens,
+            candidates.scores,
+            candidates.offsets,
+        )
+    )
 
 
-def fan(bonus: DraftTree, chains: TreeBatch, claims: np.ndarray) -> tuple[DraftTree, dict[int, np.ndarray]]:
-    """One tree of the candidates for a bonus token, each followed by its chain: ``bonus``'s
-    nodes (a one-level tree) are the root children, and chain ``r`` of ``chains`` goes under
-    node ``r``. With it, by candidate, its chain's raw ``claims`` (laid out as the chains are).
+def fans(bonus: TreeBatch, chains: TreeBatch) -> TreeBatch:
+    """One tree per stopping point of the candidates kept there for the bonus token, each
+    followed by its chain: point ``i``'s candidates (tree ``i`` of ``bonus``, one level) are
+    its tree's root children, and chain ``r`` of ``chains`` goes under ``bonus``'s node ``r``.
 
-    >>> bonus = DraftTree(np.array([5, 9], np.int32), np.array([-1, -1], np.int32),
-    ...                   np.zeros(2, np.uint8), np.array([0.5, 0.2], np.float32))
+    >>> bonus = TreeBatch(np.array([5, 9], np.int32), np.full(2, -1, np.int32), np.zeros(2, np.uint8),
+    ...                   np.array([0.5, 0.2], np.float32), np.array([0, 2]))
     >>> chains = TreeBatch(np.array([6, 7], np.int32), np.array([-1, 0], np.int32), np.zeros(2, np.uint8),
     ...                    np.array([0.8, 0.6], np.float32), np.array([0, 2, 2]))
-    >>> tree, by_bonus = fan(bonus, chains, np.array([0.9, 0.7]))
-    >>> tree.tokens.tolist(), tree.parents.tolist(), {b: c.tolist() for b, c in by_bonus.items()}
-    ([5, 6, 7, 9], [-1, 0, 1, -1], {5: [0.9, 0.7], 9: []})
+    >>> from indexer.tree_builder import DraftedTrees
+    >>> (tree,) = DraftedTrees(fans(bonus, chains))
+    >>> tree.tokens.tolist(), tree.parents.tolist()
+    ([5, 6, 7, 9], [-1, 0, 1, -1])
     >>> select({(): tree}, [5]).tokens.tolist(), len(select({(): tree}, [9]))
     ([6, 7], 0)
     """
-    n = len(bonus) + int(chains.offsets[-1] - chains.offsets[0])
-    tokens, parents = np.empty(n, np.int32), np.empty(n, np.int32)
-    sources, scores = np.empty(n, np.uint8), np.empty(n, np.float32)
-    by_bonus: dict[int, np.ndarray] = {}
-    ends, at = chains.offsets.tolist(), 0
-    for r in range(len(bonus)):
-        lo, hi = ends[r], ends[r + 1]
-        tokens[at], parents[at], sources[at], scores[at] = bonus.tokens[r], -1, bonus.sources[r], bonus.scores[r]
-        m = hi - lo
-        tokens[at + 1 : at + 1 + m] = chains.tokens[lo:hi]
-        parents[at + 1 : at + 1 + m] = np.arange(at, at + m, dtype=np.int32)  # a chain under its candidate
-        sources[at + 1 : at + 1 + m] = chains.sources[lo:hi]
-        scores[at + 1 : at + 1 + m] = chains.scores[lo:hi]
-        by_bonus[int(bonus.tokens[r])] = claims[lo:hi]
-        at += 1 + m
-    return DraftTree(tokens, parents, sources, scores), by_bonus
+    tokens, parents, sources, scores, ends = kernels.chain_fans(
+        bonus.offsets[1:],
+        bonus.tokens,
+        bonus.sources,
+        bonus.scores,
+        chains.tokens,
+        chains.sources,
+        chains.scores,
+        chains.offsets,
+    )
+    return TreeBatch(tokens, parents, sources, scores, np.concatenate(([0], ends)))

@@ -23,7 +23,7 @@ from indexer.kernels import cache  # noqa: F401
 from indexer.kernels import lru
 from indexer.kernels import store as kstore
 from indexer.kernels.accept import accept_batch
-from indexer.kernels.ahead import stopping_points, stopping_points_rows, subtree_nodes
+from indexer.kernels.ahead import chain_fans, chain_outcomes, stopping_points, stopping_points_rows, subtree_nodes
 from indexer.kernels.arrays import read_only
 from indexer.kernels.chain import (
     DEPTHS,
@@ -88,8 +88,10 @@ __all__ = [
     "chain_batch",
     "chain_cells",
     "chain_conditional",
+    "chain_fans",
     "chain_outcome",
     "chain_outcome_rows",
+    "chain_outcomes",
     "chain_path",
     "chain_pick",
     "chain_reach",
@@ -197,6 +199,11 @@ def warm_up() -> None:
     kept = kstore.write_tree(tree, state, one, root, one, np.ones(1, dtype=np.float32))
     kstore.read_tree(kept, 1)
     stopping_points(one, root, np.ones(1, dtype=np.float32), 2)
+    outcomes = chain_outcomes(
+        np.zeros(1, dtype=np.int64), np.ones(1), ints, one, sizes, one, np.ones(1, dtype=np.float32), one_tree
+    )
+    chain_fans(outcomes[1], one, np.zeros(1, dtype=np.uint8), np.ones(1, dtype=np.float32), one,
+               np.zeros(1, dtype=np.uint8), np.ones(1, dtype=np.float32), one_tree)  # fmt: skip
     cells = np.zeros((RATIO_BINS, 7, 8, DEPTHS, TRACKS, RANKS))  # indexer.chain's calibrator, its types
     coarse = chain_backoff(np.zeros((RATIO_BINS, TRACKS)), np.zeros((RATIO_BINS, TRACKS)), np.ones(RATIO_BINS), 2.0)
     reached = np.zeros((TRACKS, DEPTHS, 12))

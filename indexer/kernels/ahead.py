@@ -141,3 +141,130 @@ def subtree_nodes(tokens: np.ndarray, parents: np.ndarray, token: int) -> tuple[
             new_parents[m] = -1 if p == root else remap[p]
             m += 1
     return True, idx[:m], new_parents[:m]
+
+
+@njit(cache=True, nogil=True)
+def chain_outcomes(
+    owner: np.ndarray,
+    chances: np.ndarray,
+    keep: np.ndarray,
+    path_tokens: np.ndarray,
+    path_ends: np.ndarray,
+    tokens: np.ndarray,
+    scores: np.ndarray,
+    offsets: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The outcomes of verifying chains that are drafted ahead for. Point ``i`` (its session
+    ``owner[i]``, a session's points consecutive) is where verification ends with chance
+    ``chances[i]``, after the path ``path_tokens`` ending at ``path_ends[i]``; its candidates
+    for the bonus token are ``[offsets[i], offsets[i + 1])`` of ``tokens`` and ``scores``. An
+    outcome's chance is its point's times the candidate's share of the point's scores (float32,
+    as the scores are); a session keeps its ``keep[owner]`` likeliest (ties: the earlier point,
+    then candidate), each point's best-scoring first.
+
+    Returns ``(kept, kept_ends, suffix_tokens, suffix_ends)``: the kept candidates' indices,
+    point after point (point ``i``'s ending at ``kept_ends[i]``), and each one's suffix, its
+    point's path and then its token, end to end."""
+    n_points = owner.size
+    lo_all = offsets[0]
+    total = offsets[n_points] - lo_all
+    share = np.empty(total, dtype=np.float32)
+    for i in range(n_points):
+        lo, hi = offsets[i], offsets[i + 1]
+        mass = np.float32(0.0)
+        for c in range(lo, hi):
+            mass += scores[c]
+        mass = max(mass, np.float32(1e-12))
+        chance = np.float32(chances[i])
+        for c in range(lo, hi):
+            share[c - lo_all] = chance * scores[c] / mass
+    kept_flag = np.zeros(total, dtype=np.bool_)
+    i = 0
+    while i < n_points:
+        e = i
+        while e < n_points and owner[e] == owner[i]:
+            e += 1
+        lo, hi = offsets[i] - lo_all, offsets[e] - lo_all
+        order = np.argsort(-share[lo:hi], kind="mergesort")
+        for r in range(min(max(keep[owner[i]], 0), hi - lo)):
+            kept_flag[lo + order[r]] = True
+        i = e
+    kept = np.empty(total, dtype=np.int64)
+    kept_ends = np.empty(n_points, dtype=np.int64)
+    m = 0
+    n_suffix = 0
+    for i in range(n_points):
+        lo, hi = offsets[i], offsets[i + 1]
+        first = m
+        for c in range(lo, hi):
+            if kept_flag[c - lo_all]:
+                kept[m] = c
+                m += 1
+        if m - first > 1:  # best-scoring first, ties in drafted order
+            sel = kept[first:m].copy()
+            order = np.argsort(-scores[sel], kind="mergesort")
+            for r in range(m - first):
+                kept[first + r] = sel[order[r]]
+        kept_ends[i] = m
+        path = path_ends[i] - (path_ends[i - 1] if i else 0)
+        n_suffix += (m - first) * (path + 1)
+    suffix_tokens = np.empty(n_suffix, dtype=np.int32)
+    suffix_ends = np.empty(m, dtype=np.int64)
+    at = 0
+    for i in range(n_points):
+        p0 = path_ends[i - 1] if i else 0
+        p1 = path_ends[i]
+        for r in range(kept_ends[i - 1] if i else 0, kept_ends[i]):
+            for t in range(p0, p1):
+                suffix_tokens[at] = path_tokens[t]
+                at += 1
+            suffix_tokens[at] = tokens[kept[r]]
+            at += 1
+            suffix_ends[r] = at
+    return kept[:m], kept_ends, suffix_tokens, suffix_ends
+
+
+@njit(cache=True, nogil=True)
+def chain_fans(
+    kept_ends: np.ndarray,
+    bonus_tokens: np.ndarray,
+    bonus_sources: np.ndarray,
+    bonus_scores: np.ndarray,
+    tokens: np.ndarray,
+    sources: np.ndarray,
+    scores: np.ndarray,
+    offsets: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """One tree per stopping point, a fan: each of its kept candidates for the bonus token
+    (``bonus_*[kept_ends[i - 1]:kept_ends[i]]`` for point ``i``) a root child, and candidate
+    ``r``'s chain (``[offsets[r], offsets[r + 1])`` of ``tokens``, ``sources``, ``scores``)
+    below it. Returns the fans end to end, ``(tokens, parents, sources, scores, fan_ends)``,
+    each fan's parents counted from its own start."""
+    m = bonus_tokens.size
+    n = m + offsets[m] - offsets[0]
+    out_tokens = np.empty(n, dtype=np.int32)
+    out_parents = np.empty(n, dtype=np.int32)
+    out_sources = np.empty(n, dtype=np.uint8)
+    out_scores = np.empty(n, dtype=np.float32)
+    fan_ends = np.empty(kept_ends.size, dtype=np.int64)
+    at = 0
+    r = 0
+    for i in range(kept_ends.size):
+        start = at
+        while r < kept_ends[i]:
+            out_tokens[at] = bonus_tokens[r]
+            out_parents[at] = -1
+            out_sources[at] = bonus_sources[r]
+            out_scores[at] = bonus_scores[r]
+            parent = at - start
+            at += 1
+            for c in range(offsets[r], offsets[r + 1]):  # a chain under its candidate
+                out_tokens[at] = tokens[c]
+                out_parents[at] = parent
+                out_sources[at] = sources[c]
+                out_scores[at] = scores[c]
+                parent = at - start
+                at += 1
+            r += 1
+        fan_ends[i] = at
+    return out_tokens, out_parents, out_sources, out_scores, fan_ends

@@ -4,9 +4,9 @@ import pytest
 from indexer.drafter import AHEAD_CHAINS, DrafterConfig, DraftParams, NamespaceDrafter
 from indexer.kernels import draft as draft_kernel
 from indexer.kernels.draft_chain import draft_chain_batch
-from indexer.prespeculation import chain_stopping_points, select, stopping_points, subtree
+from indexer.prespeculation import chain_stopping_points, fans, likeliest_outcomes, select, stopping_points, subtree
 from indexer.tokens import Namespace
-from indexer.tree_builder import DraftTree
+from indexer.tree_builder import DraftedTrees, DraftTree, TreeBatch
 
 
 def _a(ids):
@@ -189,6 +189,76 @@ def test_compiled_stopping_points_and_subtrees_match_references():
             new_at = {old: new for new, old in enumerate(kept)}
             want = [-1 if p == roots[0] else new_at[p] for p in tree.parents[kept].tolist()]
             assert got.parents.tolist() == want
+
+
+def test_compiled_outcomes_and_fans_match_references():
+    rng = np.random.default_rng(11)
+    for _ in range(300):
+        sessions = int(rng.integers(1, 4))
+        owner, chances, paths, cands = [], [], [], []
+        for j in range(sessions):
+            for _ in range(int(rng.integers(0, 4))):
+                owner.append(j)
+                chances.append(float(rng.choice([0.5, 0.25, rng.random()])))
+                paths.append([int(x) for x in rng.integers(0, 50, int(rng.integers(0, 5)))])
+                n = int(rng.integers(0, 6))
+                tokens = rng.choice(50, n, replace=False).tolist()
+                scores = [float(np.float32(rng.choice([0.5, 0.25, rng.random()]))) for _ in range(n)]
+                cands.append(list(zip(tokens, scores, strict=True)))
+        keep = rng.integers(0, 9, sessions)
+        # Plainly: per session every candidate's chance, the likeliest kept (ties: the earlier
+        # point, then candidate), each point's best-scoring first.
+        chance_of = {}
+        for i, cs in enumerate(cands):
+            mass = np.float32(sum(np.float32(s) for _, s in cs)) if cs else np.float32(0)
+            for r, (_, score) in enumerate(cs):
+                chance_of[i, r] = np.float32(chances[i]) * np.float32(score) / max(mass, np.float32(1e-12))
+        chosen = set()
+        for j in range(sessions):
+            mine = sorted(((i, r) for (i, r) in chance_of if owner[i] == j), key=lambda ir: (-chance_of[ir], ir))
+            chosen.update(mine[: int(keep[j])])
+        want = [
+            sorted((r for r in range(len(cs)) if (i, r) in chosen), key=lambda r, cs=cs: -cs[r][1])
+            for i, cs in enumerate(cands)
+        ]
+
+        flat = [c for cs in cands for c in cs]
+        offsets = np.cumsum([0] + [len(cs) for cs in cands])
+        batch = TreeBatch(_a([t for t, _ in flat]), np.full(len(flat), -1, np.int32), np.zeros(len(flat), np.uint8),
+                          np.array([s for _, s in flat], np.float32), offsets)  # fmt: skip
+        path_ends = np.cumsum([len(p) for p in paths], dtype=np.int64)
+        out = likeliest_outcomes(np.array(owner, np.int64), np.array(chances), keep,
+                                 _a([t for p in paths for t in p]), path_ends, batch)  # fmt: skip
+        got = np.split(out.kept, out.kept_ends[:-1]) if owner else []
+        assert [(g - offsets[i]).tolist() for i, g in enumerate(got)] == want
+        suffixes = [[*paths[i], cands[i][r][0]] for i in range(len(cands)) for r in want[i]]
+        assert [x.tolist() for x in np.split(out.suffix_tokens, out.suffix_ends)[:-1]] == suffixes
+
+        # Each point's fan: its kept candidates as root children, each one's chain below it.
+        kept = out.kept
+        bonus = TreeBatch(batch.tokens[kept], batch.parents[kept], batch.sources[kept], batch.scores[kept],
+                          np.concatenate(([0], out.kept_ends)))  # fmt: skip
+        lengths = rng.integers(0, 4, kept.size)
+        chain_tokens = rng.integers(0, 50, int(lengths.sum())).astype(np.int32)
+        chains = TreeBatch(chain_tokens, np.zeros(chain_tokens.size, np.int32), np.ones(chain_tokens.size, np.uint8),
+                           rng.random(chain_tokens.size).astype(np.float32), np.cumsum([0, *lengths]))  # fmt: skip
+        trees = DraftedTrees(fans(bonus, chains))
+        assert len(trees) == len(cands)
+        r = 0
+        for i, tree in enumerate(trees):
+            tokens, parents, scores = [], [], []
+            for _ in want[i]:
+                tokens.append(int(bonus.tokens[r]))
+                parents.append(-1)
+                scores.append(float(bonus.scores[r]))
+                lo, hi = chains.offsets[r : r + 2]
+                for c in range(lo, hi):
+                    parents.append(len(tokens) - 1)
+                    tokens.append(int(chains.tokens[c]))
+                    scores.append(float(chains.scores[c]))
+                r += 1
+            assert tree.tokens.tolist() == tokens and tree.parents.tolist() == parents
+            assert tree.scores.tolist() == scores
 
 
 def test_drafting_ahead_for_many_sessions_equals_each_point_drafted_alone():
