@@ -66,6 +66,17 @@ class AppConfig:
     def journal_path(self) -> Path:
         return (self.journal_dir or self.embedded.data_dir.parent / "journal") / "commits.journal"
 
+    @property
+    def ports(self) -> frozenset[int]:
+        """The fixed ports this process serves on (gRPC, its own port, metrics).
+
+        >>> sorted(AppConfig(server=ServerConfig(port=7000, own_port=7001), metrics_port=9100).ports)
+        [7000, 7001, 9100]
+        >>> AppConfig(server=ServerConfig(port=0)).ports
+        frozenset()
+        """
+        return frozenset(p for p in (self.server.port, self.server.own_port, self.metrics_port) if p)
+
 
 def prepare_schema(client: StorageClient, *, wait_s: float = 60.0) -> int:
     """Initialise an empty Redis; refuse an older (not migrated) or unknown newer schema.
@@ -104,7 +115,8 @@ class App:
         """Start serving; returns the bound port."""
         self._loop = asyncio.get_running_loop()
         if not self.url:
-            self.embedded = await asyncio.to_thread(EmbeddedRedis(self.config.embedded).start)
+            embedded = EmbeddedRedis(self.config.embedded, avoid=self.config.ports)
+            self.embedded = await asyncio.to_thread(embedded.start)
             self.url = self.embedded.url
             (self.config.embedded.data_dir / "url").write_text(self.url)
         client = connect(self.url)

@@ -13,7 +13,7 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import redis
@@ -55,10 +55,17 @@ def runs_server(cmdline: bytes) -> bool:
     return b"redis-server" in cmdline or b"valkey-server" in cmdline
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def free_port(avoid: Collection[int] = ()) -> int:
+    """A port free on 127.0.0.1 now, and none of ``avoid``: the ports the service binds itself,
+    after its storage is up. A fixed serving port in the kernel's ephemeral range is free until
+    then (a service started again on its port after a crash, for one), and the kernel may hand
+    it out: the embedded Redis would take it and the service could not bind."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in avoid:
+            return port
 
 
 class EmbeddedRedis:
@@ -74,9 +81,10 @@ class EmbeddedRedis:
     hanging on it.
     """
 
-    def __init__(self, config: EmbeddedRedisConfig) -> None:
+    def __init__(self, config: EmbeddedRedisConfig, *, avoid: Collection[int] = ()) -> None:
+        """``avoid``: the ports the service binds (a free port is chosen among the others)."""
         self.config = config
-        self.port = config.port or free_port()
+        self.port = config.port or free_port(avoid)
         self.restarts = 0  # times the server was started again after it died
         self._proc: subprocess.Popen[bytes] | None = None
         self._stopping = threading.Event()

@@ -50,9 +50,9 @@ def worker_config(config: AppConfig, index: int, redis_url: str, worker_ports: i
     )
 
 
-def check_ports(config: AppConfig, processes: int, worker_ports: int | None) -> None:
+def check_ports(config: AppConfig, processes: int, worker_ports: int | None) -> frozenset[int]:
     """Refuse port ranges that overlap: the shared port, the workers' own ports and their
-    metrics ports."""
+    metrics ports. Returns them all (a fixed port among them, none of 0)."""
     taken: dict[int, str] = {config.server.port: "the serving port"}
     ranges = [("worker ports", worker_ports), ("metrics ports", config.metrics_port)]
     for name, base in ranges:
@@ -64,6 +64,7 @@ def check_ports(config: AppConfig, processes: int, worker_ports: int | None) -> 
             if port in taken:
                 raise ValueError(f"{name} {base}..{base + processes - 1} overlap {taken[port]} ({port})")
             taken[port] = name
+    return frozenset(p for p in taken if p)
 
 
 def _run(config: AppConfig, log_format: str, verbose: bool) -> None:
@@ -89,11 +90,11 @@ def serve_processes(
         raise ValueError(f"processes must be >= 1, got {processes}")
     if config.server.port == 0 and processes > 1:
         raise ValueError("several processes need a fixed port to share")
-    check_ports(config, processes, worker_ports)
+    ports = check_ports(config, processes, worker_ports)
     embedded = None
     url = config.redis_url
     if not url:
-        embedded = EmbeddedRedis(config.embedded).start()
+        embedded = EmbeddedRedis(config.embedded, avoid=ports).start()
         embedded.supervise()  # restarted when it dies: the workers' journals then drain
         url = embedded.url
         (config.embedded.data_dir / "url").write_text(url)
