@@ -52,7 +52,7 @@ def worker_config(config: AppConfig, index: int, redis_url: str, worker_ports: i
 
 def check_ports(config: AppConfig, processes: int, worker_ports: int | None) -> frozenset[int]:
     """Refuse port ranges that overlap: the shared port, the workers' own ports and their
-    metrics ports. Returns them all (a fixed port among them, none of 0)."""
+    metrics ports. Returns the fixed ports among them (0, any free port, is none)."""
     taken: dict[int, str] = {config.server.port: "the serving port"}
     ranges = [("worker ports", worker_ports), ("metrics ports", config.metrics_port)]
     for name, base in ranges:
