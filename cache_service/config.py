@@ -38,6 +38,10 @@ class ServiceConfig:
     max_pending_writes: int = 100_000  # buffered write-backs while storage is down
     # The local journal of commits storage could not take; past it commits are refused.
     journal_capacity_bytes: int = 256 << 20
+    # Drafting ahead (pre-speculation) is skipped while draft calls took more than this share of
+    # the process's last second or so (cache_service.domain.busy): outcomes drafted ahead are
+    # work for spare time, and for a chain they cost several times its own draft. 1: never skipped.
+    ahead_busy_limit: float = 1.0
 
     def __post_init__(self) -> None:
         _range("max_batch", self.max_batch, 1, 4096)
@@ -50,6 +54,8 @@ class ServiceConfig:
         for name in ("session_ttl_s", "rebuild_interval_s", "follow_interval_s", "flush_interval_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not 0 <= self.ahead_busy_limit <= 1:
+            raise ValueError(f"ahead_busy_limit must be in [0, 1], got {self.ahead_busy_limit}")
         if not self.table_flush_interval_s >= 0:
             raise ValueError(f"table_flush_interval_s must be >= 0, got {self.table_flush_interval_s}")
         if self.default_params.budget > MAX_BUDGET:

@@ -146,6 +146,11 @@ class ServiceCollector(Collector):
             ahead.add_metric([name, "miss"], c.ahead_misses)
         yield from (sessions, buffered, fill, delta, steps, drafted, accepted, ahead)
         yield CounterMetricFamily("draftcache_drafts", "Draft trees served.", value=s.drafts)
+        yield CounterMetricFamily(
+            "draftcache_drafts_ahead_skipped",
+            "Draft items that asked for outcomes drafted ahead and got none: drafting kept the process too busy.",
+            value=s.ahead_skipped,
+        )
         yield GaugeMetricFamily(
             "draftcache_session_tokens", "Context tokens held by sessions in memory.", value=s.sessions.tokens
         )

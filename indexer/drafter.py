@@ -514,6 +514,11 @@ class NamespaceDrafter:
             session.prefetched = prefetched
         return out
 
+    def forgo_ahead(self, sessions: Sequence[Session]) -> None:
+        """Nothing drafted ahead for these sessions' last drafts (none kept from before)."""
+        for session in sessions:
+            session.prefetched, session.ahead_chains = {}, {}
+
     def _trees_ahead(self, items: Sequence[tuple[Session, int, DraftParams]]) -> list[Prefetched]:
         """Tree-mode drafts' outcomes: one tree per stopping point of each session's last tree."""
         rows = np.array([self.store.hold(s) for s, _, _ in items], dtype=np.int64)

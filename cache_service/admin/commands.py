@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from cache_service.admin.options import TREE_RANK, TREE_RANK_HELP, TREE_RANKS, HelpFormatter, add, positive
+from cache_service.admin.options import TREE_RANK, TREE_RANK_HELP, TREE_RANKS, HelpFormatter, add, positive, share
 from cache_service.admin.warm import FORMATS as CORPUS_FORMATS
 
 if TYPE_CHECKING:
@@ -140,6 +140,11 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
         default=256,
         help="local journal (in --data-dir) of commits storage could not take; when full, commits are refused",
     )
+    add(
+        p, "--ahead-busy-limit", type=share, default=1.0,
+        help="skip drafting ahead (pre-speculation) while draft calls took more than this share of the last "
+        "second of a process (1: never skip)",
+    )  # fmt: skip
     add(p, "--processes", type=positive, default=1, help="server processes sharing the port (one per core)")
     add(p, "--worker-ports", type=int, default=None, help="process i also serves port BASE + i alone")
     add(p, "--draft-threads", type=positive, default=1, help="worker threads one batch's draft step is shared among")
@@ -253,6 +258,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
             max_batch=a.max_batch,
             max_sessions=a.max_sessions,
             journal_capacity_bytes=a.journal_capacity_mb << 20,
+            ahead_busy_limit=a.ahead_busy_limit,
         ),
         server=ServerConfig(
             host=a.host,

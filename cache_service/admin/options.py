@@ -64,6 +64,18 @@ def positive(text: str) -> int:
     return value
 
 
+def share(text: str) -> float:
+    """A number in [0, 1].
+
+    >>> share("0.7")
+    0.7
+    """
+    value = float(text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {value}")
+    return value
+
+
 def non_negative(text: str) -> int:
     """An integer of at least 0."""
     value = int(text)

@@ -31,10 +31,11 @@ class _Pending(NamedTuple):
     tree: DraftTree | None
 
 
-def draft(items: Sequence[Step], sessions: SessionTable, touched: Touched) -> Drafted:
-    """Every item's tree (and what was drafted ahead for it). A session named twice sees its
-    first draft settled before its second item goes on, as if the items ran one by one."""
-    parts = [_step(part, sessions, touched) for part in rounds(items)]
+def draft(items: Sequence[Step], sessions: SessionTable, touched: Touched, *, ahead: bool = True) -> Drafted:
+    """Every item's tree (and what was drafted ahead for it; without ``ahead``, nothing is,
+    and nothing drafted earlier stays). A session named twice sees its first draft settled
+    before its second item goes on, as if the items ran one by one."""
+    parts = [_step(part, sessions, touched, ahead) for part in rounds(items)]
     if len(parts) == 1:
         return parts[0]
     return Drafted([t for p in parts for t in p.trees], [a for p in parts for _, a in p])
@@ -72,7 +73,7 @@ def accept(items: Sequence[Accepted], sessions: SessionTable) -> None:
         drafter.accept_many([(items[j][0].session, items[j][1], items[j][2]) for j in js])
 
 
-def _step(items: Sequence[Step], sessions: SessionTable, touched: Touched) -> Drafted:
+def _step(items: Sequence[Step], sessions: SessionTable, touched: Touched, ahead_wanted: bool) -> Drafted:
     """One round of a draft call (each session named once)."""
     # Only a session holding trees drafted ahead can have its next tree once it took its
     # tokens: the subtree its outcome selects.
@@ -85,7 +86,7 @@ def _step(items: Sequence[Step], sessions: SessionTable, touched: Touched) -> Dr
         touched(entries)
         return Drafted(trees)
     pending = [_Pending(entry, k, _held(entry, new, k)) for entry, new, k in items]
-    return _settle(pending, touched)
+    return _settle(pending, touched, ahead_wanted)
 
 
 def _held(entry: SessionEntry, new: np.ndarray, lookahead: int) -> DraftTree | None:
@@ -109,9 +110,9 @@ def _held(entry: SessionEntry, new: np.ndarray, lookahead: int) -> DraftTree | N
     return None
 
 
-def _settle(steps: list[_Pending], touched: Touched) -> Drafted:
+def _settle(steps: list[_Pending], touched: Touched, ahead_wanted: bool) -> Drafted:
     """Draft the trees of ``steps`` still to draft, one compiled call per namespace, then draft
-    ahead where asked."""
+    ahead where asked (where ``ahead_wanted``)."""
     entries = [step.entry for step in steps]
     drafted: dict[int, DraftTree] = {}
     for drafter, js in per_drafter(entries, [step.tree is None for step in steps]):
@@ -121,6 +122,9 @@ def _settle(steps: list[_Pending], touched: Touched) -> Drafted:
     # Then the trees drafted ahead, one compiled call per namespace for all of them.
     ahead: list[Prefetched] = [{} for _ in steps]
     for drafter, js in per_drafter(entries, [step.lookahead > 0 for step in steps]):
+        if not ahead_wanted:
+            drafter.forgo_ahead([entries[j].session for j in js])
+            continue
         found = drafter.prespeculate_many([(entries[j].session, steps[j].lookahead, entries[j].params) for j in js])
         for j, prefetched in zip(js, found, strict=True):
             ahead[j] = prefetched

@@ -11,6 +11,7 @@ persistence the service keeps everything in memory.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 
@@ -19,6 +20,7 @@ import numpy as np
 from cache_service.config import ServiceConfig
 from cache_service.domain import drafting, names, tokens
 from cache_service.domain.admission import Admission
+from cache_service.domain.busy import BusyShare
 from cache_service.domain.changes import Changes, ChangeTracker
 from cache_service.domain.continuing import Continuing, Found
 from cache_service.domain.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, unknown_session
@@ -80,6 +82,8 @@ class DraftService:
         self.refresh: Refresh | None = None
         self._orphaned = False  # a namespace deleted elsewhere may have left live sessions
         self._drafts = 0  # served trees (updated on the serving thread only)
+        self._busy = BusyShare()  # how much of the last second draft calls took
+        self._ahead_skipped = 0  # items whose drafting ahead was skipped, the service busy
 
     # -- namespaces --------------------------------------------------------------------------
 
@@ -169,6 +173,12 @@ class DraftService:
     @property
     def drafts(self) -> int:
         return self._drafts
+
+    @property
+    def ahead_skipped(self) -> int:
+        """Draft items that asked for outcomes drafted ahead and got none: drafting kept the
+        process busier than ``ServiceConfig.ahead_busy_limit``."""
+        return self._ahead_skipped
 
     @property
     def pending_writes(self) -> int:
@@ -304,8 +314,10 @@ class DraftService:
         read_storage: bool = True,
     ) -> Drafted:
         """Like :meth:`draft`; each item's ``lookahead`` also drafts ahead for that many likely
-        outcomes of verifying its tree. New tokens that match an outcome drafted ahead continue
-        with the tree the decoder already holds (the subtree the outcome selects)."""
+        outcomes of verifying its tree, unless draft calls keep the process busier than
+        ``ahead_busy_limit`` (then none is). New tokens that match an outcome drafted ahead
+        continue with the tree the decoder already holds (the subtree the outcome selects)."""
+        start = time.perf_counter()
         if isinstance(items, DraftColumns):
             checked, topk = self._checked_columns(items, principal, read_storage)
         else:
@@ -317,8 +329,12 @@ class DraftService:
             topk = [tokens.topk_rows(item.topk, new, entry.drafter, item.topk_after) for item, new, entry in rows]
             checked = list(zip(entries, news, ahead, strict=True))
         drafting.observe_topk(checked, topk)
-        out = drafting.draft(checked, self.sessions, self._touched)
+        spare = self._busy.share(start) <= self.config.ahead_busy_limit
+        out = drafting.draft(checked, self.sessions, self._touched, ahead=spare)
         self._drafts += len(out)
+        if not spare:
+            self._ahead_skipped += sum(1 for _, _, k in checked if k)
+        self._busy.add(start, time.perf_counter())
         return out
 
     def _checked_columns(

@@ -5,6 +5,7 @@ drafted again."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from cache_service.config import ServiceConfig
 from cache_service.domain.items import DraftItem, OpenItem
@@ -94,3 +95,38 @@ def test_a_chain_session_drafting_ahead_gets_the_chain_of_the_outcome_it_reports
     # Reporting that outcome, the session goes on with the chain drafted ahead for it.
     ((got, _),) = svc.draft_ahead([DraftItem(sid, np.array(produced, dtype=np.int32))])
     assert _same(got, want) and got.scores.tolist() == want.scores.tolist()
+
+
+def test_a_busy_service_skips_drafting_ahead_and_counts_it() -> None:
+    # A limit of 0: any drafting in the last second is too much, so only the first call (the
+    # process idle until then) drafts ahead.
+    svc = DraftService(ServiceConfig(ahead_busy_limit=0.0))
+    svc.create_namespace("a", 50)
+    (sid,) = svc.open([OpenItem("a", _PROMPT)])
+    ((tree, ahead),) = svc.draft_ahead([DraftItem(sid, _NONE, lookahead=3)])
+    assert len(ahead) == 3 and svc.ahead_skipped == 0
+    ((again, none),) = svc.draft_ahead([DraftItem(sid, _NONE, lookahead=3)])
+    assert none == {} and _same(again, tree)  # the draft it holds, nothing ahead of it
+    assert svc.ahead_skipped == 1
+    # Nothing drafted before is kept either: what the first call drafted ahead, for the tree
+    # the second call served again, is dropped (the outcome is drafted afresh when it comes).
+    session = svc.sessions.get(sid).session
+    assert session.prefetched == {} and session.ahead_chains == {}
+    path = next(iter(ahead))
+    bonus = int(ahead[path].tokens[0])
+    ((after, none),) = svc.draft_ahead([DraftItem(sid, np.array([*path, bonus], dtype=np.int32), lookahead=2)])
+    assert none == {} and svc.ahead_skipped == 2 and len(after)
+    # Items that ask for nothing ahead are not counted.
+    svc.draft_ahead([DraftItem(sid, _NONE)])
+    assert svc.ahead_skipped == 2
+
+
+def test_by_default_drafting_ahead_is_never_skipped() -> None:
+    svc = _service()
+    (sid,) = svc.open([OpenItem("a", _PROMPT)])
+    for _ in range(50):  # back to back: drafting fills the time
+        ((_, ahead),) = svc.draft_ahead([DraftItem(sid, _NONE, lookahead=2)])
+        assert len(ahead) == 2
+    assert svc.ahead_skipped == 0
+    with pytest.raises(ValueError, match="ahead_busy_limit"):
+        ServiceConfig(ahead_busy_limit=1.5)

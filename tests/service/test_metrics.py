@@ -78,6 +78,7 @@ def test_calls_tiers_and_state_are_reported(served) -> None:  # type: ignore[no-
     assert m[("draftcache_accepted_tokens_total", (("namespace", "ns"), ("tier", "CONTEXT")))] == 3
     assert m[("draftcache_sessions", (("namespace", "ns"),))] == 1
     assert m[("draftcache_drafts_total", ())] == 2
+    assert m[("draftcache_drafts_ahead_skipped_total", ())] == 0  # none asked for outcomes ahead
     # Storage's write-back queue as the service reports it.
     assert m[("draftcache_writeback_pending", ())] == 3
     assert m[("draftcache_writeback_lag_seconds", ())] == 1.5
