@@ -164,9 +164,7 @@ class Journal:
                 f"commit journal full ({self._size} of {self.capacity_bytes} bytes) while storage is unavailable"
             )
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(self._fd, view) :]
+            _write_all(self._fd, data)
             os.fsync(self._fd)
         except OSError as exc:
             self._truncate(self._size)  # no torn record before the next one
@@ -205,7 +203,7 @@ class Journal:
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
-                os.write(fd, data)
+                _write_all(fd, data)  # a nearly full disk takes part of a write without an error
                 os.fsync(fd)
             finally:
                 os.close(fd)
@@ -219,6 +217,14 @@ class Journal:
         self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND)
         fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         self._size = len(data)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """Write all of ``data``: ``write(2)`` may take part of it (a disk with less room left than
+    ``data``) and say so only by its count; the next call then raises ``ENOSPC``."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
 
 
 def _fsync_dir(path: Path) -> None:

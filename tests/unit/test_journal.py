@@ -4,12 +4,14 @@ skipped (and said), a full journal refuses, a drained one empties."""
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from cache_service.host.journal import HEADER, Journal, JournalError, JournalRecord, encode
+from tests.faults import can_mount_tmpfs, fill_disk, small_disk
 
 WRITER = b"w" * 16
 
@@ -98,3 +100,30 @@ def test_one_process_per_journal(tmp_path: Path) -> None:
     _reopen(tmp_path / "j")
     with pytest.raises(JournalError, match="in use"):
         _reopen(tmp_path / "j")
+
+
+@pytest.mark.skipif(not can_mount_tmpfs(), reason="needs to mount a tmpfs (root)")
+def test_a_rewrite_on_a_nearly_full_disk_keeps_every_live_record(tmp_path: Path) -> None:
+    """A disk with less room than the rewritten file takes part of a write without an error:
+    the compaction and the torn-tail repair must not put a partial file in the journal's place."""
+    big = [JournalRecord(WRITER, i, "ns", np.arange(2500, dtype=np.int32) + i) for i in range(300)]  # ~10 kB each
+    with small_disk(tmp_path / "disk", "4m") as disk:
+        journal, _ = _reopen(disk / "j", capacity=1 << 30)
+        journal.append(big)
+        filler = fill_disk(disk)
+        os.truncate(filler, filler.stat().st_size - 200_000)  # room for a fifth of the live records
+        live = big[200:]
+        journal.drained(live)  # two thirds dead: a compaction, which the disk cannot hold
+        journal.close()
+        journal, found = _reopen(disk / "j")
+        journal.close()
+        assert _seen(found) == _seen(big)  # the old file kept whole
+        with open(disk / "j", "ab") as f:
+            f.write(b"DCJ1" + b"\0" * 10)  # a torn tail: open() rewrites the file without it
+        journal, found = _reopen(disk / "j")
+        journal.close()
+        assert _seen(found) == _seen(big)
+        filler.unlink()
+        journal, found = _reopen(disk / "j")  # what the next start finds
+        journal.close()
+        assert _seen(found) == _seen(big)
