@@ -22,7 +22,7 @@ from cache_service.domain.ports import StorageHealth
 from cache_service.domain.service import DraftService
 from cache_service.host.compiles import CompileWatch
 from cache_service.host.embedded_redis import EmbeddedRedis
-from cache_service.host.journal import Journal
+from cache_service.host.journal import Journal, journal_path
 from cache_service.host.malloc import release_free_memory
 from cache_service.host.shared_indexes import SharedIndexes
 from cache_service.metrics import Metrics
@@ -59,12 +59,18 @@ class AppConfig:
     metrics_host: str = "0.0.0.0"
     prior_dir: Path | None = None  # priors saved and memory-mapped here (shared by processes)
     lifetime_dir: Path | None = None  # lifetime indexes built once and memory-mapped here (shared by processes)
-    # The journal of commits storage could not take (None: beside the embedded Redis's folder).
+    # The folder of the journals of commits storage could not take (None: beside the embedded
+    # Redis's folder): this process's own, and any a stopped process left, which it takes over.
     journal_dir: Path | None = None
+    worker: int | None = None  # this process's index among ``serve --processes`` workers
+
+    @property
+    def journal_root(self) -> Path:
+        return self.journal_dir or self.embedded.data_dir.parent / "journal"
 
     @property
     def journal_path(self) -> Path:
-        return (self.journal_dir or self.embedded.data_dir.parent / "journal") / "commits.journal"
+        return journal_path(self.journal_root, self.worker)
 
     @property
     def ports(self) -> frozenset[int]:
@@ -124,7 +130,8 @@ class App:
         store = RedisStore(client, self.config.store)
         lifetime_dir = self.config.lifetime_dir
         lifetime = self.config.service.drafter.lifetime
-        journal = Journal(self.config.journal_path, self.config.service.journal_capacity_bytes)
+        cfg = self.config
+        journal = Journal(cfg.journal_path, cfg.service.journal_capacity_bytes, root=cfg.journal_root)
         self.persistence = RedisPersistence(
             store, max_pending=self.config.service.max_pending_writes, prior_dir=self.config.prior_dir, journal=journal
         )

@@ -14,6 +14,13 @@ so a replay appends each commit once (:mod:`cache_service.storage.stream_log`).
 A record torn by a crash mid-write, or damaged later, fails its CRC: it is skipped with a log
 line, and reading resumes at the next record's magic.
 
+A service run as one process journals to ``<root>/commits.journal``, worker ``i`` of a run with
+``--processes`` to ``<root>/worker-<i>/commits.journal``. A journal no live process holds (its
+process died, or the service came back with fewer or more processes) is taken over by the next
+process that opens a journal under the same root: its records are appended to that process's
+own journal, fsynced, and only then is the old file emptied. A crash in between leaves a record
+in both, which the log's ``(writer, seq)`` check appends once.
+
 >>> record = JournalRecord(b"w" * 16, 7, "llama2", np.array([5, 6], np.int32))
 >>> [(r.seq, r.namespace, r.tokens.tolist()) for r in read_records(encode(record) + b"torn")[0]]
 [(7, 'llama2', [5, 6])]
@@ -26,6 +33,7 @@ import fcntl
 import logging
 import os
 import struct
+import time
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -39,6 +47,8 @@ MAGIC = b"DCJ1"
 HEADER = struct.Struct("<4sII")  # magic, payload length, crc32 of the payload
 HEAD = struct.Struct("<16sQH")  # writer, seq, namespace length
 MAX_PAYLOAD = 1 << 30
+NAME = "commits.journal"
+LOCK_WAIT_S = 10.0  # how long opening waits for a process that is taking the file over
 COMPACT_MIN_BYTES = 1 << 20  # dead bytes worth a rewrite of the live records
 
 
@@ -112,19 +122,36 @@ def read_records(data: bytes) -> tuple[list[JournalRecord], list[str]]:
     return records, skipped
 
 
+def journal_path(root: Path, worker: int | None = None) -> Path:
+    """Where a process journals: a single process directly under ``root``, worker ``i`` in a
+    folder of its own.
+
+    >>> journal_path(Path("data/journal")), journal_path(Path("data/journal"), 1)
+    (PosixPath('data/journal/commits.journal'), PosixPath('data/journal/worker-1/commits.journal'))
+    """
+    return root / NAME if worker is None else root / f"worker-{worker}" / NAME
+
+
+def journal_files(root: Path) -> list[Path]:
+    """Every journal file under ``root``, whichever process layout wrote it."""
+    return [p for p in (root / NAME, *sorted(root.glob(f"worker-*/{NAME}"))) if p.is_file()]
+
+
 class Journal:
-    """The journal file at ``path``, at most ``capacity_bytes`` long.
+    """The journal file at ``path``, at most ``capacity_bytes`` long; ``root``: the folder whose
+    other journals it takes over when no live process holds them (none: only its own).
 
     :meth:`open` locks it (one process per journal) and returns the records a previous run left;
     :meth:`append` makes records durable; :meth:`drained` tells it which records are still not
     in Redis, so it can empty or compact the file.
     """
 
-    def __init__(self, path: Path, capacity_bytes: int) -> None:
+    def __init__(self, path: Path, capacity_bytes: int, *, root: Path | None = None) -> None:
         if capacity_bytes < 1:
             raise ValueError(f"capacity_bytes must be >= 1, got {capacity_bytes}")
         self.path = path
         self.capacity_bytes = capacity_bytes
+        self.root = root
         self._fd = -1
         self._size = 0
 
@@ -133,33 +160,66 @@ class Journal:
         return self._size
 
     def open(self) -> list[JournalRecord]:
-        """Lock the file and read what it holds; torn or corrupt records are logged and left out
-        (the file is rewritten with the intact ones)."""
+        """Lock the file and read what it holds, then take over the other journals under
+        ``root`` that no live process holds; every record found. Torn or corrupt records are
+        logged and left out (the file is rewritten with the intact ones)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        if not _lock(self._fd, LOCK_WAIT_S):  # a process taking it over holds it a moment
             os.close(self._fd)
             self._fd = -1
-            raise JournalError(f"{self.path} is in use by another process") from None
+            raise JournalError(f"{self.path} is in use by another process")
         _fsync_dir(self.path.parent)
-        data = self.path.read_bytes()
-        records, skipped = read_records(data)
-        for note in skipped:
-            logger.warning("commit journal %s: %s", self.path, note)
-        self._size = len(data)
-        if skipped:
+        records, intact = self._read(self.path)
+        self._size = self.path.stat().st_size
+        if not intact:
             self._rewrite(records)
         if records:
             logger.info("commit journal %s holds %d commits not yet stored", self.path, len(records))
+        if self.root is not None:
+            for other in journal_files(self.root):
+                if other.resolve() != self.path.resolve():
+                    records += self._take_over(other)
         return records
 
-    def append(self, records: Sequence[JournalRecord]) -> None:
+    def _read(self, path: Path) -> tuple[list[JournalRecord], bool]:
+        """The intact records in the file at ``path``, and whether nothing was skipped."""
+        records, skipped = read_records(path.read_bytes())
+        for note in skipped:
+            logger.warning("commit journal %s: %s", path, note)
+        return records, not skipped
+
+    def _take_over(self, other: Path) -> list[JournalRecord]:
+        """The records of the journal at ``other``, moved into this one, when no live process
+        holds it (else nothing). They are appended beyond the capacity if need be: they were
+        acknowledged, and they leave the other file."""
+        try:
+            fd = os.open(other, os.O_RDWR)
+        except FileNotFoundError:
+            return []
+        try:
+            if not _lock(fd, 0.0) or os.fstat(fd).st_ino != _inode(other):  # live, or replaced meanwhile
+                return []
+            records, _ = self._read(other)
+            if records:
+                try:
+                    self.append(records, beyond_capacity=True)
+                except JournalError as exc:  # they stay where they are, for a later start
+                    logger.error("commit journal %s not taken over: %s", other, exc)
+                    return []
+                logger.warning("commit journal %s: %d commits of a stopped process taken over", other, len(records))
+            if os.fstat(fd).st_size:
+                os.ftruncate(fd, 0)
+                os.fsync(fd)
+            return records
+        finally:
+            os.close(fd)  # releases its lock
+
+    def append(self, records: Sequence[JournalRecord], *, beyond_capacity: bool = False) -> None:
         """Write and fsync ``records``; :class:`JournalError` (nothing written) when the journal
-        is full or the disk refuses."""
+        is full (unless ``beyond_capacity``) or the disk refuses."""
         data = b"".join(encode(r) for r in records)
-        if self._size + len(data) > self.capacity_bytes:
+        if not beyond_capacity and self._size + len(data) > self.capacity_bytes:
             raise JournalError(
                 f"commit journal full ({self._size} of {self.capacity_bytes} bytes) while storage is unavailable"
             )
@@ -200,23 +260,43 @@ class Journal:
         """Replace the file with ``records`` (a new file renamed over the old one)."""
         tmp = self.path.with_name(self.path.name + ".tmp")
         data = b"".join(encode(r) for r in records)
+        fd = -1
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            try:
-                _write_all(fd, data)  # a nearly full disk takes part of a write without an error
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # locked before it takes the name
+            _write_all(fd, data)  # a nearly full disk takes part of a write without an error
+            os.fsync(fd)
             os.replace(tmp, self.path)
             _fsync_dir(self.path.parent)
         except OSError as exc:
             logger.warning("commit journal %s: compaction failed, keeping the file: %s", self.path, exc)
+            if fd >= 0:
+                os.close(fd)
             tmp.unlink(missing_ok=True)
             return
         os.close(self._fd)
-        self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND)
-        fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        self._fd = fd
         self._size = len(data)
+
+
+def _lock(fd: int, wait_s: float) -> bool:
+    """Take ``fd``'s exclusive lock, trying for up to ``wait_s``; whether it was taken."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+
+
+def _inode(path: Path) -> int:
+    try:
+        return path.stat().st_ino
+    except FileNotFoundError:
+        return -1
 
 
 def _write_all(fd: int, data: bytes) -> None:

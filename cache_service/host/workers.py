@@ -33,12 +33,11 @@ RESTART_PAUSE_S = 1.0  # between a worker's death and its replacement
 def worker_config(config: AppConfig, index: int, redis_url: str, worker_ports: int | None = None) -> AppConfig:
     """Worker ``index``'s configuration: the shared Redis, its own metrics port if any, its own
     serving port ``worker_ports + index`` if asked, and one folder each of memory-mapped priors
-    and lifetime indexes for all, and a commit journal of its own."""
+    and lifetime indexes for all, and a commit journal of its own in the common journal folder."""
     metrics = None if config.metrics_port is None else config.metrics_port + index
     prior_dir = config.prior_dir or config.embedded.data_dir.parent / "priors"
     lifetime_dir = config.lifetime_dir or config.embedded.data_dir.parent / "lifetime"
     server = config.server if worker_ports is None else replace(config.server, own_port=worker_ports + index)
-    journal = (config.journal_dir or config.embedded.data_dir.parent / "journal") / f"worker-{index}"
     return replace(
         config,
         server=server,
@@ -46,7 +45,8 @@ def worker_config(config: AppConfig, index: int, redis_url: str, worker_ports: i
         metrics_port=metrics,
         prior_dir=prior_dir,
         lifetime_dir=lifetime_dir,
-        journal_dir=journal,
+        journal_dir=config.journal_root,
+        worker=index,
     )
 
 

@@ -119,6 +119,35 @@ def test_service_killed_while_storage_is_down_keeps_every_commit(tmp_path: Path)
         redis.kill()
 
 
+def test_a_journal_is_replayed_when_the_service_comes_back_with_other_processes(tmp_path: Path) -> None:
+    """Commits journaled by one process are replayed by a run of ``--processes 2`` (each worker
+    journals in a folder of its own, and takes over what no live process holds)."""
+    redis = Redis(tmp_path)
+    redis.start()
+    serve = _start(tmp_path / "data", redis_url=redis.url)
+    try:
+        acked = _commits(serve, range(5))
+        wait_for(lambda: serve.stats().storage.journaled_commits == 0, 30, "the first commits written")
+        redis.kill()
+        acked += _commits(serve, range(5, 25))
+        serve.sigkill()
+    finally:
+        serve.close()
+    journal = tmp_path / "data" / "journal" / "commits.journal"
+    assert journal.stat().st_size > 0
+    redis.start()
+    serve = Serve(tmp_path / "data", "--processes", "2", redis_url=redis.url).start()
+    try:
+        wait_for(lambda: len(log_entries(redis.url, "ns")) >= 25, 60, "the journal replayed")
+        _assert_logged_once(redis.url, acked, range(25))
+        assert len(acked) == 25 == len(log_entries(redis.url, "ns"))
+        assert journal.stat().st_size == 0
+        assert serve.sigterm(STOP_S + 30) == 0
+    finally:
+        serve.close()
+        redis.kill()
+
+
 def test_sigterm_while_storage_stays_down_exits_promptly_and_keeps_every_commit(tmp_path: Path) -> None:
     redis = Redis(tmp_path)
     redis.start()

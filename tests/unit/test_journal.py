@@ -10,7 +10,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cache_service.host.journal import HEADER, Journal, JournalError, JournalRecord, encode
+from cache_service.host.journal import (
+    HEADER,
+    Journal,
+    JournalError,
+    JournalRecord,
+    encode,
+    journal_files,
+    journal_path,
+)
 from tests.faults import can_mount_tmpfs, fill_disk, small_disk
 
 WRITER = b"w" * 16
@@ -96,7 +104,8 @@ def _reopen_copy(path: Path) -> list[JournalRecord]:
     return _reopen(copy)[1]
 
 
-def test_one_process_per_journal(tmp_path: Path) -> None:
+def test_one_process_per_journal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("cache_service.host.journal.LOCK_WAIT_S", 0.2)
     _reopen(tmp_path / "j")
     with pytest.raises(JournalError, match="in use"):
         _reopen(tmp_path / "j")
@@ -127,3 +136,45 @@ def test_a_rewrite_on_a_nearly_full_disk_keeps_every_live_record(tmp_path: Path)
         journal, found = _reopen(disk / "j")  # what the next start finds
         journal.close()
         assert _seen(found) == _seen(big)
+
+
+def test_journals_no_live_process_holds_are_taken_over(tmp_path: Path) -> None:
+    """A journal of a stopped process (a worker of a run with more processes, or one process
+    where there are workers now) is moved into the journal opened beside it; a live one is not."""
+    root = tmp_path / "journal"
+    left = [JournalRecord(b"a" * 16, i, "ns", np.array([i, i + 1], np.int32)) for i in range(3)]
+    stopped, _ = _reopen(journal_path(root, 3))
+    stopped.append(left)
+    stopped.close()
+    live, _ = _reopen(journal_path(root, 1))
+    live.append([_record(9)])
+    own = Journal(journal_path(root, None), capacity_bytes=len(encode(left[0])), root=root)  # room for one
+    found = own.open()
+    assert _seen(found) == _seen(left)  # beyond its capacity: they were acknowledged
+    assert journal_path(root, 3).stat().st_size == 0  # emptied once they were in the new home
+    assert journal_path(root, 1).stat().st_size == len(encode(_record(9)))  # its process lives
+    own.close()
+    assert _seen(_reopen_copy(journal_path(root, None))) == _seen(left)
+    live.close()
+    worker, found = _reopen_worker(root, 0)  # a worker now: the single process's journal and worker 1's
+    assert sorted(_seen(found)) == sorted(_seen([*left, _record(9)]))
+    assert [p.stat().st_size for p in journal_files(root) if p != worker.path] == [0, 0, 0]
+
+
+def _reopen_worker(root: Path, index: int) -> tuple[Journal, list[JournalRecord]]:
+    journal = Journal(journal_path(root, index), 1 << 20, root=root)
+    return journal, journal.open()
+
+
+def test_a_journal_taken_over_twice_is_harmless(tmp_path: Path) -> None:
+    """A process that dies after moving a journal's records but before emptying it leaves them
+    in two journals: both are read (the log's commit ids append each once)."""
+    root = tmp_path / "journal"
+    first, _ = _reopen(journal_path(root, 1))
+    first.append([_record(1), _record(2)])
+    first.close()
+    copy = journal_path(root, 2)
+    copy.parent.mkdir()
+    copy.write_bytes(journal_path(root, 1).read_bytes())
+    _, found = _reopen_worker(root, 0)
+    assert _seen(found) == _seen([_record(1), _record(2)] * 2)
