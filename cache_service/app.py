@@ -28,7 +28,7 @@ from cache_service.host.shared_indexes import SharedIndexes
 from cache_service.metrics import Metrics
 from cache_service.persistence import RedisPersistence
 from cache_service.rpc import wire
-from cache_service.rpc.server import create_server
+from cache_service.rpc.server import check_files, create_server
 from cache_service.storage import keys
 from cache_service.storage.clients import StorageClient
 from cache_service.storage.connect import connect, redact
@@ -118,8 +118,30 @@ class App:
         self.url = config.redis_url or ""
 
     async def start(self) -> int:
-        """Start serving; returns the bound port."""
+        """Start serving; returns the bound port. A start that fails stops what it started."""
+        try:
+            return await self._start()
+        except BaseException:
+            await self._abandon()
+            raise
+
+    async def _abandon(self) -> None:
+        """Stop what a failed start had started: the server, the journal, the embedded Redis
+        (else left running with nobody to stop it)."""
+        server = getattr(self, "server", None)
+        if server is not None:
+            await server.stop(0)
+        if self.scheduler.running:
+            self.scheduler.shutdown(wait=False)
+        persistence = getattr(self, "persistence", None)
+        if persistence is not None:
+            persistence.commits.close()
+        if self.embedded is not None:
+            await asyncio.to_thread(self.embedded.stop)
+
+    async def _start(self) -> int:
         self._loop = asyncio.get_running_loop()
+        check_files(self.config.server)  # before anything is started
         if not self.url:
             embedded = EmbeddedRedis(self.config.embedded, avoid=self.config.ports)
             self.embedded = await asyncio.to_thread(embedded.start)

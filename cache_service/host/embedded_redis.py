@@ -3,6 +3,7 @@ data folder, owned by the service process, restarted when it dies, and stopped w
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import itertools
 import logging
@@ -92,18 +93,41 @@ class EmbeddedRedis:
         self._supervisor: threading.Thread | None = None
         self._log_from = 0  # where the running server's lines start in its log
         self._pinger: redis.Redis | None = None  # the supervisor's connection, kept between PINGs
+        self._lock_fd = -1  # the data folder's lock, held from start to stop
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self, timeout_s: float = 20.0) -> EmbeddedRedis:
+        """Start the server on the data folder, which this process holds (a lock) until
+        :meth:`stop`: :class:`Unavailable` when another live service holds it, whose server is
+        left alone. A server whose service is gone still owns the files and is stopped first."""
         data = self.config.data_dir.resolve()
         data.mkdir(parents=True, exist_ok=True)
-        _stop_orphan(data / "server.pid")
-        self._spawn(timeout_s)
+        self._hold(data / "owner.lock")
+        try:
+            _stop_orphan(data / "server.pid")
+            self._spawn(timeout_s)
+        except BaseException:
+            self._release()
+            raise
         logger.info("embedded Redis on port %d, data in %s", self.port, data)
         return self
+
+    def _hold(self, lock: Path) -> None:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise Unavailable(f"{lock.parent} is in use by another draftcache service") from None
+        self._lock_fd = fd  # not inherited by the server (Popen closes other descriptors)
+
+    def _release(self) -> None:
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
 
     def supervise(
         self, on_exit: Callable[[str, bool], None] | None = None, on_restart: Callable[[], None] | None = None
@@ -253,6 +277,7 @@ class EmbeddedRedis:
             self._supervisor.join(timeout_s + 25.0)
         with self._guard:
             self._stop_server(timeout_s)
+        self._release()
 
     def _stop_server(self, timeout_s: float) -> None:
         if self._proc is None or self._proc.poll() is not None:

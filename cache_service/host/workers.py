@@ -24,6 +24,7 @@ from multiprocessing.process import BaseProcess
 from cache_service import logs
 from cache_service.app import AppConfig
 from cache_service.host.embedded_redis import EmbeddedRedis
+from cache_service.rpc.server import check_files
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +92,7 @@ def serve_processes(
     if config.server.port == 0 and processes > 1:
         raise ValueError("several processes need a fixed port to share")
     ports = check_ports(config, processes, worker_ports)
+    check_files(config.server)  # a bad token or TLS file stops the start, not each worker
     embedded = None
     url = config.redis_url
     if not url:

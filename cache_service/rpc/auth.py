@@ -20,7 +20,7 @@ import hashlib
 import hmac
 import json
 from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +59,10 @@ class TokenTable:
     def from_dict(cls, data: Any, *, where: str = "token file") -> TokenTable:
         if not isinstance(data, dict) or not isinstance(data.get("tokens"), list) or not data["tokens"]:
             raise ValueError(f"{where}: expected {{'tokens': [...]}} with at least one token")
-        limits = {str(t): TenantLimits(**v) for t, v in dict(data.get("limits", {})).items()}
+        given = data.get("limits", {})
+        if not isinstance(given, dict):
+            raise ValueError(f"{where}: limits must be an object of tenant -> limits")
+        limits = {str(t): _limits(v, f"{where}: limits[{t!r}]") for t, v in given.items()}
         table: dict[str, Principal] = {}
         for i, entry in enumerate(data["tokens"]):
             digest, principal = _entry(entry, limits, f"{where}: tokens[{i}]")
@@ -87,6 +90,26 @@ def _entry(entry: Any, limits: dict[str, TenantLimits], where: str) -> tuple[str
     names = entry.get("namespaces")
     namespaces = None if names is None else frozenset(str(n) for n in _list(names, where))
     return digest, Principal(tenant, role, namespaces, limits.get(tenant, TenantLimits()))
+
+
+def _limits(value: Any, where: str) -> TenantLimits:
+    """A tenant's limits, each a whole number >= 0.
+
+    >>> _limits({"max_sessions": 4}, "t")
+    TenantLimits(max_sessions=4, max_session_tokens=0)
+    >>> _limits({"max_sesions": 4}, "t")
+    Traceback (most recent call last):
+    ValueError: t: unknown limit 'max_sesions' (known: max_session_tokens, max_sessions)
+    """
+    known = {f.name for f in fields(TenantLimits)}
+    if not isinstance(value, dict):
+        raise ValueError(f"{where}: expected an object of limits")
+    for name, number in value.items():
+        if name not in known:
+            raise ValueError(f"{where}: unknown limit {name!r} (known: {', '.join(sorted(known))})")
+        if isinstance(number, bool) or not isinstance(number, int) or number < 0:
+            raise ValueError(f"{where}: {name} must be a whole number >= 0, got {number!r}")
+    return TenantLimits(**value)
 
 
 def _list(value: Any, where: str) -> Iterable[Any]:

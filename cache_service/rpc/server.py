@@ -65,6 +65,14 @@ def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
     return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=ca is not None)
 
 
+def check_files(config: ServerConfig) -> None:
+    """Read the token file and the TLS files now: ``ValueError`` or ``OSError`` says what is
+    wrong, before anything is started."""
+    if config.tokens_file is not None:
+        TokenTable.load(config.tokens_file)
+    server_credentials(config)
+
+
 async def create_server(
     config: ServerConfig,
     service: DraftService,
@@ -94,10 +102,13 @@ async def create_server(
 
     def bind(port: int) -> int:
         address = f"{config.host}:{port}"
-        if credentials is None:
-            bound = server.add_insecure_port(address)
-        else:
-            bound = server.add_secure_port(address, credentials)
+        try:
+            if credentials is None:
+                bound = server.add_insecure_port(address)
+            else:
+                bound = server.add_secure_port(address, credentials)
+        except RuntimeError as exc:  # how newer grpc releases say it
+            raise OSError(f"could not bind {address}: {exc}") from exc
         if bound == 0:
             raise OSError(f"could not bind {address}")
         return bound
