@@ -98,7 +98,9 @@ redis.call('EXPIRE', KEYS[3], ARGV[2])
 
 Commit = tuple[bytes, int, np.ndarray]  # writer id, its commit number, the request's tokens
 
-_STREAM_ID = re.compile(r"\d+(-\d+)?")
+# ASCII digits only: ``\d`` would also take other scripts' digits, which Redis refuses.
+_STREAM_ID = re.compile(r"[0-9]+(-[0-9]+)?")
+_MAX_PART = 2**64 - 1  # each part of a stream id is an unsigned 64-bit integer: 20 digits
 
 
 class LogEntry(NamedTuple):
@@ -109,8 +111,24 @@ class LogEntry(NamedTuple):
 
 
 def check_stream_id(stream_id: str) -> str:
+    r"""``stream_id`` if Redis takes it as a stream id: ``<ms>-<seq>`` or ``<ms>``, each part
+    at most 20 ASCII decimal digits and at most ``2**64 - 1``; else ``ValueError``.
+
+    >>> check_stream_id("1700000000000-3")
+    '1700000000000-3'
+    >>> check_stream_id("1-18446744073709551616")
+    Traceback (most recent call last):
+    ...
+    ValueError: stream id parts must be at most 18446744073709551615 (20 digits), got '1-18446744073709551616'
+    >>> check_stream_id("\u0663")
+    Traceback (most recent call last):
+    ...
+    ValueError: stream id must look like '<ms>-<seq>' or '0', got '\u0663'
+    """
     if not isinstance(stream_id, str) or not _STREAM_ID.fullmatch(stream_id):
-        raise ValueError(f"stream id must look like '<ms>-<seq>' or '0', got {stream_id!r}")
+        raise ValueError(f"stream id must look like '<ms>-<seq>' or '0', got {str(stream_id)[:64]!a}")
+    if any(len(part) > 20 or int(part) > _MAX_PART for part in stream_id.split("-")):
+        raise ValueError(f"stream id parts must be at most {_MAX_PART} (20 digits), got {stream_id[:64]!r}")
     return stream_id
 
 
@@ -165,7 +183,9 @@ def _entry(raw_id: object, raw_fields: object) -> LogEntry:
 
 def read(client: StorageClient, ns: str, after_id: str, count: int) -> list[LogEntry]:
     """Up to ``count`` entries with ids strictly after ``after_id``, oldest first."""
-    rows = client.xrange(keys.log(ns), min="(" + check_stream_id(after_id), max="+", count=count)
+    if position(after_id) == (_MAX_PART, _MAX_PART):
+        return []  # Redis refuses an exclusive range from the largest id: none can follow it
+    rows = client.xrange(keys.log(ns), min="(" + after_id, max="+", count=count)
     return [_entry(i, f) for i, f in rows or []]
 
 

@@ -82,6 +82,11 @@ def test_the_log_is_read_from_its_end_or_its_start_in_pages(replica: Replica) ->
         (NS, "0", MAX_LOG_READ_TOKENS + 1, grpc.StatusCode.INVALID_ARGUMENT),
         (NS, "1-x", 10, grpc.StatusCode.INVALID_ARGUMENT),
         (NS, "$", 10, grpc.StatusCode.INVALID_ARGUMENT),
+        # Ids Redis itself would refuse: non-ASCII digits, parts above 2**64 - 1.
+        (NS, "\u0663", 10, grpc.StatusCode.INVALID_ARGUMENT),
+        (NS, "\u0661-\u0662", 10, grpc.StatusCode.INVALID_ARGUMENT),
+        (NS, "18446744073709551616", 10, grpc.StatusCode.INVALID_ARGUMENT),
+        (NS, "1-18446744073709551616", 10, grpc.StatusCode.INVALID_ARGUMENT),
         ("", "0", 10, grpc.StatusCode.INVALID_ARGUMENT),
         ("unknown", "0", 10, grpc.StatusCode.NOT_FOUND),
     ],
@@ -90,6 +95,15 @@ def test_a_bad_read_is_refused(replica: Replica, ns: str, after: str, max_tokens
     with pytest.raises(grpc.RpcError) as err:
         read(replica, after, max_tokens, ns)
     assert err.value.code() is code
+
+
+def test_nothing_follows_the_largest_log_id(replica: Replica) -> None:
+    commit(replica, [1, 2, 3], [4, 5])
+    largest = f"{2**64 - 1}-{2**64 - 1}"
+    # Redis refuses an exclusive range from the largest id; nothing can come after it anyway.
+    after = read(replica, largest, 100)
+    assert list(after.entries) == [] and after.last == largest
+    assert len(read(replica, f"{2**64 - 1}", 100).entries) == 0
 
 
 def test_a_service_without_storage_has_no_log_to_read(running: Running) -> None:
