@@ -4,13 +4,22 @@ sizes here before it builds anything from it (see :mod:`cache_service.rpc.servic
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from cache_service.config import ServiceConfig
 from cache_service.domain.errors import InvalidArgument, ResourceExhausted
 from cache_service.domain.items import Opening
 from cache_service.domain.sessions import SessionTable
 from cache_service.domain.tenants import Principal
+from indexer.drafter import MAX_BUDGET, MAX_DEPTH
+
+# Rejected branches a feedback call may name. A decoder reports those of the tree it verified:
+# no tree has more than MAX_BUDGET nodes to leave its accepted path, nor a path longer than
+# MAX_DEPTH. A call holds the branches of 16 of the largest trees, or of a full batch of 256
+# default trees (64 nodes): at ~3.5 us a branch, the serving loop is held about 0.1 s at most.
+MAX_ITEM_BRANCHES = MAX_BUDGET
+MAX_CALL_BRANCHES = 16 * MAX_BUDGET
+MAX_BRANCH_TOKENS = MAX_DEPTH
 
 
 class Admission:
@@ -55,14 +64,36 @@ class Admission:
                 f"{rows} top-k rows for {sessions} sessions exceed {self._config.max_new_tokens} per session"
             )
 
+    def branches(self, counts: Sequence[int], longest: Callable[[], int]) -> None:
+        """The rejected branches a feedback call names, ``counts`` per item: at most
+        :data:`MAX_ITEM_BRANCHES` an item and :data:`MAX_CALL_BRANCHES` in all, then (asked only
+        once those fit) the ``longest`` at most :data:`MAX_BRANCH_TOKENS` tokens.
+
+        >>> admission = Admission(ServiceConfig(), SessionTable(max_sessions=1, ttl_s=60), bool)
+        >>> admission.branches([2, 0], lambda: 3)
+        >>> admission.branches([MAX_ITEM_BRANCHES + 1], lambda: 3)
+        Traceback (most recent call last):
+        ...
+        cache_service.domain.errors.ResourceExhausted: 1025 rejected branches in one item exceed 1024
+        """
+        most, total = max(counts, default=0), sum(counts)
+        if most > MAX_ITEM_BRANCHES:
+            raise ResourceExhausted(f"{most} rejected branches in one item exceed {MAX_ITEM_BRANCHES}")
+        if total > MAX_CALL_BRANCHES:
+            raise ResourceExhausted(f"{total} rejected branches in one call exceed {MAX_CALL_BRANCHES}")
+        if total and (size := longest()) > MAX_BRANCH_TOKENS:
+            raise ResourceExhausted(f"a rejected branch of {size} tokens exceeds {MAX_BRANCH_TOKENS}")
+
     def prompt(self, size: int) -> None:
         if size > self._config.max_prompt_tokens:
             raise ResourceExhausted(f"prompt of {size} tokens exceeds {self._config.max_prompt_tokens}")
 
     def room_for(self, opening: Opening, keep: list[bool] | None = None) -> None:
-        """The tenant's limits and the session memory, for the sessions ``opening`` adds (those
-        ``keep`` marks, all by default)."""
+        """The service's session limit, the tenant's limits and the session memory, for the
+        sessions ``opening`` adds (those ``keep`` marks, all by default): the whole batch fits,
+        or none of it is opened."""
         prompts = [p for j, (_, _, p) in enumerate(opening.prepared) if p is not None and (keep is None or keep[j])]
+        self._sessions.room(len(prompts))
         if opening.principal is not None:
             self.tenant(opening.principal, len(prompts), sum(p.size for p in prompts))
         self.make_room(sum(p.size for p in prompts))

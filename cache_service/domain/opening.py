@@ -91,18 +91,25 @@ class Opener:
 
     def _hold(self, opening: Opening, sessions: list[Session | None], repeated: list[bool]) -> list[str]:
         """The sessions built for ``opening`` held in memory, except where ``repeated`` says an
-        open of the same id came first; the call's session ids."""
+        open of the same id came first; the call's session ids. All or none: a failure part-way
+        lets go of those held already (the client never learns their ids)."""
         tenant = tenant_of(opening.principal)
-        ids = []
-        for (item, drafter, checked), session, again in zip(opening.prepared, sessions, repeated, strict=True):
-            if checked is None or session is None or again:
-                ids.append(item.session_id)
-                continue
-            params = item.params or self._default_params
-            entry = SessionEntry(item.session_id or new_session_id(), item.namespace, drafter, session, params, tenant)
-            self._sessions.add(entry)
-            self._changes.changed([entry.sid])
-            ids.append(entry.sid)
+        ids, added = [], []
+        try:
+            for (item, drafter, checked), session, again in zip(opening.prepared, sessions, repeated, strict=True):
+                if checked is None or session is None or again:
+                    ids.append(item.session_id)
+                    continue
+                params = item.params or self._default_params
+                sid = item.session_id or new_session_id()
+                self._sessions.add(SessionEntry(sid, item.namespace, drafter, session, params, tenant))
+                added.append(sid)
+                ids.append(sid)
+        except BaseException:
+            for sid in added:
+                self._sessions.discard(sid)
+            raise
+        self._changes.changed(added)
         return ids
 
     def _reopened(self, item: OpenItem, principal: Principal | None, claimed: frozenset[str]) -> bool:

@@ -355,6 +355,10 @@ class DraftService:
         self, items: list[FeedbackItem], *, principal: Principal | None = None, read_storage: bool = True
     ) -> None:
         self.admission.batch(len(items))
+        self.admission.branches(
+            [len(item.rejected or ()) for item in items],
+            lambda: max((len(b) for item in items for _, b in item.rejected or ()), default=0),
+        )
         checked: list[drafting.Accepted] = []
         for item in items:
             entry = self._entry(item.session_id, principal, read_storage)

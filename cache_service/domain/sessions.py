@@ -57,11 +57,21 @@ class SessionTable:
         return len(self._entries)
 
     def add(self, entry: SessionEntry) -> None:
-        self.expire()
-        if len(self._entries) >= self._max:
-            raise ResourceExhausted(f"session limit reached ({self._max}); close or let sessions expire")
+        self.room(1)
         self._entries[entry.sid] = entry
         self.grow(entry, len(entry.session.context))
+
+    def room(self, sessions: int) -> None:
+        """``ResourceExhausted`` unless ``sessions`` more fit under the session limit (expired
+        sessions leave first)."""
+        if len(self._entries) + sessions <= self._max:
+            return
+        self.expire()
+        if len(self._entries) + sessions > self._max:
+            raise ResourceExhausted(
+                f"{len(self._entries)} sessions held; {sessions} more exceed the session limit of {self._max} "
+                "(close or let sessions expire)"
+            )
 
     def grow(self, entry: SessionEntry, tokens: int) -> None:
         entry.counted += tokens

@@ -80,33 +80,37 @@ def topk(ids: Sequence[int], k: int, rows: int) -> np.ndarray | None:
     return np.array(ids, dtype=np.int32).reshape(rows, k)
 
 
-def _after(ids: Sequence[int]) -> np.ndarray | None:
-    """A ``topk_after`` field (``None`` when none was sent: rows follow the new tokens)."""
-    return np.array(ids, dtype=np.int32) if len(ids) else None
+def _after(ids: Sequence[int], rows: np.ndarray | None) -> np.ndarray | None:
+    """A ``topk_after`` field (``None`` when none was sent: rows follow the new tokens). It
+    names the token each top-k row follows, so it comes with rows or not at all."""
+    if not len(ids):
+        return None
+    if rows is None:
+        raise InvalidArgument(f"top-k: {len(ids)} positions (topk_after) sent without top-k rows")
+    return np.array(ids, dtype=np.int32)
+
+
+def _draft_item(item: pb.DraftItem) -> DraftItem:
+    rows = topk(item.topk, item.topk_k, len(item.topk_after or item.new_tokens))
+    return DraftItem(item.session_id, tokens(item.new_tokens), item.lookahead, rows, _after(item.topk_after, rows))
 
 
 def draft_items(req: pb.DraftRequest) -> list[DraftItem] | DraftColumns:
     if not req.HasField("columns"):
-        return [
-            DraftItem(
-                item.session_id,
-                tokens(item.new_tokens),
-                item.lookahead,
-                topk(item.topk, item.topk_k, len(item.topk_after or item.new_tokens)),
-                _after(item.topk_after),
-            )
-            for item in req.items
-        ]
+        return [_draft_item(item) for item in req.items]
     if len(req.items):
         raise InvalidArgument("a draft request holds items or columns, not both")
     c = req.columns
-    after = _after(c.topk_after)
+    rows = topk(c.topk, c.topk_k, len(c.topk_after or c.new_tokens))
+    after = _after(c.topk_after, rows)
+    if len(c.topk_counts) and after is None:
+        raise InvalidArgument(f"top-k: {len(c.topk_counts)} row counts (topk_counts) sent without top-k positions")
     return DraftColumns(
         c.session_ids,
         np.array(c.new_token_counts, dtype=np.int64),
         np.array(c.new_tokens, dtype=np.int32),
         np.array(c.lookahead, dtype=np.int64),
-        topk(c.topk, c.topk_k, len(c.new_tokens) if after is None else after.size),
+        rows,
         after,
         np.array(c.topk_counts, dtype=np.int64) if after is not None else None,
     )
@@ -120,6 +124,16 @@ def draft_response(results: Drafted) -> wire.Encoded:
     if results.ahead is None or not any(results.ahead):
         return wire.Encoded(trees)
     return wire.Encoded(trees + wire.encode_prefetched(results.ahead))
+
+
+def admit_feedback(req: pb.FeedbackRequest, admission: Admission) -> None:
+    """A feedback request's sizes checked against the limits before any item or array is
+    built: the batch, and its rejected branches (their count, then their lengths)."""
+    admission.batch(len(req.items))
+    admission.branches(
+        [len(item.rejected) for item in req.items],
+        lambda: max((len(b.tokens) for item in req.items for b in item.rejected), default=0),
+    )
 
 
 def feedback_items(req: pb.FeedbackRequest) -> list[FeedbackItem]:

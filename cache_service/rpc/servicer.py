@@ -66,7 +66,7 @@ class DraftCacheServicer(pb_grpc.DraftCacheServicer):
         return convert.draft_response(self._service.draft_ahead(items, principal=principal, read_storage=False))
 
     async def Feedback(self, request: pb.FeedbackRequest, context: grpc.aio.ServicerContext) -> pb.FeedbackResponse:
-        self._service.admission.batch(len(request.items))
+        convert.admit_feedback(request, self._service.admission)
         items, principal = convert.feedback_items(request), auth.current()
         await self._continue_stored([item.session_id for item in items], principal)
         self._service.feedback(items, principal=principal, read_storage=False)

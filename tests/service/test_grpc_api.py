@@ -237,3 +237,56 @@ def test_session_memory_is_bounded_by_evicting_the_least_recently_used() -> None
         assert running.service.sessions.tokens == 30
     finally:
         stop_service(running)
+
+
+def test_an_open_past_the_session_limit_is_refused_whole() -> None:
+    from cache_service.config import ServiceConfig
+    from tests.service.conftest import start_service, stop_service
+
+    running = start_service(ServiceConfig(max_sessions=6))
+    try:
+        _ns(running)
+        for _ in range(4):
+            _open(running, [1, 2])
+
+        def batch(n: int) -> pb.OpenSessionsRequest:
+            return pb.OpenSessionsRequest(sessions=[pb.OpenSession(namespace="toy", prompt=[1, 2, 3])] * n)
+
+        # 4 held + 3 > 6: refused, and none of the three is held (the client never saw an id).
+        assert _code(lambda: running.stub.OpenSessions(batch(3))) == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert running.admin.Stats(pb.StatsRequest()).sessions == 4
+        # The room the refused call did not take is there for a batch that fits.
+        assert len(running.stub.OpenSessions(batch(2)).session_ids) == 2
+        assert running.admin.Stats(pb.StatsRequest()).sessions == 6
+    finally:
+        stop_service(running)
+
+
+def _feedback(sid: str, accepted: list[int], branches: list[list[int]], items: int = 1) -> pb.FeedbackRequest:
+    rejected = [pb.RejectedBranch(offset=0, tokens=b) for b in branches]
+    return pb.FeedbackRequest(items=[pb.FeedbackItem(session_id=sid, accepted=accepted, rejected=rejected)] * items)
+
+
+def test_rejected_branches_past_the_limits_are_refused_and_change_nothing() -> None:
+    from cache_service.config import ServiceConfig
+    from cache_service.domain.admission import MAX_BRANCH_TOKENS, MAX_CALL_BRANCHES, MAX_ITEM_BRANCHES
+    from tests.service.conftest import start_service, stop_service
+
+    running = start_service(ServiceConfig())  # a batch of 256: enough items to pass the call's limit
+    try:
+        _ns(running)
+        sid, control = _open(running, [1, 2, 3, 1, 2]), _open(running, [1, 2, 3, 1, 2])
+        oversized = [
+            _feedback(sid, [3], [[4]] * (MAX_ITEM_BRANCHES + 1)),  # more than any tree's nodes
+            _feedback(sid, [3], [[4] * (MAX_BRANCH_TOKENS + 1)]),  # longer than any tree's paths
+            _feedback(sid, [3], [[4]] * MAX_ITEM_BRANCHES, items=MAX_CALL_BRANCHES // MAX_ITEM_BRANCHES + 1),
+        ]
+        for req in oversized:
+            assert _code(lambda req=req: running.stub.Feedback(req)) == grpc.StatusCode.RESOURCE_EXHAUSTED
+        # The largest a tree can report is taken, and every refused call left the session as it was.
+        for s in (sid, control):
+            running.stub.Feedback(_feedback(s, [3], [[5, 6]] * (MAX_ITEM_BRANCHES - 1) + [[7] * MAX_BRANCH_TOKENS]))
+        assert list(_draft(running, sid, [1, 2]).tokens) == list(_draft(running, control, [1, 2]).tokens)
+        assert running.service.sessions.get(sid).session.context.tokens.tolist() == [1, 2, 3, 1, 2, 3, 1, 2]
+    finally:
+        stop_service(running)

@@ -7,11 +7,15 @@ from __future__ import annotations
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import numpy as np
+import pytest
 from draftcache.v1 import draftcache_pb2 as pb
 
 from cache_service.config import ServiceConfig
-from cache_service.domain.items import Opening
+from cache_service.domain.errors import ResourceExhausted
+from cache_service.domain.items import Opening, OpenItem
+from cache_service.domain.service import DraftService
 from cache_service.rpc.servicer import OFF_LOOP_TOKENS
 from indexer import kernels
 from indexer.session import Session
@@ -101,3 +105,36 @@ def test_the_session_memory_limit_is_kept_when_others_opened_meanwhile() -> None
         assert table.tokens <= limit and table.holds(sid) and not table.holds(other)
     finally:
         stop_service(running)
+
+
+def test_the_session_count_limit_is_kept_when_others_opened_meanwhile() -> None:
+    running = start_service(ServiceConfig(max_sessions=2))
+    try:
+        running.admin.CreateNamespace(pb.CreateNamespaceRequest(name="toy", vocab_size=50))
+        held = _Held(running)
+        two = pb.OpenSessionsRequest(sessions=[pb.OpenSession(namespace="toy", prompt=p) for p in (LONG, [1, 2])])
+        with ThreadPoolExecutor(1) as pool:
+            first = pool.submit(running.stub.OpenSessions, two)
+            assert held.started.wait(10)
+            # Another open takes one of the two places the first one was checked against.
+            (other,) = running.stub.OpenSessions(_request([1, 2, 3])).session_ids
+            held.release.set()
+            with pytest.raises(grpc.RpcError) as err:
+                first.result(10)
+        assert err.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+        # Refused whole: neither of its sessions is held, the other open's is.
+        assert len(running.service.sessions) == 1 and running.service.sessions.holds(other)
+    finally:
+        stop_service(running)
+
+
+def test_a_batch_that_fails_while_held_leaves_nothing_behind() -> None:
+    service = DraftService(ServiceConfig(max_sessions=2))
+    service.create_namespace("toy", 50)
+    opening = service.prepare_open([OpenItem("toy", [1, 2]), OpenItem("toy", [3, 4])])
+    (other,) = service.open([OpenItem("toy", [5])])  # between the check and the hold
+    # The second session finds no place when it is held: the first one, held already, goes too.
+    with pytest.raises(ResourceExhausted):
+        service.finish_open(opening)
+    assert len(service.sessions) == 1 and service.sessions.holds(other)
+    assert len(service.changes) == 1  # only the other open's session waits for storage

@@ -77,6 +77,7 @@ def test_bad_topk_is_refused_and_changes_nothing(running) -> None:  # type: igno
         "rows not matching the positions": pb.DraftItem(
             session_id=sid, new_tokens=[4], topk=[4, 7], topk_k=2, topk_after=[3, 4]
         ),
+        "positions without rows": pb.DraftItem(session_id=sid, new_tokens=[4], topk_after=[-5, 10**9]),
     }
     for why, item in cases.items():
         with pytest.raises(grpc.RpcError) as err:
@@ -92,6 +93,15 @@ def test_bad_topk_is_refused_and_changes_nothing(running) -> None:  # type: igno
         ),
         "positions without row counts": pb.DraftColumns(
             session_ids=[sid], new_token_counts=[1], new_tokens=[4], topk=[4, 7], topk_k=2, topk_after=[3]
+        ),
+        "positions and row counts without rows": pb.DraftColumns(
+            session_ids=[sid], new_token_counts=[1], new_tokens=[4], topk_after=[-5, 10**9, 7], topk_counts=[99, 42]
+        ),
+        "row counts without rows": pb.DraftColumns(
+            session_ids=[sid], new_token_counts=[1], new_tokens=[4], topk_counts=[1]
+        ),
+        "row counts without positions": pb.DraftColumns(
+            session_ids=[sid], new_token_counts=[1], new_tokens=[4], topk=[4, 7], topk_k=2, topk_counts=[99, 42]
         ),
     }  # fmt: skip
     for why, columns in bad_columns.items():
