@@ -31,7 +31,7 @@ from cache_service.rpc import wire
 from cache_service.rpc.server import check_files, create_server
 from cache_service.storage import keys
 from cache_service.storage.clients import StorageClient
-from cache_service.storage.connect import connect, redact
+from cache_service.storage.connect import connect, connect_for_calls, redact
 from cache_service.storage.errors import MigrationInProgress, StorageError
 from cache_service.storage.redis_store import RedisStore, StoreConfig
 from cache_service.sync import StorageSync
@@ -63,6 +63,14 @@ class AppConfig:
     # Redis's folder): this process's own, and any a stopped process left, which it takes over.
     journal_dir: Path | None = None
     worker: int | None = None  # this process's index among ``serve --processes`` workers
+    # How long a call waits on storage (a commit's append, a stored session, a log or prior
+    # page), one try: past it a commit is journaled and a read fails UNAVAILABLE. The background
+    # jobs keep the long timeouts that large prior parts need.
+    call_timeout_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not 0.05 <= self.call_timeout_s <= 60:
+            raise ValueError(f"call_timeout_s must be in [0.05, 60], got {self.call_timeout_s}")
 
     @property
     def journal_root(self) -> Path:
@@ -150,12 +158,18 @@ class App:
         client = connect(self.url)
         logger.info("storage schema v%d at %s", await asyncio.to_thread(prepare_schema, client), redact(self.url))
         store = RedisStore(client, self.config.store)
+        quick = await asyncio.to_thread(connect_for_calls, self.url, self.config.call_timeout_s)
+        calls = RedisStore(quick, store.config)
         lifetime_dir = self.config.lifetime_dir
         lifetime = self.config.service.drafter.lifetime
         cfg = self.config
         journal = Journal(cfg.journal_path, cfg.service.journal_capacity_bytes, root=cfg.journal_root)
         self.persistence = RedisPersistence(
-            store, max_pending=self.config.service.max_pending_writes, prior_dir=self.config.prior_dir, journal=journal
+            store,
+            max_pending=cfg.service.max_pending_writes,
+            prior_dir=cfg.prior_dir,
+            journal=journal,
+            calls=calls,
         )
         await asyncio.to_thread(self.persistence.commits.recover)  # replayed by the restore's flush
         if self.embedded is not None:

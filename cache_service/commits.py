@@ -88,7 +88,9 @@ class StorageStatus:
 
 class CommitWriter:
     """Appends commits to ``store``'s lifetime logs, through ``journal`` while it cannot;
-    ``max_pending`` bounds the commits held in memory meanwhile."""
+    ``max_pending`` bounds the commits held in memory meanwhile. ``direct``: the store a
+    close's own commits are appended through (short timeouts: past them they are journaled,
+    and the replay appends any that landed once); ``store`` by default, which replays."""
 
     def __init__(
         self,
@@ -97,8 +99,10 @@ class CommitWriter:
         max_pending: int,
         journal: Journal | None = None,
         on_written: Callable[[Logged], None] | None = None,
+        direct: RedisStore | None = None,
     ) -> None:
         self.store = store
+        self._direct = direct or store
         self._on_written = on_written
         self.journal = journal
         self.status = StorageStatus()
@@ -157,7 +161,7 @@ class CommitWriter:
                     records = []
             if records:
                 try:
-                    return [self._append(namespace, records)]
+                    return [self._append(namespace, records, self._direct)]
                 except StorageError as exc:
                     self._note_failure(exc)
                     with self._lock:
@@ -209,8 +213,8 @@ class CommitWriter:
     def _records(self, namespace: str, requests: list[np.ndarray]) -> list[JournalRecord]:
         return [JournalRecord(self.writer, next(self._seq), namespace, tokens) for tokens in requests]
 
-    def _append(self, ns: str, records: list[JournalRecord]) -> Logged:
-        ids = self.store.append_commits(ns, [(r.writer, r.seq, r.tokens) for r in records])
+    def _append(self, ns: str, records: list[JournalRecord], store: RedisStore | None = None) -> Logged:
+        ids = (store or self.store).append_commits(ns, [(r.writer, r.seq, r.tokens) for r in records])
         self._recovered()
         # A previous run's journaled commits are not in this process's memory: left out, the
         # log's followers read them like any other process's.

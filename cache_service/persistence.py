@@ -43,10 +43,22 @@ class RedisPersistence:
     ``journal``: commits storage cannot take are kept there (:mod:`cache_service.commits`)."""
 
     def __init__(
-        self, store: RedisStore, *, max_pending: int, prior_dir: Path | None = None, journal: Journal | None = None
+        self,
+        store: RedisStore,
+        *,
+        max_pending: int,
+        prior_dir: Path | None = None,
+        journal: Journal | None = None,
+        calls: RedisStore | None = None,
     ) -> None:
         self.store = store
-        self.commits = CommitWriter(store, max_pending=max_pending, journal=journal, on_written=self._remember)
+        # What a call waits on (a commit's append, a stored session, the log and prior pages a
+        # decoder reads): a client with short timeouts, so a hung Redis holds a call briefly and
+        # a commit is journaled instead. ``store`` (long timeouts) serves the background jobs.
+        self.calls = calls or store
+        self.commits = CommitWriter(
+            store, max_pending=max_pending, journal=journal, on_written=self._remember, direct=self.calls
+        )
         self._prior_dir = prior_dir
         self._own: set[str] = set()  # ids of entries this process appended
         self._last: dict[str, str] = {}  # per namespace: the last log entry read
@@ -106,11 +118,11 @@ class RedisPersistence:
         the id the next read goes on after; ``after`` empty: none, and the id of the log's end."""
         try:
             if not after:
-                return [], self.store.last_log_id(ns)
+                return [], self.calls.last_log_id(ns)
             out: list[tuple[str, np.ndarray]] = []
             last, total = after, 0
             while True:
-                entries = self.store.read_log(ns, after_id=last, count=LOG_PAGE)
+                entries = self.calls.read_log(ns, after_id=last, count=LOG_PAGE)
                 for entry in entries:
                     if out and total + entry.tokens.size > max_tokens:
                         return out, last
@@ -125,11 +137,11 @@ class RedisPersistence:
         """See :meth:`~cache_service.domain.ports.Persistence.prior_page`."""
         try:
             if version == 0:
-                current = self.store.prior_version(ns)
+                current = self.calls.prior_version(ns)
                 if current is None:
                     return None
                 version = current
-            found = self.store.get_prior_range(ns, version, offset, max_bytes)
+            found = self.calls.get_prior_range(ns, version, offset, max_bytes)
         except StorageUnavailable as exc:
             raise Unavailable(f"storage unavailable: {exc}") from exc
         if found is None:
@@ -166,7 +178,7 @@ class RedisPersistence:
 
     def load_session(self, sid: str) -> StoredSession | None:
         try:
-            return self.store.load_session(sid)
+            return self.calls.load_session(sid)
         except StorageUnavailable as exc:
             raise Unavailable(f"storage unavailable: {exc}") from exc
 

@@ -69,6 +69,8 @@ def translate(exc: rexc.RedisError | rexc.RedisClusterException) -> StorageError
     'StorageCorrupt'
     >>> type(translate(rexc.ResponseError("MISCONF Errors writing to the AOF file"))).__name__
     'StorageUnavailable'
+    >>> type(translate(rexc.ResponseError("NOREPLICAS Not enough good replicas to write."))).__name__
+    'StorageUnavailable'
     """
     if isinstance(exc, _UNAVAILABLE):
         return StorageUnavailable(f"redis unavailable: {exc}")
@@ -84,11 +86,12 @@ def translate(exc: rexc.RedisError | rexc.RedisClusterException) -> StorageError
 
 
 def _refuses_writes(exc: Exception) -> bool:
-    """Redis refusing writes until an operator (or free space) fixes it: it cannot persist
-    (MISCONF: a failed RDB save, often a full disk) or is out of memory (OOM, also when a script
-    runs into it)."""
+    """Redis refusing writes until an operator (or free space, or a replica) fixes it: it cannot
+    persist (MISCONF: a failed RDB save, often a full disk), is out of memory (OOM, also when a
+    script runs into it) or has fewer replicas in reach than ``min-replicas-to-write`` asks."""
     text = str(exc)
-    return isinstance(exc, rexc.ResponseError) and ("MISCONF" in text or "OOM command not allowed" in text)
+    refusals = ("MISCONF", "OOM command not allowed", "NOREPLICAS")
+    return isinstance(exc, rexc.ResponseError) and any(r in text for r in refusals)
 
 
 def guarded(fn: Callable[P, R]) -> Callable[P, R]:

@@ -8,9 +8,13 @@ over the limits costs the service next to nothing.
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import functools
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
+from typing import Any, TypeVar
 
 import grpc
 from draftcache.v1 import draftcache_pb2 as pb
@@ -27,6 +31,12 @@ from cache_service.rpc.interceptor import Observer, status_of
 # thread (a 128k-token prompt takes ~7 ms, which would stall every other call); shorter ones are
 # indexed at once, cheaper than handing them over.
 OFF_LOOP_TOKENS = 2048
+T = TypeVar("T")
+# Threads for the storage reads calls wait on (stored sessions, log and prior pages), apart from
+# those that run commits: however many reads a hung storage holds (each for the storage call
+# timeout), a close's commit still runs at once, and is journaled if storage does not take it.
+STORAGE_READ_THREADS = 8
+COMMIT_THREADS = 4
 
 
 class DraftCacheServicer(pb_grpc.DraftCacheServicer):
@@ -35,7 +45,14 @@ class DraftCacheServicer(pb_grpc.DraftCacheServicer):
         self._observe = observe  # stream messages are timed one by one (the call is long-lived)
         self._streams: dict[asyncio.Task, bool] = {}  # open streams: is each waiting for a message
         self._draining = False
+        self._reads = ThreadPoolExecutor(STORAGE_READ_THREADS, thread_name_prefix="storage-read")
+        self._commits = ThreadPoolExecutor(COMMIT_THREADS, thread_name_prefix="commit")
         wire.warm_up()  # the response encoder is compiled now, not on the first draft
+
+    async def _read(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``fn`` on a storage-read thread (the call's context, its principal, goes along)."""
+        call = functools.partial(contextvars.copy_context().run, fn, *args, **kwargs)
+        return await asyncio.get_running_loop().run_in_executor(self._reads, call)
 
     def drain(self) -> None:
         """Shutting down: end every stream, those waiting for a message now, the others once
@@ -52,7 +69,7 @@ class DraftCacheServicer(pb_grpc.DraftCacheServicer):
         self._service.admission.batch(len(request.sessions))  # before anything sized by the request
         items = convert.open_items(request, self._service.config.default_params)
         to_read = self._service.open_ids_to_read(items)
-        stored = await asyncio.to_thread(self._service.read_stored, to_read, build=False) if to_read else {}
+        stored = await self._read(self._service.read_stored, to_read, build=False) if to_read else {}
         opening = self._service.prepare_open(items, principal=auth.current(), stored=stored)
         sessions = None  # built here, at once
         if opening.prompt_tokens >= OFF_LOOP_TOKENS:
@@ -79,8 +96,9 @@ class DraftCacheServicer(pb_grpc.DraftCacheServicer):
         items, principal = convert.close_items(request), auth.current()
         await self._continue_stored([item.session_id for item in items], principal)
         jobs = self._service.close(items, principal=principal, read_storage=False)
+        loop = asyncio.get_running_loop()
         for job in jobs:  # commits run off the event loop; the reply waits so they are visible
-            await asyncio.to_thread(job)
+            await loop.run_in_executor(self._commits, job)
         return pb.CloseSessionsResponse()
 
     async def Echo(self, request: pb.EchoRequest, context: grpc.aio.ServicerContext) -> pb.EchoResponse:
@@ -89,14 +107,14 @@ class DraftCacheServicer(pb_grpc.DraftCacheServicer):
     async def ReadLog(self, request: pb.ReadLogRequest, context: grpc.aio.ServicerContext) -> pb.ReadLogResponse:
         principal = auth.current()
         # Storage is read on a worker thread: a slow storage holds only this call.
-        entries, last = await asyncio.to_thread(
+        entries, last = await self._read(
             self._service.read_log, request.namespace, request.after, request.max_tokens, principal=principal
         )
         return pb.ReadLogResponse(entries=[pb.LogEntry(id=i, tokens=t.tolist()) for i, t in entries], last=last)
 
     async def ReadPrior(self, request: pb.ReadPriorRequest, context: grpc.aio.ServicerContext) -> pb.ReadPriorResponse:
         principal = auth.current()
-        page = await asyncio.to_thread(  # storage on a worker thread, as ReadLog
+        page = await self._read(  # storage on a worker thread, as ReadLog
             self._service.read_prior,
             request.namespace,
             request.version,
@@ -111,7 +129,7 @@ class DraftCacheServicer(pb_grpc.DraftCacheServicer):
         storage delays the calls naming them, never the event loop serving everyone else."""
         missing = self._service.not_in_memory(sids)
         if missing:
-            found = await asyncio.to_thread(self._service.read_stored, missing)
+            found = await self._read(self._service.read_stored, missing)
             self._service.continue_stored(found, principal=principal)
 
     async def _one(

@@ -211,6 +211,12 @@ def connect(url: str, **overrides: Any) -> StorageClient:
     return redis.Redis.from_url(url, **settings)  # options in the URL win, as redis-py has it
 
 
+def connect_for_calls(url: str, timeout_s: float) -> StorageClient:
+    """A client for what a call waits on: every read and connect within ``timeout_s``, no
+    retry (the caller journals a commit, or fails the call, and the next one tries again)."""
+    return connect(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0))
+
+
 def _cluster(target: RedisTarget, settings: dict[str, Any]) -> RedisCluster:
     options = {k: v for k, v in target.options.items() if k != "db"}
     retry = settings.pop("retry")

@@ -4,6 +4,7 @@ filled; after recovery every acknowledged commit is in the lifetime log exactly 
 
 from __future__ import annotations
 
+import contextlib
 import re
 import signal
 import subprocess
@@ -143,6 +144,45 @@ def test_a_journal_is_replayed_when_the_service_comes_back_with_other_processes(
         assert len(acked) == 25 == len(log_entries(redis.url, "ns"))
         assert journal.stat().st_size == 0
         assert serve.sigterm(STOP_S + 30) == 0
+    finally:
+        serve.close()
+        redis.kill()
+
+
+def test_a_frozen_redis_holds_a_close_for_the_call_timeout_only(tmp_path: Path) -> None:
+    """A Redis that stops answering (SIGSTOP: connections are still accepted) holds a close's
+    commit for the storage call timeout, then the commit is journaled and acknowledged; storage
+    reads that a hung Redis holds (decoders polling the log) do not hold closes up. After it
+    thaws, every acknowledged commit is in the log once (one that landed late is not appended
+    again by the replay)."""
+    redis = Redis(tmp_path)
+    redis.start()
+    serve = _start(tmp_path / "data", redis_url=redis.url)
+    assert redis.proc is not None
+    try:
+        acked = _commits(serve, range(3))
+        kill(redis.proc.pid, signal.SIGSTOP)
+        began = time.monotonic()
+        acked += _commits(serve, range(3, 4))
+        assert time.monotonic() - began < 8  # the call timeout (2 s), not the background jobs' 30 s x 2
+
+        def poll(_: int) -> None:
+            read = pb.ReadLogRequest(namespace="ns", after="0-0", max_tokens=100)
+            with contextlib.suppress(grpc.RpcError):
+                serve.stub.ReadLog(read, timeout=1)
+
+        with ThreadPoolExecutor(16) as pool:
+            list(pool.map(poll, range(16)))  # every read thread held by the frozen Redis now
+            began = time.monotonic()
+            acked += _commits(serve, range(4, 6))
+            assert time.monotonic() - began < 8
+        assert len(acked) == 6 and serve.stats().storage.journaled_commits >= 3
+    finally:
+        kill(redis.proc.pid, signal.SIGCONT)
+    try:
+        wait_for(lambda: serve.stats().storage.journaled_commits == 0, 60, "the journal replayed")
+        _assert_logged_once(redis.url, acked, range(6))
+        assert len(log_entries(redis.url, "ns")) == 6
     finally:
         serve.close()
         redis.kill()
