@@ -124,6 +124,27 @@ class NgramTable:
         """Leader hashes, ascending."""
         return self._keys
 
+    def check_vocab(self, vocab_size: int) -> None:
+        """``ValueError`` unless every follower id is in ``[0, vocab_size)`` (``-1`` pads short
+        followers). Leaders are kept as hashes only: one holding an id outside the vocabulary
+        never matches a context (contexts hold none), so followers are what could be served.
+
+        >>> toks = np.array([1, 2, 3, 1, 2, 3], dtype=np.int32)
+        >>> table = NgramTable.build(toks, NgramTableConfig(leader_len=1, follower_len=2))
+        >>> table.check_vocab(4)
+        >>> table.check_vocab(3)
+        Traceback (most recent call last):
+        ...
+        ValueError: follower id 3 is outside the vocabulary [0, 3)
+        """
+        followers = self._followers
+        if not followers.size:
+            return
+        low, high = int(followers.min()), int(followers.max())  # two passes, no copy (mapped pages too)
+        if low < -1 or high >= vocab_size:
+            bad = low if low < -1 else high
+            raise ValueError(f"follower id {bad} is outside the vocabulary [0, {vocab_size})")
+
     def search_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """``(keys, offsets, followers, probability bits)`` for compiled lookups: leader ``i``'s
         followers are rows ``[offsets[i], offsets[i + 1])``, their float16 probabilities given

@@ -110,6 +110,24 @@ class StaticPrior:
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tables)
 
+    def check_vocab(self, vocab_size: int) -> None:
+        """``ValueError`` unless every token id the prior can draft is in ``[0, vocab_size)``:
+        a prior warmed with another tokenizer is refused, never served.
+
+        >>> toks = np.array([5, 6, 40000, 40001] * 3, dtype=np.int32)
+        >>> prior = StaticPrior.build(toks, PriorConfig(orders=(1, 2), follower_len=2))
+        >>> prior.check_vocab(50000)
+        >>> prior.check_vocab(32000)
+        Traceback (most recent call last):
+        ...
+        ValueError: prior table of leader length 2: follower id 40001 is outside the vocabulary [0, 32000)
+        """
+        for table in self.tables:
+            try:
+                table.check_vocab(vocab_size)
+            except ValueError as exc:
+                raise ValueError(f"prior table of leader length {table.config.leader_len}: {exc}") from None
+
     def lookup(self, context: np.ndarray) -> PriorHit | None:
         i = kernels.find_longest_leader(context, self._orders, self._keys, self._owner)
         if i < 0:

@@ -213,8 +213,13 @@ def cmd_warm(a: argparse.Namespace) -> int:
         from cache_service.app import connect
         from cache_service.storage.redis_store import RedisStore
 
+        vocab = warm.load_tokenizer(a.tokenizer)[1]
+        try:  # a prior of another tokenizer would draft ids the namespace's model does not have
+            prior.check_vocab(vocab)
+        except ValueError as exc:
+            raise ValueError(f"prior not published to namespace {a.namespace} (vocab {vocab}): {exc}") from None
         store = RedisStore(connect(redis_url(a)))
-        store.register_namespace(a.namespace, warm.load_tokenizer(a.tokenizer)[1])
+        store.register_namespace(a.namespace, vocab)
         where = f"Redis, version {store.put_prior(a.namespace, blob)}"
     print(f"namespace {a.namespace}: prior of {prior.source_tokens} tokens, {prior.nbytes / 1e6:.1f} MB -> {where}")
     return 0

@@ -152,7 +152,9 @@ class NearClient:
 
     def _set_prior(self, prior: StaticPrior, version: int) -> None:
         """A version of the namespace's prior read from the service: drafts take it from their
-        next call (one reference swap, as the service swaps its own)."""
+        next call (one reference swap, as the service swaps its own). ``ValueError`` (nothing
+        swapped) when it holds ids outside the namespace's vocabulary."""
+        prior.check_vocab(self.drafter.namespace.vocab_size)
         self.drafter.prior = prior
         self.stats.prior_version = version
 

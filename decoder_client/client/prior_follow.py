@@ -112,10 +112,11 @@ class PriorFollower:
             version, blob = found
             try:
                 prior = StaticPrior.from_bytes(blob)
-            except ValueError as exc:  # the service checked the digest: a blob that is no prior
-                logger.warning("near copy: prior version %d of the service does not load (%s)", version, exc)
+                self._apply(prior, version)  # ValueError: ids outside the namespace's vocabulary
+            except ValueError as exc:  # the service checked the digest: a blob that is no usable prior
+                logger.warning("near copy: prior version %d of the service refused (%s)", version, exc)
+                self.version = version  # not read again; the prior drafted with stays
                 return False
-            self._apply(prior, version)
             self.version = version
             logger.info("near copy: static prior version %d read from the service (%.1f MB)", version, len(blob) / 1e6)
             return True

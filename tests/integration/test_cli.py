@@ -6,6 +6,7 @@ import gzip
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from cache_service.cli import main
@@ -210,6 +211,34 @@ def test_warm_rejects_corrupt_corpora(
     assert main([*args, "--format", fmt, "--out", str(out)]) == 2
     assert str(corpus.name) in capsys.readouterr().err  # the error names the corpus
     assert not out.exists() and not out.with_name(out.name + ".tmp").exists()  # nothing published
+
+
+def test_warm_refuses_to_publish_a_prior_outside_the_namespace_vocabulary(
+    tmp_path: Path, llama_tokenizer: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from cache_service.config import EmbeddedRedisConfig
+    from cache_service.host.embedded_redis import EmbeddedRedis
+    from cache_service.storage.connect import connect
+    from cache_service.storage.redis_store import RedisStore
+    from indexer.prior import PriorConfig
+
+    # Followers of "5 6" are ids of a bigger vocabulary than llama2's 32000.
+    tokens = np.array([5, 6, 40000, 40001, 40002, 40003, 7] * 50, dtype=np.int32)
+    foreign = tmp_path / "foreign.npz"
+    foreign.write_bytes(StaticPrior.build(tokens, PriorConfig(orders=(1, 2), follower_len=4)).to_bytes())
+    server = EmbeddedRedis(EmbeddedRedisConfig(data_dir=tmp_path / "redis", appendonly=False)).start()
+    try:
+        args = ["warm", "--namespace", "llama2", "--tokenizer", str(llama_tokenizer), "--redis-url", server.url]
+        assert main([*args, "--from-prior", str(foreign)]) == 2
+        assert "follower id 40003 is outside the vocabulary [0, 32000)" in capsys.readouterr().err
+        store = RedisStore(connect(server.url))
+        assert store.namespaces() == {} and store.prior_version("llama2") is None  # nothing published
+        own = tmp_path / "own.npz"  # the same shape inside the vocabulary is published
+        own.write_bytes(StaticPrior.build(tokens % 32000, PriorConfig(orders=(1, 2), follower_len=4)).to_bytes())
+        assert main([*args, "--from-prior", str(own)]) == 0
+        assert store.namespaces() == {"llama2": 32000} and store.prior_version("llama2") == 1
+    finally:
+        server.stop()
 
 
 def test_warm_rejects_a_wrong_tokenizer(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,4 +1,5 @@
-"""Priors saved as folders of arrays and memory-mapped: same lookups, atomic, shared."""
+"""Priors saved as folders of arrays and memory-mapped: same lookups, atomic, shared; and a
+published prior outside its namespace's vocabulary, never served."""
 
 from __future__ import annotations
 
@@ -6,12 +7,18 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from draftcache.v1 import draftcache_pb2 as pb
 
+from cache_service.config import EmbeddedRedisConfig
 from cache_service.host import prior_files
+from cache_service.host.embedded_redis import EmbeddedRedis
+from cache_service.storage.connect import connect
+from cache_service.storage.redis_store import RedisStore
 from indexer import kernels
 from indexer.drafter import DrafterConfig, DraftParams, NamespaceDrafter
 from indexer.prior import PriorConfig, StaticPrior
 from indexer.tokens import Namespace
+from tests.service.conftest import Replica
 
 
 def _prior() -> StaticPrior:
@@ -85,3 +92,40 @@ def test_incomplete_or_foreign_folders_are_refused(tmp_path: Path) -> None:
     np.save(other / "index_keys.npy", np.zeros(3, np.uint64))  # an index that disagrees
     with pytest.raises(ValueError, match="leader index"):
         prior_files.load(other)
+
+
+def _drafted(r: Replica, prompt: list[int]) -> list[int]:
+    opened = r.stub.OpenSessions(pb.OpenSessionsRequest(sessions=[pb.OpenSession(namespace="toy", prompt=prompt)]))
+    (tree,) = r.stub.Draft(pb.DraftRequest(items=[pb.DraftItem(session_id=opened.session_ids[0])])).trees
+    return list(tree.tokens)
+
+
+def test_a_published_prior_outside_the_namespace_vocabulary_is_never_served(tmp_path: Path) -> None:
+    """A prior warmed with another tokenizer reaches storage: replicas refuse it and serve the
+    prior they had (a replica starting then serves none), so drafts stay inside the vocabulary."""
+    server = EmbeddedRedis(EmbeddedRedisConfig(data_dir=tmp_path, appendonly=False)).start()
+    store = RedisStore(connect(server.url))
+    first = Replica(server.url)
+    second = None
+    try:
+        first.admin.CreateNamespace(pb.CreateNamespaceRequest(name="toy", vocab_size=100))
+        config = PriorConfig(orders=(1, 2), follower_len=4)
+        good = StaticPrior.build(np.array([5, 6, 70, 71, 72, 73] * 20, np.int32), config)
+        bad = StaticPrior.build(np.array([5, 6, 170, 171, 172, 173] * 20, np.int32), config)
+        version = store.put_prior("toy", good.to_bytes())
+        (info,) = first.admin.Rebuild(pb.RebuildRequest(namespace="toy")).namespaces
+        assert info.prior_version == version
+        assert {70, 71, 72, 73} <= set(_drafted(first, [1, 2, 5, 6]))  # the good prior drafts
+        store.put_prior("toy", bad.to_bytes())
+        (info,) = first.admin.Rebuild(pb.RebuildRequest(namespace="toy")).namespaces
+        assert info.prior_version == version  # refused: the good one is still served
+        drafted = _drafted(first, [1, 2, 5, 6])
+        assert {70, 71, 72, 73} <= set(drafted) and max(drafted) < 100
+        second = Replica(server.url)  # restoring from storage, where the bad prior is published
+        (info,) = second.admin.Stats(pb.StatsRequest(namespace="toy")).namespaces
+        assert info.prior_version == 0 and max(_drafted(second, [1, 2, 5, 6]), default=0) < 100
+    finally:
+        for r in (first, second):
+            if r is not None:
+                r.stop()
+        server.stop()

@@ -160,6 +160,25 @@ def test_a_near_copy_drafts_with_the_published_prior_and_takes_a_newer_one(
         without.shutdown()
 
 
+def test_a_near_copy_refuses_a_published_prior_outside_the_vocabulary(served: tuple[Replica, RedisStore]) -> None:
+    """A prior of another tokenizer published for the namespace: the near copy keeps drafting
+    with the one it had, and never proposes an id outside the vocabulary."""
+    replica, store = served
+    first = store.put_prior(NS, prior_of([40, 41, 42, 43, 44, 45] * 20).to_bytes())
+    config = ClientConfig(target=replica.target, namespace=NS, params=DraftParams(chain=4))
+    near = NearClient(config, VOCAB, memory_tokens=1 << 16, follow_s=0, start_s=10.0, prior_check_s=0.1)
+    try:
+        assert near.stats.prior_version == first
+        bad = store.put_prior(NS, prior_of([40, 41, 142, 143, 144, 145] * 20).to_bytes())
+        assert near.prior_follower is not None
+        eventually(lambda: near.prior_follower is not None and near.prior_follower.version == bad)
+        assert near.stats.prior_version == first  # refused: the first one drafts on
+        (s,) = near.open([[7, 8, 40, 41]])
+        assert near.draft([s], [[]])[0].tokens.tolist()[:2] == [42, 43]
+    finally:
+        near.shutdown()
+
+
 def test_a_near_copy_whose_service_is_down_starts_without_the_prior() -> None:
     config = ClientConfig(target="127.0.0.1:1", namespace=NS, params=DraftParams(chain=4), control_timeout_s=0.5)
     near = NearClient(config, VOCAB, memory_tokens=1 << 16, follow_s=0, start_s=2.0, prior_check_s=0.1)

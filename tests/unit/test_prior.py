@@ -3,7 +3,7 @@ import io
 import numpy as np
 import pytest
 
-from indexer.ngram_table import NgramTableConfig
+from indexer.ngram_table import NgramTable, NgramTableConfig
 from indexer.prior import PriorConfig, StaticPrior
 
 # "1 2 3" is followed by "9 1" and "9 4"; "2" by "3 9" twice and "5" (then the end) once.
@@ -144,3 +144,30 @@ def test_prior_config_invalid_table_shape_fails_at_build():
     # follower_len is checked by the table config the prior builds.
     with pytest.raises(ValueError, match="follower_len"):
         StaticPrior.build(_a(TOKS), cfg)
+
+
+def test_check_vocab_takes_ids_inside_the_vocabulary_and_padding():
+    prior = _build((1, 2))
+    # The largest follower id is 9; short followers are padded with -1 ("5" then the end).
+    prior.check_vocab(10)
+
+
+def test_check_vocab_refuses_a_follower_at_or_past_the_vocabulary():
+    prior = StaticPrior.build(_a([5, 6, 40000, 40001, 7] * 3), PriorConfig(orders=(1, 2), follower_len=4))
+    prior.check_vocab(40002)
+    # A prior warmed with a bigger tokenizer than a 32000-token namespace's.
+    with pytest.raises(ValueError, match="follower id 40001 is outside the vocabulary"):
+        prior.check_vocab(32000)
+    # The id equal to the vocabulary size is already outside it.
+    with pytest.raises(ValueError, match="40001"):
+        prior.check_vocab(40001)
+
+
+def test_check_vocab_refuses_negative_ids_other_than_padding():
+    table = _build((1,)).tables[0]
+    arrays = table.arrays()
+    followers = arrays["followers"].copy()
+    followers[0, 0] = -7  # a stored table no tokenizer wrote
+    foreign = NgramTable.from_arrays(table.config, {**arrays, "followers": followers})
+    with pytest.raises(ValueError, match="follower id -7"):
+        StaticPrior((foreign,)).check_vocab(10)
