@@ -14,17 +14,24 @@ from __future__ import annotations
 import logging
 import shutil
 import threading
+import time
 
 import numpy as np
 
+from cache_service.domain.errors import AlreadyExists
 from cache_service.domain.service import DraftService
 from cache_service.host import lifetime_files, prior_files
 from cache_service.host.shared_indexes import SharedIndexes
 from cache_service.persistence import RedisPersistence
 from cache_service.storage.errors import StorageError
+from indexer.drafter import NamespaceDrafter
 from indexer.lifetime_index import LifetimeIndexes
 
 logger = logging.getLogger(__name__)
+
+# How long a namespace created here may go unseen in the registry before it is taken for
+# deleted elsewhere: longer than its registration can take (a 30 s socket timeout, one retry).
+REGISTRATION_GRACE_S = 120.0
 
 
 class StorageSync:
@@ -37,7 +44,14 @@ class StorageSync:
         self.shared = shared
         self._prior_lock = threading.Lock()  # the schedule and an admin rebuild may both reload
         self._deferred = False  # the last sync failed (said once per outage)
-        self._registered: set[str] = set()  # namespaces the registry held when last read
+        self._discover_lock = threading.Lock()  # the sync and the prior reload both discover
+        # Per namespace, the drafter a registry read confirmed: it served the name before the
+        # read began, and the read held the name with its vocabulary (or the sync created it).
+        self._registered: dict[str, NamespaceDrafter] = {}
+        # Drafters created here that reads have not held yet, and when a read first missed them.
+        self._unseen: dict[str, tuple[NamespaceDrafter, float]] = {}
+        self._refused: dict[str, tuple[NamespaceDrafter, int]] = {}  # prior versions not served
+        self.registration_grace_s = REGISTRATION_GRACE_S
 
     # -- start-up ------------------------------------------------------------------------------
 
@@ -49,9 +63,9 @@ class StorageSync:
         except StorageError as exc:
             logger.warning("journaled commits not replayed yet (%d): %s", self.persistence.pending, exc)
         registered = self.persistence.namespaces()
-        self._registered = set(registered)
         for name, vocab in sorted(registered.items()):
             drafter = self.service.create_namespace(name, vocab, persist=False)
+            self._registered[name] = drafter
             after = None
             if self.shared is not None:  # map the host's generation; build one first if there is none
                 self.shared.publish(name, wait=True, only_if_missing=True)
@@ -111,28 +125,85 @@ class StorageSync:
 
     def _discover(self) -> None:
         """Namespaces registered by another replica or by ``draftcache warm``, and those deleted
-        since the registry was last read (by any replica, this one included)."""
-        known = set(self.service.namespace_names())
-        registered = self.persistence.namespaces()
-        for name, vocab in registered.items():
-            if name not in known:
-                self.service.create_namespace(name, vocab, persist=False)
-        for name in sorted(self._registered - registered.keys()):
-            self._forget(name)
-        self._registered = set(registered)
+        since the registry was last read (by any replica, this one included).
 
-    def _forget(self, name: str) -> None:
+        A registry read is older than what happens here after it began, so the drafters serving
+        then are taken first and only those are judged by it: a namespace deleted and created
+        again here meanwhile is never forgotten for a read that missed the new one, while one
+        the registry holds with another vocabulary (deleted and created again elsewhere) is
+        replaced."""
+        with self._discover_lock:
+            before = self.service.namespaces.drafters()
+            registered = self.persistence.namespaces()
+            read_at = time.monotonic()
+            confirmed: dict[str, NamespaceDrafter] = {}
+            for name, vocab in registered.items():
+                drafter = before.get(name)
+                if drafter is not None and drafter.namespace.vocab_size != vocab:
+                    self._forget(name, drafter)
+                    drafter = None
+                found = drafter or self._create(name, vocab)
+                if found is not None:
+                    confirmed[name] = found
+            unseen: dict[str, tuple[NamespaceDrafter, float]] = {}
+            for name, drafter in before.items():
+                if name not in registered and self._deleted(name, drafter, read_at, unseen):
+                    self._forget(name, drafter)
+            serving = self.service.namespaces.drafters()
+            for name, drafter in self._registered.items():
+                if serving.get(name) is not drafter:  # deleted here (created again, perhaps)
+                    self._remove_files(name, lifetime=name not in serving)
+            self._registered, self._unseen = confirmed, unseen
+            self._refused = {n: r for n, r in self._refused.items() if serving.get(n) is r[0]}  # no hold on the gone
+
+    def _deleted(
+        self, name: str, drafter: NamespaceDrafter, read_at: float, unseen: dict[str, tuple[NamespaceDrafter, float]]
+    ) -> bool:
+        """Whether ``drafter``, serving ``name`` before a registry read (at ``read_at``) that did
+        not hold the name, is of a deleted namespace: it is when an earlier read held it, or when
+        reads have missed it since longer than a registration can take (created here, it was
+        deleted elsewhere before any read saw it); until then it is kept in ``unseen``."""
+        if self._registered.get(name) is drafter:
+            return True
+        held, since = self._unseen.get(name, (drafter, read_at))
+        if held is not drafter:
+            since = read_at
+        if read_at - since >= self.registration_grace_s:
+            return True
+        unseen[name] = (drafter, since)
+        return False
+
+    def _create(self, name: str, vocab: int) -> NamespaceDrafter | None:
+        """The drafter of a namespace the registry holds; ``None`` while this replica serves the
+        name with another vocabulary (created here after the read: the next read settles it)."""
+        try:
+            return self.service.create_namespace(name, vocab, persist=False)
+        except AlreadyExists:
+            return None
+
+    def _forget(self, name: str, drafter: NamespaceDrafter) -> None:
         """A deleted namespace: dropped from the service, and its files on this host removed
-        (a process still mapping one keeps its pages until it lets go)."""
-        self.service.forget_namespace(name)
+        (a process still mapping one keeps its pages until it lets go). Only while ``drafter``
+        still serves it: a namespace deleted and created again here meanwhile is another one."""
+        with self.service.namespaces.unchanged():
+            if not self.service.namespaces.current(name, drafter):
+                return
+            self.service.forget_namespace(name)
+        self._remove_files(name)
+        logger.info("namespace %s deleted: dropped, and its files on this host removed", name)
+
+    def _remove_files(self, name: str, *, lifetime: bool = True) -> None:
+        """The namespace's prior versions on this host (a namespace created again numbers its
+        versions afresh) and, with ``lifetime``, its shared lifetime indexes (those of a log
+        deleted and created again are never taken for the new one's, and may be in use)."""
         folders = []
         if self.persistence.prior_dir is not None:  # a prior's versions are folders in the namespace's
             folders.append(prior_files.folder_for(self.persistence.prior_dir, name, 0).parent)
-        if self.shared is not None:
+        if self.shared is not None and lifetime:
             folders.append(lifetime_files.namespace_dir(self.shared.root, name))
-        for folder in folders:
-            shutil.rmtree(folder, ignore_errors=True)
-        logger.info("namespace %s deleted: dropped, and its files on this host removed", name)
+        with self._prior_lock:  # not while a prior of the name is being saved there
+            for folder in folders:
+                shutil.rmtree(folder, ignore_errors=True)
 
     def reload_priors(self) -> None:
         """Load every namespace's prior whose published version is not the one served."""
@@ -141,20 +212,34 @@ class StorageSync:
         except StorageError as exc:
             logger.warning("namespace discovery deferred: %s", exc)
         with self._prior_lock:
-            for name in self.service.namespace_names():
+            for name, drafter in self.service.namespaces.drafters().items():
                 try:
                     version = self.persistence.prior_version(name)
-                    if version is not None and version != self.service.prior_version(name):
+                    if version is None or version == self.service.prior_version(name):
+                        continue
+                    if self._refused.get(name) != (drafter, version):  # a refused version is not read again
                         self._load_prior(name)
                 except (StorageError, ValueError) as exc:  # ValueError: a published blob that does not parse
                     logger.warning("prior reload for %s deferred: %s", name, exc)
 
     def _load_prior(self, name: str) -> None:
+        """Serve the namespace's published prior; one holding ids outside the namespace's
+        vocabulary is refused (said once per version) and the prior served stays."""
         found = self.persistence.load_prior(name)
-        if found is not None:
-            prior, version = found
+        if found is None:
+            return
+        prior, version = found
+        drafter = self.service.namespace(name)
+        try:
             self.service.set_prior(name, prior, version)
-            logger.info("namespace %s: static prior version %d loaded", name, version)
+        except ValueError as exc:
+            self._refused[name] = (drafter, version)
+            logger.error(
+                "namespace %s: static prior version %d refused (still serving version %d): %s",
+                name, version, self.service.prior_version(name), exc,
+            )  # fmt: skip
+            return
+        logger.info("namespace %s: static prior version %d loaded", name, version)
 
     # -- lifetime indexes ----------------------------------------------------------------------
 

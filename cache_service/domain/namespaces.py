@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 from cache_service.domain import names
 from cache_service.domain.errors import AlreadyExists, InvalidArgument, NotFound
@@ -42,7 +43,7 @@ class Namespaces:
         self._own_ring = own_ring
         self._drafters: dict[str, NamespaceDrafter] = {}
         self._prior_versions: dict[str, int] = {}
-        self._lock = threading.Lock()  # creations come from worker threads too
+        self._lock = threading.RLock()  # creations come from worker threads too (see unchanged)
 
     def create(self, name: str, vocab_size: int) -> tuple[NamespaceDrafter, bool]:
         """The namespace's drafter, and whether it is new; :class:`AlreadyExists` when it exists
@@ -87,9 +88,25 @@ class Namespaces:
     def names(self) -> list[str]:
         return sorted(self._drafters)
 
+    def drafters(self) -> dict[str, NamespaceDrafter]:
+        """The drafter serving each namespace now (a copy)."""
+        with self._lock:
+            return dict(self._drafters)
+
+    @contextmanager
+    def unchanged(self) -> Iterator[None]:
+        """No namespace is created or removed by another thread inside (the holder may remove
+        one: the lock is re-entrant), so what :meth:`current` said holds until the block ends."""
+        with self._lock:
+            yield
+
     def set_prior(self, name: str, prior: StaticPrior | None, version: int) -> None:
-        """Swap a namespace's static prior (one reference assignment: drafts never wait)."""
-        self.get(name).prior = prior
+        """Swap a namespace's static prior (one reference assignment: drafts never wait).
+        ``ValueError`` (the prior not swapped) when it holds ids outside the vocabulary."""
+        drafter = self.get(name)
+        if prior is not None:
+            prior.check_vocab(drafter.namespace.vocab_size)
+        drafter.prior = prior
         self._prior_versions[name] = version
 
     def prior_version(self, name: str) -> int:

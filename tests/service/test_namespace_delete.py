@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -12,8 +12,13 @@ import pytest
 from draftcache.v1 import draftcache_pb2 as pb
 
 from cache_service import cli
+from cache_service.config import ServiceConfig
+from cache_service.domain.service import DraftService
+from cache_service.persistence import RedisPersistence
 from cache_service.storage import keys
+from cache_service.storage.connect import connect
 from cache_service.storage.redis_store import RedisStore
+from cache_service.sync import StorageSync
 from tests.service.authed_replicas import AuthReplica, md, start_redis
 from tests.service.conftest import eventually
 from tests.storage.servers import RedisServer
@@ -120,3 +125,103 @@ def test_deleting_an_unknown_namespace_is_not_found(replicas: tuple[AuthReplica,
     with pytest.raises(grpc.RpcError) as err:
         one.admin.DeleteNamespace(pb.DeleteNamespaceRequest(name="never-was"), metadata=md("tok-ops"))
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+# -- the storage sync against a registry read older than what happened here -----------------
+
+
+class _ReadThen(RedisPersistence):
+    """A persistence whose next registry read is followed, before it returns, by ``then``:
+    what another thread of the replica did while the read was on its way."""
+
+    then: Callable[[], object] | None = None
+
+    def namespaces(self) -> dict[str, int]:
+        found = super().namespaces()
+        then, self.then = self.then, None
+        if then is not None:
+            then()
+        return found
+
+
+@pytest.fixture
+def synced(tmp_path: Path) -> Iterator[tuple[DraftService, StorageSync, _ReadThen, RedisStore]]:
+    """A service and its storage sync on a real Redis, with namespace ``ns`` (vocab 10)
+    registered and restored; the sync is driven by the test, never on a schedule."""
+    server = start_redis(tmp_path / "redis-server")
+    store = RedisStore(connect(server.url))
+    store.register_namespace("ns", 10)
+    persistence = _ReadThen(store, max_pending=10, prior_dir=tmp_path / "priors")
+    service = DraftService(ServiceConfig(), persistence)
+    sync = StorageSync(service, persistence, None)
+    sync.restore()
+    yield service, sync, persistence, store
+    server.stop()
+
+
+def test_a_namespace_created_again_here_outlives_a_registry_read_that_missed_it(
+    synced: tuple[DraftService, StorageSync, _ReadThen, RedisStore],
+) -> None:
+    service, sync, persistence, store = synced
+    service.delete_namespace("ns")
+    # The sync reads the registry between the deletion and the creation that follows it.
+    persistence.then = lambda: service.create_namespace("ns", 10)
+    sync.sync()
+    created = service.namespace("ns")  # not forgotten for a read older than it
+    sync.sync()
+    assert service.namespace("ns") is created and store.namespaces() == {"ns": 10}
+
+
+def test_a_namespace_whose_registration_is_under_way_outlives_a_read_that_missed_it(
+    synced: tuple[DraftService, StorageSync, _ReadThen, RedisStore],
+) -> None:
+    service, sync, persistence, store = synced
+    service.delete_namespace("ns")
+    # Created in memory, registered in storage only once the sync's read has gone by.
+    created, _ = service.namespaces.create("ns", 10)
+    persistence.then = lambda: persistence.namespace_created("ns", 10)
+    sync.sync()
+    sync.sync()
+    assert service.namespace("ns") is created and store.namespaces() == {"ns": 10}
+
+
+def test_a_prior_folder_of_a_namespace_deleted_and_created_again_here_goes(
+    synced: tuple[DraftService, StorageSync, _ReadThen, RedisStore], tmp_path: Path
+) -> None:
+    service, sync, _, _ = synced
+    old_prior = tmp_path / "priors" / "ns" / "v1"
+    old_prior.mkdir(parents=True)  # the deleted namespace's version 1; the new one's starts again
+    service.delete_namespace("ns")
+    service.create_namespace("ns", 10)  # before any sync read saw the deletion
+    sync.sync()
+    assert not old_prior.exists() and service.namespace_names() == ["ns"]
+
+
+def test_a_namespace_deleted_elsewhere_is_forgotten_and_one_created_again_takes_its_new_vocabulary(
+    synced: tuple[DraftService, StorageSync, _ReadThen, RedisStore],
+) -> None:
+    service, sync, _, store = synced
+    store.delete_namespace("ns")  # by another replica
+    sync.sync()
+    assert service.namespace_names() == []
+    service.create_namespace("ns", 10)
+    sync.sync()  # the registry holds it: the sync saw this one
+    store.delete_namespace("ns")  # another replica deletes it and creates it with another vocabulary,
+    store.register_namespace("ns", 20)  # both between two reads of this one
+    sync.sync()
+    assert service.namespace("ns").namespace.vocab_size == 20
+
+
+def test_a_namespace_created_here_and_deleted_elsewhere_before_any_read_goes_after_a_grace(
+    synced: tuple[DraftService, StorageSync, _ReadThen, RedisStore],
+) -> None:
+    service, sync, _, store = synced
+    service.create_namespace("other", 10)
+    store.delete_namespace("other")  # by another replica, before this one's sync read it
+    sync.registration_grace_s = 3600.0
+    sync.sync()
+    sync.sync()
+    assert service.namespace_names() == ["ns", "other"]  # its registration might be under way
+    sync.registration_grace_s = 0.0
+    sync.sync()
+    assert service.namespace_names() == ["ns"]
