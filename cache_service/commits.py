@@ -10,6 +10,11 @@ only when nothing is queued before it, and the queue is kept in ``seq`` order.
 
 Acknowledged means durable: in Redis, or in the journal. A commit that fits in neither (the
 journal full or its disk refusing) is refused with :class:`Unavailable`, never dropped.
+
+Each commit also names the namespace's log it was made for (its identity, read from storage
+once per namespace and kept). A namespace deleted meanwhile, and perhaps created again, has
+another log, or none: the append refuses such commits and they are dropped, as the deleted
+namespace's data is.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from cache_service.domain.ports import Logged, StorageHealth
 from cache_service.host.journal import Journal, JournalError, JournalRecord
 from cache_service.storage.errors import StorageError
 from cache_service.storage.redis_store import RedisStore
-from cache_service.storage.stream_log import position
+from cache_service.storage.stream_log import LogReplaced, position
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +108,7 @@ class CommitWriter:
     ) -> None:
         self.store = store
         self._direct = direct or store
+        self._logs: dict[str, str] = {}  # per namespace, the identity of its log
         self._on_written = on_written
         self.journal = journal
         self.status = StorageStatus()
@@ -146,22 +152,40 @@ class CommitWriter:
             disk_full=s.disk_full,
         )
 
+    def forget(self, namespace: str) -> None:
+        """The namespace was deleted (or created again): its log's identity is read afresh."""
+        self._logs.pop(namespace, None)
+
+    def _log(self, namespace: str) -> str:
+        """The identity of the namespace's log ("" while storage cannot tell)."""
+        log = self._logs.get(namespace)
+        if log is None:
+            try:
+                log = self._logs[namespace] = self._direct.log_identity(namespace)
+            except StorageError:
+                return ""
+        return log
+
     def commit(self, namespace: str, requests: list[np.ndarray]) -> list[Logged]:
         """Write ``requests`` now if storage takes them, else journal them; returns what reached
         the log. :class:`Unavailable` when neither could take them (nothing acknowledged)."""
+        log = self._log(namespace) if self.status.available else self._logs.get(namespace, "")
         if not self._write_lock.acquire(blocking=False):  # another write is under way: no waiting
             with self._lock:
-                self._journal(self._records(namespace, requests))
+                self._journal(self._records(namespace, requests, log))
             return []
         try:
             with self._lock:
-                records = self._records(namespace, requests)
+                records = self._records(namespace, requests, log)
                 if self._queue:  # others wait before them: after those
                     self._journal(records)
                     records = []
             if records:
                 try:
                     return [self._append(namespace, records, self._direct)]
+                except LogReplaced as exc:
+                    self._replaced(namespace, len(records), exc)
+                    return []
                 except StorageError as exc:
                     self._note_failure(exc)
                     with self._lock:
@@ -198,6 +222,8 @@ class CommitWriter:
                     logged.append(self._append(run[0].namespace, run))
                 else:  # deleted meanwhile: its commits would make an orphan log of it
                     logger.warning("%d queued commits of deleted namespace %s dropped", len(run), run[0].namespace)
+            except LogReplaced as exc:
+                self._replaced(run[0].namespace, len(run), exc)
             except StorageError as exc:
                 self._note_failure(exc)
                 raise
@@ -210,11 +236,16 @@ class CommitWriter:
         if self.journal is not None:
             self.journal.close()
 
-    def _records(self, namespace: str, requests: list[np.ndarray]) -> list[JournalRecord]:
-        return [JournalRecord(self.writer, next(self._seq), namespace, tokens) for tokens in requests]
+    def _records(self, namespace: str, requests: list[np.ndarray], log: str = "") -> list[JournalRecord]:
+        return [JournalRecord(self.writer, next(self._seq), namespace, tokens, log) for tokens in requests]
+
+    def _replaced(self, namespace: str, count: int, exc: LogReplaced) -> None:
+        logger.warning("%d commits dropped: %s (the namespace was deleted since)", count, exc)
+        self.forget(namespace)
 
     def _append(self, ns: str, records: list[JournalRecord], store: RedisStore | None = None) -> Logged:
-        ids = (store or self.store).append_commits(ns, [(r.writer, r.seq, r.tokens) for r in records])
+        commits = [(r.writer, r.seq, r.tokens) for r in records]
+        ids = (store or self.store).append_commits(ns, commits, log=records[0].log)
         self._recovered()
         # A previous run's journaled commits are not in this process's memory: left out, the
         # log's followers read them like any other process's.
@@ -244,11 +275,14 @@ class CommitWriter:
         bisect.insort(self._queue, _Queued((rank, record.seq), record, now), key=lambda q: q.order)
 
     def _head_run(self) -> list[JournalRecord]:
-        """The first queued commits of one namespace, up to :data:`FLUSH_BATCH`."""
+        """The first queued commits of one namespace's log, up to :data:`FLUSH_BATCH`."""
         if not self._queue:
             return []
-        ns = self._queue[0].record.namespace
-        run = itertools.takewhile(lambda q: q.record.namespace == ns, itertools.islice(self._queue, FLUSH_BATCH))
+        head = self._queue[0].record
+        run = itertools.takewhile(
+            lambda q: (q.record.namespace, q.record.log) == (head.namespace, head.log),
+            itertools.islice(self._queue, FLUSH_BATCH),
+        )
         return [q.record for q in run]
 
     def _recovered(self) -> None:

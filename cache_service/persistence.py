@@ -82,16 +82,21 @@ class RedisPersistence:
         return self._prior_dir
 
     def namespace_created(self, name: str, vocab_size: int) -> None:
+        self.commits.forget(name)  # a new namespace's log, whatever was known of an old one's
         try:
             self.store.register_namespace(name, vocab_size)
         except StorageUnavailable as exc:
             raise Unavailable(f"storage unavailable: {exc}") from exc
 
     def namespace_deleted(self, name: str) -> bool:
+        self.commits.forget(name)
         try:
             return self.store.delete_namespace(name).registered
         except StorageUnavailable as exc:
             raise Unavailable(f"storage unavailable: {exc}") from exc
+
+    def namespace_forgotten(self, name: str) -> None:
+        self.commits.forget(name)
 
     def requests_committed(self, namespace: str, requests: list[np.ndarray]) -> list[Logged]:
         """Write commits now, or journal them while storage cannot take them, so they are

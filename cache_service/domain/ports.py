@@ -34,6 +34,10 @@ class Persistence(Protocol):
         stored sessions); whether it was registered."""
         ...
 
+    def namespace_forgotten(self, name: str) -> None:
+        """The namespace was deleted elsewhere: nothing kept of it here is to be written."""
+        ...
+
     def requests_committed(self, namespace: str, requests: list[np.ndarray]) -> list[Logged]:
         """Queue commits and write what storage takes now; returns what was written (queued
         commits of other calls included), for the caller to mark where they fall in the log."""

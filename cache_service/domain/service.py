@@ -134,6 +134,8 @@ class DraftService:
         now, its live sessions at the next :meth:`take_changes` (on the serving thread)."""
         if self.namespaces.remove(name):
             self._orphaned = True
+        if self._persistence is not None:
+            self._persistence.namespace_forgotten(name)
 
     def _end_orphans(self, name: str = "") -> int:
         """End the sessions whose namespace was removed; how many were of ``name``."""

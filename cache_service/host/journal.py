@@ -7,9 +7,13 @@ call is answered; the service replays the journal into the lifetime log when sto
 File format: a sequence of records, each ``MAGIC | length u32 | crc32 u32 | payload`` (little
 endian), the CRC over the payload. Payload: ``writer`` (16 bytes, one random id per service
 process), ``seq`` u64 (that writer's commit counter, increasing), the namespace's length u16
-and UTF-8 name, then the request's int32 tokens. ``(writer, seq)`` is the commit's id: the log
-append script records each writer's highest ``seq`` per namespace and skips what it has seen,
-so a replay appends each commit once (:mod:`cache_service.storage.stream_log`).
+and UTF-8 name, the identity of the namespace's log the commit was made for (its length u8 and
+ASCII text; empty when it was not known), then the request's int32 tokens. ``(writer, seq)`` is
+the commit's id: the log append script records each writer's highest ``seq`` per namespace and
+skips what it has seen, so a replay appends each commit once, and refuses commits made for
+another log, one of a namespace deleted and created again meanwhile
+(:mod:`cache_service.storage.stream_log`). Records of the first format (magic ``DCJ1``: no log
+identity) are still read.
 
 A record torn by a crash mid-write, or damaged later, fails its CRC: it is skipped with a log
 line, and reading resumes at the next record's magic.
@@ -43,7 +47,8 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-MAGIC = b"DCJ1"
+MAGIC = b"DCJ2"
+MAGIC_V1 = b"DCJ1"  # records without the log's identity
 HEADER = struct.Struct("<4sII")  # magic, payload length, crc32 of the payload
 HEAD = struct.Struct("<16sQH")  # writer, seq, namespace length
 MAX_PAYLOAD = 1 << 30
@@ -68,6 +73,7 @@ class JournalRecord:
     seq: int
     namespace: str
     tokens: np.ndarray
+    log: str = ""  # the identity of the namespace's log it was made for ("": not known)
 
     @property
     def commit_id(self) -> str:
@@ -75,17 +81,30 @@ class JournalRecord:
 
 
 def encode(record: JournalRecord) -> bytes:
-    name = record.namespace.encode()
+    name, log = record.namespace.encode(), record.log.encode("ascii")
     tokens = np.ascontiguousarray(record.tokens, dtype="<i4").tobytes()
-    payload = HEAD.pack(record.writer, record.seq, len(name)) + name + tokens
+    payload = HEAD.pack(record.writer, record.seq, len(name)) + name + bytes([len(log)]) + log + tokens
     return HEADER.pack(MAGIC, len(payload), zlib.crc32(payload)) + payload
 
 
-def _decode(payload: bytes) -> JournalRecord:
+def _decode(payload: bytes, magic: bytes) -> JournalRecord:
     writer, seq, n = HEAD.unpack_from(payload)
-    name = payload[HEAD.size : HEAD.size + n].decode()
-    tokens = np.frombuffer(payload, dtype="<i4", offset=HEAD.size + n).astype(np.int32)
-    return JournalRecord(writer, seq, name, tokens)
+    at = HEAD.size + n
+    name = payload[HEAD.size : at].decode()
+    log = ""
+    if magic == MAGIC:
+        size = payload[at]
+        log, at = payload[at + 1 : at + 1 + size].decode("ascii"), at + 1 + size
+    if (len(payload) - at) % 4:
+        raise ValueError(f"{len(payload) - at} token bytes")
+    tokens = np.frombuffer(payload, dtype="<i4", offset=at).astype(np.int32)
+    return JournalRecord(writer, seq, name, tokens, log)
+
+
+def _next_magic(data: bytes, after: int) -> int:
+    """Where the next record may start after byte ``after`` (-1: nowhere)."""
+    found = [i for i in (data.find(MAGIC, after + 1), data.find(MAGIC_V1, after + 1)) if i >= 0]
+    return min(found, default=-1)
 
 
 def read_records(data: bytes) -> tuple[list[JournalRecord], list[str]]:
@@ -101,7 +120,7 @@ def read_records(data: bytes) -> tuple[list[JournalRecord], list[str]]:
             magic, size, crc = HEADER.unpack_from(data, at)
             end = at + HEADER.size + size
             payload = data[at + HEADER.size : end]
-            if magic != MAGIC or size > MAX_PAYLOAD or size < HEAD.size:
+            if magic not in (MAGIC, MAGIC_V1) or size > MAX_PAYLOAD or size < HEAD.size:
                 problem = f"no record at byte {at}"
             elif end > len(data):
                 problem = f"torn record at byte {at} ({len(data) - at} of {end - at} bytes)"
@@ -109,12 +128,12 @@ def read_records(data: bytes) -> tuple[list[JournalRecord], list[str]]:
                 problem = f"record at byte {at} fails its checksum"
             else:
                 try:
-                    records.append(_decode(payload))
+                    records.append(_decode(payload, magic))
                     at = end
                     continue
-                except (struct.error, UnicodeDecodeError, ValueError) as exc:
+                except (struct.error, UnicodeDecodeError, ValueError, IndexError) as exc:
                     problem = f"record at byte {at} does not decode ({exc})"
-        resume = data.find(MAGIC, at + 1)
+        resume = _next_magic(data, at)
         skipped.append(f"{problem}: {(resume if resume >= 0 else len(data)) - at} bytes skipped")
         if resume < 0:
             break
@@ -239,7 +258,9 @@ class Journal:
             if self._size:
                 self._truncate(0)
             return
-        live_bytes = sum(HEADER.size + HEAD.size + len(r.namespace.encode()) + 4 * r.tokens.size for r in live)
+        live_bytes = sum(
+            HEADER.size + HEAD.size + len(r.namespace.encode()) + 1 + len(r.log) + 4 * r.tokens.size for r in live
+        )
         if self._size - live_bytes > max(live_bytes, COMPACT_MIN_BYTES):
             self._rewrite(live)
 

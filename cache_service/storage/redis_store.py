@@ -147,11 +147,13 @@ class RedisStore:
         return stream_log.append(self._append, ns, requests, cap)
 
     @guarded
-    def append_commits(self, ns: str, commits: list[stream_log.Commit]) -> list[str | None]:
+    def append_commits(self, ns: str, commits: list[stream_log.Commit], *, log: str = "") -> list[str | None]:
         """Append commits identified by ``(writer, seq)``, each writer's in increasing ``seq``,
         skipping those the log already took (an append whose answer was lost, replayed from a
         journal): per commit its stream id, or ``None`` when skipped. Trims as
-        :meth:`append_requests` does, atomically with the appends."""
+        :meth:`append_requests` does, atomically with the appends. ``log``: the identity of the
+        log (:meth:`log_identity`) they were made for; :class:`~.stream_log.LogReplaced`, and
+        nothing appended, when the namespace's log is another one now ("": not checked)."""
         for writer, seq, tokens in commits:
             if len(writer) != 16 or seq < 0:
                 raise ValueError("a commit is a 16-byte writer id and a seq >= 0")
@@ -160,7 +162,7 @@ class RedisStore:
         if not commits:
             return []
         return stream_log.append_once(
-            self._append_once, ns, commits, self.config.max_log_tokens, self.config.writer_ttl_s
+            self._append_once, ns, commits, self.config.max_log_tokens, self.config.writer_ttl_s, log
         )
 
     @guarded

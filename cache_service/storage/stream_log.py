@@ -75,13 +75,21 @@ end
 )
 
 # Commits with ids, each appended at most once. KEYS[1] stream, KEYS[2] token counter, KEYS[3]
-# writers (writer -> highest seq appended); ARGV[1] cap, ARGV[2] the writers hash's TTL in
-# seconds, then (tokens, n, writer, seq) per commit, each writer's in increasing seq. A commit
-# whose seq is not above its writer's recorded one is in the log already: its id is ''.
+# writers (writer -> highest seq appended), KEYS[4] the log's identity; ARGV[1] cap, ARGV[2] the
+# writers hash's TTL in seconds, ARGV[3] the identity of the log the commits were made for (''
+# when not known), then (tokens, n, writer, seq) per commit, each writer's in increasing seq. A
+# commit whose seq is not above its writer's recorded one is in the log already: its id is ''.
+# Commits made for another log (the namespace deleted, perhaps created again) are refused whole:
+# the answer is {'replaced'}.
 APPEND_ONCE_LUA = (
-    _TOTAL_LUA
+    """
+if ARGV[3] ~= '' and redis.call('GET', KEYS[4]) ~= ARGV[3] then
+  return {'replaced'}
+end
+"""
+    + _TOTAL_LUA
     + """
-for i = 3, #ARGV, 4 do
+for i = 4, #ARGV, 4 do
   local seen = tonumber(redis.call('HGET', KEYS[3], ARGV[i + 2]) or '-1')
   if tonumber(ARGV[i + 3]) > seen then
     ids[#ids + 1] = redis.call('XADD', KEYS[1], '*', 'n', ARGV[i + 1], 'tokens', ARGV[i])
@@ -97,6 +105,13 @@ redis.call('EXPIRE', KEYS[3], ARGV[2])
 )
 
 Commit = tuple[bytes, int, np.ndarray]  # writer id, its commit number, the request's tokens
+
+
+class LogReplaced(Exception):
+    """Commits made for a namespace's log that is gone: the namespace was deleted (and perhaps
+    created again) since. Not a storage error: storage answered, and the commits must not be
+    kept for a retry."""
+
 
 # ASCII digits only: ``\d`` would also take other scripts' digits, which Redis refuses.
 _STREAM_ID = re.compile(r"[0-9]+(-[0-9]+)?")
@@ -157,14 +172,19 @@ def append(script: Script, ns: str, requests: list[np.ndarray], max_tokens: int)
     return [i.decode() for i in ids]
 
 
-def append_once(script: Script, ns: str, commits: list[Commit], max_tokens: int, ttl_s: int) -> list[str | None]:
+def append_once(
+    script: Script, ns: str, commits: list[Commit], max_tokens: int, ttl_s: int, log: str = ""
+) -> list[str | None]:
     """Append commits not yet in the log (see :data:`APPEND_ONCE_LUA`) and trim; per commit its
-    stream id, or ``None`` when the log held it already."""
-    args: list[bytes | int] = [max_tokens, ttl_s]
+    stream id, or ``None`` when the log held it already. ``log``: the identity of the log they
+    were made for (:class:`LogReplaced` when it is not the namespace's log now)."""
+    args: list[bytes | int | str] = [max_tokens, ttl_s, log]
     for writer, seq, tokens in commits:
         kept = tokens[-max_tokens:] if tokens.size > max_tokens else tokens
         args += [codec.tokens_to_bytes(kept), int(kept.size), writer, int(seq)]
-    ids = script(keys=[keys.log(ns), keys.log_tokens(ns), keys.log_writers(ns)], args=args)
+    ids = script(keys=[keys.log(ns), keys.log_tokens(ns), keys.log_writers(ns), keys.log_identity(ns)], args=args)
+    if ids == [b"replaced"]:
+        raise LogReplaced(f"namespace {ns!r}: its log is not the one the commits were made for")
     return [i.decode() or None for i in ids]
 
 

@@ -89,7 +89,7 @@ def test_a_failed_write_queues_in_commit_order(server: EmbeddedRedis, tmp_path: 
     store = _registered(RedisStore(connect(server.url)))
     writer = CommitWriter(store, max_pending=100, journal=Journal(tmp_path / "j", 1 << 20))
     writer.recover()
-    failing = writer._records("ns", [_req(9)])  # numbered first, its write under way (say, hung)...
+    failing = writer._records("ns", [_req(9)], writer._log("ns"))  # numbered first, its write under way (say, hung)...
     with writer.writing:  # ...others journal rather than wait
         writer.commit("ns", [_req(10)])
         writer.commit("ns", [_req(11)])

@@ -87,9 +87,9 @@ def test_commits_queued_while_storage_is_down_are_written_in_order(tmp_path: Pat
     calls: list[tuple[str, int]] = []
     append = store.append_commits
 
-    def counted(ns: str, batch: list[tuple[bytes, int, np.ndarray]]) -> list[str | None]:
+    def counted(ns: str, batch: list[tuple[bytes, int, np.ndarray]], *, log: str = "") -> list[str | None]:
         calls.append((ns, len(batch)))
-        return append(ns, batch)
+        return append(ns, batch, log=log)
 
     store.append_commits = counted  # type: ignore[method-assign]
     try:

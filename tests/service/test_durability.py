@@ -20,6 +20,8 @@ import pytest
 from draftcache.v1 import draftcache_pb2 as pb
 
 from cache_service.host.embedded_redis import free_port
+from cache_service.storage.connect import connect
+from cache_service.storage.redis_store import RedisStore
 from tests.faults import Serve, can_mount_tmpfs, fill_disk, kill, log_entries, small_disk, state, wait_for
 from tests.service.test_redis_outage import Redis
 
@@ -183,6 +185,37 @@ def test_a_frozen_redis_holds_a_close_for_the_call_timeout_only(tmp_path: Path) 
         wait_for(lambda: serve.stats().storage.journaled_commits == 0, 60, "the journal replayed")
         _assert_logged_once(redis.url, acked, range(6))
         assert len(log_entries(redis.url, "ns")) == 6
+    finally:
+        serve.close()
+        redis.kill()
+
+
+def test_a_journal_is_not_replayed_into_a_namespace_created_again(tmp_path: Path) -> None:
+    """Commits journaled for a namespace that is deleted and created again (even with the same
+    vocabulary: their log's identity tells them apart) while their service is down are dropped
+    at the replay, as the deleted namespace's are: the new namespace's log never holds them."""
+    redis = Redis(tmp_path)
+    redis.start()
+    serve = _start(tmp_path / "data", redis_url=redis.url)
+    try:
+        _commits(serve, range(3))
+        wait_for(lambda: serve.stats().storage.journaled_commits == 0, 30, "the first commits written")
+        redis.kill()
+        assert len(_commits(serve, range(3, 13))) == 10  # journaled
+        serve.sigkill()
+    finally:
+        serve.close()
+    redis.start()
+    store = RedisStore(connect(redis.url))
+    store.delete_namespace("ns")
+    store.register_namespace("ns", 1000)
+    serve = Serve(tmp_path / "data", redis_url=redis.url).start()
+    try:
+        wait_for(lambda: serve.stats().storage.journaled_commits == 0, 30, "the journal read")
+        assert log_entries(redis.url, "ns") == []
+        assert "10 commits dropped" in serve.log()
+        assert _commit(serve, 13)  # the new namespace's own commits go on
+        assert log_entries(redis.url, "ns") == [_tokens(13)]
     finally:
         serve.close()
         redis.kill()

@@ -9,6 +9,7 @@ import pytest
 
 from cache_service.storage import RedisStore, StorageCorrupt, keys
 from cache_service.storage.clients import StorageClient
+from cache_service.storage.stream_log import LogReplaced
 
 
 def _req(*tokens: int) -> np.ndarray:
@@ -147,3 +148,24 @@ def test_commits_with_ids_are_appended_once(store: RedisStore, client: StorageCl
     assert client.hgetall(keys.log_writers("ns")) == {a: b"1", b: b"1"}
     assert 0 < client.ttl(keys.log_writers("ns")) <= store.config.writer_ttl_s
     assert all(store.append_commits("other", [(a, 0, _req(1))]))
+
+
+def test_commits_made_for_another_log_are_refused_whole(store: RedisStore) -> None:
+    """A commit names the log it was made for: once the namespace is deleted (and created again,
+    with a new log), its commits append nothing, journaled or not."""
+    a = b"a" * 16
+    store.register_namespace("ns", 100)
+    old = store.log_identity("ns")
+    assert store.append_commits("ns", [(a, 0, _req(1))], log=old) != [None]
+    store.delete_namespace("ns")
+    with pytest.raises(LogReplaced):
+        store.append_commits("ns", [(a, 1, _req(2))], log=old)  # deleted: no log at all
+    store.register_namespace("ns", 50)
+    new = store.log_identity("ns")
+    assert new != old
+    with pytest.raises(LogReplaced):
+        store.append_commits("ns", [(a, 2, _req(3)), (a, 3, _req(4))], log=old)
+    assert store.read_log("ns") == []
+    assert all(store.append_commits("ns", [(a, 4, _req(5))], log=new))
+    assert all(store.append_commits("ns", [(a, 5, _req(6))]))  # not known: not checked
+    assert [e.tokens.tolist() for e in store.read_log("ns")] == [[5], [6]]

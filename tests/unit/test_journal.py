@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import logging
 import os
+import zlib
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from cache_service.host.journal import (
+    HEAD,
     HEADER,
+    MAGIC_V1,
     Journal,
     JournalError,
     JournalRecord,
@@ -178,3 +181,17 @@ def test_a_journal_taken_over_twice_is_harmless(tmp_path: Path) -> None:
     copy.write_bytes(journal_path(root, 1).read_bytes())
     _, found = _reopen_worker(root, 0)
     assert _seen(found) == _seen([_record(1), _record(2)] * 2)
+
+
+def test_records_of_the_first_format_are_still_read(tmp_path: Path) -> None:
+    """A journal left by a build whose records named no log (magic DCJ1) replays after an
+    upgrade: its records come back with the log not known ("", not checked)."""
+    tokens = np.array([5, 6], np.int32)
+    payload = HEAD.pack(WRITER, 3, 2) + b"ns" + tokens.astype("<i4").tobytes()
+    old = HEADER.pack(MAGIC_V1, len(payload), zlib.crc32(payload)) + payload
+    (tmp_path / "j").write_bytes(old + encode(JournalRecord(WRITER, 4, "ns", tokens, "f" * 32)))
+    _, found = _reopen(tmp_path / "j")
+    assert [(r.seq, r.namespace, r.tokens.tolist(), r.log) for r in found] == [
+        (3, "ns", [5, 6], ""),
+        (4, "ns", [5, 6], "f" * 32),
+    ]
