@@ -67,10 +67,16 @@ class AppConfig:
     # page), one try: past it a commit is journaled and a read fails UNAVAILABLE. The background
     # jobs keep the long timeouts that large prior parts need.
     call_timeout_s: float = 2.0
+    # Replicas of the Redis master that must have a commit before it is acknowledged (WAIT, for
+    # at most half the call timeout; where fewer confirm, it is journaled too): 0, the master's
+    # answer is enough, which a failover to a replica behind it can undo.
+    commit_replicas: int = 0
 
     def __post_init__(self) -> None:
         if not 0.05 <= self.call_timeout_s <= 60:
             raise ValueError(f"call_timeout_s must be in [0.05, 60], got {self.call_timeout_s}")
+        if not 0 <= self.commit_replicas <= 16:
+            raise ValueError(f"commit_replicas must be in [0, 16], got {self.commit_replicas}")
 
     @property
     def journal_root(self) -> Path:
@@ -170,6 +176,8 @@ class App:
             prior_dir=cfg.prior_dir,
             journal=journal,
             calls=calls,
+            replicas=cfg.commit_replicas,
+            wait_ms=max(1, int(cfg.call_timeout_s * 500)),
         )
         await asyncio.to_thread(self.persistence.commits.recover)  # replayed by the restore's flush
         if self.embedded is not None:

@@ -11,6 +11,11 @@ only when nothing is queued before it, and the queue is kept in ``seq`` order.
 Acknowledged means durable: in Redis, or in the journal. A commit that fits in neither (the
 journal full or its disk refusing) is refused with :class:`Unavailable`, never dropped.
 
+With ``replicas``, a commit is acknowledged once that many of the master's replicas have it
+(``WAIT``, at most ``wait_ms``): a failover to a replica then loses none. Where fewer confirm in
+time, the commit (in the master's log already) is journaled as well and stays there until a
+replay's wait confirms it.
+
 Each commit also names the namespace's log it was made for (its identity, read from storage
 once per namespace and kept). A namespace deleted meanwhile, and perhaps created again, has
 another log, or none: the append refuses such commits and they are dropped, as the deleted
@@ -33,9 +38,9 @@ import numpy as np
 from cache_service.domain.errors import Unavailable
 from cache_service.domain.ports import Logged, StorageHealth
 from cache_service.host.journal import Journal, JournalError, JournalRecord
-from cache_service.storage.errors import StorageError
+from cache_service.storage.errors import StorageError, StorageUnavailable
 from cache_service.storage.redis_store import RedisStore
-from cache_service.storage.stream_log import LogReplaced, position
+from cache_service.storage.stream_log import LogReplaced, NotReplicated, position
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +52,14 @@ class _Queued(NamedTuple):
     order: tuple[int, int]  # (writer rank, seq): each writer's commits in seq order
     record: JournalRecord
     since: float  # when it was queued
+
+
+class _Unconfirmed(Exception):
+    """Appended, but fewer replicas than asked confirmed it: ``logged`` is what was appended."""
+
+    def __init__(self, logged: Logged, reason: NotReplicated) -> None:
+        super().__init__(str(reason))
+        self.logged = logged
 
 
 class StorageStatus:
@@ -105,9 +118,14 @@ class CommitWriter:
         journal: Journal | None = None,
         on_written: Callable[[Logged], None] | None = None,
         direct: RedisStore | None = None,
+        replicas: int = 0,
+        wait_ms: int = 1000,
     ) -> None:
+        if replicas < 0 or wait_ms < 1:
+            raise ValueError(f"replicas must be >= 0 and wait_ms >= 1, got {replicas} and {wait_ms}")
         self.store = store
         self._direct = direct or store
+        self._replicas, self._wait_ms = replicas, wait_ms
         self._logs: dict[str, str] = {}  # per namespace, the identity of its log
         self._on_written = on_written
         self.journal = journal
@@ -186,6 +204,11 @@ class CommitWriter:
                 except LogReplaced as exc:
                     self._replaced(namespace, len(records), exc)
                     return []
+                except _Unconfirmed as exc:  # in the log, but a failover could lose it: journaled too
+                    self._note_failure(exc)
+                    with self._lock:
+                        self._journal(records)
+                    return [exc.logged]
                 except StorageError as exc:
                     self._note_failure(exc)
                     with self._lock:
@@ -224,6 +247,9 @@ class CommitWriter:
                     logger.warning("%d queued commits of deleted namespace %s dropped", len(run), run[0].namespace)
             except LogReplaced as exc:
                 self._replaced(run[0].namespace, len(run), exc)
+            except _Unconfirmed as exc:  # kept until a later replay's wait confirms them
+                self._note_failure(exc)
+                raise StorageUnavailable(str(exc)) from exc
             except StorageError as exc:
                 self._note_failure(exc)
                 raise
@@ -245,14 +271,22 @@ class CommitWriter:
 
     def _append(self, ns: str, records: list[JournalRecord], store: RedisStore | None = None) -> Logged:
         commits = [(r.writer, r.seq, r.tokens) for r in records]
-        ids = (store or self.store).append_commits(ns, commits, log=records[0].log)
-        self._recovered()
+        unconfirmed = None
+        try:
+            ids = (store or self.store).append_commits(
+                ns, commits, log=records[0].log, replicas=self._replicas, wait_ms=self._wait_ms
+            )
+            self._recovered()
+        except NotReplicated as exc:
+            ids, unconfirmed = exc.ids, exc
         # A previous run's journaled commits are not in this process's memory: left out, the
         # log's followers read them like any other process's.
         mine = [(r.tokens, position(i)) for r, i in zip(records, ids, strict=True) if i and r.writer == self.writer]
         logged = (ns, [t for t, _ in mine], [p for _, p in mine])
         if self._on_written is not None:
             self._on_written(logged)
+        if unconfirmed is not None:
+            raise _Unconfirmed(logged, unconfirmed)
         return logged
 
     def _journal(self, records: list[JournalRecord]) -> None:

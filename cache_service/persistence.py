@@ -50,6 +50,8 @@ class RedisPersistence:
         prior_dir: Path | None = None,
         journal: Journal | None = None,
         calls: RedisStore | None = None,
+        replicas: int = 0,
+        wait_ms: int = 1000,
     ) -> None:
         self.store = store
         # What a call waits on (a commit's append, a stored session, the log and prior pages a
@@ -57,7 +59,13 @@ class RedisPersistence:
         # a commit is journaled instead. ``store`` (long timeouts) serves the background jobs.
         self.calls = calls or store
         self.commits = CommitWriter(
-            store, max_pending=max_pending, journal=journal, on_written=self._remember, direct=self.calls
+            store,
+            max_pending=max_pending,
+            journal=journal,
+            on_written=self._remember,
+            direct=self.calls,
+            replicas=replicas,
+            wait_ms=wait_ms,
         )
         self._prior_dir = prior_dir
         self._own: set[str] = set()  # ids of entries this process appended

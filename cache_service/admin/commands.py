@@ -141,6 +141,16 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
         help="local journal (in --data-dir) of commits storage could not take; when full, commits are refused",
     )
     add(
+        p, "--storage-call-timeout", type=float, default=2.0,
+        help="seconds a call waits on storage (a commit's append, a stored session, a log or prior page); past "
+        "them a commit is journaled",
+    )  # fmt: skip
+    add(
+        p, "--commit-replicas", type=int, default=0,
+        help="replicas of the Redis master that must have a commit before it is acknowledged (WAIT); where fewer "
+        "confirm in time it is journaled too (0: the master's answer)",
+    )  # fmt: skip
+    add(
         p, "--ahead-busy-limit", type=share, default=1.0,
         help="skip drafting ahead (pre-speculation) while draft calls took more than this share of the last "
         "second of a process (1: never skip)",
@@ -277,6 +287,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
         redis_url=a.redis_url,
         embedded=EmbeddedRedisConfig(data_dir=a.data_dir / "redis"),
         journal_dir=a.data_dir / "journal",
+        call_timeout_s=a.storage_call_timeout,
+        commit_replicas=a.commit_replicas,
         metrics_port=a.metrics_port,
         metrics_host=a.metrics_host,
     )

@@ -39,3 +39,17 @@ def transaction(client: StorageClient, key: str) -> Transaction:
         return client.pipeline(transaction=True)
     node = client.get_node_from_key(key)
     return client.get_redis_connection(node).pipeline(transaction=True)
+
+
+def on_one_connection(client: StorageClient, key: str) -> Pipeline:
+    """A pipeline (no transaction) whose commands go down one connection to the server holding
+    ``key``'s slot, the master on a cluster: what ``WAIT`` needs, since it waits for the writes
+    made on its own connection.
+
+    >>> pipe = on_one_connection(client, keys.log("llama2"))  # doctest: +SKIP
+    >>> pipe.set(keys.log_tokens("llama2"), 0); pipe.wait(1, 500); pipe.execute()  # doctest: +SKIP
+    [True, 1]
+    """
+    if isinstance(client, RedisCluster):
+        client = client.get_redis_connection(client.get_node_from_key(key))
+    return client.pipeline(transaction=False)

@@ -147,13 +147,17 @@ class RedisStore:
         return stream_log.append(self._append, ns, requests, cap)
 
     @guarded
-    def append_commits(self, ns: str, commits: list[stream_log.Commit], *, log: str = "") -> list[str | None]:
+    def append_commits(
+        self, ns: str, commits: list[stream_log.Commit], *, log: str = "", replicas: int = 0, wait_ms: int = 0
+    ) -> list[str | None]:
         """Append commits identified by ``(writer, seq)``, each writer's in increasing ``seq``,
         skipping those the log already took (an append whose answer was lost, replayed from a
         journal): per commit its stream id, or ``None`` when skipped. Trims as
         :meth:`append_requests` does, atomically with the appends. ``log``: the identity of the
         log (:meth:`log_identity`) they were made for; :class:`~.stream_log.LogReplaced`, and
-        nothing appended, when the namespace's log is another one now ("": not checked)."""
+        nothing appended, when the namespace's log is another one now ("": not checked). With
+        ``replicas``, the appends are waited for (at most ``wait_ms``) until that many replicas
+        have them: :class:`~.stream_log.NotReplicated` when fewer did."""
         for writer, seq, tokens in commits:
             if len(writer) != 16 or seq < 0:
                 raise ValueError("a commit is a 16-byte writer id and a seq >= 0")
@@ -161,8 +165,9 @@ class RedisStore:
                 raise ValueError("every request must be a 1-D int32 numpy array")
         if not commits:
             return []
+        wait = (self.client, replicas, wait_ms) if replicas else None
         return stream_log.append_once(
-            self._append_once, ns, commits, self.config.max_log_tokens, self.config.writer_ttl_s, log
+            self._append_once, ns, commits, self.config.max_log_tokens, self.config.writer_ttl_s, log, replicas=wait
         )
 
     @guarded

@@ -15,7 +15,7 @@ import numpy as np
 from redis.commands.core import Script
 
 from cache_service.storage import codec, keys
-from cache_service.storage.clients import StorageClient, transaction
+from cache_service.storage.clients import StorageClient, on_one_connection, transaction
 from cache_service.storage.errors import StorageCorrupt
 
 # Shared by both append scripts: the running token total, read before the appends...
@@ -107,6 +107,16 @@ redis.call('EXPIRE', KEYS[3], ARGV[2])
 Commit = tuple[bytes, int, np.ndarray]  # writer id, its commit number, the request's tokens
 
 
+class NotReplicated(Exception):
+    """Commits the master appended, which fewer of its replicas than asked confirmed in time:
+    a failover now could lose them. Not a storage error: they are in the log (their ``ids``),
+    and must also be kept elsewhere until the replicas confirm them."""
+
+    def __init__(self, message: str, ids: list[str | None]) -> None:
+        super().__init__(message)
+        self.ids = ids
+
+
 class LogReplaced(Exception):
     """Commits made for a namespace's log that is gone: the namespace was deleted (and perhaps
     created again) since. Not a storage error: storage answered, and the commits must not be
@@ -173,19 +183,40 @@ def append(script: Script, ns: str, requests: list[np.ndarray], max_tokens: int)
 
 
 def append_once(
-    script: Script, ns: str, commits: list[Commit], max_tokens: int, ttl_s: int, log: str = ""
+    script: Script,
+    ns: str,
+    commits: list[Commit],
+    max_tokens: int,
+    ttl_s: int,
+    log: str = "",
+    *,
+    replicas: tuple[StorageClient, int, int] | None = None,
 ) -> list[str | None]:
     """Append commits not yet in the log (see :data:`APPEND_ONCE_LUA`) and trim; per commit its
     stream id, or ``None`` when the log held it already. ``log``: the identity of the log they
-    were made for (:class:`LogReplaced` when it is not the namespace's log now)."""
+    were made for (:class:`LogReplaced` when it is not the namespace's log now). ``replicas``:
+    ``(client, count, timeout_ms)``, the append then waits (``WAIT``, on its own connection)
+    until ``count`` replicas have it, at most ``timeout_ms``; :class:`NotReplicated` when fewer
+    did (a commit the log held already is waited for all the same)."""
     args: list[bytes | int | str] = [max_tokens, ttl_s, log]
     for writer, seq, tokens in commits:
         kept = tokens[-max_tokens:] if tokens.size > max_tokens else tokens
         args += [codec.tokens_to_bytes(kept), int(kept.size), writer, int(seq)]
-    ids = script(keys=[keys.log(ns), keys.log_tokens(ns), keys.log_writers(ns), keys.log_identity(ns)], args=args)
-    if ids == [b"replaced"]:
+    names = [keys.log(ns), keys.log_tokens(ns), keys.log_writers(ns), keys.log_identity(ns)]
+    if replicas is None:
+        raw, acked, wanted = script(keys=names, args=args), 0, 0
+    else:
+        client, wanted, timeout_ms = replicas
+        pipe = on_one_connection(client, keys.log(ns))
+        script(keys=names, args=args, client=pipe)
+        pipe.wait(wanted, timeout_ms)
+        raw, acked = pipe.execute()
+    if raw == [b"replaced"]:
         raise LogReplaced(f"namespace {ns!r}: its log is not the one the commits were made for")
-    return [i.decode() or None for i in ids]
+    ids = [i.decode() or None for i in raw]
+    if acked < wanted:
+        raise NotReplicated(f"namespace {ns!r}: {acked} of {wanted} replicas confirmed the commits", ids)
+    return ids
 
 
 def _entry(raw_id: object, raw_fields: object) -> LogEntry:

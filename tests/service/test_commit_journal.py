@@ -4,21 +4,25 @@ refused (never dropped) when the journal cannot take them."""
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
+import redis
 
 from cache_service.commits import CommitWriter
 from cache_service.config import EmbeddedRedisConfig
 from cache_service.domain.errors import Unavailable
-from cache_service.host.embedded_redis import EmbeddedRedis
+from cache_service.host.embedded_redis import EmbeddedRedis, find_server_binary, free_port
 from cache_service.host.journal import Journal, encode
 from cache_service.persistence import RedisPersistence
 from cache_service.storage.connect import connect
+from cache_service.storage.errors import StorageError
 from cache_service.storage.redis_store import RedisStore
 from tests.faults import can_mount_tmpfs, fill_disk, small_disk
+from tests.service.conftest import eventually
 
 
 @pytest.fixture
@@ -183,3 +187,56 @@ def test_journaled_commits_of_a_deleted_namespace_do_not_recreate_it(server: Emb
     finally:
         writer.close()
         server.stop()
+
+
+def _server(folder: Path, port: int, *args: str) -> subprocess.Popen[bytes]:
+    """A redis-server on ``port`` with its AOF (fsync always) in ``folder``, ready."""
+    folder.mkdir(parents=True, exist_ok=True)
+    cmd = [str(find_server_binary()), "--bind", "127.0.0.1", "--port", str(port), "--dir", str(folder)]
+    cmd += ["--appendonly", "yes", "--appendfsync", "always", "--save", "", *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    eventually(lambda: _answers(port), timeout_s=10)
+    return proc
+
+
+def _answers(port: int) -> bool:
+    try:
+        return bool(connect(f"redis://127.0.0.1:{port}/0").ping())
+    except (StorageError, OSError, redis.RedisError):
+        return False
+
+
+def test_a_commit_fewer_replicas_confirmed_is_journaled_and_survives_a_failover(
+    server: EmbeddedRedis, tmp_path: Path
+) -> None:
+    """With ``replicas``, a commit the replica confirmed is acknowledged at once; one it could
+    not confirm (the replica down) is journaled as well. When the master then dies and the
+    replica, behind it, takes over, the journal's replay gives the new master every
+    acknowledged commit, once."""
+    store = _registered(RedisStore(connect(server.url)))
+    port = free_port()
+    replica = _server(tmp_path / "replica", port, "--replicaof", "127.0.0.1", str(server.port))
+    try:
+        eventually(lambda: store.client.wait(1, 100) == 1, timeout_s=10)  # in sync
+        writer = CommitWriter(store, max_pending=100, journal=Journal(tmp_path / "j", 1 << 20), replicas=1, wait_ms=300)
+        writer.recover()
+        assert writer.commit("ns", [_req(1)]) and writer.pending == 0  # the replica has it
+        replica.kill()
+        replica.wait()
+        logged = writer.commit("ns", [_req(2)])  # in the master's log, unconfirmed
+        assert [t.tolist() for t in logged[0][1]] == [_req(2).tolist()]
+        assert writer.pending == 1 and _log(store) == [_req(1).tolist(), _req(2).tolist()]
+        assert not writer.health().available and "replicas" in writer.health().last_error
+        writer.close()
+        server.stop()  # the master is gone; the replica comes back as the master
+        replica = _server(tmp_path / "replica", port)
+        promoted = RedisStore(connect(f"redis://127.0.0.1:{port}/0"))
+        assert _log(promoted) == [_req(1).tolist()]  # what a failover alone would have kept
+        after = CommitWriter(promoted, max_pending=100, journal=Journal(tmp_path / "j", 1 << 20))
+        assert after.recover() == 1
+        after.flush()
+        assert _log(promoted) == [_req(1).tolist(), _req(2).tolist()] and after.pending == 0
+        after.close()
+    finally:
+        replica.kill()
+        replica.wait()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -87,9 +88,9 @@ def test_commits_queued_while_storage_is_down_are_written_in_order(tmp_path: Pat
     calls: list[tuple[str, int]] = []
     append = store.append_commits
 
-    def counted(ns: str, batch: list[tuple[bytes, int, np.ndarray]], *, log: str = "") -> list[str | None]:
+    def counted(ns: str, batch: list[tuple[bytes, int, np.ndarray]], **options: Any) -> list[str | None]:
         calls.append((ns, len(batch)))
-        return append(ns, batch, log=log)
+        return append(ns, batch, **options)
 
     store.append_commits = counted  # type: ignore[method-assign]
     try:

@@ -9,7 +9,7 @@ import pytest
 
 from cache_service.storage import RedisStore, StorageCorrupt, keys
 from cache_service.storage.clients import StorageClient
-from cache_service.storage.stream_log import LogReplaced
+from cache_service.storage.stream_log import LogReplaced, NotReplicated
 
 
 def _req(*tokens: int) -> np.ndarray:
@@ -169,3 +169,14 @@ def test_commits_made_for_another_log_are_refused_whole(store: RedisStore) -> No
     assert all(store.append_commits("ns", [(a, 4, _req(5))], log=new))
     assert all(store.append_commits("ns", [(a, 5, _req(6))]))  # not known: not checked
     assert [e.tokens.tolist() for e in store.read_log("ns")] == [[5], [6]]
+
+
+def test_an_append_waits_for_replicas_on_its_own_connection(store: RedisStore) -> None:
+    """Asked for a replica the server does not have, the append lands and says it is not
+    replicated (on a cluster, from the master owning the namespace's slot)."""
+    a = b"a" * 16
+    with pytest.raises(NotReplicated) as unconfirmed:
+        store.append_commits("ns", [(a, 0, _req(1))], replicas=1, wait_ms=50)
+    assert unconfirmed.value.ids[0] is not None
+    assert store.append_commits("ns", [(a, 1, _req(2))]) != [None]
+    assert [e.tokens.tolist() for e in store.read_log("ns")] == [[1], [2]]
