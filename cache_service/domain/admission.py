@@ -114,6 +114,22 @@ class Admission:
                 f"sessions hold {held} tokens; {tokens} more exceed {limit} (none can leave memory yet)"
             )
 
+    def tenant_growth(self, principal: Principal | None, tokens: int) -> None:
+        """The caller's sessions taking ``tokens`` more (drafts' new tokens, feedback's accepted
+        ones): ``ResourceExhausted``, before any is taken, past the tenant's token limit."""
+        limit = 0 if principal is None else principal.limits.max_session_tokens
+        if not limit or not tokens:
+            return
+        assert principal is not None
+        held = self._sessions.tenant_tokens(principal.tenant)
+        if held + tokens > limit:
+            self._sessions.expire()
+            held = self._sessions.tenant_tokens(principal.tenant)
+        if held + tokens > limit:
+            raise ResourceExhausted(
+                f"tenant {principal.tenant!r} sessions hold {held} tokens; {tokens} more exceed its limit of {limit}"
+            )
+
     def tenant(self, principal: Principal, sessions: int, tokens: int) -> None:
         """The tenant's own limits (sessions, context tokens held) with ``sessions`` more."""
         limits = principal.limits

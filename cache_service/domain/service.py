@@ -330,6 +330,7 @@ class DraftService:
             rows = zip(items, news, entries, strict=True)
             topk = [tokens.topk_rows(item.topk, new, entry.drafter, item.topk_after) for item, new, entry in rows]
             checked = list(zip(entries, news, ahead, strict=True))
+        self.admission.tenant_growth(principal, sum(int(new.size) for _, new, _ in checked))
         drafting.observe_topk(checked, topk)
         spare = self._busy.share(start) <= self.config.ahead_busy_limit
         out = drafting.draft(checked, self.sessions, self._touched, ahead=spare)
@@ -371,6 +372,7 @@ class DraftService:
                 if any(not 0 <= off < new.size for off, _ in rejected):
                     raise InvalidArgument("a rejected branch's offset must point inside the accepted tokens")
             checked.append((entry, new, rejected))
+        self.admission.tenant_growth(principal, sum(int(new.size) for _, new, _ in checked))
         for part in drafting.rounds(checked):
             drafting.accept(part, self.sessions)
         self._touched([entry for entry, _, _ in checked])

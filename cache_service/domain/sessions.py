@@ -51,6 +51,7 @@ class SessionTable:
         self._max = max_sessions
         self._ttl = ttl_s
         self.tokens = 0  # context tokens held by all sessions
+        self._tenant_tokens: dict[str, int] = {}  # those held by each tenant's sessions
         self.evicted = 0  # sessions made to leave memory for room
 
     def __len__(self) -> int:
@@ -64,8 +65,6 @@ class SessionTable:
     def room(self, sessions: int) -> None:
         """``ResourceExhausted`` unless ``sessions`` more fit under the session limit (expired
         sessions leave first)."""
-        if len(self._entries) + sessions <= self._max:
-            return
         self.expire()
         if len(self._entries) + sessions > self._max:
             raise ResourceExhausted(
@@ -76,6 +75,11 @@ class SessionTable:
     def grow(self, entry: SessionEntry, tokens: int) -> None:
         entry.counted += tokens
         self.tokens += tokens
+        self._tenant_tokens[entry.tenant] = self._tenant_tokens.get(entry.tenant, 0) + tokens
+
+    def tenant_tokens(self, tenant: str) -> int:
+        """The context tokens the tenant's sessions hold (kept as they change: no scan)."""
+        return self._tenant_tokens.get(tenant, 0)
 
     def make_room(self, tokens: int, limit: int, evictable: Callable[[str], bool]) -> bool:
         """Evict least recently used sessions that ``evictable`` allows until ``tokens`` more
@@ -90,6 +94,11 @@ class SessionTable:
     def _drop(self, sid: str) -> SessionEntry:
         entry = self._entries.pop(sid)
         self.tokens -= entry.counted
+        left = self._tenant_tokens[entry.tenant] - entry.counted
+        if left:
+            self._tenant_tokens[entry.tenant] = left
+        else:
+            del self._tenant_tokens[entry.tenant]
         entry.drafter.release(entry.session)  # its arrays leave the drafter's store
         return entry
 
@@ -144,7 +153,7 @@ class SessionTable:
     def tenant_usage(self, tenant: str) -> tuple[int, int]:
         """Sessions a tenant holds and the context tokens in them."""
         mine = [e for e in self._entries.values() if e.tenant == tenant]
-        return len(mine), sum(len(e.session.context) for e in mine)
+        return len(mine), self.tenant_tokens(tenant)
 
     def entries_where(self, keep: Callable[[SessionEntry], bool]) -> list[SessionEntry]:
         """The sessions held (expired ones included) for which ``keep`` holds."""

@@ -207,6 +207,26 @@ def test_per_tenant_session_and_token_limits(served: Served) -> None:
         _open(stub, "tok-small", "ns-b", [4] * 50)
 
 
+def test_a_tenants_token_limit_holds_as_its_sessions_grow(served: Served) -> None:
+    """The tokens a tenant's sessions hold count what drafts and feedback add, not only the
+    prompts: a call that would pass the limit is refused whole, and the session is unchanged."""
+    with served.channel() as ch:
+        stub = pb_grpc.DraftCacheStub(ch)
+        sid = _open(stub, "tok-small", "ns-b", [1] * 40)
+        draft = pb.DraftRequest(items=[pb.DraftItem(session_id=sid, new_tokens=[5] * 50)])
+        stub.Draft(draft, metadata=_md("tok-small"))  # 90 of 100
+        more = pb.DraftRequest(items=[pb.DraftItem(session_id=sid, new_tokens=[6] * 20)])
+        assert _code(lambda: stub.Draft(more, metadata=_md("tok-small"))) == grpc.StatusCode.RESOURCE_EXHAUSTED
+        fed = pb.FeedbackRequest(items=[pb.FeedbackItem(session_id=sid, accepted=[7] * 11)])
+        assert _code(lambda: stub.Feedback(fed, metadata=_md("tok-small"))) == grpc.StatusCode.RESOURCE_EXHAUSTED
+        last = pb.DraftRequest(items=[pb.DraftItem(session_id=sid, new_tokens=[8] * 10)])
+        stub.Draft(last, metadata=_md("tok-small"))  # 100: the limit itself
+        assert _code(lambda: _open(stub, "tok-small", "ns-b", [9])) == grpc.StatusCode.RESOURCE_EXHAUSTED  # 100 held
+        close = pb.CloseSessionsRequest(sessions=[pb.CloseSession(session_id=sid)])
+        stub.CloseSessions(close, metadata=_md("tok-small"))
+        _open(stub, "tok-small", "ns-b", [9] * 100)  # all of it free again
+
+
 def test_token_file_errors_are_clear(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="at least one token"):
         TokenTable.from_dict({"tokens": []})
