@@ -98,18 +98,18 @@ def test_a_variable_that_is_no_flag_is_caught() -> None:
 
 def test_one_grpc_port_everywhere() -> None:
     services = compose()["services"]
-    deployment = k8s_base("Deployment", "draftcache")["spec"]["template"]["spec"]["containers"][0]
+    container = k8s_base("StatefulSet", "draftcache")["spec"]["template"]["spec"]["containers"][0]
     claims: dict[str, Any] = {
         "Dockerfile EXPOSE": next(c.value[0] for c in docker_commands() if c.cmd.upper() == "EXPOSE"),
         "Dockerfile ENV": dockerfile_env()["DRAFTCACHE_PORT"],
         "k8s ConfigMap": k8s_base("ConfigMap", "draftcache")["data"]["DRAFTCACHE_PORT"],
-        "k8s containerPort": deployment["ports"][0]["containerPort"],
+        "k8s containerPort": container["ports"][0]["containerPort"],
         "k8s Service": k8s_base("Service", "draftcache")["spec"]["ports"][0]["port"],
         "k8s headless Service": k8s_base("Service", "draftcache-headless")["spec"]["ports"][0]["port"],
         "systemd env file": read_env_file(UNIT_ENV)["DRAFTCACHE_PORT"],
     }
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        claims[f"k8s {probe}"] = deployment[probe]["grpc"]["port"]
+        claims[f"k8s {probe}"] = container[probe]["grpc"]["port"]
     for name in ("draftcache-1", "draftcache-2"):
         claims[f"compose {name} env"] = services[name]["environment"]["DRAFTCACHE_PORT"]
         claims[f"compose {name} container port"] = services[name]["ports"][0].rsplit(":", 1)[1]

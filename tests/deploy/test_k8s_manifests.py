@@ -1,10 +1,12 @@
 """deploy/k8s: every manifest against the Kubernetes JSON schemas (kubernetes-validate, strict:
 unknown fields are errors), the kustomizations rendered by kustomize (kubectl's, when installed),
-and what the manifests promise each other (labels, ports, probes, the Redis URL)."""
+and what the manifests promise each other (labels, ports, probes, the journal's volume, the Redis
+URL)."""
 
 from __future__ import annotations
 
 import copy
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,7 @@ from deploy_files import (
 # The oldest version with GA gRPC probes, and the newest the validator ships.
 VERSIONS = ("1.27.0", kubernetes_validate.utils.latest_version())
 SERVER_LABELS = {"app.kubernetes.io/name": "draftcache", "app.kubernetes.io/component": "server"}
+SERVER = ("StatefulSet", "draftcache")
 
 
 def validate(doc: dict[str, Any], version: str) -> None:
@@ -45,20 +48,20 @@ def test_manifest_matches_the_kubernetes_schema(path: Path, doc: dict[str, Any],
 
 
 def test_the_validator_rejects_broken_manifests() -> None:
-    deployment = k8s_base("Deployment", "draftcache")
-    typo = copy.deepcopy(deployment)
+    workload = k8s_base(*SERVER)
+    typo = copy.deepcopy(workload)
     container = typo["spec"]["template"]["spec"]["containers"][0]
     container["readinessProbe"]["grpcc"] = container["readinessProbe"].pop("grpc")  # unknown field
-    named_port = copy.deepcopy(deployment)
+    named_port = copy.deepcopy(workload)
     # gRPC probes take a number; a port name is a schema error (unlike httpGet/tcpSocket).
     named_port["spec"]["template"]["spec"]["containers"][0]["livenessProbe"]["grpc"]["port"] = "grpc"
-    wrong_type = copy.deepcopy(deployment)
+    wrong_type = copy.deepcopy(workload)
     wrong_type["spec"]["replicas"] = "two"
     for broken in (typo, named_port, wrong_type):
         with pytest.raises(kubernetes_validate.ValidationError):
             validate(broken, VERSIONS[-1])
     with pytest.raises(kubernetes_validate.utils.SchemaNotFoundError):
-        validate({**deployment, "apiVersion": "apps/v1beta9"}, VERSIONS[-1])
+        validate({**workload, "apiVersion": "apps/v1beta9"}, VERSIONS[-1])
 
 
 def test_manifests_are_namespace_agnostic() -> None:
@@ -99,7 +102,7 @@ def test_the_default_kustomization_renders_the_service_and_its_redis() -> None:
         validate(doc, VERSIONS[-1])
     assert set(by_kind(docs)) == {
         ("ConfigMap", "draftcache"),
-        ("Deployment", "draftcache"),
+        ("StatefulSet", "draftcache"),
         ("Service", "draftcache"),
         ("Service", "draftcache-headless"),
         ("PodDisruptionBudget", "draftcache"),
@@ -115,24 +118,44 @@ def test_the_external_redis_overlay_takes_the_url_from_a_secret() -> None:
         validate(doc, VERSIONS[-1])
     assert not [key for key in docs if "redis" in key[1]], "the in-cluster Redis is removed"
     assert "DRAFTCACHE_REDIS_URL" not in docs[("ConfigMap", "draftcache")]["data"]
-    container = docs[("Deployment", "draftcache")]["spec"]["template"]["spec"]["containers"][0]
-    env = {e["name"]: e for e in container["env"]}
+    workload = docs[SERVER]
+    env = {e["name"]: e for e in workload["spec"]["template"]["spec"]["containers"][0]["env"]}
     ref = env["DRAFTCACHE_REDIS_URL"]["valueFrom"]["secretKeyRef"]
     example = load_docs(K8S / "overlays" / "external-redis" / "secret.example.yaml")[0]
     assert ref["name"] == example["metadata"]["name"] and ref["key"] in example["stringData"]
+    # The patch merges into the service's StatefulSet: its journal keeps its claim.
+    assert journal_claim(workload) == journal_claim(k8s_base(*SERVER))
+
+
+def test_every_patch_names_a_resource_of_the_base() -> None:
+    """A patch whose kind or name the base no longer has fails the overlay's build (kustomize
+    finds nothing to patch): caught here without kubectl too."""
+    base = {(d["kind"], d["metadata"]["name"]) for _, d in k8s_resources()}
+    for k in kustomizations():
+        for patch in load_docs(k)[0].get("patches", []):
+            if "path" in patch:
+                doc = load_docs(k.parent / patch["path"])[0]
+                assert (doc["kind"], doc["metadata"]["name"]) in base, f"{k}: {patch['path']}"
+            else:
+                assert (patch["target"]["kind"], patch["target"]["name"]) in base, f"{k}: {patch['target']}"
 
 
 def server_container() -> dict[str, Any]:
-    containers = k8s_base("Deployment", "draftcache")["spec"]["template"]["spec"]["containers"]
+    containers = k8s_base(*SERVER)["spec"]["template"]["spec"]["containers"]
     assert len(containers) == 1
     return containers[0]
 
 
-def test_deployment_runs_two_replicas_with_grpc_health_probes() -> None:
-    deployment = k8s_base("Deployment", "draftcache")
-    assert deployment["spec"]["replicas"] == 2
-    assert deployment["spec"]["selector"]["matchLabels"] == SERVER_LABELS
-    assert deployment["spec"]["template"]["metadata"]["labels"] == SERVER_LABELS
+def test_server_runs_two_replicas_with_grpc_health_probes() -> None:
+    workload = k8s_base(*SERVER)
+    assert workload["spec"]["replicas"] == 2
+    assert workload["spec"]["selector"]["matchLabels"] == SERVER_LABELS
+    assert workload["spec"]["template"]["metadata"]["labels"] == SERVER_LABELS
+    # The replicas are independent: one that is not ready holds no other back.
+    assert workload["spec"]["podManagementPolicy"] == "Parallel"
+    # The governing Service (per-replica DNS names) is the headless one over the replicas.
+    governing = k8s_base("Service", workload["spec"]["serviceName"])
+    assert governing["spec"]["clusterIP"] == "None" and governing["spec"]["selector"] == SERVER_LABELS
     c = server_container()
     assert c["args"] == ["serve"]
     assert {"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"} in c["ports"]
@@ -143,8 +166,8 @@ def test_deployment_runs_two_replicas_with_grpc_health_probes() -> None:
         assert {"cpu", "memory"} <= set(c["resources"][kind]), kind
 
 
-def test_deployment_runs_as_the_image_user_on_a_read_only_root() -> None:
-    pod = k8s_base("Deployment", "draftcache")["spec"]["template"]["spec"]
+def test_server_runs_as_the_image_user_on_a_read_only_root() -> None:
+    pod = k8s_base(*SERVER)["spec"]["template"]["spec"]
     user = next(c.value[0] for c in final_stage() if c.cmd.upper() == "USER")
     assert f"{pod['securityContext']['runAsUser']}:{pod['securityContext']['runAsGroup']}" == user
     assert pod["securityContext"]["runAsNonRoot"] is True
@@ -172,8 +195,67 @@ def test_services_select_the_replicas_on_the_grpc_port() -> None:
 
 def test_disruption_budget_keeps_a_replica() -> None:
     pdb = k8s_base("PodDisruptionBudget", "draftcache")
+    workload = k8s_base(*SERVER)
     assert pdb["spec"]["selector"]["matchLabels"] == SERVER_LABELS
-    assert 1 <= pdb["spec"]["minAvailable"] < k8s_base("Deployment", "draftcache")["spec"]["replicas"]
+    spare = workload["spec"]["replicas"] - pdb["spec"]["minAvailable"]
+    assert spare >= 1 and pdb["spec"]["minAvailable"] >= 1
+    # A rollout takes replicas down no faster than the budget lets a drain (1 at a time by default).
+    strategy = workload["spec"]["updateStrategy"]
+    assert strategy["type"] == "RollingUpdate"
+    assert strategy.get("rollingUpdate", {}).get("maxUnavailable", 1) <= spare
+
+
+# Kubernetes quantities, as a volume claim's storage request is written.
+QUANTITY_UNITS = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+
+
+def quantity_bytes(quantity: str) -> int:
+    match = re.fullmatch(r"(\d+)([A-Za-z]*)", quantity)
+    assert match and match.group(2) in QUANTITY_UNITS, quantity
+    return int(match.group(1)) * QUANTITY_UNITS[match.group(2)]
+
+
+def data_dir() -> Path:
+    """``--data-dir`` in the pod: the ConfigMap's setting, else the image's."""
+    var = "DRAFTCACHE_DATA_DIR"
+    return Path(k8s_base("ConfigMap", "draftcache")["data"].get(var) or dockerfile_env()[var])
+
+
+def journal_claim(workload: dict[str, Any]) -> dict[str, Any]:
+    """The volume claim template of the volume mounted at ``--data-dir`` (the commit journal)."""
+    pod = workload["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    path = data_dir()
+    holding = [m for m in container["volumeMounts"] if Path(m["mountPath"]) in (path, *path.parents)]
+    name = max(holding, key=lambda m: len(Path(m["mountPath"]).parts))["name"]  # the innermost
+    assert name not in {v["name"] for v in pod.get("volumes", [])}, f"{path} is on pod volume {name!r}"
+    claims = {c["metadata"]["name"]: c for c in workload["spec"].get("volumeClaimTemplates", [])}
+    assert name in claims, f"{path} is on {name!r}, no volume claim template"
+    return claims[name]
+
+
+def test_the_journal_is_on_a_claim_that_outlives_the_pod() -> None:
+    """--data-dir holds the journal of acknowledged commits that Redis has not taken yet. On an
+    emptyDir a rollout, an eviction or a lost node would delete them with the pod; on the
+    StatefulSet's claim the replica's replacement gets the same volume and replays them."""
+    claim = journal_claim(k8s_base(*SERVER))
+    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
+    requested = quantity_bytes(claim["spec"]["resources"]["requests"]["storage"])
+    capacity_mb = int(k8s_base("ConfigMap", "draftcache")["data"]["DRAFTCACHE_JOURNAL_CAPACITY_MB"])
+    assert requested > capacity_mb << 20  # serve reads the capacity in MiB
+    # Neither deleting the StatefulSet nor scaling it down deletes a claim still holding commits.
+    retention = k8s_base(*SERVER)["spec"].get("persistentVolumeClaimRetentionPolicy", {})
+    assert retention.get("whenDeleted", "Retain") == retention.get("whenScaled", "Retain") == "Retain"
+
+
+def test_a_journal_on_an_empty_dir_is_caught() -> None:
+    workload = copy.deepcopy(k8s_base(*SERVER))
+    (claim,) = workload["spec"].pop("volumeClaimTemplates")
+    workload["spec"]["template"]["spec"]["volumes"].append({"name": claim["metadata"]["name"], "emptyDir": {}})
+    with pytest.raises(AssertionError, match="on pod volume"):
+        journal_claim(workload)
+    # Binary and decimal units, as a claim may be sized either way.
+    assert quantity_bytes("64Mi") == 64 << 20 and quantity_bytes("1G") == 10**9
 
 
 def test_redis_is_persistent_and_reachable_at_the_configured_url() -> None:
