@@ -98,8 +98,15 @@ class DraftService:
         if principal is not None:
             principal.check_namespace(name)
         drafter, created = self.namespaces.create(name, vocab_size)
-        if created and persist and self._persistence is not None:
-            self._persistence.namespace_created(name, vocab_size)
+        if persist and self._persistence is not None:  # again when it exists: a retry after a failure
+            try:
+                self._persistence.namespace_created(name, vocab_size)
+            except BaseException:
+                if created:  # not registered: not served either
+                    with self.namespaces.unchanged():
+                        if self.namespaces.current(name, drafter) and self.namespaces.remove(name):
+                            self._orphaned = True
+                raise
         return drafter
 
     def namespace(self, name: str) -> NamespaceDrafter:

@@ -12,12 +12,17 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+import pytest
 from draftcache.v1 import draftcache_pb2 as pb
 from draftcache.v1 import draftcache_pb2_grpc as pb_grpc
 
 from cache_service.app import App, AppConfig, connect
 from cache_service.config import ServerConfig, ServiceConfig
+from cache_service.domain.errors import Unavailable
+from cache_service.domain.service import DraftService
 from cache_service.host.embedded_redis import find_server_binary, free_port
+from cache_service.persistence import RedisPersistence
+from cache_service.storage.connect import connect_for_calls
 from cache_service.storage.redis_store import RedisStore
 
 
@@ -116,3 +121,24 @@ def test_redis_killed_under_load_loses_no_acknowledged_commit(tmp_path: Path) ->
         loop.call_soon_threadsafe(loop.stop)
         if redis.proc is not None and redis.proc.poll() is None:
             redis.kill()
+
+
+def test_a_namespace_storage_could_not_register_is_not_served_and_a_retry_registers_it(tmp_path: Path) -> None:
+    """CreateNamespace while Redis is down answers UNAVAILABLE and leaves nothing behind; the
+    same call once Redis is back registers it (it was not taken for one that exists)."""
+    redis = Redis(tmp_path)
+    redis.start()
+    store = RedisStore(connect_for_calls(redis.url, 0.5))
+    service = DraftService(ServiceConfig(), RedisPersistence(store, max_pending=10))
+    try:
+        redis.kill()
+        with pytest.raises(Unavailable):
+            service.create_namespace("ns", 100)
+        assert service.namespace_names() == []
+        redis.start()
+        service.create_namespace("ns", 100)
+        assert service.namespace_names() == ["ns"] and store.namespaces() == {"ns": 100}
+        service.create_namespace("ns", 100)  # again: it exists, and stays registered
+        assert store.namespaces() == {"ns": 100}
+    finally:
+        redis.kill()
