@@ -354,7 +354,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
     drafter: InProcessDrafter | ServiceDrafter
     if a.target:
         replay_bench.ensure_namespace(a.target, Namespace(name="generate", vocab_size=vocab))
-        drafter = ServiceDrafter(ClientConfig(target=a.target, namespace="generate", params=params, topk=MAX_TOPK))
+        config = ClientConfig(target=a.target, namespace="generate", params=params, topk=MAX_TOPK, vocab_size=vocab)
+        drafter = ServiceDrafter(config)
     else:
         drafter = InProcessDrafter(vocab, params)
     result = run_generate(

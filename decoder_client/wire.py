@@ -21,6 +21,7 @@ from indexer.prespeculation import subtree
 from indexer.tree_builder import DraftTree
 
 _VARINT, _FIXED64, _LENGTH, _FIXED32 = 0, 1, 2, 5
+_EMPTY = DraftTree(np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0, np.uint8), np.zeros(0, np.float32))
 
 
 def params_to_proto(p: DraftParams) -> pb.DraftParams:
@@ -327,6 +328,32 @@ def _check(error: int) -> None:
         raise ValueError("malformed draft response" if error == 1 else "a draft tree's fields differ in length")
 
 
+@njit(cache=True, nogil=True)
+def malformed_trees(
+    tokens: np.ndarray, parents: np.ndarray, offsets: np.ndarray, vocab_size: int, most_nodes: int
+) -> np.ndarray:
+    """Per tree (nodes ``[offsets[k], offsets[k + 1])``), whether it is one a decoder must not
+    verify: a token outside ``[0, vocab_size)`` (``vocab_size`` 0: below 0 only), a parent not
+    in ``[-1, i)`` for node ``i``, or more than ``most_nodes`` nodes (0: any number).
+
+    >>> offsets = np.array([0, 2, 4, 6])
+    >>> malformed_trees(np.array([5, 6, 5, 99, 5, 6]), np.array([-1, 0, -1, 0, -1, 1]), offsets, 50, 0).tolist()
+    [False, True, True]
+    """
+    bad = np.zeros(offsets.size - 1, dtype=np.bool_)
+    for k in range(offsets.size - 1):
+        a, b = offsets[k], offsets[k + 1]
+        if most_nodes and b - a > most_nodes:
+            bad[k] = True
+            continue
+        for i in range(a, b):
+            t, parent = tokens[i], parents[i]
+            if t < 0 or (vocab_size and t >= vocab_size) or parent < -1 or parent >= i - a:
+                bad[k] = True
+                break
+    return bad
+
+
 def trees_from_response(resp: pb.DraftResponse) -> list[DraftTree]:
     """The response's trees, read in one compiled pass over its bytes (its prefetched trees are
     left out); ``ValueError`` if a tree's fields disagree."""
@@ -337,12 +364,32 @@ def trees_from_response(resp: pb.DraftResponse) -> list[DraftTree]:
     return [DraftTree(tokens[a:b], parents[a:b], sources[a:b], scores[a:b]) for a, b in itertools.pairwise(ends)]
 
 
-def prefetched_from_response(resp: pb.DraftResponse) -> list[dict[tuple[int, ...], DraftTree]]:
+def checked_trees_from_response(
+    resp: pb.DraftResponse, vocab_size: int, most_nodes: int
+) -> tuple[list[DraftTree], list[bool]]:
+    """:func:`trees_from_response`, and per tree whether it is malformed (see
+    :func:`malformed_trees`); a malformed tree comes back empty."""
+    buf = np.frombuffer(resp.SerializeToString(), dtype=np.uint8)
+    tokens, parents, sources, scores, offsets, error = decode_tree_batch(buf)
+    _check(error)
+    bad = malformed_trees(tokens, parents, offsets, vocab_size, most_nodes).tolist()
+    ends = offsets.tolist()
+    trees = [
+        _EMPTY if b else DraftTree(tokens[a:e], parents[a:e], sources[a:e], scores[a:e])
+        for (a, e), b in zip(itertools.pairwise(ends), bad, strict=True)
+    ]
+    return trees, bad
+
+
+def prefetched_from_response(resp: pb.DraftResponse, vocab_size: int = 0) -> list[dict[tuple[int, ...], DraftTree]]:
     """Per item, the trees drafted ahead by accepted path, read in one compiled pass over the
-    response's bytes; ``ValueError`` if they are malformed."""
+    response's bytes; ``ValueError`` if they are malformed. A tree with an id outside
+    ``[0, vocab_size)`` or a parent that is not an earlier node is left out (see
+    :func:`malformed_trees`)."""
     buf = np.frombuffer(resp.SerializeToString(), dtype=np.uint8)
     per_item, path_tokens, path_ends, tokens, parents, sources, scores, offsets, error = decode_prefetched_batch(buf)
     _check(error)
+    bad = malformed_trees(tokens, parents, offsets, vocab_size, 0).tolist()
     paths, ends, nodes = path_tokens.tolist(), path_ends.tolist(), offsets.tolist()
     out: list[dict[tuple[int, ...], DraftTree]] = []
     e = start = 0
@@ -350,7 +397,8 @@ def prefetched_from_response(resp: pb.DraftResponse) -> list[dict[tuple[int, ...
         ahead = {}
         for _ in range(count):
             a, b = nodes[e], nodes[e + 1]
-            ahead[tuple(paths[start : ends[e]])] = DraftTree(tokens[a:b], parents[a:b], sources[a:b], scores[a:b])
+            if not bad[e]:
+                ahead[tuple(paths[start : ends[e]])] = DraftTree(tokens[a:b], parents[a:b], sources[a:b], scores[a:b])
             start = ends[e]
             e += 1
         out.append(ahead)
@@ -374,6 +422,7 @@ def warm_up() -> None:
     one = pb.Tree(tokens=[1], parents=[-1], sources=b"\x01", scores=[0.5])
     resp = pb.DraftResponse(trees=[one], prefetched=[pb.Prefetched(items=[pb.Prefetch(accepted=[2], tree=one)])])
     (tree,) = trees_from_response(resp)
-    (ahead,) = prefetched_from_response(resp)
+    checked_trees_from_response(resp, 2, 1)
+    (ahead,) = prefetched_from_response(resp, 2)
     for t in (tree, *ahead.values()):
         subtree(t, 1)

@@ -50,6 +50,9 @@ class ClientConfig:
     # all of it): a short rest of a long sure chain would cost the step the chain a call brings.
     chain_take: int = 0
     topk: int = 0  # the target's top-k ids sent per verified position, when the decoder gives them (0: none)
+    # The namespace's vocabulary: a tree from the service with an id outside it is not used (the
+    # fallback drafts instead). 0: ids are only checked to be >= 0.
+    vocab_size: int = 0
     stream: bool = True  # calls on two bidirectional streams (False: one unary call each)
     token: str = ""  # bearer token, when the service authenticates callers
     tls_root_cert_file: str = ""  # PEM CA of the service's certificate: use TLS
@@ -71,6 +74,8 @@ class ClientConfig:
             raise ValueError(f"chain_take must be in [0, params.chain={self.params.chain}], got {self.chain_take}")
         if not 0 < self.chain_run_on <= 1:
             raise ValueError(f"chain_run_on must be in (0, 1], got {self.chain_run_on}")
+        if self.vocab_size < 0:
+            raise ValueError(f"vocab_size must be >= 0, got {self.vocab_size}")
         if not 0 <= self.topk <= MAX_TOPK:
             raise ValueError(f"topk must be in [0, {MAX_TOPK}], got {self.topk}")
         if bool(self.tls_cert_file) != bool(self.tls_key_file):

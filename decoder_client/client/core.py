@@ -74,6 +74,7 @@ class ClientStats:
     commits_retried: int = 0  # ended requests whose commit did not land at once (kept to send again)
     commits_dropped: int = 0  # ended requests never committed (the backlog was full, or the service refused them)
     commits_pending: int = 0  # ended requests kept to commit or with their commit under way, when last counted
+    malformed: int = 0  # trees from the service not used: an id outside the vocabulary, a bad parent, too many nodes
     draft_calls: int = 0  # draft calls a step waited on ...
     draft_wait_s: float = 0.0  # ... and the time from sending each to its reply (or to giving up on it)
 
@@ -110,6 +111,8 @@ class ClientCore:
         fallback(np.array([1, 2, 1], dtype=np.int32), 2)
         self.params = wire.params_to_proto(config.params)
         self.cut_chains_at(config.params.chain_min_prob)
+        self._most_nodes = config.params.chain or config.params.budget  # what a tree may hold
+        self._said_malformed = False
 
     def cut_chains_at(self, min_prob: float) -> None:
         """Sessions opened from now on ask for chains cut at ``min_prob``; continued chains run
@@ -358,7 +361,15 @@ class ClientCore:
             self.in_doubt(remote)
             return
         self.late_run = 0
-        ahead = wire.prefetched_from_response(resp) if len(resp.prefetched) else [{} for _ in remote]
+        ahead: list[dict[tuple[int, ...], DraftTree]] = [{} for _ in remote]
+        if len(resp.prefetched):
+            try:
+                ahead = wire.prefetched_from_response(resp, self.config.vocab_size)
+            except ValueError as exc:
+                logger.warning("draftcache: trees drafted ahead not used: %s", exc)
+            if len(ahead) != len(remote):
+                logger.warning("draftcache: trees drafted ahead for %d items, not %d", len(ahead), len(remote))
+                ahead = [{} for _ in remote]
         for s, more in zip(remote, ahead, strict=True):
             s.heard()
             s.prefetched = more
@@ -375,10 +386,23 @@ class ClientCore:
         call's outcome too (see :meth:`answered`)."""
         remote = [s for s in sessions if s.server_id]
         drafted: list[DraftTree] = []
+        bad: list[bool] = []
         if resp is not None:
-            drafted = wire.trees_from_response(resp)
-            if len(drafted) == len(remote):
-                self.stats.remote += len(remote)
+            try:
+                drafted, bad = wire.checked_trees_from_response(resp, self.config.vocab_size, self._most_nodes)
+            except ValueError as exc:  # no answer at all: every sequence drafts locally
+                logger.warning("draftcache: a draft response not used: %s", exc)
+                self.stats.malformed += len(remote)
+                resp, bad = None, []
+            if any(bad):  # those sequences draft locally
+                self.stats.malformed += sum(bad)
+                if not self._said_malformed:
+                    logger.warning("draftcache: %d malformed trees from the service not used", sum(bad))
+                    self._said_malformed = True
+            if resp is None:
+                pass
+            elif len(drafted) == len(remote):
+                self.stats.remote += len(remote) - sum(bad)
             else:  # not an answer to this call: the sessions' server copies are in doubt
                 logger.warning("draft call for %d sessions answered with %d trees", len(remote), len(drafted))
                 if remote and not drafted and self.columns:
@@ -387,9 +411,11 @@ class ClientCore:
                 resp, drafted = None, []
         if book:
             self.answered(sessions, resp, drafted)
-        if resp is not None and len(remote) == len(sessions):  # the service answered for every sequence
+        if resp is not None and len(remote) == len(sessions) and not any(bad):  # answered for every sequence
             return drafted
-        got = dict(zip(map(id, remote), drafted, strict=True)) if resp is not None else {}
+        got = {}
+        if resp is not None:
+            got = {id(s): tree for s, tree, b in zip(remote, drafted, bad, strict=True) if not b}
         out = []
         for s in sessions:
             tree = got.get(id(s))

@@ -169,6 +169,7 @@ class NearClient:
         except grpc.RpcError as exc:
             logger.warning("near copy: the service's log could not be read (%s); it starts empty", exc.code())
             return ""
+        entries = self._in_vocabulary(entries)
         if entries:
             self.drafter.commit_finished(entries)
             self.drafter.memory.rebuild()
@@ -269,12 +270,22 @@ class NearClient:
         if self.drafter.memory.delta_tokens():
             self._rebuild()
 
+    def _in_vocabulary(self, entries: list[np.ndarray]) -> list[np.ndarray]:
+        """The log's entries whose ids all lie in the namespace's vocabulary: one that does not
+        (a service of another tokenizer, a damaged log) is left out, never drafted from."""
+        vocab = self.drafter.namespace.vocab_size
+        kept = [e for e in entries if not e.size or (int(e.min()) >= 0 and int(e.max()) < vocab)]
+        if len(kept) < len(entries):
+            dropped = len(entries) - len(kept)
+            logger.warning("near copy: %d log entries with ids outside the vocabulary not used", dropped)
+        return kept
+
     def _take_followed(self) -> None:
         """Other processes' commits read from the service's log join the lifetime memory (on
         the drafting thread: the memory changes only there)."""
         if self._follower is None:
             return
-        followed = self._follower.take(TAKE_TOKENS)
+        followed = self._in_vocabulary(self._follower.take(TAKE_TOKENS))
         if followed:
             self.drafter.commit_finished(followed)
             self.stats.followed += len(followed)

@@ -197,7 +197,7 @@ class EngineSettings:
         process over ``vocab_size`` ids, with the prior file read now (a missing or corrupt file
         is an error at the engine's start, not a silent loss of drafts) or, without one, the
         service's prior read in the background."""
-        config = self.client_config(num_speculative_tokens)
+        config = dataclasses.replace(self.client_config(num_speculative_tokens), vocab_size=vocab_size or 0)
         if not self.near:
             from decoder_client.client import DraftClient
 

@@ -10,12 +10,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+import numpy as np
 import pytest
 from draftcache.v1 import draftcache_pb2 as pb
 
 from cache_service.config import EmbeddedRedisConfig
 from cache_service.domain.service import MAX_LOG_READ_TOKENS
 from cache_service.host.embedded_redis import EmbeddedRedis
+from cache_service.storage.connect import connect
+from cache_service.storage.redis_store import RedisStore
 from decoder_client.client.config import ClientConfig
 from decoder_client.client.near import NearClient
 from indexer.drafter import DraftParams
@@ -180,6 +183,27 @@ def test_a_near_copy_starts_with_what_the_fleet_finished_before_it(replica: Repl
     finally:
         late.shutdown()
         empty.shutdown()
+
+
+def test_a_near_copy_leaves_out_log_entries_outside_the_vocabulary(replica: Replica) -> None:
+    """A log entry with ids outside the namespace's vocabulary (written past the service, by a
+    tool of another tokenizer) never reaches a near copy's memory, at start or when followed."""
+    store = RedisStore(connect(replica.app.url))
+    store.append_requests(NS, [np.array([1, 2, 3, 40, 41, 142, 143, 144], np.int32)])
+    commit(replica, [1, 2, 3], ANSWER)
+    config = ClientConfig(target=replica.target, namespace=NS, params=DraftParams(chain=8))
+    near = NearClient(config, VOCAB, memory_tokens=1 << 16, follow_s=0.05)
+    try:
+        assert near.stats.followed == 1  # the good one only
+        store.append_requests(NS, [np.array([9, 9, 240, 241], np.int32)])
+        commit(replica, [9, 9, 9], [60, 61, 62, 63])
+        eventually(lambda: near._follower is not None and near._follower.followed >= 2)
+        near.settle()
+        assert near.stats.followed == 2
+        (s,) = near.open([[7, 8, 1, 2, 3, 40, 41]])
+        assert all(t < VOCAB for t in near.draft([s], [[]])[0].tokens.tolist())
+    finally:
+        near.shutdown()
 
 
 def test_a_near_copy_whose_service_is_down_starts_empty_at_once(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ from draftcache.v1 import draftcache_pb2 as pb
 
 from decoder_client.client import ClientConfig, ClientSession, TopkAt, prompt_lookup_fallback
 from decoder_client.client.core import ClientCore
+from indexer.drafter import DraftParams
 
 
 def _core(*, stream: bool = True, late_before_skip: int = 2) -> ClientCore:
@@ -160,3 +161,52 @@ def test_topk_rows_go_in_the_form_every_service_reads_unless_they_name_their_tok
         a, b = req.items
         assert list(a.topk_after) == [4, 50] and list(a.topk) == [5, 1, 51, 52]
         assert not b.topk_after and list(b.topk) == [8, 1]
+
+
+def _tree(tokens: list[int], parents: list[int]) -> pb.Tree:
+    return pb.Tree(tokens=tokens, parents=parents, sources=bytes(len(tokens)), scores=[0.5] * len(tokens))
+
+
+def test_a_malformed_tree_from_the_service_is_not_used() -> None:
+    """Trees with an id outside the vocabulary, a parent that is not an earlier node, or more
+    nodes than the chain asked for: those sequences draft locally, the others use theirs."""
+    config = ClientConfig(target="unused", namespace="ns", params=DraftParams(chain=4), vocab_size=50)
+    core = ClientCore(config, prompt_lookup_fallback)
+    good = _tree([7, 8], [-1, 0])
+    bad = [
+        _tree([7, 50], [-1, 0]),  # past the vocabulary
+        _tree([-7], [-1]),
+        _tree([7, 8], [-1, 1]),  # its own parent
+        _tree([7, 8], [-1, 40]),
+        _tree([7, 8, 9, 10, 11], [-1, 0, 1, 2, 3]),  # a chain of 5 where 4 were asked
+    ]
+    for tree in bad:
+        sessions = [_remote([1, 2, 3, 1, 2], "a"), _remote([4, 5, 6], "b")]
+        trees = core.trees(sessions, pb.DraftResponse(trees=[tree, good]))
+        assert trees[1].tokens.tolist() == [7, 8]
+        assert all(0 <= t < 50 for t in trees[0].tokens.tolist()) and trees[0].tokens.tolist() != tree.tokens
+        assert sessions[0].chain is None or sessions[0].chain.tokens.size == 0  # not continued from
+    assert core.stats.malformed == len(bad) and core.stats.fallback == len(bad) and core.stats.remote == len(bad)
+    # Fields that disagree in length: no answer at all, every sequence drafts locally.
+    torn = pb.Tree(tokens=[7, 8], parents=[-1], sources=b"\0\0", scores=[0.5, 0.5])
+    trees = core.trees([_remote([1, 2], "a")], pb.DraftResponse(trees=[torn]))
+    assert core.stats.fallback == len(bad) + 1 and core.columns
+
+
+def test_a_malformed_tree_drafted_ahead_is_left_out() -> None:
+    """A tree drafted ahead whose parent points past it (a kernel would read out of bounds) or
+    whose ids leave the vocabulary is dropped; the well-formed ones are kept."""
+    core = ClientCore(ClientConfig(target="unused", namespace="ns", vocab_size=50), prompt_lookup_fallback)
+    s = _remote([1, 2], "a")
+    ahead = [
+        pb.Prefetch(accepted=[3], tree=_tree([4, 5], [-1, 0])),
+        pb.Prefetch(accepted=[6], tree=_tree([4, 5], [-1, 2_000_000_000])),
+        pb.Prefetch(accepted=[7], tree=_tree([4, 99], [-1, 0])),
+    ]
+    resp = pb.DraftResponse(trees=[_tree([3], [-1])], prefetched=[pb.Prefetched(items=ahead)])
+    core.trees([s], resp)
+    assert list(s.prefetched) == [(3,)]
+    # Trees drafted ahead for more items than the call named: none is used.
+    two = pb.DraftResponse(trees=[_tree([3], [-1])], prefetched=[pb.Prefetched(items=ahead[:1])] * 2)
+    core.trees([s], two)
+    assert s.prefetched == {}
