@@ -44,6 +44,7 @@ class AsyncDraftClient:
         self._opening: tuple[Reopening, asyncio.Future] | None = None
         self._background: set[asyncio.Future] = set()
         self._closing: set[asyncio.Future] = set()  # background closes (booked as each ends)
+        self._to_close: list[tuple[list[ClientSession], bool]] = []  # closes waiting on a call (see close)
 
     @property
     def stats(self) -> ClientStats:
@@ -100,6 +101,7 @@ class AsyncDraftClient:
             case CatchUp(end):
                 await self._settle(end)
                 await self._check_late()
+                self._send_closes()
             case Reopen(sessions):
                 self._reopen(sessions)
             case Draft(req, left):
@@ -159,18 +161,38 @@ class AsyncDraftClient:
         self._core.add_tokens(sessions, new_tokens)
 
     async def close(self, sessions: Sequence[ClientSession], *, commit: bool = True) -> None:
+        """See :meth:`DraftClient.close`."""
         await self._settle()
-        await self._check_late(sessions)
-        await self._land_reopen()
-        close = self._core.close_request(sessions, commit)
-        if close is not None:  # in the background: committing indexes the requests first
-            task = self._future("close", close, self._core.config.control_timeout_s)
-            task.add_done_callback(partial(self._closed, close))
-            self._closing.add(task)
+        await self._check_late()
+        self._to_close.append((list(sessions), commit))
+        self._send_closes()
+
+    def _send_closes(self, *, now: bool = False) -> None:
+        """See :meth:`DraftClient._send_closes`."""
+        if self._opening is not None and self._opening[1].done():
+            self._land_opening(*self._opening)
+        busy = {id(s) for pairs, _ in self._core.late for s, _ in pairs}
+        if self._opening is not None:
+            busy.update(map(id, self._opening[0].sessions))
+        waiting = []
+        for sessions, commit in self._to_close:
+            if not now and any(id(s) in busy for s in sessions):
+                waiting.append((sessions, commit))
+                continue
+            close = self._core.close_request(sessions, commit)
+            if close is not None:  # in the background: committing indexes the requests first
+                self._send_close(close)
+        self._to_close = waiting
+
+    def _send_close(self, req: pb.CloseSessionsRequest) -> None:
+        task = self._future("close", req, self._core.config.control_timeout_s)
+        task.add_done_callback(partial(self._closed, req))
+        self._closing.add(task)
 
     async def settle(self) -> None:
         """See :meth:`DraftClient.settle`."""
         await self._check_late()
+        self._send_closes()
         self._reopen([])
 
     def _closed(self, req: pb.CloseSessionsRequest, task: asyncio.Future) -> None:
@@ -182,6 +204,7 @@ class AsyncDraftClient:
         await self._settle()
         await self._check_late(None)
         await self._land_reopen()
+        self._send_closes(now=True)
         await self._wait_closing()
         await self._commit_backlog()
         req = self._core.abandoned_request(now=True)
@@ -228,9 +251,7 @@ class AsyncDraftClient:
         """See :meth:`DraftClient._send_commits`."""
         req = self._core.commit_request()
         if req is not None:
-            task = self._future("close", req, self._core.config.control_timeout_s)
-            task.add_done_callback(partial(self._closed, req))
-            self._closing.add(task)
+            self._send_close(req)
 
     async def _commit_backlog(self) -> None:
         """See :meth:`DraftClient._commit_backlog`."""

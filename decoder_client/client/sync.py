@@ -47,6 +47,7 @@ class DraftClient:
         self._opening: tuple[Reopening, grpc.Future | StreamFuture] | None = None
         self._background: list[grpc.Future | StreamFuture] = []  # calls nobody waits for (kept until done)
         self._closing: list[tuple[pb.CloseSessionsRequest, grpc.Future | StreamFuture]] = []
+        self._to_close: list[tuple[list[ClientSession], bool]] = []  # closes waiting on a call (see close)
 
     @property
     def config(self) -> ClientConfig:
@@ -191,14 +192,13 @@ class DraftClient:
     def close(self, sessions: Sequence[ClientSession], *, commit: bool = True) -> None:
         """End the requests; with ``commit`` the service adds them to its lifetime memory. One
         call carries their last step's tokens and runs in the background: its outcome is booked
-        at the next call (a failed close ends the server copies without commit later)."""
+        at the next call (a failed close ends the server copies without commit later). Where a
+        session's open or a late draft call (on the stream) is still under way, the close is
+        sent at a later call, once that one ended: the decoder never waits on the service here."""
         self._settle()
-        self._check_late(sessions)  # their tokens must be in before the close (another stream)
-        self._land_reopen()
+        self._check_late()
+        self._to_close.append((list(sessions), commit))
         self._reap()
-        close = self._core.close_request(sessions, commit)
-        if close is not None:  # in the background: committing indexes the requests first
-            self._closing.append((close, self._future("close", close, self.config.control_timeout_s)))
 
     def commit(self, requests: Sequence[Sequence[int] | np.ndarray]) -> None:
         """Add whole finished requests (prompt and output, decoded without this client's
@@ -239,8 +239,9 @@ class DraftClient:
         self._reopen([])
 
     def _reap(self, *, wait: bool = False) -> None:
-        """Book the background closes that ended (``wait``: all of them, each at most until its
-        deadline)."""
+        """Send the closes that can go (:meth:`_send_closes`), then book the background closes
+        that ended (``wait``: all of them, each at most until its deadline)."""
+        self._send_closes(now=wait)
         pending = []
         for req, future in self._closing:
             if not (wait or future.done()):
@@ -252,6 +253,27 @@ class DraftClient:
             except (grpc.RpcError, grpc.FutureTimeoutError, grpc.FutureCancelledError) as exc:
                 self._core.close_settled(req, exc)
         self._closing = pending
+
+    def _send_closes(self, *, now: bool = False) -> None:
+        """Send, in the background, the closes asked for whose sessions wait on no call (``now``:
+        all of them). A session's open must land first (the close goes to the copy it makes), and
+        a late draft call on the stream must end (the close travels on the other stream: it would
+        overtake the tokens; a call that failed puts the copy in doubt, and the request is then
+        kept to commit)."""
+        if self._opening is not None and self._opening[1].done():
+            self._land_opening(*self._opening)
+        busy = {id(s) for pairs, _ in self._core.late for s, _ in pairs}
+        if self._opening is not None:
+            busy.update(map(id, self._opening[0].sessions))
+        waiting = []
+        for sessions, commit in self._to_close:
+            if not now and any(id(s) in busy for s in sessions):
+                waiting.append((sessions, commit))
+                continue
+            close = self._core.close_request(sessions, commit)
+            if close is not None:  # in the background: committing indexes the requests first
+                self._closing.append((close, self._future("close", close, self.config.control_timeout_s)))
+        self._to_close = waiting
 
     def shutdown(self) -> None:
         """Settle calls in flight, close the server copies given up on, close the channel."""

@@ -19,7 +19,7 @@ from cache_service.config import ServiceConfig
 from cache_service.host.embedded_redis import free_port
 from decoder_client.client import ClientConfig, ClientStats, DraftClient
 from indexer.drafter import DraftParams
-from tests.service.conftest import start_service, stop_service
+from tests.service.conftest import eventually, start_service, stop_service
 
 # A "document" the target copies around new tokens: prompt lookup and the service both draft
 # the copies; the new tokens take one step each, whoever drafts.
@@ -588,6 +588,7 @@ def test_a_server_that_predates_columnar_calls_gets_items(monkeypatch, stream: b
         client = DraftClient(ClientConfig(target=running.target, namespace="toy", deadline_s=2.0, stream=stream))
         out, _ = _generate(client)
         assert out == TARGET.tolist()
+        eventually(lambda: client.settle() or client.stats.reopened == 1)  # lands at a call after the close
         assert client.stats.fallback > 0 and client.stats.reopened == 1  # the first call got no trees
         fallback = client.stats.fallback
         out, steps = _generate(client)  # a new request: drafted by the service, in items
