@@ -288,6 +288,9 @@ class App:
         except StorageError as exc:  # shared indexes are built from the log in storage
             logger.warning("rebuild of %s deferred: %s", name, exc)
             return
+        except Exception:  # a full disk, say: the other namespaces are rebuilt all the same
+            logger.exception("rebuild of %s failed (tried again on the next run)", name)
+            return
         finally:
             self._last_rebuild[name] = time.monotonic()
             release_free_memory()  # what the build allocated and freed

@@ -10,6 +10,7 @@ caller (the service, or :mod:`cache_service.sync` for the background jobs) appli
 from __future__ import annotations
 
 import logging
+import shutil
 import threading
 from pathlib import Path
 
@@ -275,11 +276,14 @@ class RedisPersistence:
 
     def load_prior(self, ns: str) -> tuple[StaticPrior, int] | None:
         """The published prior of ``ns`` and its version; with a prior folder, saved there once
-        and memory-mapped (so processes of a host share one copy)."""
+        and memory-mapped (so processes of a host share one copy). A saved folder that does not
+        load (damaged) is saved again from storage."""
         if self._prior_dir is not None:
             version = self.store.prior_version(ns)
-            if version is not None and prior_files.folder_for(self._prior_dir, ns, version).exists():
-                return self._mapped(ns, version), version
+            if version is not None:
+                mapped = self._mapped(ns, version)
+                if mapped is not None:
+                    return mapped, version
         found = self.store.get_prior(ns)
         if found is None:
             return None
@@ -289,9 +293,23 @@ class RedisPersistence:
             return prior, version
         prior_files.save(prior, prior_files.folder_for(self._prior_dir, ns, version))
         del prior, blob
-        return self._mapped(ns, version), version
+        mapped = self._mapped(ns, version)
+        if mapped is None:  # another process's copy, damaged (now removed), or removed meanwhile
+            raise ValueError(f"namespace {ns!r}: prior version {version} saved but not loaded")
+        return mapped, version
 
-    def _mapped(self, ns: str, version: int) -> StaticPrior:
-        prior = prior_files.load(prior_files.folder_for(self._prior_dir or Path(), ns, version))
+    def _mapped(self, ns: str, version: int) -> StaticPrior | None:
+        """The version saved on this host, mapped, and the versions before the previous one
+        removed; ``None`` when it is not saved here, or not whole (it is then removed)."""
+        folder = prior_files.folder_for(self._prior_dir or Path(), ns, version)
+        if not folder.exists():
+            return None
+        try:
+            prior = prior_files.load(folder)
+        except ValueError as exc:
+            logger.warning("namespace %s: damaged prior folder removed, to be saved again: %s", ns, exc)
+            shutil.rmtree(folder, ignore_errors=True)
+            return None
+        prior_files.prune(folder.parent, version)
         logger.info("namespace %s: static prior version %d mapped from %s", ns, version, self._prior_dir)
         return prior

@@ -68,14 +68,22 @@ class StorageSync:
             self._registered[name] = drafter
             after = None
             if self.shared is not None:  # map the host's generation; build one first if there is none
-                self.shared.publish(name, wait=True, only_if_missing=True)
-                gen = self.shared.adopt(name, drafter.memory, threads=drafter.threads)
-                after = None if gen is None else gen.through
+                try:
+                    self.shared.publish(name, wait=True, only_if_missing=True)
+                    gen = self.shared.adopt(name, drafter.memory, threads=drafter.threads)
+                    after = None if gen is None else gen.through
+                except OSError as exc:  # a full disk, say: the log is served from memory until a rebuild
+                    logger.error(
+                        "namespace %s: lifetime generation not built (the rebuild job tries again): %s", name, exc
+                    )
             requests, ids = self.persistence.read_log(name, after)
             drafter.memory.commit_many(requests, ids)
             if requests and self.shared is None:
                 drafter.memory.rebuild()
-            self._load_prior(name)
+            try:
+                self._load_prior(name)
+            except (ValueError, OSError) as exc:  # a blob that does not parse, a folder not written
+                logger.error("namespace %s: static prior not loaded (the reload job tries again): %s", name, exc)
             self._load_successors(name, *self.persistence.read_successors(name))
             logger.info(
                 "restored namespace %s: %d requests, %d tokens", name, len(requests), drafter.memory.buffered_tokens
@@ -219,7 +227,7 @@ class StorageSync:
                         continue
                     if self._refused.get(name) != (drafter, version):  # a refused version is not read again
                         self._load_prior(name)
-                except (StorageError, ValueError) as exc:  # ValueError: a published blob that does not parse
+                except (StorageError, ValueError, OSError) as exc:  # a blob that does not parse, a folder not written
                     logger.warning("prior reload for %s deferred: %s", name, exc)
 
     def _load_prior(self, name: str) -> None:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cache_service.host.prior_files import safe_name
+from cache_service.host.prior_files import fsync, safe_name, stale_tmp, sync_folder
 from indexer.lifetime_index import LifetimeIndexes, LogId
 from indexer.ngram_table import NgramTable, NgramTableConfig
 from indexer.suffix_array import SuffixIndex
@@ -33,7 +33,6 @@ FORMAT = 2
 CURRENT = "current.json"
 META = "generation.json"
 LOCK = "build.lock"
-STALE_TMP_S = 3600.0  # a temporary folder this old was left by a process that died mid-write
 
 
 @dataclass(frozen=True)
@@ -59,6 +58,25 @@ def save(indexes: LifetimeIndexes, *, log: str, through: LogId, ns_dir: Path) ->
     tmp = ns_dir / f".{name}.{os.getpid()}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)  # left by a dead process that had this pid
     tmp.mkdir(parents=True)
+    try:
+        _write(indexes, log, through, tmp)
+        sync_folder(tmp)  # else a power loss can leave the renamed folder with files of no bytes
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # and the space it held with it
+        raise
+    if folder.exists():
+        shutil.rmtree(folder)
+    os.rename(tmp, folder)
+    fsync(ns_dir)
+    pointer = ns_dir / f".{CURRENT}.{os.getpid()}.tmp"
+    pointer.write_text(json.dumps({"folder": name}))
+    fsync(pointer)
+    os.replace(pointer, ns_dir / CURRENT)
+    fsync(ns_dir)
+    return folder
+
+
+def _write(indexes: LifetimeIndexes, log: str, through: LogId, tmp: Path) -> None:
     np.save(tmp / "tokens.npy", indexes.suffix.tokens, allow_pickle=False)
     np.save(tmp / "sa.npy", indexes.suffix.suffix_array, allow_pickle=False)
     for key, array in indexes.table.arrays().items():
@@ -75,13 +93,6 @@ def save(indexes: LifetimeIndexes, *, log: str, through: LogId, ns_dir: Path) ->
         | {"min_count": c.min_count, "max_leaders": c.max_leaders},
     }
     (tmp / META).write_text(json.dumps(meta))
-    if folder.exists():
-        shutil.rmtree(folder)
-    os.rename(tmp, folder)
-    pointer = ns_dir / f".{CURRENT}.{os.getpid()}.tmp"
-    pointer.write_text(json.dumps({"folder": name}))
-    os.replace(pointer, ns_dir / CURRENT)
-    return folder
 
 
 def current_name(ns_dir: Path) -> str | None:
@@ -117,8 +128,8 @@ def load(folder: Path) -> Generation:
         log, version, seconds = str(meta["log"]), int(meta["version"]), float(meta["build_seconds"])
         table_version = int(meta.get("table_version", version))
         extendable = meta.get("format") == FORMAT  # older ones sorted separators as tokens
-    except (OSError, KeyError, IndexError, TypeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{folder}: not a saved generation: {exc}") from exc
+    except (OSError, EOFError, ValueError, KeyError, IndexError, TypeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{folder}: not a saved generation: {exc}") from exc  # EOFError: an empty file
     if tokens.dtype != np.int32 or tokens.ndim != 1 or tokens.size == 0 or tokens[-1] != SEPARATOR:
         raise ValueError(f"{folder}: tokens must be 1-D int32 ending with a separator")
     if sa.dtype != np.int32 or sa.shape != tokens.shape:
@@ -134,8 +145,7 @@ def prune(ns_dir: Path, keep: set[Path]) -> int:
     gone = 0
     now = time.time()
     for path in ns_dir.iterdir():
-        stale_tmp = path.name.endswith(".tmp") and now - path.stat().st_mtime > STALE_TMP_S
-        if path.is_dir() and ((path.name.startswith("g") and path not in keep) or stale_tmp):
+        if (path.is_dir() and path.name.startswith("g") and path not in keep) or stale_tmp(path, now):
             shutil.rmtree(path, ignore_errors=True)
             gone += 1
     return gone

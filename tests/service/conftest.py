@@ -67,9 +67,15 @@ def stop_service(running: Running) -> None:
 class Replica:
     """A whole service (``App``: storage, schedules, gRPC) in this process, on a free port, with
     fast write-back and following and no scheduled rebuilds; ``lifetime_dir`` shares lifetime
-    indexes with the other replicas given the same folder."""
+    indexes (``prior_dir``: priors) with the other replicas given the same folder."""
 
-    def __init__(self, url: str, max_session_tokens: int = 1 << 20, lifetime_dir: Path | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        max_session_tokens: int = 1 << 20,
+        lifetime_dir: Path | None = None,
+        prior_dir: Path | None = None,
+    ) -> None:
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
         fast = ServiceConfig(
@@ -84,6 +90,7 @@ class Replica:
             server=ServerConfig(port=0),
             redis_url=url,
             lifetime_dir=lifetime_dir,
+            prior_dir=prior_dir,
             journal_dir=self.journal_dir,
         )
         self.app = App(config)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import inspect
 import json
+import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -129,6 +130,22 @@ def test_damaged_or_foreign_files_are_ignored_and_replaced(store: RedisStore, tm
     assert fresh is not None and fresh.indexes.suffix.tokens.tolist()[:3] == [9, 9, 9]
 
 
+def test_an_empty_file_in_a_generation_counts_as_none(store: RedisStore, tmp_path: Path) -> None:
+    """What a power loss can leave of a generation written just before it: a file of no bytes."""
+    shared = SharedIndexes(store, tmp_path / "lifetime", LifetimeConfig(capacity_tokens=1000))
+    store.append_requests("toy", [_req(1, 2, 3)])
+    shared.publish("toy")
+    gen = shared.published("toy")
+    assert gen is not None
+    (gen.folder / "tokens.npy").write_bytes(b"")
+    with pytest.raises(ValueError, match="not a saved generation"):
+        lifetime_files.load(gen.folder)
+    assert shared.published("toy") is None
+    assert shared.publish("toy", only_if_missing=True) is not None  # built again from the whole log
+    again = shared.published("toy")
+    assert again is not None and again.indexes.suffix.tokens.tolist()[:3] == [1, 2, 3]
+
+
 def test_one_builder_at_a_time(store: RedisStore, tmp_path: Path) -> None:
     root = tmp_path / "lifetime"
     shared = SharedIndexes(store, root, LifetimeConfig(capacity_tokens=1000))
@@ -208,6 +225,41 @@ def test_workers_share_one_build_and_a_restarted_one_maps_it(redis_url: str, tmp
     finally:
         a.stop()
         b.stop()
+
+
+def test_a_namespace_whose_generation_cannot_be_written_holds_up_no_other(
+    store: RedisStore, redis_url: str, tmp_path: Path
+) -> None:
+    """A namespace whose folder cannot be written (a file stands where it goes; a full disk
+    fails alike) is said in the log and tried again on the next run; the other namespaces'
+    generations are built all the same, and a process starts and serves it from its log."""
+    root = tmp_path / "lifetime"
+    store.register_namespace("aa", 100)
+    store.append_requests("aa", [_req(40, 41, 42, 43)])
+    store.append_requests("toy", [_req(10, 11, 12, 13)])
+    a = Worker(redis_url, root)
+    b = None
+    try:
+        blocked = lifetime_files.namespace_dir(root, "aa")
+        shutil.rmtree(blocked)
+        blocked.write_text("in the way")
+        store.append_requests("aa", [_req(50, 51, 52, 53)])
+        store.append_requests("toy", [_req(20, 21, 22, 23)])
+        eventually(lambda: a.app.service.namespace("toy").memory.delta_tokens() == 5, WAIT_S)  # followed
+        a.app._rebuild()
+        assert a.app.service.namespace("toy").memory.delta_tokens() == 0  # a generation of its own
+        assert len(_folders(root)) == 2
+        b = Worker(redis_url, root)  # starting: maps toy's generation, serves aa's log from memory
+        assert b.app.shared is not None and b.app.shared.adopted("aa") is None
+        assert b.app.service.namespace("aa").memory.delta_tokens() == 10
+        assert b.app.service.namespace("toy").memory.delta_tokens() == 0 and b.draft([9, 20, 21])[:2] == [22, 23]
+        blocked.unlink()
+        b.app._rebuild()
+        assert b.app.service.namespace("aa").memory.delta_tokens() == 0
+    finally:
+        a.stop()
+        if b is not None:
+            b.stop()
 
 
 def test_freed_heap_goes_back_to_the_os_after_a_build() -> None:
