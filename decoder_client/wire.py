@@ -381,15 +381,20 @@ def checked_trees_from_response(
     return trees, bad
 
 
-def prefetched_from_response(resp: pb.DraftResponse, vocab_size: int = 0) -> list[dict[tuple[int, ...], DraftTree]]:
+def prefetched_from_response(
+    resp: pb.DraftResponse, vocab_size: int | None = None
+) -> list[dict[tuple[int, ...], DraftTree]]:
     """Per item, the trees drafted ahead by accepted path, read in one compiled pass over the
-    response's bytes; ``ValueError`` if they are malformed. A tree with an id outside
-    ``[0, vocab_size)`` or a parent that is not an earlier node is left out (see
-    :func:`malformed_trees`)."""
+    response's bytes; ``ValueError`` if they are malformed. With ``vocab_size`` (0: not known),
+    a tree with an id outside ``[0, vocab_size)`` or a parent that is not an earlier node is left
+    out (see :func:`malformed_trees`)."""
     buf = np.frombuffer(resp.SerializeToString(), dtype=np.uint8)
     per_item, path_tokens, path_ends, tokens, parents, sources, scores, offsets, error = decode_prefetched_batch(buf)
     _check(error)
-    bad = malformed_trees(tokens, parents, offsets, vocab_size, 0).tolist()
+    if vocab_size is None:
+        bad = [False] * (offsets.size - 1)
+    else:
+        bad = malformed_trees(tokens, parents, offsets, vocab_size, 0).tolist()
     paths, ends, nodes = path_tokens.tolist(), path_ends.tolist(), offsets.tolist()
     out: list[dict[tuple[int, ...], DraftTree]] = []
     e = start = 0
