@@ -159,29 +159,30 @@ def test_a_frozen_redis_holds_a_close_for_the_call_timeout_only(tmp_path: Path) 
     again by the replay)."""
     redis = Redis(tmp_path)
     redis.start()
-    serve = _start(tmp_path / "data", redis_url=redis.url)
     assert redis.proc is not None
+    frozen = redis.proc.pid
+    serve = _start(tmp_path / "data", redis_url=redis.url)
+
+    def poll(_: int) -> None:
+        read = pb.ReadLogRequest(namespace="ns", after="0-0", max_tokens=100)
+        with contextlib.suppress(grpc.RpcError):
+            serve.stub.ReadLog(read, timeout=1)
+
     try:
-        acked = _commits(serve, range(3))
-        kill(redis.proc.pid, signal.SIGSTOP)
-        began = time.monotonic()
-        acked += _commits(serve, range(3, 4))
-        assert time.monotonic() - began < 8  # the call timeout (2 s), not the background jobs' 30 s x 2
-
-        def poll(_: int) -> None:
-            read = pb.ReadLogRequest(namespace="ns", after="0-0", max_tokens=100)
-            with contextlib.suppress(grpc.RpcError):
-                serve.stub.ReadLog(read, timeout=1)
-
-        with ThreadPoolExecutor(16) as pool:
-            list(pool.map(poll, range(16)))  # every read thread held by the frozen Redis now
+        try:
+            acked = _commits(serve, range(3))
+            kill(frozen, signal.SIGSTOP)
             began = time.monotonic()
-            acked += _commits(serve, range(4, 6))
-            assert time.monotonic() - began < 8
-        assert len(acked) == 6 and serve.stats().storage.journaled_commits >= 3
-    finally:
-        kill(redis.proc.pid, signal.SIGCONT)
-    try:
+            acked += _commits(serve, range(3, 4))
+            assert time.monotonic() - began < 8  # the call timeout (2 s), not the background jobs' 30 s x 2
+            with ThreadPoolExecutor(16) as pool:
+                list(pool.map(poll, range(16)))  # every read thread held by the frozen Redis now
+                began = time.monotonic()
+                acked += _commits(serve, range(4, 6))
+                assert time.monotonic() - began < 8
+            assert len(acked) == 6 and serve.stats().storage.journaled_commits >= 3
+        finally:
+            kill(frozen, signal.SIGCONT)
         wait_for(lambda: serve.stats().storage.journaled_commits == 0, 60, "the journal replayed")
         _assert_logged_once(redis.url, acked, range(6))
         assert len(log_entries(redis.url, "ns")) == 6
