@@ -226,6 +226,11 @@ class RedisPersistence:
         vocabulary size."""
         return self.store.namespaces()
 
+    def log_identities(self, names: list[str]) -> dict[str, str | None]:
+        """Each namespace's log identity (``None``: none made yet); a namespace deleted and
+        created again has another, whatever its vocabulary."""
+        return self.store.log_identities(names)
+
     def read_log(self, ns: str, after: LogId | None = None) -> Requests:
         """The whole log of ``ns`` (past ``after``), from which the cursor then follows it."""
         out: list[np.ndarray] = []

@@ -51,6 +51,9 @@ class StorageSync:
         # Drafters created here that reads have not held yet, and when a read first missed them.
         self._unseen: dict[str, tuple[NamespaceDrafter, float]] = {}
         self._refused: dict[str, tuple[NamespaceDrafter, int]] = {}  # prior versions not served
+        # Per namespace, the identity of the log its drafter was made from: another one in
+        # storage means the namespace was deleted and created again (the same vocabulary or not).
+        self._logs: dict[str, tuple[NamespaceDrafter, str]] = {}
         self.registration_grace_s = REGISTRATION_GRACE_S
 
     # -- start-up ------------------------------------------------------------------------------
@@ -66,6 +69,7 @@ class StorageSync:
         for name, vocab in sorted(registered.items()):
             drafter = self.service.create_namespace(name, vocab, persist=False)
             self._registered[name] = drafter
+            self._seen_log(name, drafter, self.persistence.log_identities([name])[name])  # before the log is read
             after = None
             if self.shared is not None:  # map the host's generation; build one first if there is none
                 try:
@@ -139,15 +143,19 @@ class StorageSync:
         then are taken first and only those are judged by it: a namespace deleted and created
         again here meanwhile is never forgotten for a read that missed the new one, while one
         the registry holds with another vocabulary (deleted and created again elsewhere) is
-        replaced."""
+        replaced, and so is one whose log is another than the one its drafter was made from
+        (deleted and created again elsewhere with the same vocabulary)."""
         with self._discover_lock:
             before = self.service.namespaces.drafters()
             registered = self.persistence.namespaces()
+            logs = self.persistence.log_identities(sorted(registered.keys() & before.keys()))
             read_at = time.monotonic()
             confirmed: dict[str, NamespaceDrafter] = {}
             for name, vocab in registered.items():
                 drafter = before.get(name)
-                if drafter is not None and drafter.namespace.vocab_size != vocab:
+                if drafter is not None and (
+                    drafter.namespace.vocab_size != vocab or not self._seen_log(name, drafter, logs[name])
+                ):
                     self._forget(name, drafter)
                     drafter = None
                 found = drafter or self._create(name, vocab)
@@ -163,6 +171,18 @@ class StorageSync:
                     self._remove_files(name, lifetime=name not in serving)
             self._registered, self._unseen = confirmed, unseen
             self._refused = {n: r for n, r in self._refused.items() if serving.get(n) is r[0]}  # no hold on the gone
+            self._logs = {n: seen for n, seen in self._logs.items() if serving.get(n) is seen[0]}
+
+    def _seen_log(self, name: str, drafter: NamespaceDrafter, log: str | None) -> bool:
+        """Whether ``log`` (the namespace's log identity in storage now) may be the one
+        ``drafter`` was made from: the one it was first seen with, or the first seen (a log
+        gets its identity on first use)."""
+        seen = self._logs.get(name)
+        if seen is not None and seen[0] is drafter:
+            return log == seen[1]
+        if log is not None:
+            self._logs[name] = (drafter, log)
+        return True
 
     def _deleted(
         self, name: str, drafter: NamespaceDrafter, read_at: float, unseen: dict[str, tuple[NamespaceDrafter, float]]

@@ -206,6 +206,18 @@ class RedisStore:
         return raw.decode()
 
     @guarded
+    def log_identities(self, names: list[str]) -> dict[str, str | None]:
+        """Each namespace's log identity as it stands (``None`` where none was made yet), in one
+        round trip; unlike :meth:`log_identity` it creates none."""
+        if not names:
+            return {}
+        pipe = self.client.pipeline(transaction=False)
+        for ns in names:
+            pipe.get(keys.log_identity(ns))
+        found = pipe.execute()
+        return {ns: raw.decode() if isinstance(raw, bytes) else None for ns, raw in zip(names, found, strict=True)}
+
+    @guarded
     def log_size(self, ns: str) -> tuple[int, int]:
         """``(entries, tokens)`` in the namespace's log."""
         return stream_log.size(self.client, ns)

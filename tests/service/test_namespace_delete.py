@@ -225,3 +225,30 @@ def test_a_namespace_created_here_and_deleted_elsewhere_before_any_read_goes_aft
     sync.registration_grace_s = 0.0
     sync.sync()
     assert service.namespace_names() == ["ns"]
+
+
+def test_a_namespace_deleted_and_created_again_elsewhere_with_the_same_vocabulary_is_replaced(
+    synced: tuple[DraftService, StorageSync, _ReadThen, RedisStore],
+) -> None:
+    """Between two reads of this replica, another deletes the namespace and creates it again
+    with the same vocabulary: its log is another, so the drafter made from the old one (the
+    deleted namespace's history) goes, and a new one serves the name."""
+    service, sync, _, store = synced
+    old = service.namespace("ns")
+    store.log_identity("ns")  # the log's identity, made by its first commit
+    sync.sync()
+    sync.sync()
+    assert service.namespace("ns") is old  # the same log: nothing changes
+    for made in (True, False):  # the new log with its identity made already, or not yet
+        before = service.namespace("ns")
+        store.delete_namespace("ns")
+        store.register_namespace("ns", 10)
+        if made:
+            store.log_identity("ns")
+        sync.sync()
+        assert service.namespace("ns") is not before and service.namespace("ns").namespace.vocab_size == 10
+        store.log_identity("ns")
+        sync.sync()
+        kept = service.namespace("ns")
+        sync.sync()
+        assert service.namespace("ns") is kept
