@@ -44,7 +44,6 @@ class AsyncDraftClient:
         self._opening: tuple[Reopening, asyncio.Future] | None = None
         self._background: set[asyncio.Future] = set()
         self._closing: set[asyncio.Future] = set()  # background closes (booked as each ends)
-        self._to_close: list[tuple[list[ClientSession], bool]] = []  # closes waiting on a call (see close)
 
     @property
     def stats(self) -> ClientStats:
@@ -164,25 +163,16 @@ class AsyncDraftClient:
         """See :meth:`DraftClient.close`."""
         await self._settle()
         await self._check_late()
-        self._to_close.append((list(sessions), commit))
+        self._core.ask_close(sessions, commit)
         self._send_closes()
 
     def _send_closes(self, *, now: bool = False) -> None:
         """See :meth:`DraftClient._send_closes`."""
         if self._opening is not None and self._opening[1].done():
             self._land_opening(*self._opening)
-        busy = {id(s) for pairs, _ in self._core.late for s, _ in pairs}
-        if self._opening is not None:
-            busy.update(map(id, self._opening[0].sessions))
-        waiting = []
-        for sessions, commit in self._to_close:
-            if not now and any(id(s) in busy for s in sessions):
-                waiting.append((sessions, commit))
-                continue
-            close = self._core.close_request(sessions, commit)
-            if close is not None:  # in the background: committing indexes the requests first
-                self._send_close(close)
-        self._to_close = waiting
+        opening = [] if self._opening is None else self._opening[0].sessions
+        for close in self._core.closes_due(opening, now=now):
+            self._send_close(close)
 
     def _send_close(self, req: pb.CloseSessionsRequest) -> None:
         task = self._future("close", req, self._core.config.control_timeout_s)

@@ -103,6 +103,7 @@ class ClientCore:
         self.late_run = 0  # draft calls in a row past their deadline
         self.abandoned: list[str] = []  # server sessions given up on (closed when the service answers)
         self.late: list[_LateCall] = []  # see :meth:`missed`
+        self.to_close: list[tuple[list[ClientSession], bool]] = []  # closes waiting on a call (see closes_due)
         self.commits = CommitBacklog(config.commit_backlog_tokens)  # ended requests not committed yet
         self.columns = True  # draft calls in columns (False once a server showed it predates them)
         wire.warm_up()  # the response reader is compiled now, not on the first step's deadline
@@ -434,6 +435,28 @@ class ClientCore:
         return pb.CloseSessionsRequest(
             sessions=[pb.CloseSession(session_id=sid, commit=False, missing_ok=True) for sid in ids]
         )
+
+    def ask_close(self, sessions: Sequence[ClientSession], commit: bool) -> None:
+        """A close asked for: its request is made by :meth:`closes_due`, once it may go."""
+        self.to_close.append((list(sessions), commit))
+
+    def closes_due(self, opening: Sequence[ClientSession], *, now: bool = False) -> list[pb.CloseSessionsRequest]:
+        """The requests of the closes asked for whose sessions wait on no call (``now``: all of
+        them). A session in ``opening`` (its open under way) must wait for it: the close goes to
+        the copy it makes. One with a late draft call on the stream must wait for it to end: the
+        close travels on the other stream and would overtake the tokens (a call that failed puts
+        the copy in doubt, and the request is then kept to commit)."""
+        busy = {id(s) for pairs, _ in self.late for s, _ in pairs} | {id(s) for s in opening}
+        due, waiting = [], []
+        for sessions, commit in self.to_close:
+            if not now and any(id(s) in busy for s in sessions):
+                waiting.append((sessions, commit))
+                continue
+            close = self.close_request(sessions, commit)
+            if close is not None:
+                due.append(close)
+        self.to_close = waiting
+        return due
 
     def close_request(self, sessions: Sequence[ClientSession], commit: bool) -> pb.CloseSessionsRequest | None:
         """One call ending the sessions' server copies, each with its last step's tokens. It is

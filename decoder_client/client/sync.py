@@ -47,7 +47,6 @@ class DraftClient:
         self._opening: tuple[Reopening, grpc.Future | StreamFuture] | None = None
         self._background: list[grpc.Future | StreamFuture] = []  # calls nobody waits for (kept until done)
         self._closing: list[tuple[pb.CloseSessionsRequest, grpc.Future | StreamFuture]] = []
-        self._to_close: list[tuple[list[ClientSession], bool]] = []  # closes waiting on a call (see close)
 
     @property
     def config(self) -> ClientConfig:
@@ -197,7 +196,7 @@ class DraftClient:
         sent at a later call, once that one ended: the decoder never waits on the service here."""
         self._settle()
         self._check_late()
-        self._to_close.append((list(sessions), commit))
+        self._core.ask_close(sessions, commit)
         self._reap()
 
     def commit(self, requests: Sequence[Sequence[int] | np.ndarray]) -> None:
@@ -255,25 +254,13 @@ class DraftClient:
         self._closing = pending
 
     def _send_closes(self, *, now: bool = False) -> None:
-        """Send, in the background, the closes asked for whose sessions wait on no call (``now``:
-        all of them). A session's open must land first (the close goes to the copy it makes), and
-        a late draft call on the stream must end (the close travels on the other stream: it would
-        overtake the tokens; a call that failed puts the copy in doubt, and the request is then
-        kept to commit)."""
+        """Send, in the background, the closes that may go (``now``: all of them; see
+        :meth:`ClientCore.closes_due`), an open that ended landed first."""
         if self._opening is not None and self._opening[1].done():
             self._land_opening(*self._opening)
-        busy = {id(s) for pairs, _ in self._core.late for s, _ in pairs}
-        if self._opening is not None:
-            busy.update(map(id, self._opening[0].sessions))
-        waiting = []
-        for sessions, commit in self._to_close:
-            if not now and any(id(s) in busy for s in sessions):
-                waiting.append((sessions, commit))
-                continue
-            close = self._core.close_request(sessions, commit)
-            if close is not None:  # in the background: committing indexes the requests first
-                self._closing.append((close, self._future("close", close, self.config.control_timeout_s)))
-        self._to_close = waiting
+        opening = [] if self._opening is None else self._opening[0].sessions
+        for close in self._core.closes_due(opening, now=now):  # committing indexes the requests first
+            self._closing.append((close, self._future("close", close, self.config.control_timeout_s)))
 
     def shutdown(self) -> None:
         """Settle calls in flight, close the server copies given up on, close the channel."""
