@@ -122,20 +122,27 @@ def test_service_killed_while_storage_is_down_keeps_every_commit(tmp_path: Path)
         redis.kill()
 
 
+def _journaled_then_killed(data: Path, redis: Redis, written: range, journaled: range) -> list[int]:
+    """``written`` committed into Redis, then Redis killed, ``journaled`` committed (into the
+    journal) and the service killed right after; the acknowledged commits."""
+    serve = _start(data, redis_url=redis.url)
+    try:
+        acked = _commits(serve, written)
+        wait_for(lambda: serve.stats().storage.journaled_commits == 0, 30, "the first commits written")
+        redis.kill()
+        acked += _commits(serve, journaled)
+        serve.sigkill()
+    finally:
+        serve.close()
+    return acked
+
+
 def test_a_journal_is_replayed_when_the_service_comes_back_with_other_processes(tmp_path: Path) -> None:
     """Commits journaled by one process are replayed by a run of ``--processes 2`` (each worker
     journals in a folder of its own, and takes over what no live process holds)."""
     redis = Redis(tmp_path)
     redis.start()
-    serve = _start(tmp_path / "data", redis_url=redis.url)
-    try:
-        acked = _commits(serve, range(5))
-        wait_for(lambda: serve.stats().storage.journaled_commits == 0, 30, "the first commits written")
-        redis.kill()
-        acked += _commits(serve, range(5, 25))
-        serve.sigkill()
-    finally:
-        serve.close()
+    acked = _journaled_then_killed(tmp_path / "data", redis, range(5), range(5, 25))
     journal = tmp_path / "data" / "journal" / "commits.journal"
     assert journal.stat().st_size > 0
     redis.start()
@@ -197,15 +204,7 @@ def test_a_journal_is_not_replayed_into_a_namespace_created_again(tmp_path: Path
     at the replay, as the deleted namespace's are: the new namespace's log never holds them."""
     redis = Redis(tmp_path)
     redis.start()
-    serve = _start(tmp_path / "data", redis_url=redis.url)
-    try:
-        _commits(serve, range(3))
-        wait_for(lambda: serve.stats().storage.journaled_commits == 0, 30, "the first commits written")
-        redis.kill()
-        assert len(_commits(serve, range(3, 13))) == 10  # journaled
-        serve.sigkill()
-    finally:
-        serve.close()
+    assert len(_journaled_then_killed(tmp_path / "data", redis, range(3), range(3, 13))) == 13
     redis.start()
     store = RedisStore(connect(redis.url))
     store.delete_namespace("ns")
