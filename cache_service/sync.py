@@ -66,10 +66,11 @@ class StorageSync:
         except StorageError as exc:
             logger.warning("journaled commits not replayed yet (%d): %s", self.persistence.pending, exc)
         registered = self.persistence.namespaces()
+        logs = self.persistence.log_identities(sorted(registered))  # before any log is read
         for name, vocab in sorted(registered.items()):
             drafter = self.service.create_namespace(name, vocab, persist=False)
             self._registered[name] = drafter
-            self._seen_log(name, drafter, self.persistence.log_identities([name])[name])  # before the log is read
+            self._seen_log(name, drafter, logs[name])
             after = None
             if self.shared is not None:  # map the host's generation; build one first if there is none
                 try:
