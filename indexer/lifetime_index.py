@@ -178,6 +178,18 @@ _NO_TABLE = (
     np.zeros((0, 1), dtype=np.uint16),
 )
 LogId = tuple[int, int]  # a position in the shared log, ordered as the log orders its entries
+Run = tuple[list[np.ndarray], SuffixIndex]  # a delta run: its requests (with separators), their index
+
+
+class Served(NamedTuple):
+    """What a memory's searches read: the main indexes and the delta runs beside them, swapped
+    in together (one reference) so that no search sees a new main index beside the runs it
+    replaced, which would count their requests twice, nor the old one beside their trimmed
+    runs, which would miss them."""
+
+    indexes: LifetimeIndexes | None
+    runs: list[Run]  # oldest first
+    stacked: StackedRuns  # the runs' indexes end to end, for drafting
 
 
 def next_generation(previous: np.ndarray | None, requests: list[np.ndarray], capacity: int) -> np.ndarray:
@@ -268,8 +280,8 @@ class LifetimeMemory:
         self.config = config
         self.buffer: LifetimeBuffer | None = LifetimeBuffer(config.capacity_tokens) if ring else None
         self._indexes: LifetimeIndexes | None = None
-        self._runs: list[tuple[list[np.ndarray], SuffixIndex]] = []  # oldest first
-        self._stacked = _NO_INDEX  # the runs' indexes end to end, for drafting
+        self._runs: list[Run] = []  # oldest first
+        self._served = Served(None, [], _NO_INDEX)
         self._delta_tokens: list[np.ndarray] = []
         self._delta_ids: list[LogId | None] = []  # each delta piece's log position, once known
         self._delta_from = 0  # buffer.appended covered by the main indexes
@@ -371,7 +383,7 @@ class LifetimeMemory:
         return piece
 
     def _add_run(self, pieces: list[np.ndarray]) -> None:
-        runs = [*self._runs, (pieces, SuffixIndex(np.concatenate(pieces)))]  # readers keep the old list
+        runs: list[Run] = [*self._runs, (pieces, SuffixIndex(np.concatenate(pieces)))]  # readers keep the old list
         while len(runs) >= 2 and runs[-2][1].size <= 2 * runs[-1][1].size:
             newer, older = runs.pop(), runs.pop()
             joined = older[0] + newer[0]
@@ -380,8 +392,10 @@ class LifetimeMemory:
         if sum(run.size for _, run in runs) > self.capacity:
             self._refresh_delta()  # the ring overwrote part of the delta: only a tiny ring does
 
-    def _set_runs(self, runs: list[tuple[list[np.ndarray], SuffixIndex]]) -> None:
-        self._runs, self._stacked = runs, StackedRuns.of([run for _, run in runs])
+    def _set_runs(self, runs: list[Run]) -> None:
+        """The delta's runs, served with the main indexes as they stand now."""
+        self._runs = runs
+        self._served = Served(self._indexes, runs, StackedRuns.of([run for _, run in runs]))
 
     def _refresh_delta(self) -> None:
         """One run over the whole delta, cut to what the ring still holds (without a ring, the
@@ -412,8 +426,9 @@ class LifetimeMemory:
 
     def suffix_indexes(self) -> list[SuffixIndex]:
         """The indexes to search, main first; together they cover the whole buffer."""
-        out = [] if self._indexes is None else [self._indexes.suffix]
-        out.extend(run for _, run in self._runs)
+        served = self._served
+        out = [] if served.indexes is None else [served.indexes.suffix]
+        out.extend(run for _, run in served.runs)
         return out
 
     def continuations(
@@ -424,7 +439,7 @@ class LifetimeMemory:
         weights)``: a row stands for ``weight`` occurrences. The indexes holding the match share
         the samples by how often each does. ``hint`` (the previous match plus the tokens
         accepted since) only saves work."""
-        indexes, runs = self._indexes, self._stacked
+        indexes, _, runs = self._served
         main = _NO_INDEX if indexes is None else indexes.suffix
         n, rows, weights, _ = kernels.stacked_continuations(
             main.tokens,
@@ -443,7 +458,8 @@ class LifetimeMemory:
 
     def search_arrays(self) -> SearchArrays:
         """The arrays a compiled draft step searches, as they stand now."""
-        return search_arrays(self._indexes, self._stacked)
+        served = self._served
+        return search_arrays(served.indexes, served.stacked)
 
     def known_prefix(self, tokens: np.ndarray, min_piece: int = 16) -> int:
         """How much of a request's beginning the memory already holds, possibly in pieces: the

@@ -1,3 +1,6 @@
+import sys
+import threading
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -365,3 +368,32 @@ def test_a_generation_that_does_not_fit_is_sorted_afresh():
     older = type(old)(old.suffix, old.table, old.version, old.build_seconds, extendable=False)
     assert not next_indexes(older, _a([1, 2, S, 4, S]), 2, config, 5).extended
     assert next_indexes(first, _a([1, 2, S, 4, S]), 2, config, 5).extended
+
+
+def test_searches_beside_a_rebuild_count_each_request_once():
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # threads take turns often, so searches land inside the swap
+    try:
+        for _ in range(3):
+            mem = _mem(capacity_tokens=1 << 17)
+            mem.commit_many([_a([1, 2, 3])] * 20000)
+            seen: set[tuple[int, int]] = set()
+            searching, done = threading.Event(), threading.Event()
+
+            def search(mem=mem, seen=seen, searching=searching, done=done):
+                while not done.is_set():
+                    n, _, weights = mem.continuations(_a([1, 2]), max_len=4, depth=1, samples=4)
+                    seen.add((n, round(float(weights.sum()))))
+                    searching.set()
+
+            reader = threading.Thread(target=search)
+            reader.start()
+            searching.wait()
+            mem.rebuild()
+            done.set()
+            reader.join()
+            # Before, during and after the rebuild a search finds "1 2" 20000 times: in the
+            # delta, then in the main index, never in both at once nor in neither.
+            assert seen == {(2, 20000)}
+    finally:
+        sys.setswitchinterval(switch)
