@@ -505,13 +505,18 @@ class LifetimeMemory:
         return self.delta_tokens() > self.config.delta_max_tokens
 
     def rebuild(self) -> LifetimeIndexes:
-        """Snapshot the buffer, build, swap. Concurrent callers coalesce into one build."""
+        """Snapshot the buffer, build, swap. Concurrent callers coalesce into one build: with
+        nothing committed since the last generation (a caller that waited on the build that made
+        it), that generation is returned as it is, not sorted afresh."""
         if self.buffer is None:
             raise RuntimeError("this memory's indexes are built elsewhere and adopted")
         with self._rebuild_lock:
-            with self._lock:
-                snapshot, version = self.buffer.snapshot(), self.buffer.appended
             previous = self._indexes
+            with self._lock:
+                version = self.buffer.appended
+                if previous is not None and previous.version == version:
+                    return previous
+                snapshot = self.buffer.snapshot()
             new = version - (0 if previous is None else previous.version)
             built = next_indexes(previous, snapshot, min(new, snapshot.size), self.config, version)
             with self._lock:

@@ -1,5 +1,6 @@
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -368,6 +369,24 @@ def test_a_generation_that_does_not_fit_is_sorted_afresh():
     older = type(old)(old.suffix, old.table, old.version, old.build_seconds, extendable=False)
     assert not next_indexes(older, _a([1, 2, S, 4, S]), 2, config, 5).extended
     assert next_indexes(first, _a([1, 2, S, 4, S]), 2, config, 5).extended
+
+
+def test_a_rebuild_with_nothing_new_keeps_the_last_generation():
+    mem = _mem(capacity_tokens=64)
+    mem.commit(_a([1, 2, 3]))
+    first = mem.rebuild()
+    # Nothing committed since: the same generation, not the whole buffer sorted afresh (and its
+    # serial unchanged, so the matches sessions carry from it stay usable).
+    assert mem.rebuild() is first
+    mem.commit(_a([2, 3, 4]))
+    second = mem.rebuild()
+    assert second is not first and second.extended
+    # Two callers at once: one builds, the other waits and gets what it built.
+    mem.commit(_a([3, 4, 5]))
+    with ThreadPoolExecutor(2) as pool:
+        built = list(pool.map(lambda _: mem.rebuild(), range(2)))
+    assert built[0] is built[1] is mem.indexes
+    assert built[0] is not second and built[0].extended
 
 
 def test_searches_beside_a_rebuild_count_each_request_once():
