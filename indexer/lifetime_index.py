@@ -43,6 +43,9 @@ from indexer.ngram_table import NgramTable, NgramTableConfig, lcp_array, with_fi
 from indexer.suffix_array import SuffixIndex, build_suffix_array, extend_suffix_array
 from indexer.tokens import SEPARATOR
 
+# Suffix arrays hold int32 positions: the most tokens one index may cover.
+MAX_CAPACITY_TOKENS = int(np.iinfo(np.int32).max)
+
 
 @dataclass(frozen=True, kw_only=True)
 class LifetimeConfig:
@@ -58,8 +61,8 @@ class LifetimeConfig:
     exact_max_tokens: int = 1 << 14  # longest response kept for exact-prompt hits
 
     def __post_init__(self) -> None:
-        if self.capacity_tokens < 2:
-            raise ValueError(f"capacity_tokens must be >= 2, got {self.capacity_tokens}")
+        if not 2 <= self.capacity_tokens <= MAX_CAPACITY_TOKENS:
+            raise ValueError(f"capacity_tokens must be in [2, {MAX_CAPACITY_TOKENS}], got {self.capacity_tokens}")
         if self.delta_max_tokens < 1:
             raise ValueError(f"delta_max_tokens must be >= 1, got {self.delta_max_tokens}")
         if not 0 <= self.table_refresh <= 1:

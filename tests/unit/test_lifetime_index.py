@@ -35,6 +35,7 @@ def _occurrences(mem, pattern):
     "kw",
     [
         {"capacity_tokens": 1},
+        {"capacity_tokens": 2**31},  # past int32 positions
         {"delta_max_tokens": 0},
         {"exact_entries": -1},
         {"exact_max_tokens": -1},
@@ -46,6 +47,11 @@ def test_config_validation(kw):
     # Sizes outside their documented ranges are rejected.
     with pytest.raises(ValueError):
         LifetimeConfig(**kw)
+
+
+def test_capacity_up_to_int32_positions_is_taken():
+    # The largest ring whose positions a suffix array's int32 entries still hold.
+    assert LifetimeConfig(capacity_tokens=2**31 - 1).capacity_tokens == 2**31 - 1
 
 
 def test_prompt_key_depends_on_every_token():
