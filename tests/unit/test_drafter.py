@@ -3,7 +3,7 @@ import pytest
 
 from indexer.calibration import Calibrator, Guesses
 from indexer.drafter import DrafterConfig, DraftParams, NamespaceDrafter
-from indexer.lifetime_index import prompt_key
+from indexer.lifetime_index import LifetimeConfig, prompt_key
 from indexer.prior import PriorConfig, StaticPrior
 from indexer.tokens import SEPARATOR, Namespace
 from indexer.tree_builder import Tier
@@ -505,3 +505,76 @@ def test_lifetime_samples_are_shared_by_the_delta_runs_holding_the_match():
         assert n == 4
         assert samples <= rows.shape[0] <= samples + 1  # 40 occurrences, 32 samples
         assert weights.sum() == pytest.approx(40)
+
+
+# -- well-formed drafts for any input ------------------------------------------------------------
+
+
+def _check_well_formed(tree, params, vocab):
+    n = len(tree)
+    # Never more nodes than the budget, a chain never longer than asked for.
+    assert n <= params.budget and (not params.chain or n <= params.chain)
+    # Parents precede their children (-1: the context's last token) ...
+    assert all(-1 <= p < i for i, p in enumerate(tree.parents.tolist()))
+    # ... no path is deeper than max_depth, and a chain is one path.
+    assert not n or tree.depths().max() <= params.max_depth
+    assert not params.chain or tree.parents.tolist() == list(range(-1, n - 1))
+    # Ids inside the vocabulary, probabilities finite in [0, 1].
+    assert ((tree.tokens >= 0) & (tree.tokens < vocab)).all()
+    assert np.isfinite(tree.scores).all() and ((tree.scores >= 0) & (tree.scores <= 1)).all()
+
+
+def _followed(tree):
+    """The tokens of the tree's first root path."""
+    out, at = [], -1
+    while (children := np.flatnonzero(tree.parents == at)).size:
+        at = int(children[0])
+        out.append(int(tree.tokens[at]))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_drafts_are_well_formed_whatever_the_context_budget_and_feedback(seed):
+    rng = np.random.default_rng(seed)
+    vocab = [1, 2, 3, 50][seed % 4]  # a one-token vocabulary too: every id is 0 and vocab - 1
+    lifetime = LifetimeConfig(capacity_tokens=[2, 5, 40][seed % 3], delta_max_tokens=4)
+    prior = StaticPrior.build(rng.integers(0, vocab, 200).astype(np.int32), PriorConfig(orders=(1, 2), follower_len=3))
+    d = NamespaceDrafter(Namespace(name="t", vocab_size=vocab), DrafterConfig(lifetime=lifetime), prior=prior)
+    s = d.open(rng.integers(0, vocab, [0, 1, 2, 30][seed % 4]).astype(np.int32))  # empty and one-token contexts
+    for step in range(300):
+        params = DraftParams(
+            budget=int(rng.choice([0, 1, 2, 16, 1024])),
+            max_depth=int(rng.choice([1, 2, 128])),
+            depth_reserve=int(rng.choice([0, 8, 128])),
+            chain=int(rng.choice([0, 0, 1, 4, 128])),
+        )
+        tree = d.draft(s, params)
+        _check_well_formed(tree, params, vocab)
+        # Feedback at its extremes: the whole first path accepted, every guess rejected, or a
+        # long run of tokens the draft knew nothing of.
+        feedback = rng.integers(3)
+        if feedback == 0:
+            produced = [*_followed(tree), int(rng.integers(vocab))]
+        elif feedback == 1:
+            produced = [int(rng.integers(vocab))]
+        else:
+            produced = rng.integers(0, vocab, 20).tolist()
+        d.accept(s, produced)
+        if step % 60 == 59:  # the request ends; its tokens join the lifetime memory
+            d.close(s)
+            d.memory.rebuild()
+            s = d.open(rng.integers(0, vocab, int(rng.integers(0, 3))).astype(np.int32))
+
+
+def test_drafts_stay_well_formed_once_trees_rank_by_calibrated_chances():
+    # Every draft's first path accepted for thousands of steps: the calibration counts grow
+    # large and one-sided, and trees come to be ranked by the calibrator's chances.
+    d = NamespaceDrafter(Namespace(name="t", vocab_size=3), DrafterConfig())
+    s = d.open([0, 1, 2, 0, 1])
+    rng = np.random.default_rng(0)
+    for _ in range(1500):
+        params = DraftParams(budget=int(rng.choice([1, 64, 1024])), max_depth=int(rng.choice([1, 128])))
+        tree = d.draft(s, params)
+        _check_well_formed(tree, params, 3)
+        d.accept(s, [*_followed(tree), int(rng.integers(3))])
+    assert d.chain_calibrator.trials >= 2000  # past the outcomes trees start ranking by it after

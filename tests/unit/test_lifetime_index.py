@@ -422,3 +422,39 @@ def test_searches_beside_a_rebuild_count_each_request_once():
             assert seen == {(2, 20000)}
     finally:
         sys.setswitchinterval(switch)
+
+
+@pytest.mark.parametrize("capacity", [2, 3, 7, 60])
+def test_searches_beside_commits_and_rebuilds_find_only_requests_as_committed(capacity):
+    # A rebuild thread swaps generations in while requests are committed (the ring wrapping
+    # many times over) and searched: every match and continuation found is a stretch of one
+    # request as the memory keeps it, never text joined across requests or a wrap seam.
+    rng = np.random.default_rng(capacity)
+    mem = _mem(capacity_tokens=capacity, delta_max_tokens=5, table_refresh=0.0)
+    kept: list[list[int]] = []
+    done = threading.Event()
+
+    def rebuild():
+        while not done.is_set():
+            mem.rebuild()
+
+    rebuilder = threading.Thread(target=rebuild)
+    rebuilder.start()
+    try:
+        for _ in range(400):
+            request = rng.integers(0, 3, int(rng.integers(0, 12))).astype(np.int32)
+            mem.commit(request)
+            kept.append(request[-(capacity - 1) :].tolist() if request.size >= capacity else request.tolist())
+            ctx = rng.integers(0, 3, int(rng.integers(0, 6))).astype(np.int32)
+            n, rows, _ = mem.continuations(ctx, max_len=8, depth=4, samples=4)
+            for row in rows.tolist():
+                tail = [t for t in row if t >= 0]
+                assert row == tail + [-1] * (len(row) - len(tail))  # padding only after the end
+                piece = ctx[ctx.size - n :].tolist() + tail
+                assert any(r[i : i + len(piece)] == piece for r in kept for i in range(len(r) - len(piece) + 1))
+    finally:
+        done.set()
+        rebuilder.join()
+    # Once the last commit is rebuilt, one index holds exactly the ring.
+    mem.rebuild()
+    assert [i.tokens.tolist() for i in mem.suffix_indexes()] == [mem.buffer.snapshot().tolist()]
