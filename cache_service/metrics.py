@@ -8,8 +8,9 @@ in one process (tests) keep their figures apart.
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -42,6 +43,11 @@ class Metrics:
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
 
     def __post_init__(self) -> None:
+        # The namespaces served now (see :meth:`served_by`), and the rebuild series recorded:
+        # those of a deleted namespace go, or names that come and go would pile up series.
+        self._served: Callable[[], Iterable[str]] | None = None
+        self._rebuild_series: set[tuple[str, str, str]] = set()
+        self._series_lock = threading.Lock()
         self.rpc_seconds = Histogram(
             "draftcache_rpc_seconds",
             "Server-side handling time of each call, by method and status code.",
@@ -56,8 +62,9 @@ class Metrics:
             "n-gram table rebuilt or carried over (table: new / carried).",
             ("namespace", "suffix", "table"),
             buckets=REBUILD_BUCKETS,
-            registry=self.registry,
+            registry=None,
         )
+        self.registry.register(_Pruned(self.rebuild_seconds, self._drop_gone))
         self.embedded_restarts = Counter(
             "draftcache_embedded_redis_restarts",
             "Times the embedded Redis was restarted after it died.",
@@ -75,7 +82,26 @@ class Metrics:
     def observe_rebuild(self, namespace: str, built: LifetimeIndexes) -> None:
         suffix = "extended" if built.extended else "sorted"
         table = "new" if built.table_version is None else "carried"
-        self.rebuild_seconds.labels(namespace, suffix, table).observe(built.build_seconds)
+        self._drop_gone()
+        with self._series_lock:
+            self._rebuild_series.add((namespace, suffix, table))
+            self.rebuild_seconds.labels(namespace, suffix, table).observe(built.build_seconds)
+
+    def served_by(self, namespaces: Callable[[], Iterable[str]]) -> None:
+        """Keep per-namespace series only for the ``namespaces()`` served now (a namespace
+        deleted takes its series along); :meth:`watch` sets it from the service."""
+        self._served = namespaces
+
+    def _drop_gone(self) -> None:
+        """Remove the rebuild series of namespaces no longer served."""
+        if self._served is None:
+            return
+        served = set(self._served())
+        with self._series_lock:
+            gone = {labels for labels in self._rebuild_series if labels[0] not in served}
+            for labels in gone:
+                self.rebuild_seconds.remove(*labels)
+            self._rebuild_series -= gone
 
     def observe_embedded_restart(self) -> None:
         self.embedded_restarts.inc()
@@ -92,6 +118,7 @@ class Metrics:
         storage: Callable[[], StorageHealth] | None = None,
     ) -> None:
         """Report ``service``'s state (and ``storage``'s health) at every scrape."""
+        self.served_by(service.namespace_names)
         self.registry.register(ServiceCollector(service, write_back, session_saves))
         if storage is not None:
             self.registry.register(StorageCollector(storage))
@@ -100,6 +127,18 @@ class Metrics:
         """Expose ``/metrics`` over HTTP; returns the bound port (``port=0`` picks one)."""
         server, _ = start_http_server(port, addr=host, registry=self.registry)
         return int(server.server_port)
+
+
+class _Pruned(Collector):
+    """A metric collected after ``prune`` ran (which drops its series that must go)."""
+
+    def __init__(self, metric: Histogram, prune: Callable[[], None]) -> None:
+        self._metric = metric
+        self._prune = prune
+
+    def collect(self) -> Iterable[Metric]:
+        self._prune()
+        return self._metric.collect()
 
 
 class ServiceCollector(Collector):

@@ -112,3 +112,26 @@ def test_rebuilds_and_stream_messages_are_timed(served) -> None:  # type: ignore
     m = _scrape(port)
     assert m[("draftcache_rpc_seconds_count", (("code", "OK"), ("method", "Stream.open")))] == 1
     assert m[("draftcache_buffer_tokens", (("namespace", "ns"),))] == 45  # 40 tokens, 3, each with a separator
+
+
+def test_a_deleted_namespace_takes_its_series_along() -> None:
+    """Namespaces created and deleted over weeks leave no series behind (each would stay in the
+    process and in every scrape for good)."""
+    service = DraftService(ServiceConfig())
+    metrics = Metrics()
+    metrics.watch(service)
+    port = metrics.serve(0, "127.0.0.1")
+    for name in ("kept", "gone-1", "gone-2"):
+        service.create_namespace(name, 64)
+        service.namespace(name).memory.commit(np.arange(40, dtype=np.int32))
+        metrics.observe_rebuild(name, service.namespace(name).memory.rebuild())
+    service.delete_namespace("gone-1")
+
+    def namespaces_in(scrape: dict[tuple[str, tuple[tuple[str, str], ...]], float]) -> set[str]:
+        return {dict(labels)["namespace"] for name, labels in scrape if name.startswith("draftcache_rebuild_seconds")}
+
+    assert namespaces_in(_scrape(port)) == {"kept", "gone-2"}  # gone from the first scrape after
+    service.delete_namespace("gone-2")
+    metrics.observe_rebuild("kept", service.namespace("kept").memory.rebuild())  # no scrape needed
+    assert {labels[0] for labels in metrics.rebuild_seconds._metrics} == {"kept"}
+    assert namespaces_in(_scrape(port)) == {"kept"}
