@@ -69,7 +69,7 @@ class RedisPersistence:
             wait_ms=wait_ms,
         )
         self._prior_dir = prior_dir
-        self._own: set[str] = set()  # ids of entries this process appended
+        self._own: dict[str, set[str]] = {}  # per namespace: ids of entries this process appended
         self._last: dict[str, str] = {}  # per namespace: the last log entry read
         self._lock = threading.Lock()
         self._sync_lock = threading.Lock()  # one reader of the cursors
@@ -98,14 +98,19 @@ class RedisPersistence:
             raise Unavailable(f"storage unavailable: {exc}") from exc
 
     def namespace_deleted(self, name: str) -> bool:
-        self.commits.forget(name)
+        self.namespace_forgotten(name)
         try:
             return self.store.delete_namespace(name).registered
         except StorageUnavailable as exc:
             raise Unavailable(f"storage unavailable: {exc}") from exc
 
     def namespace_forgotten(self, name: str) -> None:
+        """A namespace deleted: what was kept of its log goes (names come and go for weeks)."""
         self.commits.forget(name)
+        with self._sync_lock, self._lock:
+            self._last.pop(name, None)
+            self._successors_seen.pop(name, None)
+            self._own.pop(name, None)
 
     def requests_committed(self, namespace: str, requests: list[np.ndarray]) -> list[Logged]:
         """Write commits now, or journal them while storage cannot take them, so they are
@@ -122,7 +127,7 @@ class RedisPersistence:
         """This process's entries, which following the log skips (called before any other
         thread may read them: the commit writer holds the log while it writes)."""
         with self._lock:
-            self._own.update(stream_id(i) for i in logged[2])
+            self._own.setdefault(logged[0], set()).update(stream_id(i) for i in logged[2])
 
     # -- the log, for decoders' near copies ----------------------------------------------------
 
@@ -254,15 +259,24 @@ class RedisPersistence:
             entries = self.store.read_log(ns, after_id=self._last.get(ns, "0"))
             if not entries:
                 return [], []
+            own = self._own.get(ns, set())
             theirs, ids = [], []
             for entry in entries:
-                if entry.id in self._own:
-                    self._own.discard(entry.id)
+                if entry.id in own:
+                    own.discard(entry.id)
                 elif covered is None or position(entry.id) > covered:
                     theirs.append(np.array(entry.tokens, dtype=np.int32))
                     ids.append(position(entry.id))
             self._last[ns] = entries[-1].id
+            self._drop_own(ns, position(entries[-1].id))  # any left up to there were trimmed unread
             return theirs, ids
+
+    def _drop_own(self, ns: str, through: LogId) -> None:
+        """Forget this process's entries of ``ns`` up to ``through``: following goes on past them."""
+        with self._lock:
+            own = self._own.get(ns)
+            if own:
+                own.difference_update([i for i in own if position(i) <= through])
 
     def skip_to(self, ns: str, through: LogId) -> None:
         """The log of ``ns`` up to ``through`` is indexed already (an adopted generation): it
@@ -270,8 +284,7 @@ class RedisPersistence:
         with self._sync_lock:
             if position(self._last.get(ns, "0")) < through:
                 self._last[ns] = stream_id(through)
-                with self._lock:
-                    self._own = {i for i in self._own if position(i) > through}
+                self._drop_own(ns, through)
 
     # -- priors --------------------------------------------------------------------------------
 
