@@ -35,21 +35,30 @@ Changes = tuple[list[tuple[str, SessionChange]], list[str]]  # (changed sessions
 
 class ChangeTracker:
     """The sessions of a :class:`SessionTable` changed since storage last took them, and the
-    ids closed since. A rejected table is written at most every ``table_flush_interval_s``."""
+    ids closed since. A rejected table is written at most every ``table_flush_interval_s``.
+    Of the ids closed, the latest ``max_closed`` are kept while storage does not take them
+    (an outage would otherwise grow them with every close): a stored copy not deleted expires
+    with the session TTL all the same."""
 
-    def __init__(self, sessions: SessionTable, table_flush_interval_s: float) -> None:
+    def __init__(self, sessions: SessionTable, table_flush_interval_s: float, *, max_closed: int) -> None:
         self._sessions = sessions
         self._table_interval = table_flush_interval_s
         self._dirty: set[str] = set()  # sessions changed since storage last saw them
         self._round: list[str] = []  # dirty sessions a round with a budget has still to look at
-        self._closed: set[str] = set()
+        self._closed: dict[str, None] = {}  # ids closed since, oldest first
+        self._max_closed = max_closed
 
     def changed(self, sids: Iterable[str]) -> None:
         self._dirty.update(sids)
 
     def closed(self, sid: str) -> None:
         self._dirty.discard(sid)
-        self._closed.add(sid)
+        self._closed[sid] = None
+        self._keep_latest_closed()
+
+    def _keep_latest_closed(self) -> None:
+        while len(self._closed) > self._max_closed:
+            del self._closed[next(iter(self._closed))]
 
     def pending(self, sid: str) -> bool:
         """Whether the session has changes storage has not taken (it must not leave memory)."""
@@ -135,4 +144,5 @@ class ChangeTracker:
                 continue
             entry.stored_tokens, entry.stored_table = 0, -1
             self._dirty.add(sid)
-        self._closed.update(closed)
+        self._closed = dict.fromkeys([*closed, *self._closed])  # closed before those since
+        self._keep_latest_closed()

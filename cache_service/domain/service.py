@@ -48,6 +48,9 @@ from indexer.tree_builder import DraftTree
 
 MAX_LOG_READ_TOKENS = 1 << 18  # tokens one log read returns at most (about 0.8 MB on the wire)
 MAX_PRIOR_PAGE_BYTES = 3 << 20  # bytes of a prior one read returns at most (under gRPC's 4 MB message)
+# Idle sessions dropped by one write-back round at most (rounds come every flush interval):
+# expiry then holds the serving loop briefly, yet keeps up with any realistic turnover.
+EXPIRE_BATCH = 1024
 
 __all__ = ["CloseItem", "DraftColumns", "DraftItem", "DraftService", "Drafted", "FeedbackItem", "OpenItem"]
 
@@ -72,7 +75,7 @@ class DraftService:
         self.shared_lifetime = shared_lifetime
         self.namespaces = Namespaces(config.drafter, own_ring=not shared_lifetime)
         self.sessions = SessionTable(max_sessions=config.max_sessions, ttl_s=config.session_ttl_s)
-        self.changes = ChangeTracker(self.sessions, config.table_flush_interval_s)
+        self.changes = ChangeTracker(self.sessions, config.table_flush_interval_s, max_closed=config.max_sessions)
         # Without storage any session may leave memory (its client re-opens it); with it, only
         # one whose changes storage holds (a later call continues it from there).
         saved = persistence is not None
@@ -466,9 +469,13 @@ class DraftService:
 
     def take_changes(self, *, final: bool = False, budget_s: float | None = None) -> Changes:
         """Changes of sessions since storage last took them, and ids closed since; on the thread
-        that serves requests (see :meth:`ChangeTracker.take`)."""
+        that serves requests (see :meth:`ChangeTracker.take`). A round first lets sessions idle
+        past the TTL go (a decoder that died never closes its sessions, and a replica no longer
+        opening any would otherwise hold them, and count them as open, for good)."""
         if self._orphaned:
             self._end_orphans()
+        if not self.changes.taking:
+            self.sessions.expire(most=EXPIRE_BATCH)
         return self.changes.take(final=final, budget_s=budget_s)
 
     @property

@@ -139,10 +139,10 @@ class SessionTable:
         self._drop(sid)
         return True
 
-    def expire(self) -> list[str]:
-        """Drop sessions idle past the TTL; their ids."""
-        now, gone = time.monotonic(), []
-        while self._entries:
+    def expire(self, most: int | None = None) -> list[str]:
+        """Drop sessions idle past the TTL (the ``most`` idlest of them, when given); their ids."""
+        now, gone = time.monotonic(), list[str]()
+        while self._entries and (most is None or len(gone) < most):
             sid, entry = next(iter(self._entries.items()))
             if now - entry.last_used <= self._ttl:
                 break
