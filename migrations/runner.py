@@ -2,15 +2,21 @@
 
 The schema version is one integer under ``draftcache:schema_version`` (absent means 0, an empty
 database). ``apply`` holds a ``SET NX PX`` lock so two replicas never migrate at once, and
-records each step's version only while it still holds the lock.
+records each step's version only while it still holds the lock. The lock is renewed while its
+holder lives, however long a step takes on a large dataset; a holder that died leaves it to
+expire within ``LOCK_TTL_MS``.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import threading
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+
+from redis import exceptions as rexc
 
 from migrations import keys, v001_initial, v002_log_token_counts, v003_drop_session_dyn
 from migrations.base import Migration
@@ -25,7 +31,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     v003_drop_session_dyn.MIGRATION,
 )
 LATEST = MIGRATIONS[-1].version
-LOCK_TTL_MS = 60_000
+LOCK_TTL_MS = 15_000  # renewed every third of it: how long a dead migrator's lock blocks the next
 
 # Record a step and extend the lock, only if the lock is still ours (a fencing check).
 _RECORD_LUA = """
@@ -33,6 +39,10 @@ if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
 redis.call('SET', KEYS[2], ARGV[2])
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
 return 1
+"""
+_RENEW_LUA = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 0
 """
 _RELEASE_LUA = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
@@ -85,14 +95,44 @@ def plan(client: Client, migrations: Sequence[Migration] = MIGRATIONS) -> list[M
 
 @contextmanager
 def migration_lock(client: Client, ttl_ms: int = LOCK_TTL_MS) -> Iterator[str]:
-    """Hold the migration lock; yields this holder's token. Raises :class:`MigrationInProgress`."""
+    """Hold the migration lock; yields this holder's token. Raises :class:`MigrationInProgress`.
+
+    While it is held a thread renews it every third of ``ttl_ms``, until it is released or
+    found taken by another (the step's record then fails its fencing check).
+    """
     token = uuid.uuid4().hex
     if not client.set(keys.MIGRATION_LOCK, token, nx=True, px=ttl_ms):
-        raise MigrationInProgress(f"another process holds {keys.MIGRATION_LOCK}; retry when it is done")
+        raise MigrationInProgress(f"another process holds {keys.MIGRATION_LOCK}; {_held_for(client)}")
+    stop = threading.Event()
+    keeper = threading.Thread(target=_keep, args=(client, token, ttl_ms, stop), name="migration-lock", daemon=True)
+    keeper.start()
     try:
         yield token
     finally:
+        stop.set()
+        keeper.join()
         client.register_script(_RELEASE_LUA)(keys=[keys.MIGRATION_LOCK], args=[token])
+
+
+def _held_for(client: Client) -> str:
+    """What to do about a lock another process holds: when it frees if that process died."""
+    left = client.pttl(keys.MIGRATION_LOCK)
+    if left == -1:  # set by hand, or by a build that did not expire it
+        return "it has no expiry: delete it if no migration is running"
+    if left > 0:
+        return f"retry when it is done (if it died, the lock expires in {math.ceil(left / 1000)} s)"
+    return "retry when it is done"
+
+
+def _keep(client: Client, token: str, ttl_ms: int, stop: threading.Event) -> None:
+    """Renew the lock while ``stop`` is unset and the lock is still ``token``'s."""
+    renew = client.register_script(_RENEW_LUA)
+    while not stop.wait(ttl_ms / 3000):
+        try:
+            if not renew(keys=[keys.MIGRATION_LOCK], args=[token, ttl_ms]):
+                return
+        except (rexc.RedisError, rexc.RedisClusterException) as exc:  # try again; the record fences
+            logger.warning("could not renew %s: %s", keys.MIGRATION_LOCK, exc)
 
 
 @guarded
@@ -101,7 +141,8 @@ def apply(
 ) -> list[Migration]:
     """Run every pending migration in order; returns those applied (``[]`` when up to date).
 
-    Each step must finish within ``lock_ttl_ms`` (the lock is extended after every step).
+    ``lock_ttl_ms``: how long the lock outlives this process should it die (it is renewed
+    while the steps run).
     """
     _check_sequence(migrations)
     record = client.register_script(_RECORD_LUA)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -178,3 +179,33 @@ def test_replicas_starting_together_all_get_the_schema(client: StorageClient) ->
     for t in threads:
         t.join()
     assert results == [migrations.LATEST] * 4
+
+
+def test_a_step_longer_than_the_lock_ttl_keeps_the_lock(client: StorageClient) -> None:
+    # A step on a large dataset outlasts the lock's TTL: the lock is renewed meanwhile, so the
+    # step is recorded and nobody else migrates at the same time.
+    refused: list[str] = []
+
+    def slow(c: StorageClient) -> None:
+        for _ in range(6):
+            time.sleep(0.1)
+            try:
+                with migrations.migration_lock(c, 150):
+                    refused.append("taken")
+            except MigrationInProgress:
+                refused.append("refused")
+
+    only = migrations.Migration(version=1, description="slow step", apply=slow)
+    assert migrations.apply(client, [only], lock_ttl_ms=150) == [only]
+    assert refused == ["refused"] * 6 and client.get(keys.SCHEMA_VERSION) == b"1"
+    assert client.get(keys.MIGRATION_LOCK) is None
+
+
+def test_a_held_lock_says_when_it_frees(client: StorageClient) -> None:
+    client.set(keys.MIGRATION_LOCK, "a migrator that was killed", px=20_000)
+    with pytest.raises(MigrationInProgress, match=r"if it died, the lock expires in 20 s"):
+        migrations.run_migrate(client, dry_run=False)
+    client.persist(keys.MIGRATION_LOCK)
+    with pytest.raises(MigrationInProgress, match="no expiry: delete it if no migration is running"):
+        migrations.apply(client)
+    assert client.get(keys.SCHEMA_VERSION) is None
