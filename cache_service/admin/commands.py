@@ -12,11 +12,21 @@ import logging
 import os
 import sys
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from cache_service.admin.options import TREE_RANK, TREE_RANK_HELP, TREE_RANKS, HelpFormatter, add, positive, share
+from cache_service.admin.options import (
+    TREE_RANK,
+    TREE_RANK_HELP,
+    TREE_RANKS,
+    HelpFormatter,
+    add,
+    positive,
+    seconds,
+    share,
+)
 from cache_service.admin.warm import FORMATS as CORPUS_FORMATS
 
 if TYPE_CHECKING:
@@ -24,6 +34,7 @@ if TYPE_CHECKING:
     import numpy as np
     from draftcache.v1.draftcache_pb2 import StorageHealth
 
+    from cache_service.storage.redis_store import RedisStore
     from indexer.prior import PriorConfig, StaticPrior
 
 logger = logging.getLogger("draftcache")
@@ -60,6 +71,11 @@ def target_args(p: argparse.ArgumentParser, default: str | None = "127.0.0.1:500
     add(p, "--target", default=default, help="host:port of the service")
     add(p, "--token", default=None, help="bearer token, when the service authenticates (--tokens-file)")
     add(p, "--tls-ca", type=Path, default=None, help="PEM root certificate: reach the service over TLS")
+    add(
+        p, "--timeout", type=seconds, default=None,
+        help="seconds to wait for the service's answer, connecting included (default: 30 for stats and "
+        "namespaces list, 600 for rebuild and namespaces delete)",
+    )  # fmt: skip
 
 
 def redis_url(a: argparse.Namespace) -> str:
@@ -89,7 +105,8 @@ def tokenize(corpus: Path, fmt: str, tokenizer: Path, vocab_size: int | None = N
             bar.update(docs - bar.n)
             bar.set_postfix(tokens=f"{tokens / 1e6:.1f}M")
 
-        return warm.tokenize_corpus(warm.read_corpus(corpus, fmt), encode, vocab, progress=progress), vocab
+        docs = warm.read_corpus(corpus, fmt)
+        return warm.tokenize_corpus(docs, encode, vocab, progress=progress, source=str(corpus)), vocab
 
 
 def warm_prior(
@@ -109,12 +126,32 @@ def warm_prior(
     return prior
 
 
+def open_store(a: argparse.Namespace) -> RedisStore:
+    """The store of ``--redis-url`` (or the embedded one) with the key schema this build serves:
+    an empty Redis is initialised as ``serve`` does, any other schema refused before a write."""
+    from cache_service.app import connect, prepare_schema
+    from cache_service.storage.redis_store import RedisStore
+
+    client = connect(redis_url(a))
+    prepare_schema(client)
+    return RedisStore(client)
+
+
 def write_atomic(path: Path, blob: bytes) -> None:
-    """Write a file whole or not at all: a crash never leaves a truncated prior behind."""
+    """Write a file whole or not at all: a crash never leaves a truncated prior behind, and
+    writers of the same file at once each replace it whole (each writes its own temporary file,
+    on disk before it takes the name; one that fails removes its own)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(blob)
-    os.replace(tmp, path)
+    tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex}.tmp")
+    try:  # os.open, not mkstemp: the file gets the mode the umask gives, as write_bytes did
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb") as fh:
+            fh.write(blob)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
@@ -220,15 +257,13 @@ def cmd_warm(a: argparse.Namespace) -> int:
         where = str(a.out)
     else:  # publish: the namespace is registered with the tokenizer's vocabulary, then the blob
         from cache_service.admin import warm
-        from cache_service.app import connect
-        from cache_service.storage.redis_store import RedisStore
 
         vocab = warm.load_tokenizer(a.tokenizer)[1]
         try:  # a prior of another tokenizer would draft ids the namespace's model does not have
             prior.check_vocab(vocab)
         except ValueError as exc:
             raise ValueError(f"prior not published to namespace {a.namespace} (vocab {vocab}): {exc}") from None
-        store = RedisStore(connect(redis_url(a)))
+        store = open_store(a)
         store.register_namespace(a.namespace, vocab)
         where = f"Redis, version {store.put_prior(a.namespace, blob)}"
     print(f"namespace {a.namespace}: prior of {prior.source_tokens} tokens, {prior.nbytes / 1e6:.1f} MB -> {where}")
@@ -237,21 +272,35 @@ def cmd_warm(a: argparse.Namespace) -> int:
 
 def _warm_lifetime(a: argparse.Namespace) -> int:
     """Append a corpus's documents to a namespace's lifetime log, as if each were a finished
-    request: replicas following the log draft from them (the log keeps its token cap)."""
+    request: replicas following the log draft from them (the log keeps its token cap). Each
+    document is appended once: run again (after a failure midway, or by mistake), the same corpus
+    appends only what the log did not take (for as long as the log remembers its writers)."""
     from cache_service.admin import warm
-    from cache_service.app import connect
-    from cache_service.storage.redis_store import RedisStore
+    from cache_service.storage.errors import StorageError
 
     if a.out is not None:
         raise warm.CorpusError("--lifetime appends to the log in Redis; it writes no file (drop --out)")
     tokens, vocab = tokenize(a.corpus, a.format, a.tokenizer)
-    store = RedisStore(connect(redis_url(a)))
+    store = open_store(a)
     store.register_namespace(a.namespace, vocab)
-    docs = warm.split_documents(tokens)
+    docs, writer = warm.split_documents(tokens), warm.corpus_writer(tokens)
+    appended = done = 0
     for start in range(0, len(docs), 256):
-        store.append_requests(a.namespace, docs[start : start + 256])
+        commits = [(writer, start + i, doc) for i, doc in enumerate(docs[start : start + 256])]
+        try:
+            ids = store.append_commits(a.namespace, commits)
+        except StorageError as exc:
+            raise StorageError(
+                f"{exc} ({done} of {len(docs)} documents are in the log; the same command again appends the rest)"
+            ) from exc
+        appended += sum(i is not None for i in ids)
+        done += len(ids)
     entries, held = store.log_size(a.namespace)
-    print(f"namespace {a.namespace}: {len(docs)} documents appended; the log holds {entries} requests, {held} tokens")
+    again = f", {len(docs) - appended} were in it already (appended before)" if appended < len(docs) else ""
+    print(
+        f"namespace {a.namespace}: {appended} documents appended{again}; "
+        f"the log holds {entries} requests, {held} tokens"
+    )
     return 0
 
 
@@ -332,6 +381,11 @@ def channel(a: argparse.Namespace) -> grpc.Channel:
     return grpc.secure_channel(a.target, grpc.ssl_channel_credentials(root_certificates=a.tls_ca.read_bytes()))
 
 
+def deadline(a: argparse.Namespace, default: float) -> float:
+    """Seconds an admin call may take: ``--timeout``, else the call's own default."""
+    return float(a.timeout) if a.timeout is not None else default
+
+
 def call_metadata(a: argparse.Namespace) -> tuple[tuple[str, str], ...]:
     """The bearer token as call metadata, as a decoder sends it."""
     return (("authorization", f"Bearer {a.token}"),) if a.token else ()
@@ -345,9 +399,11 @@ def cmd_admin(a: argparse.Namespace) -> int:
     with channel(a) as ch:
         admin = pb_grpc.AdminStub(ch)
         if a.command == "rebuild":
-            infos = admin.Rebuild(pb.RebuildRequest(namespace=a.namespace), timeout=600, metadata=meta).namespaces
+            infos = admin.Rebuild(
+                pb.RebuildRequest(namespace=a.namespace), timeout=deadline(a, 600), metadata=meta
+            ).namespaces
         else:
-            stats = admin.Stats(pb.StatsRequest(namespace=a.namespace), timeout=30, metadata=meta)
+            stats = admin.Stats(pb.StatsRequest(namespace=a.namespace), timeout=deadline(a, 30), metadata=meta)
             print(
                 f"sessions {stats.sessions}, drafts {stats.drafts}, commits waiting for storage {stats.pending_writes}"
             )
@@ -387,10 +443,12 @@ def cmd_namespaces(a: argparse.Namespace) -> int:
     with channel(a) as ch:
         admin = pb_grpc.AdminStub(ch)
         if a.action == "delete":
-            done = admin.DeleteNamespace(pb.DeleteNamespaceRequest(name=a.name), timeout=600, metadata=meta)
+            done = admin.DeleteNamespace(
+                pb.DeleteNamespaceRequest(name=a.name), timeout=deadline(a, 600), metadata=meta
+            )
             print(f"namespace {a.name} deleted; {done.sessions_closed} live sessions ended")
             return 0
-        for i in admin.Namespaces(pb.NamespacesRequest(), timeout=30, metadata=meta).namespaces:
+        for i in admin.Namespaces(pb.NamespacesRequest(), timeout=deadline(a, 30), metadata=meta).namespaces:
             print(f"{i.name}  vocab {i.vocab_size}  {i.sessions} sessions  prior v{i.prior_version}")
     return 0
 

@@ -82,3 +82,15 @@ def non_negative(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
     return value
+
+
+def seconds(text: str) -> float:
+    """A duration above 0 seconds.
+
+    >>> seconds("2.5")
+    2.5
+    """
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds above 0, got {text}")
+    return value

@@ -9,6 +9,7 @@ the file and what is wrong; nothing is built from a partly read corpus.
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import logging
 from collections.abc import Callable, Iterator
@@ -166,8 +167,10 @@ def tokenize_corpus(
     *,
     batch: int = 2048,
     progress: Callable[[int, int], None] | None = None,
+    source: str = "the corpus",
 ) -> np.ndarray:
-    """All documents as one int32 array, each followed by the request separator."""
+    """All documents as one int32 array, each followed by the request separator. A corpus
+    without a single token is refused (``source`` names it): its prior would be empty."""
     chunks: list[np.ndarray] = []
     n_docs = n_tokens = 0
     pending: list[str] = []
@@ -190,8 +193,21 @@ def tokenize_corpus(
     if pending:
         flush()
     if not chunks:
-        raise CorpusError("the corpus holds no documents")
+        raise CorpusError(f"{source} holds no documents")
+    if n_tokens == 0:
+        raise CorpusError(f"{source} holds no text: its {n_docs} documents are all empty")
     return np.concatenate(chunks)
+
+
+def corpus_writer(tokens: np.ndarray) -> bytes:
+    """The 16-byte writer id a tokenized corpus appends to a lifetime log under (its documents
+    are that writer's commits 0, 1, ...): the same corpus and tokenizer give the same id, so the
+    log takes each document once however often the append is run.
+
+    >>> corpus_writer(np.array([5, 6, -1], np.int32)) == corpus_writer(np.array([5, 6, -1], np.int32))
+    True
+    """
+    return hashlib.blake2b(np.ascontiguousarray(tokens, np.int32).tobytes(), digest_size=16).digest()
 
 
 def build_prior(tokens: np.ndarray, config: PriorConfig) -> StaticPrior:
