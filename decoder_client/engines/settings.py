@@ -12,6 +12,7 @@ through to the proposer; every key may instead come from the environment as
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -101,6 +102,9 @@ class EngineSettings:
             )
         if not self.target:
             raise ValueError("draftcache target must be HOST:PORT")
+        for f in dataclasses.fields(self):  # NaN passes every range check below; infinity waits forever
+            if f.type == "float" and not math.isfinite(getattr(self, f.name)):
+                raise ValueError(f"draftcache setting {f.name} must be a finite number, got {getattr(self, f.name)!r}")
         if self.deadline_s <= 0 or self.idle_close_s <= 0 or self.stats_every_s <= 0:
             raise ValueError("deadline_s, idle_close_s and stats_every_s must be > 0")
         self.step_deadline()  # its own checks
@@ -257,5 +261,5 @@ def _typed(name: str, value: Any, kind: str) -> Any:
         if not isinstance(value, str):
             raise ValueError(value)
         return value
-    except ValueError:
+    except (TypeError, ValueError):  # TypeError: None, a list, a mapping
         raise ValueError(f"draftcache setting {name} must be {_KINDS.get(kind, kind)}, got {value!r}") from None

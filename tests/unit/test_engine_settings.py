@@ -56,6 +56,13 @@ def test_a_continued_chains_rest_must_fill_what_the_engine_takes_unless_told_oth
         ({"namespace": "ns"}, {"DRAFTCACHE_BUDGET": "-1"}, "budget must be in"),
         ({"namespace": "ns", "chain_min_prob": 1.5}, {}, "chain_min_prob must be in"),
         ({"namespace": "ns", "chain_take": -2}, {}, "chain_take must be >= 0"),
+        # Neither a traceback from int() or float() nor a value no range check catches.
+        ({"namespace": "ns", "budget": None}, {}, "budget must be an integer, got None"),
+        ({"namespace": "ns", "deadline_s": [0.01]}, {}, "deadline_s must be a number"),
+        ({"namespace": "ns", "retry_after_s": float("nan")}, {}, "retry_after_s must be a finite number"),
+        ({"namespace": "ns"}, {"DRAFTCACHE_STATS_EVERY_S": "nan"}, "stats_every_s must be a finite number"),
+        ({"namespace": "ns", "deadline_s": float("inf")}, {}, "deadline_s must be a finite number"),
+        ({"namespace": "ns", "near_follow_s": float("inf")}, {}, "near_follow_s must be a finite number"),
     ],
 )
 def test_bad_settings_are_refused(engine: dict[str, object], env: dict[str, str], message: str) -> None:
