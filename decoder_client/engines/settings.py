@@ -28,6 +28,8 @@ if TYPE_CHECKING:
 ENV_PREFIX = "DRAFTCACHE_"
 CONTINUE_TOKENS = 8  # tokens asked of the service past the engine's most, to continue chains
 _KINDS = {"int": "an integer", "float": "a number", "bool": "a boolean", "str": "a string"}
+# gRPC's own target schemes, taken as they are; any other target is HOST:PORT.
+_GRPC_SCHEMES = ("dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:", "xds:")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,8 +102,7 @@ class EngineSettings:
                 "draftcache needs a namespace: additional_config "
                 '{"draftcache": {"namespace": NAME}} or DRAFTCACHE_NAMESPACE'
             )
-        if not self.target:
-            raise ValueError("draftcache target must be HOST:PORT")
+        check_target(self.target)
         for f in dataclasses.fields(self):  # NaN passes every range check below; infinity waits forever
             if f.type == "float" and not math.isfinite(getattr(self, f.name)):
                 raise ValueError(f"draftcache setting {f.name} must be a finite number, got {getattr(self, f.name)!r}")
@@ -263,3 +264,23 @@ def _typed(name: str, value: Any, kind: str) -> Any:
         return value
     except (TypeError, ValueError):  # TypeError: None, a list, a mapping
         raise ValueError(f"draftcache setting {name} must be {_KINDS.get(kind, kind)}, got {value!r}") from None
+
+
+def check_target(target: str) -> None:
+    """``target`` names a service gRPC can reach: HOST:PORT (a port in 1-65535), or a target in
+    one of gRPC's schemes (``unix:/path``, ``dns:///host:port``...). gRPC itself takes anything
+    and fails every call: a URL's scheme is looked up as a host name, a missing port is 443 and
+    port 99999 is port 34463, so the engine would draft locally for good, or from another service.
+
+    >>> check_target("[::1]:50051"), check_target("unix:/run/draftcache.sock")
+    (None, None)
+    >>> check_target("http://cache:50051")
+    Traceback (most recent call last):
+    ...
+    ValueError: draftcache target must be HOST:PORT (or a gRPC target such as unix:/path), got 'http://cache:50051'
+    """
+    if target.startswith(_GRPC_SCHEMES):
+        return
+    host, _, port = target.rpartition(":")
+    if not host or "/" in host or any(c.isspace() for c in target) or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"draftcache target must be HOST:PORT (or a gRPC target such as unix:/path), got {target!r}")

@@ -63,8 +63,21 @@ def test_a_continued_chains_rest_must_fill_what_the_engine_takes_unless_told_oth
         ({"namespace": "ns"}, {"DRAFTCACHE_STATS_EVERY_S": "nan"}, "stats_every_s must be a finite number"),
         ({"namespace": "ns", "deadline_s": float("inf")}, {}, "deadline_s must be a finite number"),
         ({"namespace": "ns", "near_follow_s": float("inf")}, {}, "near_follow_s must be a finite number"),
+        # gRPC takes any target and fails (or reaches another port) at every call.
+        ({"namespace": "ns", "target": ""}, {}, "target must be HOST:PORT"),
+        ({"namespace": "ns", "target": "http://cache:50051"}, {}, "target must be HOST:PORT"),
+        ({"namespace": "ns", "target": "cache"}, {}, "target must be HOST:PORT"),
+        ({"namespace": "ns"}, {"DRAFTCACHE_TARGET": "127.0.0.1:99999"}, "target must be HOST:PORT"),
+        ({"namespace": "ns", "target": "cache :50051"}, {}, "target must be HOST:PORT"),
     ],
 )
 def test_bad_settings_are_refused(engine: dict[str, object], env: dict[str, str], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         EngineSettings.from_sources(engine, env)
+
+
+@pytest.mark.parametrize(
+    "target", ["127.0.0.1:50051", "cache.internal:1", "[::1]:50051", "unix:/run/dc.sock", "dns:///cache:50051"]
+)
+def test_targets_grpc_reaches_are_taken(target: str) -> None:
+    assert EngineSettings.from_sources({"namespace": "ns", "target": target}, {}).target == target
