@@ -78,6 +78,11 @@ class ClientConfig:
             raise ValueError(f"vocab_size must be >= 0, got {self.vocab_size}")
         if not 0 <= self.topk <= MAX_TOPK:
             raise ValueError(f"topk must be in [0, {MAX_TOPK}], got {self.topk}")
+        if not all(" " <= c <= "~" for c in self.token):  # not echoed: it is a secret
+            raise ValueError(
+                "token must be printable ASCII: gRPC sends no other header value, and every call "
+                "would fail (a token read with its file's newline, say)"
+            )
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             raise ValueError("a client certificate needs its key (and the other way round)")
         if self.tls_cert_file and not self.tls_root_cert_file:

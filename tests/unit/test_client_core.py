@@ -130,6 +130,14 @@ def test_late_before_skip_is_checked() -> None:
     assert not core.available()  # 1: every miss skips the service, as an error does
 
 
+@pytest.mark.parametrize("token", ["tok\n", "t\u00f6k", "tok\tab"])
+def test_a_token_grpc_cannot_send_is_refused_without_echoing_it(token: str) -> None:
+    with pytest.raises(ValueError, match="token must be printable ASCII") as refused:
+        ClientConfig(target="unused", namespace="ns", token=token)
+    assert token not in str(refused.value)
+    assert ClientConfig(target="unused", namespace="ns", token="tok-a b.c=").token == "tok-a b.c="
+
+
 @pytest.mark.parametrize("columns", [True, False], ids=["columns", "items"])
 def test_topk_rows_go_in_the_form_every_service_reads_unless_they_name_their_tokens(columns: bool) -> None:
     config = ClientConfig(target="unused", namespace="ns", topk=2)
