@@ -422,7 +422,7 @@ def ensure_namespace(config: ClientConfig, vocab_size: int, timeout_s: float = 6
     """Create the namespace with the model's vocabulary unless the service has it, waiting up
     to ``timeout_s`` for the service. Best effort: a service that does not come, or a token
     that may not create namespaces, is logged (drafts are local until the service serves the
-    namespace)."""
+    namespace). One that exists with another vocabulary is logged as an error."""
     creds = config.credentials()
     with (
         grpc.insecure_channel(config.target) if creds is None else grpc.secure_channel(config.target, creds)
@@ -432,8 +432,12 @@ def ensure_namespace(config: ClientConfig, vocab_size: int, timeout_s: float = 6
             pb_grpc.AdminStub(channel).CreateNamespace(
                 request, timeout=timeout_s, metadata=config.metadata, wait_for_ready=True
             )
-        except grpc.RpcError as exc:
-            logger.warning("draftcache: namespace %r not created (%s)", config.namespace, exc.code())
+        except grpc.RpcError as exc:  # the service says why
+            # ALREADY_EXISTS: with another vocabulary, another tokenizer's drafts and memory.
+            level = logging.ERROR if exc.code() is grpc.StatusCode.ALREADY_EXISTS else logging.WARNING
+            logger.log(
+                level, "draftcache: namespace %r not created (%s: %s)", config.namespace, exc.code(), exc.details()
+            )
 
 
 def _section(additional_config: Any) -> Mapping[str, Any]:

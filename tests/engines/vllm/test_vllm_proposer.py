@@ -4,6 +4,7 @@ service's lifetime log, and the service frozen or killed mid-generation."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from draftcache.v1 import draftcache_pb2 as pb
 
 from tests.engines.vllm.conftest import (
     NAMESPACE,
@@ -164,3 +166,22 @@ def test_service_killed_mid_generation(
     stats = _generate_through(serve.sigkill, llm, stats_path, long_batch, plain)
     serve.start()  # back, on the same data
     _drafts_from_the_service_again(llm, stats_path, stats, long_batch, plain)
+
+
+def test_a_namespace_of_another_vocabulary_is_an_error_with_the_services_reason(
+    serve: Serve, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The proposer creates its namespace at start; where the service holds it with another
+    vocabulary (another tokenizer's drafts and memory), that is logged as an error, with the
+    service's reason, not as a namespace merely found there."""
+    from decoder_client.engines.settings import EngineSettings
+    from decoder_client.engines.vllm import ensure_namespace
+
+    name = NAMESPACE + "-other-vocab"
+    serve.admin.CreateNamespace(pb.CreateNamespaceRequest(name=name, vocab_size=1000), timeout=10)
+    config = EngineSettings(namespace=name, target=f"127.0.0.1:{serve.port}").client_config(K)
+    with caplog.at_level(logging.WARNING, logger="decoder_client.engines.vllm"):
+        ensure_namespace(config, 49152, timeout_s=10)
+    (record,) = caplog.records
+    assert record.levelno == logging.ERROR, record.getMessage()
+    assert "exists with vocab_size 1000, not 49152" in record.getMessage()
