@@ -173,6 +173,8 @@ class EngineSettings:
         from indexer.drafter import MAX_DEPTH, DraftParams
 
         k = num_speculative_tokens
+        if not 1 <= k <= MAX_DEPTH:  # a chain is at most the deepest path a draft holds
+            raise ValueError(f"draftcache drafts 1 to {MAX_DEPTH} tokens a step: num_speculative_tokens is {k}")
         # Continued chains are asked a few tokens longer than the engine takes: what a step
         # that accepts them all foresaw is left. A near copy drafts at every step: nothing to continue.
         continued = self.continue_chains and not self.near

@@ -42,6 +42,12 @@ def test_a_continued_chains_rest_must_fill_what_the_engine_takes_unless_told_oth
     assert (near.params.chain, near.chain_take, near.continue_chains) == (24, 0, False)
 
 
+@pytest.mark.parametrize("k", [0, 129])
+def test_the_engines_speculative_tokens_are_checked_against_what_a_draft_holds(k: int) -> None:
+    with pytest.raises(ValueError, match=f"num_speculative_tokens is {k}"):
+        EngineSettings.from_sources({"namespace": "ns"}, {}).client_config(k)
+
+
 @pytest.mark.parametrize(
     ("engine", "env", "message"),
     [
