@@ -93,10 +93,27 @@ class ClientConfig:
         return (("authorization", f"Bearer {self.token}"),) if self.token else ()
 
     def credentials(self) -> grpc.ChannelCredentials | None:
-        """TLS credentials from the configured PEM files; None: plaintext."""
+        """TLS credentials from the configured PEM files; None: plaintext. A file that cannot
+        be read or holds no PEM block of its kind is a ``ValueError`` naming it: gRPC takes
+        any bytes and fails every call's handshake."""
         if not self.tls_root_cert_file:
             return None
-        read = lambda path: Path(path).read_bytes() if path else None  # noqa: E731
         return grpc.ssl_channel_credentials(
-            read(self.tls_root_cert_file), read(self.tls_key_file), read(self.tls_cert_file)
+            _pem("tls_root_cert_file", self.tls_root_cert_file, b"CERTIFICATE-----"),
+            _pem("tls_key_file", self.tls_key_file, b"PRIVATE KEY-----"),
+            _pem("tls_cert_file", self.tls_cert_file, b"CERTIFICATE-----"),
         )
+
+
+def _pem(setting: str, path: str, block: bytes) -> bytes | None:
+    """The PEM file ``path`` (None where it is not set), checked to hold a ``block`` (the end of
+    its ``-----BEGIN ...`` line)."""
+    if not path:
+        return None
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise ValueError(f"{setting}: cannot read {path}: {exc.strerror}") from None
+    if b"-----BEGIN " not in data or block not in data:
+        raise ValueError(f"{setting}: {path} holds no PEM {block.rstrip(b'-').decode().lower()}")
+    return data

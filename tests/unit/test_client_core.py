@@ -3,6 +3,9 @@ drafting ahead that missed the next step's deadline. No server, no transport."""
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import grpc
 import pytest
 from draftcache.v1 import draftcache_pb2 as pb
@@ -136,6 +139,27 @@ def test_a_token_grpc_cannot_send_is_refused_without_echoing_it(token: str) -> N
         ClientConfig(target="unused", namespace="ns", token=token)
     assert token not in str(refused.value)
     assert ClientConfig(target="unused", namespace="ns", token="tok-a b.c=").token == "tok-a b.c="
+
+
+def test_tls_files_that_hold_no_pem_block_of_their_kind_are_refused_naming_them(tmp_path: Path) -> None:
+    """gRPC takes any bytes as a certificate and fails every handshake: the client says which
+    file is wrong when it is made, instead of drafting locally for good."""
+    cert, key, junk = tmp_path / "ca.pem", tmp_path / "key.pem", tmp_path / "junk.pem"
+    cert.write_bytes(b"-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n")
+    key.write_bytes(b"-----BEGIN EC PRIVATE KEY-----\nMHc\n-----END EC PRIVATE KEY-----\n")
+    junk.write_bytes(b"not a certificate")
+
+    def tls(**files: Path) -> None:
+        ClientConfig(target="unused", namespace="ns", **{k: str(v) for k, v in files.items()}).credentials()
+
+    with pytest.raises(ValueError, match=re.escape(f"tls_root_cert_file: {junk} holds no PEM certificate")):
+        tls(tls_root_cert_file=junk)
+    with pytest.raises(ValueError, match=r"tls_root_cert_file: .* holds no PEM certificate"):
+        tls(tls_root_cert_file=key)  # the key where the CA goes
+    with pytest.raises(ValueError, match=r"tls_key_file: .* holds no PEM private key"):
+        tls(tls_root_cert_file=cert, tls_cert_file=cert, tls_key_file=cert)
+    with pytest.raises(ValueError, match=re.escape(f"tls_root_cert_file: cannot read {tmp_path / 'gone.pem'}")):
+        tls(tls_root_cert_file=tmp_path / "gone.pem")
 
 
 @pytest.mark.parametrize("columns", [True, False], ids=["columns", "items"])
