@@ -17,7 +17,7 @@ from apscheduler.schedulers.background import BackgroundScheduler
 
 import migrations
 from cache_service.config import EmbeddedRedisConfig, ServerConfig, ServiceConfig
-from cache_service.domain.changes import Changes
+from cache_service.domain.changes import Changes, Saved
 from cache_service.domain.ports import StorageHealth
 from cache_service.domain.service import DraftService
 from cache_service.host.compiles import CompileWatch
@@ -232,18 +232,21 @@ class App:
         changed, closed = future.result(timeout=30)
         if changed or closed:
             try:
-                missed = self.persistence.save_sessions(changed, closed, self.config.service.session_ttl_s)
+                saved = self.persistence.save_sessions(changed, closed, self.config.service.session_ttl_s)
                 self.sessions_saved = time.monotonic()
             except StorageError as exc:
                 logger.warning("session write-back deferred: %s", exc)
                 missed = [sid for sid, _ in changed]
-            else:
-                closed = []
-            if missed or closed:
                 asyncio.run_coroutine_threadsafe(self._requeue(missed, closed), self._loop).result(timeout=30)
+            else:
+                if saved.missed or saved.written or saved.refused:
+                    asyncio.run_coroutine_threadsafe(self._saved(saved), self._loop).result(timeout=30)
 
     async def _requeue(self, sids: list[str], closed: list[str]) -> None:
         self.service.requeue(sids, closed)
+
+    async def _saved(self, saved: Saved) -> None:
+        self.service.saved(saved)
 
     async def _take_changes(self) -> Changes:
         """One round of changes, taken a slice at a time with the loop serving calls in between
@@ -334,9 +337,9 @@ class App:
     async def _final_save(self) -> None:
         ttl = self.config.service.session_ttl_s
         changed, closed = self.service.take_changes(final=True)
-        missed = await asyncio.to_thread(self.persistence.save_sessions, changed, closed, ttl)
-        if missed:  # appends storage could not take: once more, whole
-            self.service.requeue(missed)
+        saved = await asyncio.to_thread(self.persistence.save_sessions, changed, closed, ttl)
+        self.service.saved(saved)
+        if saved.missed:  # appends storage could not take: once more, whole
             changed, _ = self.service.take_changes(final=True)
             await asyncio.to_thread(self.persistence.save_sessions, changed, [], ttl)
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from cache_service.commits import CommitWriter
-from cache_service.domain.changes import SessionChange, SessionDelta
+from cache_service.domain.changes import Saved, SessionChange, SessionDelta
 from cache_service.domain.errors import Unavailable
 from cache_service.domain.ports import Logged, PriorPage
 from cache_service.host import prior_files
@@ -201,11 +201,12 @@ class RedisPersistence:
         except StorageUnavailable as exc:
             raise Unavailable(f"storage unavailable: {exc}") from exc
 
-    def save_sessions(self, changed: list[tuple[str, SessionChange]], closed: list[str], ttl_s: float) -> list[str]:
+    def save_sessions(self, changed: list[tuple[str, SessionChange]], closed: list[str], ttl_s: float) -> Saved:
         """Write session changes and drop closed sessions. A whole session is one transaction
-        (state and rejected table); a :class:`SessionDelta` appends its tokens (and replaces
-        the rejected table when given) only where storage holds exactly the context it extends.
-        Returns the sessions where it did not (expired or lost meanwhile): write them whole."""
+        (state and rejected table), written unless storage holds another tenant's session
+        under its id; a :class:`SessionDelta` appends its tokens (and replaces the rejected
+        table when given) only where storage holds exactly the context it extends (where it
+        did not, the session expired or was lost meanwhile: write it whole)."""
         writes: list[SessionWrite] = []
         appends: list[SessionAppend] = []
         for sid, change in changed:
@@ -213,8 +214,12 @@ class RedisPersistence:
                 appends.append((sid, change.held, change.tokens, change.rejected))
             else:
                 writes.append((sid, change))
+        written: list[str] = []
+        refused: list[str] = []
         for start in range(0, len(writes), SAVE_BATCH):  # pipelined, a bounded batch per round trip
-            self.store.save_sessions(writes[start : start + SAVE_BATCH], ttl_s)
+            whole = writes[start : start + SAVE_BATCH]
+            for (sid, _), ok in zip(whole, self.store.save_sessions(whole, ttl_s), strict=True):
+                (written if ok else refused).append(sid)
         missed: list[str] = []
         for start in range(0, len(appends), SAVE_BATCH):
             batch = appends[start : start + SAVE_BATCH]
@@ -222,7 +227,9 @@ class RedisPersistence:
             missed.extend(sid for (sid, *_), ok in zip(batch, applied, strict=True) if not ok)
         for start in range(0, len(closed), SAVE_BATCH):
             self.store.delete_sessions(closed[start : start + SAVE_BATCH])
-        return missed
+        if refused:
+            logger.warning("%d sessions not saved: their ids hold another tenant's sessions", len(refused))
+        return Saved(missed, written, refused)
 
     # -- namespaces and the lifetime log -------------------------------------------------------
 

@@ -33,6 +33,18 @@ SessionChange = StoredSession | SessionDelta
 Changes = tuple[list[tuple[str, SessionChange]], list[str]]  # (changed sessions, ids closed)
 
 
+@dataclass(frozen=True)
+class Saved:
+    """What a write-back of :class:`Changes` did: sessions whose delta did not apply (storage
+    lost the context it extends: write them whole next time), whole sessions written, and
+    whole sessions refused because storage holds another tenant's session under the id (one a
+    replica opened without checking, storage being down then: it ends here)."""
+
+    missed: list[str]
+    written: list[str]
+    refused: list[str]
+
+
 class ChangeTracker:
     """The sessions of a :class:`SessionTable` changed since storage last took them, and the
     ids closed since. A rejected table is written at most every ``table_flush_interval_s``.
@@ -51,10 +63,13 @@ class ChangeTracker:
     def changed(self, sids: Iterable[str]) -> None:
         self._dirty.update(sids)
 
-    def closed(self, sid: str) -> None:
+    def closed(self, sid: str, *, stored: bool = True) -> None:
+        """The session ended; ``stored``: storage may hold a copy of it to delete (not so for
+        one opened unchecked and never written back: the id may be another tenant's)."""
         self._dirty.discard(sid)
-        self._closed[sid] = None
-        self._keep_latest_closed()
+        if stored:
+            self._closed[sid] = None
+            self._keep_latest_closed()
 
     def _keep_latest_closed(self) -> None:
         while len(self._closed) > self._max_closed:

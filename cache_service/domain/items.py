@@ -87,11 +87,13 @@ class NamespaceStats:
 class Opening:
     """An open call checked by :meth:`DraftService.prepare_open`: per item its drafter and
     checked prompt (``None`` where the item repeats the open of a live session); ``claimed``:
-    the client-chosen ids storage holds for another tenant (never opened over)."""
+    the client-chosen ids storage holds for another tenant (never opened over); ``unchecked``:
+    storage could not be read for them (it was down), so none is known to be claimed."""
 
     prepared: list[tuple[OpenItem, NamespaceDrafter, np.ndarray | None]]
     principal: Principal | None
     claimed: frozenset[str] = frozenset()
+    unchecked: bool = False
 
     @property
     def prompt_tokens(self) -> int:

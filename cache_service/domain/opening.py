@@ -4,7 +4,10 @@
 and tenant gets that session back: a repeated open is answered, not doubled. One that names
 another tenant's session, live or only in storage, is answered as an unknown session is (the
 same NOT_FOUND), and that session is left as it is: no tenant learns of or takes over
-another's."""
+another's. While storage is down, what it holds of the chosen ids is unknown: the sessions
+open all the same (drafting and commits go on through an outage), and storage keeps another
+tenant's session from being written over or deleted by them (see
+:class:`~cache_service.domain.changes.Saved`)."""
 
 from __future__ import annotations
 
@@ -47,9 +50,11 @@ class Opener:
             raise InvalidArgument("session ids chosen in one call must differ")
         return chosen
 
-    def prepare(self, items: list[OpenItem], principal: Principal | None, claimed: frozenset[str]) -> Opening:
+    def prepare(
+        self, items: list[OpenItem], principal: Principal | None, claimed: frozenset[str], *, unchecked: bool = False
+    ) -> Opening:
         """Every item checked (on the serving thread), nothing changed yet; ``claimed``: the
-        chosen ids storage holds for another tenant."""
+        chosen ids storage holds for another tenant (``unchecked``: storage could not say)."""
         self._admission.batch(len(items))
         self.chosen_ids(items)
         prepared: list[tuple[OpenItem, NamespaceDrafter, np.ndarray | None]] = []
@@ -64,7 +69,7 @@ class Opener:
             prompt = tokens.checked(item.prompt, drafter, "prompt")
             self._admission.prompt(prompt.size)
             prepared.append((item, drafter, prompt))
-        opening = Opening(prepared, principal, claimed)
+        opening = Opening(prepared, principal, claimed, unchecked)
         self._admission.room_for(opening)
         return opening
 
@@ -102,7 +107,8 @@ class Opener:
                     continue
                 params = item.params or self._default_params
                 sid = item.session_id or new_session_id()
-                self._sessions.add(SessionEntry(sid, item.namespace, drafter, session, params, tenant))
+                unchecked = opening.unchecked and bool(item.session_id)  # ids made here are new
+                self._sessions.add(SessionEntry(sid, item.namespace, drafter, session, params, tenant, unchecked))
                 added.append(sid)
                 ids.append(sid)
         except BaseException:

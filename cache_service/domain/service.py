@@ -21,7 +21,7 @@ from cache_service.config import ServiceConfig
 from cache_service.domain import drafting, names, tokens
 from cache_service.domain.admission import Admission
 from cache_service.domain.busy import BusyShare
-from cache_service.domain.changes import Changes, ChangeTracker
+from cache_service.domain.changes import Changes, ChangeTracker, Saved
 from cache_service.domain.continuing import Continuing, Found
 from cache_service.domain.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, unknown_session
 from cache_service.domain.items import (
@@ -153,7 +153,7 @@ class DraftService:
         ended = self.sessions.entries_where(lambda e: not self.namespaces.current(e.namespace, e.drafter))
         for entry in ended:
             self.sessions.discard(entry.sid)
-            self.changes.closed(entry.sid)
+            self.changes.closed(entry.sid, stored=not entry.unchecked)
         return sum(entry.namespace == name for entry in ended)
 
     def namespace_names(self) -> list[str]:
@@ -277,12 +277,22 @@ class DraftService:
         return self.finish_open(self.prepare_open(items, principal=principal))
 
     def prepare_open(
-        self, items: list[OpenItem], *, principal: Principal | None = None, stored: Found | None = None
+        self,
+        items: list[OpenItem],
+        *,
+        principal: Principal | None = None,
+        stored: Found | None = None,
+        unchecked: bool = False,
     ) -> Opening:
         """The first part of :meth:`open` (on the serving thread): every item checked, nothing
         changed yet. ``stored``: what storage holds of the client-chosen ids this replica does
         not hold (:meth:`open_ids_to_read`, read by :meth:`read_stored`; read here when not
-        given): an id another tenant's stored session holds is never opened over."""
+        given): an id another tenant's stored session holds is never opened over. With
+        ``unchecked`` (storage could not be read), nothing is known of them: the sessions open
+        unchecked, and a write-back that finds another tenant's session under an id ends that
+        session here and leaves the other as it is (:meth:`saved`)."""
+        if unchecked:
+            return self._opener.prepare(items, principal, frozenset(), unchecked=True)
         if stored is None:
             stored = self.read_stored(self.open_ids_to_read(items), build=False)
         claimed = frozenset(
@@ -410,7 +420,7 @@ class DraftService:
         commits: dict[str, list[tuple[SessionEntry, int]]] = {}
         for entry, item in entries:
             self.sessions.pop(entry.sid)
-            self.changes.closed(entry.sid)
+            self.changes.closed(entry.sid, stored=not entry.unchecked)
             if item.commit:
                 commits.setdefault(entry.namespace, []).append((entry, item.commit_from))
         return [partial(self._commit, namespace, group) for namespace, group in commits.items()]
@@ -485,3 +495,19 @@ class DraftService:
     def requeue(self, sids: Iterable[str], closed: Iterable[str] = ()) -> None:
         """Put back changes storage could not take (on the serving thread, like take_changes)."""
         self.changes.requeue(sids, closed)
+
+    def saved(self, saved: Saved) -> None:
+        """What a write-back did (on the serving thread): sessions it missed are written whole
+        next time; a session opened unchecked that storage now holds is checked; one whose id
+        storage holds for another tenant ends here (its calls are answered as an unknown
+        session's, and the other tenant's session stays as stored)."""
+        self.changes.requeue(saved.missed)
+        for sid in saved.written:
+            entry = self.sessions.find(sid)
+            if entry is not None:
+                entry.unchecked = False
+        for sid in saved.refused:
+            entry = self.sessions.find(sid)
+            if entry is not None and entry.unchecked:
+                self.sessions.discard(sid)
+                self.changes.closed(sid, stored=False)

@@ -22,6 +22,9 @@ class SessionEntry:
     session: Session
     params: DraftParams
     tenant: str = ""  # who opened it ("" when callers are not authenticated)
+    # Opened under a client-chosen id while storage could not say whether another tenant's
+    # session holds it: until a write-back lands the session, a close deletes no stored copy.
+    unchecked: bool = False
     last_used: float = field(default_factory=time.monotonic)
     counted: int = 0  # context tokens this entry adds to the table's total
     # What storage holds of the session, as far as the last write-back went: context tokens
@@ -107,6 +110,10 @@ class SessionTable:
         if entry is None:
             raise unknown_session(sid)
         return entry
+
+    def find(self, sid: str) -> SessionEntry | None:
+        """The session if held, idle past the TTL or not."""
+        return self._entries.get(sid)
 
     def holds(self, sid: str) -> bool:
         """Whether :meth:`get` would return the session."""

@@ -20,7 +20,7 @@ import grpc
 from draftcache.v1 import draftcache_pb2 as pb
 from draftcache.v1 import draftcache_pb2_grpc as pb_grpc
 
-from cache_service.domain.errors import InvalidArgument
+from cache_service.domain.errors import InvalidArgument, Unavailable
 from cache_service.domain.items import named_sessions
 from cache_service.domain.ports import StorageHealth
 from cache_service.domain.service import DraftService
@@ -69,8 +69,12 @@ class DraftCacheServicer(pb_grpc.DraftCacheServicer):
         self._service.admission.batch(len(request.sessions))  # before anything sized by the request
         items = convert.open_items(request, self._service.config.default_params)
         to_read = self._service.open_ids_to_read(items)
-        stored = await self._read(self._service.read_stored, to_read, build=False) if to_read else {}
-        opening = self._service.prepare_open(items, principal=auth.current(), stored=stored)
+        try:
+            stored = await self._read(self._service.read_stored, to_read, build=False) if to_read else {}
+        except Unavailable:  # storage down: opened all the same, unchecked (see prepare_open)
+            opening = self._service.prepare_open(items, principal=auth.current(), unchecked=True)
+        else:
+            opening = self._service.prepare_open(items, principal=auth.current(), stored=stored)
         sessions = None  # built here, at once
         if opening.prompt_tokens >= OFF_LOOP_TOKENS:
             sessions = await asyncio.to_thread(self._service.build_sessions, opening)

@@ -290,11 +290,11 @@ class RedisStore:
         sessions.save(self.client, sid, session, ttl_s)
 
     @guarded
-    def save_sessions(self, writes: list[sessions.SessionWrite], ttl_s: float) -> None:
+    def save_sessions(self, writes: list[sessions.SessionWrite], ttl_s: float) -> list[bool]:
         """:meth:`save_session` for many sessions in one round trip (per node on a cluster),
-        each session's keys written atomically."""
-        if writes:
-            sessions.save_many(self.client, self._save_sessions, writes, ttl_s)
+        each session's keys written atomically, but none over another tenant's session: per
+        session, whether it was written."""
+        return sessions.save_many(self.client, self._save_sessions, writes, ttl_s) if writes else []
 
     @guarded
     def append_sessions(self, appends: list[sessions.SessionAppend], ttl_s: float) -> list[bool]:

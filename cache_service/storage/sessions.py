@@ -12,12 +12,18 @@ from cache_service.storage import codec, keys, stored_session
 from cache_service.storage.clients import StorageClient, transaction
 from cache_service.storage.stored_session import StoredSession
 
-# KEYS: state, rej (one slot); ARGV[1] expiry ms, [2] rej blob, then the state's field/value
-# pairs. The same writes as :func:`save`, atomic per session, so many sessions can go in one
-# pipelined round trip.
+# KEYS: state, rej (one slot); ARGV[1] expiry ms, [2] rej blob, [3] the session's tenant, then
+# the state's field/value pairs. The same writes as :func:`save`, atomic per session, so many
+# sessions can go in one pipelined round trip; but never over another tenant's session (0,
+# nothing written): an id a replica could not check when it opened the session (storage was
+# down) may turn out to be taken.
 SAVE_LUA = """
+local tenant = redis.call('HGET', KEYS[1], 'tenant')
+if tenant and tenant ~= ARGV[3] then
+  return 0
+end
 redis.call('DEL', KEYS[1])
-redis.call('HSET', KEYS[1], unpack(ARGV, 3))
+redis.call('HSET', KEYS[1], unpack(ARGV, 4))
 redis.call('PEXPIRE', KEYS[1], ARGV[1])
 redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[1])
 return 1
@@ -72,21 +78,23 @@ def save(client: StorageClient, sid: str, session: StoredSession, ttl_s: float) 
         pipe.execute()
 
 
-def save_many(client: StorageClient, script: Script, writes: Sequence[SessionWrite], ttl_s: float) -> None:
-    """:func:`save` for many sessions in one pipelined round trip, each session's writes atomic
-    (``script`` is :data:`SAVE_LUA` registered on ``client``). On a cluster, where sessions live
-    on different nodes, one transaction per session."""
-    if isinstance(client, RedisCluster):
-        for sid, session in writes:
-            save(client, sid, session, ttl_s)
-        return
+def save_many(client: StorageClient, script: Script, writes: Sequence[SessionWrite], ttl_s: float) -> list[bool]:
+    """:func:`save` for many sessions in one pipelined round trip (on a cluster, where sessions
+    live on different nodes, one call per session), each session's writes atomic (``script`` is
+    :data:`SAVE_LUA` registered on ``client``), except where storage holds another tenant's
+    session under the id. Per session, whether it was written."""
     ms = ttl_ms(ttl_s)
+
+    def args(session: StoredSession) -> list[str | bytes | int]:
+        fields, rej_blob = stored_session.encode(session)
+        return [ms, rej_blob, session.tenant, *(x for kv in fields.items() for x in kv)]
+
+    if isinstance(client, RedisCluster):
+        return [bool(script(keys=list(keys.session_keys(sid)), args=args(session))) for sid, session in writes]
     pipe = client.pipeline(transaction=False)
     for sid, session in writes:
-        fields, rej_blob = stored_session.encode(session)
-        args: list[str | bytes | int] = [ms, rej_blob, *(x for kv in fields.items() for x in kv)]
-        script(keys=list(keys.session_keys(sid)), args=args, client=pipe)
-    pipe.execute()
+        script(keys=list(keys.session_keys(sid)), args=args(session), client=pipe)
+    return [bool(r) for r in pipe.execute()]
 
 
 def append_many(client: StorageClient, script: Script, appends: Sequence[SessionAppend], ttl_s: float) -> list[bool]:

@@ -157,9 +157,9 @@ def test_round_trip_and_recovery_from_lost_storage(store: RedisStore) -> None:
 
     def flush() -> list[str]:
         changed, closed = svc.take_changes()
-        missed = persistence.save_sessions(changed, closed, ttl_s=60)
-        svc.requeue(missed)
-        return missed
+        saved = persistence.save_sessions(changed, closed, ttl_s=60)
+        svc.saved(saved)
+        return saved.missed
 
     assert flush() == []
     for new in ([], [6], [7, 8], [9]):

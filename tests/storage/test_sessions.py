@@ -121,6 +121,20 @@ def test_many_sessions_in_one_round_trip_read_back_as_saved_one_by_one(
         store.save_sessions(writes[:1], ttl_s=0)
 
 
+def test_a_save_never_writes_over_another_tenants_session(store: RedisStore, client: StorageClient) -> None:
+    theirs = replace(_session(), tenant="acme")
+    store.save_session("taken", theirs, ttl_s=60)
+    store.save_session("legacy", _session(), ttl_s=60)
+    client.hdel(keys.session_state("legacy"), "tenant")  # a record older than the field: nobody's
+    mine = replace(_session(CONTEXT[:5], prompt_len=3), tenant="umbrella")
+    written = store.save_sessions([("taken", mine), ("free", mine), ("legacy", mine)], ttl_s=60)
+    assert written == [False, True, True]
+    assert _same(store.load_session("taken"), theirs)  # left as it was, its expiry too
+    assert all(50_000 < client.pttl(k) <= 60_000 for k in keys.session_keys("taken"))
+    assert _same(store.load_session("free"), mine) and _same(store.load_session("legacy"), mine)
+    assert store.save_sessions([("taken", replace(mine, tenant="acme"))], ttl_s=60) == [True]  # its own tenant
+
+
 def test_appends_extend_exactly_the_context_storage_holds(store: RedisStore, client: StorageClient) -> None:
     session = _session()
     for sid in ("a", "b", "c"):
