@@ -44,6 +44,7 @@ class AsyncDraftClient:
         self._opening: tuple[Reopening, asyncio.Future] | None = None
         self._background: set[asyncio.Future] = set()
         self._closing: set[asyncio.Future] = set()  # background closes (booked as each ends)
+        self._shut_down = False
 
     @property
     def stats(self) -> ClientStats:
@@ -191,6 +192,9 @@ class AsyncDraftClient:
 
     async def shutdown(self) -> None:
         """See :meth:`DraftClient.shutdown`."""
+        if self._shut_down:
+            return
+        self._shut_down = True
         await self._settle()
         await self._check_late(None)
         await self._land_reopen()

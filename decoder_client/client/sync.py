@@ -47,6 +47,7 @@ class DraftClient:
         self._opening: tuple[Reopening, grpc.Future | StreamFuture] | None = None
         self._background: list[grpc.Future | StreamFuture] = []  # calls nobody waits for (kept until done)
         self._closing: list[tuple[pb.CloseSessionsRequest, grpc.Future | StreamFuture]] = []
+        self._shut_down = False
 
     @property
     def config(self) -> ClientConfig:
@@ -263,7 +264,11 @@ class DraftClient:
             self._closing.append((close, self._future("close", close, self.config.control_timeout_s)))
 
     def shutdown(self) -> None:
-        """Settle calls in flight, close the server copies given up on, close the channel."""
+        """Settle calls in flight, close the server copies given up on, close the channel; once
+        (a second call does nothing)."""
+        if self._shut_down:
+            return
+        self._shut_down = True
         self._settle()
         self._check_late(None)
         self._land_reopen()

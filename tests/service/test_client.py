@@ -744,3 +744,23 @@ def test_an_open_without_waiting_may_still_land_within_a_bound(running) -> None:
 
     opened, remote = asyncio.run(scenario())
     assert opened and remote == 1  # the asyncio client alike
+
+
+def test_a_second_shutdown_does_nothing_though_commits_are_still_kept() -> None:
+    config = ClientConfig(target=f"127.0.0.1:{free_port()}", namespace="toy", control_timeout_s=0.5)
+    client = DraftClient(config)  # nobody listens there
+    client.commit([PROMPT])
+    client.shutdown()
+    assert client.stats.commits_pending == 1
+    client.shutdown()  # an engine's exit hook after its own: no call on the closed channel
+
+    async def scenario() -> int:
+        from decoder_client.client import AsyncDraftClient
+
+        aclient = AsyncDraftClient(config)
+        await aclient.close(await aclient.open([PROMPT]), commit=True)  # drafted locally, kept to commit
+        await aclient.shutdown()
+        await aclient.shutdown()
+        return aclient.stats.commits_pending
+
+    assert asyncio.run(scenario()) == 1
