@@ -92,15 +92,15 @@ class RedisPersistence:
 
     def namespace_created(self, name: str, vocab_size: int) -> None:
         self.commits.forget(name)  # a new namespace's log, whatever was known of an old one's
-        try:
-            self.store.register_namespace(name, vocab_size)
+        try:  # a caller waits: within the call timeout
+            self.calls.register_namespace(name, vocab_size)
         except StorageUnavailable as exc:
             raise Unavailable(f"storage unavailable: {exc}") from exc
 
     def namespace_deleted(self, name: str) -> bool:
         self.namespace_forgotten(name)
-        try:
-            return self.store.delete_namespace(name).registered
+        try:  # a caller waits: each command within the call timeout (a retry finishes the deletion)
+            return self.calls.delete_namespace(name).registered
         except StorageUnavailable as exc:
             raise Unavailable(f"storage unavailable: {exc}") from exc
 

@@ -1,7 +1,8 @@
-"""Opens while Redis is down. The client names its sessions, and the service cannot then check
-the ids against stored sessions: it opens them all the same, so drafting from the service and
-commits (journaled) go on through an outage, and storage keeps another tenant's stored session
-from being written over or deleted by a session opened so."""
+"""Calls while Redis is down or hung. The client names its sessions, and the service cannot
+then check the ids against stored sessions: it opens them all the same, so drafting from the
+service and commits (journaled) go on through an outage, and storage keeps another tenant's
+stored session from being written over or deleted by a session opened so. Namespace calls,
+which must reach storage, answer within the call timeout."""
 
 from __future__ import annotations
 
@@ -13,8 +14,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
+from draftcache.v1 import draftcache_pb2 as pb
+from draftcache.v1 import draftcache_pb2_grpc as pb_grpc
 
 from cache_service.app import App, AppConfig
 from cache_service.config import ServerConfig, ServiceConfig
@@ -127,3 +131,29 @@ def test_a_session_opened_unchecked_under_another_tenants_id_leaves_that_session
         kept = store.load_session(sid)
         assert kept is not None and kept.tenant == "acme" and kept.context.tolist() == [7, 8, 9]
     assert store.load_session("mine-000000000001") is not None
+
+
+def test_namespace_calls_answer_within_the_call_timeout_while_redis_is_frozen(served: Served) -> None:
+    """CreateNamespace and DeleteNamespace wait on storage: a hung Redis holds them for the
+    call timeout (0.5 s here), not the background client's 30 s socket timeout and retry."""
+    app, redis, port, _ = served
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    admin = pb_grpc.AdminStub(channel)
+    assert redis.proc is not None
+    redis.proc.send_signal(signal.SIGSTOP)
+    try:
+        for call, request in (
+            (admin.CreateNamespace, pb.CreateNamespaceRequest(name="other", vocab_size=100)),
+            (admin.DeleteNamespace, pb.DeleteNamespaceRequest(name="ns")),
+        ):
+            began = time.monotonic()
+            with pytest.raises(grpc.RpcError) as err:
+                call(request, timeout=20)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() - began < 5
+    finally:
+        redis.proc.send_signal(signal.SIGCONT)
+        channel.close()
+    assert "ns" in app.service.namespace_names()  # not dropped here (storage may yet apply what it was sent)
+    admin_again = pb_grpc.AdminStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+    admin_again.DeleteNamespace(pb.DeleteNamespaceRequest(name="ns"), timeout=20)  # a retry finishes it
+    assert "ns" not in app.service.namespace_names() and "ns" not in RedisStore(connect(redis.url)).namespaces()
