@@ -199,6 +199,7 @@ class App:
         self.server = await create_server(
             self.config.server, self.service, self.metrics.observe_rpc, storage_health=self.storage_health
         )
+        self.metrics.served_by(self.service.namespace_names)  # rebuild series go with their namespace
         if self.config.metrics_port is not None:
             self.metrics.watch(
                 self.service, self.persistence, session_saves=lambda: self.sessions_saved, storage=self.storage_health
@@ -278,7 +279,10 @@ class App:
         self.sync.adopt_published()
         now = time.monotonic()
         shared = self.shared is not None
-        for name in self.service.namespace_names():
+        served = self.service.namespace_names()
+        for gone in set(list(self._last_rebuild)) - set(served):  # names come and go for weeks
+            self._last_rebuild.pop(gone, None)
+        for name in served:
             memory = self.service.namespace(name).memory
             built = memory.indexes
             gap = early_rebuild_gap(None if built is None else built.build_seconds, shared=shared)
@@ -287,6 +291,7 @@ class App:
 
     def _rebuild_one(self, name: str, why: str) -> None:
         try:
+            had = self.service.namespace(name).memory.indexes
             built = self.sync.rebuild(name)
         except StorageError as exc:  # shared indexes are built from the log in storage
             logger.warning("rebuild of %s deferred: %s", name, exc)
@@ -297,7 +302,7 @@ class App:
         finally:
             self._last_rebuild[name] = time.monotonic()
             release_free_memory()  # what the build allocated and freed
-        if built is not None:  # this process built it (shared indexes: another may have)
+        if built is not None and built is not had:  # this process built it (shared: another may have; or none was due)
             self.metrics.observe_rebuild(name, built)
             how = "extended" if built.extended else "sorted afresh"
             table = "new table" if built.table_version is None else "table carried over"
