@@ -20,6 +20,7 @@ class OpenItem:
     prompt: np.ndarray | list[int]
     params: DraftParams | None = None
     session_id: str = ""  # chosen by the client (empty: the service picks one)
+    vocab_size: int = 0  # the vocabulary of the caller's model, checked against the namespace's (0: not stated)
 
 
 @dataclass(frozen=True)

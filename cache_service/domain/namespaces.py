@@ -8,7 +8,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
 from cache_service.domain import names
-from cache_service.domain.errors import AlreadyExists, InvalidArgument, NotFound
+from cache_service.domain.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from cache_service.domain.items import NamespaceStats
 from cache_service.domain.ports import Logged
 from indexer.drafter import DrafterConfig, NamespaceDrafter
@@ -66,13 +66,20 @@ class Namespaces:
         logger.info("namespace %s (vocab %d) ready", name, vocab_size)
         return drafter, True
 
-    def get(self, name: str) -> NamespaceDrafter:
+    def get(self, name: str, vocab_size: int = 0) -> NamespaceDrafter:
         """The namespace's drafter; a name no namespace could have is :class:`InvalidArgument`,
-        a well-formed unknown one :class:`NotFound`."""
+        a well-formed unknown one :class:`NotFound`. ``vocab_size``: the vocabulary a caller's
+        model has (0: not stated); another than the namespace's is :class:`FailedPrecondition`
+        (another tokenizer: its ids mean other text in this namespace)."""
         drafter = self._drafters.get(name)
         if drafter is None:
             names.namespace_name(name)
             raise NotFound(f"unknown namespace {name!r}")
+        if vocab_size and vocab_size != drafter.namespace.vocab_size:
+            raise FailedPrecondition(
+                f"namespace {name!r} has vocab_size {drafter.namespace.vocab_size}, the caller's model {vocab_size}: "
+                "another tokenizer's ids, never drafted from nor committed to by this model"
+            )
         return drafter
 
     def remove(self, name: str) -> bool:

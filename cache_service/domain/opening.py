@@ -62,7 +62,7 @@ class Opener:
             names.namespace_name(item.namespace)
             if principal is not None:
                 principal.check_namespace(item.namespace)
-            drafter = self._namespaces.get(item.namespace)
+            drafter = self._namespaces.get(item.namespace, item.vocab_size)
             if item.session_id and self._reopened(item, principal, claimed):
                 prepared.append((item, drafter, None))
                 continue

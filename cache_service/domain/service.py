@@ -218,12 +218,13 @@ class DraftService:
     # -- the log, for decoders' near copies ---------------------------------------------------
 
     def read_log(
-        self, name: str, after: str, max_tokens: int, *, principal: Principal | None = None
+        self, name: str, after: str, max_tokens: int, *, principal: Principal | None = None, vocab_size: int = 0
     ) -> tuple[list[tuple[str, np.ndarray]], str]:
         """The lifetime log of ``name`` after the entry ``after`` (empty: from its end now), in
         entries of at most ``max_tokens`` tokens in all (at least one); and where to go on from.
-        Checked before storage is asked: the name, the caller's right to it, the range, the id."""
-        self._check_readable(name, principal)
+        Checked before storage is asked: the name, the caller's right to it, its model's
+        vocabulary (``vocab_size``, 0: not stated), the range, the id."""
+        self._check_readable(name, principal, vocab_size)
         if not 1 <= max_tokens <= MAX_LOG_READ_TOKENS:
             raise InvalidArgument(f"max_tokens must be in [1, {MAX_LOG_READ_TOKENS}], got {max_tokens}")
         if after:
@@ -235,22 +236,31 @@ class DraftService:
             raise FailedPrecondition("this service keeps no lifetime log: it runs without storage")
         return self._persistence.log_after(name, after, max_tokens)
 
-    def _check_readable(self, name: str, principal: Principal | None) -> None:
+    def _check_readable(self, name: str, principal: Principal | None, vocab_size: int) -> None:
         """A namespace a near copy may read: a valid name, the caller's right to it, one this
-        service has (else NOT_FOUND)."""
+        service has (else NOT_FOUND), of the caller's vocabulary when it states one (else
+        FAILED_PRECONDITION)."""
         names.namespace_name(name)
         if principal is not None:
             principal.check_namespace(name)
-        self.namespace(name)
+        self.namespaces.get(name, vocab_size)
 
     def read_prior(
-        self, name: str, version: int, offset: int, max_bytes: int, *, principal: Principal | None = None
+        self,
+        name: str,
+        version: int,
+        offset: int,
+        max_bytes: int,
+        *,
+        principal: Principal | None = None,
+        vocab_size: int = 0,
     ) -> PriorPage:
         """A page of the stored blob of ``name``'s static prior ``version`` (0: the current one),
         for a near copy to draft with the prior the service drafts with. Version 0 in the
         answer: the namespace has no prior. A version gone (two publishes since) is NOT_FOUND:
-        the reader starts again from the current one. Checked before storage is asked."""
-        self._check_readable(name, principal)
+        the reader starts again from the current one. Checked before storage is asked (as
+        :meth:`read_log` is)."""
+        self._check_readable(name, principal, vocab_size)
         if not 1 <= max_bytes <= MAX_PRIOR_PAGE_BYTES:
             raise InvalidArgument(f"max_bytes must be in [1, {MAX_PRIOR_PAGE_BYTES}], got {max_bytes}")
         if version < 0 or offset < 0:

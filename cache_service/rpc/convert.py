@@ -53,7 +53,11 @@ def params(msg: pb.DraftParams, default: DraftParams) -> DraftParams:
 def open_items(req: pb.OpenSessionsRequest, default: DraftParams) -> list[OpenItem]:
     return [
         OpenItem(
-            s.namespace, tokens(s.prompt), params(s.params, default) if s.HasField("params") else None, s.session_id
+            s.namespace,
+            tokens(s.prompt),
+            params(s.params, default) if s.HasField("params") else None,
+            s.session_id,
+            s.vocab_size,
         )
         for s in req.sessions
     ]

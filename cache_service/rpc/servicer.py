@@ -112,7 +112,12 @@ class DraftCacheServicer(pb_grpc.DraftCacheServicer):
         principal = auth.current()
         # Storage is read on a worker thread: a slow storage holds only this call.
         entries, last = await self._read(
-            self._service.read_log, request.namespace, request.after, request.max_tokens, principal=principal
+            self._service.read_log,
+            request.namespace,
+            request.after,
+            request.max_tokens,
+            principal=principal,
+            vocab_size=request.vocab_size,
         )
         return pb.ReadLogResponse(entries=[pb.LogEntry(id=i, tokens=t.tolist()) for i, t in entries], last=last)
 
@@ -125,6 +130,7 @@ class DraftCacheServicer(pb_grpc.DraftCacheServicer):
             request.offset,
             request.max_bytes,
             principal=principal,
+            vocab_size=request.vocab_size,
         )
         return pb.ReadPriorResponse(version=page.version, size=page.size, digest=page.digest, data=page.data)
 

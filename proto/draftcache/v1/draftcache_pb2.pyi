@@ -35,16 +35,18 @@ class Tree(_message.Message):
     def __init__(self, tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., sources: _Optional[bytes] = ..., scores: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class OpenSession(_message.Message):
-    __slots__ = ("namespace", "prompt", "params", "session_id")
+    __slots__ = ("namespace", "prompt", "params", "session_id", "vocab_size")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     prompt: _containers.RepeatedScalarFieldContainer[int]
     params: DraftParams
     session_id: str
-    def __init__(self, namespace: _Optional[str] = ..., prompt: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[DraftParams, _Mapping]] = ..., session_id: _Optional[str] = ...) -> None: ...
+    vocab_size: int
+    def __init__(self, namespace: _Optional[str] = ..., prompt: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[DraftParams, _Mapping]] = ..., session_id: _Optional[str] = ..., vocab_size: _Optional[int] = ...) -> None: ...
 
 class OpenSessionsRequest(_message.Message):
     __slots__ = ("sessions",)
@@ -215,14 +217,16 @@ class StreamResponse(_message.Message):
     def __init__(self, request_id: _Optional[int] = ..., open: _Optional[_Union[OpenSessionsResponse, _Mapping]] = ..., draft: _Optional[_Union[DraftResponse, _Mapping]] = ..., feedback: _Optional[_Union[FeedbackResponse, _Mapping]] = ..., close: _Optional[_Union[CloseSessionsResponse, _Mapping]] = ..., error: _Optional[_Union[StreamError, _Mapping]] = ...) -> None: ...
 
 class ReadLogRequest(_message.Message):
-    __slots__ = ("namespace", "after", "max_tokens")
+    __slots__ = ("namespace", "after", "max_tokens", "vocab_size")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     AFTER_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     after: str
     max_tokens: int
-    def __init__(self, namespace: _Optional[str] = ..., after: _Optional[str] = ..., max_tokens: _Optional[int] = ...) -> None: ...
+    vocab_size: int
+    def __init__(self, namespace: _Optional[str] = ..., after: _Optional[str] = ..., max_tokens: _Optional[int] = ..., vocab_size: _Optional[int] = ...) -> None: ...
 
 class LogEntry(_message.Message):
     __slots__ = ("id", "tokens")
@@ -241,16 +245,18 @@ class ReadLogResponse(_message.Message):
     def __init__(self, entries: _Optional[_Iterable[_Union[LogEntry, _Mapping]]] = ..., last: _Optional[str] = ...) -> None: ...
 
 class ReadPriorRequest(_message.Message):
-    __slots__ = ("namespace", "version", "offset", "max_bytes")
+    __slots__ = ("namespace", "version", "offset", "max_bytes", "vocab_size")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     version: int
     offset: int
     max_bytes: int
-    def __init__(self, namespace: _Optional[str] = ..., version: _Optional[int] = ..., offset: _Optional[int] = ..., max_bytes: _Optional[int] = ...) -> None: ...
+    vocab_size: int
+    def __init__(self, namespace: _Optional[str] = ..., version: _Optional[int] = ..., offset: _Optional[int] = ..., max_bytes: _Optional[int] = ..., vocab_size: _Optional[int] = ...) -> None: ...
 
 class ReadPriorResponse(_message.Message):
     __slots__ = ("version", "size", "digest", "data")
