@@ -50,8 +50,10 @@ class ClientConfig:
     # all of it): a short rest of a long sure chain would cost the step the chain a call brings.
     chain_take: int = 0
     topk: int = 0  # the target's top-k ids sent per verified position, when the decoder gives them (0: none)
-    # The namespace's vocabulary: a tree from the service with an id outside it is not used (the
-    # fallback drafts instead). 0: ids are only checked to be >= 0.
+    # The model's vocabulary: a tree from the service with an id outside it is not used (the
+    # fallback drafts instead). It is stated on opens and log and prior reads: a service whose
+    # namespace has another (another tokenizer) refuses them, and the client then drafts locally
+    # and commits nothing there. 0: not stated, ids only checked to be >= 0.
     vocab_size: int = 0
     stream: bool = True  # calls on two bidirectional streams (False: one unary call each)
     token: str = ""  # bearer token, when the service authenticates callers

@@ -30,6 +30,10 @@ logger = logging.getLogger(__name__)
 
 Fallback = Callable[[np.ndarray, int], DraftTree]
 
+# A namespace the service refuses to this client (FAILED_PRECONDITION: another vocabulary than
+# its model's) is asked again this seldom: it stays wrong until an operator acts.
+REFUSED_RETRY_S = 60.0
+
 
 # How likely a prompt-lookup chain's tokens are to be accepted, by the length of the n-gram it
 # matched (1, 2, 3): the first token, and each later one once the one before it was. Measured
@@ -114,6 +118,7 @@ class ClientCore:
         self.cut_chains_at(config.params.chain_min_prob)
         self._most_nodes = config.params.chain or config.params.budget  # what a tree may hold
         self._said_malformed = False
+        self.refused = ""  # why the service refuses the namespace to this client ("": it does not)
 
     def cut_chains_at(self, min_prob: float) -> None:
         """Sessions opened from now on ask for chains cut at ``min_prob``; continued chains run
@@ -180,7 +185,13 @@ class ClientCore:
         ns = self.config.namespace
         return pb.OpenSessionsRequest(  # ids chosen here: an open given up on can still be closed
             sessions=[
-                pb.OpenSession(namespace=ns, prompt=s.tokens(), params=self.params, session_id=token_hex(16))
+                pb.OpenSession(
+                    namespace=ns,
+                    prompt=s.tokens(),
+                    params=self.params,
+                    session_id=token_hex(16),
+                    vocab_size=self.config.vocab_size,
+                )
                 for s in todo
             ]
         )
@@ -190,8 +201,12 @@ class ClientCore:
     ) -> None:
         """An open call failed: the service may still have made the sessions (a missed deadline
         above all), so they are closed, if they exist, once it answers again. Ended requests
-        it was opening to commit (among ``sessions``) are given up on if the service refused them."""
+        it was opening to commit (among ``sessions``) are given up on if the service refused them;
+        all of them when it refuses the namespace (see :meth:`refuse`)."""
         self.failed(exc)
+        if exc.code() is grpc.StatusCode.FAILED_PRECONDITION:
+            self.refuse(exc.details() or "")
+            sessions = [*sessions, *self.commits.to_open()]
         if not worth_retrying(exc):
             self.commits.discard(sessions)
             self._commit_stats()
@@ -199,11 +214,29 @@ class ClientCore:
             self.stats.lost_opens += len(req.sessions)
         self.abandoned.extend(s.session_id for s in req.sessions)
 
+    def refuse(self, why: str) -> None:
+        """The service refuses the namespace to this client (FAILED_PRECONDITION: the model's
+        vocabulary is not the namespace's, so its ids mean other text there). Sessions draft
+        locally and no ended request is kept to commit; the service is asked again every
+        :data:`REFUSED_RETRY_S` (an operator may fix the namespace), and the reason is logged
+        once, not at every request."""
+        self.down_until = time.monotonic() + max(self.config.retry_after_s, REFUSED_RETRY_S)
+        if why != self.refused:
+            logger.error(
+                "draftcache: the service refuses namespace %r to this client (%s); it drafts locally and commits "
+                "nothing there, asking again every %.0f s",
+                self.config.namespace, why, REFUSED_RETRY_S,
+            )  # fmt: skip
+        self.refused = why
+
     def opened(
         self, sessions: Sequence[ClientSession], resp: pb.OpenSessionsResponse, sizes: Sequence[int] | None = None
     ) -> None:
         """Book the server ids of an open request made for ``sessions`` (those without one);
         ``sizes``: their context sizes when it was sent (tokens added since are pending)."""
+        if self.refused:
+            logger.info("draftcache: the service takes namespace %r again", self.config.namespace)
+            self.refused = ""
         todo = [s for s in sessions if not s.server_id]
         sizes = [len(s) for s in todo] if sizes is None else sizes
         for s, sid, size in zip(todo, resp.session_ids, sizes, strict=True):
@@ -485,8 +518,12 @@ class ClientCore:
 
     def keep_for_commit(self, tokens: list[int], *, retry: bool = True) -> None:
         """Commit ``tokens`` (a whole request) once the service takes it (``retry``: a commit
-        that did not land; False: a request's first)."""
-        self.abandoned.extend(self.commits.keep(tokens, retry=retry))
+        that did not land; False: a request's first). Dropped (counted) while the service
+        refuses the namespace: it would refuse the commit too."""
+        if self.refused:
+            self.commits.dropped += 1
+        else:
+            self.abandoned.extend(self.commits.keep(tokens, retry=retry))
         self._commit_stats()
 
     def _commit_stats(self) -> None:

@@ -192,6 +192,10 @@ class LogFollower:
                 if exc.code() is grpc.StatusCode.UNIMPLEMENTED:  # a service that predates the log read
                     logger.warning("draftcache: the service does not serve its log; the near copy will not follow it")
                     return
+                if exc.code() is grpc.StatusCode.FAILED_PRECONDITION:  # another vocabulary: it stays so
+                    why = exc.details()
+                    logger.error("draftcache: the service refuses its log (%s); the near copy will not follow it", why)
+                    return
                 logger.debug("draftcache: reading the service's log failed (%s); again in %.1f s", exc.code(), wait)
             except Exception:  # the thread carries on: a read that failed is made again
                 self.failures += 1

@@ -88,7 +88,11 @@ class NearClient:
     processes' commits (0: never); ``start_s``: the most time spent at start reading the log's
     recent history and the service's prior (0: the near copy starts empty); ``prior_check_s``:
     without ``prior``, how often the service is asked for its prior of the namespace, a newer
-    version than the one held (0: never; see :mod:`~decoder_client.client.prior_follow`)."""
+    version than the one held (0: never; see :mod:`~decoder_client.client.prior_follow`).
+
+    ``vocab_size`` is stated to the service (``config.vocab_size`` is set to it): a namespace
+    of another vocabulary is refused, and the near copy then neither follows its log and prior
+    nor commits to it, drafting from its own requests alone."""
 
     def __init__(
         self,
@@ -110,6 +114,9 @@ class NearClient:
             raise ValueError(f"start_s must be >= 0 (0: the near copy starts empty), got {start_s}")
         if prior_check_s < 0:
             raise ValueError(f"prior_check_s must be >= 0 (0: the service's prior is never read), got {prior_check_s}")
+        if config.vocab_size not in (0, vocab_size):
+            raise ValueError(f"config.vocab_size {config.vocab_size} is not the near copy's vocab_size {vocab_size}")
+        config = dataclasses.replace(config, vocab_size=vocab_size)
         self._config = config
         self._params = config.params
         self.drafter = NamespaceDrafter(
@@ -140,8 +147,8 @@ class NearClient:
             if prior is None and prior_check_s:  # read beside the log's history, below
                 self.prior_follower = PriorFollower(self._remote.read_prior, self._set_prior, every_s=prior_check_s)
                 self.prior_follower.start()
-            if follow_s:
-                after = self._start_from_log(memory_tokens, start_s) if start_s else ""
+            after = self._start_from_log(memory_tokens, start_s) if follow_s and start_s else ""
+            if follow_s and after is not None:
                 # The read touches only the client's stub (thread-safe), never what the lock guards.
                 self._follower = LogFollower(
                     self._remote.read_log, self._own, every_s=follow_s, max_pending=memory_tokens, after=after
@@ -158,15 +165,19 @@ class NearClient:
         self.drafter.prior = prior
         self.stats.prior_version = version
 
-    def _start_from_log(self, memory_tokens: int, seconds: float) -> str:
+    def _start_from_log(self, memory_tokens: int, seconds: float) -> str | None:
         """The fleet's recent history, read from the service's log (its newest entries, as many
         tokens as the memory holds, for at most ``seconds``), indexed before the first request;
-        the id following goes on after ("": nothing read, it follows from the log's end)."""
+        the id following goes on after ("": nothing read, it follows from the log's end; None:
+        the service refuses the log to this near copy, which does not follow it)."""
         assert self._remote is not None
         started = time.monotonic()
         try:
             entries, after = read_recent(self._remote.read_log, memory_tokens, seconds)
         except grpc.RpcError as exc:
+            if exc.code() is grpc.StatusCode.FAILED_PRECONDITION:  # another vocabulary: it stays so
+                logger.error("near copy: the service refuses its log (%s); it is not followed", exc.details())
+                return None
             logger.warning("near copy: the service's log could not be read (%s); it starts empty", exc.code())
             return ""
         entries = self._in_vocabulary(entries)

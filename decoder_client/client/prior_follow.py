@@ -127,6 +127,10 @@ class PriorFollower:
             try:
                 self.check()
             except grpc.RpcError as exc:
+                if exc.code() is grpc.StatusCode.FAILED_PRECONDITION:  # another vocabulary: it stays so
+                    logger.error("near copy: the service refuses its prior (%s); it is not read", exc.details())
+                    self.loaded.set()
+                    return
                 logger.warning("near copy: the service's prior could not be read (%s); trying again later", exc.code())
             except Exception:  # the thread keeps looking whatever one look hit
                 logger.exception("near copy: reading the service's prior failed")

@@ -214,8 +214,11 @@ class DraftClient:
         """The namespace's lifetime log after the entry ``after`` (``""``: from its end now):
         entries of at most ``max_tokens`` tokens in all (at least one), oldest first, and the id
         the next read goes on after. A unary call within the control timeout; it raises
-        ``grpc.RpcError`` (the caller retries later: nothing here waits on the service)."""
-        req = pb.ReadLogRequest(namespace=self.config.namespace, after=after, max_tokens=max_tokens)
+        ``grpc.RpcError`` (the caller retries later: nothing here waits on the service;
+        FAILED_PRECONDITION: the namespace has another vocabulary than ``vocab_size``)."""
+        req = pb.ReadLogRequest(
+            namespace=self.config.namespace, after=after, max_tokens=max_tokens, vocab_size=self.config.vocab_size
+        )
         resp = self._stub.ReadLog(req, timeout=self.config.control_timeout_s, metadata=self.config.metadata)
         return [(e.id, np.array(e.tokens, dtype=np.int32)) for e in resp.entries], resp.last
 
@@ -225,7 +228,13 @@ class DraftClient:
         (0: the namespace has none), the blob's size and digest, and the page. A unary call
         within the control timeout; it raises ``grpc.RpcError`` (see
         :mod:`~decoder_client.client.prior_follow`)."""
-        req = pb.ReadPriorRequest(namespace=self.config.namespace, version=version, offset=offset, max_bytes=max_bytes)
+        req = pb.ReadPriorRequest(
+            namespace=self.config.namespace,
+            version=version,
+            offset=offset,
+            max_bytes=max_bytes,
+            vocab_size=self.config.vocab_size,
+        )
         resp = self._stub.ReadPrior(req, timeout=self.config.control_timeout_s, metadata=self.config.metadata)
         return resp.version, resp.size, resp.digest, resp.data
 

@@ -1,9 +1,12 @@
 """A caller's model vocabulary against its namespace's: opens and log and prior reads that state
 another one (another tokenizer, whose ids mean other text there) are refused before anything is
-opened or read. A real service on a real Redis."""
+opened or read, and clients so refused draft locally and commit nothing into the namespace. A
+real service on a real Redis."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -16,8 +19,11 @@ from cache_service.app import connect
 from cache_service.config import EmbeddedRedisConfig
 from cache_service.host.embedded_redis import EmbeddedRedis
 from cache_service.storage.redis_store import RedisStore
+from decoder_client.client import AsyncDraftClient, ClientConfig, DraftClient
+from decoder_client.client.near import NearClient
+from indexer.drafter import DraftParams
 from indexer.prior import PriorConfig, StaticPrior
-from tests.service.conftest import Replica
+from tests.service.conftest import Replica, eventually
 
 NS = "toy"
 VOCAB = 100
@@ -47,6 +53,20 @@ def _calls(r: Replica, stated: int) -> dict[str, Callable[[], object]]:
     }
 
 
+def _commit(r: Replica, tokens: list[int]) -> None:
+    """One request of the namespace's fleet committed (by a client that states no vocabulary),
+    and in the log."""
+    (sid,) = r.stub.OpenSessions(
+        pb.OpenSessionsRequest(sessions=[pb.OpenSession(namespace=NS, prompt=tokens)])
+    ).session_ids
+    r.stub.CloseSessions(pb.CloseSessionsRequest(sessions=[pb.CloseSession(session_id=sid, commit=True)]))
+    eventually(lambda: r.admin.Stats(pb.StatsRequest()).storage.journaled_commits == 0)
+
+
+def _refusals(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "refuses namespace" in r.getMessage()]
+
+
 @pytest.mark.parametrize("stated", [0, VOCAB], ids=["not-stated", "the-namespaces"])
 def test_calls_stating_no_vocabulary_or_the_namespaces_are_served(
     served: tuple[Replica, RedisStore], stated: int
@@ -74,3 +94,87 @@ def test_calls_stating_another_vocabulary_are_refused_before_anything_is_done(
         replica.stub.OpenSessions(pb.OpenSessionsRequest(sessions=both))
     assert refused.value.code() is grpc.StatusCode.FAILED_PRECONDITION
     assert replica.admin.Stats(pb.StatsRequest(namespace=NS)).namespaces[0].sessions == 0
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "unary"])
+def test_a_client_of_another_vocabulary_drafts_locally_and_commits_nothing(
+    served: tuple[Replica, RedisStore], stream: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Requests opened as an engine opens them (in the background, drafting meanwhile): the
+    first open's refusal drops what was kept to commit, later requests are not kept at all, and
+    the reason is logged once."""
+    replica, store = served
+    config = ClientConfig(target=replica.target, namespace=NS, vocab_size=OTHER, stream=stream, deadline_s=0.5)
+    client = DraftClient(config)
+    caplog.set_level(logging.INFO, logger="decoder_client")
+    try:
+        for _ in range(5):
+            (s,) = client.open([PROMPT], wait=False)
+            assert client.draft([s], [[]])[0].tokens.tolist()[:3] == [23, 42, 8]
+            client.add_tokens([s], [ANSWER])
+            client.close([s])
+        eventually(lambda: (client.settle(), client.stats.commits_pending == 0)[1])
+    finally:
+        client.shutdown()
+    assert store.read_log(NS) == []
+    assert client.stats.remote == 0 and client.stats.fallback == 5
+    assert client.stats.commits_dropped == 5
+    (refusal,) = _refusals(caplog)
+    assert "vocab_size 100" in refusal and "model 64" in refusal
+
+
+def test_an_async_client_of_another_vocabulary_drafts_locally_and_commits_nothing(
+    served: tuple[Replica, RedisStore], caplog: pytest.LogCaptureFixture
+) -> None:
+    replica, store = served
+    config = ClientConfig(target=replica.target, namespace=NS, vocab_size=OTHER, deadline_s=0.5)
+    caplog.set_level(logging.INFO, logger="decoder_client")
+
+    async def scenario() -> AsyncDraftClient:
+        client = AsyncDraftClient(config)
+        try:
+            for _ in range(3):
+                (s,) = await client.open([PROMPT])
+                assert (await client.draft([s], [[]]))[0].tokens.tolist()[:3] == [23, 42, 8]
+                client.add_tokens([s], [ANSWER])
+                await client.close([s])
+            await client.settle()
+        finally:
+            await client.shutdown()
+        return client
+
+    client = asyncio.run(scenario())
+    assert client.stats.remote == 0 and client.stats.fallback == 3
+    assert client.stats.commits_dropped == 3 and client.stats.commits_pending == 0
+    assert store.read_log(NS) == []
+    assert len(_refusals(caplog)) == 1
+
+
+def test_a_near_copy_of_another_vocabulary_neither_follows_the_namespace_nor_commits_to_it(
+    served: tuple[Replica, RedisStore],
+) -> None:
+    replica, store = served
+    store.put_prior(NS, StaticPrior.build(np.array(ANSWER * 4, np.int32), PriorConfig(orders=(1, 2))).to_bytes())
+    _commit(replica, [1, 2, 3, *ANSWER])
+    config = ClientConfig(target=replica.target, namespace=NS, params=DraftParams(chain=8))
+    near = NearClient(config, OTHER, memory_tokens=1 << 16, follow_s=0.05, start_s=5.0, prior_check_s=0.05)
+    later = NearClient(config, OTHER, memory_tokens=1 << 16, follow_s=0.05, start_s=0)  # follows from the log's end
+    try:
+        # Neither the log's history nor the prior was read; the one following from the end stops.
+        assert near._follower is None and near.stats.followed == 0
+        assert near.prior_follower is not None and near.prior_follower.loaded.is_set()
+        assert near.stats.prior_version == 0 and near.drafter.prior is None
+        eventually(lambda: later._follower is not None and not later._follower._thread.is_alive())
+        # It drafts from what the request holds, never from the namespace's history.
+        (s, t) = near.open([[7, 8, 1, 2, 3, 40, 41], PROMPT])
+        chains = [tree.tokens.tolist() for tree in near.draft([s, t], [[], []])]
+        assert chains[0][:2] != ANSWER[2:4] and chains[1][:3] == [23, 42, 8]
+        near.add_tokens([s, t], [ANSWER[2:], [23, 42, 8]])
+        near.close([s, t])
+        near.settle()
+        eventually(lambda: (near.settle(), near.stats.commits_pending == 0)[1])
+    finally:
+        near.shutdown()
+        later.shutdown()
+    assert near.stats.commits_dropped == 2
+    assert [e.tokens.tolist() for e in store.read_log(NS)] == [[1, 2, 3, *ANSWER]]  # the fleet's only
