@@ -4,6 +4,7 @@ service's lifetime log, and the service frozen or killed mid-generation."""
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -66,6 +67,30 @@ def drafting(
     llm = make_llm(model_folder, **drafting_kwargs(serve, stats, near=False))
     yield llm, stats
     shutdown(llm)
+
+
+def test_an_engine_on_a_namespace_of_another_vocabulary_generates_as_plain_vllm_and_commits_nothing(
+    model_folder: Path, serve: Serve, batch: Requests, plain: dict[str, list[list[int]]], tmp_path: Path
+) -> None:
+    """A namespace another tokenizer's fleet keeps (a larger vocabulary: every id of this model
+    lies in it, and means other text there): the proposer, drafting near (the default), drafts
+    from its own requests, follows nothing of the namespace and commits nothing into it. First
+    in the module: its engine runs and ends before the module's drafting one starts."""
+    name = NAMESPACE + "-another-tokenizer"
+    vocab = json.loads((model_folder / "config.json").read_text())["vocab_size"]
+    serve.admin.CreateNamespace(pb.CreateNamespaceRequest(name=name, vocab_size=vocab + 16384), timeout=10)
+    stats_path = tmp_path / "stats.json"
+    llm = make_llm(model_folder, **drafting_kwargs(serve, stats_path, namespace=name))
+    try:
+        assert generate(llm, batch) == plain["batch"]
+        wait_stats(stats_path, lambda s: s["sessions_closed"] == len(batch), 30, "every request closed")
+    finally:
+        shutdown(llm)
+    assert log_entries(serve.redis_url(), name) == []
+    stats = read_stats(stats_path)  # as the idle engine last wrote it
+    assert stats["near_drafts"] > 0 and stats["errors"] == 0
+    assert stats["near_followed"] == 0 and stats["near_prior_version"] == 0
+    assert stats["commits_dropped"] == len(batch) and stats["commits_pending"] == 0
 
 
 def test_greedy_outputs_identical_to_plain_vllm(
