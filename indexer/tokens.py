@@ -31,6 +31,21 @@ class Namespace:
             raise ValueError(f"vocab_size must be in [1, {MAX_VOCAB_SIZE}], got {self.vocab_size}")
 
 
+def one_tokenizer(a: int, b: int) -> bool:
+    """Whether vocabularies of ``a`` and ``b`` ids may be one tokenizer's: the same size, or the
+    larger a model's embedding table padded past its tokenizer (to a multiple of 64, at most a
+    64th more: Qwen2.5's 151,665 tokenizer ids in 151,936 rows, Phi-3's 32,011 in 32,064). A
+    size cannot tell every pair of tokenizers apart; it does tell most.
+
+    >>> one_tokenizer(49152, 49152), one_tokenizer(151665, 151936), one_tokenizer(32064, 32011)
+    (True, True, True)
+    >>> one_tokenizer(32000, 32768), one_tokenizer(49152, 50257), one_tokenizer(100, 64)
+    (False, False, False)
+    """
+    small, large = sorted((a, b))
+    return small == large or (large % 64 == 0 and large - small <= large // 64)
+
+
 def as_tokens(tokens: np.ndarray | Sequence[int], vocab_size: int, *, what: str = "tokens") -> np.ndarray:
     """Return ``tokens`` as a contiguous 1-D int32 array with every id in ``[0, vocab_size)``.
 

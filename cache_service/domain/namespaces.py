@@ -13,7 +13,7 @@ from cache_service.domain.items import NamespaceStats
 from cache_service.domain.ports import Logged
 from indexer.drafter import DrafterConfig, NamespaceDrafter
 from indexer.prior import StaticPrior
-from indexer.tokens import Namespace
+from indexer.tokens import Namespace, one_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -69,13 +69,14 @@ class Namespaces:
     def get(self, name: str, vocab_size: int = 0) -> NamespaceDrafter:
         """The namespace's drafter; a name no namespace could have is :class:`InvalidArgument`,
         a well-formed unknown one :class:`NotFound`. ``vocab_size``: the vocabulary a caller's
-        model has (0: not stated); another than the namespace's is :class:`FailedPrecondition`
-        (another tokenizer: its ids mean other text in this namespace)."""
+        model has (0: not stated); one that is not the namespace's tokenizer's (the same size,
+        or one a model pads it to: :func:`~indexer.tokens.one_tokenizer`) is
+        :class:`FailedPrecondition` (another tokenizer: its ids mean other text here)."""
         drafter = self._drafters.get(name)
         if drafter is None:
             names.namespace_name(name)
             raise NotFound(f"unknown namespace {name!r}")
-        if vocab_size and vocab_size != drafter.namespace.vocab_size:
+        if vocab_size and not one_tokenizer(vocab_size, drafter.namespace.vocab_size):
             raise FailedPrecondition(
                 f"namespace {name!r} has vocab_size {drafter.namespace.vocab_size}, the caller's model {vocab_size}: "
                 "another tokenizer's ids, never drafted from nor committed to by this model"

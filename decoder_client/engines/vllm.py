@@ -422,22 +422,36 @@ def ensure_namespace(config: ClientConfig, vocab_size: int, timeout_s: float = 6
     """Create the namespace with the model's vocabulary unless the service has it, waiting up
     to ``timeout_s`` for the service. Best effort: a service that does not come, or a token
     that may not create namespaces, is logged (drafts are local until the service serves the
-    namespace). One that exists with another vocabulary is logged as an error."""
+    namespace). One that exists with another tokenizer's vocabulary is logged as an error (the
+    service refuses this model's calls there); one that exists with the tokenizer's own size,
+    which the model pads, is used as it is."""
     creds = config.credentials()
     with (
         grpc.insecure_channel(config.target) if creds is None else grpc.secure_channel(config.target, creds)
     ) as channel:
+        admin = pb_grpc.AdminStub(channel)
         request = pb.CreateNamespaceRequest(name=config.namespace, vocab_size=vocab_size)
         try:
-            pb_grpc.AdminStub(channel).CreateNamespace(
-                request, timeout=timeout_s, metadata=config.metadata, wait_for_ready=True
-            )
+            admin.CreateNamespace(request, timeout=timeout_s, metadata=config.metadata, wait_for_ready=True)
         except grpc.RpcError as exc:  # the service says why
-            # ALREADY_EXISTS: with another vocabulary, another tokenizer's drafts and memory.
-            level = logging.ERROR if exc.code() is grpc.StatusCode.ALREADY_EXISTS else logging.WARNING
+            level = logging.WARNING
+            if exc.code() is grpc.StatusCode.ALREADY_EXISTS:  # with another vocabulary size
+                level = logging.INFO if _padded_from(admin, config, vocab_size) else logging.ERROR
             logger.log(
                 level, "draftcache: namespace %r not created (%s: %s)", config.namespace, exc.code(), exc.details()
             )
+
+
+def _padded_from(admin: pb_grpc.AdminStub, config: ClientConfig, vocab_size: int) -> bool:
+    """Whether the service's namespace has a vocabulary this model's may be padded from (or to):
+    one tokenizer's (see :func:`~indexer.tokens.one_tokenizer`)."""
+    from indexer.tokens import one_tokenizer
+
+    try:
+        listed = admin.Namespaces(pb.NamespacesRequest(), timeout=10, metadata=config.metadata).namespaces
+    except grpc.RpcError:
+        return False
+    return any(n.name == config.namespace and one_tokenizer(n.vocab_size, vocab_size) for n in listed)
 
 
 def _section(additional_config: Any) -> Mapping[str, Any]:

@@ -96,6 +96,23 @@ def test_calls_stating_another_vocabulary_are_refused_before_anything_is_done(
     assert replica.admin.Stats(pb.StatsRequest(namespace=NS)).namespaces[0].sessions == 0
 
 
+def test_a_model_padding_the_namespaces_tokenizer_is_served_and_a_larger_gap_is_not(
+    served: tuple[Replica, RedisStore],
+) -> None:
+    """A model's embedding table padded past its tokenizer (a multiple of 64, at most a 64th
+    more) states a size the namespace (registered with the tokenizer's) takes for its own."""
+    replica, _ = served
+    replica.admin.CreateNamespace(pb.CreateNamespaceRequest(name="padded", vocab_size=1010))
+    for stated, served_here in ((1024, True), (1010, True), (1088, False), (1011, False)):
+        request = pb.OpenSession(namespace="padded", prompt=PROMPT, vocab_size=stated)
+        try:
+            replica.stub.OpenSessions(pb.OpenSessionsRequest(sessions=[request]))
+        except grpc.RpcError as exc:
+            assert not served_here and exc.code() is grpc.StatusCode.FAILED_PRECONDITION, stated
+        else:
+            assert served_here, stated
+
+
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "unary"])
 def test_a_client_of_another_vocabulary_drafts_locally_and_commits_nothing(
     served: tuple[Replica, RedisStore], stream: bool, caplog: pytest.LogCaptureFixture

@@ -210,3 +210,25 @@ def test_a_namespace_of_another_vocabulary_is_an_error_with_the_services_reason(
     (record,) = caplog.records
     assert record.levelno == logging.ERROR, record.getMessage()
     assert "exists with vocab_size 1000, not 49152" in record.getMessage()
+
+
+def test_a_namespace_of_the_tokenizers_size_which_the_model_pads_is_taken_quietly(
+    serve: Serve, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A namespace registered with the tokenizer's size (``draftcache warm`` does) where the
+    model's embedding table is padded past it: the same tokenizer, so no error at start, and
+    the service serves the model's calls there."""
+    from decoder_client.engines.settings import EngineSettings
+    from decoder_client.engines.vllm import ensure_namespace
+
+    name = NAMESPACE + "-tokenizer-size"
+    serve.admin.CreateNamespace(pb.CreateNamespaceRequest(name=name, vocab_size=49152 - 100), timeout=10)
+    config = EngineSettings(namespace=name, target=f"127.0.0.1:{serve.port}").client_config(K)
+    with caplog.at_level(logging.INFO, logger="decoder_client.engines.vllm"):
+        ensure_namespace(config, 49152, timeout_s=10)
+    (record,) = caplog.records
+    assert record.levelno == logging.INFO and "exists with vocab_size 49052, not 49152" in record.getMessage()
+    opened = serve.stub.OpenSessions(
+        pb.OpenSessionsRequest(sessions=[pb.OpenSession(namespace=name, prompt=[1, 2, 3], vocab_size=49152)])
+    )
+    assert len(opened.session_ids) == 1
