@@ -356,12 +356,14 @@ class ClientCore:
     def missed(self, sessions: Sequence[ClientSession], call: Any) -> None:
         """A draft ``call`` missed its deadline on a stream. It still reaches the service, which
         answers in order: its tokens join the server copies before anything sent after it, so
-        the sessions keep them. The call is kept, with their server ids, to put them in doubt
+        the sessions keep them (tokens added since the call was made, a last step's before a
+        close, stay pending). The call is kept, with their server ids, to put them in doubt
         should it fail after all (:meth:`due`, :meth:`late_failed`)."""
         pairs = []
         for s in sessions:
             if s.server_id:
-                s.pending, s.prefetched = [], {}
+                s.heard()
+                s.prefetched = {}
                 pairs.append((s, s.server_id))
         self.late.append((pairs, call))
 

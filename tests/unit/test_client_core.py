@@ -42,10 +42,12 @@ def test_a_reopen_covers_sessions_without_a_copy_and_keeps_later_tokens_pending(
 def test_a_late_call_drafting_ahead_on_a_stream_is_kept() -> None:
     core = _core(stream=True)
     s = _remote([1, 2], "a")
-    s.pending = [3]
+    s.extend([3])
+    s.asked_at = len(s)  # the call carries the token 3 ...
+    s.extend([4])  # ... and a last step's token is recorded after it was made
     call = object()
     assert core.ahead_late([s], call) is True  # the caller keeps it under way
-    assert s.server_id == "a" and s.pending == [] and core.late == [([(s, "a")], call)]
+    assert s.server_id == "a" and s.pending == [4] and core.late == [([(s, "a")], call)]
     assert core.stats.failures == 1 and core.available()  # one late answer: the service is asked again
     assert core.ahead_late([s], object()) is True  # a second in a row: skipped a while
     assert core.stats.failures == 2 and not core.available()
