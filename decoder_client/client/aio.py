@@ -85,7 +85,10 @@ class AsyncDraftClient:
         *,
         deadline_s: float | None = None,
     ) -> list[DraftTree]:
-        """See :meth:`DraftClient.draft`."""
+        """See :meth:`DraftClient.draft`. A task cancelled while it awaits the call leaves the
+        call to go on (on a stream the service still applies it, unary perhaps): the sessions'
+        server copies are in doubt, and re-opened with their full context, never sent a
+        token twice."""
         step = draft_step(self._core, sessions, new_tokens, topk, deadline_s)
         drafted = None
         while True:
@@ -93,7 +96,11 @@ class AsyncDraftClient:
                 effect = step.send(drafted)
             except StopIteration as done:
                 return done.value
-            drafted = await self._perform(effect)
+            try:
+                drafted = await self._perform(effect)
+            except asyncio.CancelledError:
+                self._core.in_doubt(sessions)
+                raise
 
     async def _perform(self, effect: Effect) -> Drafted | None:
         """See :meth:`DraftClient._perform` (the asyncio client books its closes as each ends)."""
@@ -126,6 +133,10 @@ class AsyncDraftClient:
             if not self._core.ahead_late(sessions, task):
                 task.cancel()
             return
+        except asyncio.CancelledError:  # the call goes on unbooked: its copies are in doubt
+            _retrieve_later(task)
+            self._core.in_doubt(sessions)
+            raise
         except grpc.RpcError as exc:
             self._core.failed(exc)
         self._core.answered(sessions, resp)
@@ -145,14 +156,22 @@ class AsyncDraftClient:
         except TimeoutError:
             self._core.failed(None)
             return Drafted(None, task)
+        except asyncio.CancelledError:  # see draft: the call goes on, nobody awaits it
+            _retrieve_later(task)
+            raise
         except grpc.RpcError as exc:
             self._core.failed(exc)
             return Drafted(None)
 
     async def _check_late(self, wait_for: Sequence[ClientSession] | None = ()) -> None:
         """See :meth:`DraftClient._check_late`."""
-        for pairs, task in self._core.due(wait_for):
-            await asyncio.wait({task})  # at most until its deadline
+        due = self._core.due(wait_for)
+        for i, (pairs, task) in enumerate(due):
+            try:
+                await asyncio.wait({task})  # at most until its deadline
+            except asyncio.CancelledError:  # those not booked yet are booked at a later call
+                self._core.late.extend(due[i:])
+                raise
             if task.cancelled() or task.exception() is not None:
                 self._core.late_failed(pairs)
 
@@ -280,6 +299,9 @@ class AsyncDraftClient:
             except grpc.RpcError as exc:  # grpc.aio.AioRpcError is one
                 self._core.open_failed(req, exc)
                 return
+            except asyncio.CancelledError:  # the service may have made them: closed once it answers
+                self._core.abandoned.extend(s.session_id for s in req.sessions)
+                raise
             self._core.opened(sessions, resp)
             self._close_abandoned()
 
@@ -288,7 +310,7 @@ class AsyncDraftClient:
         abandoned = self._core.abandoned_request()
         if abandoned is not None:
             task = self._future("close", abandoned, self._core.config.control_timeout_s)
-            task.add_done_callback(lambda t: t.cancelled() or t.exception())  # failures are fine
+            _retrieve_later(task)  # failures are fine
             self._background = {t for t in self._background if not t.done()} | {task}
 
     def _stream(self, kind: str) -> AsyncStream:
@@ -322,3 +344,9 @@ class AsyncDraftClient:
         except grpc.RpcError as exc:  # grpc.aio.AioRpcError is one
             self._core.failed(exc)
             return None
+
+
+def _retrieve_later(task: asyncio.Future) -> None:
+    """A call nobody awaits any more: its outcome is read when it ends (asyncio would log an
+    error it ended with as never retrieved)."""
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())

@@ -5,6 +5,8 @@ once it answers again."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import gc
 import time
 from collections.abc import Iterator
 
@@ -94,3 +96,97 @@ def test_close_never_waits_on_a_frozen_service(serve: Serve, closes, stream: boo
     assert took < QUICK_S, f"close waited {took:.3f} s on a frozen service"
     # Once the service answered again, each request reached its lifetime log, once.
     assert sorted(log_entries(serve.redis_url(), ns)) == ENDED
+
+
+def _last_step_sync(serve: Serve, config: ClientConfig) -> list[int]:
+    """A request whose last step's token is recorded while the call drafting ahead for its step
+    before is under way, then closed while the service is frozen: what it commits."""
+    client = DraftClient(config)
+    (s,) = client.open([HELD])
+    client.draft([s], [[]])
+    client.draft([s], [[77]])  # delivered by the call drafting ahead, in the background
+    serve.freeze()
+    try:
+        client.add_tokens([s], [[88]])
+        client.close([s])  # the call drafting ahead misses its time: booked late
+    finally:
+        serve.thaw()
+    wait_for(lambda: client.settle() or log_entries(serve.redis_url(), config.namespace), 10, "the commit")
+    client.shutdown()
+    return s.tokens()
+
+
+def _last_step_async(serve: Serve, config: ClientConfig) -> list[int]:
+    """:func:`_last_step_sync` with the asyncio client."""
+
+    async def scenario() -> list[int]:
+        client = AsyncDraftClient(config)
+        (s,) = await client.open([HELD])
+        await client.draft([s], [[]])
+        await client.draft([s], [[77]])
+        serve.freeze()
+        try:
+            client.add_tokens([s], [[88]])
+            await client.close([s])
+        finally:
+            serve.thaw()
+        for _ in range(200):
+            await client.settle()
+            if log_entries(serve.redis_url(), config.namespace):
+                break
+            await asyncio.sleep(0.05)
+        await client.shutdown()
+        return s.tokens()
+
+    return asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("last_step", [_last_step_sync, _last_step_async], ids=["sync", "async"])
+def test_a_last_step_recorded_while_drafting_ahead_is_committed(serve: Serve, last_step) -> None:  # type: ignore[no-untyped-def]
+    ns = f"frozen-ahead-{last_step.__name__.rsplit('_', 1)[1]}"
+    config = dataclasses.replace(_config(serve, ns, stream=True), lookahead=1)
+    tokens = last_step(serve, config)
+    assert tokens == [*HELD, 77, 88]
+    assert log_entries(serve.redis_url(), ns) == [tokens]  # the last step's token too, once
+
+
+def test_a_draft_cancelled_on_a_frozen_service_is_committed_once(serve: Serve) -> None:
+    """A task awaiting the asyncio client's draft is cancelled while its call waits on the
+    service (the call goes on on the stream): the client stays usable and the request's
+    tokens are committed once each, none sent twice."""
+    config = _config(serve, "frozen-cancelled", stream=True)
+    unretrieved: list[str] = []
+
+    async def scenario() -> list[int]:
+        asyncio.get_running_loop().set_exception_handler(lambda _, ctx: unretrieved.append(ctx["message"]))
+        client = AsyncDraftClient(config)
+        (s,) = await client.open([HELD])
+        await client.draft([s], [[]])
+        serve.freeze()
+        try:
+            task = asyncio.ensure_future(client.draft([s], [[77]], deadline_s=5.0))
+            await asyncio.sleep(0.1)  # its call is on the stream, unanswered
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        finally:
+            serve.thaw()
+        for _ in range(200):  # drafts go on (locally while the copy is re-opened, then remote)
+            await client.draft([s], [[]])
+            if client.stats.remote >= 2:
+                break
+            await asyncio.sleep(0.01)
+        await client.draft([s], [[88]])
+        await client.close([s])
+        for _ in range(200):
+            await client.settle()
+            if log_entries(serve.redis_url(), config.namespace):
+                break
+            await asyncio.sleep(0.05)
+        await client.shutdown()
+        return s.tokens()
+
+    tokens = asyncio.run(scenario())
+    gc.collect()
+    assert tokens == [*HELD, 77, 88]
+    assert log_entries(serve.redis_url(), config.namespace) == [tokens]
+    assert not unretrieved
