@@ -264,10 +264,22 @@ def cmd_warm(a: argparse.Namespace) -> int:
         except ValueError as exc:
             raise ValueError(f"prior not published to namespace {a.namespace} (vocab {vocab}): {exc}") from None
         store = open_store(a)
-        store.register_namespace(a.namespace, vocab)
+        register(store, a.namespace, vocab)
         where = f"Redis, version {store.put_prior(a.namespace, blob)}"
     print(f"namespace {a.namespace}: prior of {prior.source_tokens} tokens, {prior.nbytes / 1e6:.1f} MB -> {where}")
     return 0
+
+
+def register(store: RedisStore, name: str, vocab: int) -> None:
+    """Register the namespace with the tokenizer's vocabulary, unless it is registered with a
+    size a model pads that tokenizer to (an engine created it: every id of the tokenizer fits);
+    another size is refused (``NamespaceConflict``)."""
+    from indexer.tokens import one_tokenizer
+
+    registered = store.namespaces().get(name)
+    if registered is not None and registered >= vocab and one_tokenizer(registered, vocab):
+        return
+    store.register_namespace(name, vocab)
 
 
 def _warm_lifetime(a: argparse.Namespace) -> int:
@@ -282,7 +294,7 @@ def _warm_lifetime(a: argparse.Namespace) -> int:
         raise warm.CorpusError("--lifetime appends to the log in Redis; it writes no file (drop --out)")
     tokens, vocab = tokenize(a.corpus, a.format, a.tokenizer)
     store = open_store(a)
-    store.register_namespace(a.namespace, vocab)
+    register(store, a.namespace, vocab)
     docs, writer = warm.split_documents(tokens), warm.corpus_writer(tokens)
     appended = done = 0
     for start in range(0, len(docs), 256):

@@ -241,6 +241,35 @@ def test_warm_refuses_to_publish_a_prior_outside_the_namespace_vocabulary(
         server.stop()
 
 
+def test_warm_publishes_into_a_namespace_registered_with_the_models_padded_vocabulary(
+    tmp_path: Path, llama_tokenizer: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An engine created the namespace with its model's vocabulary, padded past the tokenizer's
+    32,000 ids (32,064, as Phi-3 pads the same tokenizer): a prior and a lifetime corpus warmed
+    with the tokenizer go into it; a namespace of another tokenizer's size is refused."""
+    from cache_service.config import EmbeddedRedisConfig
+    from cache_service.host.embedded_redis import EmbeddedRedis
+    from cache_service.storage.connect import connect
+    from cache_service.storage.redis_store import RedisStore
+
+    server = EmbeddedRedis(EmbeddedRedisConfig(data_dir=tmp_path / "redis", appendonly=False)).start()
+    try:
+        store = RedisStore(connect(server.url))
+        store.register_namespace("padded", 32064)
+        store.register_namespace("mistral", 32768)
+        corpus = _sharegpt(tmp_path / "c.json.gz", ["The quick brown fox."] * 3)
+        for name, code in (("padded", 0), ("mistral", 2)):
+            args = ["warm", "--namespace", name, "--tokenizer", str(llama_tokenizer), "--corpus", str(corpus)]
+            assert main([*args, "--redis-url", server.url]) == code, name
+            assert main([*args, "--redis-url", server.url, "--lifetime"]) == code, name
+        assert store.namespaces() == {"padded": 32064, "mistral": 32768}
+        assert store.prior_version("padded") == 1 and store.prior_version("mistral") is None
+        assert len(store.read_log("padded")) == 3 and store.read_log("mistral") == []
+        assert "registered with vocab_size 32768, not 32000" in capsys.readouterr().err
+    finally:
+        server.stop()
+
+
 def test_warm_rejects_a_wrong_tokenizer(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     corpus = _sharegpt(tmp_path / "c.json.gz", ["hello"])
     fake = tmp_path / "tok"
