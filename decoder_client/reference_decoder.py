@@ -34,7 +34,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
-from decoder_client.tree_attention import tree_attention_mask, tree_position_ids
+from decoder_client.tree_attention import check_parents, tree_attention_mask, tree_position_ids
 from indexer.tree_builder import DraftTree
 
 Drafter = Callable[[np.ndarray], DraftTree]
@@ -59,7 +59,7 @@ class DecodeStats:
     """
 
     accepted: list[int] = field(default_factory=list)  # draft tokens accepted per step
-    drafted: list[int] = field(default_factory=list)  # draft tree size per step
+    drafted: list[int] = field(default_factory=list)  # draft tree size verified per step (within_depth)
     new_tokens: int = 0  # tokens returned (after eos / max_new_tokens truncation)
     seconds: float = 0.0  # wall time of the whole call, prefill included
 
@@ -239,6 +239,34 @@ class VerifiedTopk:
         return self.rows[self.path]
 
 
+def within_depth(tree: DraftTree, depth: int) -> DraftTree:
+    """``tree`` without its nodes deeper than ``depth`` (parents renumbered).
+
+    A step that may emit only ``depth + 1`` more tokens needs no deeper node: the node at depth
+    ``depth + 1`` would give the step's last token, which the bonus after its parent gives as
+    well (the same token greedily, the same distribution when sampling), and its position lies
+    past any that plain decoding reaches (a model with learned positions may have none there).
+
+    >>> t = DraftTree.chain(np.array([5, 6, 7], dtype=np.int32))
+    >>> within_depth(t, 1).tokens.tolist(), within_depth(t, 0).tokens.tolist()
+    ([5], [])
+    """
+    if len(tree) <= depth:  # a tree is never deeper than its size
+        return tree
+    keep = np.flatnonzero(tree.depths() <= depth)
+    if keep.size == len(tree):
+        return tree
+    renumbered = np.full(len(tree), -1, dtype=np.int32)
+    renumbered[keep] = np.arange(keep.size, dtype=np.int32)
+    parents = tree.parents[keep]  # every kept node's parent is kept: it is shallower
+    return DraftTree(
+        tree.tokens[keep],
+        np.where(parents >= 0, renumbered[np.maximum(parents, 0)], -1).astype(np.int32),
+        tree.sources[keep],
+        tree.scores[keep],
+    )
+
+
 def _finish(tokens: list[int], max_new_tokens: int, eos_token_id: int | None) -> tuple[list[int], bool]:
     """Truncate like ``model.generate``: at ``max_new_tokens``, and just after the first eos."""
     out = tokens[:max_new_tokens]
@@ -284,7 +312,9 @@ class ReferenceDecoder:
         follows the distribution of plain sampling at ``temperature`` with ``top_p`` (see
         :func:`sample_accept`); ``generator`` (CPU) seeds it. ``drafter`` maps the context so far
         (int32) to a :class:`DraftTree` (possibly empty); without one every step emits one token.
-        Stops after ``eos_token_id`` or ``max_new_tokens`` tokens, whichever comes first.
+        Stops after ``eos_token_id`` or ``max_new_tokens`` tokens, whichever comes first; no step
+        verifies a node deeper than the tokens still wanted (:func:`within_depth`), so no position
+        past those plain decoding reaches is ever computed.
 
         With ``topk`` > 0 and a drafter that has an ``observe_topk`` method, each step hands it
         the target's ``topk`` likeliest ids at every position it verified, the root and every
@@ -306,11 +336,13 @@ class ReferenceDecoder:
             while not done:
                 context = np.asarray([*prompt_ids, *out], dtype=np.int32)
                 tree = drafter(context) if drafter is not None else DraftTree.empty()
+                self._check_tree(tree)
+                tree = within_depth(tree, max_new_tokens - len(out) - 1)
+                stats.drafted.append(len(tree))
                 emitted, verified = self._step(cache, int(context[-1]), tree, choose, topk if observe else 0)
                 if observe is not None and verified is not None:
                     observe(verified)
                 stats.accepted.append(len(emitted) - 1)
-                stats.drafted.append(len(tree))
                 out, done = _finish(out + emitted, max_new_tokens, eos_token_id)
         stats.new_tokens, stats.seconds = len(out), time.perf_counter() - began
         return out, stats
@@ -327,7 +359,6 @@ class ReferenceDecoder:
     ) -> tuple[list[int], VerifiedTopk | None]:
         """One forward over ``[root] + tree``; returns the accepted tokens plus the bonus token,
         and with ``topk`` the ``topk`` likeliest ids at every position verified."""
-        self._check_tree(tree)
         past = cache.get_seq_length()
         ids = torch.tensor([[root, *tree.tokens.tolist()]], dtype=torch.long, device=self.device)
         logits = self.model(
@@ -347,7 +378,12 @@ class ReferenceDecoder:
         return [*tree.tokens[path].tolist(), bonus], verified
 
     def _check_tree(self, tree: DraftTree) -> None:
-        if tree.tokens.dtype != np.int32 or tree.tokens.shape != tree.parents.shape:
-            raise ValueError(f"tree tokens must be int32 shaped like parents, got {tree.tokens.dtype}")
+        check_parents(tree.parents)
+        shapes = {a.shape for a in (tree.tokens, tree.parents, tree.sources, tree.scores)}
+        if tree.tokens.dtype != np.int32 or len(shapes) > 1:
+            raise ValueError(
+                f"tree tokens must be int32 and each array of a tree shaped like its parents {tree.parents.shape};"
+                f" got {tree.tokens.dtype} tokens and shapes {sorted(shapes)}"
+            )
         if tree.tokens.size and (tree.tokens.min() < 0 or tree.tokens.max() >= self.vocab_size):
             raise ValueError(f"tree tokens must lie in [0, {self.vocab_size})")

@@ -10,7 +10,14 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
-from transformers import DynamicCache, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    DynamicCache,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from decoder_client.reference_decoder import (
     DecodeStats,
@@ -19,6 +26,7 @@ from decoder_client.reference_decoder import (
     cache_keyword,
     greedy_accept,
     prune_cache,
+    within_depth,
 )
 from decoder_client.tree_attention import check_parents, tree_attention_mask, tree_position_ids
 from indexer.prompt_lookup import prompt_lookup
@@ -243,11 +251,11 @@ def test_topk_rows_are_the_verified_positions(tiny_llama: Callable[[str], LlamaF
     rejected_rows = 0
     for (context, tree, v), accepted in zip(seen, stats.accepted, strict=True):
         produced = context.size - len(prompt)
+        tree = within_depth(tree, len(ref) - produced - 1)  # verified: no node past the last token wanted
         assert v.after.tolist() == [int(context[-1]), *tree.tokens.tolist()]
         assert v.rows.shape == (len(tree) + 1, 3) and v.rows.dtype == np.int32
         assert v.produced().shape == (accepted + 1, 3)
-        if produced + accepted + 1 <= len(ref):  # the last step may run past max_new_tokens
-            assert v.produced()[:, 0].tolist() == ref[produced : produced + accepted + 1]
+        assert v.produced()[:, 0].tolist() == ref[produced : produced + accepted + 1]
         for node in set(range(len(tree))) - {int(p) - 1 for p in v.path}:  # a node verification rejected
             parents = [node]
             while tree.parents[parents[-1]] >= 0:
@@ -296,6 +304,51 @@ def test_decoder_validates_its_inputs(tiny_llama: Callable[[str], LlamaForCausal
         decoder.generate([], 4)
     with pytest.raises(ValueError):  # a draft token outside the vocabulary
         decoder.generate([1, 2], 4, drafter=lambda ctx: _tree([128], [-1]))
+
+
+def test_within_depth_keeps_the_shallow_nodes_renumbered() -> None:
+    tree = _tree([10, 11, 12, 13, 14], PARENTS.tolist())  # depths 1, 2, 1, 3, 2
+    cut = within_depth(tree, 2)
+    assert cut.tokens.tolist() == [10, 11, 12, 14] and cut.parents.tolist() == [-1, 0, -1, 0]
+    assert len(cut.sources) == len(cut.scores) == 4
+    assert within_depth(tree, 3) is tree and len(within_depth(tree, 0)) == 0
+
+
+@torch.inference_mode()
+def test_drafts_past_the_last_wanted_token_are_not_verified() -> None:
+    # GPT-2 learns an embedding per position, 32 here: plain decoding of 20 + 12 tokens fits, and
+    # a draft running past the 12th new token has no position to be verified at.
+    torch.manual_seed(0)
+    config = GPT2Config(n_positions=32, n_embd=32, n_layer=2, n_head=2, vocab_size=64, bos_token_id=None)
+    model = GPT2LMHeadModel(config).eval()
+    prompt, n = list(range(1, 21)), 12
+    ref = greedy_continuation(model, prompt, n)
+    truth = [*ref, *range(40)]  # right to the last wanted token, then on
+
+    def oracle(ctx: np.ndarray) -> DraftTree:
+        done = ctx.size - len(prompt)
+        return DraftTree.chain(np.array(truth[done : done + 16], np.int32))
+
+    decoder = ReferenceDecoder(model)
+    out, stats = decoder.generate(prompt, n, drafter=oracle)
+    assert out == ref and stats.accepted == [n - 1] and stats.drafted == [n - 1]  # 16 drafted, 11 verified
+    out, _ = decoder.generate(prompt, n, drafter=_noisy_drafter(len(prompt), truth, seed=0, vocab=64))
+    assert out == ref
+    generator = torch.Generator().manual_seed(0)
+    out, _ = decoder.generate(prompt, n, drafter=oracle, temperature=1.0, generator=generator)
+    assert len(out) == n
+
+
+def test_malformed_tree_arrays_are_refused(tiny_llama: Callable[[str], LlamaForCausalLM]) -> None:
+    decoder = ReferenceDecoder(tiny_llama("sdpa"))
+    flat = _tree([1, 2], [-1, 0])
+    for tree in (
+        DraftTree(flat.tokens[None], flat.parents[None], flat.sources, flat.scores),  # 2-D
+        DraftTree(flat.tokens, flat.parents, flat.sources[:1], flat.scores),  # a short array
+        _tree([1, 2, 3], [-1, 0, 7]),  # a parent out of range
+    ):
+        with pytest.raises(ValueError):
+            decoder.generate([1, 2], 4, drafter=lambda ctx, tree=tree: tree)
 
 
 # --- the real SmolLM2-135M-Instruct --------------------------------------------------------------

@@ -18,7 +18,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
 from decoder_client import reference_decoder
-from decoder_client.reference_decoder import ReferenceDecoder, sample_accept
+from decoder_client.reference_decoder import ReferenceDecoder, sample_accept, within_depth
 from indexer.tree_builder import DraftTree
 from tests.client.conftest import greedy_continuation
 
@@ -125,7 +125,8 @@ def sample_counts(
         counts[tuple(out)] += 1
         accepted += stats.accepted
         assert stats.new_tokens == len(out) == DEPTH and sum(stats.accepted) + stats.steps >= DEPTH
-        assert stats.drafted == [0 if tree is None else len(tree)] * stats.steps
+        done = np.cumsum([0, *(a + 1 for a in stats.accepted[:-1])])  # tokens before each step
+        assert stats.drafted == [0 if tree is None else len(within_depth(tree, DEPTH - 1 - d)) for d in done]
     return counts, accepted
 
 
