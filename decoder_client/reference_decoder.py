@@ -35,6 +35,7 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from decoder_client.tree_attention import check_parents, tree_attention_mask, tree_position_ids
+from indexer.tokens import as_tokens
 from indexer.tree_builder import DraftTree
 
 Drafter = Callable[[np.ndarray], DraftTree]
@@ -110,7 +111,10 @@ def target_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -
     >>> target_probs(logits, temperature=1.0, top_p=0.7)  # 3/4 alone reaches 0.7
     tensor([0., 1.])
     """
-    scores = logits.float() / temperature
+    scores = logits.float()
+    # Less the row's largest first: the same distribution, and no overflow to inf (then NaN) when
+    # a small temperature would carry the logits past float32's range.
+    scores = (scores - scores.amax(dim=-1, keepdim=True)) / temperature
     if top_p < 1.0:
         ascending, order = torch.sort(scores, descending=False)
         drop = ascending.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p
@@ -321,6 +325,7 @@ class ReferenceDecoder:
         tree node (:class:`VerifiedTopk`), before the next draft: the cache's successor tier
         learns from them, from the nodes verification rejected as well.
         """
+        prompt_ids = as_tokens(prompt_ids, self.vocab_size, what="prompt_ids").tolist()
         if not prompt_ids:
             raise ValueError("prompt_ids must not be empty")
         if max_new_tokens < 0:

@@ -304,6 +304,9 @@ def test_decoder_validates_its_inputs(tiny_llama: Callable[[str], LlamaForCausal
         decoder.generate([], 4)
     with pytest.raises(ValueError):  # a draft token outside the vocabulary
         decoder.generate([1, 2], 4, drafter=lambda ctx: _tree([128], [-1]))
+    for prompt in ([1, 128], [1, -1], [1, 2**32 + 1]):  # a prompt id outside the vocabulary
+        with pytest.raises(ValueError, match="prompt_ids"):
+            decoder.generate(prompt, 4)
 
 
 def test_within_depth_keeps_the_shallow_nodes_renumbered() -> None:

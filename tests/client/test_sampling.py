@@ -231,6 +231,18 @@ def test_near_zero_temperature_is_greedy_over_many_steps(model: LlamaForCausalLM
     assert stats.mat > 1.2  # drafts were accepted, so pruned caches were reused
 
 
+@pytest.mark.parametrize("top_p", [1.0, 0.5])
+def test_a_temperature_that_overflows_the_logits_is_greedy(model: LlamaForCausalLM, top_p: float) -> None:
+    # Logits divided by 1e-40 pass float32's largest value: the target rows must still be one-hot
+    # on the argmax, not NaN (torch.multinomial refused them).
+    ref = greedy_continuation(model, PROMPT, 12)
+    tree = draft_tree(first_token_probs(exact_distribution(model, 1.0, 1.0)))
+    out, _ = ReferenceDecoder(model).generate(
+        PROMPT, 12, drafter=lambda ctx: tree, temperature=1e-40, top_p=top_p, generator=torch.Generator()
+    )
+    assert out == ref
+
+
 @pytest.mark.parametrize(("temperature", "top_p"), [(-1.0, 1.0), (1.0, 0.0), (1.0, 1.01)])
 def test_decoder_refuses_bad_sampling_settings(model: LlamaForCausalLM, temperature: float, top_p: float) -> None:
     with pytest.raises(ValueError):
