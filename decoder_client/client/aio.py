@@ -18,7 +18,7 @@ from draftcache.v1 import draftcache_pb2_grpc as pb_grpc
 
 from decoder_client.client.aio_stream import AsyncStream, within
 from decoder_client.client.config import RECONNECT_OPTIONS, ClientConfig
-from decoder_client.client.core import ClientCore, ClientStats, Fallback, Reopening, prompt_lookup_fallback
+from decoder_client.client.core import ClientCore, ClientStats, Fallback, Reopening, parts, prompt_lookup_fallback
 from decoder_client.client.plan import CatchUp, Draft, DraftAhead, Drafted, Effect, Reopen, draft_step
 from decoder_client.client.protocol import UNARY, lane_of
 from decoder_client.client.session import ClientSession, TopkRows
@@ -220,9 +220,9 @@ class AsyncDraftClient:
         self._send_closes(now=True)
         await self._wait_closing()
         await self._commit_backlog()
-        req = self._core.abandoned_request(now=True)
-        if req is not None:
-            await self._call("close", req, self._core.config.control_timeout_s)
+        while (req := self._core.abandoned_request(now=True)) is not None:  # until one fails
+            if await self._call("close", req, self._core.config.control_timeout_s) is None:
+                break
         if self._background:
             await asyncio.wait(self._background, timeout=self._core.config.control_timeout_s)
         for stream in self._streams.values():
@@ -269,16 +269,18 @@ class AsyncDraftClient:
     async def _commit_backlog(self) -> None:
         """See :meth:`DraftClient._commit_backlog`."""
         cfg = self._core.config
-        opening = self._core.reopen_request([], now=True)
-        if opening is not None:
+        for _ in range(parts(len(self._core.commits))):
+            opening = self._core.reopen_request([], now=True)
+            if opening is None:
+                break
             try:
                 resp = await self._request("open", opening.request, cfg.control_timeout_s)
             except grpc.RpcError as exc:  # grpc.aio.AioRpcError is one
                 self._core.open_failed(opening.request, exc, opening.sessions)
-            else:
-                self._core.opened(opening.sessions, resp, opening.sizes)
-                self._send_commits()
-                await self._wait_closing()
+                break
+            self._core.opened(opening.sessions, resp, opening.sizes)
+            self._send_commits()
+            await self._wait_closing()
         left = self._core.commits.unsent
         if left:
             logger.warning("%d ended requests were never committed (the service did not take them)", left)
@@ -300,15 +302,14 @@ class AsyncDraftClient:
                 self._core.open_failed(req, exc)
                 return
             except asyncio.CancelledError:  # the service may have made them: closed once it answers
-                self._core.abandoned.extend(s.session_id for s in req.sessions)
+                self._core.abandon(s.session_id for s in req.sessions)
                 raise
             self._core.opened(sessions, resp)
             self._close_abandoned()
 
     def _close_abandoned(self) -> None:
         """Best effort, not awaited: an unknown id (the server restarted) is fine too."""
-        abandoned = self._core.abandoned_request()
-        if abandoned is not None:
+        while (abandoned := self._core.abandoned_request()) is not None:
             task = self._future("close", abandoned, self._core.config.control_timeout_s)
             _retrieve_later(task)  # failures are fine
             self._background = {t for t in self._background if not t.done()} | {task}

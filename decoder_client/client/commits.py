@@ -21,6 +21,7 @@ The backlog is bounded in tokens; past the bound the oldest requests go first (c
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import deque
 from collections.abc import Sequence
@@ -84,9 +85,11 @@ class CommitBacklog:
             logger.warning("commit backlog over %d tokens: a %d-token request is dropped", self.max_tokens, len(old))
         return opened
 
-    def to_open(self) -> list[ClientSession]:
-        """The waiting requests without a server copy (to open with their whole sequence)."""
-        return [s for s in self._waiting if not s.server_id]
+    def to_open(self, most: int | None = None) -> list[ClientSession]:
+        """The waiting requests without a server copy (to open with their whole sequence): the
+        oldest ``most`` of them (None: all)."""
+        unopened = (s for s in self._waiting if not s.server_id)
+        return list(unopened if most is None else itertools.islice(unopened, max(0, most)))
 
     def ready(self) -> list[ClientSession]:
         """The waiting requests that have a server copy now, taken out (their close is next)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from secrets import token_hex
 from typing import Any
@@ -33,6 +33,23 @@ Fallback = Callable[[np.ndarray, int], DraftTree]
 # A namespace the service refuses to this client (FAILED_PRECONDITION: another vocabulary than
 # its model's) is asked again this seldom: it stays wrong until an operator acts.
 REFUSED_RETRY_S = 60.0
+
+# Sessions one background open or close carries at most: a service refuses a call of more than
+# its ``max_batch`` (256 by default), so the ended requests kept to commit and the copies given
+# up on go in parts of this many.
+BACKGROUND_BATCH = 64
+# Server copies given up on kept to close: past this many (a long outage) the oldest are
+# forgotten, and expire with the service's session TTL.
+MAX_ABANDONED = 1 << 14
+
+
+def parts(n: int) -> int:
+    """The background calls ``n`` sessions take (:data:`BACKGROUND_BATCH` a call).
+
+    >>> parts(0), parts(64), parts(65)
+    (0, 1, 2)
+    """
+    return -(-n // BACKGROUND_BATCH)
 
 
 # How likely a prompt-lookup chain's tokens are to be accepted, by the length of the n-gram it
@@ -212,7 +229,13 @@ class ClientCore:
             self._commit_stats()
         if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
             self.stats.lost_opens += len(req.sessions)
-        self.abandoned.extend(s.session_id for s in req.sessions)
+        self.abandon(s.session_id for s in req.sessions)
+
+    def abandon(self, server_ids: Iterable[str]) -> None:
+        """Close these server copies (without commit) once the service answers; at most
+        :data:`MAX_ABANDONED` are kept, the oldest forgotten first."""
+        self.abandoned.extend(server_ids)
+        del self.abandoned[:-MAX_ABANDONED]
 
     def refuse(self, why: str) -> None:
         """The service refuses the namespace to this client (FAILED_PRECONDITION: the model's
@@ -246,8 +269,12 @@ class ClientCore:
 
     def reopen_request(self, sessions: Sequence[ClientSession], *, now: bool = False) -> Reopening | None:
         """An open, to send in the background, of those of ``sessions`` without a server copy,
-        and of the ended requests still to commit (:meth:`commit_request` closes them next)."""
-        todo = [s for s in sessions if not s.server_id] + self.commits.to_open()
+        and of the ended requests still to commit, as many as :data:`BACKGROUND_BATCH` leaves
+        room for (:meth:`commit_request` closes them next)."""
+        if not (now or self.available()):
+            return None
+        todo = [s for s in sessions if not s.server_id]
+        todo += self.commits.to_open(BACKGROUND_BATCH - len(todo))
         req = self.open_request(todo, now=now)
         return None if req is None else Reopening(todo, [len(s) for s in todo], req)
 
@@ -339,7 +366,7 @@ class ClientCore:
         re-opened with their full context later."""
         for s in sessions:
             if s.server_id:
-                self.abandoned.append(s.server_id)
+                self.abandon([s.server_id])
                 s.server_id = ""
 
     def ahead_late(self, sessions: Sequence[ClientSession], call: Any) -> bool:
@@ -463,10 +490,11 @@ class ClientCore:
 
     def abandoned_request(self, *, now: bool = False) -> pb.CloseSessionsRequest | None:
         """Close (without commit) the server sessions given up on, once the service is used
-        again (``now``: anyway, the client is shutting down)."""
+        again (``now``: anyway, the client is shutting down): :data:`BACKGROUND_BATCH` of them,
+        the rest at the next request."""
         if not self.abandoned or not (now or self.available()):
             return None
-        ids, self.abandoned = self.abandoned, []
+        ids, self.abandoned = self.abandoned[:BACKGROUND_BATCH], self.abandoned[BACKGROUND_BATCH:]
         return pb.CloseSessionsRequest(
             sessions=[pb.CloseSession(session_id=sid, commit=False, missing_ok=True) for sid in ids]
         )
@@ -525,7 +553,7 @@ class ClientCore:
         if self.refused:
             self.commits.dropped += 1
         else:
-            self.abandoned.extend(self.commits.keep(tokens, retry=retry))
+            self.abandon(self.commits.keep(tokens, retry=retry))
         self._commit_stats()
 
     def _commit_stats(self) -> None:
@@ -540,6 +568,6 @@ class ClientCore:
         if exc is not None:
             if isinstance(exc, grpc.RpcError):
                 self.failed(exc)
-            self.abandoned.extend(ids)
-        self.abandoned.extend(self.commits.settled(ids, exc))
+            self.abandon(ids)
+        self.abandon(self.commits.settled(ids, exc))
         self._commit_stats()

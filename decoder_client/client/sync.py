@@ -15,7 +15,7 @@ from draftcache.v1 import draftcache_pb2 as pb
 from draftcache.v1 import draftcache_pb2_grpc as pb_grpc
 
 from decoder_client.client.config import RECONNECT_OPTIONS, ClientConfig
-from decoder_client.client.core import ClientCore, ClientStats, Fallback, Reopening, prompt_lookup_fallback
+from decoder_client.client.core import ClientCore, ClientStats, Fallback, Reopening, parts, prompt_lookup_fallback
 from decoder_client.client.plan import CatchUp, Draft, DraftAhead, Drafted, Effect, Reopen, draft_step
 from decoder_client.client.protocol import UNARY, lane_of
 from decoder_client.client.session import ClientSession, TopkRows
@@ -283,9 +283,9 @@ class DraftClient:
         self._land_reopen()
         self._reap(wait=True)
         self._commit_backlog()
-        req = self._core.abandoned_request(now=True)
-        if req is not None:
-            self._call("close", req, self.config.control_timeout_s)
+        while (req := self._core.abandoned_request(now=True)) is not None:  # until one fails
+            if self._call("close", req, self.config.control_timeout_s) is None:
+                break
         for future in self._background:
             with contextlib.suppress(grpc.RpcError, grpc.FutureTimeoutError, grpc.FutureCancelledError):
                 future.result(timeout=self.config.control_timeout_s)
@@ -344,17 +344,20 @@ class DraftClient:
             self._closing.append((req, self._future("close", req, self.config.control_timeout_s)))
 
     def _commit_backlog(self) -> None:
-        """At shutdown: one try (waited for) at committing the ended requests still kept."""
-        opening = self._core.reopen_request([], now=True)
-        if opening is not None:
+        """At shutdown: one try (waited for) at committing the ended requests still kept, in
+        parts (:data:`~decoder_client.client.core.BACKGROUND_BATCH`), until one fails."""
+        for _ in range(parts(len(self._core.commits))):
+            opening = self._core.reopen_request([], now=True)
+            if opening is None:
+                break
             try:
                 resp = self._request("open", opening.request, self.config.control_timeout_s)
             except grpc.RpcError as exc:
                 self._core.open_failed(opening.request, exc, opening.sessions)
-            else:
-                self._core.opened(opening.sessions, resp, opening.sizes)
-                self._send_commits()
-                self._reap(wait=True)
+                break
+            self._core.opened(opening.sessions, resp, opening.sizes)
+            self._send_commits()
+            self._reap(wait=True)
         left = self._core.commits.unsent
         if left:
             logger.warning("%d ended requests were never committed (the service did not take them)", left)
@@ -362,8 +365,7 @@ class DraftClient:
     def _close_abandoned(self) -> None:
         """Best effort, in the background: an unknown id (the server restarted) is fine too.
         The future is kept until done: gRPC cancels a call whose future is garbage-collected."""
-        req = self._core.abandoned_request()
-        if req is not None:
+        while (req := self._core.abandoned_request()) is not None:
             future = self._future("close", req, self.config.control_timeout_s)
             self._background = [f for f in self._background if not f.done()] + [future]
 

@@ -572,6 +572,38 @@ def test_sessions_closed_while_the_service_is_skipped_are_closed_at_shutdown(run
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "unary"])
+def test_requests_ended_through_an_outage_are_committed_in_parts(stream: bool) -> None:
+    """More requests end while the service is down than one call may carry (its max_batch):
+    once it answers, the client drafts from it again and commits them all, in parts (one open
+    of them all was refused, again and again, and the sessions opened with it never were)."""
+    port = free_port()
+    config = ClientConfig(target=f"127.0.0.1:{port}", namespace="toy", deadline_s=0.05, stream=stream)
+    client = DraftClient(config)
+    ended = 300
+    for i in range(ended):
+        (s,) = client.open([[*PROMPT, i % 100]], wait=False)
+        client.draft([s], [[i % 128]])
+        client.close([s])
+    assert client.stats.commits_pending == ended
+    running = start_service(ServiceConfig(max_batch=256), port=port)
+    try:
+        _ns(running.target)
+        (s,) = client.open([PROMPT], wait=False)
+
+        def caught_up() -> bool:
+            client.draft([s], [[]])
+            return client.stats.commits_pending == 0 and client.stats.remote > 0
+
+        eventually(caught_up)
+        client.close([s])
+        client.shutdown()
+        assert client.stats.commits_dropped == 0
+        assert len(running.service.sessions) == 0  # every copy closed
+    finally:
+        stop_service(running)
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "unary"])
 def test_a_server_that_predates_columnar_calls_gets_items(monkeypatch, stream: bool) -> None:  # type: ignore[no-untyped-def]
     from cache_service.rpc.servicer import DraftCacheServicer
 

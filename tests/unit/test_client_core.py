@@ -110,6 +110,21 @@ def test_a_request_ended_without_a_copy_is_kept_and_one_the_service_refuses_is_d
     assert core.commits.unsent == 0 and core.stats.commits_dropped == 2
 
 
+def test_a_long_outage_keeps_bounded_calls_and_ids_to_close() -> None:
+    """Requests keep ending while every background open fails: each open carries at most a
+    service's least batch of them, and the copies given up on are bounded too (the oldest
+    expire on the service), and closed a batch at a time once it answers."""
+    core = _core()
+    for i in range(3000):
+        core.keep_for_commit([i % 100] * 20, retry=False)
+        opening = core.reopen_request([], now=True)
+        assert opening is not None and len(opening.request.sessions) <= 64
+        core.open_failed(opening.request, _Refused(grpc.StatusCode.UNAVAILABLE), opening.sessions)
+    assert len(core.abandoned) == 1 << 14
+    close = core.abandoned_request(now=True)
+    assert close is not None and len(close.sessions) == 64 and len(core.abandoned) == (1 << 14) - 64
+
+
 def test_the_service_is_skipped_after_an_error_or_misses_in_a_row() -> None:
     core = _core()
     s = _remote([1, 2], "a")
