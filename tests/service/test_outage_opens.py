@@ -56,11 +56,13 @@ def served(tmp_path: Path) -> Iterator[Served]:
     try:
         yield app, redis, port, on_loop
     finally:
-        if redis.proc is None or redis.proc.poll() is not None:
-            redis.start()
-        asyncio.run_coroutine_threadsafe(app.stop(), loop).result(60)
-        loop.call_soon_threadsafe(loop.stop)
-        redis.kill()
+        try:
+            if redis.proc is None or redis.proc.poll() is not None:
+                redis.start()
+            asyncio.run_coroutine_threadsafe(app.stop(), loop).result(60)
+        finally:
+            loop.call_soon_threadsafe(loop.stop)
+            redis.kill()
 
 
 def _logged(url: str) -> list[list[int]]:
