@@ -370,10 +370,14 @@ def cmd_migrate(a: argparse.Namespace) -> int:
 
 
 def cmd_sessions(a: argparse.Namespace) -> int:
+    import migrations
     from cache_service.app import connect
     from cache_service.storage.redis_store import RedisStore
 
-    store = RedisStore(connect(redis_url(a)))
+    client = connect(redis_url(a))
+    if migrations.stored_version(client):  # a schema this build does not read is refused (empty: none)
+        migrations.check(client)
+    store = RedisStore(client)
     ids = store.session_ids(a.match)
     print(f"{len(ids)} sessions in storage")
     for sid in ids[: a.limit]:

@@ -99,6 +99,16 @@ def test_warm_writes_nothing_into_a_newer_key_schema(
     assert client.keys("*") == [b"draftcache:schema_version"]
 
 
+def test_sessions_reads_only_the_key_schema_it_serves(redis_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["sessions", "--redis-url", redis_url]) == 0  # an empty Redis holds none
+    assert "0 sessions in storage" in capsys.readouterr().out
+    client = connect(redis_url)
+    client.set("draftcache:schema_version", 99)  # written by a newer build: its records are not ours to read
+    assert main(["sessions", "--redis-url", redis_url]) == 2
+    assert "newer than this build knows" in capsys.readouterr().err
+    assert client.keys("*") == [b"draftcache:schema_version"]
+
+
 def test_warm_initialises_an_empty_redis_as_serve_does(tmp_path: Path, llama_tokenizer: Path, redis_url: str) -> None:
     corpus = _sharegpt(tmp_path / "c.json.gz", ["The quick brown fox jumps over the lazy dog."] * 3)
     assert main([*_warm(llama_tokenizer, corpus), "--redis-url", redis_url]) == 0
