@@ -280,7 +280,7 @@ class App:
         now = time.monotonic()
         shared = self.shared is not None
         served = self.service.namespace_names()
-        for gone in set(list(self._last_rebuild)) - set(served):  # names come and go for weeks
+        for gone in set(self._last_rebuild) - set(served):  # names come and go for weeks
             self._last_rebuild.pop(gone, None)
         for name in served:
             memory = self.service.namespace(name).memory

@@ -63,12 +63,12 @@ class ChangeTracker:
     def changed(self, sids: Iterable[str]) -> None:
         self._dirty.update(sids)
 
-    def closed(self, sid: str, *, stored: bool = True) -> None:
-        """The session ended; ``stored``: storage may hold a copy of it to delete (not so for
-        one opened unchecked and never written back: the id may be another tenant's)."""
-        self._dirty.discard(sid)
-        if stored:
-            self._closed[sid] = None
+    def closed(self, entry: SessionEntry) -> None:
+        """The session ended: its stored copy is deleted at the next write-back, unless it was
+        opened unchecked and never written back (its id may be another tenant's)."""
+        self._dirty.discard(entry.sid)
+        if not entry.unchecked:
+            self._closed[entry.sid] = None
             self._keep_latest_closed()
 
     def _keep_latest_closed(self) -> None:

@@ -153,7 +153,7 @@ class DraftService:
         ended = self.sessions.entries_where(lambda e: not self.namespaces.current(e.namespace, e.drafter))
         for entry in ended:
             self.sessions.discard(entry.sid)
-            self.changes.closed(entry.sid, stored=not entry.unchecked)
+            self.changes.closed(entry)
         return sum(entry.namespace == name for entry in ended)
 
     def namespace_names(self) -> list[str]:
@@ -430,7 +430,7 @@ class DraftService:
         commits: dict[str, list[tuple[SessionEntry, int]]] = {}
         for entry, item in entries:
             self.sessions.pop(entry.sid)
-            self.changes.closed(entry.sid, stored=not entry.unchecked)
+            self.changes.closed(entry)
             if item.commit:
                 commits.setdefault(entry.namespace, []).append((entry, item.commit_from))
         return [partial(self._commit, namespace, group) for namespace, group in commits.items()]
@@ -520,4 +520,4 @@ class DraftService:
             entry = self.sessions.find(sid)
             if entry is not None and entry.unchecked:
                 self.sessions.discard(sid)
-                self.changes.closed(sid, stored=False)
+                self.changes.closed(entry)
