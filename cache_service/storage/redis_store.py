@@ -281,13 +281,13 @@ class RedisStore:
 
     # -- sessions ---------------------------------------------------------------------------
 
-    @guarded
-    def save_session(self, sid: str, session: StoredSession, ttl_s: float) -> None:
-        """Write a session's state and rejected table in one transaction.
+    def save_session(self, sid: str, session: StoredSession, ttl_s: float) -> bool:
+        """Write a session's state and rejected table atomically, unless storage holds another
+        tenant's session under ``sid``; whether it was written.
 
         Every key of the session gets a fresh ``ttl_s``-second expiry.
         """
-        sessions.save(self.client, sid, session, ttl_s)
+        return self.save_sessions([(sid, session)], ttl_s)[0]
 
     @guarded
     def save_sessions(self, writes: list[sessions.SessionWrite], ttl_s: float) -> list[bool]:

@@ -13,7 +13,7 @@ from cache_service.storage.clients import StorageClient, transaction
 from cache_service.storage.stored_session import StoredSession
 
 # KEYS: state, rej (one slot); ARGV[1] expiry ms, [2] rej blob, [3] the session's tenant, then
-# the state's field/value pairs. The same writes as :func:`save`, atomic per session, so many
+# the state's field/value pairs: the session's keys replaced whole, atomically, so many
 # sessions can go in one pipelined round trip; but never over another tenant's session (0,
 # nothing written): an id a replica could not check when it opened the session (storage was
 # down) may turn out to be taken.
@@ -66,20 +66,8 @@ def ttl_ms(ttl_s: float) -> int:
     return max(1, round(ttl_s * 1000))
 
 
-def save(client: StorageClient, sid: str, session: StoredSession, ttl_s: float) -> None:
-    state_key, rej_key = keys.session_keys(sid)
-    fields, rej_blob = stored_session.encode(session)
-    ms = ttl_ms(ttl_s)
-    with transaction(client, state_key) as pipe:
-        pipe.delete(state_key)  # no fields survive from an older format
-        pipe.hset(state_key, mapping={k: v for k, v in fields.items()})
-        pipe.pexpire(state_key, ms)
-        pipe.set(rej_key, rej_blob, px=ms)
-        pipe.execute()
-
-
 def save_many(client: StorageClient, script: Script, writes: Sequence[SessionWrite], ttl_s: float) -> list[bool]:
-    """:func:`save` for many sessions in one pipelined round trip (on a cluster, where sessions
+    """Sessions written whole in one pipelined round trip (on a cluster, where sessions
     live on different nodes, one call per session), each session's writes atomic (``script`` is
     :data:`SAVE_LUA` registered on ``client``), except where storage holds another tenant's
     session under the id. Per session, whether it was written."""
@@ -101,7 +89,7 @@ def append_many(client: StorageClient, script: Script, appends: Sequence[Session
     """Add what each session gained since its last save: tokens onto its stored context (only
     where storage holds exactly ``held`` tokens of it) and, when given, its new rejected table;
     every key's expiry is refreshed. One pipelined round trip (on a cluster, one call per
-    session). Per session, whether it applied; one that did not needs a whole :func:`save`."""
+    session). Per session, whether it applied; one that did not needs a whole save (:func:`save_many`)."""
     ms = ttl_ms(ttl_s)
 
     def args(held: int, tokens: np.ndarray, rej: codec.Table | None) -> list[str | bytes | int]:
