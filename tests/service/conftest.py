@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
 import tempfile
 import threading
@@ -13,11 +14,13 @@ from pathlib import Path
 
 import grpc
 import pytest
+from draftcache.v1 import draftcache_pb2 as pb
 from draftcache.v1 import draftcache_pb2_grpc as pb_grpc
 
 from cache_service.app import App, AppConfig
-from cache_service.config import ServerConfig, ServiceConfig
+from cache_service.config import EmbeddedRedisConfig, ServerConfig, ServiceConfig
 from cache_service.domain.service import DraftService
+from cache_service.host.embedded_redis import EmbeddedRedis
 from cache_service.rpc.server import Server, create_server
 
 
@@ -105,6 +108,22 @@ class Replica:
         asyncio.run_coroutine_threadsafe(self.app.stop(), self.loop).result(60)
         self.loop.call_soon_threadsafe(self.loop.stop)
         shutil.rmtree(self.journal_dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def replica_with_namespace(data_dir: Path, name: str, vocab_size: int) -> Iterator[tuple[Replica, str]]:
+    """A :class:`Replica` serving namespace ``name`` on an embedded Redis of its own (no AOF) in
+    ``data_dir``; yields it and the Redis URL, and stops both after."""
+    server = EmbeddedRedis(EmbeddedRedisConfig(data_dir=data_dir, appendonly=False)).start()
+    try:
+        replica = Replica(server.url)
+        try:
+            replica.admin.CreateNamespace(pb.CreateNamespaceRequest(name=name, vocab_size=vocab_size))
+            yield replica, server.url
+        finally:
+            replica.stop()
+    finally:
+        server.stop()
 
 
 @pytest.fixture

@@ -14,16 +14,14 @@ import numpy as np
 import pytest
 from draftcache.v1 import draftcache_pb2 as pb
 
-from cache_service.config import EmbeddedRedisConfig
 from cache_service.domain.service import MAX_LOG_READ_TOKENS
-from cache_service.host.embedded_redis import EmbeddedRedis
 from cache_service.storage.connect import connect
 from cache_service.storage.redis_store import RedisStore
 from decoder_client.client.config import ClientConfig
 from decoder_client.client.near import NearClient
 from indexer.drafter import DraftParams
 from tests.service.authed_replicas import md, tenants_replica
-from tests.service.conftest import Replica, Running, eventually
+from tests.service.conftest import Replica, Running, eventually, replica_with_namespace
 
 NS = "toy"
 VOCAB = 100
@@ -31,12 +29,8 @@ VOCAB = 100
 
 @pytest.fixture
 def replica(tmp_path: Path) -> Iterator[Replica]:
-    server = EmbeddedRedis(EmbeddedRedisConfig(data_dir=tmp_path, appendonly=False)).start()
-    r = Replica(server.url)
-    r.admin.CreateNamespace(pb.CreateNamespaceRequest(name=NS, vocab_size=VOCAB))
-    yield r
-    r.stop()
-    server.stop()
+    with replica_with_namespace(tmp_path, NS, VOCAB) as (r, _):
+        yield r
 
 
 def commit(r: Replica, prompt: list[int], output: list[int]) -> None:

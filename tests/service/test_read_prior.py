@@ -14,9 +14,7 @@ import pytest
 from draftcache.v1 import draftcache_pb2 as pb
 
 from cache_service.app import connect
-from cache_service.config import EmbeddedRedisConfig
 from cache_service.domain.service import MAX_PRIOR_PAGE_BYTES
-from cache_service.host.embedded_redis import EmbeddedRedis
 from cache_service.storage.redis_store import RedisStore
 from decoder_client.client.config import ClientConfig
 from decoder_client.client.near import NearClient
@@ -24,7 +22,7 @@ from decoder_client.client.prior_follow import PageRead, PriorChanged, read_blob
 from indexer.drafter import DraftParams
 from indexer.prior import PriorConfig, StaticPrior, blob_digest
 from tests.service.authed_replicas import md, tenants_replica
-from tests.service.conftest import Replica, eventually
+from tests.service.conftest import Replica, eventually, replica_with_namespace
 
 NS = "toy"
 VOCAB = 100
@@ -32,12 +30,8 @@ VOCAB = 100
 
 @pytest.fixture
 def served(tmp_path: Path) -> Iterator[tuple[Replica, RedisStore]]:
-    server = EmbeddedRedis(EmbeddedRedisConfig(data_dir=tmp_path, appendonly=False)).start()
-    r = Replica(server.url)
-    r.admin.CreateNamespace(pb.CreateNamespaceRequest(name=NS, vocab_size=VOCAB))
-    yield r, RedisStore(connect(server.url))
-    r.stop()
-    server.stop()
+    with replica_with_namespace(tmp_path, NS, VOCAB) as (r, url):
+        yield r, RedisStore(connect(url))
 
 
 def prior_of(tokens: list[int]) -> StaticPrior:

@@ -16,14 +16,12 @@ import pytest
 from draftcache.v1 import draftcache_pb2 as pb
 
 from cache_service.app import connect
-from cache_service.config import EmbeddedRedisConfig
-from cache_service.host.embedded_redis import EmbeddedRedis
 from cache_service.storage.redis_store import RedisStore
 from decoder_client.client import AsyncDraftClient, ClientConfig, DraftClient
 from decoder_client.client.near import NearClient
 from indexer.drafter import DraftParams
 from indexer.prior import PriorConfig, StaticPrior
-from tests.service.conftest import Replica, eventually
+from tests.service.conftest import Replica, eventually, replica_with_namespace
 
 NS = "toy"
 VOCAB = 100
@@ -34,12 +32,8 @@ ANSWER = list(range(40, 60))  # what the namespace's own fleet finished
 
 @pytest.fixture
 def served(tmp_path: Path) -> Iterator[tuple[Replica, RedisStore]]:
-    server = EmbeddedRedis(EmbeddedRedisConfig(data_dir=tmp_path, appendonly=False)).start()
-    r = Replica(server.url)
-    r.admin.CreateNamespace(pb.CreateNamespaceRequest(name=NS, vocab_size=VOCAB))
-    yield r, RedisStore(connect(server.url))
-    r.stop()
-    server.stop()
+    with replica_with_namespace(tmp_path, NS, VOCAB) as (r, url):
+        yield r, RedisStore(connect(url))
 
 
 def _calls(r: Replica, stated: int) -> dict[str, Callable[[], object]]:
