@@ -15,12 +15,11 @@ from draftcache.v1 import draftcache_pb2 as pb
 from draftcache.v1 import draftcache_pb2_grpc as pb_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from cache_service.app import App, AppConfig
 from cache_service.config import ServerConfig, ServiceConfig
 from cache_service.domain.service import DraftService
 from cache_service.metrics import Metrics
 from cache_service.rpc.server import create_server
-from tests.service.test_redis_outage import Redis
+from tests.service.test_redis_outage import app_on_redis
 
 
 class _Queue:
@@ -143,14 +142,7 @@ def test_a_deleted_namespace_takes_its_series_along() -> None:
 def test_a_service_without_a_metrics_port_drops_what_it_kept_of_a_deleted_namespace(tmp_path: Path) -> None:
     """Rebuild series are kept in the process though nothing scrapes them, and each namespace's
     last rebuild time: both go with the namespace."""
-    redis = Redis(tmp_path)
-    redis.start()
-    loop = asyncio.new_event_loop()
-    threading.Thread(target=loop.run_forever, daemon=True).start()
-    config = AppConfig(server=ServerConfig(port=0), redis_url=redis.url, journal_dir=tmp_path / "j")
-    app = App(config)
-    asyncio.run_coroutine_threadsafe(app.start(), loop).result(60)
-    try:
+    with app_on_redis(tmp_path) as (app, *_):
         for name in ("kept", "gone"):
             app.service.create_namespace(name, 64)
             app.service.namespace(name).memory.commit(np.arange(40, dtype=np.int32))
@@ -162,7 +154,3 @@ def test_a_service_without_a_metrics_port_drops_what_it_kept_of_a_deleted_namesp
         app.service.namespace("kept").memory.commit(np.arange(30, dtype=np.int32))
         app._rebuild_one("kept", "")
         assert {labels[0] for labels in app.metrics.rebuild_seconds._metrics} == {"kept"}
-    finally:
-        asyncio.run_coroutine_threadsafe(app.stop(), loop).result(60)
-        loop.call_soon_threadsafe(loop.stop)
-        redis.kill()

@@ -3,8 +3,6 @@ remembered for deletion only up to the session limit (their stored copies expire
 
 from __future__ import annotations
 
-import asyncio
-import threading
 import time
 from pathlib import Path
 
@@ -12,23 +10,17 @@ import grpc
 from draftcache.v1 import draftcache_pb2 as pb
 from draftcache.v1 import draftcache_pb2_grpc as pb_grpc
 
-from cache_service.app import App, AppConfig
-from cache_service.config import ServerConfig, ServiceConfig
-from tests.service.test_redis_outage import Redis
+from cache_service.config import ServiceConfig
+from tests.service.test_redis_outage import app_on_redis
 
 
 def test_sessions_closed_during_an_outage_are_remembered_up_to_the_session_limit(tmp_path: Path) -> None:
-    redis = Redis(tmp_path)
-    redis.start()
-    loop = asyncio.new_event_loop()
-    threading.Thread(target=loop.run_forever, daemon=True).start()
     service = ServiceConfig(max_sessions=40, flush_interval_s=0.05, follow_interval_s=0.05)
-    config = AppConfig(service=service, server=ServerConfig(port=0), redis_url=redis.url, journal_dir=tmp_path / "j")
-    app = App(config)
-    port = asyncio.run_coroutine_threadsafe(app.start(), loop).result(60)
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-    stub, admin = pb_grpc.DraftCacheStub(channel), pb_grpc.AdminStub(channel)
-    try:
+    with (
+        app_on_redis(tmp_path, service) as (app, redis, port, _),
+        grpc.insecure_channel(f"127.0.0.1:{port}") as channel,
+    ):
+        stub, admin = pb_grpc.DraftCacheStub(channel), pb_grpc.AdminStub(channel)
         admin.CreateNamespace(pb.CreateNamespaceRequest(name="ns", vocab_size=100))
         redis.kill()
         for _ in range(10):  # 300 sessions opened and closed while storage is down
@@ -39,9 +31,3 @@ def test_sessions_closed_during_an_outage_are_remembered_up_to_the_session_limit
             time.sleep(0.06)  # a write-back round fails and puts the closed ids back
         time.sleep(0.3)  # more rounds fail
         assert len(app.service.changes._closed) <= 40
-    finally:
-        channel.close()
-        redis.start()
-        asyncio.run_coroutine_threadsafe(app.stop(), loop).result(60)
-        loop.call_soon_threadsafe(loop.stop)
-        redis.kill()

@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -20,8 +18,8 @@ import pytest
 from draftcache.v1 import draftcache_pb2 as pb
 from draftcache.v1 import draftcache_pb2_grpc as pb_grpc
 
-from cache_service.app import App, AppConfig
-from cache_service.config import ServerConfig, ServiceConfig
+from cache_service.app import App
+from cache_service.config import ServiceConfig
 from cache_service.domain.items import CloseItem, OpenItem
 from cache_service.storage.connect import connect
 from cache_service.storage.redis_store import RedisStore
@@ -29,49 +27,24 @@ from cache_service.storage.stored_session import StoredSession
 from decoder_client.client import ClientConfig, DraftClient
 from indexer.drafter import DraftParams
 from indexer.session import SessionSnapshot
-from tests.service.test_redis_outage import Redis
+from tests.service.test_redis_outage import Redis, app_on_redis, logged_requests
 
 Served = tuple[App, Redis, int, Callable[[Callable[[], object]], object]]
 
 
 @pytest.fixture
 def served(tmp_path: Path) -> Iterator[Served]:
-    redis = Redis(tmp_path)
-    redis.start()
-    loop = asyncio.new_event_loop()
-    threading.Thread(target=loop.run_forever, daemon=True).start()
     service = ServiceConfig(flush_interval_s=0.05, follow_interval_s=0.05)
-    config = AppConfig(service=service, server=ServerConfig(port=0), redis_url=redis.url, journal_dir=tmp_path / "j")
-    config = replace(config, call_timeout_s=0.5)
-    app = App(config)
-    port = asyncio.run_coroutine_threadsafe(app.start(), loop).result(60)
-    app.service.create_namespace("ns", 1000)
+    with app_on_redis(tmp_path, service, call_timeout_s=0.5) as (app, redis, port, loop):
+        app.service.create_namespace("ns", 1000)
 
-    async def call(fn: Callable[[], object]) -> object:
-        return fn()
+        async def call(fn: Callable[[], object]) -> object:
+            return fn()
 
-    def on_loop(fn: Callable[[], object]) -> object:  # where the service's calls run
-        return asyncio.run_coroutine_threadsafe(call(fn), loop).result(30)
+        def on_loop(fn: Callable[[], object]) -> object:  # where the service's calls run
+            return asyncio.run_coroutine_threadsafe(call(fn), loop).result(30)
 
-    try:
         yield app, redis, port, on_loop
-    finally:
-        try:
-            if redis.proc is None or redis.proc.poll() is not None:
-                redis.start()
-            asyncio.run_coroutine_threadsafe(app.stop(), loop).result(60)
-        finally:
-            loop.call_soon_threadsafe(loop.stop)
-            redis.kill()
-
-
-def _logged(url: str) -> list[list[int]]:
-    store = RedisStore(connect(url))
-    logged, last = [], "0"
-    while entries := store.read_log("ns", after_id=last):
-        logged += [e.tokens.tolist() for e in entries]
-        last = entries[-1].id
-    return logged
 
 
 def test_requests_decoded_while_redis_is_down_draft_from_the_service_and_are_committed(
@@ -96,7 +69,7 @@ def test_requests_decoded_while_redis_is_down_draft_from_the_service_and_are_com
         deadline = time.monotonic() + 30
         while app.persistence.pending and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert sorted(_logged(redis.url)) == sorted(requests)  # each once
+        assert sorted(logged_requests(redis.url, "ns")) == sorted(requests)  # each once
     finally:
         client.shutdown()
 

@@ -5,10 +5,13 @@ returns. Tokens lost: zero."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -56,43 +59,80 @@ class Redis:
         self.proc.wait()
 
 
+@contextlib.contextmanager
+def app_on_redis(
+    tmp_path: Path, service: ServiceConfig | None = None, **config: Any
+) -> Iterator[tuple[App, Redis, int, asyncio.AbstractEventLoop]]:
+    """An :class:`App` (``service``, other ``AppConfig`` fields in ``config``) on a fresh
+    :class:`Redis`, serving from an event loop on a thread of its own; yields it, the Redis, its
+    port and the loop. After: Redis started again if it was left down (the App then stops as it
+    would in production), the App stopped, Redis killed."""
+    redis = Redis(tmp_path)
+    redis.start()
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    app = App(
+        AppConfig(
+            service=service or ServiceConfig(),
+            server=ServerConfig(port=0),
+            redis_url=redis.url,
+            journal_dir=tmp_path / "j",
+            **config,
+        )
+    )
+    try:
+        port = asyncio.run_coroutine_threadsafe(app.start(), loop).result(60)
+        try:
+            yield app, redis, port, loop
+        finally:
+            if redis.proc is None or redis.proc.poll() is not None:
+                redis.start()
+            asyncio.run_coroutine_threadsafe(app.stop(), loop).result(60)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        redis.kill()
+
+
+def logged_requests(url: str, ns: str) -> list[list[int]]:
+    """Every request in the namespace's lifetime log, oldest first."""
+    store = RedisStore(connect(url))
+    logged, last = [], "0"
+    while entries := store.read_log(ns, after_id=last):
+        logged += [e.tokens.tolist() for e in entries]
+        last = entries[-1].id
+    return logged
+
+
 def _request_tokens(i: int) -> list[int]:
     rng = np.random.default_rng(i)
     return [*rng.integers(0, 900, 24).tolist(), 900 + i % 90]  # distinct per request
 
 
 def test_redis_killed_under_load_loses_no_acknowledged_commit(tmp_path: Path) -> None:
-    redis = Redis(tmp_path)
-    redis.start()
-    loop = asyncio.new_event_loop()
-    threading.Thread(target=loop.run_forever, daemon=True).start()
     service = ServiceConfig(follow_interval_s=0.1, flush_interval_s=0.2)
-    config = AppConfig(service=service, server=ServerConfig(port=0), redis_url=redis.url, journal_dir=tmp_path / "j")
-    app = App(config)
-    port = asyncio.run_coroutine_threadsafe(app.start(), loop).result(60)
-    stub = pb_grpc.DraftCacheStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
-    pb_grpc.AdminStub(grpc.insecure_channel(f"127.0.0.1:{port}")).CreateNamespace(
-        pb.CreateNamespaceRequest(name="ns", vocab_size=1000)
-    )
-    acked: list[list[int]] = []
-    drafts_during_outage = 0
-    pending_seen = 0
-    down = threading.Event()
+    with app_on_redis(tmp_path, service) as (app, redis, port, _):
+        stub = pb_grpc.DraftCacheStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+        pb_grpc.AdminStub(grpc.insecure_channel(f"127.0.0.1:{port}")).CreateNamespace(
+            pb.CreateNamespaceRequest(name="ns", vocab_size=1000)
+        )
+        acked: list[list[int]] = []
+        drafts_during_outage = 0
+        pending_seen = 0
+        down = threading.Event()
 
-    def one_request(i: int) -> None:
-        nonlocal drafts_during_outage
-        tokens = _request_tokens(i)
-        req = pb.OpenSessionsRequest(sessions=[pb.OpenSession(namespace="ns", prompt=tokens[:8])])
-        sid = stub.OpenSessions(req, timeout=10).session_ids[0]
-        for k in range(8, len(tokens), 4):
-            item = pb.DraftItem(session_id=sid, new_tokens=tokens[k : k + 4])
-            stub.Draft(pb.DraftRequest(items=[item]), timeout=10)
-            drafts_during_outage += down.is_set()
-        close = pb.CloseSessionsRequest(sessions=[pb.CloseSession(session_id=sid, commit=True)])
-        stub.CloseSessions(close, timeout=10)  # answered: acknowledged
-        acked.append(tokens)
+        def one_request(i: int) -> None:
+            nonlocal drafts_during_outage
+            tokens = _request_tokens(i)
+            req = pb.OpenSessionsRequest(sessions=[pb.OpenSession(namespace="ns", prompt=tokens[:8])])
+            sid = stub.OpenSessions(req, timeout=10).session_ids[0]
+            for k in range(8, len(tokens), 4):
+                item = pb.DraftItem(session_id=sid, new_tokens=tokens[k : k + 4])
+                stub.Draft(pb.DraftRequest(items=[item]), timeout=10)
+                drafts_during_outage += down.is_set()
+            close = pb.CloseSessionsRequest(sessions=[pb.CloseSession(session_id=sid, commit=True)])
+            stub.CloseSessions(close, timeout=10)  # answered: acknowledged
+            acked.append(tokens)
 
-    try:
         for i in range(20):
             one_request(i)
         redis.kill()
@@ -107,20 +147,11 @@ def test_redis_killed_under_load_loses_no_acknowledged_commit(tmp_path: Path) ->
             time.sleep(0.1)
         assert app.service.pending_writes == 0
         # Every acknowledged request is in the lifetime log, once.
-        store = RedisStore(connect(redis.url))
-        logged, last = [], "0"
-        while entries := store.read_log("ns", after_id=last):
-            logged += [e.tokens.tolist() for e in entries]
-            last = entries[-1].id
+        logged = logged_requests(redis.url, "ns")
         lost = [t for t in acked if t not in logged]
         assert len(acked) == 50 and not lost
         assert sorted(map(tuple, logged)) == sorted(map(tuple, acked))  # and nothing twice
         assert drafts_during_outage == 30 * 5 and pending_seen > 0
-    finally:
-        asyncio.run_coroutine_threadsafe(app.stop(), loop).result(60)
-        loop.call_soon_threadsafe(loop.stop)
-        if redis.proc is not None and redis.proc.poll() is None:
-            redis.kill()
 
 
 def test_a_namespace_storage_could_not_register_is_not_served_and_a_retry_registers_it(tmp_path: Path) -> None:
