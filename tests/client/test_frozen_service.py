@@ -8,7 +8,7 @@ import asyncio
 import dataclasses
 import gc
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 from draftcache.v1 import draftcache_pb2 as pb
@@ -38,6 +38,16 @@ def _config(serve: Serve, ns: str, stream: bool) -> ClientConfig:
 
 def _committed(serve: Serve, ns: str) -> bool:
     return sorted(log_entries(serve.redis_url(), ns)) == ENDED
+
+
+async def _settle_until(client: AsyncDraftClient, done: Callable[[], object]) -> None:
+    """The asyncio client's ``settle`` until ``done()`` (10 s at most), as an idle decoder
+    settles: what the sync tests wait for with ``wait_for(lambda: client.settle() or done())``."""
+    for _ in range(200):
+        await client.settle()
+        if done():
+            return
+        await asyncio.sleep(0.05)
 
 
 def _sync_closes(serve: Serve, config: ClientConfig) -> float:
@@ -77,11 +87,7 @@ def _async_closes(serve: Serve, config: ClientConfig) -> float:
             took = time.perf_counter() - start
         finally:
             serve.thaw()
-        for _ in range(200):
-            await client.settle()
-            if _committed(serve, config.namespace):
-                break
-            await asyncio.sleep(0.05)
+        await _settle_until(client, lambda: _committed(serve, config.namespace))
         await client.shutdown()
         return took
 
@@ -130,11 +136,7 @@ def _last_step_async(serve: Serve, config: ClientConfig) -> list[int]:
             await client.close([s])
         finally:
             serve.thaw()
-        for _ in range(200):
-            await client.settle()
-            if log_entries(serve.redis_url(), config.namespace):
-                break
-            await asyncio.sleep(0.05)
+        await _settle_until(client, lambda: log_entries(serve.redis_url(), config.namespace))
         await client.shutdown()
         return s.tokens()
 
@@ -177,11 +179,7 @@ def test_a_draft_cancelled_on_a_frozen_service_is_committed_once(serve: Serve) -
             await asyncio.sleep(0.01)
         await client.draft([s], [[88]])
         await client.close([s])
-        for _ in range(200):
-            await client.settle()
-            if log_entries(serve.redis_url(), config.namespace):
-                break
-            await asyncio.sleep(0.05)
+        await _settle_until(client, lambda: log_entries(serve.redis_url(), config.namespace))
         await client.shutdown()
         return s.tokens()
 
