@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import gzip
-import json
 import socket
 import threading
 import time
@@ -15,34 +13,9 @@ import pytest
 import migrations
 from cache_service.admin.commands import write_atomic
 from cache_service.cli import main
-from cache_service.config import EmbeddedRedisConfig
-from cache_service.host.embedded_redis import EmbeddedRedis
 from cache_service.storage.connect import connect
 from cache_service.storage.redis_store import RedisStore
-
-
-@pytest.fixture
-def llama_tokenizer(shared_data: Path) -> Path:
-    return shared_data / "tokenizers" / "llama2-spm"
-
-
-@pytest.fixture
-def redis_url(tmp_path: Path) -> Iterator[str]:
-    server = EmbeddedRedis(EmbeddedRedisConfig(data_dir=tmp_path / "redis", appendonly=False)).start()
-    try:
-        yield server.url
-    finally:
-        server.stop()
-
-
-def _sharegpt(path: Path, texts: list[str]) -> Path:
-    data = [
-        {"id": str(i), "conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": t}]}
-        for i, t in enumerate(texts)
-    ]
-    with gzip.open(path, "wt") as fh:
-        json.dump(data, fh)
-    return path
+from tests.integration.conftest import sharegpt
 
 
 def _warm(tokenizer: Path, corpus: Path, *more: str) -> list[str]:
@@ -54,11 +27,11 @@ def test_a_corpus_of_empty_documents_leaves_the_prior_in_place(
     tmp_path: Path, llama_tokenizer: Path, capsys: pytest.CaptureFixture[str], fmt: str
 ) -> None:
     out = tmp_path / "prior.npz"
-    good = _sharegpt(tmp_path / "good.json.gz", ["The quick brown fox jumps over the lazy dog."] * 3)
+    good = sharegpt(tmp_path / "good.json.gz", ["The quick brown fox jumps over the lazy dog."] * 3)
     assert main(_warm(llama_tokenizer, good, "--out", str(out))) == 0
     before = out.read_bytes()
     if fmt == "sharegpt":
-        empty = _sharegpt(tmp_path / "empty.json.gz", ["", "", ""])
+        empty = sharegpt(tmp_path / "empty.json.gz", ["", "", ""])
     else:
         empty = tmp_path / "empty.jsonl"
         empty.write_text('{"text": ""}\n' * 3)
@@ -74,7 +47,7 @@ def test_a_lifetime_warm_run_again_appends_each_document_once(
     tmp_path: Path, llama_tokenizer: Path, redis_url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # A rerun after a failure midway, or by mistake: the log takes only what it lacks.
-    corpus = _sharegpt(tmp_path / "c.json.gz", ["The quick brown fox.", "Jumps over the lazy dog."])
+    corpus = sharegpt(tmp_path / "c.json.gz", ["The quick brown fox.", "Jumps over the lazy dog."])
     args = [*_warm(llama_tokenizer, corpus, "--lifetime"), "--redis-url", redis_url]
     assert main(args) == 0
     assert "2 documents appended;" in capsys.readouterr().out
@@ -82,7 +55,7 @@ def test_a_lifetime_warm_run_again_appends_each_document_once(
     assert "0 documents appended, 2 were in it already" in capsys.readouterr().out
     store = RedisStore(connect(redis_url))
     assert [e.tokens.size for e in store.read_log("llama2")] == [6, 7]  # each once, in order
-    other = _sharegpt(tmp_path / "d.json.gz", ["The quick brown fox."])  # another corpus is its own
+    other = sharegpt(tmp_path / "d.json.gz", ["The quick brown fox."])  # another corpus is its own
     assert main([*_warm(llama_tokenizer, other, "--lifetime"), "--redis-url", redis_url]) == 0
     assert [e.tokens.size for e in store.read_log("llama2")] == [6, 7, 6]
 
@@ -92,7 +65,7 @@ def test_warm_writes_nothing_into_a_newer_key_schema(
 ) -> None:
     client = connect(redis_url)
     client.set("draftcache:schema_version", 99)  # written by a newer build
-    corpus = _sharegpt(tmp_path / "c.json.gz", ["The quick brown fox jumps over the lazy dog."] * 3)
+    corpus = sharegpt(tmp_path / "c.json.gz", ["The quick brown fox jumps over the lazy dog."] * 3)
     for mode in ([], ["--lifetime"]):
         assert main([*_warm(llama_tokenizer, corpus, *mode), "--redis-url", redis_url]) == 2
         assert "newer than this build knows" in capsys.readouterr().err
@@ -110,7 +83,7 @@ def test_sessions_reads_only_the_key_schema_it_serves(redis_url: str, capsys: py
 
 
 def test_warm_initialises_an_empty_redis_as_serve_does(tmp_path: Path, llama_tokenizer: Path, redis_url: str) -> None:
-    corpus = _sharegpt(tmp_path / "c.json.gz", ["The quick brown fox jumps over the lazy dog."] * 3)
+    corpus = sharegpt(tmp_path / "c.json.gz", ["The quick brown fox jumps over the lazy dog."] * 3)
     assert main([*_warm(llama_tokenizer, corpus), "--redis-url", redis_url]) == 0
     assert migrations.check(connect(redis_url)) == migrations.LATEST
 

@@ -11,6 +11,7 @@ import pytest
 
 from cache_service.cli import main
 from indexer.prior import StaticPrior
+from tests.integration.conftest import sharegpt
 
 CONVERSATIONS = [
     {
@@ -127,25 +128,10 @@ def test_replay_options_for_one_tokenizer_need_one_namespace(
     assert "no conversations in namespace 'nope'" in capsys.readouterr().err
 
 
-@pytest.fixture
-def llama_tokenizer(shared_data: Path) -> Path:
-    return shared_data / "tokenizers" / "llama2-spm"
-
-
-def _sharegpt(path: Path, texts: list[str]) -> Path:
-    data = [
-        {"id": str(i), "conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": t}]}
-        for i, t in enumerate(texts)
-    ]
-    with gzip.open(path, "wt") as fh:
-        json.dump(data, fh)
-    return path
-
-
 def test_warm_writes_a_loadable_prior(
     tmp_path: Path, llama_tokenizer: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    corpus = _sharegpt(tmp_path / "c.json.gz", ["The quick brown fox jumps over the lazy dog."] * 3)
+    corpus = sharegpt(tmp_path / "c.json.gz", ["The quick brown fox jumps over the lazy dog."] * 3)
     out = tmp_path / "prior.npz"
     args = [
         "warm",
@@ -166,26 +152,20 @@ def test_warm_writes_a_loadable_prior(
 
 
 def test_warm_lifetime_appends_documents_to_the_log(
-    tmp_path: Path, llama_tokenizer: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, llama_tokenizer: Path, redis_url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from cache_service.config import EmbeddedRedisConfig
-    from cache_service.host.embedded_redis import EmbeddedRedis
     from cache_service.storage.connect import connect
     from cache_service.storage.redis_store import RedisStore
 
-    server = EmbeddedRedis(EmbeddedRedisConfig(data_dir=tmp_path / "redis", appendonly=False)).start()
-    try:
-        corpus = _sharegpt(tmp_path / "c.json.gz", ["The quick brown fox.", "Jumps over the lazy dog."])
-        args = ["warm", "--namespace", "llama2", "--tokenizer", str(llama_tokenizer), "--corpus", str(corpus)]
-        assert main([*args, "--lifetime", "--redis-url", server.url]) == 0
-        store = RedisStore(connect(server.url))
-        entries = store.read_log("llama2")
-        assert [e.tokens.size for e in entries] == [6, 7]  # one request per answer, in order
-        assert store.namespaces()["llama2"] == 32000
-        assert "2 documents appended" in capsys.readouterr().out
-        assert main([*args, "--lifetime", "--redis-url", server.url, "--out", str(tmp_path / "x")]) == 2
-    finally:
-        server.stop()
+    corpus = sharegpt(tmp_path / "c.json.gz", ["The quick brown fox.", "Jumps over the lazy dog."])
+    args = ["warm", "--namespace", "llama2", "--tokenizer", str(llama_tokenizer), "--corpus", str(corpus)]
+    assert main([*args, "--lifetime", "--redis-url", redis_url]) == 0
+    store = RedisStore(connect(redis_url))
+    entries = store.read_log("llama2")
+    assert [e.tokens.size for e in entries] == [6, 7]  # one request per answer, in order
+    assert store.namespaces()["llama2"] == 32000
+    assert "2 documents appended" in capsys.readouterr().out
+    assert main([*args, "--lifetime", "--redis-url", redis_url, "--out", str(tmp_path / "x")]) == 2
 
 
 @pytest.mark.parametrize(
@@ -214,10 +194,8 @@ def test_warm_rejects_corrupt_corpora(
 
 
 def test_warm_refuses_to_publish_a_prior_outside_the_namespace_vocabulary(
-    tmp_path: Path, llama_tokenizer: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, llama_tokenizer: Path, redis_url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from cache_service.config import EmbeddedRedisConfig
-    from cache_service.host.embedded_redis import EmbeddedRedis
     from cache_service.storage.connect import connect
     from cache_service.storage.redis_store import RedisStore
     from indexer.prior import PriorConfig
@@ -226,52 +204,42 @@ def test_warm_refuses_to_publish_a_prior_outside_the_namespace_vocabulary(
     tokens = np.array([5, 6, 40000, 40001, 40002, 40003, 7] * 50, dtype=np.int32)
     foreign = tmp_path / "foreign.npz"
     foreign.write_bytes(StaticPrior.build(tokens, PriorConfig(orders=(1, 2), follower_len=4)).to_bytes())
-    server = EmbeddedRedis(EmbeddedRedisConfig(data_dir=tmp_path / "redis", appendonly=False)).start()
-    try:
-        args = ["warm", "--namespace", "llama2", "--tokenizer", str(llama_tokenizer), "--redis-url", server.url]
-        assert main([*args, "--from-prior", str(foreign)]) == 2
-        assert "follower id 40003 is outside the vocabulary [0, 32000)" in capsys.readouterr().err
-        store = RedisStore(connect(server.url))
-        assert store.namespaces() == {} and store.prior_version("llama2") is None  # nothing published
-        own = tmp_path / "own.npz"  # the same shape inside the vocabulary is published
-        own.write_bytes(StaticPrior.build(tokens % 32000, PriorConfig(orders=(1, 2), follower_len=4)).to_bytes())
-        assert main([*args, "--from-prior", str(own)]) == 0
-        assert store.namespaces() == {"llama2": 32000} and store.prior_version("llama2") == 1
-    finally:
-        server.stop()
+    args = ["warm", "--namespace", "llama2", "--tokenizer", str(llama_tokenizer), "--redis-url", redis_url]
+    assert main([*args, "--from-prior", str(foreign)]) == 2
+    assert "follower id 40003 is outside the vocabulary [0, 32000)" in capsys.readouterr().err
+    store = RedisStore(connect(redis_url))
+    assert store.namespaces() == {} and store.prior_version("llama2") is None  # nothing published
+    own = tmp_path / "own.npz"  # the same shape inside the vocabulary is published
+    own.write_bytes(StaticPrior.build(tokens % 32000, PriorConfig(orders=(1, 2), follower_len=4)).to_bytes())
+    assert main([*args, "--from-prior", str(own)]) == 0
+    assert store.namespaces() == {"llama2": 32000} and store.prior_version("llama2") == 1
 
 
 def test_warm_publishes_into_a_namespace_registered_with_the_models_padded_vocabulary(
-    tmp_path: Path, llama_tokenizer: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, llama_tokenizer: Path, redis_url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """An engine created the namespace with its model's vocabulary, padded past the tokenizer's
     32,000 ids (32,064, as Phi-3 pads the same tokenizer): a prior and a lifetime corpus warmed
     with the tokenizer go into it; a namespace of another tokenizer's size is refused."""
-    from cache_service.config import EmbeddedRedisConfig
-    from cache_service.host.embedded_redis import EmbeddedRedis
     from cache_service.storage.connect import connect
     from cache_service.storage.redis_store import RedisStore
 
-    server = EmbeddedRedis(EmbeddedRedisConfig(data_dir=tmp_path / "redis", appendonly=False)).start()
-    try:
-        store = RedisStore(connect(server.url))
-        store.register_namespace("padded", 32064)
-        store.register_namespace("mistral", 32768)
-        corpus = _sharegpt(tmp_path / "c.json.gz", ["The quick brown fox."] * 3)
-        for name, code in (("padded", 0), ("mistral", 2)):
-            args = ["warm", "--namespace", name, "--tokenizer", str(llama_tokenizer), "--corpus", str(corpus)]
-            assert main([*args, "--redis-url", server.url]) == code, name
-            assert main([*args, "--redis-url", server.url, "--lifetime"]) == code, name
-        assert store.namespaces() == {"padded": 32064, "mistral": 32768}
-        assert store.prior_version("padded") == 1 and store.prior_version("mistral") is None
-        assert len(store.read_log("padded")) == 3 and store.read_log("mistral") == []
-        assert "registered with vocab_size 32768, not 32000" in capsys.readouterr().err
-    finally:
-        server.stop()
+    store = RedisStore(connect(redis_url))
+    store.register_namespace("padded", 32064)
+    store.register_namespace("mistral", 32768)
+    corpus = sharegpt(tmp_path / "c.json.gz", ["The quick brown fox."] * 3)
+    for name, code in (("padded", 0), ("mistral", 2)):
+        args = ["warm", "--namespace", name, "--tokenizer", str(llama_tokenizer), "--corpus", str(corpus)]
+        assert main([*args, "--redis-url", redis_url]) == code, name
+        assert main([*args, "--redis-url", redis_url, "--lifetime"]) == code, name
+    assert store.namespaces() == {"padded": 32064, "mistral": 32768}
+    assert store.prior_version("padded") == 1 and store.prior_version("mistral") is None
+    assert len(store.read_log("padded")) == 3 and store.read_log("mistral") == []
+    assert "registered with vocab_size 32768, not 32000" in capsys.readouterr().err
 
 
 def test_warm_rejects_a_wrong_tokenizer(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    corpus = _sharegpt(tmp_path / "c.json.gz", ["hello"])
+    corpus = sharegpt(tmp_path / "c.json.gz", ["hello"])
     fake = tmp_path / "tok"
     fake.mkdir()
     (fake / "tokenizer.json").write_text("{not a tokenizer")
