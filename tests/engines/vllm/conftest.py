@@ -176,7 +176,9 @@ def assert_committed_once(
     max_tokens that vLLM drops from its output), and nothing else did."""
     wait_for(lambda: len(log_entries(serve.redis_url(), namespace)) >= len(batch), 30, "the commits")
     entries = log_entries(serve.redis_url(), namespace)
-    assert len(entries) == len(batch), f"{len(entries)} commits for {len(batch)} requests"
+    if len(entries) != len(batch):  # say which: a request twice, or something else
+        firsts = [(len(e), e[:8]) for e in entries]
+        raise AssertionError(f"{len(entries)} commits for {len(batch)} requests: (length, first ids) {firsts}")
     for (prompt, _), out in zip(batch, outputs, strict=True):
         want = prompt + out
         assert any(e[: len(want)] == want and len(e) - len(want) <= K for e in entries), want
