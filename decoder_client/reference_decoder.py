@@ -8,10 +8,16 @@ emitted, so a step always yields at least one token and greedy output equals pla
 decoding whatever the drafter proposes.
 
 Sampling (``temperature > 0``) uses the same forward. The target distribution at a position is
-``softmax(logits / temperature)``, top-p filtered as transformers does, and
+``softmax(logits / temperature)``, top-k and top-p filtered as transformers does, and
 :func:`sample_accept` walks the tree by recursive rejection of one-hot proposals (each child is
 a deterministic guess), so the emitted tokens are distributed exactly as plain sampling from the
 target, whatever the drafter proposes.
+
+Logits processors (a repetition penalty, banned n-grams: transformers' ``LogitsProcessor``) run
+before the choice, greedy or sampled, at every verified position on that position's own prefix
+(the context, then the node's root path), as ``model.generate`` runs them on the prefix it has
+when it reaches that position. A processor that is a function of the prefix and the scores
+keeps the output equal to ``model.generate``'s with the same processors.
 
 Numerics: "equals" holds in float32, where a verification forward's logits are those of
 one-token decoding up to rounding. On SmolLM2-135M (logits up to 37) they differed by at most
@@ -34,13 +40,14 @@ from __future__ import annotations
 import inspect
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
+from transformers.generation.logits_process import LogitsProcessor
 
 from decoder_client.tree_attention import check_parents, tree_attention_mask, tree_position_ids
 from indexer.tokens import as_tokens
@@ -49,6 +56,10 @@ from indexer.tree_builder import DraftTree
 Drafter = Callable[[np.ndarray], DraftTree]
 # Picks (accepted node indices, bonus token) from a tree and its logits over [root, nodes...].
 Chooser = Callable[[DraftTree, torch.Tensor], tuple[list[int], int]]
+
+# Nodes one step verifies at most: a larger tree is cut to its first this many (wire order puts
+# parents first, so the cut is a tree). The service's drafters never send more.
+MAX_TREE = 1024
 
 
 def cache_keyword(model: torch.nn.Module) -> str:
@@ -107,22 +118,29 @@ def greedy_accept(tokens: np.ndarray, parents: np.ndarray, argmax: np.ndarray) -
         path.append(node)
 
 
-def target_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
+def target_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0) -> torch.Tensor:
     """Sampling distribution of each row of ``logits`` (..., V): ``softmax(logits / temperature)``.
 
-    With ``top_p < 1`` it keeps, as transformers' ``TopPLogitsWarper`` does, the smallest set of
-    most likely tokens whose mass reaches ``top_p`` (always at least the most likely one).
+    With ``top_k > 0`` it keeps, as transformers' ``TopKLogitsWarper`` does, the ``top_k`` most
+    likely tokens (and any tied with the last of them); then with ``top_p < 1``, as its
+    ``TopPLogitsWarper`` does, the smallest set of most likely tokens whose mass reaches ``top_p``
+    (always at least the most likely one).
 
     >>> logits = torch.tensor([0.0, math.log(3.0)])  # probabilities 1/4, 3/4
     >>> target_probs(logits, temperature=0.5)  # squared and renormalised
     tensor([0.1000, 0.9000])
     >>> target_probs(logits, temperature=1.0, top_p=0.7)  # 3/4 alone reaches 0.7
     tensor([0., 1.])
+    >>> target_probs(torch.tensor([0.0, 1.0, 2.0]), temperature=1.0, top_k=1)
+    tensor([0., 0., 1.])
     """
     scores = logits.float()
     # Less the row's largest first: the same distribution, and no overflow to inf (then NaN) when
     # a small temperature would carry the logits past float32's range.
     scores = (scores - scores.amax(dim=-1, keepdim=True)) / temperature
+    if 0 < top_k < scores.shape[-1]:
+        kth = torch.topk(scores, top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, -math.inf)
     if top_p < 1.0:
         ascending, order = torch.sort(scores, descending=False)
         drop = ascending.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p
@@ -185,21 +203,26 @@ def greedy_choice(tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], int
     return path, int(argmax[path[-1] + 1] if path else argmax[0])
 
 
-def sampling_choice(temperature: float, top_p: float = 1.0, generator: torch.Generator | None = None) -> Chooser:
+def sampling_choice(
+    temperature: float, top_p: float = 1.0, generator: torch.Generator | None = None, top_k: int = 0
+) -> Chooser:
     """The sampling :data:`Chooser`: :func:`sample_accept` on :func:`target_probs` of the logits."""
 
     def choose(tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], int]:
-        return sample_accept(tree.tokens, tree.parents, target_probs(logits, temperature, top_p), generator)
+        return sample_accept(tree.tokens, tree.parents, target_probs(logits, temperature, top_p, top_k), generator)
 
     return choose
 
 
-def check_sampling(temperature: float, top_p: float, generator: torch.Generator | None) -> None:
-    """Raise ``ValueError`` unless ``temperature >= 0``, ``0 < top_p <= 1`` and the generator is on CPU."""
+def check_sampling(temperature: float, top_p: float, generator: torch.Generator | None, top_k: int = 0) -> None:
+    """Raise ``ValueError`` unless ``temperature >= 0``, ``0 < top_p <= 1``, ``top_k`` is an int
+    ``>= 0`` (0: no top-k) and the generator is on CPU."""
     if not temperature >= 0:  # also refuses NaN
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p must lie in (0, 1], got {top_p}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        raise ValueError(f"top_k must be an int >= 0, got {top_k!r}")
     if generator is not None and generator.device.type != "cpu":
         raise ValueError(f"the generator must be a CPU one (draws happen on CPU), got {generator.device}")
 
@@ -251,6 +274,44 @@ class VerifiedTopk:
         return self.rows[self.path]
 
 
+def processed(
+    logits: torch.Tensor, context: np.ndarray, tree: DraftTree, processors: Sequence[LogitsProcessor]
+) -> torch.Tensor:
+    """``logits`` (n+1, V) over ``[root, nodes...]`` after ``processors``, each row given its own
+    prefix: the context (whose last token is the root) for the root's row, the context and the
+    node's root path for a node's.
+
+    >>> class Ban(LogitsProcessor):  # the prefix's last token may not come next
+    ...     def __call__(self, input_ids, scores):
+    ...         return scores.scatter(-1, input_ids[:, -1:], -math.inf)
+    >>> tree = DraftTree.chain(np.array([1], dtype=np.int32))
+    >>> processed(torch.zeros(2, 3), np.array([2], dtype=np.int32), tree, [Ban()]).tolist()
+    [[0.0, 0.0, -inf], [0.0, -inf, 0.0]]
+    """
+    prefixes = [context.tolist()]
+    for token, parent in zip(tree.tokens.tolist(), tree.parents.tolist(), strict=True):
+        prefixes.append([*prefixes[parent + 1], token])
+    rows = []
+    for prefix, row in zip(prefixes, logits, strict=True):
+        ids = torch.tensor([prefix], dtype=torch.long, device=logits.device)
+        scores = row[None].float()
+        for processor in processors:
+            scores = processor(ids, scores)
+        rows.append(scores[0])
+    return torch.stack(rows)
+
+
+def first_nodes(tree: DraftTree, n: int) -> DraftTree:
+    """``tree``'s first ``n`` nodes in wire order: a tree, since parents come first.
+
+    >>> first_nodes(DraftTree.chain(np.array([5, 6, 7], dtype=np.int32)), 2).tokens.tolist()
+    [5, 6]
+    """
+    if len(tree) <= n:
+        return tree
+    return DraftTree(tree.tokens[:n], tree.parents[:n], tree.sources[:n], tree.scores[:n])
+
+
 def within_depth(tree: DraftTree, depth: int) -> DraftTree:
     """``tree`` without its nodes deeper than ``depth`` (parents renumbered).
 
@@ -297,7 +358,12 @@ class ReferenceDecoder:
     1.6
     """
 
-    def __init__(self, model: PreTrainedModel, tokenizer: object | None = None, device: str = "cpu") -> None:
+    def __init__(
+        self, model: PreTrainedModel, tokenizer: object | None = None, device: str = "cpu", max_tree: int = MAX_TREE
+    ) -> None:
+        if isinstance(max_tree, bool) or not isinstance(max_tree, int) or max_tree < 0:
+            raise ValueError(f"max_tree must be an int >= 0, got {max_tree!r}")
+        self.max_tree = max_tree  # nodes one step verifies at most (see MAX_TREE)
         self.device = torch.device(device)
         module: torch.nn.Module = model  # PreTrainedModel.to's wrapper confuses type checkers
         module.to(self.device)
@@ -317,16 +383,22 @@ class ReferenceDecoder:
         top_p: float = 1.0,
         generator: torch.Generator | None = None,
         topk: int = 0,
+        top_k: int = 0,
+        logits_processor: Sequence[LogitsProcessor] = (),
     ) -> tuple[list[int], DecodeStats]:
         """Continuation of ``prompt_ids``: greedy, or sampled when ``temperature > 0``.
 
         Greedy output is token-identical to ``model.generate(do_sample=False)``. Sampled output
-        follows the distribution of plain sampling at ``temperature`` with ``top_p`` (see
-        :func:`sample_accept`); ``generator`` (CPU) seeds it. ``drafter`` maps the context so far
+        follows the distribution of plain sampling at ``temperature`` with ``top_k`` and ``top_p``
+        (see :func:`sample_accept`); ``generator`` (CPU) seeds it. ``logits_processor`` (e.g.
+        transformers' ``RepetitionPenaltyLogitsProcessor``) runs first at every verified position
+        on its own prefix (:func:`processed`), greedy or sampled, as ``model.generate`` runs its
+        ``logits_processor``. ``drafter`` maps the context so far
         (int32) to a :class:`DraftTree` (possibly empty); without one every step emits one token.
         Stops after ``eos_token_id`` or ``max_new_tokens`` tokens, whichever comes first; no step
         verifies a node deeper than the tokens still wanted (:func:`within_depth`), so no position
-        past those plain decoding reaches is ever computed.
+        past those plain decoding reaches is ever computed, nor more than ``max_tree`` nodes (a
+        larger tree is cut to its first ``max_tree``, parents coming first in wire order).
 
         With ``topk`` > 0 and a drafter that has an ``observe_topk`` method, each step hands it
         the target's ``topk`` likeliest ids at every position it verified, the root and every
@@ -338,8 +410,9 @@ class ReferenceDecoder:
             raise ValueError("prompt_ids must not be empty")
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        check_sampling(temperature, top_p, generator)
-        choose = greedy_choice if temperature == 0 else sampling_choice(temperature, top_p, generator)
+        check_sampling(temperature, top_p, generator, top_k)
+        choose = greedy_choice if temperature == 0 else sampling_choice(temperature, top_p, generator, top_k)
+        processors = list(logits_processor)
         observe = getattr(drafter, "observe_topk", None) if topk > 0 else None
         began, stats = time.perf_counter(), DecodeStats()
         out: list[int] = []
@@ -350,9 +423,9 @@ class ReferenceDecoder:
                 context = np.asarray([*prompt_ids, *out], dtype=np.int32)
                 tree = drafter(context) if drafter is not None else DraftTree.empty()
                 self._check_tree(tree)
-                tree = within_depth(tree, max_new_tokens - len(out) - 1)
+                tree = within_depth(first_nodes(tree, self.max_tree), max_new_tokens - len(out) - 1)
                 stats.drafted.append(len(tree))
-                emitted, verified = self._step(cache, int(context[-1]), tree, choose, topk if observe else 0)
+                emitted, verified = self._step(cache, context, tree, choose, topk if observe else 0, processors)
                 if observe is not None and verified is not None:
                     observe(verified)
                 stats.accepted.append(len(emitted) - 1)
@@ -368,10 +441,18 @@ class ReferenceDecoder:
         return cache
 
     def _step(
-        self, cache: DynamicCache, root: int, tree: DraftTree, choose: Chooser, topk: int = 0
+        self,
+        cache: DynamicCache,
+        context: np.ndarray,
+        tree: DraftTree,
+        choose: Chooser,
+        topk: int = 0,
+        processors: Sequence[LogitsProcessor] = (),
     ) -> tuple[list[int], VerifiedTopk | None]:
-        """One forward over ``[root] + tree``; returns the accepted tokens plus the bonus token,
-        and with ``topk`` the ``topk`` likeliest ids at every position verified."""
+        """One forward over ``[root] + tree`` (the root: the context's last token); returns the
+        accepted tokens plus the bonus token, and with ``topk`` the ``topk`` likeliest ids at
+        every position verified (after ``processors``: what the choice went by)."""
+        root = int(context[-1])
         past = cache.get_seq_length()
         ids = torch.tensor([[root, *tree.tokens.tolist()]], dtype=torch.long, device=self.device)
         logits = self.model(
@@ -381,6 +462,8 @@ class ReferenceDecoder:
             **{self._cache_keyword: cache},
             use_cache=True,
         ).logits
+        if processors:
+            logits = processed(logits[0], context, tree, processors)[None]
         path, bonus = choose(tree, logits[0])
         prune_cache(cache, past + 1, path)
         verified = None

@@ -423,3 +423,50 @@ def test_smollm2_correct_drafts_raise_mean_accepted_tokens(smollm2_runs: list[Ru
     accepted = [a for run in smollm2_runs for a in run.outputs["noisy_tree"][1].accepted]
     assert np.mean(accepted) + 1 > 1.5  # 80% of drafted tokens are right: most steps accept some
     assert all(run.outputs["noisy_tree"][1].mat > 1 for run in smollm2_runs)
+
+
+@torch.inference_mode()
+def test_logits_processors_keep_greedy_output_equal_to_generate(
+    tiny_llama: Callable[[str], LlamaForCausalLM],
+) -> None:
+    # A repetition penalty and banned repeated trigrams change which token is likeliest, and
+    # differently at each node of a tree: each node's row must see its own root path.
+    from transformers.generation.logits_process import (
+        NoRepeatNGramLogitsProcessor,
+        RepetitionPenaltyLogitsProcessor,
+    )
+
+    model = tiny_llama("sdpa")
+    prompt = [5, 17, 99, 5, 17, 42, 8, 5, 17]
+    n = 40
+    ref = model.generate(
+        torch.tensor([prompt]), do_sample=False, max_new_tokens=n, repetition_penalty=1.5, no_repeat_ngram_size=3
+    )[0, len(prompt) :].tolist()
+    assert ref != greedy_continuation(model, prompt, n)  # the processors do change the output
+    processors = [RepetitionPenaltyLogitsProcessor(1.5), NoRepeatNGramLogitsProcessor(3)]
+    decoder = ReferenceDecoder(model)
+    drafters: list[Drafter | None] = [None, _lookup, _noisy_drafter(len(prompt), ref, seed=5, vocab=128)]
+    for drafter in drafters:
+        out, stats = decoder.generate(prompt, n, drafter=drafter, logits_processor=processors)
+        assert out == ref
+    assert sum(stats.accepted) > 0  # the noisy drafter's true tokens were accepted under the processors
+
+
+def test_a_tree_past_max_tree_is_cut_to_its_first_nodes(tiny_llama: Callable[[str], LlamaForCausalLM]) -> None:
+    model = tiny_llama("sdpa")
+    prompt, n = [3, 9, 27, 81], 12
+    ref = greedy_continuation(model, prompt, n)
+
+    def wide(ctx: np.ndarray) -> DraftTree:  # the true next token last among 300 wrong siblings
+        done = ctx.size - len(prompt)
+        wrong = [t for t in range(128) if t != ref[done]] * 3
+        return _tree([*wrong[:300], ref[done]], [-1] * 301)
+
+    out, stats = ReferenceDecoder(model, max_tree=64).generate(prompt, n, drafter=wide)
+    assert (
+        out == ref and stats.drafted == [64] * (n - 1) + [0] and sum(stats.accepted) == 0
+    )  # the last step wants one token
+    out, stats = ReferenceDecoder(model).generate(prompt, n, drafter=wide)  # 1,024 by default
+    assert out == ref and stats.steps < n and set(stats.drafted[:-1]) == {301}
+    with pytest.raises(ValueError, match="max_tree"):
+        ReferenceDecoder(model, max_tree=-1)

@@ -9,13 +9,19 @@ goodness-of-fit test against it, and deliberately wrong samplers must fail the s
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
-from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
+from transformers.generation.logits_process import (
+    LogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from decoder_client import reference_decoder
 from decoder_client.reference_decoder import ReferenceDecoder, sample_accept, within_depth
@@ -55,14 +61,30 @@ def model() -> Iterator[LlamaForCausalLM]:
 
 
 @torch.inference_mode()
-def exact_distribution(model: LlamaForCausalLM, temperature: float, top_p: float) -> dict[tuple[int, ...], float]:
-    """P(first DEPTH tokens) by enumeration: every sequence scored directly, warped as transformers does."""
+def exact_distribution(
+    model: LlamaForCausalLM,
+    temperature: float,
+    top_p: float,
+    top_k: int = 0,
+    processors: Sequence[LogitsProcessor] = (),
+) -> dict[tuple[int, ...], float]:
+    """P(first DEPTH tokens) by enumeration: every sequence scored directly, processed and warped
+    as transformers does (each position's processors seeing the prefix up to it)."""
     seqs = torch.tensor([[*PROMPT, *rest] for rest in np.ndindex(*(VOCAB,) * (DEPTH - 1))])
-    scores = model(seqs).logits[:, len(PROMPT) - 1 :].flatten(0, 1).float()
-    scores = TemperatureLogitsWarper(temperature)(seqs, scores)
-    if top_p < 1:
-        scores = TopPLogitsWarper(top_p)(seqs, scores)
-    probs = scores.softmax(dim=-1).view(len(seqs), DEPTH, VOCAB).double()
+    logits = model(seqs).logits.float()
+    rows = []
+    for step in range(DEPTH):
+        at = len(PROMPT) + step  # the prefix that produces the step's token
+        scores = logits[:, at - 1]
+        for processor in processors:
+            scores = processor(seqs[:, :at], scores)
+        scores = TemperatureLogitsWarper(temperature)(seqs, scores)
+        if top_k:
+            scores = TopKLogitsWarper(top_k)(seqs, scores)
+        if top_p < 1:
+            scores = TopPLogitsWarper(top_p)(seqs, scores)
+        rows.append(scores)
+    probs = torch.stack(rows, dim=1).softmax(dim=-1).double()
     joint: dict[tuple[int, ...], float] = {}
     for row, rest in enumerate(np.ndindex(*(VOCAB,) * (DEPTH - 1))):
         prefix = 1.0
@@ -111,7 +133,13 @@ def draft_tree(first_probs: dict[int, float]) -> DraftTree:
 
 
 def sample_counts(
-    decoder: ReferenceDecoder, tree: DraftTree | None, temperature: float, top_p: float, seed: int
+    decoder: ReferenceDecoder,
+    tree: DraftTree | None,
+    temperature: float,
+    top_p: float,
+    seed: int,
+    top_k: int = 0,
+    processors: Sequence[LogitsProcessor] = (),
 ) -> tuple[Counter[tuple[int, ...]], list[int]]:
     """How often each DEPTH-token continuation came out over RUNS seeded runs, and accepted drafts per step."""
     generator = torch.Generator().manual_seed(seed)
@@ -120,7 +148,14 @@ def sample_counts(
     accepted: list[int] = []
     for _ in range(RUNS):
         out, stats = decoder.generate(
-            PROMPT, DEPTH, drafter=drafter, temperature=temperature, top_p=top_p, generator=generator
+            PROMPT,
+            DEPTH,
+            drafter=drafter,
+            temperature=temperature,
+            top_p=top_p,
+            generator=generator,
+            top_k=top_k,
+            logits_processor=processors,
         )
         counts[tuple(out)] += 1
         accepted += stats.accepted
@@ -152,6 +187,23 @@ def test_drafted_sampling_follows_the_target_distribution(
     assert pvalue > ALPHA
     assert all(joint[seq] > 0 for seq in counts)  # never a token outside the nucleus
     assert np.mean(accepted) > 0.3  # the likely drafts do get accepted: the tree is exercised
+
+
+def test_sampling_with_top_k_and_a_repetition_penalty_follows_the_target_distribution(
+    model: LlamaForCausalLM,
+) -> None:
+    # The penalty moves each position's distribution by its own prefix (a node's root path in
+    # the tree); top-k cuts each to its 4 likeliest.
+    processors = [RepetitionPenaltyLogitsProcessor(2.0)]
+    joint = exact_distribution(model, 1.0, 1.0, top_k=4, processors=processors)
+    assert joint != exact_distribution(model, 1.0, 1.0, top_k=4)  # the penalty does change it
+    tree = draft_tree(first_token_probs(exact_distribution(model, 1.0, 1.0)))
+    counts, accepted = sample_counts(ReferenceDecoder(model), tree, 1.0, 1.0, seed=3, top_k=4, processors=processors)
+    pvalue = chi_square_pvalue(counts, joint)
+    print(f"drafted top_k=4, repetition penalty 2: chi-square p = {pvalue:.3g}, MAT {np.mean(accepted) + 1:.2f}")
+    assert pvalue > ALPHA
+    assert all(joint[seq] > 0 for seq in counts)  # never a token outside each position's top 4
+    assert np.mean(accepted) > 0.1
 
 
 def test_undrafted_sampling_follows_the_target_distribution(model: LlamaForCausalLM) -> None:
@@ -247,3 +299,9 @@ def test_a_temperature_that_overflows_the_logits_is_greedy(model: LlamaForCausal
 def test_decoder_refuses_bad_sampling_settings(model: LlamaForCausalLM, temperature: float, top_p: float) -> None:
     with pytest.raises(ValueError):
         ReferenceDecoder(model).generate(PROMPT, 4, temperature=temperature, top_p=top_p)
+
+
+@pytest.mark.parametrize("top_k", [-1, 2.5, True])
+def test_decoder_refuses_a_bad_top_k(model: LlamaForCausalLM, top_k: int) -> None:
+    with pytest.raises(ValueError, match="top_k"):
+        ReferenceDecoder(model).generate(PROMPT, 4, temperature=1.0, top_k=top_k)
