@@ -8,6 +8,14 @@ from the journal, lands once. That needs each writer's commits to reach a namesp
 ``seq`` order: one thread writes at a time (``_write_lock``), a commit goes straight to storage
 only when nothing is queued before it, and the queue is kept in ``seq`` order.
 
+A client that never got its close's answer commits the request again, under another session:
+the service gives that commit another id. Each commit therefore also carries the key its client
+named it with, the same in every retry of the request, and the append script skips a commit
+whose key the log recorded lately (:mod:`cache_service.storage.stream_log`), journaled or not.
+:meth:`CommitWriter.commit` tells the caller which of its commits the log held already, so the
+replica's own lifetime memory takes none of them twice; :attr:`CommitWriter.repeated` counts
+the commits skipped either way.
+
 Acknowledged means durable: in Redis, or in the journal. A commit that fits in neither (the
 journal full or its disk refusing) is refused with :class:`Unavailable`, never dropped.
 
@@ -30,17 +38,17 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import numpy as np
 
 from cache_service.domain.errors import Unavailable
-from cache_service.domain.ports import Logged, StorageHealth
+from cache_service.domain.ports import Committed, Logged, StorageHealth
 from cache_service.host.journal import Journal, JournalError, JournalRecord
 from cache_service.storage.errors import StorageError, StorageUnavailable
 from cache_service.storage.redis_store import RedisStore
-from cache_service.storage.stream_log import LogReplaced, NotReplicated, position
+from cache_service.storage.stream_log import Commit, LogReplaced, NotReplicated, position
 
 logger = logging.getLogger(__name__)
 
@@ -55,11 +63,13 @@ class _Queued(NamedTuple):
 
 
 class _Unconfirmed(Exception):
-    """Appended, but fewer replicas than asked confirmed it: ``logged`` is what was appended."""
+    """Appended, but fewer replicas than asked confirmed it: ``logged`` is what was appended,
+    ``repeated`` per commit whether the log held it already."""
 
-    def __init__(self, logged: Logged, reason: NotReplicated) -> None:
+    def __init__(self, logged: Logged, repeated: list[bool], reason: NotReplicated) -> None:
         super().__init__(str(reason))
         self.logged = logged
+        self.repeated = repeated
 
 
 class StorageStatus:
@@ -137,6 +147,7 @@ class CommitWriter:
         self._max_pending = max_pending
         self._lock = threading.Lock()  # the queue, the journal, the counter
         self._write_lock = threading.Lock()  # one writer of the log at a time, in seq order
+        self.repeated = 0  # commits the log held already, by id or by key (not appended again)
         # Held by a reader that must not see this process's entries before ``on_written`` did.
         self.writing = self._write_lock
 
@@ -168,6 +179,7 @@ class CommitWriter:
             journal_bytes=0 if j is None else j.size_bytes,
             journal_capacity_bytes=0 if j is None else j.capacity_bytes,
             disk_full=s.disk_full,
+            repeated_commits=self.repeated,
         )
 
     def forget(self, namespace: str) -> None:
@@ -184,39 +196,43 @@ class CommitWriter:
                 return ""
         return log
 
-    def commit(self, namespace: str, requests: list[np.ndarray]) -> list[Logged]:
-        """Write ``requests`` now if storage takes them, else journal them; returns what reached
-        the log. :class:`Unavailable` when neither could take them (nothing acknowledged)."""
+    def commit(self, namespace: str, requests: list[np.ndarray], keys: Sequence[str] = ()) -> Committed:
+        """Write ``requests`` (``keys``: the key each one's client named it with, "" or none:
+        no key) now if storage takes them, else journal them; returns what reached the log, and
+        which of them it held already. :class:`Unavailable` when neither could take them
+        (nothing acknowledged)."""
         log = self._log(namespace) if self.status.available else self._logs.get(namespace, "")
+        unknown = Committed([], [False] * len(requests))
         if not self._write_lock.acquire(blocking=False):  # another write is under way: no waiting
             with self._lock:
-                self._journal(self._records(namespace, requests, log))
-            return []
+                self._journal(self._records(namespace, requests, log, keys))
+            return unknown
         try:
             with self._lock:
-                records = self._records(namespace, requests, log)
+                records = self._records(namespace, requests, log, keys)
                 if self._queue:  # others wait before them: after those
                     self._journal(records)
                     records = []
             if records:
                 try:
-                    return [self._append(namespace, records, self._direct)]
+                    logged, repeated = self._append(namespace, records, self._direct)
+                    return Committed([logged], repeated)
                 except LogReplaced as exc:
                     self._replaced(namespace, len(records), exc)
-                    return []
+                    return unknown
                 except _Unconfirmed as exc:  # in the log, but a failover could lose it: journaled too
                     self._note_failure(exc)
                     with self._lock:
                         self._journal(records)
-                    return [exc.logged]
+                    return Committed([exc.logged], exc.repeated)
                 except StorageError as exc:
                     self._note_failure(exc)
                     with self._lock:
                         self._journal(records)
-                    return []
-            return self._flush() if self.status.available else []
+                    return unknown
+            return unknown._replace(logged=self._flush() if self.status.available else [])
         except StorageError:
-            return []  # journaled; the next flush retries
+            return unknown  # journaled; the next flush retries
         finally:
             self._write_lock.release()
 
@@ -242,7 +258,7 @@ class CommitWriter:
                 return logged
             try:
                 if self.store.namespace_registered(run[0].namespace):
-                    logged.append(self._append(run[0].namespace, run))
+                    logged.append(self._append(run[0].namespace, run)[0])
                 else:  # deleted meanwhile: its commits would make an orphan log of it
                     logger.warning("%d queued commits of deleted namespace %s dropped", len(run), run[0].namespace)
             except LogReplaced as exc:
@@ -262,15 +278,25 @@ class CommitWriter:
         if self.journal is not None:
             self.journal.close()
 
-    def _records(self, namespace: str, requests: list[np.ndarray], log: str = "") -> list[JournalRecord]:
-        return [JournalRecord(self.writer, next(self._seq), namespace, tokens, log) for tokens in requests]
+    def _records(
+        self, namespace: str, requests: list[np.ndarray], log: str = "", keys: Sequence[str] = ()
+    ) -> list[JournalRecord]:
+        keys = keys or [""] * len(requests)
+        return [
+            JournalRecord(self.writer, next(self._seq), namespace, tokens, log, key)
+            for tokens, key in zip(requests, keys, strict=True)
+        ]
 
     def _replaced(self, namespace: str, count: int, exc: LogReplaced) -> None:
         logger.warning("%d commits dropped: %s (the namespace was deleted since)", count, exc)
         self.forget(namespace)
 
-    def _append(self, ns: str, records: list[JournalRecord], store: RedisStore | None = None) -> Logged:
-        commits = [(r.writer, r.seq, r.tokens) for r in records]
+    def _append(
+        self, ns: str, records: list[JournalRecord], store: RedisStore | None = None
+    ) -> tuple[Logged, list[bool]]:
+        """Append ``records`` once each: what reached the log, and per record whether the log
+        held it already."""
+        commits = [Commit(r.writer, r.seq, r.tokens, r.key) for r in records]
         unconfirmed = None
         try:
             ids = (store or self.store).append_commits(
@@ -279,6 +305,8 @@ class CommitWriter:
             self._recovered()
         except NotReplicated as exc:
             ids, unconfirmed = exc.ids, exc
+        repeated = [i is None for i in ids]
+        self.repeated += sum(repeated)
         # A previous run's journaled commits are not in this process's memory: left out, the
         # log's followers read them like any other process's.
         mine = [(r.tokens, position(i)) for r, i in zip(records, ids, strict=True) if i and r.writer == self.writer]
@@ -286,8 +314,8 @@ class CommitWriter:
         if self._on_written is not None:
             self._on_written(logged)
         if unconfirmed is not None:
-            raise _Unconfirmed(logged, unconfirmed)
-        return logged
+            raise _Unconfirmed(logged, repeated, unconfirmed)
+        return logged, repeated
 
     def _journal(self, records: list[JournalRecord]) -> None:
         """Make ``records`` durable in the journal and queue them (caller holds ``_lock``)."""

@@ -237,3 +237,8 @@ class StorageCollector(Collector):
         yield GaugeMetricFamily(
             "draftcache_journal_capacity_bytes", "Most bytes the journal may hold.", value=h.journal_capacity_bytes
         )
+        yield CounterMetricFamily(
+            "draftcache_repeated_commits",
+            "Commits acknowledged but not appended: the log held them already (a client's retry, a journal replay).",
+            value=h.repeated_commits,
+        )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import shutil
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +20,7 @@ import numpy as np
 from cache_service.commits import CommitWriter
 from cache_service.domain.changes import Saved, SessionChange, SessionDelta
 from cache_service.domain.errors import Unavailable
-from cache_service.domain.ports import Logged, PriorPage
+from cache_service.domain.ports import Committed, Logged, PriorPage
 from cache_service.host import prior_files
 from cache_service.host.journal import Journal
 from cache_service.storage.errors import StorageUnavailable
@@ -112,11 +113,12 @@ class RedisPersistence:
             self._successors_seen.pop(name, None)
             self._own.pop(name, None)
 
-    def requests_committed(self, namespace: str, requests: list[np.ndarray]) -> list[Logged]:
-        """Write commits now, or journal them while storage cannot take them, so they are
-        durable when the caller is answered (:class:`Unavailable` when neither can). Returns
-        what was written."""
-        return self.commits.commit(namespace, requests)
+    def requests_committed(self, namespace: str, requests: list[np.ndarray], keys: Sequence[str] = ()) -> Committed:
+        """Write commits (each with its client's key, "" or none: no key) now, or journal them
+        while storage cannot take them, so they are durable when the caller is answered
+        (:class:`Unavailable` when neither can). Returns what was written, and which of them
+        the log held already."""
+        return self.commits.commit(namespace, requests, keys)
 
     def flush(self) -> list[Logged]:
         """Write queued (journaled) commits in order; what was written. ``StorageError`` when

@@ -13,6 +13,7 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -199,6 +200,15 @@ class DraftCounters:
     accepted: dict[str, int] = field(default_factory=lambda: {t.name: 0 for t in Tier})
     ahead_hits: int = 0  # outcomes a tree had been drafted ahead for
     ahead_misses: int = 0  # outcomes of a pre-speculated step that nothing was drafted for
+
+
+class Ended(NamedTuple):
+    """A request ended with commit: the tokens the lifetime memory takes of it (less a start it
+    holds already), its prompt and its response."""
+
+    tokens: np.ndarray
+    prompt: np.ndarray
+    response: np.ndarray
 
 
 class NamespaceDrafter:
@@ -642,16 +652,28 @@ class NamespaceDrafter:
     def close_many(self, closing: Sequence[tuple[Session, int]]) -> list[np.ndarray]:
         """:meth:`close` with commit for several requests ``(session, commit_from)`` at once,
         indexed together (one run of the lifetime memory's delta, not one each)."""
-        added, exact = [], []
+        ended = self.end_many(closing)
+        self.remember(ended)
+        return [e.tokens for e in ended]
+
+    def end_many(self, closing: Sequence[tuple[Session, int]]) -> list[Ended]:
+        """The first half of :meth:`close_many`: the sessions released, and what each request
+        would add to the lifetime memory, which takes nothing yet (a caller that must first
+        learn whether storage held a request already hands the others to :meth:`remember`)."""
+        ended = []
         for session, commit_from in closing:
             self.release(session)  # a no-op where the caller released it already
             tokens = session.context.tokens
             if not 0 <= commit_from <= tokens.size:
                 raise ValueError(f"commit_from must be in [0, {tokens.size}], got {commit_from}")
-            added.append(tokens[max(commit_from, self._known(tokens)) :].copy())
-            exact.append((tokens[: session.prompt_len], session.generated))
-        self.memory.commit_many(added, exact=exact)
-        return added
+            added = tokens[max(commit_from, self._known(tokens)) :].copy()
+            ended.append(Ended(added, tokens[: session.prompt_len], session.generated))
+        return ended
+
+    def remember(self, ended: Sequence[Ended]) -> None:
+        """The second half of :meth:`close_many`: ended requests join the lifetime memory
+        together, each with its ``prompt -> response`` for exact hits."""
+        self.memory.commit_many([e.tokens for e in ended], exact=[(e.prompt, e.response) for e in ended])
 
     def commit_finished(self, requests: Sequence[np.ndarray]) -> None:
         """Finished requests no session here drafted for (another process's, read from the

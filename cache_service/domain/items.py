@@ -70,6 +70,7 @@ class CloseItem:
     commit_from: int = 0
     missing_ok: bool = False  # an unknown session is skipped instead of NOT_FOUND
     new_tokens: np.ndarray | Sequence[int] = ()  # produced since the last call, joining the context first
+    commit_key: str = ""  # names the commit in every retry of it ("": none; see names.commit_key)
 
 
 @dataclass(frozen=True)

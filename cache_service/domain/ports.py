@@ -4,8 +4,9 @@ elsewhere (off the serving thread), namespace creation and commits."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
@@ -14,6 +15,15 @@ from indexer.lifetime_index import LogId
 
 # Commits written to a namespace's lifetime log: the namespace, the requests, their positions.
 Logged = tuple[str, list[np.ndarray], list[LogId]]
+
+
+class Committed(NamedTuple):
+    """What became of one call's commits: what was written to logs (other calls' queued commits
+    included), and per commit whether the log held it already (a client's retry of a commit
+    that landed: acknowledged, not appended). A commit journaled is not known to be held."""
+
+    logged: list[Logged]
+    repeated: list[bool]
 
 
 class Persistence(Protocol):
@@ -38,9 +48,10 @@ class Persistence(Protocol):
         """The namespace was deleted elsewhere: nothing kept of it here is to be written."""
         ...
 
-    def requests_committed(self, namespace: str, requests: list[np.ndarray]) -> list[Logged]:
-        """Queue commits and write what storage takes now; returns what was written (queued
-        commits of other calls included), for the caller to mark where they fall in the log."""
+    def requests_committed(self, namespace: str, requests: list[np.ndarray], keys: Sequence[str] = ()) -> Committed:
+        """Queue commits, each with the key its client named it with ("": none), and write what
+        storage takes now; returns what was written (queued commits of other calls included),
+        for the caller to mark where they fall in the log, and which the log held already."""
         ...
 
     def log_after(self, ns: str, after: str, max_tokens: int) -> tuple[list[tuple[str, np.ndarray]], str]:
@@ -78,3 +89,4 @@ class StorageHealth:
     journal_capacity_bytes: int = 0
     disk_full: bool = False  # the last failure was a full disk (storage's or the journal's)
     embedded_restarts: int = 0  # times the embedded Redis was restarted after it died
+    repeated_commits: int = 0  # commits not appended: the log held them already (retries)

@@ -36,7 +36,8 @@ from cache_service.domain.items import (
 )
 from cache_service.domain.namespaces import Namespaces, check_vocab_size
 from cache_service.domain.opening import Opener
-from cache_service.domain.ports import Logged, Persistence, PriorPage
+from cache_service.domain.ports import Committed, Logged, Persistence, PriorPage
+from cache_service.domain.repeats import RecentKeys
 from cache_service.domain.sessions import SessionEntry, SessionTable
 from cache_service.domain.tenants import Principal, owns
 from cache_service.storage.stored_session import StoredSession
@@ -87,6 +88,7 @@ class DraftService:
         self._drafts = 0  # served trees (updated on the serving thread only)
         self._busy = BusyShare()  # how much of the last second draft calls took
         self._ahead_skipped = 0  # items whose drafting ahead was skipped, the service busy
+        self._recent = RecentKeys()  # commit keys the lifetime memory took lately
 
     # -- namespaces --------------------------------------------------------------------------
 
@@ -411,8 +413,12 @@ class DraftService:
         self, items: list[CloseItem], *, principal: Principal | None = None, read_storage: bool = True
     ) -> list[Callable[[], None]]:
         """End sessions now; return the commits still to run (off the request loop: a commit
-        indexes the request, milliseconds of work)."""
+        indexes the request, milliseconds of work). A commit that names a key its namespace's
+        log (or, where storage cannot tell, this replica) took lately is a retry of one that
+        landed: acknowledged, and neither logged nor taken into the lifetime memory again."""
         self.admission.batch(len(items))
+        for item in items:
+            names.commit_key(item.commit_key)
         entries = []
         for item in items:
             try:
@@ -427,19 +433,30 @@ class DraftService:
             if not 0 <= item.commit_from <= len(entry.session.context) + new.size:
                 raise InvalidArgument(f"commit_from {item.commit_from} is outside the session's context")
         drafting.accept(checked, self.sessions)
-        commits: dict[str, list[tuple[SessionEntry, int]]] = {}
+        commits: dict[str, list[tuple[SessionEntry, CloseItem]]] = {}
         for entry, item in entries:
             self.sessions.pop(entry.sid)
             self.changes.closed(entry)
             if item.commit:
-                commits.setdefault(entry.namespace, []).append((entry, item.commit_from))
+                commits.setdefault(entry.namespace, []).append((entry, item))
         return [partial(self._commit, namespace, group) for namespace, group in commits.items()]
 
-    def _commit(self, namespace: str, group: list[tuple[SessionEntry, int]]) -> None:
-        """One namespace's commits of a close call, together: one index run, one log append."""
-        added = self.namespace(namespace).close_many([(entry.session, start) for entry, start in group])
-        if self._persistence is not None and added:
-            self.mark_logged(self._persistence.requests_committed(namespace, added))
+    def _commit(self, namespace: str, group: list[tuple[SessionEntry, CloseItem]]) -> None:
+        """One namespace's commits of a close call, together: one log append, then one index
+        run of those the log did not hold already (a client's retries of commits that landed)."""
+        drafter = self.namespace(namespace)
+        ended = drafter.end_many([(entry.session, item.commit_from) for entry, item in group])
+        keys = [item.commit_key for _, item in group]
+        committed = Committed([], [False] * len(ended))
+        if self._persistence is not None and ended:
+            committed = self._persistence.requests_committed(namespace, [e.tokens for e in ended], keys)
+        fresh = [
+            e
+            for e, key, repeated in zip(ended, keys, committed.repeated, strict=True)
+            if not repeated and self._recent.first(namespace, key)
+        ]
+        drafter.remember(fresh)
+        self.mark_logged(committed.logged)
 
     def _touched(self, entries: Sequence[SessionEntry]) -> None:
         """Sessions used now: most recently used, and changed since storage last took them."""

@@ -8,12 +8,14 @@ File format: a sequence of records, each ``MAGIC | length u32 | crc32 u32 | payl
 endian), the CRC over the payload. Payload: ``writer`` (16 bytes, one random id per service
 process), ``seq`` u64 (that writer's commit counter, increasing), the namespace's length u16
 and UTF-8 name, the identity of the namespace's log the commit was made for (its length u8 and
-ASCII text; empty when it was not known), then the request's int32 tokens. ``(writer, seq)`` is
-the commit's id: the log append script records each writer's highest ``seq`` per namespace and
-skips what it has seen, so a replay appends each commit once, and refuses commits made for
-another log, one of a namespace deleted and created again meanwhile
-(:mod:`cache_service.storage.stream_log`). Records of the first format (magic ``DCJ1``: no log
-identity) are still read.
+ASCII text; empty when it was not known), the key the client named the commit with (its length
+u8 and ASCII text; empty: none), then the request's int32 tokens. ``(writer, seq)`` is the
+commit's id: the log append script records each writer's highest ``seq`` per namespace and
+skips what it has seen, so a replay appends each commit once; it skips a commit whose key the
+log recorded lately too (the client's retry of a commit that landed, journaled or not), and
+refuses commits made for another log, one of a namespace deleted and created again meanwhile
+(:mod:`cache_service.storage.stream_log`). Records of the earlier formats (magic ``DCJ1``: no
+log identity; ``DCJ2``: no key) are still read.
 
 A record torn by a crash mid-write, or damaged later, fails its CRC: it is skipped with a log
 line, and reading resumes at the next record's magic.
@@ -47,8 +49,10 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-MAGIC = b"DCJ2"
-MAGIC_V1 = b"DCJ1"  # records without the log's identity
+MAGIC = b"DCJ3"
+MAGIC_V2 = b"DCJ2"  # records without the commit key
+MAGIC_V1 = b"DCJ1"  # records without the log's identity (nor the key)
+MAGICS = (MAGIC, MAGIC_V2, MAGIC_V1)
 HEADER = struct.Struct("<4sII")  # magic, payload length, crc32 of the payload
 HEAD = struct.Struct("<16sQH")  # writer, seq, namespace length
 MAX_PAYLOAD = 1 << 30
@@ -74,6 +78,7 @@ class JournalRecord:
     namespace: str
     tokens: np.ndarray
     log: str = ""  # the identity of the namespace's log it was made for ("": not known)
+    key: str = ""  # the key its client named it with, the same in every retry ("": none)
 
     @property
     def commit_id(self) -> str:
@@ -81,29 +86,42 @@ class JournalRecord:
 
 
 def encode(record: JournalRecord) -> bytes:
-    name, log = record.namespace.encode(), record.log.encode("ascii")
+    name = record.namespace.encode()
     tokens = np.ascontiguousarray(record.tokens, dtype="<i4").tobytes()
-    payload = HEAD.pack(record.writer, record.seq, len(name)) + name + bytes([len(log)]) + log + tokens
+    payload = HEAD.pack(record.writer, record.seq, len(name)) + name + _short(record.log) + _short(record.key) + tokens
     return HEADER.pack(MAGIC, len(payload), zlib.crc32(payload)) + payload
+
+
+def _short(text: str) -> bytes:
+    """An ASCII text of at most 255 characters, after its length."""
+    raw = text.encode("ascii")
+    return bytes([len(raw)]) + raw
+
+
+def record_size(record: JournalRecord) -> int:
+    """The bytes :func:`encode` makes of ``record``."""
+    fixed = HEADER.size + HEAD.size + 2
+    return fixed + len(record.namespace.encode()) + len(record.log) + len(record.key) + 4 * record.tokens.size
 
 
 def _decode(payload: bytes, magic: bytes) -> JournalRecord:
     writer, seq, n = HEAD.unpack_from(payload)
     at = HEAD.size + n
     name = payload[HEAD.size : at].decode()
-    log = ""
-    if magic == MAGIC:
+    texts = {MAGIC: 2, MAGIC_V2: 1, MAGIC_V1: 0}[magic]  # the log's identity, then the key
+    found = ["", ""]
+    for i in range(texts):
         size = payload[at]
-        log, at = payload[at + 1 : at + 1 + size].decode("ascii"), at + 1 + size
+        found[i], at = payload[at + 1 : at + 1 + size].decode("ascii"), at + 1 + size
     if (len(payload) - at) % 4:
         raise ValueError(f"{len(payload) - at} token bytes")
     tokens = np.frombuffer(payload, dtype="<i4", offset=at).astype(np.int32)
-    return JournalRecord(writer, seq, name, tokens, log)
+    return JournalRecord(writer, seq, name, tokens, *found)
 
 
 def _next_magic(data: bytes, after: int) -> int:
     """Where the next record may start after byte ``after`` (-1: nowhere)."""
-    found = [i for i in (data.find(MAGIC, after + 1), data.find(MAGIC_V1, after + 1)) if i >= 0]
+    found = [i for i in (data.find(m, after + 1) for m in MAGICS) if i >= 0]
     return min(found, default=-1)
 
 
@@ -120,7 +138,7 @@ def read_records(data: bytes) -> tuple[list[JournalRecord], list[str]]:
             magic, size, crc = HEADER.unpack_from(data, at)
             end = at + HEADER.size + size
             payload = data[at + HEADER.size : end]
-            if magic not in (MAGIC, MAGIC_V1) or size > MAX_PAYLOAD or size < HEAD.size:
+            if magic not in MAGICS or size > MAX_PAYLOAD or size < HEAD.size:
                 problem = f"no record at byte {at}"
             elif end > len(data):
                 problem = f"torn record at byte {at} ({len(data) - at} of {end - at} bytes)"
@@ -258,9 +276,7 @@ class Journal:
             if self._size:
                 self._truncate(0)
             return
-        live_bytes = sum(
-            HEADER.size + HEAD.size + len(r.namespace.encode()) + 1 + len(r.log) + 4 * r.tokens.size for r in live
-        )
+        live_bytes = sum(record_size(r) for r in live)
         if self._size - live_bytes > max(live_bytes, COMPACT_MIN_BYTES):
             self._rewrite(live)
 

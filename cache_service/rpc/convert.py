@@ -152,7 +152,10 @@ def feedback_items(req: pb.FeedbackRequest) -> list[FeedbackItem]:
 
 
 def close_items(req: pb.CloseSessionsRequest) -> list[CloseItem]:
-    return [CloseItem(s.session_id, s.commit, s.commit_from, s.missing_ok, tokens(s.new_tokens)) for s in req.sessions]
+    return [
+        CloseItem(s.session_id, s.commit, s.commit_from, s.missing_ok, tokens(s.new_tokens), s.commit_key)
+        for s in req.sessions
+    ]
 
 
 def tree(t: DraftTree) -> pb.Tree:

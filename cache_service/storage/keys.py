@@ -11,6 +11,7 @@ separate integer under :data:`SCHEMA_VERSION`; that key and the migration lock b
     draftcache:v1:ns:{<ns>}:log:tokens                 string  tokens currently in the log
     draftcache:v1:ns:{<ns>}:log:identity               string  random id of this log (SET NX)
     draftcache:v1:ns:{<ns>}:log:writers                hash    writer id -> highest commit seq appended (TTL)
+    draftcache:v1:ns:{<ns>}:log:keys                   zset    commit key -> ms it was appended (trimmed, TTL)
     draftcache:v1:ns:{<ns>}:succ                       hash    token -> successor row (indexer.successors)
     draftcache:v1:ns:{<ns>}:succ:changes               stream  tokens each write changed (capped)
     draftcache:v1:ns:{<ns>}:prior:seq                  string  last prior version handed out
@@ -120,6 +121,16 @@ def log_writers(ns: str) -> str:
     'draftcache:v1:ns:{llama2}:log:writers'
     """
     return f"{_ns(ns)}:log:writers"
+
+
+def log_commit_keys(ns: str) -> str:
+    """The commit keys clients named the commits appended to :func:`log` with lately, each
+    scored with when (ms): a client's retry of a commit that landed is not appended again.
+
+    >>> log_commit_keys("llama2")
+    'draftcache:v1:ns:{llama2}:log:keys'
+    """
+    return f"{_ns(ns)}:log:keys"
 
 
 LOG_PATTERN = f"{_BASE}:ns:{{*}}:log"  # SCAN pattern matching every namespace's log stream

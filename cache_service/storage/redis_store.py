@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,6 +41,10 @@ class StoreConfig:
     # How long a log remembers the commit numbers of a writer that stopped appending: a journal
     # replayed later than this after an uncertain append may add that append's commits twice.
     writer_ttl_s: int = 30 * 24 * 3600
+    # How long, and how many of its latest, the commit keys clients name commits with a log
+    # keeps: a client's retry of a commit that landed is skipped if it lands within both.
+    commit_key_ttl_s: int = 24 * 3600
+    max_commit_keys: int = 1 << 17
     prior_part_bytes: int = 64 * MiB
     prior_staging_ttl_s: int = 3600  # an unpublished upload disappears after this
     read_batch: int = 1024  # log entries per read, keys per SCAN step
@@ -55,6 +60,9 @@ class StoreConfig:
             raise ValueError(f"read_batch must be >= 1, got {self.read_batch}")
         if self.writer_ttl_s < 1:
             raise ValueError(f"writer_ttl_s must be >= 1, got {self.writer_ttl_s}")
+        if self.commit_key_ttl_s < 1 or self.max_commit_keys < 1:
+            got = f"{self.commit_key_ttl_s} and {self.max_commit_keys}"
+            raise ValueError(f"commit_key_ttl_s and max_commit_keys must be >= 1, got {got}")
 
 
 class RedisStore:
@@ -148,26 +156,39 @@ class RedisStore:
 
     @guarded
     def append_commits(
-        self, ns: str, commits: list[stream_log.Commit], *, log: str = "", replicas: int = 0, wait_ms: int = 0
+        self,
+        ns: str,
+        commits: Sequence[stream_log.Commit | tuple[bytes, int, np.ndarray]],
+        *,
+        log: str = "",
+        replicas: int = 0,
+        wait_ms: int = 0,
     ) -> list[str | None]:
         """Append commits identified by ``(writer, seq)``, each writer's in increasing ``seq``,
         skipping those the log already took (an append whose answer was lost, replayed from a
-        journal): per commit its stream id, or ``None`` when skipped. Trims as
-        :meth:`append_requests` does, atomically with the appends. ``log``: the identity of the
-        log (:meth:`log_identity`) they were made for; :class:`~.stream_log.LogReplaced`, and
-        nothing appended, when the namespace's log is another one now ("": not checked). With
-        ``replicas``, the appends are waited for (at most ``wait_ms``) until that many replicas
-        have them: :class:`~.stream_log.NotReplicated` when fewer did."""
-        for writer, seq, tokens in commits:
+        journal; or one whose client-named key the log recorded within ``commit_key_ttl_s``
+        and ``max_commit_keys``: a client's retry): per commit its stream id, or ``None`` when
+        skipped. Trims as :meth:`append_requests` does, atomically with the appends. ``log``:
+        the identity of the log (:meth:`log_identity`) they were made for;
+        :class:`~.stream_log.LogReplaced`, and nothing appended, when the namespace's log is
+        another one now ("": not checked). With ``replicas``, the appends are waited for (at
+        most ``wait_ms``) until that many replicas have them: :class:`~.stream_log.NotReplicated`
+        when fewer did."""
+        checked = [stream_log.Commit(*c) for c in commits]
+        for writer, seq, tokens, key in checked:
             if len(writer) != 16 or seq < 0:
                 raise ValueError("a commit is a 16-byte writer id and a seq >= 0")
             if not isinstance(tokens, np.ndarray) or tokens.dtype != np.int32 or tokens.ndim != 1:
                 raise ValueError("every request must be a 1-D int32 numpy array")
-        if not commits:
+            if not isinstance(key, str) or len(key) > stream_log.MAX_KEY_LEN or not key.isascii():
+                raise ValueError(f"a commit key is at most {stream_log.MAX_KEY_LEN} ASCII characters")
+        if not checked:
             return []
+        cfg = self.config
         wait = (self.client, replicas, wait_ms) if replicas else None
+        window = stream_log.KeyWindow(cfg.commit_key_ttl_s * 1000, cfg.max_commit_keys)
         return stream_log.append_once(
-            self._append_once, ns, commits, self.config.max_log_tokens, self.config.writer_ttl_s, log, replicas=wait
+            self._append_once, ns, checked, cfg.max_log_tokens, cfg.writer_ttl_s, log, window=window, replicas=wait
         )
 
     @guarded

@@ -75,36 +75,70 @@ end
 )
 
 # Commits with ids, each appended at most once. KEYS[1] stream, KEYS[2] token counter, KEYS[3]
-# writers (writer -> highest seq appended), KEYS[4] the log's identity; ARGV[1] cap, ARGV[2] the
-# writers hash's TTL in seconds, ARGV[3] the identity of the log the commits were made for (''
-# when not known), then (tokens, n, writer, seq) per commit, each writer's in increasing seq. A
-# commit whose seq is not above its writer's recorded one is in the log already: its id is ''.
-# Commits made for another log (the namespace deleted, perhaps created again) are refused whole:
-# the answer is {'replaced'}.
+# writers (writer -> highest seq appended), KEYS[4] the log's identity, KEYS[5] commit keys (key ->
+# ms appended); ARGV[1] cap, ARGV[2] the writers hash's TTL in seconds, ARGV[3] the identity of
+# the log the commits were made for ('' when not known), ARGV[4] how long a commit key is kept
+# (ms), ARGV[5] how many are kept at most, then (tokens, n, writer, seq, key) per commit, each
+# writer's in increasing seq. A commit whose seq is not above its writer's recorded one is in the
+# log already (this service's retry), and so is one whose key the log recorded (a client's retry
+# of a commit that landed, under another session): its id is ''. Commits made for another log
+# (the namespace deleted, perhaps created again) are refused whole: the answer is {'replaced'}.
+# The clock is the server's (TIME, before any write), so every replica's commits age alike. The
+# first write is the XADD or HSET, which Redis refuses when out of memory (a write that frees
+# memory first would let the rest through), so such a refusal writes nothing.
 APPEND_ONCE_LUA = (
     """
 if ARGV[3] ~= '' and redis.call('GET', KEYS[4]) ~= ARGV[3] then
   return {'replaced'}
 end
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+local since = now - tonumber(ARGV[4])
 """
     + _TOTAL_LUA
     + """
-for i = 4, #ARGV, 4 do
+local keyed = false
+for i = 6, #ARGV, 5 do
   local seen = tonumber(redis.call('HGET', KEYS[3], ARGV[i + 2]) or '-1')
-  if tonumber(ARGV[i + 3]) > seen then
+  local key = ARGV[i + 4]
+  if tonumber(ARGV[i + 3]) <= seen then
+    ids[#ids + 1] = ''
+  elseif key ~= '' and tonumber(redis.call('ZSCORE', KEYS[5], key) or '-1') >= since then
+    redis.call('HSET', KEYS[3], ARGV[i + 2], ARGV[i + 3])
+    ids[#ids + 1] = ''
+  else
     ids[#ids + 1] = redis.call('XADD', KEYS[1], '*', 'n', ARGV[i + 1], 'tokens', ARGV[i])
     redis.call('HSET', KEYS[3], ARGV[i + 2], ARGV[i + 3])
     total = total + tonumber(ARGV[i + 1])
-  else
-    ids[#ids + 1] = ''
+    if key ~= '' then
+      redis.call('ZADD', KEYS[5], now, key)
+      keyed = true
+    end
   end
 end
 redis.call('EXPIRE', KEYS[3], ARGV[2])
+redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', '(' .. string.format('%d', since))
+if keyed then
+  local over = redis.call('ZCARD', KEYS[5]) - tonumber(ARGV[5])
+  if over > 0 then redis.call('ZREMRANGEBYRANK', KEYS[5], 0, over - 1) end
+  redis.call('PEXPIRE', KEYS[5], ARGV[4])
+end
 """
     + _TRIM_LUA
 )
 
-Commit = tuple[bytes, int, np.ndarray]  # writer id, its commit number, the request's tokens
+
+MAX_KEY_LEN = 64  # characters of a commit key (the service takes 16-64 of [A-Za-z0-9._:-])
+
+
+class Commit(NamedTuple):
+    """One commit to append once: its id ``(writer, seq)`` (a writer id, its commit number),
+    the request's tokens and the key its client named it with ("": none)."""
+
+    writer: bytes
+    seq: int
+    tokens: np.ndarray
+    key: str = ""
 
 
 class NotReplicated(Exception):
@@ -182,6 +216,13 @@ def append(script: Script, ns: str, requests: list[np.ndarray], max_tokens: int)
     return [i.decode() for i in ids]
 
 
+class KeyWindow(NamedTuple):
+    """How long (ms) and how many of its latest commit keys a log keeps."""
+
+    ms: int
+    most: int
+
+
 def append_once(
     script: Script,
     ns: str,
@@ -190,19 +231,21 @@ def append_once(
     ttl_s: int,
     log: str = "",
     *,
+    window: KeyWindow,
     replicas: tuple[StorageClient, int, int] | None = None,
 ) -> list[str | None]:
     """Append commits not yet in the log (see :data:`APPEND_ONCE_LUA`) and trim; per commit its
-    stream id, or ``None`` when the log held it already. ``log``: the identity of the log they
-    were made for (:class:`LogReplaced` when it is not the namespace's log now). ``replicas``:
-    ``(client, count, timeout_ms)``, the append then waits (``WAIT``, on its own connection)
-    until ``count`` replicas have it, at most ``timeout_ms``; :class:`NotReplicated` when fewer
-    did (a commit the log held already is waited for all the same)."""
-    args: list[bytes | int | str] = [max_tokens, ttl_s, log]
-    for writer, seq, tokens in commits:
+    stream id, or ``None`` when the log held it already (by its id, or by its key among those
+    ``window`` keeps). ``log``: the identity of the log they were made for (:class:`LogReplaced`
+    when it is not the namespace's log now). ``replicas``: ``(client, count, timeout_ms)``, the
+    append then waits (``WAIT``, on its own connection) until ``count`` replicas have it, at most
+    ``timeout_ms``; :class:`NotReplicated` when fewer did (a commit the log held already is
+    waited for all the same)."""
+    args: list[bytes | int | str] = [max_tokens, ttl_s, log, window.ms, window.most]
+    for writer, seq, tokens, key in commits:
         kept = tokens[-max_tokens:] if tokens.size > max_tokens else tokens
-        args += [codec.tokens_to_bytes(kept), int(kept.size), writer, int(seq)]
-    names = [keys.log(ns), keys.log_tokens(ns), keys.log_writers(ns), keys.log_identity(ns)]
+        args += [codec.tokens_to_bytes(kept), int(kept.size), writer, int(seq), key]
+    names = [keys.log(ns), keys.log_tokens(ns), keys.log_writers(ns), keys.log_identity(ns), keys.log_commit_keys(ns)]
     if replicas is None:
         raw, acked, wanted = script(keys=names, args=args), 0, 0
     else:

@@ -220,10 +220,10 @@ def test_a_commit_fewer_replicas_confirmed_is_journaled_and_survives_a_failover(
         eventually(lambda: store.client.wait(1, 100) == 1, timeout_s=10)  # in sync
         writer = CommitWriter(store, max_pending=100, journal=Journal(tmp_path / "j", 1 << 20), replicas=1, wait_ms=300)
         writer.recover()
-        assert writer.commit("ns", [_req(1)]) and writer.pending == 0  # the replica has it
+        assert writer.commit("ns", [_req(1)]).logged and writer.pending == 0  # the replica has it
         replica.kill()
         replica.wait()
-        logged = writer.commit("ns", [_req(2)])  # in the master's log, unconfirmed
+        logged = writer.commit("ns", [_req(2)]).logged  # in the master's log, unconfirmed
         assert [t.tolist() for t in logged[0][1]] == [_req(2).tolist()]
         assert writer.pending == 1 and _log(store) == [_req(1).tolist(), _req(2).tolist()]
         assert not writer.health().available and "replicas" in writer.health().last_error
@@ -240,3 +240,30 @@ def test_a_commit_fewer_replicas_confirmed_is_journaled_and_survives_a_failover(
     finally:
         replica.kill()
         replica.wait()
+
+
+def test_a_keyed_commit_journaled_and_sent_again_reaches_the_log_once(server: EmbeddedRedis, tmp_path: Path) -> None:
+    """A close whose answer was lost while storage was down is sent again by its client, under
+    the key it named the first with: the journal holds both, across a restart of the service
+    too, and its replay appends the first and skips the second. Sent once more with storage
+    back, the log says it holds it."""
+    store = _registered(RedisStore(connect(server.url)))
+    path = tmp_path / "commits.journal"
+    writer = CommitWriter(store, max_pending=100, journal=Journal(path, 1 << 20))
+    writer.recover()
+    key = "9f86d081884c7d659a2feaa0c55ad015"
+    server.stop()
+    assert writer.commit("ns", [_req(1)], [key]).repeated == [False]  # journaled: not known
+    writer.commit("ns", [_req(1), _req(2)], [key, ""])  # the retry, and another request
+    writer.close()  # the service stops before storage returns
+    server = _restart(server)
+    try:
+        later = CommitWriter(store, max_pending=100, journal=Journal(path, 1 << 20))
+        assert later.recover() == 3
+        later.flush()
+        assert _log(store) == [_req(1).tolist(), _req(2).tolist()] and later.health().repeated_commits == 1
+        assert later.commit("ns", [_req(1), _req(3)], [key, ""]).repeated == [True, False]
+        assert _log(store) == [_req(1).tolist(), _req(2).tolist(), _req(3).tolist()]
+        later.close()
+    finally:
+        server.stop()

@@ -33,7 +33,7 @@ def test_commits_come_back_as_written_and_only_others_are_followed(store: RedisS
     mine, theirs = RedisPersistence(store, max_pending=10), RedisPersistence(store, max_pending=10)
     mine.read_log("a")  # both follow the log from its start
     theirs.read_log("a")
-    (logged,) = mine.requests_committed("a", [_tokens(1, 2), _tokens(3)])
+    (logged,), _ = mine.requests_committed("a", [_tokens(1, 2), _tokens(3)])
     ns, requests, ids = logged
     assert ns == "a" and [r.tolist() for r in requests] == [[1, 2], [3]] and ids[0] < ids[1]
     assert mine.follow("a") == ([], [])  # its own entries are skipped
@@ -49,7 +49,7 @@ def test_commits_come_back_as_written_and_only_others_are_followed(store: RedisS
 def test_skip_to_moves_the_cursor_past_a_generation(store: RedisStore) -> None:
     mine, theirs = RedisPersistence(store, max_pending=10), RedisPersistence(store, max_pending=10)
     mine.read_log("a")
-    ((_, _, ids),) = theirs.requests_committed("a", [_tokens(1), _tokens(2), _tokens(3)])
+    ((_, _, ids),), _ = theirs.requests_committed("a", [_tokens(1), _tokens(2), _tokens(3)])
     mine.skip_to("a", ids[1])
     assert [r.tolist() for r in mine.follow("a")[0]] == [[3]]
 

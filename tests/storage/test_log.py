@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
 
-from cache_service.storage import RedisStore, StorageCorrupt, keys
+from cache_service.storage import RedisStore, StorageCorrupt, StoreConfig, keys
 from cache_service.storage.clients import StorageClient
 from cache_service.storage.stream_log import LogReplaced, NotReplicated
 
@@ -148,6 +149,54 @@ def test_commits_with_ids_are_appended_once(store: RedisStore, client: StorageCl
     assert client.hgetall(keys.log_writers("ns")) == {a: b"1", b: b"1"}
     assert 0 < client.ttl(keys.log_writers("ns")) <= store.config.writer_ttl_s
     assert all(store.append_commits("other", [(a, 0, _req(1))]))
+
+
+def test_a_commit_whose_key_the_log_recorded_is_appended_once(store: RedisStore, client: StorageClient) -> None:
+    """A client that never got its close's answer commits the request again under another
+    session, and the service gives that commit a new id: the key it names both with is what
+    tells the log it holds it already."""
+    a, b = b"a" * 16, b"b" * 16
+    key, other = "k" * 32, "x" * 32
+    assert all(store.append_commits("ns", [(a, 0, _req(1, 2), key)]))
+    # The retry, through another replica (writer b) or a later commit of the same one (a, 1).
+    assert store.append_commits("ns", [(b, 0, _req(1, 2), key), (a, 1, _req(1, 2), key)]) == [None, None]
+    # Twice in one append: the first lands. Commits without a key are never compared.
+    again = store.append_commits("ns", [(a, 2, _req(3), other), (b, 1, _req(3), other), (a, 3, _req(4), "")])
+    assert again[0] is not None and again[1] is None and again[2] is not None
+    assert all(store.append_commits("ns", [(b, 2, _req(4), "")]))
+    assert [e.tokens.tolist() for e in store.read_log("ns")] == [[1, 2], [3], [4], [4]]
+    assert store.log_size("ns") == (4, 5)
+    # A skipped commit still counts as its writer's: its journal's replay skips it by seq.
+    assert client.hgetall(keys.log_writers("ns")) == {a: b"3", b: b"2"}
+    assert store.append_commits("ns", [(b, 0, _req(1, 2), "")]) == [None]
+    # The keys are the namespace's own (hash-tagged with it) and kept a while.
+    assert {m.decode() for m in client.zrange(keys.log_commit_keys("ns"), 0, -1)} == {key, other}
+    assert 0 < client.pttl(keys.log_commit_keys("ns")) <= store.config.commit_key_ttl_s * 1000
+    assert all(store.append_commits("other", [(a, 0, _req(1, 2), key)]))
+    store.delete_namespace("ns")  # and go with it
+    assert not client.exists(keys.log_commit_keys("ns"))
+
+
+def test_a_log_keeps_its_latest_commit_keys_for_a_while(client: StorageClient) -> None:
+    """The keys are bounded by count and by age: a retry past either is appended again."""
+    store = RedisStore(client, StoreConfig(max_commit_keys=2, commit_key_ttl_s=1))
+    a = b"a" * 16
+    first, second, third = (c * 32 for c in "pqr")
+    assert all(store.append_commits("ns", [(a, 0, _req(1), first), (a, 1, _req(2), second), (a, 2, _req(3), third)]))
+    assert client.zcard(keys.log_commit_keys("ns")) == 2
+    assert store.append_commits("ns", [(a, 3, _req(2), second), (a, 4, _req(3), third)]) == [None, None]
+    assert all(store.append_commits("ns", [(a, 5, _req(1), first)]))  # pushed out by the newer ones
+    time.sleep(1.1)
+    assert all(store.append_commits("ns", [(a, 6, _req(3), third)]))  # older than the window
+    assert len(store.read_log("ns")) == 5
+
+
+def test_a_commit_key_is_checked_before_writing(store: RedisStore) -> None:
+    a = b"a" * 16
+    for bad in ("k" * 65, "\u00e9" * 16, b"k" * 16):
+        with pytest.raises(ValueError):
+            store.append_commits("ns", [(a, 0, _req(1), bad)])
+    assert store.read_log("ns") == []
 
 
 def test_commits_made_for_another_log_are_refused_whole(store: RedisStore) -> None:

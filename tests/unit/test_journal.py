@@ -15,12 +15,14 @@ from cache_service.host.journal import (
     HEAD,
     HEADER,
     MAGIC_V1,
+    MAGIC_V2,
     Journal,
     JournalError,
     JournalRecord,
     encode,
     journal_files,
     journal_path,
+    record_size,
 )
 from tests.faults import can_mount_tmpfs, fill_disk, small_disk
 
@@ -195,3 +197,28 @@ def test_records_of_the_first_format_are_still_read(tmp_path: Path) -> None:
         (3, "ns", [5, 6], ""),
         (4, "ns", [5, 6], "f" * 32),
     ]
+
+
+def test_records_of_the_second_format_are_still_read(tmp_path: Path) -> None:
+    """A journal left by a build whose records named the log but no commit key (magic DCJ2)
+    replays after an upgrade: its records come back without a key (never compared)."""
+    tokens = np.array([5, 6], np.int32)
+    payload = HEAD.pack(WRITER, 3, 2) + b"ns" + bytes([32]) + b"f" * 32 + tokens.astype("<i4").tobytes()
+    old = HEADER.pack(MAGIC_V2, len(payload), zlib.crc32(payload)) + payload
+    keyed = JournalRecord(WRITER, 4, "ns", tokens, "f" * 32, "k" * 32)
+    (tmp_path / "j").write_bytes(old + encode(keyed) + old[:-3])  # and a torn copy of the old one
+    _, found = _reopen(tmp_path / "j")
+    assert [(r.seq, r.tokens.tolist(), r.log, r.key) for r in found] == [
+        (3, [5, 6], "f" * 32, ""),
+        (4, [5, 6], "f" * 32, "k" * 32),
+    ]
+
+
+def test_a_commit_key_survives_a_reopen_and_counts_in_the_size(tmp_path: Path) -> None:
+    journal, _ = _reopen(tmp_path / "j")
+    records = [JournalRecord(WRITER, i, "ns", np.arange(i, dtype=np.int32), "", "k" * (16 + i)) for i in range(3)]
+    journal.append(records)
+    journal.close()
+    assert journal.size_bytes == sum(map(record_size, records)) == sum(len(encode(r)) for r in records)
+    _, found = _reopen(tmp_path / "j")
+    assert [(r.seq, r.key, r.tokens.tolist()) for r in found] == [(r.seq, r.key, r.tokens.tolist()) for r in records]

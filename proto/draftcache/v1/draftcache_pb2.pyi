@@ -155,18 +155,20 @@ class FeedbackResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class CloseSession(_message.Message):
-    __slots__ = ("session_id", "commit", "commit_from", "missing_ok", "new_tokens")
+    __slots__ = ("session_id", "commit", "commit_from", "missing_ok", "new_tokens", "commit_key")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FROM_FIELD_NUMBER: _ClassVar[int]
     MISSING_OK_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_KEY_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     commit: bool
     commit_from: int
     missing_ok: bool
     new_tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: _Optional[str] = ..., commit: _Optional[bool] = ..., commit_from: _Optional[int] = ..., missing_ok: _Optional[bool] = ..., new_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    commit_key: str
+    def __init__(self, session_id: _Optional[str] = ..., commit: _Optional[bool] = ..., commit_from: _Optional[int] = ..., missing_ok: _Optional[bool] = ..., new_tokens: _Optional[_Iterable[int]] = ..., commit_key: _Optional[str] = ...) -> None: ...
 
 class CloseSessionsRequest(_message.Message):
     __slots__ = ("sessions",)
@@ -349,7 +351,7 @@ class StatsResponse(_message.Message):
     def __init__(self, namespaces: _Optional[_Iterable[_Union[NamespaceInfo, _Mapping]]] = ..., sessions: _Optional[int] = ..., drafts: _Optional[int] = ..., pending_writes: _Optional[int] = ..., schema: _Optional[str] = ..., storage: _Optional[_Union[StorageHealth, _Mapping]] = ...) -> None: ...
 
 class StorageHealth(_message.Message):
-    __slots__ = ("available", "last_error", "unavailable_seconds", "journaled_commits", "journal_bytes", "journal_capacity_bytes", "disk_full", "embedded_restarts")
+    __slots__ = ("available", "last_error", "unavailable_seconds", "journaled_commits", "journal_bytes", "journal_capacity_bytes", "disk_full", "embedded_restarts", "repeated_commits")
     AVAILABLE_FIELD_NUMBER: _ClassVar[int]
     LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
     UNAVAILABLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -358,6 +360,7 @@ class StorageHealth(_message.Message):
     JOURNAL_CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     DISK_FULL_FIELD_NUMBER: _ClassVar[int]
     EMBEDDED_RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    REPEATED_COMMITS_FIELD_NUMBER: _ClassVar[int]
     available: bool
     last_error: str
     unavailable_seconds: float
@@ -366,7 +369,8 @@ class StorageHealth(_message.Message):
     journal_capacity_bytes: int
     disk_full: bool
     embedded_restarts: int
-    def __init__(self, available: _Optional[bool] = ..., last_error: _Optional[str] = ..., unavailable_seconds: _Optional[float] = ..., journaled_commits: _Optional[int] = ..., journal_bytes: _Optional[int] = ..., journal_capacity_bytes: _Optional[int] = ..., disk_full: _Optional[bool] = ..., embedded_restarts: _Optional[int] = ...) -> None: ...
+    repeated_commits: int
+    def __init__(self, available: _Optional[bool] = ..., last_error: _Optional[str] = ..., unavailable_seconds: _Optional[float] = ..., journaled_commits: _Optional[int] = ..., journal_bytes: _Optional[int] = ..., journal_capacity_bytes: _Optional[int] = ..., disk_full: _Optional[bool] = ..., embedded_restarts: _Optional[int] = ..., repeated_commits: _Optional[int] = ...) -> None: ...
 
 class DeleteNamespaceRequest(_message.Message):
     __slots__ = ("name",)

@@ -1,0 +1,46 @@
+"""The commit keys this replica's lifetime memory took lately, so a client's retry of a commit
+is not taken twice where storage cannot tell (no storage, or the commit journaled).
+
+A client that never got its close's answer commits the request again, under another session,
+with the key it named the first commit with. Where the log answers, it says whether it held the
+commit already (:class:`~cache_service.domain.ports.Committed`); a retry the replica could only
+journal, or one to a service without storage, is checked here. Bounded: the oldest keys go.
+
+>>> recent = RecentKeys(most=2)
+>>> recent.first("ns", "a" * 16), recent.first("ns", "a" * 16), recent.first("ns", "")
+(True, False, True)
+>>> _ = recent.first("ns", "b" * 16), recent.first("ns", "c" * 16)
+>>> recent.first("ns", "a" * 16)  # forgotten for the newer ones
+True
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+RECENT_KEYS = 1 << 14  # keys remembered: a client retries within seconds or minutes
+
+
+class RecentKeys:
+    """At most ``most`` ``(namespace, key)`` pairs, the newest kept; safe on any thread."""
+
+    def __init__(self, most: int = RECENT_KEYS) -> None:
+        if most < 1:
+            raise ValueError(f"most must be >= 1, got {most}")
+        self._most = most
+        self._keys: OrderedDict[tuple[str, str], None] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def first(self, namespace: str, key: str) -> bool:
+        """Whether the memory may take a commit of ``key`` in ``namespace``: it has none (""),
+        or one not taken lately (now recorded as taken)."""
+        if not key:
+            return True
+        with self._lock:
+            if (namespace, key) in self._keys:
+                return False
+            self._keys[(namespace, key)] = None
+            if len(self._keys) > self._most:
+                self._keys.popitem(last=False)
+            return True
