@@ -4,8 +4,12 @@ A request's tokens feed the fleet's lifetime memory only when its close with com
 close that fails (the service down, restarting, or past the control timeout), or a request that
 ends while its server copy is lost, would drop them: the backlog keeps their tokens instead,
 and the client commits them once the service answers again (a background open of the whole
-sequence, then a close with commit). Delivery is at least once: a close that timed out may have
-landed, and its request is then committed twice, which costs the log a repeat and loses nothing.
+sequence, then a close with commit). A close that failed may have landed all the same (its
+answer lost, or late): each request's commit is named by a key made when it ends
+(:func:`commit_key`), sent with its first close with commit and with every retry, and the
+service appends a commit whose key its log recorded lately no more (it answers OK: the first
+landed). So a request reaches the lifetime log once, however many times it is sent, within the
+service's window (24 h, and its namespace's last 131,072 keys).
 
 The backlog is bounded in tokens; past the bound the oldest requests go first (counted).
 
@@ -17,6 +21,10 @@ The backlog is bounded in tokens; past the bound the oldest requests go first (c
 (1, 1)
 >>> [s.tokens() for s in backlog.to_open()]
 [[4, 5, 6]]
+>>> backlog.sending("sid", [7, 8], "k" * 32)  # a close with commit under way ...
+>>> _ = backlog.settled(["sid"], TimeoutError())  # ... failed: kept, with its key
+>>> backlog.to_open()[-1].commit_key == "k" * 32
+True
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import itertools
 import logging
 from collections import deque
 from collections.abc import Sequence
+from secrets import token_hex
 
 import grpc
 
@@ -45,6 +54,11 @@ REFUSED = frozenset(
 )
 
 
+def commit_key() -> str:
+    """A new request's commit key: random, 32 hex digits (the service takes 16-64 characters)."""
+    return token_hex(16)
+
+
 def worth_retrying(exc: BaseException | None) -> bool:
     """Whether a call that ended with ``exc`` may land if sent again (a timeout, the service
     down or busy), rather than being refused for what it carries."""
@@ -61,19 +75,22 @@ class CommitBacklog:
         self.max_tokens = max_tokens
         self._waiting: deque[ClientSession] = deque()
         self._tokens = 0
-        self._sent: dict[str, list[int]] = {}  # server id -> tokens, while its close is under way
+        self._sent: dict[str, tuple[list[int], str]] = {}  # server id -> (tokens, key), while its close is under way
         self.dropped = 0  # requests dropped for the bound: never committed
         self.kept = 0  # requests kept here at some point (their first commit did not land)
 
     def __len__(self) -> int:
         return len(self._waiting)
 
-    def keep(self, tokens: list[int], *, retry: bool = True) -> list[str]:
-        """Commit ``tokens`` (a whole request, prompt included) later (``retry``: its first
-        commit did not land; False: the first one goes this way). Returns the server ids of
-        requests dropped for the bound while their copy was open (to close without commit)."""
+    def keep(self, tokens: list[int], key: str = "", *, retry: bool = True) -> list[str]:
+        """Commit ``tokens`` (a whole request, prompt included) later, under ``key`` (its
+        commit's key; "": a new one), (``retry``: its first commit did not land; False: the
+        first one goes this way). Returns the server ids of requests dropped for the bound while
+        their copy was open (to close without commit)."""
         self.kept += retry
-        self._waiting.append(ClientSession(tokens, len(tokens)))
+        kept = ClientSession(tokens, len(tokens))
+        kept.commit_key = key or commit_key()
+        self._waiting.append(kept)
         self._tokens += len(tokens)
         opened = []
         while self._tokens > self.max_tokens and self._waiting:
@@ -110,9 +127,9 @@ class CommitBacklog:
             self._waiting = kept
             self._tokens = sum(map(len, kept))
 
-    def sending(self, server_id: str, tokens: list[int]) -> None:
-        """A close with commit of ``tokens`` under way on ``server_id``."""
-        self._sent[server_id] = tokens
+    def sending(self, server_id: str, tokens: list[int], key: str) -> None:
+        """A close with commit of ``tokens``, under ``key``, under way on ``server_id``."""
+        self._sent[server_id] = (tokens, key)
 
     def settled(self, server_ids: Sequence[str], exc: BaseException | None) -> list[str]:
         """Book the closes of ``server_ids``, which ended with ``exc`` (None: they landed).
@@ -120,11 +137,11 @@ class CommitBacklog:
         the server ids to close without commit (see :meth:`keep`)."""
         opened: list[str] = []
         for sid in server_ids:
-            tokens = self._sent.pop(sid, None)
-            if tokens is None or exc is None:
+            sent = self._sent.pop(sid, None)
+            if sent is None or exc is None:
                 continue
             if worth_retrying(exc):
-                opened += self.keep(tokens)
+                opened += self.keep(*sent)
             else:
                 self.dropped += 1
                 logger.warning("the service refused a commit (%s): the request is not committed", exc)

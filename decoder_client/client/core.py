@@ -19,7 +19,7 @@ import numpy as np
 from draftcache.v1 import draftcache_pb2 as pb
 
 from decoder_client import wire
-from decoder_client.client.commits import CommitBacklog, worth_retrying
+from decoder_client.client.commits import CommitBacklog, commit_key, worth_retrying
 from decoder_client.client.config import ClientConfig
 from decoder_client.client.session import ClientSession, TopkRows
 from indexer.prespeculation import continue_chain, select
@@ -529,16 +529,25 @@ class ClientCore:
         live = [s for s in sessions if s.server_id]
         if commit:
             for s in sessions:
+                s.commit_key = s.commit_key or commit_key()  # one per request, kept in every retry
                 if not s.server_id:
-                    self.keep_for_commit(s.tokens())
+                    self.keep_for_commit(s.tokens(), s.commit_key)
         if not live:
             return None
         close = pb.CloseSessionsRequest(
-            sessions=[pb.CloseSession(session_id=s.server_id, commit=commit, new_tokens=s.pending) for s in live]
+            sessions=[
+                pb.CloseSession(
+                    session_id=s.server_id,
+                    commit=commit,
+                    new_tokens=s.pending,
+                    commit_key=s.commit_key if commit else "",
+                )
+                for s in live
+            ]
         )
         for s in live:
             if commit:
-                self.commits.sending(s.server_id, s.tokens())
+                self.commits.sending(s.server_id, s.tokens(), s.commit_key)
             s.pending, s.server_id = [], ""
         return close
 
@@ -546,14 +555,15 @@ class ClientCore:
         """Close with commit the ended requests re-opened for it (see :class:`CommitBacklog`)."""
         return self.close_request(self.commits.ready(), commit=True)
 
-    def keep_for_commit(self, tokens: list[int], *, retry: bool = True) -> None:
-        """Commit ``tokens`` (a whole request) once the service takes it (``retry``: a commit
-        that did not land; False: a request's first). Dropped (counted) while the service
-        refuses the namespace: it would refuse the commit too."""
+    def keep_for_commit(self, tokens: list[int], key: str = "", *, retry: bool = True) -> None:
+        """Commit ``tokens`` (a whole request) once the service takes it, under ``key`` (its
+        commit's; "": a new one), (``retry``: a commit that did not land; False: a request's
+        first). Dropped (counted) while the service refuses the namespace: it would refuse the
+        commit too."""
         if self.refused:
             self.commits.dropped += 1
         else:
-            self.abandon(self.commits.keep(tokens, retry=retry))
+            self.abandon(self.commits.keep(tokens, key, retry=retry))
         self._commit_stats()
 
     def _commit_stats(self) -> None:

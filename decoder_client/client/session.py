@@ -50,6 +50,7 @@ class ClientSession:
         "asked_at",
         "chain",
         "chain_at",
+        "commit_key",
         "pending",
         "pending_after",
         "pending_topk",
@@ -70,6 +71,7 @@ class ClientSession:
         self.asked_at = 0  # the context's length when the last draft call was made for it
         self.chain: DraftTree | None = None  # chain mode: the service's last chain, drafted ...
         self.chain_at = 0  # ... for the context's first this many tokens
+        self.commit_key = ""  # names the request's commit in every try of it ("" until it ends)
 
     def __len__(self) -> int:
         return len(self._tokens)

@@ -94,6 +94,36 @@ def test_a_close_sent_while_the_service_is_skipped_and_its_commit_kept_when_it_f
     assert core.commits.unsent == 0 and core.stats.commits_dropped == 0
 
 
+def test_a_request_keeps_one_commit_key_through_every_retry() -> None:
+    """The close with commit names the request's commit with a key; the retry of a close that
+    failed (its answer lost, perhaps after it landed) names it with the same, and the service
+    appends it once. Another request, or one committed whole, has a key of its own; a close
+    without commit names none."""
+    core = _core()
+    s, other = _remote([1, 2], "a"), _remote([3, 4], "b")
+    close = core.close_request([s, other], commit=True)
+    assert close is not None
+    key, other_key = (c.commit_key for c in close.sessions)
+    assert re.fullmatch("[0-9a-f]{32}", key) and key != other_key
+    core.close_settled(close, _Refused(grpc.StatusCode.DEADLINE_EXCEEDED))
+    for server_id in ("c", "d"):  # the retry fails too, then lands
+        core.down_until = 0.0
+        opening = core.reopen_request([])
+        assert opening is not None
+        core.opened(opening.sessions, pb.OpenSessionsResponse(session_ids=[server_id, server_id + "2"]), opening.sizes)
+        commit = core.commit_request()
+        assert commit is not None and [c.commit_key for c in commit.sessions] == [key, other_key]
+        core.close_settled(commit, _Refused(grpc.StatusCode.UNAVAILABLE) if server_id == "c" else None)
+    assert core.commits.unsent == 0
+    lost = ClientSession([5, 6], 1)  # ended without a copy: kept with a key from the start
+    assert core.close_request([lost], commit=True) is None and lost.commit_key not in ("", key, other_key)
+    assert [w.commit_key for w in core.commits.to_open()] == [lost.commit_key]
+    core.keep_for_commit([7, 8], retry=False)  # a whole request committed (a near copy's)
+    assert len({w.commit_key for w in core.commits.to_open()}) == 2
+    plain = core.close_request([_remote([9], "e")], commit=False)
+    assert plain is not None and plain.sessions[0].commit_key == ""
+
+
 def test_a_request_ended_without_a_copy_is_kept_and_one_the_service_refuses_is_dropped() -> None:
     core = _core()
     ended = ClientSession([1, 2, 3], 2)  # its copy was lost (or never opened)
