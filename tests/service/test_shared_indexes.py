@@ -146,6 +146,30 @@ def test_an_empty_file_in_a_generation_counts_as_none(store: RedisStore, tmp_pat
     assert again is not None and again.indexes.suffix.tokens.tolist()[:3] == [1, 2, 3]
 
 
+def test_a_file_damaged_in_place_counts_as_none(store: RedisStore, tmp_path: Path) -> None:
+    """A generation's file overwritten in place (its size and header intact, its values not):
+    suffix-array entries past the tokens' end crashed every process serving or extending it
+    (SIGSEGV), and each restarted one again. It counts as none, and the next build sorts the
+    whole log afresh instead of extending it."""
+    shared = SharedIndexes(store, tmp_path / "lifetime", LifetimeConfig(capacity_tokens=1000))
+    store.append_requests("toy", [_req(1, 2, 3), _req(4, 5)])
+    shared.publish("toy")
+    gen = shared.published("toy")
+    assert gen is not None
+    sa = np.load(gen.folder / "sa.npy", mmap_mode="r+")
+    sa[:] = np.int32(1 << 30)  # far past the end of the tokens
+    sa.flush()
+    del sa
+    with pytest.raises(ValueError, match="sa changed since written"):
+        lifetime_files.load(gen.folder)
+    assert shared.published("toy") is None
+    store.append_requests("toy", [_req(6, 7)])
+    built = shared.publish("toy")
+    assert built is not None and not built.extended  # not built upon the damaged one
+    again = shared.published("toy")
+    assert again is not None and again.indexes.suffix.suffix_array.max() < again.indexes.suffix.size
+
+
 def test_one_builder_at_a_time(store: RedisStore, tmp_path: Path) -> None:
     root = tmp_path / "lifetime"
     shared = SharedIndexes(store, root, LifetimeConfig(capacity_tokens=1000))
