@@ -7,6 +7,11 @@ covers, so every generation covers exactly the log up to a position. Whichever p
 namespace's build lock builds it; the others skip, and every process adopts the newest generation
 (:meth:`LifetimeMemory.adopt <indexer.lifetime_index.LifetimeMemory.adopt>`), keeping in memory
 only the requests past that position. If the builder dies, the lock is free for the next one.
+
+The mapped arrays belong to the memory serving them, never to this registry: a namespace deleted
+(its drafter dropped) lets go of its generation's files with its memory, so the space of the
+files its deletion removed comes back (a registry that kept the arrays kept every deleted
+namespace's last generation mapped, its disk space held, for as long as the process ran).
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ import logging
 import tempfile
 import threading
 import time
+import weakref
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -65,6 +72,15 @@ def warm_mapped(config: LifetimeConfig, threads: int = 1) -> None:
         next_indexes(mapped, next_generation(tokens, more, 16), appended_tokens(more, 16), config, 3)
 
 
+@dataclass(frozen=True)
+class _Adopted:
+    """Which generation a namespace's memory serves: its folder and position, not its arrays."""
+
+    memory: weakref.ReferenceType[LifetimeMemory]
+    folder: Path
+    through: LogId
+
+
 class SharedIndexes:
     """One host's folder of published generations, for all namespaces."""
 
@@ -72,14 +88,28 @@ class SharedIndexes:
         self.store = store
         self.root = root
         self.config = config
-        self._adopted: dict[str, Generation] = {}
+        self._adopted: dict[str, _Adopted] = {}
         self._identity: dict[str, str] = {}  # per namespace, the log's identity as last read
         self._lock = threading.Lock()
 
     def adopted(self, ns: str) -> LogId | None:
-        """The log position the namespace's adopted generation covers up to."""
-        gen = self._adopted.get(ns)
-        return None if gen is None else gen.through
+        """The log position the namespace's adopted generation covers up to (``None`` when the
+        memory that adopted it is gone: the namespace was deleted)."""
+        held = self._held(ns)
+        return None if held is None else held.through
+
+    def _held(self, ns: str, memory: LifetimeMemory | None = None) -> _Adopted | None:
+        """What the namespace's memory (``memory``, when given) serves; an entry whose memory is
+        gone, or is another one, counts as none."""
+        held = self._adopted.get(ns)
+        if held is None:
+            return None
+        alive = held.memory()
+        if alive is None:
+            self._adopted.pop(ns, None)
+            self._identity.pop(ns, None)
+            return None
+        return held if memory is None or alive is memory else None
 
     def published(self, ns: str) -> Generation | None:
         """The namespace's current generation if it indexes this log; damaged or foreign
@@ -148,7 +178,7 @@ class SharedIndexes:
         """Serve the namespace's newest published generation if it is not the one served;
         returns it when adopted (the draft step warmed for ``threads`` worker threads).
         Checking costs one small file read."""
-        held = self._adopted.get(ns)
+        held = self._held(ns, memory)
         try:
             name = lifetime_files.current_name(lifetime_files.namespace_dir(self.root, ns))
         except ValueError:
@@ -157,11 +187,11 @@ class SharedIndexes:
             return None
         gen = self.published(ns)
         with self._lock:
-            held = self._adopted.get(ns)
+            held = self._held(ns, memory)
             if gen is None or (held is not None and held.folder == gen.folder):
                 return None
             _warm_kernels(gen.indexes, threads)
             memory.adopt(gen.indexes, gen.through)
-            self._adopted[ns] = gen
+            self._adopted[ns] = _Adopted(weakref.ref(memory), gen.folder, gen.through)
         logger.info("%s serves lifetime generation %s (%d tokens)", ns, gen.folder.name, gen.indexes.suffix.size)
         return gen

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import gc
 import inspect
 import json
 import shutil
@@ -284,6 +285,40 @@ def test_a_namespace_whose_generation_cannot_be_written_holds_up_no_other(
         a.stop()
         if b is not None:
             b.stop()
+
+
+def test_a_deleted_namespace_lets_go_of_its_mapped_generation(redis_url: str, tmp_path: Path) -> None:
+    """Deleting a namespace removes its generation's files; the process mapped them until it
+    exited (their disk space held: a full buffer's generation is over 100 MB) because the
+    registry of adopted generations kept the arrays of every namespace it ever served."""
+    root = tmp_path / "lifetime"
+    a = Worker(redis_url, root)
+    try:
+        a.admin.CreateNamespace(pb.CreateNamespaceRequest(name="toy", vocab_size=100))
+        a.commit([10, 11, 12, 13, 14])
+        a.admin.Rebuild(pb.RebuildRequest(namespace="toy"))
+        folder = lifetime_files.namespace_dir(root, "toy")
+        assert _mapped(folder)
+        a.admin.DeleteNamespace(pb.DeleteNamespaceRequest(name="toy"))
+
+        def let_go() -> bool:
+            gc.collect()
+            return not folder.exists() and not _mapped(folder)
+
+        eventually(let_go, WAIT_S)
+        assert a.app.shared is not None and a.app.shared.adopted("toy") is None
+        # Created again, it maps a generation of its new log.
+        a.admin.CreateNamespace(pb.CreateNamespaceRequest(name="toy", vocab_size=100))
+        a.commit([20, 21, 22, 23])
+        a.admin.Rebuild(pb.RebuildRequest(namespace="toy"))
+        assert _mapped(folder) and a.draft([9, 20, 21])[:2] == [22, 23]
+    finally:
+        a.stop()
+
+
+def _mapped(folder: Path) -> bool:
+    """Whether this process maps a file under ``folder`` (removed or not)."""
+    return f"{folder}/" in Path("/proc/self/maps").read_text()
 
 
 def test_freed_heap_goes_back_to_the_os_after_a_build() -> None:
