@@ -9,7 +9,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -394,13 +394,15 @@ def warm_up(threads: int = 1, *, report_every_s: float = 15.0) -> None:
     logger.info("compiled loops ready in %.1f s", time.monotonic() - start)
 
 
-async def serve(config: AppConfig) -> None:
-    """Run until SIGINT or SIGTERM."""
+async def serve(config: AppConfig, serving: Callable[[], Coroutine[None, None, None]] | None = None) -> None:
+    """Run until SIGINT or SIGTERM; ``serving`` runs on the loop from the start of serving
+    until the loop ends (a worker's heartbeat: it beats through the drain too)."""
     kernels.prefer_passive_workers()
     sys.setswitchinterval(config.server.switch_interval_s)
     app = App(config)
     port = await app.start()
     print(f"draftcache serving on {config.server.host}:{port} (storage {redact(app.url)})", flush=True)
+    beside = None if serving is None else asyncio.create_task(serving())  # held: tasks are weakly kept
     done = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -6,7 +6,11 @@ few long-lived connections can pile onto one worker) and one Redis. With ``--wor
 worker ``i`` also serves ``BASE + i`` alone, for clients that place themselves (one decoder per
 worker, say). Each worker follows the same lifetime log, and a session opened in one continues
 in another from its stored copy. The supervisor starts the embedded Redis when no URL is given,
-restarts a worker that dies, and on SIGTERM or SIGINT stops them all gracefully. Static priors
+restarts a worker that dies or hangs, and on SIGTERM or SIGINT stops them all gracefully. A
+worker's serving loop beats once a second; one silent for :data:`HANG_S` (stopped, deadlocked)
+is killed and replaced: the kernel goes on handing it its share of new connections, which would
+wait on it for as long as it hangs (a worker stopped with SIGSTOP took half the connections of
+``--processes 2`` with it, until it was continued). Static priors
 and lifetime indexes, the largest things a process holds, are written once into shared folders
 and memory-mapped by every worker (one worker at a time builds the lifetime indexes:
 :mod:`cache_service.host.shared_indexes`).
@@ -18,8 +22,10 @@ import logging
 import multiprocessing as mp
 import signal
 import threading
-from dataclasses import replace
+import time
+from dataclasses import dataclass, replace
 from multiprocessing.process import BaseProcess
+from multiprocessing.sharedctypes import Synchronized
 
 from cache_service import logs
 from cache_service.app import AppConfig
@@ -29,6 +35,11 @@ from cache_service.rpc.server import check_files
 logger = logging.getLogger(__name__)
 
 RESTART_PAUSE_S = 1.0  # between a worker's death and its replacement
+BEAT_S = 1.0  # between a serving worker's heartbeats
+# A serving worker whose loop has not beaten for this long is killed and replaced. Longer than
+# the loop is ever held while it works: a compilation while serving holds it seconds (tens on
+# a fresh machine, once); a start's compilations come before the first beat.
+HANG_S = 60.0
 
 
 def worker_config(config: AppConfig, index: int, redis_url: str, worker_ports: int | None = None) -> AppConfig:
@@ -68,13 +79,31 @@ def check_ports(config: AppConfig, processes: int, worker_ports: int | None) -> 
     return frozenset(p for p in taken if p)
 
 
-def _run(config: AppConfig, log_format: str, verbose: bool) -> None:
+def _run(config: AppConfig, log_format: str, verbose: bool, beat: Synchronized[float]) -> None:
     import asyncio
 
     from cache_service.app import serve
 
+    async def beating() -> None:
+        while True:
+            beat.value = time.monotonic()  # the host's clock: the supervisor reads the same one
+            await asyncio.sleep(BEAT_S)
+
     logs.configure(log_format, verbose)
-    asyncio.run(serve(config))
+    asyncio.run(serve(config, beating))
+
+
+@dataclass
+class _Worker:
+    """A started worker and its heartbeat (0 until it serves)."""
+
+    proc: BaseProcess
+    beat: Synchronized[float]
+
+    def hung(self, now: float, hang_s: float) -> float | None:
+        """Seconds since the last beat of a serving worker silent for ``hang_s`` or more."""
+        last = self.beat.value
+        return now - last if last and now - last >= hang_s else None
 
 
 def serve_processes(
@@ -84,14 +113,17 @@ def serve_processes(
     worker_ports: int | None = None,
     log_format: str = "text",
     verbose: bool = False,
+    hang_s: float | None = None,
 ) -> None:
     """Run ``processes`` workers until SIGTERM or SIGINT; with ``worker_ports``, worker ``i``
-    also serves port ``worker_ports + i`` alone."""
+    also serves port ``worker_ports + i`` alone. A serving worker silent for ``hang_s``
+    (default :data:`HANG_S`) is killed and replaced."""
     if processes < 1:
         raise ValueError(f"processes must be >= 1, got {processes}")
     if config.server.port == 0 and processes > 1:
         raise ValueError("several processes need a fixed port to share")
     ports = check_ports(config, processes, worker_ports)
+    hang_s = HANG_S if hang_s is None else hang_s
     check_files(config.server)  # a bad token or TLS file stops the start, not each worker
     embedded = None
     url = config.redis_url
@@ -105,26 +137,33 @@ def serve_processes(
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
 
-    def start(i: int) -> BaseProcess:
+    def start(i: int) -> _Worker:
         worker = worker_config(config, i, url, worker_ports)
-        proc = ctx.Process(target=_run, args=(worker, log_format, verbose), name=f"worker-{i}")
+        beat = ctx.Value("d", 0.0)
+        proc = ctx.Process(target=_run, args=(worker, log_format, verbose, beat), name=f"worker-{i}")
         proc.start()
         logger.info("worker %d started (pid %s)", i, proc.pid)
-        return proc
+        return _Worker(proc, beat)
 
     workers = [start(i) for i in range(processes)]
     try:
         while not stop.wait(RESTART_PAUSE_S):
-            for i, proc in enumerate(workers):
-                if not proc.is_alive():
-                    logger.warning("worker %d (pid %s) exited with %s; restarting", i, proc.pid, proc.exitcode)
+            now = time.monotonic()
+            for i, w in enumerate(workers):
+                if not w.proc.is_alive():
+                    logger.warning("worker %d (pid %s) exited with %s; restarting", i, w.proc.pid, w.proc.exitcode)
+                    workers[i] = start(i)
+                elif (silent := w.hung(now, hang_s)) is not None:
+                    logger.error("worker %d (pid %s) has not served for %.0f s; killing it", i, w.proc.pid, silent)
+                    w.proc.kill()  # SIGKILL ends a stopped process too
+                    w.proc.join(10)
                     workers[i] = start(i)
     finally:
-        for proc in workers:
-            proc.terminate()  # SIGTERM: each drains and stops on its own
-        for proc in workers:
-            proc.join(config.server.grace_s + 30)
-            if proc.is_alive():
-                proc.kill()
+        for w in workers:
+            w.proc.terminate()  # SIGTERM: each drains and stops on its own
+        for w in workers:
+            w.proc.join(config.server.grace_s + 30)
+            if w.proc.is_alive():
+                w.proc.kill()
         if embedded is not None:
             embedded.stop()

@@ -170,6 +170,60 @@ def test_two_workers_share_the_port_and_a_dead_one_is_replaced(tmp_path: Path) -
     assert proc.returncode == 0
 
 
+# The supervisor of two workers on ``port`` (metrics on ``metrics`` and the next), data in
+# ``folder``, that takes a worker silent for 3 s for hung.
+_SUPERVISE = """
+import sys
+from pathlib import Path
+from cache_service.app import AppConfig
+from cache_service.config import EmbeddedRedisConfig, ServerConfig
+from cache_service.host import workers
+port, metrics, folder = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
+workers.HANG_S = 3.0
+config = AppConfig(
+    server=ServerConfig(host="127.0.0.1", port=port),
+    embedded=EmbeddedRedisConfig(data_dir=folder / "redis"),
+    metrics_port=metrics,
+    metrics_host="127.0.0.1",
+)
+workers.serve_processes(config, 2)
+"""
+
+
+def test_a_hung_worker_is_replaced(tmp_path: Path) -> None:
+    """A worker that stops serving (SIGSTOP here; a deadlock alike) kept its share of the port's
+    new connections, each waiting on it until it was continued: with two workers, half the
+    connections hung. The supervisor kills a worker whose loop has not beaten for HANG_S and
+    starts another."""
+    port, metrics = free_port(), _free_pair()
+    cmd = [sys.executable, "-c", _SUPERVISE, str(port), str(metrics), str(tmp_path)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    target = f"127.0.0.1:{port}"
+    try:
+        _healthy(target, proc)
+        _both_up(metrics, proc)
+        with grpc.insecure_channel(target) as ch:
+            pb_grpc.AdminStub(ch).CreateNamespace(pb.CreateNamespaceRequest(name="toy", vocab_size=50))
+        _draft_on_new_connections(target, 4)
+        hung = _workers(proc.pid)[0]
+        os.kill(hung, signal.SIGSTOP)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            now = _workers(proc.pid)
+            if len(now) == 2 and hung not in now:
+                break
+            time.sleep(0.2)
+        else:
+            os.kill(hung, signal.SIGCONT)
+            raise AssertionError("the stopped worker was not replaced")
+        _both_up(metrics, proc)  # the replacement serves; every new connection is answered
+        _draft_on_new_connections(target, 8)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=90)
+    assert proc.returncode == 0
+
+
 def test_overlapping_port_ranges_are_refused(tmp_path: Path) -> None:
     config = AppConfig(server=ServerConfig(port=6000), metrics_port=7000)
     check_ports(config, 4, 8000)  # 6000; 8000-8003; 7000-7003
