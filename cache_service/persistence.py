@@ -98,6 +98,12 @@ class RedisPersistence:
         except StorageUnavailable as exc:
             raise Unavailable(f"storage unavailable: {exc}") from exc
 
+    def tokenizer_claimed(self, name: str, fingerprint: str) -> str:
+        try:  # a caller waits: within the call timeout
+            return self.calls.claim_tokenizer(name, fingerprint)
+        except StorageUnavailable as exc:
+            raise Unavailable(f"storage unavailable: {exc}") from exc
+
     def namespace_deleted(self, name: str) -> bool:
         self.namespace_forgotten(name)
         try:  # a caller waits: each command within the call timeout (a retry finishes the deletion)
@@ -239,6 +245,10 @@ class RedisPersistence:
         """Every registered namespace (by another replica or ``draftcache warm`` too) and its
         vocabulary size."""
         return self.store.namespaces()
+
+    def tokenizers(self, names: list[str]) -> dict[str, str]:
+        """Each namespace's recorded tokenizer fingerprint ("": none recorded)."""
+        return self.store.tokenizers(names)
 
     def log_identities(self, names: list[str]) -> dict[str, str | None]:
         """Each namespace's log identity (``None``: none made yet); a namespace deleted and

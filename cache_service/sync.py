@@ -67,8 +67,10 @@ class StorageSync:
             logger.warning("journaled commits not replayed yet (%d): %s", self.persistence.pending, exc)
         registered = self.persistence.namespaces()
         logs = self.persistence.log_identities(sorted(registered))  # before any log is read
+        tokenizers = self.persistence.tokenizers(sorted(registered))
         for name, vocab in sorted(registered.items()):
             drafter = self.service.create_namespace(name, vocab, persist=False)
+            self.service.namespaces.set_tokenizer(name, drafter, tokenizers[name])
             self._registered[name] = drafter
             self._seen_log(name, drafter, logs[name])
             after = None
@@ -150,6 +152,7 @@ class StorageSync:
             before = self.service.namespaces.drafters()
             registered = self.persistence.namespaces()
             logs = self.persistence.log_identities(sorted(registered.keys() & before.keys()))
+            tokenizers = self.persistence.tokenizers(sorted(registered))
             read_at = time.monotonic()
             confirmed: dict[str, NamespaceDrafter] = {}
             for name, vocab in registered.items():
@@ -162,6 +165,8 @@ class StorageSync:
                 found = drafter or self._create(name, vocab)
                 if found is not None:
                     confirmed[name] = found
+                    if tokenizers[name]:  # registered once, kept until the namespace is deleted
+                        self.service.namespaces.set_tokenizer(name, found, tokenizers[name])
             unseen: dict[str, tuple[NamespaceDrafter, float]] = {}
             for name, drafter in before.items():
                 if name not in registered and self._deleted(name, drafter, read_at, unseen):

@@ -21,6 +21,7 @@ class OpenItem:
     params: DraftParams | None = None
     session_id: str = ""  # chosen by the client (empty: the service picks one)
     vocab_size: int = 0  # the vocabulary of the caller's model, checked against the namespace's (0: not stated)
+    tokenizer: str = ""  # the fingerprint of the caller's tokenizer, checked likewise ("": not stated)
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,7 @@ class NamespaceStats:
     last_rebuild_seconds: float
     prior_version: int
     sessions: int
+    tokenizer: str = ""  # the registered tokenizer's fingerprint ("": none)
 
 
 @dataclass(frozen=True)

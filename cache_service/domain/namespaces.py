@@ -43,6 +43,7 @@ class Namespaces:
         self._own_ring = own_ring
         self._drafters: dict[str, NamespaceDrafter] = {}
         self._prior_versions: dict[str, int] = {}
+        self._tokenizers: dict[str, str] = {}  # fingerprints registered in storage (or here)
         self._lock = threading.RLock()  # creations come from worker threads too (see unchanged)
 
     def create(self, name: str, vocab_size: int) -> tuple[NamespaceDrafter, bool]:
@@ -66,12 +67,14 @@ class Namespaces:
         logger.info("namespace %s (vocab %d) ready", name, vocab_size)
         return drafter, True
 
-    def get(self, name: str, vocab_size: int = 0) -> NamespaceDrafter:
+    def get(self, name: str, vocab_size: int = 0, tokenizer: str = "") -> NamespaceDrafter:
         """The namespace's drafter; a name no namespace could have is :class:`InvalidArgument`,
         a well-formed unknown one :class:`NotFound`. ``vocab_size``: the vocabulary a caller's
         model has (0: not stated); one that is not the namespace's tokenizer's (the same size,
         or one a model pads it to: :func:`~indexer.tokens.one_tokenizer`) is
-        :class:`FailedPrecondition` (another tokenizer: its ids mean other text here)."""
+        :class:`FailedPrecondition` (another tokenizer: its ids mean other text here), and so is
+        a ``tokenizer`` fingerprint (:mod:`indexer.fingerprint`; "": not stated) that is not the
+        one registered with the namespace (none registered: not checked)."""
         drafter = self._drafters.get(name)
         if drafter is None:
             names.namespace_name(name)
@@ -81,12 +84,33 @@ class Namespaces:
                 f"namespace {name!r} has vocab_size {drafter.namespace.vocab_size}, the caller's model {vocab_size}: "
                 "another tokenizer's ids, never drafted from nor committed to by this model"
             )
+        registered = self._tokenizers.get(name, "")
+        if tokenizer and registered and tokenizer != registered:
+            raise FailedPrecondition(
+                f"namespace {name!r} holds the ids of tokenizer {registered}, the caller's is {tokenizer}: "
+                "another tokenizer of the same size, never drafted from nor committed to by this model"
+            )
         return drafter
+
+    def tokenizer(self, name: str) -> str:
+        """The fingerprint registered with the namespace ("": none)."""
+        return self._tokenizers.get(name, "")
+
+    def set_tokenizer(self, name: str, drafter: NamespaceDrafter, fingerprint: str) -> None:
+        """Record the namespace's registered tokenizer, while ``drafter`` still serves it (one
+        deleted and created again meanwhile is another namespace)."""
+        with self._lock:
+            if self._drafters.get(name) is drafter:
+                if fingerprint:
+                    self._tokenizers[name] = fingerprint
+                else:
+                    self._tokenizers.pop(name, None)
 
     def remove(self, name: str) -> bool:
         """Forget a namespace (its drafter goes once no session holds it); whether it was here."""
         with self._lock:
             self._prior_versions.pop(name, None)
+            self._tokenizers.pop(name, None)
             return self._drafters.pop(name, None) is not None
 
     def current(self, name: str, drafter: NamespaceDrafter) -> bool:
@@ -133,6 +157,7 @@ class Namespaces:
             last_rebuild_seconds=0.0 if built is None else built.build_seconds,
             prior_version=self.prior_version(name),
             sessions=sessions,
+            tokenizer=self.tokenizer(name),
         )
 
     def mark_logged(self, logged: Iterable[Logged]) -> None:

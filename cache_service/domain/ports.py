@@ -39,6 +39,11 @@ class Persistence(Protocol):
 
     def namespace_created(self, name: str, vocab_size: int) -> None: ...
 
+    def tokenizer_claimed(self, name: str, fingerprint: str) -> str:
+        """Record ``fingerprint`` as the namespace's tokenizer unless one is recorded already;
+        the one recorded now."""
+        ...
+
     def namespace_deleted(self, name: str) -> bool:
         """Remove everything storage keeps of the namespace (registration, lifetime log, priors,
         stored sessions); whether it was registered."""

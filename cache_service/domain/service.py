@@ -23,7 +23,14 @@ from cache_service.domain.admission import Admission
 from cache_service.domain.busy import BusyShare
 from cache_service.domain.changes import Changes, ChangeTracker, Saved
 from cache_service.domain.continuing import Continuing, Found
-from cache_service.domain.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, unknown_session
+from cache_service.domain.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    unknown_session,
+)
 from cache_service.domain.items import (
     CloseItem,
     DraftColumns,
@@ -43,6 +50,7 @@ from cache_service.domain.tenants import Principal, owns
 from cache_service.storage.stored_session import StoredSession
 from cache_service.storage.stream_log import check_stream_id
 from indexer.drafter import NamespaceDrafter
+from indexer.fingerprint import check_fingerprint
 from indexer.prior import StaticPrior
 from indexer.session import Session
 from indexer.tree_builder import DraftTree
@@ -93,15 +101,44 @@ class DraftService:
     # -- namespaces --------------------------------------------------------------------------
 
     def create_namespace(
-        self, name: str, vocab_size: int, *, persist: bool = True, principal: Principal | None = None
+        self,
+        name: str,
+        vocab_size: int,
+        *,
+        persist: bool = True,
+        principal: Principal | None = None,
+        tokenizer: str = "",
     ) -> NamespaceDrafter:
         """The namespace's drafter, registered in storage when new (``persist``); one restored
-        from storage (not ``persist``) keeps the vocabulary it was registered with."""
+        from storage (not ``persist``) keeps the vocabulary it was registered with. ``tokenizer``
+        (a fingerprint, "": not stated) is registered with it unless another one is, which is
+        :class:`AlreadyExists` (the namespace stays as it was)."""
         names.namespace_name(name)
         if persist:
             check_vocab_size(vocab_size)
+        try:
+            check_fingerprint(tokenizer)
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from exc
         if principal is not None:
             principal.check_namespace(name)
+        drafter = self._create_namespace(name, vocab_size, persist=persist)
+        if tokenizer:
+            self._claim_tokenizer(name, drafter, tokenizer, persist=persist)
+        return drafter
+
+    def _claim_tokenizer(self, name: str, drafter: NamespaceDrafter, tokenizer: str, *, persist: bool) -> None:
+        """Register ``tokenizer`` with the namespace unless another one is (in storage, the
+        first claim wins); :class:`AlreadyExists` when another one is."""
+        if persist and self._persistence is not None:
+            registered = self._persistence.tokenizer_claimed(name, tokenizer)
+        else:
+            registered = self.namespaces.tokenizer(name) or tokenizer
+        self.namespaces.set_tokenizer(name, drafter, registered)
+        if registered != tokenizer:
+            raise AlreadyExists(f"namespace {name!r} holds the ids of tokenizer {registered}, not {tokenizer}")
+
+    def _create_namespace(self, name: str, vocab_size: int, *, persist: bool) -> NamespaceDrafter:
         drafter, created = self.namespaces.create(name, vocab_size)
         if persist and self._persistence is not None:  # again when it exists: a retry after a failure
             try:
@@ -220,13 +257,21 @@ class DraftService:
     # -- the log, for decoders' near copies ---------------------------------------------------
 
     def read_log(
-        self, name: str, after: str, max_tokens: int, *, principal: Principal | None = None, vocab_size: int = 0
+        self,
+        name: str,
+        after: str,
+        max_tokens: int,
+        *,
+        principal: Principal | None = None,
+        vocab_size: int = 0,
+        tokenizer: str = "",
     ) -> tuple[list[tuple[str, np.ndarray]], str]:
         """The lifetime log of ``name`` after the entry ``after`` (empty: from its end now), in
         entries of at most ``max_tokens`` tokens in all (at least one); and where to go on from.
         Checked before storage is asked: the name, the caller's right to it, its model's
-        vocabulary (``vocab_size``, 0: not stated), the range, the id."""
-        self._check_readable(name, principal, vocab_size)
+        vocabulary (``vocab_size``, 0: not stated) and tokenizer (a fingerprint, "": not
+        stated), the range, the id."""
+        self._check_readable(name, principal, vocab_size, tokenizer)
         if not 1 <= max_tokens <= MAX_LOG_READ_TOKENS:
             raise InvalidArgument(f"max_tokens must be in [1, {MAX_LOG_READ_TOKENS}], got {max_tokens}")
         if after:
@@ -238,14 +283,18 @@ class DraftService:
             raise FailedPrecondition("this service keeps no lifetime log: it runs without storage")
         return self._persistence.log_after(name, after, max_tokens)
 
-    def _check_readable(self, name: str, principal: Principal | None, vocab_size: int) -> None:
+    def _check_readable(self, name: str, principal: Principal | None, vocab_size: int, tokenizer: str) -> None:
         """A namespace a near copy may read: a valid name, the caller's right to it, one this
-        service has (else NOT_FOUND), of the caller's vocabulary when it states one (else
-        FAILED_PRECONDITION)."""
+        service has (else NOT_FOUND), of the caller's vocabulary and tokenizer where it states
+        them (else FAILED_PRECONDITION)."""
         names.namespace_name(name)
+        try:
+            check_fingerprint(tokenizer)
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from exc
         if principal is not None:
             principal.check_namespace(name)
-        self.namespaces.get(name, vocab_size)
+        self.namespaces.get(name, vocab_size, tokenizer)
 
     def read_prior(
         self,
@@ -256,13 +305,14 @@ class DraftService:
         *,
         principal: Principal | None = None,
         vocab_size: int = 0,
+        tokenizer: str = "",
     ) -> PriorPage:
         """A page of the stored blob of ``name``'s static prior ``version`` (0: the current one),
         for a near copy to draft with the prior the service drafts with. Version 0 in the
         answer: the namespace has no prior. A version gone (two publishes since) is NOT_FOUND:
         the reader starts again from the current one. Checked before storage is asked (as
         :meth:`read_log` is)."""
-        self._check_readable(name, principal, vocab_size)
+        self._check_readable(name, principal, vocab_size, tokenizer)
         if not 1 <= max_bytes <= MAX_PRIOR_PAGE_BYTES:
             raise InvalidArgument(f"max_bytes must be in [1, {MAX_PRIOR_PAGE_BYTES}], got {max_bytes}")
         if version < 0 or offset < 0:

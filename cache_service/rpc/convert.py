@@ -58,6 +58,7 @@ def open_items(req: pb.OpenSessionsRequest, default: DraftParams) -> list[OpenIt
             params(s.params, default) if s.HasField("params") else None,
             s.session_id,
             s.vocab_size,
+            s.tokenizer,
         )
         for s in req.sessions
     ]
@@ -174,4 +175,5 @@ def namespace_info(s: NamespaceStats) -> pb.NamespaceInfo:
         last_rebuild_seconds=s.last_rebuild_seconds,
         prior_version=s.prior_version,
         sessions=s.sessions,
+        tokenizer=s.tokenizer,
     )

@@ -118,6 +118,7 @@ class DraftCacheServicer(pb_grpc.DraftCacheServicer):
             request.max_tokens,
             principal=principal,
             vocab_size=request.vocab_size,
+            tokenizer=request.tokenizer,
         )
         return pb.ReadLogResponse(entries=[pb.LogEntry(id=i, tokens=t.tolist()) for i, t in entries], last=last)
 
@@ -131,6 +132,7 @@ class DraftCacheServicer(pb_grpc.DraftCacheServicer):
             request.max_bytes,
             principal=principal,
             vocab_size=request.vocab_size,
+            tokenizer=request.tokenizer,
         )
         return pb.ReadPriorResponse(version=page.version, size=page.size, digest=page.digest, data=page.data)
 
@@ -201,7 +203,13 @@ class AdminServicer(pb_grpc.AdminServicer):
     ) -> pb.CreateNamespaceResponse:
         principal = auth.current()
         # Registering writes to storage: on a worker thread, so a slow storage holds only this call.
-        await asyncio.to_thread(self._service.create_namespace, request.name, request.vocab_size, principal=principal)
+        await asyncio.to_thread(
+            self._service.create_namespace,
+            request.name,
+            request.vocab_size,
+            principal=principal,
+            tokenizer=request.tokenizer,
+        )
         (stats,) = self._service.stats(request.name, principal=principal)
         return pb.CreateNamespaceResponse(namespace=convert.namespace_info(stats))
 

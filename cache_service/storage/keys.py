@@ -12,6 +12,7 @@ separate integer under :data:`SCHEMA_VERSION`; that key and the migration lock b
     draftcache:v1:ns:{<ns>}:log:identity               string  random id of this log (SET NX)
     draftcache:v1:ns:{<ns>}:log:writers                hash    writer id -> highest commit seq appended (TTL)
     draftcache:v1:ns:{<ns>}:log:keys                   zset    commit key -> ms it was appended (trimmed, TTL)
+    draftcache:v1:ns:{<ns>}:tokenizer                  string  fingerprint of its tokenizer (SET NX)
     draftcache:v1:ns:{<ns>}:succ                       hash    token -> successor row (indexer.successors)
     draftcache:v1:ns:{<ns>}:succ:changes               stream  tokens each write changed (capped)
     draftcache:v1:ns:{<ns>}:prior:seq                  string  last prior version handed out
@@ -131,6 +132,16 @@ def log_commit_keys(ns: str) -> str:
     'draftcache:v1:ns:{llama2}:log:keys'
     """
     return f"{_ns(ns)}:log:keys"
+
+
+def tokenizer(ns: str) -> str:
+    """The fingerprint of the tokenizer whose ids the namespace holds (indexer.fingerprint),
+    set once by the first caller that states one; absent: none stated yet.
+
+    >>> tokenizer("llama2")
+    'draftcache:v1:ns:{llama2}:tokenizer'
+    """
+    return f"{_ns(ns)}:tokenizer"
 
 
 LOG_PATTERN = f"{_BASE}:ns:{{*}}:log"  # SCAN pattern matching every namespace's log stream

@@ -22,6 +22,7 @@ from cache_service.storage.clients import StorageClient
 from cache_service.storage.errors import NamespaceConflict, StorageCorrupt, guarded
 from cache_service.storage.stored_session import StoredSession
 from cache_service.storage.stream_log import LogEntry
+from indexer.fingerprint import check_fingerprint
 from indexer.tokens import MAX_VOCAB_SIZE
 
 MiB = 1 << 20
@@ -111,6 +112,37 @@ class RedisStore:
         if stored != vocab_size:
             raise NamespaceConflict(f"namespace {name!r} is registered with vocab_size {stored}, not {vocab_size}")
         return False
+
+    @guarded
+    def claim_tokenizer(self, name: str, fingerprint: str) -> str:
+        """Record ``fingerprint`` as the namespace's tokenizer unless one is recorded already;
+        the one recorded now (``fingerprint`` where it was the first)."""
+        check_fingerprint(fingerprint)
+        key = keys.tokenizer(keys.check_name(name, what="namespace"))
+        # SET NX never overwrites, so a value read after a refused SET NX is final.
+        if self.client.set(key, fingerprint, nx=True):
+            return fingerprint
+        return self._fingerprint(key, self.client.get(key))
+
+    @guarded
+    def tokenizers(self, names: list[str]) -> dict[str, str]:
+        """Each namespace's recorded tokenizer fingerprint ("" where none is), in one round trip."""
+        if not names:
+            return {}
+        pipe = self.client.pipeline(transaction=False)
+        for ns in names:
+            pipe.get(keys.tokenizer(ns))
+        found = pipe.execute()
+        return {ns: self._fingerprint(keys.tokenizer(ns), raw) for ns, raw in zip(names, found, strict=True)}
+
+    @staticmethod
+    def _fingerprint(key: str, raw: object) -> str:
+        if raw is None:
+            return ""
+        try:
+            return check_fingerprint(raw.decode() if isinstance(raw, bytes) else str(raw))
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise StorageCorrupt(f"{key} is not a tokenizer fingerprint: {exc}") from exc
 
     @guarded
     def delete_namespace(self, name: str) -> stored_namespaces.Deleted:

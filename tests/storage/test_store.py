@@ -30,6 +30,31 @@ def test_a_namespace_keeps_its_vocabulary(store: RedisStore) -> None:
     assert store.namespaces() == {"n": 100}
 
 
+def test_the_first_tokenizer_claimed_stays_until_the_namespace_is_deleted(store: RedisStore) -> None:
+    a, b = "0123456789abcdef", "fedcba9876543210"
+    store.register_namespace("n", 100)
+    store.register_namespace("m", 100)
+    assert store.tokenizers(["n", "m"]) == {"n": "", "m": ""}  # none claimed
+    assert store.claim_tokenizer("n", a) == a
+    assert store.claim_tokenizer("n", b) == a  # the first claim wins; nothing overwritten
+    assert store.tokenizers(["n", "m"]) == {"n": a, "m": ""}
+    store.delete_namespace("n")
+    assert store.tokenizers(["n"]) == {"n": ""}  # deleted with the namespace's keys
+    assert store.claim_tokenizer("n", b) == b
+    for bad in ("ABCDEF0123456789", "0123", "not a fingerprint"):
+        with pytest.raises(ValueError):
+            store.claim_tokenizer("m", bad)
+    assert store.tokenizers(["m"]) == {"m": ""}
+
+
+def test_a_mangled_tokenizer_fingerprint_is_corrupt(store: RedisStore, client: StorageClient) -> None:
+    client.set(keys.tokenizer("n"), "many")
+    with pytest.raises(StorageCorrupt):
+        store.tokenizers(["n"])
+    with pytest.raises(StorageCorrupt):
+        store.claim_tokenizer("n", "0123456789abcdef")
+
+
 def test_a_mangled_registry_is_corrupt(store: RedisStore, client: StorageClient) -> None:
     client.hset(keys.NAMESPACES, "n", "many")
     with pytest.raises(StorageCorrupt):

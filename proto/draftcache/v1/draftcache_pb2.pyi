@@ -35,18 +35,20 @@ class Tree(_message.Message):
     def __init__(self, tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., sources: _Optional[bytes] = ..., scores: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class OpenSession(_message.Message):
-    __slots__ = ("namespace", "prompt", "params", "session_id", "vocab_size")
+    __slots__ = ("namespace", "prompt", "params", "session_id", "vocab_size", "tokenizer")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     prompt: _containers.RepeatedScalarFieldContainer[int]
     params: DraftParams
     session_id: str
     vocab_size: int
-    def __init__(self, namespace: _Optional[str] = ..., prompt: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[DraftParams, _Mapping]] = ..., session_id: _Optional[str] = ..., vocab_size: _Optional[int] = ...) -> None: ...
+    tokenizer: str
+    def __init__(self, namespace: _Optional[str] = ..., prompt: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[DraftParams, _Mapping]] = ..., session_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer: _Optional[str] = ...) -> None: ...
 
 class OpenSessionsRequest(_message.Message):
     __slots__ = ("sessions",)
@@ -219,16 +221,18 @@ class StreamResponse(_message.Message):
     def __init__(self, request_id: _Optional[int] = ..., open: _Optional[_Union[OpenSessionsResponse, _Mapping]] = ..., draft: _Optional[_Union[DraftResponse, _Mapping]] = ..., feedback: _Optional[_Union[FeedbackResponse, _Mapping]] = ..., close: _Optional[_Union[CloseSessionsResponse, _Mapping]] = ..., error: _Optional[_Union[StreamError, _Mapping]] = ...) -> None: ...
 
 class ReadLogRequest(_message.Message):
-    __slots__ = ("namespace", "after", "max_tokens", "vocab_size")
+    __slots__ = ("namespace", "after", "max_tokens", "vocab_size", "tokenizer")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     AFTER_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     after: str
     max_tokens: int
     vocab_size: int
-    def __init__(self, namespace: _Optional[str] = ..., after: _Optional[str] = ..., max_tokens: _Optional[int] = ..., vocab_size: _Optional[int] = ...) -> None: ...
+    tokenizer: str
+    def __init__(self, namespace: _Optional[str] = ..., after: _Optional[str] = ..., max_tokens: _Optional[int] = ..., vocab_size: _Optional[int] = ..., tokenizer: _Optional[str] = ...) -> None: ...
 
 class LogEntry(_message.Message):
     __slots__ = ("id", "tokens")
@@ -247,18 +251,20 @@ class ReadLogResponse(_message.Message):
     def __init__(self, entries: _Optional[_Iterable[_Union[LogEntry, _Mapping]]] = ..., last: _Optional[str] = ...) -> None: ...
 
 class ReadPriorRequest(_message.Message):
-    __slots__ = ("namespace", "version", "offset", "max_bytes", "vocab_size")
+    __slots__ = ("namespace", "version", "offset", "max_bytes", "vocab_size", "tokenizer")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     version: int
     offset: int
     max_bytes: int
     vocab_size: int
-    def __init__(self, namespace: _Optional[str] = ..., version: _Optional[int] = ..., offset: _Optional[int] = ..., max_bytes: _Optional[int] = ..., vocab_size: _Optional[int] = ...) -> None: ...
+    tokenizer: str
+    def __init__(self, namespace: _Optional[str] = ..., version: _Optional[int] = ..., offset: _Optional[int] = ..., max_bytes: _Optional[int] = ..., vocab_size: _Optional[int] = ..., tokenizer: _Optional[str] = ...) -> None: ...
 
 class ReadPriorResponse(_message.Message):
     __slots__ = ("version", "size", "digest", "data")
@@ -285,7 +291,7 @@ class EchoResponse(_message.Message):
     def __init__(self, payload: _Optional[bytes] = ...) -> None: ...
 
 class NamespaceInfo(_message.Message):
-    __slots__ = ("name", "vocab_size", "buffered_tokens", "requests", "index_tokens", "last_rebuild_seconds", "prior_version", "sessions")
+    __slots__ = ("name", "vocab_size", "buffered_tokens", "requests", "index_tokens", "last_rebuild_seconds", "prior_version", "sessions", "tokenizer")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     BUFFERED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -294,6 +300,7 @@ class NamespaceInfo(_message.Message):
     LAST_REBUILD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PRIOR_VERSION_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     name: str
     vocab_size: int
     buffered_tokens: int
@@ -302,15 +309,18 @@ class NamespaceInfo(_message.Message):
     last_rebuild_seconds: float
     prior_version: int
     sessions: int
-    def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., buffered_tokens: _Optional[int] = ..., requests: _Optional[int] = ..., index_tokens: _Optional[int] = ..., last_rebuild_seconds: _Optional[float] = ..., prior_version: _Optional[int] = ..., sessions: _Optional[int] = ...) -> None: ...
+    tokenizer: str
+    def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., buffered_tokens: _Optional[int] = ..., requests: _Optional[int] = ..., index_tokens: _Optional[int] = ..., last_rebuild_seconds: _Optional[float] = ..., prior_version: _Optional[int] = ..., sessions: _Optional[int] = ..., tokenizer: _Optional[str] = ...) -> None: ...
 
 class CreateNamespaceRequest(_message.Message):
-    __slots__ = ("name", "vocab_size")
+    __slots__ = ("name", "vocab_size", "tokenizer")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     name: str
     vocab_size: int
-    def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ...) -> None: ...
+    tokenizer: str
+    def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer: _Optional[str] = ...) -> None: ...
 
 class CreateNamespaceResponse(_message.Message):
     __slots__ = ("namespace",)
