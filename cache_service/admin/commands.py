@@ -264,22 +264,27 @@ def cmd_warm(a: argparse.Namespace) -> int:
         except ValueError as exc:
             raise ValueError(f"prior not published to namespace {a.namespace} (vocab {vocab}): {exc}") from None
         store = open_store(a)
-        register(store, a.namespace, vocab)
+        register(store, a.namespace, vocab, warm.tokenizer_fingerprint(a.tokenizer))
         where = f"Redis, version {store.put_prior(a.namespace, blob)}"
     print(f"namespace {a.namespace}: prior of {prior.source_tokens} tokens, {prior.nbytes / 1e6:.1f} MB -> {where}")
     return 0
 
 
-def register(store: RedisStore, name: str, vocab: int) -> None:
+def register(store: RedisStore, name: str, vocab: int, fingerprint: str) -> None:
     """Register the namespace with the tokenizer's vocabulary, unless it is registered with a
     size a model pads that tokenizer to (an engine created it: every id of the tokenizer fits);
-    another size is refused (``NamespaceConflict``)."""
+    another size is refused (``NamespaceConflict``). The tokenizer's ``fingerprint`` is
+    registered with it unless another one is, which is refused the same way (another tokenizer
+    of the same size)."""
+    from cache_service.storage.errors import NamespaceConflict
     from indexer.tokens import one_tokenizer
 
     registered = store.namespaces().get(name)
-    if registered is not None and registered >= vocab and one_tokenizer(registered, vocab):
-        return
-    store.register_namespace(name, vocab)
+    if registered is None or registered < vocab or not one_tokenizer(registered, vocab):
+        store.register_namespace(name, vocab)
+    claimed = store.claim_tokenizer(name, fingerprint)
+    if claimed != fingerprint:
+        raise NamespaceConflict(f"namespace {name!r} holds the ids of tokenizer {claimed}, not {fingerprint}")
 
 
 def _warm_lifetime(a: argparse.Namespace) -> int:
@@ -294,7 +299,7 @@ def _warm_lifetime(a: argparse.Namespace) -> int:
         raise warm.CorpusError("--lifetime appends to the log in Redis; it writes no file (drop --out)")
     tokens, vocab = tokenize(a.corpus, a.format, a.tokenizer)
     store = open_store(a)
-    register(store, a.namespace, vocab)
+    register(store, a.namespace, vocab, warm.tokenizer_fingerprint(a.tokenizer))
     docs, writer = warm.split_documents(tokens), warm.corpus_writer(tokens)
     appended = done = 0
     for start in range(0, len(docs), 256):
@@ -465,7 +470,8 @@ def cmd_namespaces(a: argparse.Namespace) -> int:
             print(f"namespace {a.name} deleted; {done.sessions_closed} live sessions ended")
             return 0
         for i in admin.Namespaces(pb.NamespacesRequest(), timeout=deadline(a, 30), metadata=meta).namespaces:
-            print(f"{i.name}  vocab {i.vocab_size}  {i.sessions} sessions  prior v{i.prior_version}")
+            tokenizer = f"  tokenizer {i.tokenizer}" if i.tokenizer else ""
+            print(f"{i.name}  vocab {i.vocab_size}{tokenizer}  {i.sessions} sessions  prior v{i.prior_version}")
     return 0
 
 
@@ -476,6 +482,7 @@ def storage_line(h: StorageHealth) -> str:
         f"storage {state}{', DISK FULL' if h.disk_full else ''}; journal {h.journaled_commits} commits, "
         f"{h.journal_bytes} of {h.journal_capacity_bytes} bytes; embedded Redis restarts {h.embedded_restarts}"
     )
+    line += f"; {h.repeated_commits} repeated commits not logged again" if h.repeated_commits else ""
     return line + (f"; last error: {h.last_error}" if h.last_error else "")
 
 

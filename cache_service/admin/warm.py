@@ -14,10 +14,11 @@ import json
 import logging
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import numpy as np
 
+from indexer.fingerprint import fingerprint_of
 from indexer.prior import PriorConfig, StaticPrior
 from indexer.tokens import SEPARATOR
 
@@ -37,30 +38,46 @@ def load_tokenizer(path: str | Path) -> tuple[Encoder, int]:
     A SentencePiece ``tokenizer.model`` is used directly (recent transformers versions change
     Llama's leading-space handling); otherwise a Hugging Face ``tokenizer.json``.
     """
+    tok = _open_tokenizer(path)
+    if hasattr(tok, "id_to_piece"):  # SentencePiece
+        sp = tok
+        return (lambda texts: sp.encode(texts, num_threads=2)), int(sp.get_piece_size())
+
+    def encode(texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)]
+
+    return encode, int(tok.get_vocab_size(with_added_tokens=True))
+
+
+def tokenizer_fingerprint(path: str | Path) -> str:
+    """The fingerprint of the tokenizer :func:`load_tokenizer` reads from ``path`` (see
+    :mod:`indexer.fingerprint`): the one an engine of that tokenizer states."""
+    tok = _open_tokenizer(path)
+    if hasattr(tok, "id_to_piece"):  # SentencePiece
+        return fingerprint_of(tok.id_to_piece, tok.get_piece_size())
+    return fingerprint_of(lambda i: tok.id_to_token(i) or "", tok.get_vocab_size(with_added_tokens=True))
+
+
+def _open_tokenizer(path: str | Path) -> Any:
+    """A SentencePiece processor for a ``tokenizer.model``, else a ``tokenizers.Tokenizer``."""
     path = Path(path)
     model = path / "tokenizer.model" if path.is_dir() else path
     if model.suffix == ".model" and model.exists():
         import sentencepiece as spm
 
         try:
-            sp = spm.SentencePieceProcessor(model_file=str(model))
+            return spm.SentencePieceProcessor(model_file=str(model))
         except (OSError, RuntimeError) as exc:
             raise CorpusError(f"{model}: not a SentencePiece model: {exc}") from exc
-        return (lambda texts: sp.encode(texts, num_threads=2)), int(sp.get_piece_size())
     spec = path / "tokenizer.json" if path.is_dir() else path
     if not spec.exists():
         raise CorpusError(f"{path}: no tokenizer.model or tokenizer.json found")
     from tokenizers import Tokenizer
 
     try:
-        tok = Tokenizer.from_file(str(spec))
+        return Tokenizer.from_file(str(spec))
     except Exception as exc:  # the Rust side raises its own exception type
         raise CorpusError(f"{spec}: not a tokenizer.json: {exc}") from exc
-
-    def encode(texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)]
-
-    return encode, int(tok.get_vocab_size(with_added_tokens=True))
 
 
 def read_corpus(path: str | Path, fmt: str, *, every_turn: bool = False) -> Iterator[str]:

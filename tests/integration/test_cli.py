@@ -238,6 +238,33 @@ def test_warm_publishes_into_a_namespace_registered_with_the_models_padded_vocab
     assert "registered with vocab_size 32768, not 32000" in capsys.readouterr().err
 
 
+def test_warm_registers_its_tokenizer_and_refuses_another_of_the_same_size(
+    tmp_path: Path, shared_data: Path, redis_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The tokenizer's fingerprint goes with the namespace (the one engines of it state); a
+    tokenizer of the same size that is another (two pieces trade ids) publishes nothing there."""
+    from cache_service.storage.connect import connect
+    from cache_service.storage.redis_store import RedisStore
+
+    smollm2 = shared_data / "tokenizers" / "smollm2"
+    spec = json.loads((smollm2 / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    by_id = {i: piece for piece, i in vocab.items()}
+    vocab[by_id[300]], vocab[by_id[301]] = 301, 300
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "tokenizer.json").write_text(json.dumps(spec))
+    corpus = sharegpt(tmp_path / "c.json.gz", ["The quick brown fox."] * 3)
+    store = RedisStore(connect(redis_url))
+    for tokenizer, code in ((smollm2, 0), (other, 2)):
+        args = ["warm", "--namespace", "smol", "--tokenizer", str(tokenizer), "--corpus", str(corpus)]
+        assert main([*args, "--redis-url", redis_url]) == code, tokenizer
+        assert main([*args, "--redis-url", redis_url, "--lifetime"]) == code, tokenizer
+    assert store.namespaces() == {"smol": 49152} and store.tokenizers(["smol"]) == {"smol": "9f9b052c2dfc9277"}
+    assert store.prior_version("smol") == 1 and len(store.read_log("smol")) == 3  # the first tokenizer's only
+    assert "holds the ids of tokenizer 9f9b052c2dfc9277" in capsys.readouterr().err
+
+
 def test_warm_rejects_a_wrong_tokenizer(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     corpus = sharegpt(tmp_path / "c.json.gz", ["hello"])
     fake = tmp_path / "tok"
