@@ -8,6 +8,7 @@ from pathlib import Path
 import grpc
 
 from indexer.drafter import MAX_LOOKAHEAD, DraftParams
+from indexer.fingerprint import check_fingerprint
 from indexer.successors import MAX_TOPK
 
 # Reconnect quickly after an outage: the fallback covers the gap, not a long backoff.
@@ -55,6 +56,10 @@ class ClientConfig:
     # namespace has another (another tokenizer) refuses them, and the client then drafts locally
     # and commits nothing there. 0: not stated, ids only checked to be >= 0.
     vocab_size: int = 0
+    # The fingerprint of the model's tokenizer (indexer.fingerprint; "": not stated), stated
+    # beside vocab_size: a namespace registered with another tokenizer of the same size refuses
+    # the calls as it refuses another vocabulary.
+    tokenizer: str = ""
     stream: bool = True  # calls on two bidirectional streams (False: one unary call each)
     token: str = ""  # bearer token, when the service authenticates callers
     tls_root_cert_file: str = ""  # PEM CA of the service's certificate: use TLS
@@ -78,6 +83,7 @@ class ClientConfig:
             raise ValueError(f"chain_run_on must be in (0, 1], got {self.chain_run_on}")
         if self.vocab_size < 0:
             raise ValueError(f"vocab_size must be >= 0, got {self.vocab_size}")
+        check_fingerprint(self.tokenizer)
         if not 0 <= self.topk <= MAX_TOPK:
             raise ValueError(f"topk must be in [0, {MAX_TOPK}], got {self.topk}")
         if not all(" " <= c <= "~" for c in self.token):  # not echoed: it is a secret

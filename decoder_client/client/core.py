@@ -208,6 +208,7 @@ class ClientCore:
                     params=self.params,
                     session_id=token_hex(16),
                     vocab_size=self.config.vocab_size,
+                    tokenizer=self.config.tokenizer,
                 )
                 for s in todo
             ]

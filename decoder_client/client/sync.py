@@ -215,9 +215,13 @@ class DraftClient:
         entries of at most ``max_tokens`` tokens in all (at least one), oldest first, and the id
         the next read goes on after. A unary call within the control timeout; it raises
         ``grpc.RpcError`` (the caller retries later: nothing here waits on the service;
-        FAILED_PRECONDITION: the namespace has another vocabulary than ``vocab_size``)."""
+        FAILED_PRECONDITION: the namespace has another vocabulary or tokenizer than the config's)."""
         req = pb.ReadLogRequest(
-            namespace=self.config.namespace, after=after, max_tokens=max_tokens, vocab_size=self.config.vocab_size
+            namespace=self.config.namespace,
+            after=after,
+            max_tokens=max_tokens,
+            vocab_size=self.config.vocab_size,
+            tokenizer=self.config.tokenizer,
         )
         resp = self._stub.ReadLog(req, timeout=self.config.control_timeout_s, metadata=self.config.metadata)
         return [(e.id, np.array(e.tokens, dtype=np.int32)) for e in resp.entries], resp.last
@@ -234,6 +238,7 @@ class DraftClient:
             offset=offset,
             max_bytes=max_bytes,
             vocab_size=self.config.vocab_size,
+            tokenizer=self.config.tokenizer,
         )
         resp = self._stub.ReadPrior(req, timeout=self.config.control_timeout_s, metadata=self.config.metadata)
         return resp.version, resp.size, resp.digest, resp.data

@@ -48,6 +48,7 @@ with this draft model in.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
@@ -65,6 +66,7 @@ from decoder_client.engines.settings import EngineSettings
 from decoder_client.engines.step_clock import StepClock
 from decoder_client.engines.step_cost import StepCost, chain_to_propose
 from indexer.drafter import MAX_DEPTH
+from indexer.fingerprint import fingerprint_of
 
 if TYPE_CHECKING:
     from llama_cpp import Llama
@@ -81,6 +83,8 @@ else:
         return LlamaDraftModel
 
     LlamaDraftModel = _hook_base()
+
+logger = logging.getLogger(__name__)
 
 
 def accepted_drafts(previous: np.ndarray, draft: np.ndarray, sequence: np.ndarray) -> int | None:
@@ -153,6 +157,17 @@ def _prompt_eval_hookable(llm: Any) -> bool:
     return isinstance(getattr(llm, "_logits_all", None), bool) and hasattr(getattr(llm, "_ctx", None), "get_logits")
 
 
+def llama_fingerprint(llm: Any) -> str:
+    """The fingerprint of a loaded ``Llama``'s tokenizer (:mod:`indexer.fingerprint`): the
+    pieces its GGUF file lists, which are the Hugging Face tokenizer's. "" (not stated) where
+    this build of llama-cpp-python cannot list them."""
+    try:
+        return fingerprint_of(llm._model.token_get_text, int(llm.n_vocab()))
+    except (AttributeError, UnicodeDecodeError) as exc:
+        logger.warning("draftcache: this Llama's tokenizer pieces could not be read (%s); not stated", exc)
+        return ""
+
+
 class DraftcacheDraftModel(LlamaDraftModel):
     """A ``LlamaDraftModel`` drafting with draftcache: chains of at most ``num_pred_tokens``
     ids, one session per generation (see the module's docstring).
@@ -162,8 +177,10 @@ class DraftcacheDraftModel(LlamaDraftModel):
     :meth:`close`.
 
     >>> llm = Llama(model_path=GGUF, logits_all=True)  # doctest: +SKIP
-    >>> vocab = llm.n_vocab()  # doctest: +SKIP
-    >>> draft = DraftcacheDraftModel.connect("127.0.0.1:50051", "smollm2", vocab_size=vocab)  # doctest: +SKIP
+    >>> vocab, tokenizer = llm.n_vocab(), llama_fingerprint(llm)  # doctest: +SKIP
+    >>> draft = DraftcacheDraftModel.connect(  # doctest: +SKIP
+    ...     "127.0.0.1:50051", "smollm2", vocab_size=vocab, tokenizer=tokenizer
+    ... )
     >>> draft.attach(llm)  # doctest: +SKIP
     >>> llm("Q: name the planets. A:", max_tokens=64, temperature=0.0)  # doctest: +SKIP
     >>> draft.close()  # doctest: +SKIP
@@ -209,6 +226,7 @@ class DraftcacheDraftModel(LlamaDraftModel):
         *,
         num_pred_tokens: int = 10,
         vocab_size: int | None = None,
+        tokenizer: str = "",
         chain_model: ChainSource | None = None,
         **settings: Any,
     ) -> DraftcacheDraftModel:
@@ -217,12 +235,14 @@ class DraftcacheDraftModel(LlamaDraftModel):
         :class:`~decoder_client.engines.settings.EngineSettings` (``deadline_s``,
         ``chain_min_prob``, ``token``, ``near``, ...), as vLLM's proposer takes them.
         ``vocab_size``: the model's (``llm.n_vocab()``), which the near copy it drafts from by
-        default needs (with ``near=False`` each step asks the service instead).
+        default needs (with ``near=False`` each step asks the service instead). ``tokenizer``:
+        its tokenizer's fingerprint (:func:`llama_fingerprint`), stated beside it, so that a
+        namespace of another tokenizer of the same size refuses this model ("": not stated).
         ``chain_model``: a small model drafting beside the cache
         (:class:`~decoder_client.engines.llamacpp_chains.LlamaChainModel`): each step proposes
         its chain unless the cache's first token is likelier."""
         settings_ = EngineSettings(target=target, namespace=namespace, **settings)
-        return cls.from_settings(settings_, num_pred_tokens, vocab_size, chain_model=chain_model)
+        return cls.from_settings(settings_, num_pred_tokens, vocab_size, tokenizer=tokenizer, chain_model=chain_model)
 
     @classmethod
     def from_settings(
@@ -231,10 +251,11 @@ class DraftcacheDraftModel(LlamaDraftModel):
         num_pred_tokens: int = 10,
         vocab_size: int | None = None,
         *,
+        tokenizer: str = "",
         chain_model: ChainSource | None = None,
     ) -> DraftcacheDraftModel:
         """See :meth:`connect`; each call's deadline follows the engine's step."""
-        client = settings.draft_client(num_pred_tokens, vocab_size)
+        client = settings.draft_client(num_pred_tokens, vocab_size, tokenizer)
         return cls(
             client,
             num_pred_tokens=num_pred_tokens,

@@ -68,7 +68,7 @@ def proxy_class(settings: EngineSettings, num_pred_tokens: int, chain_model: str
     from llama_cpp import Llama
     from llama_cpp.server.model import LlamaProxy
 
-    from decoder_client.engines.llamacpp import DraftcacheDraftModel
+    from decoder_client.engines.llamacpp import DraftcacheDraftModel, llama_fingerprint
     from decoder_client.engines.llamacpp_chains import LlamaChainModel
 
     class DraftcacheLlamaProxy(LlamaProxy):
@@ -87,7 +87,9 @@ def proxy_class(settings: EngineSettings, num_pred_tokens: int, chain_model: str
                 )
                 chains = LlamaChainModel(small, num_pred_tokens)
             vocab = int(llm.n_vocab())
-            draft = DraftcacheDraftModel.from_settings(settings, num_pred_tokens, vocab, chain_model=chains)
+            draft = DraftcacheDraftModel.from_settings(
+                settings, num_pred_tokens, vocab, tokenizer=llama_fingerprint(llm), chain_model=chains
+            )
             draft.attach(llm)
             self.draft_models[id(llm)] = draft
             self._close_unloaded(keep=llm)

@@ -199,12 +199,15 @@ class EngineSettings:
             tls_root_cert_file=self.tls_root_cert_file,
         )
 
-    def draft_client(self, num_speculative_tokens: int, vocab_size: int | None = None) -> Drafting:
+    def draft_client(self, num_speculative_tokens: int, vocab_size: int | None = None, tokenizer: str = "") -> Drafting:
         """The client a proposer drafts with: the service's, or (``near``) a near copy in this
         process over ``vocab_size`` ids, with the prior file read now (a missing or corrupt file
         is an error at the engine's start, not a silent loss of drafts) or, without one, the
-        service's prior read in the background."""
-        config = dataclasses.replace(self.client_config(num_speculative_tokens), vocab_size=vocab_size or 0)
+        service's prior read in the background. ``tokenizer``: the model's tokenizer's
+        fingerprint (:mod:`indexer.fingerprint`; "": not stated), stated with ``vocab_size``."""
+        config = dataclasses.replace(
+            self.client_config(num_speculative_tokens), vocab_size=vocab_size or 0, tokenizer=tokenizer
+        )
         if not self.near:
             from decoder_client.client import DraftClient
 

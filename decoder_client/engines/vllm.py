@@ -78,6 +78,7 @@ children re-import the script. vLLM's worker imports the client when it builds t
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import json
 import logging
 import os
@@ -96,6 +97,7 @@ from decoder_client.engines.outcomes import ChainOutcomes
 from decoder_client.engines.rows import RowTracker, Track
 from decoder_client.engines.settings import EngineSettings
 from decoder_client.engines.step_stats import StepStats
+from indexer.fingerprint import FINGERPRINT_IDS, fingerprint
 
 if TYPE_CHECKING:
     from decoder_client.client import ClientConfig, ClientSession
@@ -139,9 +141,11 @@ class DraftcacheProposer:
         self._deadline = self.settings.step_deadline()
         self._cost = self.settings.step_cost()
         vocab = int(vllm_config.model_config.get_vocab_size())
+        tokenizer = tokenizer_fingerprint(vllm_config.model_config)
+        self.client_config = dataclasses.replace(self.client_config, vocab_size=vocab, tokenizer=tokenizer)
         if self.settings.create_namespace:  # in the background: the engine's start never waits on the service
             threading.Thread(target=ensure_namespace, args=(self.client_config, vocab), daemon=True).start()
-        self._client: Drafting = self.settings.draft_client(self.num_speculative_tokens, vocab)
+        self._client: Drafting = self.settings.draft_client(self.num_speculative_tokens, vocab, tokenizer)
         self._models = draft_models(vllm_config, self.settings, vocab) if self.settings.draft_model else None
         self._model_steps = self._model_proposed = self._model_accepted = 0
         self._tracker = RowTracker()
@@ -418,24 +422,47 @@ def draft_models(vllm_config: Any, settings: EngineSettings, vocab_size: int) ->
     return ModelRows(make, settings.draft_model_rows)
 
 
+def tokenizer_fingerprint(model_config: Any) -> str:
+    """The fingerprint of the engine's tokenizer (:mod:`indexer.fingerprint`), stated beside its
+    vocabulary so that a namespace of another tokenizer of the same size refuses this model. ""
+    (not stated, only the size is checked) where the engine loads no tokenizer or this one
+    cannot be read as a Hugging Face tokenizer (a Mistral-format one, say)."""
+    if getattr(model_config, "skip_tokenizer_init", False):
+        return ""
+    try:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(
+            model_config.tokenizer,
+            revision=getattr(model_config, "tokenizer_revision", None),
+            trust_remote_code=bool(getattr(model_config, "trust_remote_code", False)),
+        )
+        pieces = tok.convert_ids_to_tokens(list(range(min(len(tok), FINGERPRINT_IDS))))
+        return fingerprint(piece or "" for piece in pieces)
+    except Exception as exc:  # any loader's failure only leaves the tokenizer unstated
+        logger.warning("draftcache: the tokenizer's pieces could not be read (%s); only its size is stated", exc)
+        return ""
+
+
 def ensure_namespace(config: ClientConfig, vocab_size: int, timeout_s: float = 60.0) -> None:
-    """Create the namespace with the model's vocabulary unless the service has it, waiting up
-    to ``timeout_s`` for the service. Best effort: a service that does not come, or a token
-    that may not create namespaces, is logged (drafts are local until the service serves the
-    namespace). One that exists with another tokenizer's vocabulary is logged as an error (the
-    service refuses this model's calls there); one that exists with the tokenizer's own size,
-    which the model pads, is used as it is."""
+    """Create the namespace with the model's vocabulary (and ``config.tokenizer``'s
+    fingerprint) unless the service has it, waiting up to ``timeout_s`` for the service. Best
+    effort: a service that does not come, or a token that may not create namespaces, is logged
+    (drafts are local until the service serves the namespace). One that exists with another
+    tokenizer (another vocabulary, or another fingerprint) is logged as an error (the service
+    refuses this model's calls there); one that exists with the tokenizer's own size, which the
+    model pads, is used as it is, its fingerprint registered when it has none."""
     creds = config.credentials()
     with (
         grpc.insecure_channel(config.target) if creds is None else grpc.secure_channel(config.target, creds)
     ) as channel:
         admin = pb_grpc.AdminStub(channel)
-        request = pb.CreateNamespaceRequest(name=config.namespace, vocab_size=vocab_size)
+        request = pb.CreateNamespaceRequest(name=config.namespace, vocab_size=vocab_size, tokenizer=config.tokenizer)
         try:
             admin.CreateNamespace(request, timeout=timeout_s, metadata=config.metadata, wait_for_ready=True)
         except grpc.RpcError as exc:  # the service says why
             level = logging.WARNING
-            if exc.code() is grpc.StatusCode.ALREADY_EXISTS:  # with another vocabulary size
+            if exc.code() is grpc.StatusCode.ALREADY_EXISTS:  # with another vocabulary size or tokenizer
                 level = logging.INFO if _padded_from(admin, config, vocab_size) else logging.ERROR
             logger.log(
                 level, "draftcache: namespace %r not created (%s: %s)", config.namespace, exc.code(), exc.details()
@@ -444,14 +471,23 @@ def ensure_namespace(config: ClientConfig, vocab_size: int, timeout_s: float = 6
 
 def _padded_from(admin: pb_grpc.AdminStub, config: ClientConfig, vocab_size: int) -> bool:
     """Whether the service's namespace has a vocabulary this model's may be padded from (or to):
-    one tokenizer's (see :func:`~indexer.tokens.one_tokenizer`)."""
+    one tokenizer's (see :func:`~indexer.tokens.one_tokenizer`), and no other fingerprint. The
+    model's fingerprint is registered with it when it has none (under its own size)."""
     from indexer.tokens import one_tokenizer
 
     try:
         listed = admin.Namespaces(pb.NamespacesRequest(), timeout=10, metadata=config.metadata).namespaces
+        found = next((n for n in listed if n.name == config.namespace), None)
+        if found is None or not one_tokenizer(found.vocab_size, vocab_size):
+            return False
+        if config.tokenizer and not found.tokenizer:
+            request = pb.CreateNamespaceRequest(
+                name=config.namespace, vocab_size=found.vocab_size, tokenizer=config.tokenizer
+            )
+            found = admin.CreateNamespace(request, timeout=10, metadata=config.metadata).namespace
     except grpc.RpcError:
         return False
-    return any(n.name == config.namespace and one_tokenizer(n.vocab_size, vocab_size) for n in listed)
+    return not (config.tokenizer and found.tokenizer and found.tokenizer != config.tokenizer)
 
 
 def _section(additional_config: Any) -> Mapping[str, Any]:

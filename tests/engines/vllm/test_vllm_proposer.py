@@ -4,6 +4,7 @@ service's lifetime log, and the service frozen or killed mid-generation."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import threading
@@ -12,6 +13,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 from draftcache.v1 import draftcache_pb2 as pb
 
@@ -29,6 +31,7 @@ from tests.engines.vllm.conftest import (
 from tests.faults import Serve, log_entries, wait_for
 
 Requests = list[tuple[list[int], int]]
+SMOLLM2_TOKENIZER = "9f9b052c2dfc9277"  # its fingerprint (indexer.fingerprint)
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +97,7 @@ def test_an_engine_on_a_namespace_of_another_vocabulary_generates_as_plain_vllm_
 
 
 def test_greedy_outputs_identical_to_plain_vllm(
-    drafting: tuple[Any, Path], batch: Requests, plain: dict[str, list[list[int]]]
+    drafting: tuple[Any, Path], serve: Serve, batch: Requests, plain: dict[str, list[list[int]]]
 ) -> None:
     llm, stats_path = drafting
     before = spec_counters(llm)
@@ -106,6 +109,10 @@ def test_greedy_outputs_identical_to_plain_vllm(
     stats = wait_stats(stats_path, lambda s: s["steps"] > 0, 10, "the proposer's stats")
     assert stats["remote_drafts"] > 0  # drafts came from the service, not only the local fallback
     assert stats["errors"] == 0
+    # The proposer stated vLLM's tokenizer with its namespace: the fingerprint draftcache warm
+    # and llama.cpp state for SmolLM2's (tests/client/test_fingerprints.py).
+    listed = serve.admin.Namespaces(pb.NamespacesRequest(), timeout=10).namespaces
+    assert [n.tokenizer for n in listed if n.name == NAMESPACE] == [SMOLLM2_TOKENIZER]
 
 
 def test_each_request_is_one_session_committed_whole(
@@ -212,6 +219,29 @@ def test_a_namespace_of_another_vocabulary_is_an_error_with_the_services_reason(
     assert "exists with vocab_size 1000, not 49152" in record.getMessage()
 
 
+def test_a_namespace_of_another_tokenizer_of_the_same_size_is_an_error(
+    serve: Serve, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The same vocabulary size, another tokenizer's fingerprint registered: an error at start,
+    and the service refuses the model's calls there."""
+    from decoder_client.engines.settings import EngineSettings
+    from decoder_client.engines.vllm import ensure_namespace
+
+    name = NAMESPACE + "-other-tokenizer"
+    other = "0123456789abcdef"
+    serve.admin.CreateNamespace(pb.CreateNamespaceRequest(name=name, vocab_size=49152, tokenizer=other), timeout=10)
+    settings = EngineSettings(namespace=name, target=f"127.0.0.1:{serve.port}")
+    config = dataclasses.replace(settings.client_config(K), tokenizer=SMOLLM2_TOKENIZER)
+    with caplog.at_level(logging.WARNING, logger="decoder_client.engines.vllm"):
+        ensure_namespace(config, 49152, timeout_s=10)
+    (record,) = caplog.records
+    assert record.levelno == logging.ERROR and f"tokenizer {other}, not {SMOLLM2_TOKENIZER}" in record.getMessage()
+    ours = pb.OpenSession(namespace=name, prompt=[1, 2, 3], vocab_size=49152, tokenizer=SMOLLM2_TOKENIZER)
+    with pytest.raises(grpc.RpcError) as refused:
+        serve.stub.OpenSessions(pb.OpenSessionsRequest(sessions=[ours]))
+    assert refused.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+
+
 def test_a_namespace_of_the_tokenizers_size_which_the_model_pads_is_taken_quietly(
     serve: Serve, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -232,3 +262,8 @@ def test_a_namespace_of_the_tokenizers_size_which_the_model_pads_is_taken_quietl
         pb.OpenSessionsRequest(sessions=[pb.OpenSession(namespace=name, prompt=[1, 2, 3], vocab_size=49152)])
     )
     assert len(opened.session_ids) == 1
+    # Stating its tokenizer, the model registers it with the namespace, under the namespace's size.
+    config = dataclasses.replace(config, tokenizer=SMOLLM2_TOKENIZER)
+    ensure_namespace(config, 49152, timeout_s=10)
+    listed = serve.admin.Namespaces(pb.NamespacesRequest(), timeout=10).namespaces
+    assert [(n.vocab_size, n.tokenizer) for n in listed if n.name == name] == [(49052, SMOLLM2_TOKENIZER)]
