@@ -4,12 +4,14 @@ YAML documents, the Dockerfile's instructions, env files, and what ``draftcache`
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import re
 import shutil
 import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import dockerfile
@@ -28,6 +30,8 @@ UNIT_ENV = DEPLOY / "systemd" / "draftcache.env"
 GRPC_PORT = 50051
 REDIS_PORT = 6379
 PREFIX = "DRAFTCACHE_"
+# Variables that deploy/healthcheck.py reads beside the server's own (no flags of ``serve``).
+HEALTHCHECK_ONLY = frozenset({"DRAFTCACHE_TLS_CA", "DRAFTCACHE_TLS_SERVER_NAME"})
 
 
 def yaml_files() -> list[Path]:
@@ -91,6 +95,48 @@ def env_pairs(command: dockerfile.Command) -> Iterator[tuple[str, str]]:
     values = command.value
     for i in range(0, len(values), 2):
         yield values[i], values[i + 1]
+
+
+def duration_s(text: str) -> float:
+    """A Docker / Compose duration such as ``5s``, ``1m30s`` or ``500ms``."""
+    units = {"ms": 0.001, "s": 1, "m": 60, "h": 3600}
+    parts = re.findall(r"(\d+(?:\.\d+)?)(ms|s|m|h)", text)
+    assert parts and "".join(n + u for n, u in parts) == text, text
+    return sum(float(n) * units[u] for n, u in parts)
+
+
+# What the interpreter's start and the script's imports may take beside the script's deadline.
+START_S = 1.5
+
+
+def healthcheck_module() -> ModuleType:
+    """deploy/healthcheck.py, imported (it is a script, not a package module)."""
+    spec = importlib.util.spec_from_file_location("draftcache_healthcheck", HEALTHCHECK)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # as an import registers it (its dataclasses look it up)
+    spec.loader.exec_module(module)
+    return module
+
+
+def healthcheck_in_image() -> str:
+    """Where the Dockerfile copies deploy/healthcheck.py in the image."""
+    (path,) = [c.value[-1] for c in final_stage() if c.cmd.upper() == "COPY" and c.value[0] == "deploy/healthcheck.py"]
+    return str(path)
+
+
+def overlay_env(overlay: str) -> dict[str, str]:
+    """The variables an overlay's StatefulSet patch sets on the server container (a value, or a
+    stand-in for one from a Secret)."""
+    patch = next(
+        d
+        for path in (K8S / "overlays" / overlay).glob("*.yaml")
+        if path.name != "kustomization.yaml"
+        for d in load_docs(path)
+        if d.get("kind") == "StatefulSet"
+    )
+    env = patch["spec"]["template"]["spec"]["containers"][0]["env"]
+    return {e["name"]: e.get("value", "redis://from-a-secret:6379/0") for e in env}
 
 
 def dockerfile_env() -> dict[str, str]:

@@ -10,7 +10,17 @@ from typing import Any
 
 import pytest
 import yaml
-from deploy_files import COMPOSE, GRPC_PORT, REDIS_PORT, compose, dockerfile_env, k8s_base
+from deploy_files import (
+    COMPOSE,
+    GRPC_PORT,
+    REDIS_PORT,
+    START_S,
+    compose,
+    dockerfile_env,
+    duration_s,
+    healthcheck_module,
+    k8s_base,
+)
 
 REPLICAS = ("draftcache-1", "draftcache-2")
 
@@ -60,6 +70,13 @@ def test_redis_keeps_an_append_only_file_on_a_volume() -> None:
     # The same Redis as the Kubernetes StatefulSet runs.
     statefulset = k8s_base("StatefulSet", "draftcache-redis")
     assert redis["image"] == statefulset["spec"]["template"]["spec"]["containers"][0]["image"]
+
+
+def test_the_replicas_check_gets_time_to_answer() -> None:
+    deadline = healthcheck_module().DEFAULT_TIMEOUT_S
+    for name in REPLICAS:
+        timeout = duration_s(service(name)["healthcheck"]["timeout"])
+        assert timeout - START_S <= deadline < timeout, name
 
 
 def test_replicas_share_the_redis_and_wait_for_it() -> None:

@@ -18,7 +18,7 @@ from deploy_files import (
     DEPLOY,
     GRPC_PORT,
     HEALTHCHECK,
-    K8S,
+    HEALTHCHECK_ONLY,
     UNIT_ENV,
     compose,
     docker_commands,
@@ -27,6 +27,7 @@ from deploy_files import (
     k8s_base,
     load_docs,
     option_of,
+    overlay_env,
     read_env_file,
     unit_directives,
     yaml_files,
@@ -47,12 +48,6 @@ def test_a_yaml_error_is_caught() -> None:
         yaml.safe_load("data:\n  DRAFTCACHE_PORT: [50051\n")
 
 
-def overlay_env_names() -> dict[str, str]:
-    patch = load_docs(K8S / "overlays" / "external-redis" / "redis-url-from-secret.yaml")[0]
-    env = patch["spec"]["template"]["spec"]["containers"][0]["env"]
-    return {e["name"]: "redis://from-a-secret:6379/0" for e in env}
-
-
 def unit_environment() -> dict[str, str]:
     items = [item for s, k, v in unit_directives() if k == "Environment" for item in v.split()]
     return dict(item.split("=", 1) for item in items)
@@ -66,7 +61,8 @@ def serve_settings() -> dict[str, dict[str, str]]:
         "compose draftcache-1": draftcache_vars(services["draftcache-1"]["environment"]),
         "compose draftcache-2": draftcache_vars(services["draftcache-2"]["environment"]),
         "k8s ConfigMap": draftcache_vars(k8s_base("ConfigMap", "draftcache")["data"]),
-        "k8s external-redis overlay": draftcache_vars(overlay_env_names()),
+        "k8s external-redis overlay": draftcache_vars(overlay_env("external-redis")),
+        "k8s tls overlay": {k: v for k, v in overlay_env("tls").items() if k not in HEALTHCHECK_ONLY},
         "systemd env file": draftcache_vars(read_env_file(UNIT_ENV)),
         "systemd unit Environment=": draftcache_vars(unit_environment()),
     }
@@ -126,9 +122,9 @@ def real_serve_env(settings: dict[str, str], tmp_path: Path) -> dict[str, str]:
     return env
 
 
-@pytest.mark.parametrize("source", ["k8s ConfigMap", "compose draftcache-1", "systemd env file"])
-def test_serve_starts_healthy_and_stops_on_the_artefact_settings(source: str, tmp_path: Path) -> None:
-    env = real_serve_env(serve_settings()[source], tmp_path)
+def serves_healthy_and_stops(env: dict[str, str]) -> None:
+    """``draftcache serve`` on ``env`` alone reports SERVING to deploy/healthcheck.py run on the
+    same variables (as a container's check or an exec probe is), then stops on SIGTERM."""
     cmd = [sys.executable, "-m", "cache_service.cli", "serve"]  # no flags: all from the environment
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -147,3 +143,21 @@ def test_serve_starts_healthy_and_stops_on_the_artefact_settings(source: str, tm
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.parametrize("source", ["k8s ConfigMap", "compose draftcache-1", "systemd env file"])
+def test_serve_starts_healthy_and_stops_on_the_artefact_settings(source: str, tmp_path: Path) -> None:
+    serves_healthy_and_stops(real_serve_env(serve_settings()[source], tmp_path))
+
+
+def test_serve_starts_healthy_over_tls_on_the_tls_overlay_settings(pki: Path, tmp_path: Path) -> None:
+    """The overlay's variables, its Secret's files (tls.crt, tls.key) standing in for a test
+    certificate of 127.0.0.1 and localhost: the check the overlay's probes run finds the server
+    SERVING over TLS, as it must for the pods ever to be ready."""
+    settings = {**serve_settings()["k8s ConfigMap"], **overlay_env("tls")}
+    stand_in = {"tls.crt": pki / "server.pem", "tls.key": pki / "server.key"}
+    for var in ("DRAFTCACHE_TLS_CERT", "DRAFTCACHE_TLS_KEY"):
+        settings[var] = str(stand_in[Path(settings[var]).name])
+    assert settings.pop("DRAFTCACHE_TLS_SERVER_NAME") == "draftcache"  # the Service's name
+    settings["DRAFTCACHE_TLS_SERVER_NAME"] = "localhost"  # the test certificate's
+    serves_healthy_and_stops(real_serve_env(settings, tmp_path))

@@ -16,9 +16,12 @@ from deploy_files import (
     DOCKERIGNORE,
     GRPC_PORT,
     ROOT,
+    START_S,
     docker_commands,
     dockerfile_env,
+    duration_s,
     final_stage,
+    healthcheck_module,
     tool,
 )
 
@@ -93,6 +96,18 @@ def test_healthcheck_runs_the_grpc_health_script_it_copies() -> None:
     copied = {c.value[-1]: c.value[0] for c in stage if c.cmd.upper() == "COPY" and not c.flags}
     assert copied[script] == "deploy/healthcheck.py"
     assert check.value[1:] == ("python", script)
+
+
+def test_the_check_answers_within_the_healthcheck_timeout() -> None:
+    """The script's own deadline fits in the HEALTHCHECK's timeout (else Docker kills it and
+    reports no status), and uses most of it (else a server answering in 3 s is called
+    unhealthy under a 5 s timeout)."""
+    (check,) = [c for c in final_stage() if c.cmd.upper() == "HEALTHCHECK"]
+    flags = dict(flag.lstrip("-").split("=", 1) for flag in check.flags)
+    timeout = duration_s(flags["timeout"])
+    deadline = healthcheck_module().DEFAULT_TIMEOUT_S
+    assert timeout - START_S <= deadline < timeout
+    assert duration_s("1m30s") == 90 and duration_s("500ms") == 0.5
 
 
 def dockerignore_excludes(path: str, patterns: list[str]) -> bool:

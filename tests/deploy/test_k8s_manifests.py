@@ -20,6 +20,8 @@ from deploy_files import (
     REDIS_PORT,
     dockerfile_env,
     final_stage,
+    healthcheck_in_image,
+    healthcheck_module,
     k8s_base,
     k8s_resources,
     kustomizations,
@@ -125,6 +127,48 @@ def test_the_external_redis_overlay_takes_the_url_from_a_secret() -> None:
     assert ref["name"] == example["metadata"]["name"] and ref["key"] in example["stringData"]
     # The patch merges into the service's StatefulSet: its journal keeps its claim.
     assert journal_claim(workload) == journal_claim(k8s_base(*SERVER))
+
+
+PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
+
+
+def test_the_tls_overlay_serves_tls_and_probes_over_it() -> None:
+    """Kubernetes' native grpc: probes speak plaintext only: against a server serving TLS they
+    never succeed and no pod is ever ready. The overlay probes with the image's check script,
+    which speaks TLS from the server's own variables, and gives it longer than its deadline."""
+    script = healthcheck_module()
+    docs = by_kind(kustomize(K8S / "overlays" / "tls"))
+    for doc in docs.values():
+        validate(doc, VERSIONS[-1])
+    workload = docs[SERVER]
+    pod = workload["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    env = {e["name"]: e["value"] for e in c["env"]}
+    for probe in PROBES:
+        assert "grpc" not in c[probe], probe
+        assert c[probe]["exec"]["command"] == ["python", healthcheck_in_image()], probe
+        assert c[probe]["timeoutSeconds"] > script.DEFAULT_TIMEOUT_S, probe
+    # The certificate and key are the Secret's (kubernetes.io/tls keys), mounted read-only.
+    mount = next(m for m in c["volumeMounts"] if m["name"] == "tls")
+    assert mount["readOnly"] is True
+    secret = next(v for v in pod["volumes"] if v["name"] == "tls")["secret"]
+    assert secret["secretName"] == "draftcache-tls"
+    assert env["DRAFTCACHE_TLS_CERT"] == f"{mount['mountPath']}/tls.crt"
+    assert env["DRAFTCACHE_TLS_KEY"] == f"{mount['mountPath']}/tls.key"
+    # The name checked is the Service's, which the certificate must carry.
+    assert env["DRAFTCACHE_TLS_SERVER_NAME"] == docs[("Service", "draftcache")]["metadata"]["name"]
+    # Files of mode 0440 under the pod's fsGroup: the non-root server can read them.
+    assert secret["defaultMode"] & 0o040 and pod["securityContext"]["fsGroup"] == 10001
+    assert journal_claim(workload) == journal_claim(k8s_base(*SERVER))
+
+
+def test_the_base_probes_are_plaintext_grpc() -> None:
+    """The base serves plaintext, where native grpc: probes work: no TLS setting may creep into
+    it without the overlay's probes."""
+    data = k8s_base("ConfigMap", "draftcache")["data"]
+    assert not {k for k in data if k.startswith("DRAFTCACHE_TLS_")}
+    c = server_container()
+    assert all("grpc" in c[probe] for probe in PROBES)
 
 
 def test_every_patch_names_a_resource_of_the_base() -> None:
