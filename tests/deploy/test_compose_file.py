@@ -72,6 +72,34 @@ def test_redis_keeps_an_append_only_file_on_a_volume() -> None:
     assert redis["image"] == statefulset["spec"]["template"]["spec"]["containers"][0]["image"]
 
 
+def journal_volume(name: str) -> str:
+    """The named volume a replica's --data-dir (its commit journal) lives on."""
+    replica = service(name)
+    data_dir = Path(replica["environment"].get("DRAFTCACHE_DATA_DIR") or dockerfile_env()["DRAFTCACHE_DATA_DIR"])
+    mounts = [str(m).split(":") for m in replica.get("volumes", [])]
+    holding = [(src, Path(dst)) for src, dst, *_ in mounts if Path(dst) in (data_dir, *data_dir.parents)]
+    assert holding, f"{name}: {data_dir} is on no volume (an anonymous one, lost when the container is recreated)"
+    source, _ = max(holding, key=lambda m: len(m[1].parts))  # the innermost
+    assert source in compose()["volumes"], f"{name}: {data_dir} is on {source!r}, not a named volume"
+    return source
+
+
+def test_each_replica_keeps_its_journal_on_a_named_volume_of_its_own() -> None:
+    """A commit Redis cannot take is acknowledged once fsynced to the journal in --data-dir:
+    the journal must outlive the container, and is one process's alone."""
+    volumes = [journal_volume(name) for name in REPLICAS]
+    assert len(set(volumes)) == len(REPLICAS)
+
+
+def test_a_journal_on_no_volume_is_caught() -> None:
+    doc = compose()
+    doc["services"]["draftcache-1"].pop("volumes")
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr("test_compose_file.compose", lambda: doc)
+        with pytest.raises(AssertionError, match="on no volume"):
+            journal_volume("draftcache-1")
+
+
 def test_the_replicas_check_gets_time_to_answer() -> None:
     deadline = healthcheck_module().DEFAULT_TIMEOUT_S
     for name in REPLICAS:
