@@ -5,7 +5,10 @@ grpc.health.v1 service and stops cleanly on each artefact's own settings."""
 
 from __future__ import annotations
 
+import inspect
 import os
+import re
+import shlex
 import subprocess
 import sys
 import time
@@ -24,16 +27,19 @@ from deploy_files import (
     docker_commands,
     dockerfile_env,
     draftcache_vars,
+    duration_s,
     k8s_base,
     load_docs,
     option_of,
     overlay_env,
     read_env_file,
+    subcommand_parser,
     unit_directives,
     yaml_files,
 )
 
-from cache_service.host.embedded_redis import free_port
+from cache_service.config import ServerConfig
+from cache_service.host.embedded_redis import EmbeddedRedis, free_port
 from tests.service.test_serve_metrics import READY_S
 
 
@@ -161,3 +167,67 @@ def test_serve_starts_healthy_over_tls_on_the_tls_overlay_settings(pki: Path, tm
     assert settings.pop("DRAFTCACHE_TLS_SERVER_NAME") == "draftcache"  # the Service's name
     settings["DRAFTCACHE_TLS_SERVER_NAME"] = "localhost"  # the test certificate's
     serves_healthy_and_stops(real_serve_env(settings, tmp_path))
+
+
+DOCKER_DEFAULT_STOP_S = 10  # `docker stop` / `docker run` without --stop-timeout
+
+
+def stop_budget_s(*, pre_stop_s: float = 0.0, embedded: bool) -> float:
+    """What ``draftcache serve`` may take from SIGTERM to its exit with storage answering or
+    refusing connections (cache_service/app.py, App.stop): the drain, the last session
+    write-back and log sync (a storage call's timeout each at worst), then the embedded Redis's
+    own stop; and before SIGTERM, a preStop hook's sleep."""
+    call_s = subcommand_parser("serve").get_default("storage_call_timeout")
+    redis_s = inspect.signature(EmbeddedRedis.stop).parameters["timeout_s"].default if embedded else 0.0
+    return pre_stop_s + ServerConfig().grace_s + 2 * call_s + redis_s
+
+
+def documented_docker_runs() -> list[tuple[str, list[str]]]:
+    """Every ``docker run`` of the image that starts the server, as deploy/README.md and the
+    Dockerfile's header write it."""
+    runs = []
+    for path in (DEPLOY / "README.md", DEPLOY / "Dockerfile"):
+        for match in re.finditer(r"docker run [^`\n]*", path.read_text()):
+            words = shlex.split(match.group(0).split("#")[0])
+            image = next(i for i, w in enumerate(words) if w.startswith("draftcache:"))
+            if words[image + 1 :] in ([], ["serve"]):  # the image's command: serve
+                runs.append((f"{path.name}: {match.group(0)}", words))
+    return runs
+
+
+def docker_stop_timeout(words: list[str]) -> float:
+    for i, word in enumerate(words):
+        if word == "--stop-timeout":
+            return float(words[i + 1])
+        if word.startswith("--stop-timeout="):
+            return float(word.split("=", 1)[1])
+    return DOCKER_DEFAULT_STOP_S
+
+
+def test_every_stop_grace_covers_the_server_stop() -> None:
+    """SIGKILL before the server has stopped loses the sessions' last write-back and, on the
+    embedded Redis, stops it uncleanly: every deployment waits at least the server's stop."""
+    pod = k8s_base("StatefulSet", "draftcache")["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    sleep, seconds = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert sleep == "sleep"
+    embedded_k8s = "DRAFTCACHE_REDIS_URL" not in k8s_base("ConfigMap", "draftcache")["data"]
+    assert pod["terminationGracePeriodSeconds"] >= stop_budget_s(pre_stop_s=float(seconds), embedded=embedded_k8s)
+    for name in ("draftcache-1", "draftcache-2"):
+        service = compose()["services"][name]
+        embedded = "DRAFTCACHE_REDIS_URL" not in service["environment"]
+        assert duration_s(service["stop_grace_period"]) >= stop_budget_s(embedded=embedded), name
+    unit = {k: v for section, k, v in unit_directives() if section == "Service"}
+    embedded = "DRAFTCACHE_REDIS_URL" not in read_env_file(UNIT_ENV)
+    assert float(unit["TimeoutStopSec"]) >= stop_budget_s(embedded=embedded)
+    runs = documented_docker_runs()
+    assert runs, "deploy/README.md shows how to run the image"
+    for where, words in runs:
+        embedded = not any(w.startswith("DRAFTCACHE_REDIS_URL=") for w in words)
+        assert docker_stop_timeout(words) >= stop_budget_s(embedded=embedded), where
+
+
+def test_a_docker_run_without_a_stop_timeout_is_caught() -> None:
+    words = ["docker", "run", "--rm", "draftcache:0.1.0"]
+    assert docker_stop_timeout(words) == DOCKER_DEFAULT_STOP_S < stop_budget_s(embedded=True)
+    assert docker_stop_timeout([*words[:2], "--stop-timeout=40", *words[2:]]) == 40
