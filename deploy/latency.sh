@@ -14,21 +14,24 @@
 # On a host with cores for both (threads + 1 for the server and at least 2 more), the server runs
 # on cores of its own and the benchmarks on the others (taskset), as on a serving host where the
 # decoders live on other machines; otherwise they share every core, and the report says so.
-# One JSON line per setting lands in latency/report.jsonl (the logs beside it).
+# One JSON line per setting lands in latency/report.jsonl (the logs beside it). Paths given as
+# arguments or in OUT, TOKENIZER and DRAFTCACHE_SHARED are read from the directory the script is
+# started in.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+# shellcheck source=deploy/bench_common.sh
+source "$(dirname "$0")/bench_common.sh"
 SECONDS_EACH=${1:-20}
 THREADS=${2:-"1 4"}
-CORPUS=${3:-../shared/data/corpora/sharegpt_v3_17671.json.gz}
-TOKENIZER=${TOKENIZER:-../shared/data/tokenizers/llama2-spm}
-OUT=${OUT:-latency}
+CORPUS=$(from_caller "${3:-$SHARED/data/corpora/sharegpt_v3_17671.json.gz}")
+TOKENIZER=$(from_caller "${TOKENIZER:-$SHARED/data/tokenizers/llama2-spm}")
+OUT=$(from_caller "${OUT:-$ROOT/latency}")
 BIN=${DRAFTCACHE:-draftcache}
+cd "$ROOT"
 CORES=$(nproc)
 rm -rf "$OUT"; mkdir -p "$OUT"
 SERVER_PID=""
 cleanup() { [ -z "$SERVER_PID" ] || kill "$SERVER_PID" 2>/dev/null || true; wait 2>/dev/null || true; }
 trap cleanup EXIT
-source deploy/bench_common.sh
 
 python - "$CORPUS" "$TOKENIZER" "$OUT/sharegpt.jsonl" <<'EOF'
 import sys

@@ -13,18 +13,21 @@
 # the processes mapping them; USS, the pages only that process holds), then `draftcache
 # bench-load` drives them (4 decoder processes, batch 32, back to back, finished requests
 # committed, so rebuilds run as under real traffic) for the given seconds, sampling the servers' CPU.
-# The JSON lines land in scale/report.jsonl, the processes' logs beside them.
+# The JSON lines land in scale/report.jsonl, the processes' logs and data directories (each
+# process's commit journal is its own) beside them. Paths given as arguments or in OUT,
+# TOKENIZER, TRACES and DRAFTCACHE_SHARED are read from the directory the script is started in.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+# shellcheck source=deploy/bench_common.sh
+source "$(dirname "$0")/bench_common.sh"
 MAX=${1:-2}
 SECONDS_EACH=${2:-30}
-CORPUS=${3:-../shared/data/corpora/sharegpt_v3_17671.json.gz}
-TOKENIZER=${TOKENIZER:-../shared/data/tokenizers/llama2-spm}
-TRACES=${TRACES:-../shared/data/traces/spec_bench_vicuna7b.jsonl.gz}
-OUT=${OUT:-scale}
+CORPUS=$(from_caller "${3:-$SHARED/data/corpora/sharegpt_v3_17671.json.gz}")
+TOKENIZER=$(from_caller "${TOKENIZER:-$SHARED/data/tokenizers/llama2-spm}")
+TRACES=$(from_caller "${TRACES:-$SHARED/data/traces/spec_bench_vicuna7b.jsonl.gz}")
+OUT=$(from_caller "${OUT:-$ROOT/scale}")
 BIN=${DRAFTCACHE:-draftcache}
+cd "$ROOT"
 rm -rf "$OUT"; mkdir -p "$OUT/redis"
-source deploy/bench_common.sh
 REDIS_PORT=$(port)
 REDIS_BIN=$(python -c 'from cache_service.host.embedded_redis import find_server_binary; print(find_server_binary())')
 URL="redis://127.0.0.1:$REDIS_PORT/0"
@@ -129,7 +132,8 @@ for N in $(seq 1 "$MAX"); do
     TARGETS=(); SOLO=()
     for i in $(seq 1 "$N"); do
       Q=$(port)
-      "$BIN" serve --port "$Q" --redis-url "$URL" >"$OUT/independent-$N-$i.log" 2>&1 &
+      "$BIN" serve --port "$Q" --redis-url "$URL" --data-dir "$OUT/independent-$N-$i" \
+        >"$OUT/independent-$N-$i.log" 2>&1 &
       SOLO+=($!); PIDS+=($!); TARGETS+=("127.0.0.1:$Q")
     done
     for t in "${TARGETS[@]}"; do wait_healthy "${t##*:}"; done
