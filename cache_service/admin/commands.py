@@ -168,7 +168,7 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
         p, "--flush-interval", type=float, default=0.5,
         help="seconds between write-backs of session state to storage",
     )  # fmt: skip
-    add(p, "--max-batch", type=positive, default=256, help="most items in one call")
+    add(p, "--max-batch", type=positive, default=256, help="most sessions in one call (clients split larger batches)")
     add(p, "--max-sessions", type=positive, default=100_000, help="most live sessions in one process")
     add(
         p,

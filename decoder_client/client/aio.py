@@ -40,7 +40,7 @@ class AsyncDraftClient:
         )
         self._stub = pb_grpc.DraftCacheStub(self._channel)
         self._streams: dict[str, AsyncStream] = {}  # by lane
-        self._inflight: tuple[list[ClientSession], asyncio.Future] | None = None
+        self._inflight: list[tuple[list[ClientSession], asyncio.Future]] = []  # drafting ahead
         self._opening: tuple[Reopening, asyncio.Future] | None = None
         self._background: set[asyncio.Future] = set()
         self._closing: set[asyncio.Future] = set()  # background closes (booked as each ends)
@@ -102,7 +102,7 @@ class AsyncDraftClient:
                 self._core.in_doubt(sessions)
                 raise
 
-    async def _perform(self, effect: Effect) -> Drafted | None:
+    async def _perform(self, effect: Effect) -> list[Drafted] | None:
         """See :meth:`DraftClient._perform` (the asyncio client books its closes as each ends)."""
         match effect:
             case CatchUp(end):
@@ -111,45 +111,61 @@ class AsyncDraftClient:
                 self._send_closes()
             case Reopen(sessions):
                 self._reopen(sessions)
-            case Draft(req, left):
-                return await self._draft(req, left)
-            case DraftAhead(sessions, req):
-                self._inflight = (sessions, self._future("draft", req, self._core.config.control_timeout_s))
+            case Draft(reqs, left):
+                return await self._draft(reqs, left)
+            case DraftAhead(parts):
+                timeout = self._core.config.control_timeout_s
+                self._inflight = [(sessions, self._future("draft", req, timeout)) for sessions, req in parts]
             case _:  # every effect is handled above (mypy checks it)
                 assert_never(effect)
         return None
 
     async def _settle(self, end: float | None = None) -> None:
         """See :meth:`DraftClient._settle`."""
-        if self._inflight is None:
+        if not self._inflight:
             return
-        sessions, task = self._inflight
-        self._inflight = None
-        resp = None
+        inflight, self._inflight = self._inflight, []
         wait = self._core.config.deadline_s if end is None else max(0.0, end - time.monotonic())
         try:
-            resp = await asyncio.wait_for(asyncio.shield(task), timeout=wait)
-        except TimeoutError:
-            if not self._core.ahead_late(sessions, task):
-                task.cancel()
-            return
-        except asyncio.CancelledError:  # the call goes on unbooked: its copies are in doubt
-            _retrieve_later(task)
-            self._core.in_doubt(sessions)
+            await asyncio.wait([task for _, task in inflight], timeout=wait)
+        except asyncio.CancelledError:  # the calls go on unbooked: their copies are in doubt
+            for sessions, task in inflight:
+                _retrieve_later(task)
+                self._core.in_doubt(sessions)
             raise
-        except grpc.RpcError as exc:
-            self._core.failed(exc)
-        self._core.answered(sessions, resp)
+        late = []
+        for sessions, task in inflight:
+            if not task.done():
+                late.append((sessions, task))
+                continue
+            resp = None
+            if task.cancelled():
+                pass
+            elif (exc := task.exception()) is None:
+                resp = task.result()
+            elif not isinstance(exc, grpc.RpcError):
+                raise exc
+            elif self._core.failed(exc):  # refused for its size: it changed nothing
+                continue
+            self._core.answered(sessions, resp)
+        if late:
+            for task in self._core.ahead_late(late):
+                task.cancel()
 
-    async def _draft(self, req: pb.DraftRequest, left: float) -> Drafted:
+    async def _draft(self, reqs: list[pb.DraftRequest], left: float) -> list[Drafted]:
         """See :meth:`DraftClient._draft`."""
-        with self._core.draft_call():
-            return await self._draft_call(req, left)
+        with self._core.draft_call(len(reqs)):
+            if len(reqs) == 1:
+                return [await self._draft_call(reqs[0], left)]
+            return await self._draft_parts(reqs, left)
 
     async def _draft_call(self, req: pb.DraftRequest, left: float) -> Drafted:
         cfg = self._core.config
         if not cfg.stream:
-            return Drafted(await self._call("draft", req, left))
+            try:
+                return Drafted(await self._request("draft", req, left))
+            except grpc.RpcError as exc:  # grpc.aio.AioRpcError is one
+                return Drafted(None, oversized=self._core.failed(exc))
         task = self._future("draft", req, cfg.control_timeout_s)
         try:
             return Drafted(await asyncio.wait_for(asyncio.shield(task), left))
@@ -160,8 +176,38 @@ class AsyncDraftClient:
             _retrieve_later(task)
             raise
         except grpc.RpcError as exc:
-            self._core.failed(exc)
-            return Drafted(None)
+            return Drafted(None, oversized=self._core.failed(exc))
+
+    async def _draft_parts(self, reqs: list[pb.DraftRequest], left: float) -> list[Drafted]:
+        """See :meth:`DraftClient._draft_parts`."""
+        cfg = self._core.config
+        if cfg.stream:
+            tasks = [self._future("draft", req, cfg.control_timeout_s) for req in reqs]
+        else:  # each ends by its own deadline
+            tasks = [asyncio.ensure_future(self._stub.Draft(req, timeout=left, metadata=cfg.metadata)) for req in reqs]
+        try:
+            await asyncio.wait(tasks, timeout=left if cfg.stream else None)
+        except asyncio.CancelledError:  # see draft: the calls go on (a unary one is cancelled)
+            for task in tasks:
+                if not cfg.stream:
+                    task.cancel()
+                _retrieve_later(task)
+            raise
+        out = []
+        late = False
+        for task in tasks:
+            if not task.done():
+                late = True
+                out.append(Drafted(None, task))
+            elif (exc := task.exception()) is None:
+                out.append(Drafted(task.result()))
+            elif isinstance(exc, grpc.RpcError):
+                out.append(Drafted(None, oversized=self._core.failed(exc)))
+            else:
+                raise exc
+        if late:
+            self._core.failed(None)
+        return out
 
     async def _check_late(self, wait_for: Sequence[ClientSession] | None = ()) -> None:
         """See :meth:`DraftClient._check_late`."""
@@ -294,18 +340,33 @@ class AsyncDraftClient:
             await asyncio.sleep(0)  # their callbacks book them
 
     async def _open(self, sessions: Sequence[ClientSession]) -> None:
-        req = self._core.open_request(sessions)
-        if req is not None:
-            try:
-                resp = await self._request("open", req, self._core.config.control_timeout_s)
-            except grpc.RpcError as exc:  # grpc.aio.AioRpcError is one
-                self._core.open_failed(req, exc)
+        """See :meth:`DraftClient._open`."""
+        for _ in range(2):
+            parts = self._core.open_parts(sessions)
+            if not parts:
                 return
+            tasks = [self._future("open", req, self._core.config.control_timeout_s) for _, req in parts]
+            try:
+                await asyncio.wait(tasks)
             except asyncio.CancelledError:  # the service may have made them: closed once it answers
-                self._core.abandon(s.session_id for s in req.sessions)
+                for (_, req), task in zip(parts, tasks, strict=True):
+                    task.cancel()
+                    _retrieve_later(task)
+                    self._core.abandon(s.session_id for s in req.sessions)
                 raise
-            self._core.opened(sessions, resp)
-            self._close_abandoned()
+            opened = oversized = False
+            for (part, req), task in zip(parts, tasks, strict=True):
+                if (exc := task.exception()) is None:
+                    self._core.opened(part, task.result())
+                    opened = True
+                elif isinstance(exc, grpc.RpcError):  # grpc.aio.AioRpcError is one
+                    oversized |= self._core.open_failed(req, exc)
+                else:
+                    raise exc
+            if opened:
+                self._close_abandoned()
+            if not oversized:
+                return
 
     def _close_abandoned(self) -> None:
         """Best effort, not awaited: an unknown id (the server restarted) is fine too."""

@@ -17,6 +17,8 @@ RECONNECT_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
+# The most sessions any service takes in one call (``draftcache serve --max-batch`` goes up to it).
+MOST_BATCH = 4096
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,6 +63,12 @@ class ClientConfig:
     # the calls as it refuses another vocabulary.
     tokenizer: str = ""
     stream: bool = True  # calls on two bidirectional streams (False: one unary call each)
+    # Sessions one call carries at most: the service's ``serve --max-batch`` (256 by default),
+    # which refuses a larger call whole. A step's draft for a larger batch goes as several calls
+    # sent at once, under the step's one deadline (and its background opens as several, one at a
+    # time). A service that refuses a call as larger than its own limit, naming it, lowers this
+    # for the client's later calls (see ClientCore.failed): set it only to split sooner.
+    max_batch: int = 256
     token: str = ""  # bearer token, when the service authenticates callers
     tls_root_cert_file: str = ""  # PEM CA of the service's certificate: use TLS
     tls_cert_file: str = ""  # this client's certificate and key, for mutual TLS
@@ -84,6 +92,8 @@ class ClientConfig:
         if self.vocab_size < 0:
             raise ValueError(f"vocab_size must be >= 0, got {self.vocab_size}")
         check_fingerprint(self.tokenizer)
+        if not 1 <= self.max_batch <= MOST_BATCH:
+            raise ValueError(f"max_batch must be in [1, {MOST_BATCH}], got {self.max_batch}")
         if not 0 <= self.topk <= MAX_TOPK:
             raise ValueError(f"topk must be in [0, {MAX_TOPK}], got {self.topk}")
         if not all(" " <= c <= "~" for c in self.token):  # not echoed: it is a secret

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -33,6 +34,11 @@ Fallback = Callable[[np.ndarray, int], DraftTree]
 # A namespace the service refuses to this client (FAILED_PRECONDITION: another vocabulary than
 # its model's) is asked again this seldom: it stays wrong until an operator acts.
 REFUSED_RETRY_S = 60.0
+
+# How the service refuses a call larger than its ``max_batch`` (RESOURCE_EXHAUSTED, from
+# cache_service.domain.admission.Admission.batch, checked before it reads anything else of the
+# call): the limit it names is the client's from then on (see ClientCore.failed).
+_OVERSIZED = re.compile(r"batch of \d+ exceeds the limit of (\d+)")
 
 # Sessions one background open or close carries at most: a service refuses a call of more than
 # its ``max_batch`` (256 by default), so the ended requests kept to commit and the copies given
@@ -86,7 +92,7 @@ class ClientStats:
     near: int = 0  # trees drafted in this process from a near copy of the namespace (see client.near)
     followed: int = 0  # other processes' requests a near copy took from the service's log (see client.follow)
     prior_version: int = 0  # the static prior a near copy read from the service (0: none; see client.prior_follow)
-    failures: int = 0  # calls that failed or missed their deadline
+    failures: int = 0  # calls that failed or missed their deadline (a step's late parts count once)
     reopened: int = 0  # sessions opened with more than their prompt (an earlier copy was lost)
     ahead_hits: int = 0  # trees that were drafted ahead (no wait)
     ahead_misses: int = 0  # outcomes nothing had been drafted ahead for
@@ -96,8 +102,8 @@ class ClientStats:
     commits_dropped: int = 0  # ended requests never committed (the backlog was full, or the service refused them)
     commits_pending: int = 0  # ended requests kept to commit or with their commit under way, when last counted
     malformed: int = 0  # trees from the service not used: an id outside the vocabulary, a bad parent, too many nodes
-    draft_calls: int = 0  # draft calls a step waited on ...
-    draft_wait_s: float = 0.0  # ... and the time from sending each to its reply (or to giving up on it)
+    draft_calls: int = 0  # draft calls a step waited on (a batch over max_batch makes several) ...
+    draft_wait_s: float = 0.0  # ... and the time from sending a step's calls to their replies (or to giving up on them)
 
 
 _LateCall = tuple[list[tuple[ClientSession, str]], Any]  # (sessions with their server ids, the call)
@@ -136,6 +142,7 @@ class ClientCore:
         self._most_nodes = config.params.chain or config.params.budget  # what a tree may hold
         self._said_malformed = False
         self.refused = ""  # why the service refuses the namespace to this client ("": it does not)
+        self.max_batch = config.max_batch  # sessions a call carries at most (lowered by the service: see failed)
 
     def cut_chains_at(self, min_prob: float) -> None:
         """Sessions opened from now on ask for chains cut at ``min_prob``; continued chains run
@@ -150,37 +157,69 @@ class ClientCore:
         return time.monotonic() >= self.down_until
 
     @contextlib.contextmanager
-    def draft_call(self) -> Iterator[None]:
-        """Count a draft call a step waits on, and its time from sending to the reply (or to
-        giving up on it)."""
+    def draft_call(self, calls: int = 1) -> Iterator[None]:
+        """Count the draft ``calls`` a step waits on (sent together), and the time from sending
+        them to their replies (or to giving up on them)."""
         start = time.perf_counter()
         try:
             yield
         finally:
-            self.stats.draft_calls += 1
+            self.stats.draft_calls += calls
             self.stats.draft_wait_s += time.perf_counter() - start
 
-    def failed(self, exc: grpc.RpcError | None) -> None:
+    def failed(self, exc: grpc.RpcError | None) -> bool:
         """A call failed (``None``: it missed its deadline, and goes on in the background). The
         service is skipped a while after an error, or after ``late_before_skip`` misses in a
         row (an answer in time ends the row: :meth:`answered`).
 
+        A call the service refused as more sessions than its ``max_batch`` is no fault of the
+        service: it is not skipped, and where the limit it names is below this client's, the
+        client's later calls are cut to it (a service started with a lower ``--max-batch``
+        than ``ClientConfig.max_batch``). True for such a call: the service refused it before
+        reading anything else of it, so it changed nothing (the copies missed no token).
+
         >>> from decoder_client.client import ClientConfig, prompt_lookup_fallback
         >>> core = ClientCore(ClientConfig(target="x", namespace="ns"), prompt_lookup_fallback)
-        >>> core.failed(None); core.available()  # one late answer: the next call asks again
-        True
-        >>> core.failed(None); core.available()  # two in a row: skipped a while
-        False
+        >>> core.failed(None), core.available()  # one late answer: the next call asks again
+        (False, True)
+        >>> core.failed(None), core.available()  # two in a row: skipped a while
+        (False, False)
+        >>> from decoder_client.client.protocol import RequestFailed
+        >>> core = ClientCore(ClientConfig(target="x", namespace="ns"), prompt_lookup_fallback)
+        >>> big = RequestFailed(pb.StreamError(code=8, message="batch of 300 exceeds the limit of 16"))
+        >>> core.failed(big), core.available(), core.max_batch  # RESOURCE_EXHAUSTED: cut to 16
+        (True, True, 16)
         """
         self.stats.failures += 1
+        if exc is not None and self._oversized(exc):
+            return True
         if exc is None:
             self.late_run += 1
             if self.late_run < self.config.late_before_skip:
                 logger.debug("draftcache call missed its deadline (%d in a row)", self.late_run)
-                return
+                return False
         self.down_until = time.monotonic() + self.config.retry_after_s
         why = "deadline" if exc is None else exc.code()
         logger.debug("draftcache call failed (%s); local drafts for %.1f s", why, self.config.retry_after_s)
+        return False
+
+    def _oversized(self, exc: grpc.RpcError) -> bool:
+        """Whether the service refused the call for its size (see :data:`_OVERSIZED`); the
+        limit it names, when below the client's, is the client's from now on."""
+        if exc.code() is not grpc.StatusCode.RESOURCE_EXHAUSTED:
+            return False
+        named = _OVERSIZED.search(exc.details() or "")
+        if named is None:
+            return False
+        limit = max(1, int(named[1]))
+        if limit < self.max_batch:
+            logger.warning(
+                "draftcache: the service takes at most %d sessions a call (max_batch is %d here): "
+                "calls are cut to %d from now on",
+                limit, self.max_batch, limit,
+            )  # fmt: skip
+            self.max_batch = limit
+        return True
 
     def add_tokens(
         self,
@@ -214,14 +253,29 @@ class ClientCore:
             ]
         )
 
+    def open_parts(self, sessions: Sequence[ClientSession]) -> list[tuple[list[ClientSession], pb.OpenSessionsRequest]]:
+        """The opens of those of ``sessions`` without a server copy (none while the service is
+        being skipped), each of at most :attr:`max_batch` sessions, with the sessions each is for."""
+        todo = [s for s in sessions if not s.server_id]
+        out = []
+        for at in range(0, len(todo), self.max_batch):
+            part = todo[at : at + self.max_batch]
+            req = self.open_request(part)
+            if req is not None:
+                out.append((part, req))
+        return out
+
     def open_failed(
         self, req: pb.OpenSessionsRequest, exc: grpc.RpcError, sessions: Sequence[ClientSession] = ()
-    ) -> None:
+    ) -> bool:
         """An open call failed: the service may still have made the sessions (a missed deadline
         above all), so they are closed, if they exist, once it answers again. Ended requests
         it was opening to commit (among ``sessions``) are given up on if the service refused them;
-        all of them when it refuses the namespace (see :meth:`refuse`)."""
-        self.failed(exc)
+        all of them when it refuses the namespace (see :meth:`refuse`). True: the service
+        refused it for its size and made none of them (they are opened again in smaller
+        parts: see :meth:`failed`)."""
+        if self.failed(exc):
+            return True
         if exc.code() is grpc.StatusCode.FAILED_PRECONDITION:
             self.refuse(exc.details() or "")
             sessions = [*sessions, *self.commits.to_open()]
@@ -231,6 +285,7 @@ class ClientCore:
         if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
             self.stats.lost_opens += len(req.sessions)
         self.abandon(s.session_id for s in req.sessions)
+        return False
 
     def abandon(self, server_ids: Iterable[str]) -> None:
         """Close these server copies (without commit) once the service answers; at most
@@ -269,15 +324,43 @@ class ClientCore:
             s.server_id, s.pending, s.pending_topk, s.pending_after = sid, s.tokens(size), [], []
 
     def reopen_request(self, sessions: Sequence[ClientSession], *, now: bool = False) -> Reopening | None:
-        """An open, to send in the background, of those of ``sessions`` without a server copy,
-        and of the ended requests still to commit, as many as :data:`BACKGROUND_BATCH` leaves
-        room for (:meth:`commit_request` closes them next)."""
+        """An open, to send in the background, of those of ``sessions`` without a server copy
+        (the first :attr:`max_batch` of them: the rest go in the next one), and of the ended
+        requests still to commit, as many as :data:`BACKGROUND_BATCH` (or a lower
+        :attr:`max_batch`) leaves room for (:meth:`commit_request` closes them next)."""
         if not (now or self.available()):
             return None
-        todo = [s for s in sessions if not s.server_id]
-        todo += self.commits.to_open(BACKGROUND_BATCH - len(todo))
+        todo = [s for s in sessions if not s.server_id][: self.max_batch]
+        todo += self.commits.to_open(min(BACKGROUND_BATCH, self.max_batch) - len(todo))
         req = self.open_request(todo, now=now)
         return None if req is None else Reopening(todo, [len(s) for s in todo], req)
+
+    def draft_parts(
+        self, sessions: Sequence[ClientSession], *, ahead: bool = True
+    ) -> list[tuple[list[ClientSession], pb.DraftRequest]]:
+        """The draft calls for ``sessions`` (none where :meth:`draft_request` makes none): one,
+        for them all, where they fit in :attr:`max_batch`; else ``sessions`` cut, in order, into
+        parts of at most :attr:`max_batch` sessions with a server copy (a session without one
+        goes along and drafts locally), each part with its call, to send together."""
+        if len(sessions) <= self.max_batch:  # no count needed: a step that fits pays nothing for splitting
+            req = self.draft_request(sessions, ahead=ahead)
+            return [] if req is None else [(list(sessions), req)]
+        cuts: list[list[ClientSession]] = [[]]
+        held = 0
+        for s in sessions:
+            if s.server_id:
+                if held == self.max_batch:
+                    cuts.append([])
+                    held = 0
+                held += 1
+            cuts[-1].append(s)
+        out = []
+        for part in cuts:
+            req = self.draft_request(part, ahead=ahead)
+            if req is None:  # none has a server copy, or the service is being skipped
+                return []
+            out.append((part, req))
+        return out
 
     def draft_request(self, sessions: Sequence[ClientSession], *, ahead: bool = True) -> pb.DraftRequest | None:
         """The draft call for those of ``sessions`` with a server copy (None: none, or the
@@ -370,16 +453,19 @@ class ClientCore:
                 self.abandon([s.server_id])
                 s.server_id = ""
 
-    def ahead_late(self, sessions: Sequence[ClientSession], call: Any) -> bool:
-        """The call drafting ahead for ``sessions`` got no reply by the next step's deadline.
-        On a stream it still counts once answered, so it is kept (True; see :meth:`missed`);
-        a unary call is given up on and the copies are in doubt (False: the caller cancels it)."""
+    def ahead_late(self, calls: Sequence[tuple[Sequence[ClientSession], Any]]) -> list[Any]:
+        """The calls drafting ahead, each for its sessions, that got no reply by the next step's
+        deadline (one late answer, however many parts the step's call went in). On a stream
+        each still counts once answered, so it is kept (see :meth:`missed`); a unary call is
+        given up on and the copies are in doubt (those returned: the caller cancels them)."""
         self.failed(None)
         if self.config.stream:
-            self.missed(sessions, call)
-            return True
-        self.answered(sessions, None)
-        return False
+            for sessions, call in calls:
+                self.missed(sessions, call)
+            return []
+        for sessions, _ in calls:
+            self.answered(sessions, None)
+        return [call for _, call in calls]
 
     def missed(self, sessions: Sequence[ClientSession], call: Any) -> None:
         """A draft ``call`` missed its deadline on a stream. It still reaches the service, which

@@ -52,20 +52,20 @@ class Reopen:
 
 @dataclass(frozen=True)
 class Draft:
-    """Send ``request`` and wait at most ``left`` seconds for its reply: send back a
-    :class:`Drafted`."""
+    """Send ``requests`` (one, or the parts of a batch larger than the service takes in one
+    call) at once and wait at most ``left`` seconds for their replies: send back a
+    :class:`Drafted` for each, in order."""
 
-    request: pb.DraftRequest
+    requests: list[pb.DraftRequest]
     left: float
 
 
 @dataclass(frozen=True)
 class DraftAhead:
-    """Send ``request`` for ``sessions`` without waiting: it is settled at the next step's
-    :class:`CatchUp`."""
+    """Send each part's request for its sessions without waiting: they are settled at the
+    next step's :class:`CatchUp`."""
 
-    sessions: list[ClientSession]
-    request: pb.DraftRequest
+    parts: list[tuple[list[ClientSession], pb.DraftRequest]]
 
 
 Effect = CatchUp | Reopen | Draft | DraftAhead
@@ -73,11 +73,15 @@ Effect = CatchUp | Reopen | Draft | DraftAhead
 
 @dataclass(frozen=True)
 class Drafted:
-    """What a :class:`Draft` got: the reply (None: the call failed or was late) and, on a
-    stream, the call still under way after missing its time (see :meth:`ClientCore.missed`)."""
+    """What one call of a :class:`Draft` got: the reply (None: the call failed or was late)
+    and, on a stream, the call still under way after missing its time (see
+    :meth:`ClientCore.missed`). ``oversized``: the service refused it as more sessions than it
+    takes in a call, and applied none of it (the copies missed nothing: see
+    :meth:`ClientCore.failed`)."""
 
     response: pb.DraftResponse | None
     late: Any = None
+    oversized: bool = False
 
 
 def draft_step(
@@ -86,9 +90,13 @@ def draft_step(
     new_tokens: Sequence[Sequence[int]],
     topk: Sequence[TopkRows | None] | None = None,
     deadline_s: float | None = None,
-) -> Generator[Effect, Drafted | None, list[DraftTree]]:
+) -> Generator[Effect, list[Drafted] | None, list[DraftTree]]:
     """Append each session's new tokens (with their top-k rows, where given), then one tree per
     session (remote or fallback), within ``deadline_s`` (None: the client's).
+
+    The sessions go in one call, or, more than the service takes in one (the client's
+    ``max_batch``), in parts of at most that many sent together under the same deadline: a
+    part that fails or is late leaves its own sessions to the fallback.
 
     A session whose outcome was drafted ahead gets that tree at once; the call delivering its
     tokens (and drafting ahead for its next outcome) is yielded as :class:`DraftAhead`. With
@@ -110,9 +118,9 @@ def draft_step(
     again = [s for s in rest if s.server_id and not s.pending] if core.config.lookahead else []
     if ready or again:
         ahead = [s for s in sessions if id(s) in ready] + again
-        req = core.draft_request(ahead)
-        if req is not None:
-            yield DraftAhead(ahead, req)
+        parts = core.draft_parts(ahead)
+        if parts:
+            yield DraftAhead(parts)
     if not ready:  # nothing was drafted ahead: every tree is fresh, in order
         return trees
     fresh = dict(zip(map(id, rest), trees, strict=True))
@@ -121,15 +129,20 @@ def draft_step(
 
 def _draft_rest(
     core: ClientCore, rest: list[ClientSession], end: float
-) -> Generator[Effect, Drafted | None, list[DraftTree]]:
-    """Trees for the sessions nothing was drafted ahead for: one call within what is left of
-    the step's deadline, the fallback wherever it does not answer."""
-    req = core.draft_request(rest, ahead=False)  # drafting ahead goes in the background (see draft_step)
+) -> Generator[Effect, list[Drafted] | None, list[DraftTree]]:
+    """Trees for the sessions nothing was drafted ahead for: one call (or one per part) within
+    what is left of the step's deadline, the fallback wherever it does not answer."""
+    parts = core.draft_parts(rest, ahead=False)  # drafting ahead goes in the background (see draft_step)
     left = end - time.monotonic()
-    got = (yield Draft(req, left)) if req is not None and left > 0 else None
-    resp, late = (got.response, got.late) if got is not None else (None, None)
-    if late is not None:
-        core.missed(rest, late)
-    # Nothing sent (the service is being skipped, or the step's time is spent): the server
-    # copies missed nothing, the tokens stay pending for the next call.
-    return core.trees(rest, resp, book=got is not None and late is None)
+    got = (yield Draft([req for _, req in parts], left)) if parts and left > 0 else None
+    if got is None:
+        # Nothing sent (the service is being skipped, or the step's time is spent): the server
+        # copies missed nothing, the tokens stay pending for the next call.
+        return core.trees(rest, None, book=False)
+    trees: list[DraftTree] = []
+    for (part, _), drafted in zip(parts, got, strict=True):
+        if drafted.late is not None:
+            core.missed(part, drafted.late)
+        book = drafted.late is None and not drafted.oversized  # a refused call left the copies as they were
+        trees += core.trees(part, drafted.response, book=book)
+    return trees

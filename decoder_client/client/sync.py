@@ -43,7 +43,7 @@ class DraftClient:
         )
         self._stub = pb_grpc.DraftCacheStub(self._channel)
         self._streams: dict[str, Stream] = {}  # by lane
-        self._inflight: tuple[list[ClientSession], grpc.Future | StreamFuture] | None = None
+        self._inflight: list[tuple[list[ClientSession], grpc.Future | StreamFuture]] = []  # drafting ahead
         self._opening: tuple[Reopening, grpc.Future | StreamFuture] | None = None
         self._background: list[grpc.Future | StreamFuture] = []  # calls nobody waits for (kept until done)
         self._closing: list[tuple[pb.CloseSessionsRequest, grpc.Future | StreamFuture]] = []
@@ -119,7 +119,7 @@ class DraftClient:
                 return done.value
             drafted = self._perform(effect)
 
-    def _perform(self, effect: Effect) -> Drafted | None:
+    def _perform(self, effect: Effect) -> list[Drafted] | None:
         """One I/O step of :func:`~decoder_client.client.plan.draft_step`."""
         match effect:
             case CatchUp(end):
@@ -128,43 +128,53 @@ class DraftClient:
                 self._reap()
             case Reopen(sessions):
                 self._reopen(sessions)
-            case Draft(req, left):
-                return self._draft(req, left)
-            case DraftAhead(sessions, req):
-                self._inflight = (sessions, self._future("draft", req, self.config.control_timeout_s))
+            case Draft(reqs, left):
+                return self._draft(reqs, left)
+            case DraftAhead(parts):
+                timeout = self.config.control_timeout_s
+                self._inflight = [(sessions, self._future("draft", req, timeout)) for sessions, req in parts]
             case _:  # every effect is handled above (mypy checks it)
                 assert_never(effect)
         return None
 
     def _settle(self, end: float | None = None) -> None:
-        """Wait (at most until ``end``, or the deadline) for the background call of the
+        """Wait (at most until ``end``, or the deadline) for the background calls of the
         previous step."""
-        if self._inflight is None:
+        if not self._inflight:
             return
-        sessions, future = self._inflight
-        self._inflight = None
-        wait = self.config.deadline_s if end is None else max(0.0, end - time.monotonic())
-        try:
-            resp = future.result(timeout=wait)
-        except grpc.FutureTimeoutError:
-            if not self._core.ahead_late(sessions, future):
+        inflight, self._inflight = self._inflight, []
+        end = time.monotonic() + self.config.deadline_s if end is None else end
+        late = []
+        for sessions, future in inflight:
+            try:
+                resp = future.result(timeout=max(0.0, end - time.monotonic()))
+            except grpc.FutureTimeoutError:
+                late.append((sessions, future))
+                continue
+            except grpc.RpcError as exc:
+                if self._core.failed(exc):  # refused for its size: it changed nothing
+                    continue
+                resp = None
+            self._core.answered(sessions, resp)
+        if late:
+            for future in self._core.ahead_late(late):
                 future.cancel()
-            return
-        except grpc.RpcError as exc:
-            self._core.failed(exc)
-            resp = None
-        self._core.answered(sessions, resp)
 
-    def _draft(self, req: pb.DraftRequest, left: float) -> Drafted:
-        """The reply within ``left``, or None; on a stream, a call that missed ``left`` is
-        returned too: the service still applies it (see :meth:`ClientCore.missed`). The time
-        it took is counted (``stats.draft_wait_s``)."""
-        with self._core.draft_call():
-            return self._draft_call(req, left)
+    def _draft(self, reqs: list[pb.DraftRequest], left: float) -> list[Drafted]:
+        """Each call's reply within ``left``, or None; on a stream, a call that missed ``left``
+        is returned too: the service still applies it (see :meth:`ClientCore.missed`). The
+        time they took is counted (``stats.draft_wait_s``)."""
+        with self._core.draft_call(len(reqs)):
+            if len(reqs) == 1:
+                return [self._draft_call(reqs[0], left)]
+            return self._draft_parts(reqs, left)
 
     def _draft_call(self, req: pb.DraftRequest, left: float) -> Drafted:
         if not self.config.stream:
-            return Drafted(self._call("draft", req, left))
+            try:
+                return Drafted(self._request("draft", req, left))
+            except grpc.RpcError as exc:
+                return Drafted(None, oversized=self._core.failed(exc))
         reply = self._stream("draft").call("draft", req, self.config.control_timeout_s)
         try:
             return Drafted(reply.result(timeout=left))
@@ -172,8 +182,32 @@ class DraftClient:
             self._core.failed(None)
             return Drafted(None, reply)
         except grpc.RpcError as exc:
-            self._core.failed(exc)
-            return Drafted(None)
+            return Drafted(None, oversized=self._core.failed(exc))
+
+    def _draft_parts(self, reqs: list[pb.DraftRequest], left: float) -> list[Drafted]:
+        """:meth:`_draft_call` for the parts of a batch, sent together: on the draft stream,
+        one after another (the service answers them in order), or as unary calls at once;
+        each reply awaited until the one deadline. A late part counts once for the step."""
+        end = time.monotonic() + left
+        if self.config.stream:
+            stream = self._stream("draft")
+            calls = [stream.call("draft", req, self.config.control_timeout_s) for req in reqs]
+        else:
+            calls = [self._stub.Draft.future(req, timeout=left, metadata=self.config.metadata) for req in reqs]
+        out = []
+        late = False
+        for call in calls:
+            try:  # a unary call ends by its own deadline
+                wait = max(0.0, end - time.monotonic()) if self.config.stream else None
+                out.append(Drafted(call.result(timeout=wait)))
+            except grpc.FutureTimeoutError:
+                late = True
+                out.append(Drafted(None, call))
+            except grpc.RpcError as exc:
+                out.append(Drafted(None, oversized=self._core.failed(exc)))
+        if late:
+            self._core.failed(None)
+        return out
 
     def _check_late(self, wait_for: Sequence[ClientSession] | None = ()) -> None:
         """Book the late draft calls that ended: the sessions of one that failed (or got no
@@ -308,16 +342,25 @@ class DraftClient:
                 self._land_opening(*self._opening)
 
     def _open(self, sessions: Sequence[ClientSession]) -> None:
-        req = self._core.open_request(sessions)
-        if req is None:
-            return
-        try:
-            resp = self._request("open", req, self.config.control_timeout_s)
-        except grpc.RpcError as exc:
-            self._core.open_failed(req, exc)
-            return
-        self._core.opened(sessions, resp)
-        self._close_abandoned()
+        """Open ``sessions`` and wait: in parts of at most ``max_batch`` sent at once, and
+        those of a part the service refused for its size once more, in parts of the limit it
+        named (see :meth:`ClientCore.failed`)."""
+        for _ in range(2):
+            parts = self._core.open_parts(sessions)
+            calls = [(part, req, self._future("open", req, self.config.control_timeout_s)) for part, req in parts]
+            opened = oversized = False
+            for part, req, call in calls:
+                try:
+                    resp = call.result()
+                except grpc.RpcError as exc:
+                    oversized |= self._core.open_failed(req, exc)
+                    continue
+                self._core.opened(part, resp)
+                opened = True
+            if opened:
+                self._close_abandoned()
+            if not oversized:
+                return
 
     def _reopen(self, sessions: Sequence[ClientSession]) -> None:
         """Sessions without a server copy (the service failed or restarted) are re-opened with

@@ -44,6 +44,11 @@ class EngineSettings:
     deadline_step_fraction: float = 0.1  # ... and up to this fraction of the engine's mean step
     deadline_max_s: float = 0.05  # ... but never more than this
     retry_after_s: float = 0.5  # after a failed or late call, draft locally this long
+    # Requests one call to the service carries at most: its ``serve --max-batch`` (256 by
+    # default). A step of more running requests (``near`` false) drafts in parts of this many,
+    # sent together; a service that refuses a larger part names its limit, and the client takes
+    # it (see decoder_client.client.config).
+    max_batch: int = 256
     budget: int = 64  # nodes of the tree the chain is chosen from
     # A chain ends before a token less likely than this to be reached, whatever the engine's
     # cost: below 0.1 the calibrated chances are least sure (Spec-Bench replay, K=8: the tokens
@@ -129,9 +134,12 @@ class EngineSettings:
             raise ValueError(f"token_cost must be < 1 (< 0: measured), got {self.token_cost}")
         # Their own checks. Imported here: the engine's process may not import numba yet (see
         # decoder_client.engines.vllm).
+        from decoder_client.client.config import MOST_BATCH
         from indexer.drafter import DraftParams
 
         DraftParams(budget=self.budget, chain_min_prob=self.chain_min_prob)
+        if not 1 <= self.max_batch <= MOST_BATCH:
+            raise ValueError(f"max_batch must be in [1, {MOST_BATCH}], got {self.max_batch}")
 
     def step_deadline(self) -> StepDeadline:
         """The per-call deadline, following the engine's step (see :mod:`.deadline`)."""
@@ -191,6 +199,7 @@ class EngineSettings:
             params=params,
             deadline_s=self.deadline_s,
             retry_after_s=self.retry_after_s,
+            max_batch=self.max_batch,
             continue_chains=continued,
             chain_run_on=self.chain_run_on,
             chain_take=min(k if self.chain_take < 0 else self.chain_take, chain) if continued else 0,

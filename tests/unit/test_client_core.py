@@ -46,17 +46,37 @@ def test_a_late_call_drafting_ahead_on_a_stream_is_kept() -> None:
     s.asked_at = len(s)  # the call carries the token 3 ...
     s.extend([4])  # ... and a last step's token is recorded after it was made
     call = object()
-    assert core.ahead_late([s], call) is True  # the caller keeps it under way
+    assert core.ahead_late([([s], call)]) == []  # the caller keeps it under way
     assert s.server_id == "a" and s.pending == [4] and core.late == [([(s, "a")], call)]
     assert core.stats.failures == 1 and core.available()  # one late answer: the service is asked again
-    assert core.ahead_late([s], object()) is True  # a second in a row: skipped a while
+    assert core.ahead_late([([s], object())]) == []  # a second in a row: skipped a while
     assert core.stats.failures == 2 and not core.available()
+
+
+def test_the_late_parts_of_one_step_count_as_one_late_answer() -> None:
+    core = _core(stream=True)
+    a, b = _remote([1, 2], "a"), _remote([3, 4], "b")
+    calls = [([a], object()), ([b], object())]  # a batch over max_batch drafted ahead in two parts
+    assert core.ahead_late(calls) == []  # both kept under way
+    assert core.available() and len(core.late) == 2  # one late answer: the service is asked again
+
+
+def test_opens_go_in_parts_of_max_batch_and_a_reopen_carries_one_part() -> None:
+    config = ClientConfig(target="unused", namespace="ns", max_batch=2)
+    core = ClientCore(config, prompt_lookup_fallback)
+    sessions = [ClientSession([i, i + 1], 2) for i in range(5)]
+    parts = core.open_parts(sessions)
+    assert [len(req.sessions) for _, req in parts] == [2, 2, 1]
+    assert [part for part, _ in parts] == [sessions[:2], sessions[2:4], sessions[4:]]
+    opening = core.reopen_request(sessions)
+    assert opening is not None and opening.sessions == sessions[:2]  # the rest go with the next one
 
 
 def test_a_late_unary_call_drafting_ahead_is_given_up_on() -> None:
     core = _core(stream=False)
     s = _remote([1, 2], "a")
-    assert core.ahead_late([s], object()) is False  # the caller cancels it
+    call = object()
+    assert core.ahead_late([([s], call)]) == [call]  # the caller cancels it
     # It may or may not have reached the service: the copy is closed, the session re-opened.
     assert s.server_id == "" and core.abandoned == ["a"] and core.late == []
 

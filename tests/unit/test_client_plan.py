@@ -15,7 +15,7 @@ from decoder_client.client.plan import CatchUp, Draft, DraftAhead, Drafted, Effe
 from indexer.drafter import DraftParams
 from indexer.tree_builder import DraftTree
 
-Step = Generator[Effect, Drafted | None, list[DraftTree]]
+Step = Generator[Effect, list[Drafted] | None, list[DraftTree]]
 
 
 def _core(
@@ -50,14 +50,16 @@ def _answer(*trees: list[int], scores: list[float] | None = None) -> pb.DraftRes
     )
 
 
-def _run(step: Step, replies: Sequence[Drafted | None]) -> tuple[list[Effect], list[DraftTree]]:
-    """Every effect the step yields, answering the i-th with ``replies[i]`` (None past the end)."""
+def _run(step: Step, replies: Sequence[Drafted | list[Drafted] | None]) -> tuple[list[Effect], list[DraftTree]]:
+    """Every effect the step yields, answering the i-th with ``replies[i]`` (None past the end;
+    a :class:`Drafted` alone: the one call's)."""
     effects: list[Effect] = []
     try:
         effect = next(step)
         while True:
             effects.append(effect)
-            effect = step.send(replies[len(effects) - 1] if len(effects) <= len(replies) else None)
+            reply = replies[len(effects) - 1] if len(effects) <= len(replies) else None
+            effect = step.send([reply] if isinstance(reply, Drafted) else reply)
     except StopIteration as done:
         return effects, done.value
 
@@ -72,7 +74,7 @@ def test_a_step_catches_up_reopens_then_sends_the_new_tokens_within_the_deadline
     assert isinstance(reopen, Reopen) and list(reopen.sessions) == [s]
     # The tokens are in the context before the call: a re-open would send them too.
     assert isinstance(draft, Draft) and 0 < draft.left <= 0.5
-    assert list(draft.request.columns.session_ids) == ["a"] and list(draft.request.columns.new_tokens) == [4, 5]
+    assert list(draft.requests[0].columns.session_ids) == ["a"] and list(draft.requests[0].columns.new_tokens) == [4, 5]
     assert [t.tokens.tolist() for t in trees] == [[6, 7]]
     assert s.context.tolist() == [1, 2, 3, 4, 5] and s.pending == []  # the service has them
     assert core.stats.remote == 1 and core.stats.fallback == 0
@@ -126,12 +128,12 @@ def test_trees_drafted_ahead_answer_at_once_and_their_tokens_go_in_the_backgroun
     miss.prefetched = {(): _tree(5)}
     effects, trees = _run(draft_step(core, [hit, miss], [[7], [6]]), [None, None, Drafted(_answer([60]))])
     _, _, draft, ahead = effects
-    assert isinstance(draft, Draft) and list(draft.request.columns.session_ids) == ["m"]
-    assert list(draft.request.columns.lookahead) == []  # the step's draft waits on nothing drafted ahead
+    assert isinstance(draft, Draft) and list(draft.requests[0].columns.session_ids) == ["m"]
+    assert list(draft.requests[0].columns.lookahead) == []  # the step's draft waits on nothing drafted ahead
     # One background call: the hit's tokens, and the outcomes ahead of both trees just handed
     # out (the miss's copy has all its tokens: the service drafts only what lies ahead).
-    assert isinstance(ahead, DraftAhead) and ahead.sessions == [hit, miss]
-    cols = ahead.request.columns
+    assert isinstance(ahead, DraftAhead) and [part for part, _ in ahead.parts] == [[hit, miss]]
+    cols = ahead.parts[0][1].columns
     assert list(cols.new_token_counts) == [1, 0] and list(cols.new_tokens) == [7] and list(cols.lookahead) == [1, 1]
     # In the sessions' order: the tree below 7 drafted ahead, then the fresh one.
     assert [t.tokens.tolist() for t in trees] == [[8, 9], [60]]
@@ -152,7 +154,7 @@ def test_a_chain_that_foresaw_the_outcome_goes_on_at_once_and_its_tokens_go_in_t
     # foresaw it. The rest comes at once, each token's chance now given 7, 8, 9.
     effects, trees = _run(draft_step(core, [s], [[7, 8, 9]]), [])
     assert [type(e) for e in effects] == [CatchUp, Reopen, DraftAhead]
-    assert list(effects[2].request.columns.new_tokens) == [7, 8, 9]
+    assert list(effects[2].parts[0][1].columns.new_tokens) == [7, 8, 9]
     assert trees[0].tokens.tolist() == [10, 11] and np.allclose(trees[0].scores, [0.5, 1 / 6])
     assert core.stats.continued == 1 and s.pending == [7, 8, 9]
     # The call in the background brings the chain for after 9; the next outcome leaves it (12
@@ -250,12 +252,61 @@ def test_drafting_ahead_follows_an_answered_draft_and_never_a_failed_one() -> No
     s = _remote([1, 2], "a")
     effects, trees = _run(draft_step(core, [s], [[3]]), [None, None, Drafted(_answer([4, 5]))])
     _, _, draft, ahead = effects
-    assert isinstance(draft, Draft) and list(draft.request.columns.lookahead) == []
+    assert isinstance(draft, Draft) and list(draft.requests[0].columns.lookahead) == []
     assert trees[0].tokens.tolist() == [4, 5] and s.pending == []
-    assert isinstance(ahead, DraftAhead) and ahead.sessions == [s]
-    assert list(ahead.request.columns.new_token_counts) == [0] and list(ahead.request.columns.lookahead) == [2]
+    assert isinstance(ahead, DraftAhead) and [part for part, _ in ahead.parts] == [[s]]
+    assert list(ahead.parts[0][1].columns.new_token_counts) == [0] and list(ahead.parts[0][1].columns.lookahead) == [2]
     # The call failed: the fallback answers, the tokens wait for the next call, nothing goes ahead.
     t = _remote([1, 2], "b")
     effects, trees = _run(draft_step(core, [t], [[3]]), [None, None, Drafted(None)])
     assert not any(isinstance(e, DraftAhead) for e in effects)
     assert core.stats.fallback == 1
+
+
+def _split_core(max_batch: int) -> ClientCore:
+    config = ClientConfig(target="unused", namespace="ns", deadline_s=0.5, max_batch=max_batch)
+    return ClientCore(config, prompt_lookup_fallback)
+
+
+def test_a_batch_within_max_batch_is_one_call() -> None:
+    core = _split_core(3)
+    sessions = [_remote([1, 2], f"s{i}") for i in range(3)]
+    effects, _ = _run(draft_step(core, sessions, [[3]] * 3), [None, None, Drafted(_answer([4], [4], [4]))])
+    (draft,) = [e for e in effects if isinstance(e, Draft)]
+    assert len(draft.requests) == 1 and list(draft.requests[0].columns.session_ids) == ["s0", "s1", "s2"]
+    assert core.stats.remote == 3
+
+
+def test_a_batch_over_max_batch_goes_in_parts_and_a_failed_part_falls_back_alone() -> None:
+    core = _split_core(2)
+    local = ClientSession([1, 2, 1], 3)  # no server copy: it goes along, and drafts locally
+    sessions = [_remote([1, 2, 1], "a"), local, *(_remote([1, 2, 1], sid) for sid in "bcde")]
+    replies: list[Drafted | list[Drafted] | None] = [
+        None,
+        None,
+        [Drafted(_answer([7], [8])), Drafted(None), Drafted(_answer([9]))],  # the second part failed
+    ]
+    effects, trees = _run(draft_step(core, sessions, [[2]] * 6), replies)
+    (draft,) = [e for e in effects if isinstance(e, Draft)]
+    assert [list(r.columns.session_ids) for r in draft.requests] == [["a", "b"], ["c", "d"], ["e"]]
+    assert all(list(r.columns.new_tokens) == [2] * len(r.columns.session_ids) for r in draft.requests)
+    # In the sessions' order: the first part's trees, the local one, the failed part's local ones, the last part's.
+    assert [t.tokens.tolist() for t in trees] == [[7], [1, 2], [8], [1, 2], [1, 2], [9]]
+    assert (core.stats.remote, core.stats.fallback) == (3, 3)
+    assert [s.server_id for s in sessions] == ["a", "", "b", "", "", "e"]  # the failed part's copies in doubt
+    assert core.abandoned == ["c", "d"]
+
+
+def test_a_part_refused_for_its_size_leaves_its_copies_and_tokens_for_the_next_call() -> None:
+    core = _split_core(2)
+    sessions = [_remote([1, 2, 1], sid) for sid in "abc"]
+    replies: list[Drafted | list[Drafted] | None] = [
+        None,
+        None,
+        [Drafted(_answer([7], [8])), Drafted(None, oversized=True)],
+    ]
+    _, trees = _run(draft_step(core, sessions, [[2]] * 3), replies)
+    assert [t.tokens.tolist() for t in trees] == [[7], [8], [1, 2]]
+    # It changed nothing on the service: the copy is kept, its token still to send.
+    assert sessions[2].server_id == "c" and sessions[2].pending == [2] and core.abandoned == []
+    assert sessions[0].pending == []

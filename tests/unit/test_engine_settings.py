@@ -42,6 +42,15 @@ def test_a_continued_chains_rest_must_fill_what_the_engine_takes_unless_told_oth
     assert (near.params.chain, near.chain_take, near.continue_chains) == (24, 0, False)
 
 
+def test_max_batch_reaches_the_client_and_is_checked() -> None:
+    service = {"namespace": "ns", "near": False}
+    assert EngineSettings.from_sources(service, {}).client_config(4).max_batch == 256  # serve --max-batch's default
+    assert EngineSettings.from_sources(service, {"DRAFTCACHE_MAX_BATCH": "16"}).client_config(4).max_batch == 16
+    for bad in (0, 4097):
+        with pytest.raises(ValueError, match=f"max_batch must be in \\[1, 4096\\], got {bad}"):
+            EngineSettings.from_sources({**service, "max_batch": bad}, {})
+
+
 @pytest.mark.parametrize("k", [0, 129])
 def test_the_engines_speculative_tokens_are_checked_against_what_a_draft_holds(k: int) -> None:
     with pytest.raises(ValueError, match=f"num_speculative_tokens is {k}"):
