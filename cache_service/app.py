@@ -410,3 +410,5 @@ async def serve(config: AppConfig, serving: Callable[[], Coroutine[None, None, N
     await done.wait()
     logger.info("shutting down")
     await app.stop()
+    if beside is not None:  # it beat through the drain; the loop ends now
+        beside.cancel()
