@@ -317,3 +317,26 @@ def test_redis_is_persistent_and_reachable_at_the_configured_url() -> None:
     assert service["spec"]["ports"][0]["port"] == REDIS_PORT
     url = k8s_base("ConfigMap", "draftcache")["data"]["DRAFTCACHE_REDIS_URL"]
     assert url == f"redis://{service['metadata']['name']}:{REDIS_PORT}/0"
+
+
+def test_redis_refuses_writes_before_its_container_is_killed() -> None:
+    """noeviction acts only under a maxmemory: without one, Redis grows into the container's
+    memory limit and is OOM-killed (again at every restart, loading the same AOF). Under it,
+    Redis refuses writes and the service journals the commits."""
+    redis = k8s_base("StatefulSet", "draftcache-redis")
+    (container,) = redis["spec"]["template"]["spec"]["containers"]
+    args = container["args"]
+    assert args[args.index("--maxmemory-policy") + 1] == "noeviction"
+    assert "--maxmemory" in args, "noeviction without --maxmemory never refuses a write"
+    maxmemory = redis_bytes(args[args.index("--maxmemory") + 1])
+    limit = quantity_bytes(container["resources"]["limits"]["memory"])
+    # Room beside the data for an AOF rewrite's fork (copy-on-write) and the buffers.
+    assert 0 < maxmemory <= 0.75 * limit
+
+
+def redis_bytes(size: str) -> int:
+    """Redis's memory units: ``1536mb`` is 1536 MiB, ``1g`` 10**9 bytes (as redis.conf says)."""
+    match = re.fullmatch(r"(\d+)(b|k|kb|m|mb|g|gb)?", size.lower())
+    assert match, size
+    units = {None: 1, "b": 1, "k": 1000, "kb": 1024, "m": 10**6, "mb": 1 << 20, "g": 10**9, "gb": 1 << 30}
+    return int(match.group(1)) * units[match.group(2)]
