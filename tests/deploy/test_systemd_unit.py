@@ -87,3 +87,13 @@ def test_hardened_service_with_its_own_state_directory() -> None:
     assert env["NUMBA_CACHE_DIR"].startswith("%C/" + service["CacheDirectory"])
     binary, *argv = shlex.split(service["ExecStart"])
     assert binary == EXEC and build_parser().parse_args(argv).command == "serve"
+
+
+def test_the_environment_file_is_installed_for_root_alone() -> None:
+    """The environment file may hold the Redis URL with its password: the documented install
+    gives it no group or other access (systemd reads it as root)."""
+    installs = [line for line in UNIT.read_text().splitlines() if "install" in line and "/etc/draftcache/env" in line]
+    (line,) = installs
+    words = shlex.split(line.lstrip("# ").split("  #")[0])
+    mode = int(words[words.index("-m") + 1], 8)
+    assert mode & 0o077 == 0, oct(mode)
