@@ -4,8 +4,9 @@ Every prompt is decoded three ways in the same process, one after the other, in 
 rotates from prompt to prompt: plain greedy ``model.generate``, transformers' prompt lookup at
 its best setting, and the reference tree decoder drafting from one engine shared by the whole
 run (each finished request joins its lifetime memory) with calibrated cost-aware verification.
-Each method runs each prompt in two rounds (order reversed in the second, our state restored
-between them) and its faster run counts. The three outputs must be identical token for token.
+Each method runs each prompt in two rounds (order reversed in the second; ours drafts from a
+copy of its engine in every round but the last, so no round learns from another's answer) and
+its faster run counts. The three outputs must be identical token for token.
 
 Prompts: the first human turn of Spec-Bench conversations (Llama-2 ids decoded to text, then
 put in the target's chat template), and a repeated agentic workload: first turns of SWE-agent
@@ -18,6 +19,7 @@ import copy
 import gzip
 import json
 import logging
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -259,11 +261,13 @@ class SharedEngine:
         self.tiers: Counter[str] = Counter()
 
     def __call__(self, ids: list[int], max_new_tokens: int, eos: int | None, *, last: bool = True) -> Outcome:
-        """Decode one request. Unless it is the ``last`` round of this prompt, everything the
-        run learnt is undone afterwards, so every round starts from the same state."""
-        saved = None if last else (copy.deepcopy(self.engine.calibrator), copy.deepcopy(self.acceptance))
+        """Decode one request. Unless it is the ``last`` round of this prompt, it drafts from a
+        copy of the engine that is dropped afterwards, so every round starts from the same state
+        and none has learnt from another's answer."""
+        engine = self.engine if last else _trial_copy(self.engine)
+        saved = None if last else copy.deepcopy(self.acceptance)
         topk, every_node = topk_feed(self.topk_at)
-        drafter = InProcessDrafter(self.vocab_size, self.params, engine=self.engine, every_node=every_node)
+        drafter = InProcessDrafter(self.vocab_size, self.params, engine=engine, every_node=every_node)
         verify = CalibratedDrafter(drafter, self.curve, self.acceptance)
         start = time.perf_counter()
         # The target's top-k at every verified position feeds the successor tier, as a
@@ -273,12 +277,42 @@ class SharedEngine:
         # Bookkeeping after the answer, as a service does it off the request path.
         drafter.close(commit=last)
         if saved is not None:
-            self.engine.calibrator, self.acceptance = saved
+            self.acceptance = saved
             return Outcome(tokens, seconds, stats.steps)
         if self.engine.memory.needs_rebuild():
             self.engine.memory.rebuild()
         self.tiers.update(drafter.tiers.counts)
         return Outcome(tokens, seconds, stats.steps)
+
+
+def _trial_copy(engine: NamespaceDrafter) -> NamespaceDrafter:
+    """``engine`` for a round whose lessons are dropped: its own copy of everything a request
+    teaches (the calibrators, the successor tier's top-k rows, the counters); the lifetime memory
+    and the prior, which a request that does not commit leaves alone, and the session store, which
+    takes its session back, shared. The target's top-k at every node a round verified is its own
+    answer: a later round that kept it would draft the text it is about to write."""
+    shared = (engine.memory, engine.prior, engine.store)
+    trial = copy.copy(engine)
+    for name, value in vars(engine).items():
+        if not any(value is s for s in shared):
+            setattr(trial, name, _own_copy(value))
+    return trial
+
+
+_LOCK = type(threading.Lock())
+
+
+def _own_copy(value: Any) -> Any:
+    """A deep copy of ``value``; an object holding a lock is copied attribute by attribute, with
+    a lock of its own."""
+    if isinstance(value, _LOCK):
+        return threading.Lock()
+    if not any(isinstance(v, _LOCK) for v in getattr(value, "__dict__", {}).values()):
+        return copy.deepcopy(value)
+    out = copy.copy(value)
+    for name, attr in vars(value).items():
+        setattr(out, name, _own_copy(attr))
+    return out
 
 
 def workload(prompt: Prompt) -> str:

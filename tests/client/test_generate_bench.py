@@ -124,3 +124,24 @@ def test_the_topk_feed_is_one_of_the_known_places(bench_paths: dict[str, Path]) 
         assert BenchConfig(**bench_paths, topk_at=place).topk_at == place
     with pytest.raises(ValueError, match="topk_at must be one of tree, path, none"):
         BenchConfig(**bench_paths, topk_at="everywhere")
+
+
+def test_a_round_that_is_not_the_last_leaves_the_engine_as_it_was(smollm2) -> None:  # type: ignore[no-untyped-def]
+    # Each prompt is decoded in rounds and the fastest counts: a round before the last must not
+    # teach the engine its own answer, or the next round drafts the text it is about to write.
+    # The target's top-k at every verified node (the successor tier) and the calibrators'
+    # lessons are such teaching as much as a commit is.
+    from benchmarks.generate_bench import SharedEngine
+    from decoder_client.cost_model import CostCurve
+    from indexer.drafter import DraftParams
+
+    model, tokenizer = smollm2
+    curve = CostCurve((1, 2, 4, 8, 64), (0.060, 0.070, 0.079, 0.088, 0.206))
+    ours = SharedEngine(model, int(model.config.vocab_size), DraftParams(budget=64), curve, None, "tree")
+    ids = encode(tokenizer, Prompt("writing", "w", (("user", "Write a short poem about the sea."),)))
+    eos = tokenizer.eos_token_id
+    rounds = [ours(ids, 24, eos, last=False), ours(ids, 24, eos, last=False), ours(ids, 24, eos, last=True)]
+    assert rounds[0].tokens == rounds[1].tokens == rounds[2].tokens
+    # Every round drafts from the same state, so takes the same steps.
+    assert rounds[0].steps == rounds[1].steps == rounds[2].steps
+    assert ours.engine.successors.size > 0  # the last round's lessons are kept
