@@ -103,6 +103,8 @@ def _parse(line: str, where: str) -> Conversation:
     try:
         obj = json.loads(line)
         segments = tuple(_segment(s) for s in obj["segments"])
+        if not any(s.kind == "output" for s in segments):
+            raise ValueError("no output segment: nothing to replay")
         return Conversation(
             id=str(obj.get("id", where)),
             namespace=str(obj["namespace"]),
@@ -117,14 +119,37 @@ def _segment(obj: dict) -> Segment:
     kind = obj["kind"]
     if kind not in ("input", "output"):
         raise ValueError(f"segment kind must be 'input' or 'output', got {kind!r}")
-    tokens = np.asarray(obj["tokens"], dtype=np.int64)
+    tokens = np.asarray(_ids(obj["tokens"], "segment tokens"), dtype=np.int64)
     if tokens.ndim != 1 or (tokens.size and (tokens.min() < 0 or tokens.max() >= 2**31 - 1)):
         raise ValueError("segment tokens must be a flat list of non-negative int32 ids")
+    if kind == "output" and not tokens.size:
+        raise ValueError("an output segment holds no tokens (a request produces at least one)")
     if "topk" not in obj:
         return Segment(kind, tokens.astype(np.int32))
     if kind != "output":
         raise ValueError("only output segments carry topk")
     return Segment(kind, tokens.astype(np.int32), checked_topk(obj["topk"], tokens.size))
+
+
+def _ids(value: object, what: str) -> list:
+    """``value`` if it is a list of JSON integers (nested lists of them for top-k rows): numpy
+    would otherwise read ``1.7``, ``"12"`` or ``true`` as some id.
+
+    >>> _ids([[1, 2], [3]], "topk")
+    [[1, 2], [3]]
+    >>> _ids([1, 2.0], "tokens")
+    Traceback (most recent call last):
+    ...
+    ValueError: tokens must be integer ids, got 2.0
+    """
+    if not isinstance(value, list):
+        raise ValueError(f"{what} must be a list of ids, got {type(value).__name__}")
+    for item in value:
+        if isinstance(item, list):
+            _ids(item, what)
+        elif type(item) is not int:  # bool is an int subclass: JSON's true is not an id
+            raise ValueError(f"{what} must be integer ids, got {item!r}")
+    return value
 
 
 def checked_topk(rows: object, n: int) -> np.ndarray:
@@ -143,6 +168,7 @@ def checked_topk(rows: object, n: int) -> np.ndarray:
         raise ValueError(f"topk must hold one row per output token ({n}), got {got}")
     if n == 0:
         return np.zeros((0, 1), dtype=np.int32)
+    _ids(rows, "topk rows")
     try:
         topk = np.asarray(rows, dtype=np.int64)
     except (ValueError, TypeError) as exc:

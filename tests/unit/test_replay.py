@@ -273,6 +273,16 @@ def test_read_traces_invalid_json_names_line(tmp_path):
         {"namespace": "x", "segments": [{"kind": "input", "tokens": [1, -2]}]},  # negative id
         {"namespace": "x", "segments": [{"kind": "input", "tokens": [[1]]}]},  # nested tokens
         {"namespace": "x", "segments": [{"kind": "input", "tokens": [2**31 - 1]}]},  # the separator id
+        # ids that are not integers: numpy would read each as some other id
+        {"namespace": "x", "segments": [{"kind": "input", "tokens": [1.7]}, {"kind": "output", "tokens": [3]}]},
+        {"namespace": "x", "segments": [{"kind": "input", "tokens": ["12"]}, {"kind": "output", "tokens": [3]}]},
+        {"namespace": "x", "segments": [{"kind": "input", "tokens": [True, 2]}, {"kind": "output", "tokens": [3]}]},
+        {"namespace": "x", "segments": [{"kind": "output", "tokens": [3, 4], "topk": [[3.5], [4]]}]},
+        {"namespace": "x", "segments": [{"kind": "input", "tokens": "12"}, {"kind": "output", "tokens": [3]}]},
+        # a request that produced nothing, and a conversation with no request in it
+        {"namespace": "x", "segments": [{"kind": "input", "tokens": [1, 2]}, {"kind": "output", "tokens": []}]},
+        {"namespace": "x", "segments": [{"kind": "input", "tokens": [1, 2]}]},
+        {"namespace": "x", "segments": []},
     ],
 )
 def test_read_traces_malformed_conversation_names_line(tmp_path, obj):
