@@ -315,7 +315,7 @@ class AsyncDraftClient:
     async def _commit_backlog(self) -> None:
         """See :meth:`DraftClient._commit_backlog`."""
         cfg = self._core.config
-        for _ in range(parts(len(self._core.commits))):
+        for _ in range(parts(len(self._core.commits), self._core.background_batch)):
             opening = self._core.reopen_request([], now=True)
             if opening is None:
                 break

@@ -49,13 +49,13 @@ BACKGROUND_BATCH = 64
 MAX_ABANDONED = 1 << 14
 
 
-def parts(n: int) -> int:
-    """The background calls ``n`` sessions take (:data:`BACKGROUND_BATCH` a call).
+def parts(n: int, size: int = BACKGROUND_BATCH) -> int:
+    """The background calls ``n`` sessions take (``size`` a call).
 
-    >>> parts(0), parts(64), parts(65)
-    (0, 1, 2)
+    >>> parts(0), parts(64), parts(65), parts(65, 16)
+    (0, 1, 2, 5)
     """
-    return -(-n // BACKGROUND_BATCH)
+    return -(-n // size)
 
 
 # How likely a prompt-lookup chain's tokens are to be accepted, by the length of the n-gram it
@@ -331,7 +331,7 @@ class ClientCore:
         if not (now or self.available()):
             return None
         todo = [s for s in sessions if not s.server_id][: self.max_batch]
-        todo += self.commits.to_open(min(BACKGROUND_BATCH, self.max_batch) - len(todo))
+        todo += self.commits.to_open(self.background_batch - len(todo))
         req = self.open_request(todo, now=now)
         return None if req is None else Reopening(todo, [len(s) for s in todo], req)
 
@@ -575,13 +575,20 @@ class ClientCore:
             out.append(tree)
         return out
 
+    @property
+    def background_batch(self) -> int:
+        """Sessions one background call carries: :data:`BACKGROUND_BATCH`, or fewer where the
+        service takes fewer (:attr:`max_batch`)."""
+        return min(BACKGROUND_BATCH, self.max_batch)
+
     def abandoned_request(self, *, now: bool = False) -> pb.CloseSessionsRequest | None:
         """Close (without commit) the server sessions given up on, once the service is used
-        again (``now``: anyway, the client is shutting down): :data:`BACKGROUND_BATCH` of them,
+        again (``now``: anyway, the client is shutting down): :attr:`background_batch` of them,
         the rest at the next request."""
         if not self.abandoned or not (now or self.available()):
             return None
-        ids, self.abandoned = self.abandoned[:BACKGROUND_BATCH], self.abandoned[BACKGROUND_BATCH:]
+        n = self.background_batch
+        ids, self.abandoned = self.abandoned[:n], self.abandoned[n:]
         return pb.CloseSessionsRequest(
             sessions=[pb.CloseSession(session_id=sid, commit=False, missing_ok=True) for sid in ids]
         )
@@ -595,16 +602,18 @@ class ClientCore:
         them). A session in ``opening`` (its open under way) must wait for it: the close goes to
         the copy it makes. One with a late draft call on the stream must wait for it to end: the
         close travels on the other stream and would overtake the tokens (a call that failed puts
-        the copy in doubt, and the request is then kept to commit)."""
+        the copy in doubt, and the request is then kept to commit). A close of more sessions
+        than :attr:`max_batch` goes as several calls."""
         busy = {id(s) for pairs, _ in self.late for s, _ in pairs} | {id(s) for s in opening}
         due, waiting = [], []
         for sessions, commit in self.to_close:
             if not now and any(id(s) in busy for s in sessions):
                 waiting.append((sessions, commit))
                 continue
-            close = self.close_request(sessions, commit)
-            if close is not None:
-                due.append(close)
+            for at in range(0, len(sessions), self.max_batch):
+                close = self.close_request(sessions[at : at + self.max_batch], commit)
+                if close is not None:
+                    due.append(close)
         self.to_close = waiting
         return due
 

@@ -394,7 +394,7 @@ class DraftClient:
     def _commit_backlog(self) -> None:
         """At shutdown: one try (waited for) at committing the ended requests still kept, in
         parts (:data:`~decoder_client.client.core.BACKGROUND_BATCH`), until one fails."""
-        for _ in range(parts(len(self._core.commits))):
+        for _ in range(parts(len(self._core.commits), self._core.background_batch)):
             opening = self._core.reopen_request([], now=True)
             if opening is None:
                 break

@@ -177,3 +177,54 @@ def test_a_draft_refused_for_its_size_changes_nothing_and_its_tokens_go_with_the
     client.shutdown()
     ended = sorted([*prompt, *TEXT[:STEPS]] for prompt in _prompts(40))
     wait_for(lambda: sorted(log_entries(small.redis_url(), config.namespace)) == ended, 10, "the commits")
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_close_over_the_services_max_batch_commits_every_request_at_once(small: Serve, transport: str) -> None:
+    """40 requests ended in one close against ``--max-batch 16`` (a client set to the service's
+    limit): the close goes as three calls and every commit lands at the first try. (One close
+    of 40 was refused whole: every request was kept, opened again whole and committed late.)"""
+    config = _config(small, stream="unary" not in transport, max_batch=16)
+    ended = sorted([*prompt, TEXT[0], TEXT[0]] for prompt in _prompts(40))  # drafted after one, then one more
+    if transport.startswith("async"):
+
+        async def scenario() -> ClientStats:
+            client = AsyncDraftClient(config)
+            sessions = await client.open(_prompts(40))
+            await client.draft(sessions, _produced(0, 40), deadline_s=DEADLINE_S)
+            client.add_tokens(sessions, [[TEXT[0]]] * 40)
+            await client.close(sessions)
+            await client.shutdown()
+            return client.stats
+
+        stats = asyncio.run(scenario())
+    else:
+        client = DraftClient(config)
+        sessions = client.open(_prompts(40))
+        client.draft(sessions, _produced(0, 40), deadline_s=DEADLINE_S)
+        client.add_tokens(sessions, [[TEXT[0]]] * 40)
+        client.close(sessions)
+        client.shutdown()
+        stats = client.stats
+    assert (stats.commits_retried, stats.commits_dropped, stats.failures) == (0, 0, 0)
+    wait_for(lambda: sorted(log_entries(small.redis_url(), config.namespace)) == ended, 10, "the commits")
+
+
+def test_copies_given_up_on_are_closed_in_parts_the_service_takes(small: Serve) -> None:
+    """Server copies a client gave up on (opens whose answer it never saw) are closed once the
+    service answers again (its next open lands), in parts no larger than its ``--max-batch``
+    (16): none is left to the session TTL. (Parts of 64 were refused at every try.)"""
+    config = _config(small, max_batch=16)
+    client = DraftClient(config)
+
+    def live() -> int:
+        return int(small.admin.Stats(pb.StatsRequest(namespace=config.namespace), timeout=10).namespaces[0].sessions)
+
+    sessions = client.open(_prompts(40))
+    assert live() == 40
+    client._core.abandon(s.server_id for s in sessions)  # as a failed open does with its chosen ids
+    for s in sessions:
+        s.server_id = ""
+    client.open(_prompts(1))  # the service answers: the copies given up on are closed
+    wait_for(lambda: (client.settle(), live())[1] == 1, 10, "the copies to close")
+    client.shutdown()
