@@ -118,12 +118,13 @@ class Replayed(Generic[H]):
 
     def verify(self, tree: DraftTree) -> int:
         """Produce what the target would after ``tree``: its accepted nodes and the bonus token.
-        Returns the step's length, accepted nodes plus one (past the output's end, the bonus
-        token is counted though ``pending`` has no token for it)."""
+        Returns the step's length, accepted nodes plus one, as replay counts it: a tree accepted
+        to the output's end yields its accepted tokens only (the output holds no bonus token
+        after them)."""
         n = len(tree.accept(self.output[self.pos :])) + 1
         self.pending = self.output[self.pos : self.pos + n].tolist()
-        self.pos += n
-        return n
+        self.pos += len(self.pending)
+        return len(self.pending)
 
     @property
     def finished(self) -> bool:

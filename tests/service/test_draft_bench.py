@@ -11,7 +11,7 @@ import pytest
 
 from benchmarks.draft_bench import DraftBenchConfig, run_draft_bench
 from benchmarks.replay_bench import namespace_of
-from benchmarks.traces import read_traces
+from benchmarks.traces import Conversation, Segment, read_traces
 from cache_service.cli import main
 from indexer.drafter import DraftParams
 from indexer.prior import PriorConfig, StaticPrior
@@ -113,3 +113,13 @@ def test_draft_bench_drafts_chains_when_asked(shared_data: Path, capsys: pytest.
     # Chains of at most 4 tokens are verified: fewer tokens a step than trees, more than none.
     assert 1.0 < chains["mat"] < trees["mat"] and chains["mat"] <= 5.0
     assert chains["trees_sha256"] != trees["trees_sha256"]
+
+
+def test_draft_bench_counts_the_tokens_a_request_has_not_a_bonus_past_its_end() -> None:
+    # One request, asked again and again: the first time nothing is known, six steps for six
+    # tokens; the second time the exact-prompt tier drafts the whole answer, accepted in one
+    # step that ends the request with no bonus token to count: 12 tokens in 7 steps.
+    conv = Conversation("c", "ns", "cat", (Segment("input", np.arange(10, 15, dtype=np.int32)),
+                                           Segment("output", np.arange(20, 26, dtype=np.int32))))  # fmt: skip
+    report = run_draft_bench([conv], namespace_of([conv], 100), DraftBenchConfig(batch=1, steps=7, rebuild_every=0))
+    assert report["mat"] == round(12 / 7, 4)
