@@ -128,12 +128,13 @@ def _known_failure(command: str, exc: Exception) -> int:
     import grpc
 
     from cache_service.domain.errors import DraftCacheError
+    from cache_service.host.journal import JournalError
     from cache_service.storage.errors import StorageError
 
     if isinstance(exc, grpc.RpcError):
         print(f"draftcache {command}: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 2
-    if isinstance(exc, ValueError | OSError | DraftCacheError | StorageError):
+    if isinstance(exc, ValueError | OSError | DraftCacheError | StorageError | JournalError):
         return _clear_exit(command, exc)
     raise exc
 

@@ -55,16 +55,38 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+def env_name(name: str) -> str:
+    """The environment variable an option reads: ``DRAFTCACHE_<NAME>``, dashes as underscores."""
+    return "DRAFTCACHE_" + name.upper().replace("-", "_")
+
+
 def env(name: str, default: str | None = None) -> str | None:
     """``DRAFTCACHE_<NAME>`` (dashes become underscores), else ``default``."""
-    return os.environ.get("DRAFTCACHE_" + name.upper().replace("-", "_"), default)
+    return os.environ.get(env_name(name), default)
 
 
 def add(p: argparse.ArgumentParser, flag: str, **kw: Any) -> None:
-    """An option whose default comes from the environment when set there."""
+    """An option whose default comes from the environment when set there; a value there that
+    the option would refuse on the command line is a ``ValueError`` naming the variable.
+
+    >>> os.environ["DRAFTCACHE_COUNT"] = "0"
+    >>> add(argparse.ArgumentParser(), "--count", type=positive, help="how many")
+    Traceback (most recent call last):
+    ...
+    ValueError: DRAFTCACHE_COUNT='0' (--count): must be at least 1, got 0
+    >>> del os.environ["DRAFTCACHE_COUNT"]
+    """
     value = env(flag.lstrip("-"))
     if value is not None:
-        kw["default"] = kw["type"](value) if "type" in kw else value
+        name = env_name(flag.lstrip("-"))
+        if "type" in kw:
+            try:
+                value = kw["type"](value)
+            except (ValueError, TypeError, argparse.ArgumentTypeError) as exc:
+                raise ValueError(f"{name}={value!r} ({flag}): {exc}") from None
+        if "choices" in kw and value not in kw["choices"]:
+            raise ValueError(f"{name}={value!r} ({flag}): must be one of {', '.join(map(str, kw['choices']))}")
+        kw["default"] = value
         kw.pop("required", None)
     if "help" not in kw:
         raise ValueError(f"{flag}: every option needs help text")

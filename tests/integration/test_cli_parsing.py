@@ -110,3 +110,39 @@ def test_server_commands_load_no_tool_modules() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "said"),
+    [
+        ("DRAFTCACHE_MAX_BATCH", "0", "DRAFTCACHE_MAX_BATCH='0' (--max-batch): must be at least 1, got 0"),
+        ("DRAFTCACHE_PORT", "abc", "DRAFTCACHE_PORT='abc' (--port): invalid literal"),
+        ("DRAFTCACHE_LOG_FORMAT", "xml", "DRAFTCACHE_LOG_FORMAT='xml' (--log-format): must be one of text, json"),
+    ],
+)
+def test_a_bad_value_in_the_environment_names_its_variable(
+    variable: str, value: str, said: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv(variable, value)
+    assert main(["serve", "--help"]) == 2  # refused before anything else is read
+    err = capsys.readouterr().err
+    assert said in err and "Traceback" not in err
+
+
+def test_a_journal_in_use_by_another_process_is_one_line(
+    tmp_path: Path, redis_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A second ``serve`` on a data folder whose journal another process holds: one clear line."""
+    from cache_service.app import AppConfig
+    from cache_service.host.embedded_redis import EmbeddedRedisConfig
+    from cache_service.host.journal import Journal
+
+    where = AppConfig(embedded=EmbeddedRedisConfig(data_dir=tmp_path / "redis"), journal_dir=tmp_path / "journal")
+    held = Journal(where.journal_path, 1 << 20, root=where.journal_root)
+    held.open()
+    try:
+        rc = main(["serve", "--data-dir", str(tmp_path), "--redis-url", redis_url, "--port", "0"])
+    finally:
+        held.close()
+    err = capsys.readouterr().err
+    assert rc == 2 and "is in use by another process" in err and "Traceback" not in err
