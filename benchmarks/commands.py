@@ -680,7 +680,13 @@ def _load_config(a: argparse.Namespace, targets: tuple[str, ...], namespace: str
 
 def _bench_draft_args(bd: argparse.ArgumentParser) -> None:
     bd.add_argument("traces", type=Path, help="requests come from these conversations")
-    add(bd, "--tokenizer", type=Path, default=None, help="tokenizer of the traces' namespace (its vocabulary)")
+    add(
+        bd,
+        "--tokenizer",
+        type=Path,
+        default=None,
+        help="tokenizer of the traces' namespace (its vocabulary; default: the traces' and --prior's largest id + 1)",
+    )
     add(bd, "--batch", type=positive, default=32, help="sequences stepped together")
     add(bd, "--steps", type=positive, default=1200, help="batch steps timed")
     add(bd, "--rebuild-every", type=non_negative, default=300, help="steps between lifetime rebuilds (0: never)")
@@ -709,8 +715,15 @@ def cmd_bench_draft(a: argparse.Namespace) -> int:
     )
     prior = read_prior(a.prior) if a.prior is not None else None
     namespace = replay_bench.namespace_of(conversations, vocab)
+    if vocab is None and prior is not None:  # the prior's ids too: a corpus holds ids no request does
+        namespace = Namespace(name=namespace.name, vocab_size=max(namespace.vocab_size, _prior_vocab(prior)))
     print(json.dumps(run_draft_bench(conversations, namespace, config, prior), indent=2))
     return 0
+
+
+def _prior_vocab(prior: StaticPrior) -> int:
+    """The smallest vocabulary holding every id ``prior`` can draft."""
+    return max((int(t.search_arrays()[2].max(initial=-1)) for t in prior.tables), default=-1) + 1
 
 
 def _bench_draft_model_args(b: argparse.ArgumentParser) -> None:

@@ -123,3 +123,17 @@ def test_draft_bench_counts_the_tokens_a_request_has_not_a_bonus_past_its_end() 
                                            Segment("output", np.arange(20, 26, dtype=np.int32))))  # fmt: skip
     report = run_draft_bench([conv], namespace_of([conv], 100), DraftBenchConfig(batch=1, steps=7, rebuild_every=0))
     assert report["mat"] == round(12 / 7, 4)
+
+
+def test_bench_draft_takes_a_prior_whose_ids_the_traces_never_use(
+    shared_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A prior warmed from a corpus holds ids no request of the traces does (Llama-2's 32,000
+    # against Spec-Bench's largest, 31,473): without --tokenizer the namespace is sized to hold
+    # both, as the documented `bench-draft TRACES --prior PRIOR` needs.
+    traces = shared_data / "traces/spec_bench_vicuna7b.jsonl.gz"
+    toks = np.array([5, 6, 31_990, 31_991] * 4, dtype=np.int32)
+    (tmp_path / "prior.bin").write_bytes(StaticPrior.build(toks, PriorConfig(orders=(1, 2))).to_bytes())
+    args = ["bench-draft", str(traces), "--batch", "2", "--steps", "5", "--rebuild-every", "0"]
+    assert main([*args, "--prior", str(tmp_path / "prior.bin")]) == 0
+    assert json.loads(capsys.readouterr().out)["steps"] == 5
