@@ -98,17 +98,30 @@ class PromptLookupDrafter:
 
 
 class SuffixDecodingDrafter:
-    """SuffixDecoding (arctic-inference): per-request and global suffix trees."""
+    """SuffixDecoding (arctic-inference): per-request and global suffix trees. Trees of at most
+    ``max_spec_tokens`` nodes, or with ``chain`` > 0 its own chains of at most that many tokens
+    (``use_tree_spec=False``, as vLLM's suffix method drafts): it then picks the match length by
+    the chain's score, where a cut tree follows the match length whose whole tree scored best."""
 
     def __init__(
-        self, *, max_spec_tokens: int, max_spec_factor: float, min_token_prob: float, max_depth: int = 64
+        self,
+        *,
+        max_spec_tokens: int,
+        max_spec_factor: float,
+        min_token_prob: float,
+        max_depth: int = 64,
+        chain: int = 0,
     ) -> None:
         from arctic_inference.suffix_decoding import SuffixDecodingCache  # optional extra
 
-        self.name = f"suffix-decoding(factor={max_spec_factor},p={min_token_prob})"
+        if chain < 0:
+            raise ValueError(f"chain must be >= 0, got {chain}")
+        shape = f"/chain({chain})" if chain else ""
+        self.name = f"suffix-decoding(factor={max_spec_factor},p={min_token_prob}){shape}"
         self._cache = SuffixDecodingCache(max_tree_depth=max_depth)
+        self._tree = not chain
         self._args = {
-            "max_spec_tokens": max_spec_tokens,
+            "max_spec_tokens": chain or max_spec_tokens,
             "max_spec_factor": max_spec_factor,
             "min_token_prob": min_token_prob,
         }
@@ -123,7 +136,7 @@ class SuffixDecodingDrafter:
         self._ctx = prompt.copy()
 
     def propose(self) -> DraftTree:
-        d = self._cache.speculate(self._req, self._ctx, use_tree_spec=True, **self._args)
+        d = self._cache.speculate(self._req, self._ctx, use_tree_spec=self._tree, **self._args)
         tokens = np.asarray(d.token_ids, dtype=np.int32)
         if tokens.size == 0:
             return DraftTree.empty()

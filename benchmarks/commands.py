@@ -116,7 +116,13 @@ def _replay_args(r: argparse.ArgumentParser) -> None:
         help="hand the target's top-k at every verified position to the drafter (default: when the traces "
         "record it; --no-topk measures without)",
     )
-    add(r, "--suffix-factor", type=float, default=8.0, help="SuffixDecoding's max_spec_factor")
+    add(
+        r,
+        "--suffix-factor",
+        type=float,
+        default=None,
+        help="SuffixDecoding's max_spec_factor (default: its best on our traces, 64 for trees, 8 with --chain)",
+    )
     add(r, "--suffix-min-prob", type=float, default=0.01, help="SuffixDecoding's min_token_prob")
     add(r, "--rest-datastore", type=Path, default=None, help="REST's datastore (built from --warm-corpus if missing)")
     add(r, "--prior", type=Path, default=None, help="a prior file written by 'draftcache warm --out'")

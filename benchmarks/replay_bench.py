@@ -36,6 +36,12 @@ from indexer.tree_builder import DraftTree
 logger = logging.getLogger(__name__)
 
 BASELINES = ("prompt-lookup", "suffix-decoding", "rest")
+# SuffixDecoding's best max_spec_factor on our traces (min_token_prob 0.01), by the shape
+# replayed. Trees: at 64 only the budget bounds a draft (Spec-Bench 2.142 against 2.060 at 8,
+# swe_agent_dev 2.901 against 2.816). Chains: its own chain mode is the same at any factor from
+# K up, and its tree cut to a chain is better at 8 (a smaller tree at a short match leaves the
+# longer match to win: swe_agent_dev K=8 2.398 against 2.361 at 64).
+SUFFIX_FACTOR = {"trees": 64.0, "chains": 8.0}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,8 +49,9 @@ class ReplayConfig:
     params: DraftParams = field(default_factory=DraftParams)
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
     baselines: tuple[str, ...] = ()
-    # SuffixDecoding's best setting on our traces (its vLLM default is factor 1.0, p 0.1).
-    suffix_factor: float = 8.0
+    # SuffixDecoding's max_spec_factor; None: its best on our traces for the shape replayed
+    # (SUFFIX_FACTOR). Its vLLM default is factor 1.0, p 0.1.
+    suffix_factor: float | None = None
     suffix_min_prob: float = 0.01
     # REST: a draftretriever datastore file (see build_rest_datastore); its tree holds at most
     # as many nodes as ours (params.budget; REST's default is 64 too).
@@ -52,18 +59,28 @@ class ReplayConfig:
     include_engine: bool = True  # off when draftcache is replayed through a remote service
     lookahead: int = 0  # pre-speculation: stopping points drafted ahead for per step
     # Chain replay (what engines verify): every drafter proposes at most this many tokens in
-    # one chain: ours in chain mode (params.chain), beside our tree cut to its best path and
-    # each baseline cut the same way (prompt lookup drafts this many tokens). 0: trees.
+    # one chain: ours in chain mode (params.chain), beside our tree cut to its best path;
+    # prompt lookup drafting this many tokens; SuffixDecoding both in its own chain mode (as
+    # vLLM runs it) and its tree cut to its best path; REST, which has no chain mode, its tree
+    # cut. 0: trees.
     chain: int = 0
     # Hand the target's top-k at the verified positions to drafters that take them, where the
     # traces record it (off: measure the same traces without it).
     topk: bool = True
 
+    @property
+    def suffix_spec_factor(self) -> float:
+        """SuffixDecoding's max_spec_factor in this replay: the one set, else its best for trees
+        or chains (:data:`SUFFIX_FACTOR`)."""
+        if self.suffix_factor is not None:
+            return self.suffix_factor
+        return SUFFIX_FACTOR["chains" if self.chain else "trees"]
+
     def __post_init__(self) -> None:
         unknown = set(self.baselines) - set(BASELINES)
         if unknown:
             raise ValueError(f"unknown baselines {sorted(unknown)}; choose from {', '.join(BASELINES)}")
-        if self.suffix_factor <= 0 or not 0 <= self.suffix_min_prob < 1:
+        if (self.suffix_factor is not None and self.suffix_factor <= 0) or not 0 <= self.suffix_min_prob < 1:
             raise ValueError("suffix_factor must be > 0 and suffix_min_prob in [0, 1)")
         if "rest" in self.baselines and self.rest_datastore is None:
             raise ValueError("the rest baseline needs a datastore (--rest-datastore)")
@@ -168,7 +185,8 @@ def drafters(
 ) -> list[ReplayDrafter]:
     """The drafters to replay: ours in-process (in chain replay also our tree cut to its best
     path, as the adapters cut it), their lifetime memory warmed with ``documents``, and the
-    baselines named, each cut to ``config.chain`` tokens in chain replay. With ``draft_rows``
+    baselines named, each proposing chains of at most ``config.chain`` tokens in chain replay
+    (see :class:`ReplayConfig`). With ``draft_rows``
     (a draft model's rows for every request replayed, in order; chain replay only), also the
     draft model's greedy chains, and ours beside them; with ``chain_model``, the same from a
     draft model run at every step."""
@@ -195,11 +213,13 @@ def drafters(
         out.append(PromptLookupDrafter(num_tokens=k) if k else PromptLookupDrafter())
     if "suffix-decoding" in config.baselines:
         if suffix_decoding_available():
-            suffix = SuffixDecodingDrafter(
-                max_spec_tokens=config.params.budget,
-                max_spec_factor=config.suffix_factor,
-                min_token_prob=config.suffix_min_prob,
-            )
+            budget, factor, min_prob = config.params.budget, config.suffix_spec_factor, config.suffix_min_prob
+            if k:  # its own chains, and its tree cut: which is better depends on the trace
+                chains = SuffixDecodingDrafter(
+                    max_spec_tokens=budget, max_spec_factor=factor, min_token_prob=min_prob, chain=k
+                )
+                out.append(chains)
+            suffix = SuffixDecodingDrafter(max_spec_tokens=budget, max_spec_factor=factor, min_token_prob=min_prob)
             out.append(BestChain(suffix, k) if k else suffix)
         else:
             logger.warning("suffix-decoding baseline skipped: pip install arctic-inference==0.3.0")
