@@ -26,12 +26,12 @@ from cache_service.host.journal import Journal, journal_path
 from cache_service.host.malloc import release_free_memory
 from cache_service.host.shared_indexes import SharedIndexes
 from cache_service.metrics import Metrics
-from cache_service.persistence import RedisPersistence
+from cache_service.persistence import RedisPersistence, SessionsNotSaved
 from cache_service.rpc import wire
 from cache_service.rpc.server import check_files, create_server
 from cache_service.storage import keys
 from cache_service.storage.clients import StorageClient
-from cache_service.storage.connect import connect, connect_for_calls, redact
+from cache_service.storage.connect import Cutoff, connect, connect_for_calls, redact
 from cache_service.storage.errors import MigrationInProgress, StorageError
 from cache_service.storage.redis_store import RedisStore, StoreConfig
 from cache_service.sync import StorageSync
@@ -46,6 +46,24 @@ EARLY_REBUILD_GAP_S = 1.0  # least time between early rebuilds of one namespace
 # With shared indexes every generation is also written whole to the lifetime folder (8 bytes a
 # token: 134 MB for a full buffer), so they come less often.
 SHARED_EARLY_REBUILD_GAP_S = 5.0
+# A stop after the drain (ServerConfig.grace_s): the background jobs under way get STOP_JOBS_S
+# to end, then their storage calls are cut short; the sessions' last write-back and the replay
+# of journaled commits get STOP_STORAGE_S, then theirs are. A hung Redis (a storage call waits
+# 30 s on it, then once more) holds a stop no longer than that.
+STOP_JOBS_S = 2.0
+STOP_STORAGE_S = 3.0
+
+
+def stop_seconds(grace_s: float) -> float:
+    """The longest :meth:`App.stop` waits, whatever storage does, before it stops the embedded
+    Redis (:meth:`EmbeddedRedis.stop`, up to its ``timeout_s`` more): the drain, the jobs'
+    end, the last writes. Work on the CPU comes on top: a lifetime index being rebuilt is
+    finished (a second or a few).
+
+    >>> stop_seconds(5.0)
+    10.0
+    """
+    return grace_s + STOP_JOBS_S + STOP_STORAGE_S
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -130,6 +148,9 @@ class App:
         self.sessions_saved = time.monotonic()  # last successful session write-back
         self._last_rebuild: dict[str, float] = {}  # per namespace, when its last rebuild ended
         self.url = config.redis_url or ""
+        # Ends the background client's calls (the jobs', the last writes'): a stop never waits
+        # out a hung Redis.
+        self.cutoff = Cutoff()
 
     async def start(self) -> int:
         """Start serving; returns the bound port. A start that fails stops what it started."""
@@ -161,7 +182,7 @@ class App:
             self.embedded = await asyncio.to_thread(embedded.start)
             self.url = self.embedded.url
             (self.config.embedded.data_dir / "url").write_text(self.url)
-        client = connect(self.url)
+        client = connect(self.url, cutoff=self.cutoff)
         logger.info("storage schema v%d at %s", await asyncio.to_thread(prepare_schema, client), redact(self.url))
         store = RedisStore(client, self.config.store)
         quick = await asyncio.to_thread(connect_for_calls, self.url, self.config.call_timeout_s)
@@ -317,21 +338,32 @@ class App:
             )
 
     async def stop(self) -> None:
-        """NOT_SERVING, drain in-flight calls, stop jobs, write what storage takes (commits it
-        does not stay journaled for the next start), stop Redis. Storage being down delays
-        none of it beyond a storage call's timeout, and fails none of it."""
+        """NOT_SERVING, drain in-flight calls (``grace_s``), stop the jobs, write back the
+        sessions and replay journaled commits, stop Redis: within :func:`stop_seconds` whatever
+        storage does. The jobs under way get :data:`STOP_JOBS_S` to end, then their storage
+        calls are cut short; the last writes get :data:`STOP_STORAGE_S`, then theirs are. What
+        storage has not taken by then: commits stay in the journal (fsynced; replayed at the
+        next start), and the sessions' last changes are given up, with a warning counting them
+        (those sessions continue from their last stored copy, if any)."""
         await self.server.stop(self.config.server.grace_s)
         self.compiles.stop()
         # Jobs go first: removing them waits out a scheduling pass that may be handing one to
         # the executor, which shutdown would otherwise close under it. Off the loop: a running
         # write-back job waits on the loop for its changes.
         self.scheduler.remove_all_jobs()
-        await asyncio.to_thread(self.scheduler.shutdown, wait=True)
+        jobs = asyncio.ensure_future(asyncio.to_thread(self.scheduler.shutdown, wait=True))
+        ended, _ = await asyncio.wait({jobs}, timeout=STOP_JOBS_S)
+        if not ended:
+            logger.warning("background jobs still running %.0f s into the stop: storage calls cut short", STOP_JOBS_S)
+            self.cutoff.cut()
+            await jobs
+        self.cutoff.restore()
+        self.cutoff.cut_at(time.monotonic() + STOP_STORAGE_S)
         try:
             await self._final_save()
-        except StorageError as exc:
-            logger.warning("session state not saved at shutdown (storage unavailable): %s", exc)
-        await asyncio.to_thread(self.sync.sync)
+            await asyncio.to_thread(self.sync.sync)  # journaled commits into the log, if it takes them
+        finally:
+            self.cutoff.cut()
         if self.persistence.pending:
             left, path = self.persistence.pending, self.config.journal_path
             logger.warning("%d commits stay in the journal %s for the next start", left, path)
@@ -340,13 +372,23 @@ class App:
             await asyncio.to_thread(self.embedded.stop)
 
     async def _final_save(self) -> None:
+        """The sessions' last write-back; what storage does not take is given up, and counted."""
         ttl = self.config.service.session_ttl_s
         changed, closed = self.service.take_changes(final=True)
-        saved = await asyncio.to_thread(self.persistence.save_sessions, changed, closed, ttl)
-        self.service.saved(saved)
-        if saved.missed:  # appends storage could not take: once more, whole
-            changed, _ = self.service.take_changes(final=True)
-            await asyncio.to_thread(self.persistence.save_sessions, changed, [], ttl)
+        try:
+            saved = await asyncio.to_thread(self.persistence.save_sessions, changed, closed, ttl)
+            self.service.saved(saved)
+            if saved.missed:  # appends storage could not take: once more, whole
+                changed, _ = self.service.take_changes(final=True)
+                await asyncio.to_thread(self.persistence.save_sessions, changed, [], ttl)
+        except SessionsNotSaved as exc:
+            logger.warning(
+                "session write-back at shutdown cut short (%s): the last changes of %d sessions are lost "
+                "(they continue from their last stored copy), %d closed sessions not deleted (they expire)",
+                exc, len(exc.unsaved), exc.undeleted,
+            )  # fmt: skip
+        except StorageError as exc:
+            logger.warning("session state of %d sessions not written back at shutdown: %s", len(changed), exc)
 
 
 def early_rebuild_gap(last_build_seconds: float | None, *, shared: bool) -> float:

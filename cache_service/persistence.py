@@ -23,7 +23,7 @@ from cache_service.domain.errors import Unavailable
 from cache_service.domain.ports import Committed, Logged, PriorPage
 from cache_service.host import prior_files
 from cache_service.host.journal import Journal
-from cache_service.storage.errors import StorageUnavailable
+from cache_service.storage.errors import StorageError, StorageUnavailable
 from cache_service.storage.redis_store import RedisStore
 from cache_service.storage.sessions import SessionAppend, SessionWrite
 from cache_service.storage.stored_session import StoredSession
@@ -37,6 +37,17 @@ SAVE_BATCH = 256  # sessions written per pipelined round trip
 LOG_PAGE = 32  # log entries read per round trip for a decoder's near copy
 
 Requests = tuple[list[np.ndarray], list[LogId]]  # log entries: their tokens and positions
+
+
+class SessionsNotSaved(StorageUnavailable):
+    """A write-back storage failed part-way through: ``unsaved``, the sessions whose change it
+    may not hold (the batch that failed and those after it), and ``undeleted``, the closed
+    sessions it did not delete (they expire)."""
+
+    def __init__(self, cause: StorageError, unsaved: list[str], undeleted: int) -> None:
+        super().__init__(str(cause))
+        self.unsaved = unsaved
+        self.undeleted = undeleted
 
 
 class RedisPersistence:
@@ -224,17 +235,25 @@ class RedisPersistence:
                 writes.append((sid, change))
         written: list[str] = []
         refused: list[str] = []
-        for start in range(0, len(writes), SAVE_BATCH):  # pipelined, a bounded batch per round trip
-            whole = writes[start : start + SAVE_BATCH]
-            for (sid, _), ok in zip(whole, self.store.save_sessions(whole, ttl_s), strict=True):
-                (written if ok else refused).append(sid)
         missed: list[str] = []
-        for start in range(0, len(appends), SAVE_BATCH):
-            batch = appends[start : start + SAVE_BATCH]
-            applied = self.store.append_sessions(batch, ttl_s)
-            missed.extend(sid for (sid, *_), ok in zip(batch, applied, strict=True) if not ok)
-        for start in range(0, len(closed), SAVE_BATCH):
-            self.store.delete_sessions(closed[start : start + SAVE_BATCH])
+        done = deleted = 0  # changes and closes storage has answered for
+        try:
+            for start in range(0, len(writes), SAVE_BATCH):  # pipelined, a bounded batch per round trip
+                whole = writes[start : start + SAVE_BATCH]
+                for (sid, _), ok in zip(whole, self.store.save_sessions(whole, ttl_s), strict=True):
+                    (written if ok else refused).append(sid)
+                done += len(whole)
+            for start in range(0, len(appends), SAVE_BATCH):
+                batch = appends[start : start + SAVE_BATCH]
+                applied = self.store.append_sessions(batch, ttl_s)
+                missed.extend(sid for (sid, *_), ok in zip(batch, applied, strict=True) if not ok)
+                done += len(batch)
+            for start in range(0, len(closed), SAVE_BATCH):
+                self.store.delete_sessions(closed[start : start + SAVE_BATCH])
+                deleted = min(len(closed), start + SAVE_BATCH)
+        except StorageError as exc:
+            order = [sid for sid, _ in writes] + [sid for sid, *_ in appends]
+            raise SessionsNotSaved(exc, order[done:], len(closed) - deleted) from exc
         if refused:
             logger.warning("%d sessions not saved: their ids hold another tenant's sessions", len(refused))
         return Saved(missed, written, refused)

@@ -3,6 +3,7 @@ data folder, owned by the service process, restarted when it dies, and stopped w
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import importlib.util
 import itertools
@@ -255,6 +256,8 @@ class EmbeddedRedis:
         client = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=1.0)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
+            if self._stopping.is_set():  # a restart that stop() called off: not waited for
+                raise Unavailable("embedded Redis stopped while it started")
             if self._proc is not None and self._proc.poll() is not None:
                 raise Unavailable(
                     f"embedded Redis exited with {self._proc.returncode}; see {self.config.data_dir}/server.log"
@@ -283,6 +286,8 @@ class EmbeddedRedis:
         if self._proc is None or self._proc.poll() is not None:
             return
         self._proc.terminate()  # SIGTERM: Redis flushes the AOF and exits
+        with contextlib.suppress(ProcessLookupError):  # one stopped (SIGSTOP) takes it once continued
+            os.kill(self._proc.pid, signal.SIGCONT)
         try:
             self._proc.wait(timeout_s)
         except subprocess.TimeoutExpired:

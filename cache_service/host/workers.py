@@ -28,7 +28,7 @@ from multiprocessing.process import BaseProcess
 from multiprocessing.sharedctypes import Synchronized
 
 from cache_service import logs
-from cache_service.app import AppConfig
+from cache_service.app import AppConfig, stop_seconds
 from cache_service.host.embedded_redis import EmbeddedRedis
 from cache_service.rpc.server import check_files
 
@@ -40,6 +40,9 @@ BEAT_S = 1.0  # between a serving worker's heartbeats
 # the loop is ever held while it works: a compilation while serving holds it seconds (tens on
 # a fresh machine, once); a start's compilations come before the first beat.
 HANG_S = 60.0
+# What a worker's stop may take past :func:`~cache_service.app.stop_seconds` (a rebuild being
+# finished, its log written) before it is killed: its journal keeps what it acknowledged.
+STOP_SLACK_S = 10.0
 
 
 def worker_config(config: AppConfig, index: int, redis_url: str, worker_ports: int | None = None) -> AppConfig:
@@ -161,9 +164,12 @@ def serve_processes(
     finally:
         for w in workers:
             w.proc.terminate()  # SIGTERM: each drains and stops on its own
+        deadline = time.monotonic() + stop_seconds(config.server.grace_s) + STOP_SLACK_S
         for w in workers:
-            w.proc.join(config.server.grace_s + 30)
+            w.proc.join(max(0.0, deadline - time.monotonic()))
             if w.proc.is_alive():
+                logger.error("%s (pid %s) still stopping past its time; killing it", w.proc.name, w.proc.pid)
                 w.proc.kill()
+                w.proc.join()
         if embedded is not None:
             embedded.stop()

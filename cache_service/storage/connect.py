@@ -25,13 +25,17 @@ for the sentinels themselves; socket and TLS options apply to the sentinels too.
 
 from __future__ import annotations
 
+import copy
 import re
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import parse_qs, quote, urlencode, urlsplit
 
 import redis
-from redis.backoff import NoBackoff
+from redis.backoff import AbstractBackoff, NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
 from redis.connection import parse_url as redis_parse_url
 from redis.exceptions import RedisClusterException, RedisError
@@ -52,6 +56,9 @@ SCHEMES: dict[str, tuple[str, bool]] = {
     "rediss+sentinel": ("sentinel", True),
 }
 DEFAULT_PORT = {"single": 6379, "cluster": 6379, "sentinel": 26379}
+CUT_MESSAGE = "storage calls cut short: the service is stopping"
+
+T = TypeVar("T")
 
 _CONNECTION_OPTIONS = frozenset(
     {"db", "socket_timeout", "socket_connect_timeout", "socket_keepalive", "retry_on_timeout"}
@@ -194,21 +201,28 @@ def _node_options(tls: bool, userinfo: str, query: dict[str, str], db: int) -> d
     return options
 
 
-def connect(url: str, **overrides: Any) -> StorageClient:
+def connect(url: str, *, cutoff: Cutoff | None = None, **overrides: Any) -> StorageClient:
     """A storage client for ``url``: a ``redis.Redis`` (one server or the Sentinel master) or a
     ``RedisCluster``. ``overrides`` replace the defaults (``decode_responses=False``, 30 s reads,
-    2 s connects, one retry without backoff), and the URL's options replace both.
+    2 s connects, one retry without backoff), and the URL's options replace both. With
+    ``cutoff``, :meth:`Cutoff.cut` ends the client's calls at once.
 
     A cluster is contacted at once to learn its slots (:class:`StorageUnavailable` if no seed
     node answers); the other kinds connect on first use.
     """
     target = parse_url(url)
     settings = {**_defaults(), **overrides}
+    if cutoff is not None:
+        settings["retry"] = cutoff.retry(settings["retry"])
     if target.kind == "cluster":
-        return _cluster(target, settings)
-    if target.kind == "sentinel":
-        return _sentinel(target, settings)
-    return redis.Redis.from_url(url, **settings)  # options in the URL win, as redis-py has it
+        client: StorageClient = _cluster(target, settings)
+    elif target.kind == "sentinel":
+        client = _sentinel(target, settings)
+    else:
+        client = redis.Redis.from_url(url, **settings)  # options in the URL win, as redis-py has it
+    if cutoff is not None:
+        cutoff.watch(client)
+    return client
 
 
 def connect_for_calls(url: str, timeout_s: float) -> StorageClient:
@@ -240,3 +254,128 @@ def _sentinel(target: RedisTarget, settings: dict[str, Any]) -> redis.Redis:
     )
     client: redis.Redis = sentinels.master_for(target.service, redis_class=redis.Redis)
     return client
+
+
+class Cutoff:
+    """Ends the calls of the storage clients made with it (:func:`connect`), whatever Redis does.
+
+    A stopping service cannot wait out a hung Redis: a call on a client with the defaults waits
+    30 s for an answer, then once more. After :meth:`cut`, a call waiting on a socket fails at
+    once (the client's connections are shut down under it), and every later call fails before
+    anything is sent, as :class:`redis.ConnectionError` (storage unavailable), never retried,
+    until :meth:`restore`. :meth:`cut_at` cuts at a deadline instead. On a Redis Cluster the
+    calls under way are woken and not retried, but one begun after the cut is still sent (the
+    cluster client retries and routes on its own): it waits for a node's socket timeout at most.
+
+    >>> cutoff = Cutoff()
+    >>> client = connect("redis://127.0.0.1:1/0", cutoff=cutoff)  # nothing listens there
+    >>> cutoff.cut()
+    >>> client.ping()
+    Traceback (most recent call last):
+    ...
+    redis.exceptions.ConnectionError: storage calls cut short: the service is stopping
+    """
+
+    def __init__(self) -> None:
+        self._cut = threading.Event()
+        self._clients: list[StorageClient] = []
+        self._lock = threading.Lock()
+        self._timer: threading.Timer | None = None
+
+    @property
+    def is_cut(self) -> bool:
+        return self._cut.is_set()
+
+    def retry(self, like: Retry) -> Retry:
+        """A retry policy as ``like`` (its retries and backoff) that this cutoff ends."""
+        return _CutRetry(self, like.get_retries(), getattr(like, "_backoff", NoBackoff()))
+
+    def watch(self, client: StorageClient) -> None:
+        """Shut ``client``'s connections down at each cut."""
+        with self._lock:
+            self._clients.append(client)
+
+    def cut(self) -> None:
+        """Fail the calls under way and every later one, until :meth:`restore`."""
+        self._cut.set()
+        with self._lock:
+            clients = list(self._clients)
+            if self._timer is not None:  # the deadline is moot
+                self._timer.cancel()
+                self._timer = None
+        for client in clients:
+            _disconnect(client)
+
+    def cut_at(self, deadline: float) -> None:
+        """:meth:`cut` when ``time.monotonic()`` reaches ``deadline`` (at once if it has)."""
+        with self._lock:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = threading.Timer(max(0.0, deadline - time.monotonic()), self.cut)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def restore(self) -> None:
+        """Let calls through again (a pending :meth:`cut_at` is called off)."""
+        with self._lock:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+        self._cut.clear()
+
+    def check(self) -> None:
+        if self._cut.is_set():
+            raise redis.ConnectionError(CUT_MESSAGE)
+
+
+class _CutRetry(Retry):
+    """redis-py's retry policy, ended by a :class:`Cutoff`: no try once it is cut, and no retry
+    of a try it cut. Every copy a connection takes shares the cutoff."""
+
+    def __init__(self, cutoff: Cutoff, retries: int, backoff: AbstractBackoff) -> None:
+        super().__init__(backoff, retries)
+        self._cutoff = cutoff
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _CutRetry:
+        return copy.copy(self)  # each connection copies its retry: the cutoff stays shared
+
+    def get_retries(self) -> int:
+        return 0 if self._cutoff.is_cut else super().get_retries()
+
+    def call_with_retry(
+        self,
+        do: Callable[[], T],
+        fail: Callable[..., Any],
+        is_retryable: Callable[[Exception], bool] | None = None,
+        with_failure_count: bool = False,
+    ) -> T:
+        self._backoff.reset()
+        failures = 0
+        while True:
+            self._cutoff.check()
+            try:
+                return do()
+            except self._supported_errors as error:
+                if is_retryable is not None and not is_retryable(error) and not self._cutoff.is_cut:
+                    raise
+                failures += 1
+                if with_failure_count:
+                    fail(error, failures)
+                else:
+                    fail(error)
+                if self._cutoff.is_cut:
+                    raise redis.ConnectionError(CUT_MESSAGE) from error
+                if 0 <= self._retries < failures:
+                    raise
+                pause = self._backoff.compute(failures)
+                if pause > 0:
+                    time.sleep(pause)
+
+
+def _disconnect(client: StorageClient) -> None:
+    """Shut every connection of ``client`` down, those in use by other threads too: a thread
+    waiting on one for an answer wakes at once with a connection error."""
+    if isinstance(client, RedisCluster):
+        client.disconnect_connection_pools()
+    else:
+        client.connection_pool.disconnect(inuse_connections=True)

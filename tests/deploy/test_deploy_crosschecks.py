@@ -33,11 +33,11 @@ from deploy_files import (
     option_of,
     overlay_env,
     read_env_file,
-    subcommand_parser,
     unit_directives,
     yaml_files,
 )
 
+from cache_service.app import stop_seconds
 from cache_service.config import ServerConfig
 from cache_service.host.embedded_redis import EmbeddedRedis, free_port
 from tests.service.test_serve_metrics import READY_S
@@ -173,13 +173,12 @@ DOCKER_DEFAULT_STOP_S = 10  # `docker stop` / `docker run` without --stop-timeou
 
 
 def stop_budget_s(*, pre_stop_s: float = 0.0, embedded: bool) -> float:
-    """What ``draftcache serve`` may take from SIGTERM to its exit with storage answering or
-    refusing connections (cache_service/app.py, App.stop): the drain, the last session
-    write-back and log sync (a storage call's timeout each at worst), then the embedded Redis's
-    own stop; and before SIGTERM, a preStop hook's sleep."""
-    call_s = subcommand_parser("serve").get_default("storage_call_timeout")
+    """What ``draftcache serve`` may take from SIGTERM to its exit whatever storage does, hung
+    included (cache_service/app.py, App.stop and stop_seconds): the drain, the background jobs'
+    end and the last session write-back and log sync, each cut short at its deadline, then the
+    embedded Redis's own stop; and before SIGTERM, a preStop hook's sleep."""
     redis_s = inspect.signature(EmbeddedRedis.stop).parameters["timeout_s"].default if embedded else 0.0
-    return pre_stop_s + ServerConfig().grace_s + 2 * call_s + redis_s
+    return pre_stop_s + stop_seconds(ServerConfig().grace_s) + redis_s
 
 
 def documented_docker_runs() -> list[tuple[str, list[str]]]:
