@@ -115,3 +115,21 @@ def test_a_missing_or_corrupt_datastore_is_an_error(tmp_path: Path) -> None:
 def test_bad_settings_are_refused(datastore: str, kwargs: dict) -> None:
     with pytest.raises(ValueError):
         RestDrafter(datastore, **kwargs)
+
+
+def test_replayed_mat_by_hand(rest: Callable[..., RestDrafter]) -> None:
+    # The prompt ends with 101 102: REST drafts 103 104 105 106 (its retriever's paths are at
+    # most 4 deep), all accepted with the bonus 107; then 106 107 finds 108, accepted with the
+    # bonus 999. Seven tokens in two steps, and as many again: the datastore learns nothing.
+    from benchmarks.replay import replay
+    from benchmarks.traces import Conversation, Segment
+
+    segments = (
+        Segment("input", np.array([7, 101, 102], np.int32)),
+        Segment("output", np.array([*STORY[2:], 999], np.int32)),
+    )
+    conv = Conversation("c", "ns", "c", segments)
+    drafter = rest(choices=16)
+    for _ in range(2):
+        stats = replay([conv], drafter)
+        assert (stats.tokens, stats.steps) == (7, 2)
