@@ -54,7 +54,8 @@ class Conversation:
 
 
 def read_traces(path: str | Path, *, limit: int | None = None) -> list[Conversation]:
-    """Load a ``.jsonl`` or ``.jsonl.gz`` trace file; ``ValueError`` names the bad line."""
+    """Load a ``.jsonl`` or ``.jsonl.gz`` trace file (the first ``limit`` conversations; blank
+    lines are skipped); ``ValueError`` names the bad line."""
     return list(iter_traces(path, limit=limit))
 
 
@@ -63,10 +64,12 @@ def iter_traces(path: str | Path, *, limit: int | None = None) -> Iterator[Conve
     opener = gzip.open if path.suffix == ".gz" else open
     try:
         with opener(path, "rt", encoding="utf-8") as fh:
+            read = 0
             for lineno, line in enumerate(fh, 1):
-                if limit is not None and lineno > limit:
+                if limit is not None and read >= limit:
                     return
                 if line.strip():
+                    read += 1
                     yield _parse(line, f"{path}:{lineno}")
     except (OSError, EOFError, UnicodeDecodeError) as exc:
         raise ValueError(f"{path}: unreadable trace file: {exc}") from exc

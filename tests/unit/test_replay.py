@@ -256,6 +256,13 @@ def test_read_traces_plain_jsonl_and_limit(tmp_path):
     assert len(read_traces(path)) == 2
 
 
+def test_read_traces_limit_counts_conversations_not_lines(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps(CONV_A) + "\n\n" + json.dumps(CONV_B) + "\n")
+    # A blank line between conversations is not one of the first two conversations.
+    assert len(read_traces(path, limit=2)) == 2
+
+
 def test_read_traces_invalid_json_names_line(tmp_path):
     path = tmp_path / "bad.jsonl.gz"
     _write_gz(path, [json.dumps(CONV_A), "{not json"])
