@@ -4,14 +4,17 @@ the gRPC server, and an orderly shutdown."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TypeVar
 
 from apscheduler.schedulers.background import BackgroundScheduler
 
@@ -52,6 +55,8 @@ SHARED_EARLY_REBUILD_GAP_S = 5.0
 # 30 s on it, then once more) holds a stop no longer than that.
 STOP_JOBS_S = 2.0
 STOP_STORAGE_S = 3.0
+
+T = TypeVar("T")
 
 
 def stop_seconds(grace_s: float) -> float:
@@ -148,21 +153,31 @@ class App:
         self.sessions_saved = time.monotonic()  # last successful session write-back
         self._last_rebuild: dict[str, float] = {}  # per namespace, when its last rebuild ended
         self.url = config.redis_url or ""
-        # Ends the background client's calls (the jobs', the last writes'): a stop never waits
-        # out a hung Redis.
+        # Ends the background client's calls (the jobs', the start's, the last writes'): a stop
+        # never waits out a hung Redis.
         self.cutoff = Cutoff()
+        self._steps: list[threading.Thread] = []  # the start's long steps, on threads of their own
 
     async def start(self) -> int:
-        """Start serving; returns the bound port. A start that fails stops what it started."""
+        """Start serving; returns the bound port. A start that fails, or is cancelled (a stop
+        asked meanwhile), stops what it started; a compilation or restore under way is left to
+        its thread (see :meth:`left_running`)."""
         try:
             return await self._start()
         except BaseException:
             await self._abandon()
             raise
 
+    def left_running(self) -> bool:
+        """Whether a step of an abandoned start still runs (a compilation cannot be interrupted):
+        the process must then end without waiting for it."""
+        return any(t.is_alive() for t in self._steps)
+
     async def _abandon(self) -> None:
-        """Stop what a failed start had started: the server, the journal, the embedded Redis
-        (else left running with nobody to stop it)."""
+        """Stop what a failed or cancelled start had started: the storage calls under way (a
+        schema check, a restore), the server, the journal, the embedded Redis (else left running
+        with nobody to stop it)."""
+        self.cutoff.cut()
         server = getattr(self, "server", None)
         if server is not None:
             await server.stop(0)
@@ -170,16 +185,47 @@ class App:
             self.scheduler.shutdown(wait=False)
         persistence = getattr(self, "persistence", None)
         if persistence is not None:
-            persistence.commits.close()
+            await asyncio.to_thread(_close_journal, persistence)
         if self.embedded is not None:
             await asyncio.to_thread(self.embedded.stop)
+
+    def _step(self, fn: Callable[..., T], *args: object) -> asyncio.Future[T]:
+        """``fn(*args)`` on a daemon thread of its own, as a future: a start cancelled meanwhile
+        leaves it, and the process can end without it (a compilation, which nothing interrupts,
+        takes a minute or two on a fresh machine; ``asyncio.to_thread``'s threads are waited
+        for at exit)."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+
+        def settle(value: object, failed: bool) -> None:
+            if future.done():  # cancelled
+                return
+            if failed:
+                future.set_exception(value)  # type: ignore[arg-type]
+            else:
+                future.set_result(value)  # type: ignore[arg-type]
+
+        def run() -> None:
+            value: object
+            try:
+                value, failed = fn(*args), False
+            except BaseException as exc:  # handed to the awaiting start
+                value, failed = exc, True
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+                loop.call_soon_threadsafe(settle, value, failed)
+
+        thread = threading.Thread(target=run, name=f"start-{getattr(fn, '__name__', 'step')}", daemon=True)
+        self._steps.append(thread)
+        thread.start()
+        return future
 
     async def _start(self) -> int:
         self._loop = asyncio.get_running_loop()
         check_files(self.config.server)  # before anything is started
         if not self.url:
-            embedded = EmbeddedRedis(self.config.embedded, avoid=self.config.ports)
-            self.embedded = await asyncio.to_thread(embedded.start)
+            self.embedded = EmbeddedRedis(self.config.embedded, avoid=self.config.ports)
+            # Waited for even by a start cancelled meanwhile: stopped then, never left behind.
+            await _to_the_end(asyncio.to_thread(self.embedded.start))
             self.url = self.embedded.url
             (self.config.embedded.data_dir / "url").write_text(self.url)
         client = connect(self.url, cutoff=self.cutoff)
@@ -211,10 +257,10 @@ class App:
         # before serving: on a fresh machine that takes tens of seconds, which the first
         # CreateNamespace would otherwise spend on the loop with every other call waiting.
         threads = self.config.service.drafter.threads
-        await asyncio.to_thread(warm_up, threads)
+        await self._step(warm_up, threads)
         if self.shared is not None:
-            await asyncio.to_thread(self.shared.warm, threads)
-        await asyncio.to_thread(self.sync.restore)
+            await self._step(self.shared.warm, threads)
+        await self._step(self.sync.restore)
         release_free_memory()  # the log read back and the builds done to restore it
         self._schedule()
         self.server = await create_server(
@@ -436,20 +482,65 @@ def warm_up(threads: int = 1, *, report_every_s: float = 15.0) -> None:
     logger.info("compiled loops ready in %.1f s", time.monotonic() - start)
 
 
+async def _to_the_end(awaitable: Awaitable[T]) -> T:
+    """``await awaitable``, which a cancellation does not cut short: it is raised once the
+    awaitable is done (what it starts is then known, and stopped)."""
+    future = asyncio.ensure_future(awaitable)
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        while not future.done():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait({future})
+        raise
+
+
+def _close_journal(persistence: RedisPersistence) -> None:
+    """Close the journal once a replay under way (an abandoned restore's, its storage calls cut)
+    has let go of it."""
+    if persistence.commits.writing.acquire(timeout=STOP_STORAGE_S):
+        persistence.commits.writing.release()
+    persistence.commits.close()
+
+
 async def serve(config: AppConfig, serving: Callable[[], Coroutine[None, None, None]] | None = None) -> None:
     """Run until SIGINT or SIGTERM; ``serving`` runs on the loop from the start of serving
-    until the loop ends (a worker's heartbeat: it beats through the drain too)."""
+    until the loop ends (a worker's heartbeat: it beats through the drain too).
+
+    The signals are taken from the first moment: one during the start (a compilation, a
+    restore: tens of seconds) ends the start early and stops what it started (the embedded Redis
+    among it), and the process ends normally; where a compilation was left under way (nothing
+    interrupts it) it ends with ``os._exit(0)``, which does not wait for it."""
     kernels.prefer_passive_workers()
     sys.setswitchinterval(config.server.switch_interval_s)
-    app = App(config)
-    port = await app.start()
-    print(f"draftcache serving on {config.server.host}:{port} (storage {redact(app.url)})", flush=True)
-    beside = None if serving is None else asyncio.create_task(serving())  # held: tasks are weakly kept
-    done = asyncio.Event()
+    asked = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, done.set)
-    await done.wait()
+        loop.add_signal_handler(sig, asked.set)
+    app = App(config)
+    starting = asyncio.ensure_future(app.start())
+    stop_asked = asyncio.ensure_future(asked.wait())
+    await asyncio.wait({starting, stop_asked}, return_when=asyncio.FIRST_COMPLETED)
+    if not starting.done():
+        logger.info("stop asked while starting: the start is abandoned")
+        starting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await starting  # it stops what it started
+        logger.info("stopped before serving")
+        if app.left_running():
+            logging.shutdown()  # the log written out first
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
+        return
+    try:
+        port = starting.result()  # a failed start raises here
+    except BaseException:
+        stop_asked.cancel()
+        raise
+    print(f"draftcache serving on {config.server.host}:{port} (storage {redact(app.url)})", flush=True)
+    beside = None if serving is None else asyncio.create_task(serving())  # held: tasks are weakly kept
+    await stop_asked
     logger.info("shutting down")
     await app.stop()
     if beside is not None:  # it beat through the drain; the loop ends now

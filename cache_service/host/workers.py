@@ -128,17 +128,21 @@ def serve_processes(
     ports = check_ports(config, processes, worker_ports)
     hang_s = HANG_S if hang_s is None else hang_s
     check_files(config.server)  # a bad token or TLS file stops the start, not each worker
+    stop = threading.Event()  # taken from the first moment: a stop during the start stops what it started
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
     embedded = None
     url = config.redis_url
     if not url:
         embedded = EmbeddedRedis(config.embedded, avoid=ports).start()
+        if stop.is_set():
+            logger.info("stop asked while starting: no worker started")
+            embedded.stop()
+            return
         embedded.supervise()  # restarted when it dies: the workers' journals then drain
         url = embedded.url
         (config.embedded.data_dir / "url").write_text(url)
     ctx = mp.get_context("spawn")
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
 
     def start(i: int) -> _Worker:
         worker = worker_config(config, i, url, worker_ports)
@@ -163,7 +167,7 @@ def serve_processes(
                     workers[i] = start(i)
     finally:
         for w in workers:
-            w.proc.terminate()  # SIGTERM: each drains and stops on its own
+            w.proc.terminate()  # SIGTERM: each drains and stops on its own (one still starting too)
         deadline = time.monotonic() + stop_seconds(config.server.grace_s) + STOP_SLACK_S
         for w in workers:
             w.proc.join(max(0.0, deadline - time.monotonic()))

@@ -1,23 +1,31 @@
-"""``draftcache serve`` stops within its deployments' grace periods whatever Redis does: real
-processes, a real Redis frozen with SIGSTOP."""
+"""``draftcache serve`` stops within its deployments' grace periods whatever Redis does, and a
+stop asked while it starts leaves nothing running: real processes, a real Redis frozen with
+SIGSTOP, the signal sent at the moments that matter."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
+import pytest
 from draftcache.v1 import draftcache_pb2 as pb
 
 from cache_service.app import stop_seconds
 from cache_service.config import ServerConfig
-from tests.faults import Serve, kill, log_entries, wait_for
+from cache_service.host.embedded_redis import free_port, runs_server
+from tests.faults import Serve, children, kill, log_entries, state, wait_for
 from tests.service.test_durability import _assert_logged_once, _commits, _start, _tokens
 from tests.service.test_redis_outage import Redis
 
 # SIGTERM to exit: the stop's bound, and a few seconds for the process's own end (and a loaded
 # test machine). Before the stop was bounded, a frozen Redis held it for minutes.
 STOP_S = stop_seconds(ServerConfig().grace_s) + 5.0
+START_STOP_S = 15.0  # SIGTERM during the start to exit: the embedded Redis's stop at most
 
 
 def _open_sessions(serve: Serve, count: int) -> list[str]:
@@ -74,3 +82,100 @@ def test_sigterm_with_redis_frozen_stops_within_the_bound_and_keeps_every_commit
             serve.close()
     finally:
         redis.kill()
+
+
+def _spawn(data: Path, *args: str) -> tuple[subprocess.Popen[bytes], Path]:
+    """``draftcache serve`` on ``data`` with the embedded Redis, not waited for; and its log."""
+    data.mkdir(parents=True, exist_ok=True)
+    log_path = data.with_name(data.name + ".log")
+    cmd = [sys.executable, "-m", "cache_service.cli", "serve", "--port", str(free_port()), "--data-dir", str(data)]
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen([*cmd, *args], stdout=log, stderr=subprocess.STDOUT)
+    return proc, log_path
+
+
+def _redis_pid(data: Path) -> int:
+    """The embedded server's pid, once its process is spawned (before it answers)."""
+    pid_file = data / "redis" / "server.pid"
+    wait_for(lambda: pid_file.exists() and pid_file.read_text().strip(), 60, "the embedded Redis spawned", 0.001)
+    return int(pid_file.read_text())
+
+
+def _running_server(pid: int) -> bool:
+    try:
+        return runs_server(Path(f"/proc/{pid}/cmdline").read_bytes()) and state(pid) not in ("", "Z")
+    except OSError:
+        return False
+
+
+def _ours(pid: int) -> bool:
+    """Whether ``pid`` is still a live Redis or worker of the service under test."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return state(pid) not in ("", "Z") and (runs_server(cmdline) or b"multiprocessing" in cmdline)
+
+
+def _stopped_during_start(proc: subprocess.Popen[bytes], log_path: Path, redis_pid: int) -> str:
+    """SIGTERM now: the exit status is 0 within :data:`START_STOP_S`, no Redis is left running,
+    nor any other process of the service's; its log."""
+    family = children(proc.pid)
+    proc.send_signal(signal.SIGTERM)
+    try:
+        try:
+            code = proc.wait(START_STOP_S)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"still running {START_STOP_S} s after SIGTERM") from None
+        log = log_path.read_text(errors="replace")
+        assert code == 0, log[-3000:]
+        wait_for(lambda: not _running_server(redis_pid), 5, "the embedded Redis gone")
+        assert "draftcache serving on" not in log  # stopped before it served
+        return log
+    finally:  # on failure, what was left is killed
+        if proc.poll() is None:
+            family = children(proc.pid)
+            proc.kill()
+            proc.wait()
+        for pid in {*family, redis_pid}:
+            if _ours(pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("moment", ["embedded Redis starting", "compiling"])
+def test_sigterm_during_the_start_stops_the_embedded_redis(tmp_path: Path, moment: str) -> None:
+    """SIGTERM while the embedded Redis starts, or while the kernels compile (tens of seconds on
+    a fresh machine; the signal handlers were installed only once serving, so it killed the
+    process and left its valkey-server running): the start ends early, the embedded Redis is
+    stopped, and the process exits 0."""
+    data = tmp_path / "data"
+    proc, log_path = _spawn(data)
+    redis_pid = _redis_pid(data)
+    if moment == "compiling":
+        wait_for(lambda: "compiling or loading" in log_path.read_text(errors="replace"), 60, "the compile", 0.005)
+    log = _stopped_during_start(proc, log_path, redis_pid)
+    assert "stop asked while starting" in log
+
+
+def test_sigterm_to_the_supervisor_while_it_starts_the_embedded_redis_leaves_nothing(tmp_path: Path) -> None:
+    """``--processes 2``: SIGTERM to the supervisor while its embedded Redis starts (its
+    handlers came after that start, so the signal killed it and left the Redis running): the
+    supervisor stops the Redis, starts no worker, and exits 0."""
+    data = tmp_path / "data"
+    proc, log_path = _spawn(data, "--processes", "2")
+    redis_pid = _redis_pid(data)
+    _stopped_during_start(proc, log_path, redis_pid)
+    assert children(proc.pid) == []
+    assert "worker 0 started" not in log_path.read_text(errors="replace")
+
+
+def test_sigterm_to_the_supervisor_while_its_workers_start_stops_them_all(tmp_path: Path) -> None:
+    """``--processes 2``: SIGTERM to the supervisor while its workers start (compiling): each
+    worker ends its start and exits, then the embedded Redis is stopped; nothing is left."""
+    data = tmp_path / "data"
+    proc, log_path = _spawn(data, "--processes", "2")
+    redis_pid = _redis_pid(data)
+    wait_for(lambda: "compiling or loading" in log_path.read_text(errors="replace"), 60, "a worker compiling", 0.005)
+    log = _stopped_during_start(proc, log_path, redis_pid)
+    assert "stop asked while starting" in log
