@@ -274,7 +274,7 @@ def run_load(config: LoadConfig) -> dict:
     window = (min(r.first_at for r in collected) - began, max(r.first_at + r.seconds for r in collected) - began)
     drafts_after, stats_error = _final_drafts(config.targets)
     drafts = None if drafts_after is None else drafts_after - drafts_before
-    out = summarise(config, collected, samples, drafts, elapsed, window=window, host=host)
+    out = summarise(config, collected, samples, drafts, elapsed, window=window, host=host, began=began)
     if stats_error is not None:
         out["server_stats_error"] = stats_error
     return out
@@ -289,6 +289,7 @@ def summarise(
     *,
     window: tuple[float, float] | None = None,
     host: list[tuple[float, float]] | None = None,
+    began: float | None = None,
 ) -> dict:
     """The run's report. ``samples`` are taken at seconds into the run; ``window`` is when
     the decoders stepped, on the same clock (``None``: the whole run). Server CPU is counted
@@ -296,7 +297,9 @@ def summarise(
     and the server's idle CPU then would make a sequence-draft look cheaper than it is.
     ``host`` holds the host's busy CPU seconds at seconds into the run: with the decoders'
     own CPU, it tells whether the load generator shared the server's cores. ``server_drafts``
-    ``None``: the servers could not be asked at the end (their figures are then ``None``)."""
+    ``None``: the servers could not be asked at the end (their figures are then ``None``).
+    ``began``: the run's start (``time.monotonic()``), which puts each decoder's steps, timed
+    from its own first step, on the run's clock for the timeline (``None``: they started with it)."""
     lat = np.array([x for r in results for x in r.latencies]) * 1e3
     steps = sum(r.steps for r in results)
     stepping = max((r.seconds for r in results), default=config.seconds) or config.seconds
@@ -343,16 +346,20 @@ def summarise(
             out["server_cpu_us_per_draft"] = round(cores * 1e6 / out["server_drafts_per_s"], 1)
             out["drafts_per_server_core_s"] = round(out["server_drafts_per_s"] / cores, 1)
     if config.timeline_s > 0:
-        out["timeline"] = _timeline(config, results, samples)
+        out["timeline"] = _timeline(config, results, samples, began)
     return out
 
 
 def _timeline(
-    config: LoadConfig, results: list[DecoderResult], samples: list[tuple[float, dict[int, tuple[float, float]]]]
+    config: LoadConfig,
+    results: list[DecoderResult],
+    samples: list[tuple[float, dict[int, tuple[float, float]]]],
+    began: float | None,
 ) -> list[dict]:
-    """Per window: step latency p50/p99, sequence drafts/s, fallback-free share, and the
-    watched processes' largest resident size (does memory plateau, does p99 stay put)."""
-    starts = np.array([t for r in results for t in r.started])
+    """Per window of the run's clock: step latency p50/p99, sequence drafts/s, fallback-free
+    share, and the watched processes' largest resident size (does memory plateau, does p99 stay
+    put)."""
+    starts = np.array([t + (0.0 if began is None else r.first_at - began) for r in results for t in r.started])
     lat = np.array([x for r in results for x in r.latencies]) * 1e3
     rows = []
     edge = 0.0

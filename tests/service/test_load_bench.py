@@ -297,3 +297,18 @@ def test_chain_decoders_drafting_ahead_get_chains_ahead(tmp_path: Path) -> None:
         stop_service(running)
     assert result.fallbacks == 0 and result.failures == 0
     assert result.ahead_hits > 0 and result.tokens > result.sequence_steps  # more than a token a step
+
+
+def test_timeline_puts_every_decoders_steps_on_the_runs_clock() -> None:
+    # Each decoder times its steps from its own first step; decoders start seconds apart (a
+    # spawned process imports its libraries first). The windows are the run's, as the watched
+    # processes' samples are: a decoder that began 12 s into the run stepped in the second one.
+    config = LoadConfig(
+        targets=("x",), namespace="ns", traces=Path("t"), batch=1, seconds=20.0, timeline_s=10.0, watch_pids=(7,)
+    )
+    began = 1000.0
+    early = DecoderResult(steps=2, latencies=[0.001, 0.001], started=[0.0, 1.0], first_at=began + 5.0, seconds=2.0)
+    late = DecoderResult(steps=1, latencies=[0.004], started=[0.0], first_at=began + 12.0, seconds=1.0)
+    samples = [(6.0, {7: (100.0, 1.0)}), (13.0, {7: (300.0, 2.0)})]
+    rows = summarise(config, [early, late], samples, server_drafts=3, elapsed=14, began=began)["timeline"]
+    assert [(row["from_s"], row["steps"], row["rss_mib_7"]) for row in rows] == [(0.0, 2, 100.0), (10.0, 1, 300.0)]
