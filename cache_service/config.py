@@ -75,6 +75,10 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 50051  # 0 picks a free port (tests)
     own_port: int | None = None  # also listen here, on a port this process alone serves
+    # The port is shared with sibling worker processes (serve --processes), which the kernel
+    # hands connections to in turn (SO_REUSEPORT). Otherwise a port another server holds is an
+    # error at start, not a port two servers answer on at random.
+    shared_port: bool = False
     max_message_bytes: int = 64 << 20
     grace_s: float = 5.0  # drain time on shutdown
     tokens_file: Path | None = None  # bearer tokens (cache_service.rpc.auth); None: no authentication

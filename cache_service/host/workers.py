@@ -52,7 +52,8 @@ def worker_config(config: AppConfig, index: int, redis_url: str, worker_ports: i
     metrics = None if config.metrics_port is None else config.metrics_port + index
     prior_dir = config.prior_dir or config.embedded.data_dir.parent / "priors"
     lifetime_dir = config.lifetime_dir or config.embedded.data_dir.parent / "lifetime"
-    server = config.server if worker_ports is None else replace(config.server, own_port=worker_ports + index)
+    own_port = config.server.own_port if worker_ports is None else worker_ports + index
+    server = replace(config.server, own_port=own_port, shared_port=True)
     return replace(
         config,
         server=server,

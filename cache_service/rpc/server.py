@@ -86,7 +86,7 @@ async def create_server(
     options = [
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
-        ("grpc.so_reuseport", 1),
+        ("grpc.so_reuseport", int(config.shared_port)),
     ]
     interceptors: list[grpc.aio.ServerInterceptor] = [ErrorInterceptor(observe)]
     if config.tokens_file is not None:

@@ -67,3 +67,16 @@ def test_a_start_that_fails_after_storage_started_stops_it(tmp_path: Path) -> No
     assert done.returncode == 2, done.stderr
     assert "could not bind" in done.stderr and "Traceback" not in done.stderr
     assert _servers_on(tmp_path / "data") == []
+
+
+def test_a_second_service_on_a_port_in_use_refuses_to_start(tmp_path: Path) -> None:
+    """Two single-process services on one port (another data folder, their own Redis): the
+    second is refused at its start and stops its storage, where both listened and the kernel
+    split clients between them at random. (Worker processes of one service still share theirs:
+    tests/service/test_processes.py.)"""
+    with Serve(tmp_path / "first") as first:
+        second = _serve(tmp_path / "second", first.port)
+        assert second.returncode == 2, second.stderr
+        assert "could not bind" in second.stderr and "Traceback" not in second.stderr
+        assert _servers_on(tmp_path / "second") == []  # its storage stopped
+        assert first.stats().storage.available
