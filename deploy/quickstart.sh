@@ -21,8 +21,8 @@ TRACE="$SHARED/data/traces/spec_bench_vicuna7b.jsonl.gz"
 PRIOR="$DATA/prior-llama2.npz"
 RUN="$DATA/quickstart"  # the service's data for this run only: emptied at the start
 
-# The service shares its port with any other server that asked for SO_REUSEPORT (another
-# `draftcache serve`), and the replays would then reach either: refuse a port in use.
+# A port in use is refused before anything starts (the service would refuse it too, after
+# starting its storage and compiling its kernels).
 if ! python -c 'import socket, sys; socket.socket().bind(("127.0.0.1", int(sys.argv[1])))' "$PORT" 2>/dev/null; then
   echo "port $PORT is in use: stop what listens there, or set DRAFTCACHE_PORT to a free port" >&2
   exit 1
