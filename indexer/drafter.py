@@ -646,8 +646,11 @@ class NamespaceDrafter:
         buffer and its prompt -> output pair the exact-prompt cache. A long leading part the
         memory already holds (the earlier turns a multi-turn request repeats) is not added
         again, past an overlap of ``max_match`` tokens that keeps the junction searchable.
-        Returns the tokens added."""
-        return self.close_many([(session, commit_from)])[0] if commit else None
+        Returns the tokens added. Without ``commit`` the session is released all the same."""
+        if not commit:
+            self.release(session)
+            return None
+        return self.close_many([(session, commit_from)])[0]
 
     def close_many(self, closing: Sequence[tuple[Session, int]]) -> list[np.ndarray]:
         """:meth:`close` with commit for several requests ``(session, commit_from)`` at once,

@@ -224,7 +224,10 @@ def test_close_without_commit_forgets_request():
     d = _drafter()
     s = d.open([10, 11, 12])
     d.accept(s, [20, 21])
+    d.draft(s, DraftParams())  # drafting holds the session's row in the store
+    assert s in d.store
     d.close(s, commit=False)
+    assert s not in d.store and d.store.held == 0  # its row goes, as a commit's does
     # Nothing joined the lifetime buffer or the exact-prompt cache.
     assert d.memory.buffer.requests == 0
     assert len(d.draft(d.open([10, 11, 12]), DraftParams())) == 0
