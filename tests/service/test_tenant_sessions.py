@@ -12,6 +12,8 @@ import grpc
 import pytest
 from draftcache.v1 import draftcache_pb2 as pb
 
+from cache_service.storage.connect import connect
+from cache_service.storage.redis_store import RedisStore
 from tests.service.authed_replicas import AuthReplica, md, start_redis
 from tests.service.conftest import eventually
 from tests.storage.servers import RedisServer
@@ -66,7 +68,7 @@ def test_a_session_only_in_storage_cannot_be_taken_over_by_another_tenant(
         )
         first.stub.OpenSessions(opened, metadata=md("tok-a"))
         first.stub.Draft(pb.DraftRequest(items=[pb.DraftItem(session_id=SID, new_tokens=[3])]), metadata=md("tok-a"))
-        store = first.app.persistence.store
+        store = RedisStore(connect(redis_server.url))  # its own: a stopped replica's calls are cut
         eventually(lambda: (s := store.load_session(SID)) is not None and s.context.size == 7)
         if elsewhere == "restart":
             replicas.pop().stop()
