@@ -80,8 +80,14 @@ def chat_ids(llm: Any, question: str) -> list[int]:
 
 
 def start_serve(data_dir: Path, vocab_size: int) -> Serve:
+    """A service with the namespace made; stopped again if making it fails (no service and
+    Redis left running past the test session)."""
     serve = Serve(data_dir).start()
-    serve.admin.CreateNamespace(pb.CreateNamespaceRequest(name=NAMESPACE, vocab_size=vocab_size), timeout=30)
+    try:
+        serve.admin.CreateNamespace(pb.CreateNamespaceRequest(name=NAMESPACE, vocab_size=vocab_size), timeout=30)
+    except BaseException:
+        serve.close()
+        raise
     return serve
 
 
