@@ -22,6 +22,7 @@ from cache_service.config import EmbeddedRedisConfig, ServerConfig, ServiceConfi
 from cache_service.domain.service import DraftService
 from cache_service.host.embedded_redis import EmbeddedRedis
 from cache_service.rpc.server import Server, create_server
+from decoder_client.client import ClientConfig, DraftClient
 
 
 @dataclass
@@ -108,6 +109,27 @@ class Replica:
         asyncio.run_coroutine_threadsafe(self.app.stop(), self.loop).result(60)
         self.loop.call_soon_threadsafe(self.loop.stop)
         shutil.rmtree(self.journal_dir, ignore_errors=True)
+
+
+def ended_requests(
+    config: ClientConfig, prompt: list[int], answer: list[int], n: int
+) -> tuple[DraftClient, list[list[int]]]:
+    """``n`` requests of ``prompt`` answered with ``answer`` through a :class:`DraftClient` of
+    ``config``, opened as an engine opens them (in the background, drafting meanwhile), each
+    drafted once and closed with commit, until the client has no commit left pending; the
+    client (shut down) and each request's draft."""
+    client = DraftClient(config)
+    drafts = []
+    try:
+        for _ in range(n):
+            (s,) = client.open([prompt], wait=False)
+            drafts.append(client.draft([s], [[]])[0].tokens.tolist())
+            client.add_tokens([s], [answer])
+            client.close([s])
+        eventually(lambda: (client.settle(), client.stats.commits_pending == 0)[1])
+    finally:
+        client.shutdown()
+    return client, drafts
 
 
 @contextlib.contextmanager

@@ -104,6 +104,14 @@ def _draft_on_new_connections(target: str, n: int) -> None:
             assert tree.tokens[0] == 3
 
 
+def _serving_toy(target: str, metrics: int, proc: subprocess.Popen[bytes]) -> None:
+    """Both workers of ``proc`` up (health and their metrics), and namespace ``toy`` made."""
+    _healthy(target, proc)
+    _both_up(metrics, proc)
+    with grpc.insecure_channel(target) as ch:
+        pb_grpc.AdminStub(ch).CreateNamespace(pb.CreateNamespaceRequest(name="toy", vocab_size=50))
+
+
 def test_two_workers_share_the_port_and_a_dead_one_is_replaced(tmp_path: Path) -> None:
     port, metrics, own = free_port(), _free_pair(), _free_pair()
     while abs(own - metrics) < 2:  # two pairs, apart
@@ -114,10 +122,7 @@ def test_two_workers_share_the_port_and_a_dead_one_is_replaced(tmp_path: Path) -
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     target = f"127.0.0.1:{port}"
     try:
-        _healthy(target, proc)
-        _both_up(metrics, proc)
-        with grpc.insecure_channel(target) as ch:
-            pb_grpc.AdminStub(ch).CreateNamespace(pb.CreateNamespaceRequest(name="toy", vocab_size=50))
+        _serving_toy(target, metrics, proc)
         _draft_on_new_connections(target, 16)
         # Both workers served some of the 16 connections (each reports its own drafts).
         per_worker = [_drafts(metrics), _drafts(metrics + 1)]
@@ -200,10 +205,7 @@ def test_a_hung_worker_is_replaced(tmp_path: Path) -> None:
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     target = f"127.0.0.1:{port}"
     try:
-        _healthy(target, proc)
-        _both_up(metrics, proc)
-        with grpc.insecure_channel(target) as ch:
-            pb_grpc.AdminStub(ch).CreateNamespace(pb.CreateNamespaceRequest(name="toy", vocab_size=50))
+        _serving_toy(target, metrics, proc)
         _draft_on_new_connections(target, 4)
         hung = _workers(proc.pid)[0]
         os.kill(hung, signal.SIGSTOP)

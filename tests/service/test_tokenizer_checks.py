@@ -17,8 +17,8 @@ from draftcache.v1 import draftcache_pb2 as pb
 
 from cache_service.app import connect
 from cache_service.storage.redis_store import RedisStore
-from decoder_client.client import ClientConfig, DraftClient
-from tests.service.conftest import Replica, eventually, replica_with_namespace
+from decoder_client.client import ClientConfig
+from tests.service.conftest import Replica, ended_requests, eventually, replica_with_namespace
 
 NS = "toy"
 VOCAB = 100
@@ -148,17 +148,9 @@ def test_a_client_of_another_tokenizer_drafts_locally_and_commits_nothing(
 ) -> None:
     replica, url = served
     config = ClientConfig(target=replica.target, namespace=NS, vocab_size=VOCAB, tokenizer=THEIRS, deadline_s=0.5)
-    client = DraftClient(config)
     caplog.set_level(logging.INFO, logger="decoder_client")
-    try:
-        for _ in range(3):
-            (s,) = client.open([PROMPT], wait=False)
-            assert client.draft([s], [[]])[0].tokens.tolist()[:3] == [23, 42, 8]
-            client.add_tokens([s], [ANSWER])
-            client.close([s])
-        eventually(lambda: (client.settle(), client.stats.commits_pending == 0)[1])
-    finally:
-        client.shutdown()
+    client, drafts = ended_requests(config, PROMPT, ANSWER, 3)
+    assert all(d[:3] == [23, 42, 8] for d in drafts)  # prompt lookup's, drafted here
     assert RedisStore(connect(url)).read_log(NS) == []
     assert client.stats.remote == 0 and client.stats.fallback == 3 and client.stats.commits_dropped == 3
     assert [r for r in caplog.records if "refuses namespace" in r.getMessage() and THEIRS in r.getMessage()]

@@ -17,11 +17,11 @@ from draftcache.v1 import draftcache_pb2 as pb
 
 from cache_service.app import connect
 from cache_service.storage.redis_store import RedisStore
-from decoder_client.client import AsyncDraftClient, ClientConfig, DraftClient
+from decoder_client.client import AsyncDraftClient, ClientConfig
 from decoder_client.client.near import NearClient
 from indexer.drafter import DraftParams
 from indexer.prior import PriorConfig, StaticPrior
-from tests.service.conftest import Replica, eventually, replica_with_namespace
+from tests.service.conftest import Replica, ended_requests, eventually, replica_with_namespace
 
 NS = "toy"
 VOCAB = 100
@@ -116,17 +116,9 @@ def test_a_client_of_another_vocabulary_drafts_locally_and_commits_nothing(
     the reason is logged once."""
     replica, store = served
     config = ClientConfig(target=replica.target, namespace=NS, vocab_size=OTHER, stream=stream, deadline_s=0.5)
-    client = DraftClient(config)
     caplog.set_level(logging.INFO, logger="decoder_client")
-    try:
-        for _ in range(5):
-            (s,) = client.open([PROMPT], wait=False)
-            assert client.draft([s], [[]])[0].tokens.tolist()[:3] == [23, 42, 8]
-            client.add_tokens([s], [ANSWER])
-            client.close([s])
-        eventually(lambda: (client.settle(), client.stats.commits_pending == 0)[1])
-    finally:
-        client.shutdown()
+    client, drafts = ended_requests(config, PROMPT, ANSWER, 5)
+    assert all(d[:3] == [23, 42, 8] for d in drafts)
     assert store.read_log(NS) == []
     assert client.stats.remote == 0 and client.stats.fallback == 5
     assert client.stats.commits_dropped == 5
