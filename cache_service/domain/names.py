@@ -1,5 +1,5 @@
-"""The one check of the names a client gives (namespaces, session ids, commit keys), at the service
-boundary.
+"""The one check of the names a client gives (namespaces, session ids, commit keys, tokenizer
+fingerprints), at the service boundary.
 
 The rule is the key table's (:func:`cache_service.storage.keys.check_name`): every name may end
 up inside a Redis key, so a name the service accepts can always be stored.
@@ -12,6 +12,7 @@ import re
 from cache_service.domain.errors import InvalidArgument
 from cache_service.storage.keys import MAX_NAME_LEN, check_name
 from cache_service.storage.stream_log import MAX_KEY_LEN
+from indexer.fingerprint import check_fingerprint
 
 MIN_CLIENT_ID = 16  # characters of a client-chosen session id: long enough not to collide by chance
 # A commit key (the same in every retry of a request's commit): long enough not to collide by
@@ -58,6 +59,19 @@ def commit_key(key: str) -> str:
             f"a commit key needs {MIN_COMMIT_KEY}-{MAX_COMMIT_KEY} characters of [A-Za-z0-9._:-], got {len(key)}"
         )
     return key
+
+
+def tokenizer(fingerprint: str) -> str:
+    """``fingerprint`` if it may name a tokenizer (:mod:`indexer.fingerprint`; "": not stated),
+    else :class:`InvalidArgument`.
+
+    >>> tokenizer(""), tokenizer("0123456789abcdef")
+    ('', '0123456789abcdef')
+    """
+    try:
+        return check_fingerprint(fingerprint)
+    except ValueError as exc:
+        raise InvalidArgument(str(exc)) from exc
 
 
 def _checked(name: str, what: str) -> str:

@@ -22,7 +22,6 @@ from cache_service.domain.namespaces import Namespaces
 from cache_service.domain.sessions import SessionEntry, SessionTable, new_session_id
 from cache_service.domain.tenants import Principal, owns, tenant_of
 from indexer.drafter import DraftParams, NamespaceDrafter
-from indexer.fingerprint import check_fingerprint
 from indexer.session import Session
 
 
@@ -61,10 +60,7 @@ class Opener:
         prepared: list[tuple[OpenItem, NamespaceDrafter, np.ndarray | None]] = []
         for item in items:
             names.namespace_name(item.namespace)
-            try:
-                check_fingerprint(item.tokenizer)
-            except ValueError as exc:
-                raise InvalidArgument(str(exc)) from exc
+            names.tokenizer(item.tokenizer)
             if principal is not None:
                 principal.check_namespace(item.namespace)
             drafter = self._namespaces.get(item.namespace, item.vocab_size, item.tokenizer)

@@ -50,7 +50,6 @@ from cache_service.domain.tenants import Principal, owns
 from cache_service.storage.stored_session import StoredSession
 from cache_service.storage.stream_log import check_stream_id
 from indexer.drafter import NamespaceDrafter
-from indexer.fingerprint import check_fingerprint
 from indexer.prior import StaticPrior
 from indexer.session import Session
 from indexer.tree_builder import DraftTree
@@ -116,10 +115,7 @@ class DraftService:
         names.namespace_name(name)
         if persist:
             check_vocab_size(vocab_size)
-        try:
-            check_fingerprint(tokenizer)
-        except ValueError as exc:
-            raise InvalidArgument(str(exc)) from exc
+        names.tokenizer(tokenizer)
         if principal is not None:
             principal.check_namespace(name)
         drafter = self._create_namespace(name, vocab_size, persist=persist)
@@ -288,10 +284,7 @@ class DraftService:
         service has (else NOT_FOUND), of the caller's vocabulary and tokenizer where it states
         them (else FAILED_PRECONDITION)."""
         names.namespace_name(name)
-        try:
-            check_fingerprint(tokenizer)
-        except ValueError as exc:
-            raise InvalidArgument(str(exc)) from exc
+        names.tokenizer(tokenizer)
         if principal is not None:
             principal.check_namespace(name)
         self.namespaces.get(name, vocab_size, tokenizer)
