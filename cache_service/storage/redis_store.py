@@ -127,12 +127,7 @@ class RedisStore:
     @guarded
     def tokenizers(self, names: list[str]) -> dict[str, str]:
         """Each namespace's recorded tokenizer fingerprint ("" where none is), in one round trip."""
-        if not names:
-            return {}
-        pipe = self.client.pipeline(transaction=False)
-        for ns in names:
-            pipe.get(keys.tokenizer(ns))
-        found = pipe.execute()
+        found = self._get_each([keys.tokenizer(ns) for ns in names])
         return {ns: self._fingerprint(keys.tokenizer(ns), raw) for ns, raw in zip(names, found, strict=True)}
 
     @staticmethod
@@ -262,13 +257,18 @@ class RedisStore:
     def log_identities(self, names: list[str]) -> dict[str, str | None]:
         """Each namespace's log identity as it stands (``None`` where none was made yet), in one
         round trip; unlike :meth:`log_identity` it creates none."""
-        if not names:
-            return {}
-        pipe = self.client.pipeline(transaction=False)
-        for ns in names:
-            pipe.get(keys.log_identity(ns))
-        found = pipe.execute()
+        found = self._get_each([keys.log_identity(ns) for ns in names])
         return {ns: raw.decode() if isinstance(raw, bytes) else None for ns, raw in zip(names, found, strict=True)}
+
+    def _get_each(self, each_key: list[str]) -> list[object]:
+        """GET of each key, in one round trip (a pipeline: the keys may lie in different cluster
+        slots); none when there are none."""
+        if not each_key:
+            return []
+        pipe = self.client.pipeline(transaction=False)
+        for key in each_key:
+            pipe.get(key)
+        return list(pipe.execute())
 
     @guarded
     def log_size(self, ns: str) -> tuple[int, int]:
