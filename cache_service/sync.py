@@ -67,10 +67,8 @@ class StorageSync:
             logger.warning("journaled commits not replayed yet (%d): %s", self.persistence.pending, exc)
         registered = self.persistence.namespaces()
         logs = self.persistence.log_identities(sorted(registered))  # before any log is read
-        tokenizers = self.persistence.tokenizers(sorted(registered))
         for name, vocab in sorted(registered.items()):
             drafter = self.service.create_namespace(name, vocab, persist=False)
-            self.service.namespaces.set_tokenizer(name, drafter, tokenizers[name])
             self._registered[name] = drafter
             self._seen_log(name, drafter, logs[name])
             after = None
@@ -95,6 +93,7 @@ class StorageSync:
             logger.info(
                 "restored namespace %s: %d requests, %d tokens", name, len(requests), drafter.memory.buffered_tokens
             )
+        self._learn_tokenizers(self._registered)
 
     # -- the periodic jobs ---------------------------------------------------------------------
 
@@ -152,7 +151,6 @@ class StorageSync:
             before = self.service.namespaces.drafters()
             registered = self.persistence.namespaces()
             logs = self.persistence.log_identities(sorted(registered.keys() & before.keys()))
-            tokenizers = self.persistence.tokenizers(sorted(registered))
             read_at = time.monotonic()
             confirmed: dict[str, NamespaceDrafter] = {}
             for name, vocab in registered.items():
@@ -165,8 +163,7 @@ class StorageSync:
                 found = drafter or self._create(name, vocab)
                 if found is not None:
                     confirmed[name] = found
-                    if tokenizers[name]:  # registered once, kept until the namespace is deleted
-                        self.service.namespaces.set_tokenizer(name, found, tokenizers[name])
+            self._learn_tokenizers(confirmed)
             unseen: dict[str, tuple[NamespaceDrafter, float]] = {}
             for name, drafter in before.items():
                 if name not in registered and self._deleted(name, drafter, read_at, unseen):
@@ -178,6 +175,14 @@ class StorageSync:
             self._registered, self._unseen = confirmed, unseen
             self._refused = {n: r for n, r in self._refused.items() if serving.get(n) is r[0]}  # no hold on the gone
             self._logs = {n: seen for n, seen in self._logs.items() if serving.get(n) is seen[0]}
+
+    def _learn_tokenizers(self, confirmed: dict[str, NamespaceDrafter]) -> None:
+        """The registered tokenizer of each namespace served without one (registered once, it
+        stays until the namespace is deleted: those known are not read again)."""
+        unknown = sorted(n for n in confirmed if not self.service.namespaces.tokenizer(n))
+        for name, fingerprint in self.persistence.tokenizers(unknown).items():
+            if fingerprint:
+                self.service.namespaces.set_tokenizer(name, confirmed[name], fingerprint)
 
     def _seen_log(self, name: str, drafter: NamespaceDrafter, log: str | None) -> bool:
         """Whether ``log`` (the namespace's log identity in storage now) may be the one
