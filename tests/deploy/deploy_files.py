@@ -8,6 +8,7 @@ import importlib.util
 import os
 import re
 import shutil
+import subprocess
 import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -200,3 +201,16 @@ def tool(name: str) -> str | None:
     if beside.is_file() and os.access(beside, os.X_OK):
         return str(beside)
     return shutil.which(name)
+
+
+def run_script(script: str, args: list[str], cwd: Path, timeout: float, **env: str) -> subprocess.CompletedProcess[str]:
+    """``bash deploy/<script> args`` run as an operator runs it: from ``cwd``, with this
+    Python's ``draftcache`` first on PATH and ``env`` added to the environment."""
+    return subprocess.run(
+        ["bash", str(DEPLOY / script), *args],
+        cwd=cwd,
+        env={**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", **env},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )

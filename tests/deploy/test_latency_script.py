@@ -5,32 +5,18 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from deploy_files import DEPLOY, ROOT
+from deploy_files import ROOT, run_script
 
 
 @pytest.mark.slow  # tokenizes 3000 ShareGPT conversations, starts a service and loads it (20-60 s)
 def test_latency_script_reports_each_setting(shared_data: Path, tmp_path: Path) -> None:
     out = tmp_path / "latency"
-    env = {
-        **os.environ,
-        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-        "OUT": str(out),
-        "TOKENIZER": str(shared_data / "tokenizers/llama2-spm"),
-    }
     corpus = shared_data / "corpora/sharegpt_v3_17671.json.gz"
-    done = subprocess.run(
-        ["bash", str(DEPLOY / "latency.sh"), "3", "1", str(corpus)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    tokenizer = str(shared_data / "tokenizers/llama2-spm")
+    done = run_script("latency.sh", ["3", "1", str(corpus)], ROOT, 600, OUT=str(out), TOKENIZER=tokenizer)
     assert done.returncode == 0, done.stderr[-2000:]
     (line,) = (out / "report.jsonl").read_text().splitlines()
     report = json.loads(line)

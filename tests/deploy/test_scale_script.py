@@ -6,13 +6,10 @@ from __future__ import annotations
 
 import gzip
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from deploy_files import DEPLOY
+from deploy_files import run_script
 
 
 @pytest.mark.slow  # five server starts and four 3 s loads (60-120 s on two cores)
@@ -23,20 +20,8 @@ def test_scale_script_measures_every_layout(shared_data: Path, tmp_path: Path) -
     conversations = [{"conversations": [{"from": "human", "value": "go"}, {"from": "gpt", "value": t}]} for t in texts]
     with gzip.open(caller / "corpus.json.gz", "wt") as f:
         json.dump(conversations, f)
-    env = {
-        **os.environ,
-        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-        "OUT": "scale-run",
-        "DRAFTCACHE_SHARED": str(shared_data.parent),
-    }
-    done = subprocess.run(
-        ["bash", str(DEPLOY / "scale.sh"), "2", "3", "corpus.json.gz"],
-        cwd=caller,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    shared = str(shared_data.parent)
+    done = run_script("scale.sh", ["2", "3", "corpus.json.gz"], caller, 600, OUT="scale-run", DRAFTCACHE_SHARED=shared)
     out = caller / "scale-run"
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [json.loads(line) for line in (out / "report.jsonl").read_text().splitlines()]

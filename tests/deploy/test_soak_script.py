@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-from deploy_files import DEPLOY
+from deploy_files import DEPLOY, run_script
 
 
 def processes_naming(text: str) -> list[str]:
@@ -30,22 +29,11 @@ def processes_naming(text: str) -> list[str]:
 def test_both_replicas_start_and_a_failed_run_leaves_nothing_running(tmp_path: Path) -> None:
     caller = tmp_path / "a caller's dir"  # a space in the path, and not the project root
     caller.mkdir()
-    env = {
-        **os.environ,
-        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-        "OUT": "soak-run",  # relative: read from the caller's directory
-    }
     # A long run whose load cannot start (no such traces): the faults loop is still sleeping
-    # towards its first fault (150 s away) when the script ends.
+    # towards its first fault (150 s away) when the script ends. OUT is relative: read from the
+    # caller's directory.
     start = time.monotonic()
-    done = subprocess.run(
-        ["bash", str(DEPLOY / "soak.sh"), "600", "1", "missing-traces.jsonl.gz"],
-        cwd=caller,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=150,
-    )
+    done = run_script("soak.sh", ["600", "1", "missing-traces.jsonl.gz"], caller, 150, OUT="soak-run")
     took = time.monotonic() - start
     out = caller / "soak-run"
     logs = {n: (out / f"replica{n}.log").read_text() for n in (1, 2)}
