@@ -26,7 +26,9 @@ def processes_naming(text: str) -> list[str]:
     return found
 
 
-def test_both_replicas_start_and_a_failed_run_leaves_nothing_running(tmp_path: Path) -> None:
+def test_both_replicas_start_and_a_failed_run_leaves_nothing_running(shared_data: Path, tmp_path: Path) -> None:
+    """``shared_data``: the script reads its tokenizer there (the test skips without it, as every
+    test reading the shared data does)."""
     caller = tmp_path / "a caller's dir"  # a space in the path, and not the project root
     caller.mkdir()
     # A long run whose load cannot start (no such traces): the faults loop is still sleeping
