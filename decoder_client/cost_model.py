@@ -19,20 +19,15 @@ whole trees and needs no exploration; it starts from a fraction of the drafter's
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from transformers import DynamicCache
 
-from decoder_client.reference_decoder import VerifiedTopk, cache_keyword, prune_cache
-from decoder_client.tree_attention import tree_attention_mask, tree_position_ids
+from decoder_client.forward_timing import SIZES, forward_seconds
+from decoder_client.reference_decoder import VerifiedTopk
 from indexer.tree_builder import DraftTree, Tier
-
-# Small blocks one by one: on CPUs, 2 or 3 query tokens can cost more than 4 (kernel choice).
-SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)
 
 
 @dataclass(frozen=True)
@@ -56,29 +51,7 @@ class CostCurve:
         """Time verification forwards (a chain's mask and positions, as the decoder sends them)
         of each size on ``model``'s device against a ``context``-token KV cache; the fastest of
         ``repeats`` rounds over all sizes (other work on the machine only ever adds time)."""
-        device = next(model.parameters()).device
-        vocab = int(getattr(model, "config").get_text_config().vocab_size)  # noqa: B009 - nn.Module has no config
-        ids = torch.randint(0, vocab, (1, context + max(SIZES)), device=device)
-        dtype = next(model.parameters()).dtype
-        best = dict.fromkeys(SIZES, float("inf"))
-        with torch.inference_mode():
-            cache, cache_arg = DynamicCache(), cache_keyword(model)
-            model(input_ids=ids[:, :context], **{cache_arg: cache}, use_cache=True)
-            for _ in range(repeats):
-                for n in SIZES:
-                    chain = np.arange(-1, n - 2, dtype=np.int32)  # the root plus n - 1 nodes
-                    mask = tree_attention_mask(chain, context, dtype, device)
-                    positions = tree_position_ids(chain, context, device)
-                    start = time.perf_counter()
-                    model(
-                        input_ids=ids[:, context : context + n],
-                        attention_mask=mask,
-                        position_ids=positions,
-                        **{cache_arg: cache},
-                        use_cache=True,
-                    )
-                    best[n] = min(best[n], time.perf_counter() - start)
-                    prune_cache(cache, context, [])  # back to the context alone
+        best = forward_seconds(model, SIZES, context=context, repeats=repeats)[""]
         return cls(SIZES, tuple(best[n] for n in SIZES))
 
 

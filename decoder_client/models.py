@@ -26,11 +26,12 @@ def smollm2_dir() -> Path | None:
 def load_model(model: Path | None, tokenizer: Path, *, device: str = "cpu", pack: bool = True) -> tuple[Any, Any]:
     """``(model, tokenizer)`` in float32 eval mode; nothing is fetched from a hub. On a CPU,
     unless ``pack`` is False, its linear layers' weights are packed once for verifying a few
-    tokens at a time (:mod:`decoder_client.cpu_linears`)."""
+    tokens at a time, and each forward size gets the matrix kernel timed fastest for it on this
+    machine (:mod:`decoder_client.cpu_linears`; a few seconds at load)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from decoder_client.cpu_linears import pack_linears
+    from decoder_client.cpu_linears import pack_linears, tune_linears
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if model is None:
@@ -44,8 +45,8 @@ def load_model(model: Path | None, tokenizer: Path, *, device: str = "cpu", pack
         lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
     lm = lm.to(torch.device(device))  # type: ignore[arg-type]  # transformers' stub of .to is too narrow
     lm.eval()
-    if pack:
-        pack_linears(lm)
+    if pack and pack_linears(lm):
+        tune_linears(lm)
     return lm, AutoTokenizer.from_pretrained(tokenizer)
 
 

@@ -71,12 +71,14 @@ def test_report_flags_differing_outputs() -> None:
         "differing": ["rag/x"],
         "prompt_lookup_num_tokens": {"spec_bench": 3},
         "cost_curve_ms": {1: 60.0},
+        "linear_kernels": {1: "packed", 2: "dense"},
         "accepted_by_tier": {},
         "prior": False,
     }
     text = report(result)
     assert "OUTPUTS DIFFER on rag/x" in text
     assert "qa" in text and "spec_bench" in text
+    assert "linear kernels by forward size {1: 'packed', 2: 'dense'}" in text
 
 
 def test_prompts_from_the_real_traces(shared_data: Path, smollm2) -> None:  # type: ignore[no-untyped-def]
