@@ -49,7 +49,9 @@ def forward_seconds(
     chosen = dict(variants) if variants else {"": lambda: None}
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
-    vocab = int(getattr(model, "config").get_text_config().vocab_size)  # noqa: B009 - nn.Module has no config
+    config = getattr(model, "config").get_text_config()  # noqa: B009 - nn.Module has no config
+    vocab = int(config.vocab_size)
+    context = _within_positions(context, max(sizes), getattr(config, "max_position_embeddings", None))
     ids = torch.randint(0, vocab, (1, context + max(sizes)), device=device)
     best = {name: dict.fromkeys(sizes, float("inf")) for name in chosen}
     with torch.inference_mode():
@@ -73,3 +75,17 @@ def forward_seconds(
                     best[name][n] = min(best[name][n], time.perf_counter() - start)
                     prune_cache(cache, context, [])  # back to the context alone
     return best
+
+
+def _within_positions(context: int, largest: int, positions: int | None) -> int:
+    """``context`` cut so that the largest forward stays within a model of ``positions``
+    positions (one with learned position embeddings has none beyond them).
+
+    >>> _within_positions(512, 64, 2048), _within_positions(512, 64, 256), _within_positions(512, 64, None)
+    (512, 192, 512)
+    """
+    if positions is None:
+        return context
+    if positions <= largest:
+        raise ValueError(f"a model of {positions} positions cannot run a forward of {largest} tokens after a context")
+    return min(context, positions - largest)
