@@ -10,9 +10,10 @@ matrix product reads as they are, the same forwards took 59, 68 and 78 ms, side 
 
 No one kernel is the fastest at every size. For two to five rows, the product taken the other
 way round, the weight times the rows' transpose (BLAS sees a tall matrix times a few columns),
-costs no more than one row's forward: on a 2-core AMD EPYC, 33.6, 35.8 and 33.1 ms for two,
-three and four tokens against 38.9, 40.1 and 40.4 packed, one token 34 ms either way; from six
-rows on, oneDNN's packed product is faster (44.6 against 48.5 ms at eight, 97 against 143 at 64).
+costs no more than one row's forward: on a 2-core AMD EPYC, whole forwards of 33.6, 35.8 and
+33.1 ms for two, three and four tokens against 38.9, 40.1 and 40.4 packed, and 34.4 for one token
+packed (the transposed product is slower there); from six rows on, oneDNN's packed product is
+faster (44.6 against 48.5 ms at eight, 97 against 143 at 64).
 Which is faster where depends on the CPU, so :func:`tune_linears` times whole verification
 forwards of each size with each kernel and keeps the faster per size; the kernel a layer never
 runs has its weights released. Kernels differ only in rounding (float32 sums in another order).
