@@ -427,7 +427,8 @@ def _model_prompt_args(
         "--dense-linears",
         action="store_true",
         help="keep the model's linear layers as loaded (default on a CPU: their weights packed once for verifying "
-        "a few tokens at a time, decoder_client.cpu_linears)",
+        "a few tokens at a time, each forward size on the matrix kernel timed fastest for it at load, "
+        "decoder_client.cpu_linears)",
     )
 
 
