@@ -34,7 +34,7 @@ import torch
 from benchmarks.generate import InProcessDrafter
 from benchmarks.traces import spread
 from decoder_client.cost_model import AcceptanceModel, CalibratedDrafter, CalibrationConfig, CostCurve
-from decoder_client.cpu_linears import row_kernels
+from decoder_client.cpu_linears import kernel_table
 from decoder_client.reference_decoder import ReferenceDecoder
 from indexer.drafter import DrafterConfig, DraftParams, NamespaceDrafter
 from indexer.successors import MAX_TOPK
@@ -437,17 +437,11 @@ def bench(
         "differing": [m.prompt.name for m in results if not m.identical],
         "prompt_lookup_num_tokens": lookup,
         "cost_curve_ms": dict(zip(curve.sizes, (round(s * 1000, 1) for s in curve.seconds), strict=True)),
-        "linear_kernels": _kernel_table(model),
+        "linear_kernels": kernel_table(model),
         "accepted_by_tier": dict(ours.tiers),
         "prior": prior is not None,
         "prompts": [_detail(m) for m in results],
     }
-
-
-def _kernel_table(model: Any) -> dict[int, str]:
-    """The matrix kernel the model's linear layers run per forward size (empty: as loaded)."""
-    tables = row_kernels(model)
-    return tables[0].table() if tables else {}
 
 
 def bench_prompts(tokenizer: Any, config: BenchConfig, *, held_out: bool) -> list[Prompt]:

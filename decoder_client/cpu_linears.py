@@ -106,6 +106,7 @@ class PackedLinear(torch.nn.Module):
     def __init__(self, linear: torch.nn.Linear, kernels: RowKernels | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.has_bias = linear.bias is not None
         self.kernels = kernels if kernels is not None else RowKernels()
         self.dense_weight: torch.Tensor | None = linear.weight.detach()  # shared with the loaded layer, not copied
         self.dense_bias: torch.Tensor | None = None if linear.bias is None else linear.bias.detach()
@@ -130,7 +131,7 @@ class PackedLinear(torch.nn.Module):
             self.weight = self.bias = None
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.dense_bias is not None}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.has_bias}"
 
 
 def packable(model: torch.nn.Module) -> bool:
@@ -181,19 +182,26 @@ def row_kernels(model: torch.nn.Module) -> list[RowKernels]:
     return list(seen.values())
 
 
+def kernel_table(model: torch.nn.Module) -> dict[int, str]:
+    """The kernel ``model``'s packed linear layers run at each size (:meth:`RowKernels.table`;
+    empty when nothing is packed)."""
+    tables = row_kernels(model)
+    return tables[0].table() if tables else {}
+
+
 def tune_linears(
     model: torch.nn.Module, *, context: int = 512, repeats: int = 3, margin: float = 0.02
 ) -> dict[int, str]:
     """Time whole verification forwards of each size (:data:`SIZES`) with every packed linear
     layer of ``model`` on each kernel, keep per size the dense product where it is faster by
     more than ``margin`` (else the packed one), and release the weights of a kernel no size
-    takes. Measured once per model: a second call returns the table. Returns the table (empty
+    takes. Measured once per table: a second call returns the table. Returns the table (empty
     when nothing is packed)."""
     if not 0.0 <= margin < 1.0:
         raise ValueError(f"margin must lie in [0, 1), got {margin}")
-    tables = row_kernels(model)
-    if not tables or all(t.tuned for t in tables):
-        return tables[0].table() if tables else {}
+    tables = [t for t in row_kernels(model) if not t.tuned]
+    if not tables:
+        return kernel_table(model)
 
     def everywhere(kernel: str) -> None:
         for t in tables:
