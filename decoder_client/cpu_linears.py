@@ -214,7 +214,7 @@ def tune_linears(
         t.set(choice)
     unused = {PACKED, DENSE} - set(choice.values())
     for module in model.modules():
-        if isinstance(module, PackedLinear):
+        if isinstance(module, PackedLinear) and any(module.kernels is t for t in tables):
             for kernel in unused:
                 module.release(kernel)
     for t in tables:
