@@ -100,7 +100,7 @@ class ClientStats:
     lost_opens: int = 0  # opens given up on (deadline): the service may hold copies until they expire
     commits_retried: int = 0  # ended requests whose commit did not land at once (kept to send again)
     commits_dropped: int = 0  # ended requests never committed (the backlog was full, or the service refused them)
-    commits_pending: int = 0  # ended requests kept to commit or with their commit under way, when last counted
+    commits_pending: int = 0  # ended requests not committed yet (close asked, kept, or under way), when last counted
     malformed: int = 0  # trees from the service not used: an id outside the vocabulary, a bad parent, too many nodes
     draft_calls: int = 0  # draft calls a step waited on (a batch over max_batch makes several) ...
     draft_wait_s: float = 0.0  # ... and the time from sending a step's calls to their replies (or to giving up on them)
@@ -596,6 +596,7 @@ class ClientCore:
     def ask_close(self, sessions: Sequence[ClientSession], commit: bool) -> None:
         """A close asked for: its request is made by :meth:`closes_due`, once it may go."""
         self.to_close.append((list(sessions), commit))
+        self._commit_stats()
 
     def closes_due(self, opening: Sequence[ClientSession], *, now: bool = False) -> list[pb.CloseSessionsRequest]:
         """The requests of the closes asked for whose sessions wait on no call (``now``: all of
@@ -615,6 +616,7 @@ class ClientCore:
                 if close is not None:
                     due.append(close)
         self.to_close = waiting
+        self._commit_stats()
         return due
 
     def close_request(self, sessions: Sequence[ClientSession], commit: bool) -> pb.CloseSessionsRequest | None:
@@ -664,7 +666,8 @@ class ClientCore:
 
     def _commit_stats(self) -> None:
         self.stats.commits_retried, self.stats.commits_dropped = self.commits.kept, self.commits.dropped
-        self.stats.commits_pending = self.commits.unsent
+        asked = sum(len(sessions) for sessions, commit in self.to_close if commit)  # closes waiting on an open
+        self.stats.commits_pending = self.commits.unsent + asked
 
     def close_settled(self, req: pb.CloseSessionsRequest, exc: BaseException | None) -> None:
         """Book a close call run in the background: when it failed, its sessions are closed

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -569,6 +570,22 @@ def test_sessions_closed_while_the_service_is_skipped_are_closed_at_shutdown(run
         return held
 
     assert asyncio.run(scenario()) == 2 and len(running.service.sessions) == 0
+
+
+def test_a_request_ended_while_its_open_is_under_way_is_counted_pending() -> None:
+    """A close asked while the session's open still waits on a service that does not answer
+    (a port that listens, never accepts) goes later, but its request already counts as not
+    committed yet."""
+    with socket.socket() as mute:
+        mute.bind(("127.0.0.1", 0))
+        mute.listen(8)
+        target = f"127.0.0.1:{mute.getsockname()[1]}"
+        client = DraftClient(ClientConfig(target=target, namespace="toy", deadline_s=0.05))
+        (s,) = client.open([PROMPT], wait=False)
+        client.draft([s], [[5]])
+        client.close([s])
+        assert client.stats.commits_pending == 1 and client.stats.commits_dropped == 0
+        client.shutdown()
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "unary"])
