@@ -22,7 +22,7 @@ import numpy as np
 from benchmarks.draft_rows import SegmentRows
 from benchmarks.replay import ReplayDrafter, takes_topk
 from benchmarks.trace_cut import TraceCut
-from decoder_client.chain_model import BesideCache, ChainSource, model_chain
+from decoder_client.chain_model import BesideCache, ChainSource, FirstTokenRecord, NextToken, model_chain, model_goes
 from indexer.tree_builder import DraftTree, Tier
 
 
@@ -89,8 +89,10 @@ class DraftModelChain:
 
 class WithDraftModel:
     """Our chains beside a draft model's: each step, the chain whose first token is likelier,
-    the model's by its own probability, ours by its calibrated chance (the reach of its first
-    node); the model's where ours is empty. Ours advance on every step either way, as a decoder
+    the model's by its own probability as often as that has been right so far
+    (:class:`~decoder_client.chain_model.FirstTokenRecord`, told the target's token at every
+    step), ours by its calibrated chance (the reach of its first node); the model's where ours
+    is empty. Ours advance on every step either way, as a decoder
     that drafts with both commits what the target produced.
 
     >>> class Ours:  # a stand-in for the engine: always proposes [7, 8], the first 0.5 likely
@@ -119,21 +121,33 @@ class WithDraftModel:
         self._k = k
         self.model_steps = 0  # steps that proposed the model's chain
         self.steps = 0
+        self.record = FirstTokenRecord()  # how often the model's first token was the target's
+        self._asked: tuple[int, float] | None = None  # the model's first token this step, and its probability
 
     def start(self, prompt: np.ndarray) -> None:
         self._inner.start(prompt)
         self._rows.start()
+        self._asked = None
 
     def propose(self) -> DraftTree:
         ours = self._inner.propose()  # drafted every step, so the engine's session stays in step
         self.steps += 1
         model = self._rows.chain(self._k)
-        if not model.size or (len(ours) and self._rows.first_prob() < float(ours.scores[0])):
+        self._asked = None
+        if not model.size:
+            return ours
+        prob = self._rows.first_prob()
+        self._asked = (int(model[0]), prob)
+        first = NextToken(int(model[0]), prob, self.record.chance(prob))
+        if len(ours) and not model_goes(first, float(ours.scores[0])):
             return ours
         self.model_steps += 1
         return DraftTree.chain(model, Tier.CONTEXT)
 
     def advance(self, tokens: np.ndarray, topk: np.ndarray | None = None) -> None:
+        if self._asked is not None and tokens.size:
+            self.record.add(self._asked[1], int(tokens[0]) == self._asked[0])
+            self._asked = None
         _advance(self._inner, self._inner_takes_topk, tokens, topk)
         self._rows.pos += int(tokens.size)
 

@@ -6,9 +6,10 @@ that reads the target's ids (the same tokenizer) knows the next token where the 
 does not, and the cache knows long verbatim runs where the model is unsure; on agent traffic
 each is right where the other is not (docs/MEASUREMENTS.md, "Chains beside a draft model").
 Each step proposes the model's chain unless the cache's first token is likelier: the model's by
-the probability it gives its own first token, the cache's by its calibrated chance (the reach of
-its roots, which every draft carries as its scores). The rule has no parameter; its replay is
-:class:`benchmarks.draft_model_replay.WithDraftModel`.
+the probability it gives its own first token, as often as that probability has been right so far
+(:class:`FirstTokenRecord`: a model learns, step by step, how often its first token was the
+target's), the cache's by its calibrated chance (the reach of its roots, which every draft
+carries as its scores). Its replay is :class:`benchmarks.draft_model_replay.WithDraftModel`.
 
 A :class:`ChainModel` costs one forward per step over the tokens it has not read (the step's
 accepted ones and the sampled one), and ``k - 1`` more only on the steps its chain is proposed.
@@ -57,10 +58,56 @@ def first_token_chance(tree: DraftTree) -> float:
 
 @dataclass(frozen=True)
 class NextToken:
-    """The model's greedy next token after a context, and the probability it gives it."""
+    """The model's greedy next token after a context, the probability it gives it, and its
+    chance of being the target's next token by the model's track record (``None``: the
+    probability stands for it; see :class:`FirstTokenRecord`)."""
 
     token: int
     prob: float
+    chance: float | None = None
+
+    @property
+    def likely(self) -> float:
+        """The chance the beside rule weighs against the cache's."""
+        return self.prob if self.chance is None else self.chance
+
+
+class FirstTokenRecord:
+    """How often a model's first token, given probability ``p`` by the model, was the target's
+    next token: counted by bins of ``p``, and each bin's rate pulled toward ``p`` itself by
+    :data:`PULL` steps' worth, so that a claim stands as made until steps say otherwise.
+
+    A model's own probabilities are not the chance that the target writes its token: a model
+    much smaller than its target is often surer than it is right, and a quantized copy of the
+    target is right far more often than its probabilities say.
+
+    >>> record = FirstTokenRecord()
+    >>> record.chance(0.55)  # nothing seen: the claim
+    0.55
+    >>> for _ in range(40):
+    ...     record.add(0.55, True)  # right every time
+    >>> round(record.chance(0.55), 3), record.chance(0.95)  # another bin: nothing seen there
+    (0.925, 0.95)
+    """
+
+    BINS = 10
+    PULL = 8.0
+
+    def __init__(self) -> None:
+        self.seen = np.zeros(self.BINS)
+        self.right = np.zeros(self.BINS)
+
+    def _bin(self, prob: float) -> int:
+        return min(self.BINS - 1, max(0, int(prob * self.BINS)))
+
+    def add(self, prob: float, right: bool) -> None:
+        b = self._bin(prob)
+        self.seen[b] += 1
+        self.right[b] += right
+
+    def chance(self, prob: float) -> float:
+        b = self._bin(prob)
+        return float((self.right[b] + self.PULL * prob) / (self.seen[b] + self.PULL))
 
 
 class ChainSource(Protocol):
@@ -81,12 +128,15 @@ class ChainSource(Protocol):
 
 def model_goes(model: NextToken | None, cache_chance: float) -> bool:
     """Whether the model's chain is proposed: it has one, and its first token is at least as
-    likely as the cache's (0 where the cache has nothing).
+    likely as the cache's (0 where the cache has nothing), by the model's track record where
+    it has one.
 
     >>> model_goes(NextToken(5, 0.4), 0.3), model_goes(NextToken(5, 0.2), 0.3), model_goes(None, 0.0)
     (True, False, False)
+    >>> model_goes(NextToken(5, 0.2, chance=0.9), 0.3)  # right far more often than it says
+    True
     """
-    return model is not None and model.prob >= cache_chance
+    return model is not None and model.likely >= cache_chance
 
 
 def shared_prefix(a: np.ndarray, b: np.ndarray) -> int:
@@ -118,6 +168,9 @@ class ChainModel(abc.ABC):
         self.max_positions = max_positions
         self._held = np.zeros(0, dtype=np.int32)  # the ids whose keys and values the cache holds
         self._next: NextToken | None = None  # what first() gave for the context it last read
+        # ... and that context's length, until the next context shows the target's token there
+        self._asked: tuple[int, NextToken] | None = None
+        self.record = FirstTokenRecord()  # how often its first tokens were the target's
         self.forwards = 0  # forward passes, for what drafting cost
         self.fed = 0  # tokens those passes read
 
@@ -157,7 +210,7 @@ class ChainModel(abc.ABC):
         """Forget the cache (a new request shares nothing with the last)."""
         self._rewind(0)
         self._held = np.zeros(0, dtype=np.int32)
-        self._next = None
+        self._next = self._asked = None
 
     def _start(self, context: np.ndarray) -> np.ndarray | None:
         """Check ``context``, rewind the cache to what it shares with it, and give the ids left
@@ -166,10 +219,16 @@ class ChainModel(abc.ABC):
         if ctx.size == 0:
             raise ValueError("context must not be empty")
         self._next = None
+        held = shared_prefix(self._held, ctx)
+        if self._asked is not None:  # the target's token where the model's first one was
+            at, nxt = self._asked
+            if ctx.size > at and held >= at:
+                self.record.add(nxt.prob, int(ctx[at]) == nxt.token)
+            self._asked = None
         if self.max_positions is not None and ctx.size + self.k > self.max_positions:
             self.reset()
             return None
-        shared = min(shared_prefix(self._held, ctx), ctx.size - 1)  # the last id is read again for its logits
+        shared = min(held, ctx.size - 1)  # the last id is read again for its logits
         if shared < self._held.size:
             self._rewind(shared)
         self._held = ctx.copy()
@@ -205,7 +264,10 @@ def first_many(models: Sequence[ChainModel], contexts: Sequence[np.ndarray]) -> 
     probs = read_many([models[i] for i in fit], [feeds[i] for i in fit])  # type: ignore[misc]
     for i, p in zip(fit, probs, strict=True):
         token = int(np.argmax(p))
-        models[i]._next = out[i] = NextToken(token, float(p[token]))
+        m, prob = models[i], float(p[token])
+        nxt = NextToken(token, prob, m.record.chance(prob))
+        m._next = out[i] = nxt
+        m._asked = (int(m._held.size), nxt)
     return out
 
 

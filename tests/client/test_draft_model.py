@@ -189,6 +189,26 @@ def test_decoding_with_the_target_as_its_own_draft_accepts_every_chain() -> None
     assert beside.accepted == {"model": 5 * (stats.steps - 1), "cache": 0}  # the last step's is never seen
 
 
+def test_a_model_right_more_often_than_it_says_takes_over_from_a_surer_cache() -> None:
+    # The target as its own draft is right every time, though a tiny random model's
+    # probabilities are low: a cache claiming more for a chain that is never accepted is
+    # proposed at first, and the model's track record soon outweighs it.
+    target = _llama(0)
+    prompt = [int(t) for t in np.random.default_rng(2).integers(0, VOCAB, 12)]
+    drafter = ModelDrafter(target, 4)
+    nxt = drafter.first(_ids(prompt))
+    drafter.reset()
+    assert nxt is not None and nxt.prob < 0.3
+    wrong = [t for t in range(VOCAB) if t not in greedy_continuation(target, prompt, 80)][:3]
+    beside = BesideCache(_fixed(wrong, 0.6), drafter)
+    tokens, stats = ReferenceDecoder(target).generate(prompt, 80, drafter=beside)
+    assert tokens == greedy_continuation(target, prompt, 80)
+    assert 0 < beside.model_steps < stats.steps  # the cache's at first, then the model's
+    assert stats.accepted[:3] == [0, 0, 0] and stats.accepted[-4:-1] == [4, 4, 4]
+    # Every step's first token was right; the last step's truth is never seen.
+    assert drafter.record.seen.sum() == stats.steps - 1 == drafter.record.right.sum()
+
+
 def test_a_different_draft_model_beside_the_real_cache_is_lossless() -> None:
     # Another random model drafts mostly wrong guesses; the engine's chains draft from the
     # request's own repeats. Whichever is verified, the output is the target's greedy one.
