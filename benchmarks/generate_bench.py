@@ -33,12 +33,14 @@ import torch
 
 from benchmarks.generate import InProcessDrafter
 from benchmarks.traces import spread
+from decoder_client.chain_model import BesideCache, ChainSource, FirstTokenRecord
 from decoder_client.cost_model import AcceptanceModel, CalibratedDrafter, CalibrationConfig, CostCurve
 from decoder_client.cpu_linears import kernel_table
 from decoder_client.reference_decoder import ReferenceDecoder
 from indexer.drafter import DrafterConfig, DraftParams, NamespaceDrafter
 from indexer.successors import MAX_TOPK
 from indexer.tokens import Namespace
+from indexer.tree_builder import DraftTree
 
 logger = logging.getLogger(__name__)
 
@@ -203,7 +205,7 @@ class Outcome:
 
     tokens: list[int]
     seconds: float
-    steps: int = 0  # verification steps (ours only)
+    steps: int = 0  # verification steps (the speculative methods only)
 
 
 @dataclass
@@ -222,6 +224,8 @@ class Measured:
 
 
 VANILLA, LOOKUP, OURS = "vanilla", "prompt-lookup", "draftcache"
+# With a draft model (``bench-generate --draft-model``): its greedy chains alone, and beside ours.
+MODEL, BESIDE = "draft-model", "draftcache+model"
 Method = Callable[[Prompt, list[int], bool], Outcome]  # (prompt, its ids, last round?)
 
 
@@ -252,10 +256,18 @@ class SharedEngine:
     request committed to its lifetime memory, trees cut by one learning acceptance model."""
 
     def __init__(
-        self, model: Any, vocab_size: int, params: DraftParams, curve: CostCurve, prior: Any, topk_at: str = "tree"
+        self,
+        model: Any,
+        vocab_size: int,
+        params: DraftParams,
+        curve: CostCurve,
+        prior: Any,
+        topk_at: str = "tree",
+        chain_model: ChainSource | None = None,
     ) -> None:
         self.engine = NamespaceDrafter(Namespace(name="bench", vocab_size=vocab_size), DrafterConfig(), prior)
         self.topk_at = topk_at
+        self.chain_model = chain_model  # a draft model beside the cache (BesideCache), or none
         self.acceptance = AcceptanceModel(CalibrationConfig())
         self.decoder = ReferenceDecoder(model)
         self.params, self.curve, self.vocab_size = params, curve, vocab_size
@@ -267,9 +279,12 @@ class SharedEngine:
         and none has learnt from another's answer."""
         engine = self.engine if last else _trial_copy(self.engine)
         saved = None if last else copy.deepcopy(self.acceptance)
+        record = None if last or self.chain_model is None else copy.deepcopy(_record_of(self.chain_model))
         topk, every_node = topk_feed(self.topk_at)
         drafter = InProcessDrafter(self.vocab_size, self.params, engine=engine, every_node=every_node)
-        verify = CalibratedDrafter(drafter, self.curve, self.acceptance)
+        verify: Any = CalibratedDrafter(drafter, self.curve, self.acceptance)
+        if self.chain_model is not None:
+            verify = BesideCache(verify, self.chain_model)
         start = time.perf_counter()
         # The target's top-k at every verified position feeds the successor tier, as a
         # decoder that sees the logits sends it.
@@ -279,11 +294,37 @@ class SharedEngine:
         drafter.close(commit=last)
         if saved is not None:
             self.acceptance = saved
+            if record is not None and self.chain_model is not None:
+                _set_record(self.chain_model, record)
             return Outcome(tokens, seconds, stats.steps)
         if self.engine.memory.needs_rebuild():
             self.engine.memory.rebuild()
         self.tiers.update(drafter.tiers.counts)
         return Outcome(tokens, seconds, stats.steps)
+
+
+def model_alone(decoder: ReferenceDecoder, model: ChainSource) -> Callable[[list[int], int, int | None], Outcome]:
+    """A decoder drafting the draft model's greedy chains alone (nothing from the cache)."""
+    drafter = BesideCache(lambda context: DraftTree.empty(), model)
+
+    def run(ids: list[int], max_new_tokens: int, eos: int | None) -> Outcome:
+        start = time.perf_counter()
+        tokens, stats = decoder.generate(ids, max_new_tokens, drafter=drafter, eos_token_id=eos)
+        return Outcome(tokens, time.perf_counter() - start, stats.steps)
+
+    return run
+
+
+def _record_of(model: Any) -> FirstTokenRecord | None:
+    """The first-token record of a draft model (of the model a retokenizing one wraps)."""
+    return getattr(model, "record", None) or getattr(getattr(model, "inner", None), "record", None)
+
+
+def _set_record(model: Any, record: FirstTokenRecord | None) -> None:
+    """Put a round's record back: what a trial round saw of the answer is dropped."""
+    holder = model if hasattr(model, "record") else getattr(model, "inner", None)
+    if record is not None and holder is not None:
+        holder.record = record
 
 
 def _trial_copy(engine: NamespaceDrafter) -> NamespaceDrafter:
@@ -383,7 +424,7 @@ def _row(ms: list[Measured]) -> dict[str, Any]:
     methods = list(ms[0].runs)
     tokens = sum(len(m.runs[VANILLA].tokens) for m in ms)
     seconds = {n: sum(m.runs[n].seconds for m in ms) for n in methods}
-    steps = sum(m.runs[OURS].steps for m in ms)
+    steps = {n: sum(m.runs[n].steps for m in ms) for n in methods}
     return {
         "prompts": len(ms),
         "tokens": tokens,
@@ -394,16 +435,23 @@ def _row(ms: list[Measured]) -> dict[str, Any]:
             for n in methods
             if n != VANILLA
         },
-        "mat": round(tokens / steps, 3) if steps else 0.0,
+        "mat": round(tokens / steps[OURS], 3) if steps[OURS] else 0.0,
+        "mat_by_method": {n: round(tokens / s, 3) for n, s in steps.items() if s},
         "lossless": all(m.identical for m in ms),
     }
 
 
-def run_bench(model: Any, tokenizer: Any, config: BenchConfig, prior: Any = None) -> dict[str, Any]:
+def run_bench(
+    model: Any,
+    tokenizer: Any,
+    config: BenchConfig,
+    prior: Any = None,
+    draft_models: Callable[[], ChainSource] | None = None,
+) -> dict[str, Any]:
     """The whole benchmark on the configured prompts (see :func:`bench`)."""
     prompts = [(p, encode(tokenizer, p)) for p in bench_prompts(tokenizer, config, held_out=False)]
     tuning = [(p, encode(tokenizer, p)) for p in bench_prompts(tokenizer, config, held_out=True)]
-    return bench(model, tokenizer, prompts, tuning, config, prior)
+    return bench(model, tokenizer, prompts, tuning, config, prior, draft_models)
 
 
 def bench(
@@ -413,9 +461,11 @@ def bench(
     tuning: list[tuple[Prompt, list[int]]],
     config: BenchConfig,
     prior: Any = None,
+    draft_models: Callable[[], ChainSource] | None = None,
 ) -> dict[str, Any]:
     """Measure ``prompts`` (``tuning`` picks prompt lookup's setting and warms every method up);
-    the result's ``lossless`` is False if any output differed."""
+    the result's ``lossless`` is False if any output differed. With ``draft_models`` (each call
+    a draft model of its own) two more methods: the model's chains alone, and beside ours."""
     eos = tokenizer.eos_token_id
     curve = CostCurve.measure(model, context=config.curve_context, repeats=config.curve_repeats)
     lookup = pick_lookup(model, tuning, config, eos)
@@ -430,6 +480,15 @@ def bench(
         LOOKUP: lambda p, ids, last: hf_generate(model, ids, n, eos, prompt_lookup_num_tokens=lookup[workload(p)]),
         OURS: lambda p, ids, last: ours(ids, n, eos, last=last),
     }
+    if draft_models is not None:
+        drafts = draft_models()
+        if drafts.vocab_size < vocab:
+            raise ValueError(f"the draft model reads {drafts.vocab_size} ids; the target's vocabulary has {vocab}")
+        alone = model_alone(ReferenceDecoder(model), drafts)
+        methods[MODEL] = lambda p, ids, last: alone(ids, n, eos)
+        both = SharedEngine(model, vocab, params, curve, prior, config.topk_at, chain_model=draft_models())
+        methods[BESIDE] = lambda p, ids, last: both(ids, n, eos, last=last)
+        alone(tuning[0][1], min(config.tuning_tokens, n), eos)  # warm up
     results = measure(prompts, methods, config.rounds)
     return {
         "summary": summarize(results),
@@ -496,6 +555,15 @@ def report(result: dict[str, Any], *, as_json: bool = False) -> str:
             f"{ratio[LOOKUP]:>9.3f}{ratio[OURS]:>9.3f}{med[LOOKUP]:>9.3f}{med[OURS]:>9.3f}{r['mat']:>7.2f}  "
             f"{'yes' if r['lossless'] else 'NO'}"
         )
+    first: dict[str, Any] = next(iter(result["summary"].values()), {})
+    for extra in (MODEL, BESIDE):
+        if extra in first.get("tokens_per_s", {}):
+            lines.append(f"{extra}: tokens/s, ratio to vanilla (median), MAT")
+            for name, r in result["summary"].items():
+                lines.append(
+                    f"  {name:<16}{r['tokens_per_s'][extra]:>9.2f}{r['ratio'][extra]:>9.3f}"
+                    f" ({r['median_ratio'][extra]:.3f}){r['mat_by_method'].get(extra, 0.0):>7.2f}"
+                )
     lines.append(f"accepted draft tokens by tier {result['accepted_by_tier']}")
     if not result["lossless"]:
         lines.append(f"OUTPUTS DIFFER on {', '.join(result['differing'])}")

@@ -8,7 +8,9 @@ import pytest
 
 from benchmarks.generate_bench import (
     AGENTIC,
+    BESIDE,
     LOOKUP,
+    MODEL,
     OURS,
     VANILLA,
     BenchConfig,
@@ -147,3 +149,33 @@ def test_a_round_that_is_not_the_last_leaves_the_engine_as_it_was(smollm2) -> No
     # Every round drafts from the same state, so takes the same steps.
     assert rounds[0].steps == rounds[1].steps == rounds[2].steps
     assert ours.engine.successors.size > 0  # the last round's lessons are kept
+
+
+def test_a_draft_model_alone_and_beside_ours_stays_lossless(bench_paths: dict[str, Path], smollm2) -> None:  # type: ignore[no-untyped-def]
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    from decoder_client.engines.llamacpp_chains import LlamaChainModel
+    from decoder_client.models import GGUF_FILE, smollm2_dir
+
+    model, tokenizer = smollm2
+    folder = smollm2_dir()
+    assert folder is not None  # the fixture skips without it
+
+    def quantized_copy() -> LlamaChainModel:  # the target's own weights in 4 bits: mostly right
+        return LlamaChainModel(llama_cpp.Llama(model_path=str(folder / GGUF_FILE), n_ctx=2048, verbose=False), 4)
+
+    config = BenchConfig(
+        **bench_paths, max_new_tokens=24, pld_candidates=(3,), tuning_tokens=4, curve_context=32, curve_repeats=1
+    )
+    prompts = [(p, encode(tokenizer, p)) for p in [Prompt("qa", "sky", (("user", "Why is the sky blue?"),))]]
+
+    class Small:  # a model of another, smaller vocabulary: refused before anything is measured
+        k, vocab_size = 4, 1000
+
+    with pytest.raises(ValueError, match="the draft model reads 1000 ids"):
+        bench(model, tokenizer, prompts, prompts, config, draft_models=Small)  # type: ignore[arg-type]
+    result = bench(model, tokenizer, prompts, prompts, config, draft_models=quantized_copy)
+    assert result["lossless"]
+    row = result["summary"]["qa"]
+    assert set(row["tokens_per_s"]) == {VANILLA, LOOKUP, OURS, MODEL, BESIDE}
+    assert row["mat_by_method"][MODEL] > 2.0 and row["mat_by_method"][BESIDE] > 2.0
+    assert "draftcache+model" in report(result)
