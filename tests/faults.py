@@ -29,7 +29,7 @@ from cache_service.host.embedded_redis import free_port, runs_server
 from cache_service.storage.connect import connect
 from cache_service.storage.redis_store import RedisStore
 
-READY_S = 120.0  # a first start may compile the drafting loops
+READY_S = 300.0  # a first start may compile the drafting loops (on a loaded 2-core machine, 2 minutes and more)
 
 
 def children(pid: int) -> list[int]:
