@@ -26,7 +26,7 @@ from cache_service.admin import warm
 from cache_service.admin.commands import prior_args, prior_config, tokenize, warm_prior, write_atomic
 from cache_service.admin.options import TREE_RANK, TREE_RANK_HELP, TREE_RANKS, add, non_negative, positive
 from indexer import kernels
-from indexer.drafter import MAX_DEPTH, DrafterConfig, DraftParams
+from indexer.drafter import DrafterConfig, DraftParams
 from indexer.prior import read_prior
 from indexer.successors import MAX_TOPK
 from indexer.tokens import Namespace
@@ -486,15 +486,9 @@ def cmd_bench_generate(a: argparse.Namespace) -> int:
     config = _bench_config(a, rounds=a.rounds, topk_at=a.topk_at)
     model, tokenizer, prior = _model_and_prior(a)
     draft_models = None
-    if a.draft_model is not None:
-        if a.draft_chain > MAX_DEPTH:
-            raise SystemExit(f"bench-generate: --draft-chain must be at most {MAX_DEPTH}")
+    if a.draft_model is not None:  # one for the model alone, one beside ours; loaded (and checked) before any run
         where, k = str(a.draft_model), a.draft_chain
-        made = [_chain_model(where, k)]  # loaded now: a wrong path fails before anything is measured
-
-        def draft_models() -> Any:
-            return made.pop() if made else _chain_model(where, k)
-
+        draft_models = (_chain_model(where, k), _chain_model(where, k))
     result = run_bench(model, tokenizer, config, prior, draft_models)
     print(report(result, as_json=a.json))
     return 0 if result["lossless"] else 1

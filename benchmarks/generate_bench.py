@@ -33,7 +33,7 @@ import torch
 
 from benchmarks.generate import InProcessDrafter
 from benchmarks.traces import spread
-from decoder_client.chain_model import BesideCache, ChainSource, FirstTokenRecord
+from decoder_client.chain_model import BesideCache, ChainModel
 from decoder_client.cost_model import AcceptanceModel, CalibratedDrafter, CalibrationConfig, CostCurve
 from decoder_client.cpu_linears import kernel_table
 from decoder_client.reference_decoder import ReferenceDecoder
@@ -263,7 +263,7 @@ class SharedEngine:
         curve: CostCurve,
         prior: Any,
         topk_at: str = "tree",
-        chain_model: ChainSource | None = None,
+        chain_model: ChainModel | None = None,
     ) -> None:
         self.engine = NamespaceDrafter(Namespace(name="bench", vocab_size=vocab_size), DrafterConfig(), prior)
         self.topk_at = topk_at
@@ -279,7 +279,7 @@ class SharedEngine:
         and none has learnt from another's answer."""
         engine = self.engine if last else _trial_copy(self.engine)
         saved = None if last else copy.deepcopy(self.acceptance)
-        record = None if last or self.chain_model is None else copy.deepcopy(_record_of(self.chain_model))
+        record = None if last or self.chain_model is None else copy.deepcopy(self.chain_model.record)
         topk, every_node = topk_feed(self.topk_at)
         drafter = InProcessDrafter(self.vocab_size, self.params, engine=engine, every_node=every_node)
         verify: Any = CalibratedDrafter(drafter, self.curve, self.acceptance)
@@ -295,7 +295,7 @@ class SharedEngine:
         if saved is not None:
             self.acceptance = saved
             if record is not None and self.chain_model is not None:
-                _set_record(self.chain_model, record)
+                self.chain_model.record = record  # what the round saw of its own answer is dropped
             return Outcome(tokens, seconds, stats.steps)
         if self.engine.memory.needs_rebuild():
             self.engine.memory.rebuild()
@@ -303,7 +303,7 @@ class SharedEngine:
         return Outcome(tokens, seconds, stats.steps)
 
 
-def model_alone(decoder: ReferenceDecoder, model: ChainSource) -> Callable[[list[int], int, int | None], Outcome]:
+def model_alone(decoder: ReferenceDecoder, model: ChainModel) -> Callable[[list[int], int, int | None], Outcome]:
     """A decoder drafting the draft model's greedy chains alone (nothing from the cache)."""
     drafter = BesideCache(lambda context: DraftTree.empty(), model)
 
@@ -313,18 +313,6 @@ def model_alone(decoder: ReferenceDecoder, model: ChainSource) -> Callable[[list
         return Outcome(tokens, time.perf_counter() - start, stats.steps)
 
     return run
-
-
-def _record_of(model: Any) -> FirstTokenRecord | None:
-    """The first-token record of a draft model (of the model a retokenizing one wraps)."""
-    return getattr(model, "record", None) or getattr(getattr(model, "inner", None), "record", None)
-
-
-def _set_record(model: Any, record: FirstTokenRecord | None) -> None:
-    """Put a round's record back: what a trial round saw of the answer is dropped."""
-    holder = model if hasattr(model, "record") else getattr(model, "inner", None)
-    if record is not None and holder is not None:
-        holder.record = record
 
 
 def _trial_copy(engine: NamespaceDrafter) -> NamespaceDrafter:
@@ -446,7 +434,7 @@ def run_bench(
     tokenizer: Any,
     config: BenchConfig,
     prior: Any = None,
-    draft_models: Callable[[], ChainSource] | None = None,
+    draft_models: tuple[ChainModel, ChainModel] | None = None,
 ) -> dict[str, Any]:
     """The whole benchmark on the configured prompts (see :func:`bench`)."""
     prompts = [(p, encode(tokenizer, p)) for p in bench_prompts(tokenizer, config, held_out=False)]
@@ -461,16 +449,20 @@ def bench(
     tuning: list[tuple[Prompt, list[int]]],
     config: BenchConfig,
     prior: Any = None,
-    draft_models: Callable[[], ChainSource] | None = None,
+    draft_models: tuple[ChainModel, ChainModel] | None = None,
 ) -> dict[str, Any]:
     """Measure ``prompts`` (``tuning`` picks prompt lookup's setting and warms every method up);
-    the result's ``lossless`` is False if any output differed. With ``draft_models`` (each call
-    a draft model of its own) two more methods: the model's chains alone, and beside ours."""
+    the result's ``lossless`` is False if any output differed. With ``draft_models`` (two of one
+    kind, each with its own cache and record) two more methods: the first's chains alone, and
+    the second's beside ours."""
+    vocab = int(model.config.get_text_config().vocab_size)
+    for drafts in draft_models or ():
+        if drafts.vocab_size < vocab:
+            raise ValueError(f"the draft model reads {drafts.vocab_size} ids; the target's vocabulary has {vocab}")
     eos = tokenizer.eos_token_id
     curve = CostCurve.measure(model, context=config.curve_context, repeats=config.curve_repeats)
     lookup = pick_lookup(model, tuning, config, eos)
     params = DraftParams(budget=config.budget)
-    vocab = int(model.config.get_text_config().vocab_size)
     warm_up = SharedEngine(model, vocab, params, curve, None)
     warm_up(tuning[0][1], min(config.tuning_tokens, config.max_new_tokens), eos)
     ours = SharedEngine(model, vocab, params, curve, prior, config.topk_at)
@@ -481,12 +473,9 @@ def bench(
         OURS: lambda p, ids, last: ours(ids, n, eos, last=last),
     }
     if draft_models is not None:
-        drafts = draft_models()
-        if drafts.vocab_size < vocab:
-            raise ValueError(f"the draft model reads {drafts.vocab_size} ids; the target's vocabulary has {vocab}")
-        alone = model_alone(ReferenceDecoder(model), drafts)
+        alone = model_alone(ReferenceDecoder(model), draft_models[0])
         methods[MODEL] = lambda p, ids, last: alone(ids, n, eos)
-        both = SharedEngine(model, vocab, params, curve, prior, config.topk_at, chain_model=draft_models())
+        both = SharedEngine(model, vocab, params, curve, prior, config.topk_at, chain_model=draft_models[1])
         methods[BESIDE] = lambda p, ids, last: both(ids, n, eos, last=last)
         alone(tuning[0][1], min(config.tuning_tokens, n), eos)  # warm up
     results = measure(prompts, methods, config.rounds)

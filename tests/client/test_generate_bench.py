@@ -172,8 +172,8 @@ def test_a_draft_model_alone_and_beside_ours_stays_lossless(bench_paths: dict[st
         k, vocab_size = 4, 1000
 
     with pytest.raises(ValueError, match="the draft model reads 1000 ids"):
-        bench(model, tokenizer, prompts, prompts, config, draft_models=Small)  # type: ignore[arg-type]
-    result = bench(model, tokenizer, prompts, prompts, config, draft_models=quantized_copy)
+        bench(model, tokenizer, prompts, prompts, config, draft_models=(Small(), Small()))  # type: ignore[arg-type]
+    result = bench(model, tokenizer, prompts, prompts, config, draft_models=(quantized_copy(), quantized_copy()))
     assert result["lossless"]
     row = result["summary"]["qa"]
     assert set(row["tokens_per_s"]) == {VANILLA, LOOKUP, OURS, MODEL, BESIDE}
