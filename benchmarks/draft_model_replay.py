@@ -7,7 +7,7 @@ about its chain that the context alone decides, deeper ones would read the trace
 the chain has already left it. Or live (:class:`LiveDraftModel`, :class:`LiveWithDraftModel`):
 the model runs at every step (:class:`decoder_client.chain_model.ChainSource`), as a decoder
 runs it, behind another tokenizer too (:class:`decoder_client.retokenized.Retokenized`). The mix
-proposes whichever chain's first token is likelier, by the rule the decoders use
+proposes whichever chain is expected to have more tokens accepted, by the rule the decoders use
 (:func:`decoder_client.chain_model.model_goes`). For long runs the live model may skip its reads
 past a chain's first wrong token (:mod:`benchmarks.trace_cut`): each request's output is then
 revealed to it as the request starts.
@@ -22,7 +22,7 @@ import numpy as np
 from benchmarks.draft_rows import SegmentRows
 from benchmarks.replay import ReplayDrafter, takes_topk
 from benchmarks.trace_cut import TraceCut
-from decoder_client.chain_model import BesideCache, ChainSource, FirstTokenRecord, NextToken, model_chain, model_goes
+from decoder_client.chain_model import BesideCache, ChainSource, ModelRecord, expected_accepted, model_chain, model_goes
 from indexer.tree_builder import DraftTree, Tier
 
 
@@ -88,11 +88,11 @@ class DraftModelChain:
 
 
 class WithDraftModel:
-    """Our chains beside a draft model's: each step, the chain whose first token is likelier,
-    the model's by its own probability as often as that has been right so far
-    (:class:`~decoder_client.chain_model.FirstTokenRecord`, told the target's token at every
-    step), ours by its calibrated chance (the reach of its first node); the model's where ours
-    is empty. Ours advance on every step either way, as a decoder
+    """Our chains beside a draft model's: each step, the chain expected to have more tokens
+    accepted, the model's by its track record
+    (:class:`~decoder_client.chain_model.ModelRecord`, told the target's token at every step and
+    how far each of its proposed chains went), ours by its calibrated chances (the sum of its
+    nodes' reaches); the model's where ours is empty. Ours advance on every step either way, as a decoder
     that drafts with both commits what the target produced.
 
     >>> class Ours:  # a stand-in for the engine: always proposes [7, 8], the first 0.5 likely
@@ -121,8 +121,9 @@ class WithDraftModel:
         self._k = k
         self.model_steps = 0  # steps that proposed the model's chain
         self.steps = 0
-        self.record = FirstTokenRecord()  # how often the model's first token was the target's
-        self._asked: tuple[int, float] | None = None  # the model's first token this step, and its probability
+        self.record = ModelRecord()  # how often the model's first token was the target's, how far its chains went
+        # the model's first token this step, its probability, and its chain if proposed
+        self._asked: tuple[int, float, np.ndarray | None] | None = None
 
     def start(self, prompt: np.ndarray) -> None:
         self._inner.start(prompt)
@@ -137,16 +138,20 @@ class WithDraftModel:
         if not model.size:
             return ours
         prob = self._rows.first_prob()
-        self._asked = (int(model[0]), prob)
-        first = NextToken(int(model[0]), prob, self.record.chance(prob))
-        if len(ours) and not model_goes(first, float(ours.scores[0])):
+        self._asked = (int(model[0]), prob, None)
+        first = self.record.next_token(int(model[0]), prob)
+        if len(ours) and not model_goes(first, expected_accepted(ours), int(model.size)):
             return ours
         self.model_steps += 1
+        self._asked = (int(model[0]), prob, model)
         return DraftTree.chain(model, Tier.CONTEXT)
 
     def advance(self, tokens: np.ndarray, topk: np.ndarray | None = None) -> None:
         if self._asked is not None and tokens.size:
-            self.record.add(self._asked[1], int(tokens[0]) == self._asked[0])
+            token, prob, chain = self._asked
+            self.record.add(prob, int(tokens[0]) == token)
+            if chain is not None:
+                self.record.add_chain(prob, chain, tokens)
             self._asked = None
         _advance(self._inner, self._inner_takes_topk, tokens, topk)
         self._rows.pos += int(tokens.size)
@@ -205,8 +210,8 @@ class LiveDraftModel:
 
 class LiveWithDraftModel:
     """Our chains beside a draft model run at every step, by the decoders' own drafter
-    (:class:`decoder_client.chain_model.BesideCache`): the model's chain unless ours has the
-    likelier first token, ours where the model gives none. Ours advance on every step."""
+    (:class:`decoder_client.chain_model.BesideCache`): the model's chain unless more of ours is
+    expected to be accepted, ours where the model gives none. Ours advance on every step."""
 
     def __init__(self, inner: ReplayDrafter, model: ChainSource, *, name: str = "draft-model") -> None:
         self.name = f"{inner.name}+{name}/live"

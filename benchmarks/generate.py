@@ -147,16 +147,18 @@ def run_generate(
     """Vanilla greedy, transformers' prompt lookup and draftcache on the same prompt. With
     ``cost_aware`` the device's verification cost curve is measured first and every tree is cut
     to its most profitable prefix, valued by acceptance probabilities learned as decoding goes.
-    With ``draft_model`` each step proposes its chain or the cache's, whichever first token is
-    likelier (:class:`decoder_client.draft_model.BesideCache`)."""
+    With ``draft_model`` each step proposes its chain or the cache's, whichever is expected to
+    give more tokens a second (:class:`decoder_client.chain_model.BesideCache`)."""
     messages = [{"role": "user", "content": prompt}]
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     input_ids = ids["input_ids"]
     verify = drafter
+    verify_seconds = None
     if cost_aware:
         curve = CostCurve.measure(model, context=max(int(input_ids.shape[1]), 64))
         verify = cost_model.cost_aware(drafter, curve, AcceptanceModel(CalibrationConfig()))
-    beside = BesideCache(verify, draft_model) if draft_model is not None else None
+        verify_seconds = curve.verify_seconds
+    beside = BesideCache(verify, draft_model, verify_seconds) if draft_model is not None else None
     eos = tokenizer.eos_token_id
     results: dict[str, Any] = {}
     with torch.inference_mode():

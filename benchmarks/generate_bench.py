@@ -33,7 +33,7 @@ import torch
 
 from benchmarks.generate import InProcessDrafter
 from benchmarks.traces import spread
-from decoder_client.chain_model import BesideCache, ChainModel
+from decoder_client.chain_model import BesideCache, ChainModel, DraftRecord
 from decoder_client.cost_model import AcceptanceModel, CalibratedDrafter, CalibrationConfig, CostCurve
 from decoder_client.cpu_linears import kernel_table
 from decoder_client.reference_decoder import ReferenceDecoder
@@ -268,6 +268,7 @@ class SharedEngine:
         self.engine = NamespaceDrafter(Namespace(name="bench", vocab_size=vocab_size), DrafterConfig(), prior)
         self.topk_at = topk_at
         self.chain_model = chain_model  # a draft model beside the cache (BesideCache), or none
+        self.draft_record = DraftRecord()  # what the cache's drafts were worth beside it, over the run
         self.acceptance = AcceptanceModel(CalibrationConfig())
         self.decoder = ReferenceDecoder(model)
         self.params, self.curve, self.vocab_size = params, curve, vocab_size
@@ -279,12 +280,14 @@ class SharedEngine:
         and none has learnt from another's answer."""
         engine = self.engine if last else _trial_copy(self.engine)
         saved = None if last else copy.deepcopy(self.acceptance)
-        record = None if last or self.chain_model is None else copy.deepcopy(self.chain_model.record)
+        records = None
+        if not last and self.chain_model is not None:
+            records = copy.deepcopy((self.chain_model.record, self.draft_record))
         topk, every_node = topk_feed(self.topk_at)
         drafter = InProcessDrafter(self.vocab_size, self.params, engine=engine, every_node=every_node)
         verify: Any = CalibratedDrafter(drafter, self.curve, self.acceptance)
         if self.chain_model is not None:
-            verify = BesideCache(verify, self.chain_model)
+            verify = BesideCache(verify, self.chain_model, self.curve.verify_seconds, self.draft_record)
         start = time.perf_counter()
         # The target's top-k at every verified position feeds the successor tier, as a
         # decoder that sees the logits sends it.
@@ -294,8 +297,9 @@ class SharedEngine:
         drafter.close(commit=last)
         if saved is not None:
             self.acceptance = saved
-            if record is not None and self.chain_model is not None:
-                self.chain_model.record = record  # what the round saw of its own answer is dropped
+            if records is not None and self.chain_model is not None:
+                # what the round saw of its own answer is dropped
+                self.chain_model.record, self.draft_record = records
             return Outcome(tokens, seconds, stats.steps)
         if self.engine.memory.needs_rebuild():
             self.engine.memory.rebuild()

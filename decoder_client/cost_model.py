@@ -46,6 +46,14 @@ class CostCurve:
     def cost(self, n: np.ndarray | int) -> np.ndarray:
         return np.asarray(np.interp(n, self.sizes, self.seconds))
 
+    def verify_seconds(self, n: int) -> float:
+        """A step's forward that verifies ``n`` draft tokens (``n + 1`` query tokens).
+
+        >>> CostCurve((1, 2, 4), (1.0, 1.1, 4.0)).verify_seconds(2)
+        2.55
+        """
+        return float(self.cost(n + 1))
+
     @classmethod
     def measure(cls, model: torch.nn.Module, *, context: int = 512, repeats: int = 3) -> CostCurve:
         """Time verification forwards (a chain's mask and positions, as the decoder sends them)
@@ -263,7 +271,8 @@ class CalibratedDrafter:
     """A reference-decoder drafter whose trees are cut by calibrated worth (one per request).
 
     Each call first counts the outcomes the new context reveals for earlier trees, then drafts,
-    values every node with ``model`` and keeps the most profitable prefix under ``curve``.
+    values every node with ``model`` and keeps the most profitable prefix under ``curve``, each
+    kept node scored by its worth (its chance of being accepted with its root path).
     """
 
     drafter: Callable[[np.ndarray], DraftTree]
@@ -280,7 +289,9 @@ class CalibratedDrafter:
         cells = node_cells(tree, depths, self.model.config)
         self._pending.append(_Pending(tree, cells, depths, int(context.size)))
         q = sibling_normalised(tree.parents, self.model.probabilities(cells))
-        return best_subtree(tree, self.curve, path_worth(tree.parents, q))
+        worth = path_worth(tree.parents, q)
+        valued = DraftTree(tree.tokens, tree.parents, tree.sources, worth.astype(np.float32))
+        return best_subtree(valued, self.curve, worth)
 
     def observe_topk(self, verified: VerifiedTopk) -> None:
         """Passed on to the wrapped drafter, if it takes the target's top-k."""

@@ -2,8 +2,8 @@
 :mod:`decoder_client.chain_model`), and the per-request draft models of an engine that batches.
 
 :func:`beside` is the step's choice, as every engine adapter makes it: the model's chain where
-its first token is at least as likely as the cache's, cut where a token is less likely than the
-engine's cut to be reached, as the cache's chains are. Its tokens carry no claims: the model's
+more of it is expected to be accepted than of the cache's, cut where a token is less likely than
+the engine's cut to be reached, as the cache's chains are. Its tokens carry no claims: the model's
 probabilities are its own, and the outcomes that correct the cache's claims
 (:class:`~decoder_client.engines.outcomes.ChainOutcomes`) must not learn from them.
 
@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from decoder_client.chain_model import ChainModel, ChainSource, extend_many, first_many, model_goes
+from decoder_client.chain_model import ChainModel, ChainSource, NextToken, extend_many, first_many, model_goes
 from decoder_client.engines.step_cost import cut
 
 
@@ -47,8 +47,9 @@ def beside(
 ) -> Proposal:
     """The cache's chain (``chain``, ``claims``, ``scores``, as
     :func:`~decoder_client.engines.step_cost.chain_to_propose` gives them) or the model's after
-    ``context``, whichever's first token is likelier; the model's is at most ``max_len`` tokens,
-    cut at ``min_prob``. The model reads ``context`` either way (its cache follows the request).
+    ``context``, whichever is expected to have more tokens accepted; the model's is at most
+    ``max_len`` tokens, cut at ``min_prob`` (its tokens by the model's record). The model reads
+    ``context`` either way (its cache follows the request).
 
     >>> from decoder_client.chain_model import NextToken
     >>> class Sure:  # a model sure of 7, 8, then less so
@@ -59,18 +60,20 @@ def beside(
     >>> p = beside(Sure(), np.array([1, 2]), *ours, max_len=4, min_prob=0.1)
     >>> p.chain.tolist(), p.claims.size, p.model
     ([7, 8, 9], 0, True)
-    >>> beside(Sure(), np.array([1, 2]), np.array([3]), np.array([0.95]), np.array([0.95]), 4, 0.1).model
+    >>> longer = np.array([3, 4, 5, 6]), np.full(4, 0.9), np.array([0.95, 0.9, 0.85, 0.8])  # 3.5 expected
+    >>> beside(Sure(), np.array([1, 2]), *longer, 4, 0.1).model  # against the model's 3.1
     False
     """
     ours = Proposal(chain, claims, scores, False)
-    if not model_goes(model.first(context), _first_chance(ours)):
+    if not _model_goes(model.first(context), ours, max_len, min_prob):
         return ours
     return _model_proposal(ours, *model.extend(min_prob), max_len, min_prob)
 
 
-def _first_chance(ours: Proposal) -> float:
-    """The cache's chance for its chain's first token (0 where it has none)."""
-    return float(ours.scores[0]) if ours.chain.size else 0.0
+def _model_goes(nxt: NextToken | None, ours: Proposal, max_len: int, min_prob: float) -> bool:
+    """The rule for one request: the model's chain of at most ``max_len``, cut at ``min_prob``,
+    against the cache's chain (each token's chance of being reached adds to what is expected)."""
+    return model_goes(nxt, float(np.minimum(ours.scores, 1.0).sum()), max_len, at_least=min_prob)
 
 
 def _model_proposal(ours: Proposal, tokens: np.ndarray, probs: np.ndarray, max_len: int, min_prob: float) -> Proposal:
@@ -117,12 +120,14 @@ class ModelRows:
         min_prob: float,
     ) -> list[Proposal]:
         """:func:`beside` for a batch: each request's proposal (``ours``: the cache's chain,
-        claims and chances), the model's chain where it holds a model and its first token is
-        likelier. The models read every context and chain of the batch together."""
+        claims and chances), the model's chain where it holds a model and more of its chain is
+        expected to be accepted. The models read every context and chain of the batch together."""
         held = [(i, m) for i, r in enumerate(requests) if (m := self.get(r)) is not None]
         nexts = first_many([m for _, m in held], [contexts[i] for i, _ in held])
         self.reads += 1 if held else 0
-        going = [(i, m) for (i, m), nxt in zip(held, nexts, strict=True) if model_goes(nxt, _first_chance(ours[i]))]
+        going = [
+            (i, m) for (i, m), nxt in zip(held, nexts, strict=True) if _model_goes(nxt, ours[i], max_lens[i], min_prob)
+        ]
         chains = extend_many([m for _, m in going], min_prob)
         self.reads += max((t.size - 1 for t, _ in chains), default=0)
         out = list(ours)

@@ -240,7 +240,7 @@ class DraftcacheDraftModel(LlamaDraftModel):
         namespace of another tokenizer of the same size refuses this model ("": not stated).
         ``chain_model``: a small model drafting beside the cache
         (:class:`~decoder_client.engines.llamacpp_chains.LlamaChainModel`): each step proposes
-        its chain unless the cache's first token is likelier."""
+        its chain unless more of the cache's is expected to be accepted."""
         settings_ = EngineSettings(target=target, namespace=namespace, **settings)
         return cls.from_settings(settings_, num_pred_tokens, vocab_size, tokenizer=tokenizer, chain_model=chain_model)
 

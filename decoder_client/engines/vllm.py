@@ -54,8 +54,8 @@ not pay for the step's own extra cost, both measured from the engine's step time
 step, on a GPU at batch 1 almost nothing.
 
 Beside a draft model. With ``draft_model`` (a Hugging Face folder whose tokenizer is the
-target's), a request's chain is a small model's greedy one wherever the model's first token is
-likelier than the cache's (:mod:`decoder_client.engines.beside`; the rule and why in
+target's), a request's chain is a small model's greedy one wherever more of it is expected to
+be accepted than of the cache's (:mod:`decoder_client.engines.beside`; the rule and why in
 :mod:`decoder_client.chain_model`). The model runs in this worker on the target's device and in
 its dtype, in the engine's thread, each request with its own KV cache. The batch reads
 together: every step costs one forward over all rows' new tokens (a prompt is read alone), and

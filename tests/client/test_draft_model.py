@@ -1,9 +1,10 @@
 """A draft model beside the cache in the reference decoder: its chains equal the model's own
-greedy generation however the context moves, the likelier first token wins each step, output
-stays greedy's, and the cache being empty or down leaves the model drafting."""
+greedy generation however the context moves, the draft expected to give more wins each step,
+output stays greedy's, and the cache being empty or down leaves the model drafting."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from benchmarks.generate import InProcessDrafter, ServiceDrafter, run_generate
 from cache_service.host.embedded_redis import free_port
-from decoder_client.chain_model import BesideCache, first_token_chance
+from decoder_client.chain_model import BesideCache, expected_accepted
 from decoder_client.client import ClientConfig
 from decoder_client.draft_model import ModelDrafter
 from decoder_client.reference_decoder import ReferenceDecoder
@@ -155,25 +156,29 @@ def test_a_context_past_the_models_positions_leaves_the_cache_drafting() -> None
     assert beside.model_steps == 0
 
 
-def test_the_likelier_first_token_wins() -> None:
+def test_the_draft_expected_to_give_more_wins() -> None:
     model = _llama(0)
     context = _ids([5, 9, 17, 33, 65])
     nxt = ModelDrafter(model, 4).first(context)
     assert nxt is not None and 0 < nxt.prob < 0.5
-    # The cache's chain when its first token is likelier than the model's own guess ...
-    likelier = BesideCache(_fixed([1, 2, 3], 2 * nxt.prob), ModelDrafter(model, 4))
+    # Nothing seen yet: the model's chain of 4 is expected to give its probability's geometric
+    # run; the fixed cache's chain of 3 gives 2.25 times its first token's chance.
+    theirs = nxt.expected(4)
+    assert theirs == pytest.approx(sum(nxt.prob ** (d + 1) for d in range(4)))
+    # The cache's chain when more of it is expected to be accepted ...
+    likelier = BesideCache(_fixed([1, 2, 3], 1.2 * theirs / 2.25), ModelDrafter(model, 4))
     assert likelier(context).tokens.tolist() == [1, 2, 3]
     assert (likelier.model_steps, likelier.model.forwards) == (0, 1)  # no chain was drafted
     # ... the model's otherwise, scored by the product of its own probabilities.
-    less = BesideCache(_fixed([1, 2, 3], nxt.prob / 2), ModelDrafter(model, 4))
+    less = BesideCache(_fixed([1, 2, 3], 0.8 * theirs / 2.25), ModelDrafter(model, 4))
     tree = less(context)
     assert tree.tokens.tolist() == greedy_continuation(model, context.tolist(), 4)
     assert tree.parents.tolist() == [-1, 0, 1, 2]
     assert tree.scores[0] == pytest.approx(nxt.prob) and bool(np.all(np.diff(tree.scores) <= 0))
     assert less.model_steps == 1
-    # A tree's roots are guesses at the same position: their chances add up.
+    # Each node of a tree is reached with its own chance: they add up.
     roots = DraftTree(_ids([1, 2, 3]), _ids([-1, -1, 0]), np.zeros(3, np.uint8), np.array([0.3, 0.2, 0.1], np.float32))
-    assert first_token_chance(roots) == pytest.approx(0.5)
+    assert expected_accepted(roots) == pytest.approx(0.6)
 
 
 def test_decoding_with_the_target_as_its_own_draft_accepts_every_chain() -> None:
@@ -205,8 +210,71 @@ def test_a_model_right_more_often_than_it_says_takes_over_from_a_surer_cache() -
     assert tokens == greedy_continuation(target, prompt, 80)
     assert 0 < beside.model_steps < stats.steps  # the cache's at first, then the model's
     assert stats.accepted[:3] == [0, 0, 0] and stats.accepted[-4:-1] == [4, 4, 4]
-    # Every step's first token was right; the last step's truth is never seen.
+    # Every step's first token was right; the last step's truth is never seen. Past a right
+    # first token, each proposed chain's other 3 were right too.
     assert drafter.record.seen.sum() == stats.steps - 1 == drafter.record.right.sum()
+    assert drafter.record.onward_seen.sum() == 3 * (beside.model_steps - 1) == drafter.record.onward_right.sum()
+
+
+def test_a_cache_right_more_often_than_its_chances_say_takes_over_from_the_model() -> None:
+    # The cache drafts the target's own next 3 tokens but claims 0.1% for each; a random model
+    # beside it is surer and rarely right. Its chains go first, and every step the target's
+    # tokens show how far the cache's draft would have gone: its record soon says what such a
+    # draft is worth, and the cache's drafts go.
+    target, other = _llama(0), _llama(1)
+    prompt = [int(t) for t in np.random.default_rng(2).integers(0, VOCAB, 12)]
+    truth = prompt + greedy_continuation(target, prompt, 60)
+
+    beside = BesideCache(_knowing(truth, 3, 1e-3), ModelDrafter(other, 4))
+    tokens, stats = ReferenceDecoder(target).generate(prompt, 40, drafter=beside)
+    assert tokens == truth[len(prompt) : len(prompt) + 40]
+    assert 0 < beside.model_steps < 4 and stats.accepted[-4:-1] == [3, 3, 3]
+    assert beside.record.worth(3e-3) > 1.5  # claimed 0.003, worth nearly 3 (8 drafts of pull at the claim)
+
+
+class _SlowDrafter(ModelDrafter):
+    """A model whose every forward takes 30 ms more: its reads, not verification, are dear."""
+
+    @classmethod
+    def _feed_many(cls, models: Any, feeds: Any) -> list[np.ndarray]:
+        time.sleep(0.03)
+        return super()._feed_many(models, feeds)
+
+
+def _knowing(truth: list[int], n: int, claim: float) -> Callable[[np.ndarray], DraftTree]:
+    """A cache that drafts the target's own next ``n`` tokens, claiming ``claim`` for each."""
+
+    def draft(context: np.ndarray) -> DraftTree:
+        nxt = _ids(truth[context.size : context.size + n])
+        parents = np.arange(-1, nxt.size - 1, dtype=np.int32)
+        return DraftTree(nxt, parents, np.zeros(nxt.size, np.uint8), np.full(nxt.size, claim, np.float32))
+
+    return draft
+
+
+@pytest.mark.parametrize("dear", ["verifying", "reading"])
+def test_where_the_step_cost_is_known_the_draft_that_brings_more_a_second_goes(dear: str) -> None:
+    # The target drafts for itself, chains of 4 always right; the cache drafts its next token,
+    # always right too. Where verifying is dear, the model's reads are nothing beside it, and its
+    # longer chains go once its record says they are right. Where the model's reads are dear (30
+    # ms a forward, verifying next to nothing), its chain costs 3 reads past its first, and the
+    # step after the cache's draft 1 read of 2 tokens: the cache's drafts go once the model's
+    # reads have been timed, and the model does not even read the steps where its chain could
+    # not pay.
+    target = _llama(0)
+    prompt = [int(t) for t in np.random.default_rng(2).integers(0, VOCAB, 12)]
+    truth = prompt + greedy_continuation(target, prompt, 80)
+    drafter = ModelDrafter(target, 4) if dear == "verifying" else _SlowDrafter(target, 4)
+    verify = (lambda n: 10.0 + n) if dear == "verifying" else (lambda n: 1e-6 * (1 + n))
+    beside = BesideCache(_knowing(truth, 1, 0.7), drafter, verify)
+    tokens, stats = ReferenceDecoder(target).generate(prompt, 80, drafter=beside)
+    assert tokens == truth[len(prompt) : len(prompt) + 80]
+    assert drafter.read_seconds is not None and drafter.read_seconds > 0
+    if dear == "verifying":
+        assert beside.model_steps >= 3 and beside.skipped == 0 and stats.accepted[-4:-1] == [4, 4, 4]
+    else:
+        assert beside.model_steps <= 2 and stats.accepted[-4:-1] == [1, 1, 1] and beside.skipped > 5
+    assert drafter.forwards == stats.steps - beside.skipped + 3 * beside.model_steps
 
 
 def test_a_different_draft_model_beside_the_real_cache_is_lossless() -> None:
