@@ -174,10 +174,11 @@ class ModelRecord:
 class DraftRecord:
     """How many of the cache's draft tokens the target accepted against how many its chances
     said, by bands of the expected count: each band's ratio of the two sums, pulled toward 1 by
-    :data:`PULL` drafts' worth at the claim in question. A draft's chances are calibrated for drafts in general, not for
-    this target beside this model; the record tells what they are worth here. Every step counts,
-    whoever's draft was verified: the target's tokens show how far the cache's draft would have
-    gone, unless it would have gone past them (then it is not counted).
+    :data:`PULL` drafts' worth at the claim in question. A draft's chances are calibrated for
+    drafts in general, not for this target beside this model; the record tells what they are
+    worth here. Every step counts, whoever's draft was verified: the target's tokens show how far
+    the cache's draft would have gone (:class:`BesideCache` holds a draft that would go past them
+    until later steps tell).
 
     >>> record = DraftRecord()
     >>> record.worth(3.0)  # nothing seen: as claimed
