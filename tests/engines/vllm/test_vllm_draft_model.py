@@ -1,7 +1,7 @@
 """draftcache beside a draft model inside real vLLM: the proposer runs a small model in vLLM's
 worker (here SmolLM2 drafting for itself, the only model this project installs: the mechanics,
-not the gain), its chains go where its first token is likelier than the cache's, vLLM's outputs
-stay plain greedy's, and every request is still committed to the service."""
+not the gain), its chains go where more of them is expected to be accepted than of the cache's,
+vLLM's outputs stay plain greedy's, and every request is still committed to the service."""
 
 from __future__ import annotations
 
