@@ -59,7 +59,13 @@ def expected_accepted(tree: DraftTree) -> float:
     >>> expected_accepted(DraftTree.empty())
     0.0
     """
-    return float(np.minimum(tree.scores.astype(np.float64), 1.0).sum()) if len(tree) else 0.0
+    return expected_tokens(tree.scores)
+
+
+def expected_tokens(reaches: np.ndarray) -> float:
+    """How many of a draft's tokens are expected to be accepted, given each one's chance of
+    being reached (a chance above 1 counts as 1)."""
+    return float(np.minimum(reaches.astype(np.float64), 1.0).sum())
 
 
 @dataclass(frozen=True)
@@ -79,21 +85,14 @@ class NextToken:
         """The chance that the model's first token is the target's."""
         return self.prob if self.chance is None else self.chance
 
-    def expected(self, n: int, at_least: float = 0.0) -> float:
-        """How many tokens of the model's chain of ``n`` the target is expected to accept: each
-        one is reached with the first token's chance times the onward chance for each token
-        before it; the tokens less likely than ``at_least`` to be reached are not proposed.
-
-        >>> round(NextToken(5, 0.5, chance=0.8, onward=0.5).expected(3), 3)  # 0.8 + 0.4 + 0.2
-        1.4
-        >>> round(NextToken(5, 0.5, chance=0.8, onward=0.5).expected(3, at_least=0.3), 3)
-        1.2
-        """
-        reach = self.reaches(n)
-        return float(reach[reach >= at_least].sum())
-
     def reaches(self, n: int) -> np.ndarray:
-        """Each token's chance of being reached, in a chain of ``n`` from this one."""
+        """Each token's chance of being reached, in a chain of ``n`` from this one: the first
+        token's chance times the onward chance for each token before it. Their sum is how many
+        the target is expected to accept.
+
+        >>> NextToken(5, 0.5, chance=0.8, onward=0.5).reaches(3).round(3).tolist()
+        [0.8, 0.4, 0.2]
+        """
         q = self.prob if self.onward is None else self.onward
         return self.likely * q ** np.arange(n)
 
@@ -434,9 +433,10 @@ def first_many(models: Sequence[ChainModel], contexts: Sequence[np.ndarray]) -> 
     out: list[NextToken | None] = [None] * len(models)
     start = time.perf_counter()
     probs = read_many([models[i] for i in fit], reads)
-    fed = sum(int(f.size) for f in reads)
+    seconds, fed = time.perf_counter() - start, sum(int(f.size) for f in reads)
     if fit and fed <= CATCH_UP * len(fit):  # a step's tokens, not a prompt
-        _timed_catch_up([models[i] for i in fit], (time.perf_counter() - start) / fed)
+        for i in fit:
+            models[i].catch_up_seconds = _averaged(models[i].catch_up_seconds, seconds / fed)
     for i, p in zip(fit, probs, strict=True):
         token = int(np.argmax(p))
         m, prob = models[i], float(p[token])
@@ -461,7 +461,9 @@ def extend_many(models: Sequence[ChainModel], min_prob: float = 0.0) -> list[tup
     while going:
         start = time.perf_counter()
         read = read_many([models[i] for i in going], [np.array(tokens[i][-1:], dtype=np.int32) for i in going])
-        _timed([models[i] for i in going], time.perf_counter() - start)
+        seconds = time.perf_counter() - start  # a read of one token each
+        for i in going:
+            models[i].read_seconds = _averaged(models[i].read_seconds, seconds)
         for i, p in zip(going, read, strict=True):
             m = models[i]
             m._held = np.append(m._held, np.int32(tokens[i][-1]))
@@ -477,16 +479,9 @@ def extend_many(models: Sequence[ChainModel], min_prob: float = 0.0) -> list[tup
     return out
 
 
-def _timed_catch_up(models: Sequence[ChainModel], seconds: float) -> None:
-    """Count ``seconds`` a token of a step's first read into each model's moving average."""
-    for m in models:
-        m.catch_up_seconds = seconds if m.catch_up_seconds is None else 0.9 * m.catch_up_seconds + 0.1 * seconds
-
-
-def _timed(models: Sequence[ChainModel], seconds: float) -> None:
-    """Count ``seconds`` of one read of a token each into each model's moving average."""
-    for m in models:
-        m.read_seconds = seconds if m.read_seconds is None else 0.9 * m.read_seconds + 0.1 * seconds
+def _averaged(average: float | None, seconds: float) -> float:
+    """A moving average of read times, ``seconds`` counted in."""
+    return seconds if average is None else 0.9 * average + 0.1 * seconds
 
 
 def model_chain(tokens: np.ndarray, probs: np.ndarray) -> DraftTree:
@@ -554,18 +549,19 @@ class BesideCache:
             )
             if not model_could_pay(worth, len(ours), self.model.k, costs):
                 self.skipped += 1
-                self._last = (ours, "cache", int(context.size))
-                return ours
+                return self._proposed(ours, "cache", context)
         nxt = self.model.first(context)
         if not model_goes(nxt, worth, self.model.k, cache_tokens=len(ours), costs=costs):
-            self._last = (ours, "cache", int(context.size))
-            return ours
+            return self._proposed(ours, "cache", context)
         tree = model_chain(*self.model.extend())
         if len(tree) == 0:  # the model gave no chain after all
-            self._last = (ours, "cache", int(context.size))
-            return ours
+            return self._proposed(ours, "cache", context)
         self.model_steps += 1
-        self._last = (tree, "model", int(context.size))
+        return self._proposed(tree, "model", context)
+
+    def _proposed(self, tree: DraftTree, whose: str, context: np.ndarray) -> DraftTree:
+        """``tree``, remembered as this step's draft (``whose``) until the next context shows its outcome."""
+        self._last = (tree, whose, int(context.size))
         return tree
 
     def _count(self, context: np.ndarray) -> None:

@@ -22,7 +22,15 @@ from typing import NamedTuple
 
 import numpy as np
 
-from decoder_client.chain_model import ChainModel, ChainSource, NextToken, extend_many, first_many, model_goes
+from decoder_client.chain_model import (
+    ChainModel,
+    ChainSource,
+    NextToken,
+    expected_tokens,
+    extend_many,
+    first_many,
+    model_goes,
+)
 from decoder_client.engines.step_cost import cut
 
 
@@ -73,7 +81,7 @@ def beside(
 def _model_goes(nxt: NextToken | None, ours: Proposal, max_len: int, min_prob: float) -> bool:
     """The rule for one request: the model's chain of at most ``max_len``, cut at ``min_prob``,
     against the cache's chain (each token's chance of being reached adds to what is expected)."""
-    return model_goes(nxt, float(np.minimum(ours.scores, 1.0).sum()), max_len, at_least=min_prob)
+    return model_goes(nxt, expected_tokens(ours.scores), max_len, at_least=min_prob)
 
 
 def _model_proposal(ours: Proposal, tokens: np.ndarray, probs: np.ndarray, max_len: int, min_prob: float) -> Proposal:

@@ -163,7 +163,7 @@ def test_the_draft_expected_to_give_more_wins() -> None:
     assert nxt is not None and 0 < nxt.prob < 0.5
     # Nothing seen yet: the model's chain of 4 is expected to give its probability's geometric
     # run; the fixed cache's chain of 3 gives 2.25 times its first token's chance.
-    theirs = nxt.expected(4)
+    theirs = float(nxt.reaches(4).sum())
     assert theirs == pytest.approx(sum(nxt.prob ** (d + 1) for d in range(4)))
     # The cache's chain when more of it is expected to be accepted ...
     likelier = BesideCache(_fixed([1, 2, 3], 1.2 * theirs / 2.25), ModelDrafter(model, 4))
