@@ -7,6 +7,17 @@ the engine's cut to be reached, as the cache's chains are. Its tokens carry no c
 probabilities are its own, and the outcomes that correct the cache's claims
 (:class:`~decoder_client.engines.outcomes.ChainOutcomes`) must not learn from them.
 
+Once the engine's step cost is measured (:class:`~decoder_client.engines.step_cost.StepCost`),
+each draft is weighed net of what it costs, in tokens' worth as the engine's cut weighs them
+(seconds over the time a produced token takes): the cache's, its verification and the model's
+later read of every token the step produces; the model's, its verification and its reads as its
+chain extends (:class:`ReadPrices`). Where even a chain of the model's right throughout could not
+beat the cache's draft, the model reads nothing that step: it catches up when next asked. A draft
+model as slow as its target then costs the engine nothing but the steps it pays for. The
+proposer's time in the model's reads is its own, not the engine's: the adapters take it out of
+the step they record (:meth:`ModelRows.spent`), or the cut would charge it to every proposed
+token.
+
 :class:`ModelRows` keeps one :class:`~decoder_client.chain_model.ChainModel` per request of a
 batch: each holds its own KV cache along its request, so a step reads only the request's new
 tokens, and :meth:`ModelRows.beside` reads the whole batch's together (one forward per depth
@@ -17,6 +28,7 @@ draft beside the model at once; the others draft from the cache alone until one 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import NamedTuple
 
@@ -31,7 +43,7 @@ from decoder_client.chain_model import (
     first_many,
     model_goes,
 )
-from decoder_client.engines.step_cost import cut
+from decoder_client.engines.step_cost import StepCost, cut
 
 
 class Proposal(NamedTuple):
@@ -52,12 +64,14 @@ def beside(
     scores: np.ndarray,
     max_len: int,
     min_prob: float,
+    cost: StepCost | None = None,
 ) -> Proposal:
     """The cache's chain (``chain``, ``claims``, ``scores``, as
     :func:`~decoder_client.engines.step_cost.chain_to_propose` gives them) or the model's after
-    ``context``, whichever is expected to have more tokens accepted; the model's is at most
-    ``max_len`` tokens, cut at ``min_prob`` (its tokens by the model's record). The model reads
-    ``context`` either way (its cache follows the request).
+    ``context``, whichever is expected to have more tokens accepted (given the engine's measured
+    ``cost``, net of what each costs); the model's is at most ``max_len`` tokens, cut at
+    ``min_prob`` (its tokens by the model's record). The model reads ``context`` unless its chain
+    could not pay (its cache follows the request).
 
     >>> from decoder_client.chain_model import NextToken
     >>> class Sure:  # a model sure of 7, 8, then less so
@@ -71,17 +85,97 @@ def beside(
     >>> longer = np.array([3, 4, 5, 6]), np.full(4, 0.9), np.array([0.95, 0.9, 0.85, 0.8])  # 3.5 expected
     >>> beside(Sure(), np.array([1, 2]), *longer, 4, 0.1).model  # against the model's 3.1
     False
+    >>> cost = StepCost(prior=0.3)
+    >>> for i in range(64):  # the engine's steps measured: 20 ms, and 2 ms a proposed token
+    ...     cost.record(0.020 + 0.002 * (i % 5), i % 5, rows=1, produced=1)
+    >>> class Slow(Sure):  # as sure, but a read of one token takes as long as the target's step
+    ...     read_seconds, catch_up_seconds = 0.024, 0.008
+    ...     def first(self, context): raise AssertionError("read")
+    >>> good = np.array([3, 4, 5]), np.zeros(3), np.array([0.9, 0.6, 0.5])  # 2.0 expected
+    >>> beside(Slow(), np.array([1, 2]), *good, max_len=4, min_prob=0.1, cost=cost).model  # not even read
+    False
+    >>> beside(Sure(), np.array([1, 2]), *good, max_len=4, min_prob=0.1, cost=cost).model  # reads for free
+    True
     """
     ours = Proposal(chain, claims, scores, False)
-    if not _model_goes(model.first(context), ours, max_len, min_prob):
+    prices = ReadPrices.of(model, cost)
+    if prices is not None and not prices.could_pay(ours, max_len):
+        return ours
+    if not _model_goes(model.first(context), ours, max_len, min_prob, prices):
         return ours
     return _model_proposal(ours, *model.extend(min_prob), max_len, min_prob)
 
 
-def _model_goes(nxt: NextToken | None, ours: Proposal, max_len: int, min_prob: float) -> bool:
+class ReadPrices(NamedTuple):
+    """A draft's worth net of its cost, in tokens' worth (seconds over the time a produced token
+    takes, :attr:`StepCost.token_s`): the engine's measured ``cost`` of verifying its tokens, a
+    model's read of one token as its chain extends (``read``, seconds) and a token of its first
+    read of a step (``catch_up``: the tokens the last step produced, which it has not read).
+
+    >>> cost = StepCost(prior=0.3)
+    >>> for i in range(64):  # 20 ms a step, 2 ms per proposed token, one token a step
+    ...     cost.record(0.020 + 0.002 * (i % 5), i % 5, rows=1, produced=1)
+    >>> slow = ReadPrices(cost, read=0.024, catch_up=0.012)  # a model as slow as the target's step
+    >>> round(slow.cache(0.8, 2), 2)  # 0.8 expected less 2 tokens' 0.17 and 1.8 tokens read, 0.9
+    -0.27
+    >>> round(slow.model(np.full(8, 0.9)), 2)  # 7.2 less 8 tokens' 0.67 and 7.5 tokens' worth of reads
+    -0.99
+    >>> ours = Proposal(np.arange(3), np.zeros(3), np.array([0.9, 0.6, 0.5]), False)  # 2.0 expected
+    >>> slow.could_pay(ours, 8)  # 2.0 less 0.25 and 1.5 against 8 less 0.67 and 7.5
+    False
+    >>> ReadPrices(cost, read=0.002, catch_up=0.001).could_pay(ours, 8)  # a model a tenth as dear
+    True
+    """
+
+    cost: StepCost
+    read: float
+    catch_up: float
+
+    @classmethod
+    def of(cls, model: ChainSource, cost: StepCost | None) -> ReadPrices | None:
+        """The prices for ``model`` where ``cost`` is measured; ``None`` before (the rule then
+        weighs expected tokens alone). A model not yet timed extending a chain is priced at a
+        token of its first read (a read of one token costs at least that)."""
+        if cost is None or not cost.measured or cost.token_s <= 0:
+            return None
+        catch_up = getattr(model, "catch_up_seconds", None) or 0.0
+        read = getattr(model, "read_seconds", None) or catch_up
+        return cls(cost, read, catch_up)
+
+    def _net(self, expected: float, n: int, seconds: float) -> float:
+        return expected - float(self.cost.costs(n)[n]) - seconds / self.cost.token_s
+
+    def cache(self, expected: float, n: int) -> float:
+        """The cache's draft of ``n`` tokens, ``expected`` of them accepted: its verification,
+        and the model's read of what the step produces."""
+        return self._net(expected, n, (1.0 + expected) * self.catch_up)
+
+    def model(self, reaches: np.ndarray) -> float:
+        """The model's chain, each token's chance of being reached: its verification, its reads
+        past the first token and its read of the step's last token."""
+        n = int(reaches.size)
+        return self._net(float(reaches.sum()), n, max(0, n - 1) * self.read + self.catch_up)
+
+    def could_pay(self, ours: Proposal, max_len: int) -> bool:
+        """Whether the model's chain of ``max_len``, were it right throughout, would be worth
+        more than the cache's draft ``ours``."""
+        return self.model(np.ones(max_len)) > self.cache(expected_tokens(ours.scores), int(ours.chain.size))
+
+
+def _model_goes(
+    nxt: NextToken | None, ours: Proposal, max_len: int, min_prob: float, prices: ReadPrices | None = None
+) -> bool:
     """The rule for one request: the model's chain of at most ``max_len``, cut at ``min_prob``,
-    against the cache's chain (each token's chance of being reached adds to what is expected)."""
-    return model_goes(nxt, expected_tokens(ours.scores), max_len, at_least=min_prob)
+    against the cache's chain (each token's chance of being reached adds to what is expected);
+    with ``prices``, each net of its cost."""
+    expected = expected_tokens(ours.scores)
+    if prices is None:
+        return model_goes(nxt, expected, max_len, at_least=min_prob)
+    if nxt is None:
+        return False
+    reach = nxt.reaches(max_len)
+    reach = reach[reach >= min_prob]
+    return bool(reach.size) and prices.model(reach) >= prices.cache(expected, int(ours.chain.size))
 
 
 def _model_proposal(ours: Proposal, tokens: np.ndarray, probs: np.ndarray, max_len: int, min_prob: float) -> Proposal:
@@ -118,6 +212,8 @@ class ModelRows:
         self._free: list[ChainModel] = []
         self._made: list[ChainModel] = []
         self.reads = 0  # reads of the batch: one for the step's contexts, one per depth of its chains
+        self.skipped = 0  # rows held a model but did not read: its chain could not have paid
+        self._seconds = 0.0  # the models' reads since spent() last took them
 
     def beside(
         self,
@@ -126,22 +222,43 @@ class ModelRows:
         ours: Sequence[Proposal],
         max_lens: Sequence[int],
         min_prob: float,
+        cost: StepCost | None = None,
     ) -> list[Proposal]:
         """:func:`beside` for a batch: each request's proposal (``ours``: the cache's chain,
         claims and chances), the model's chain where it holds a model and more of its chain is
-        expected to be accepted. The models read every context and chain of the batch together."""
-        held = [(i, m) for i, r in enumerate(requests) if (m := self.get(r)) is not None]
-        nexts = first_many([m for _, m in held], [contexts[i] for i, _ in held])
+        expected to be accepted (net of its cost, once ``cost`` is measured). The models read
+        every context and chain of the batch together, but for the rows whose chain could not
+        pay. A batch's read is priced to each row in it: the rule errs toward the cache."""
+        start = time.perf_counter()
+        held = []
+        for i, r in enumerate(requests):
+            if (m := self.get(r)) is None:
+                continue
+            prices = ReadPrices.of(m, cost)
+            if prices is not None and not prices.could_pay(ours[i], max_lens[i]):
+                self.skipped += 1
+            else:
+                held.append((i, m, prices))
+        nexts = first_many([m for _, m, _ in held], [contexts[i] for i, _, _ in held])
         self.reads += 1 if held else 0
         going = [
-            (i, m) for (i, m), nxt in zip(held, nexts, strict=True) if _model_goes(nxt, ours[i], max_lens[i], min_prob)
+            (i, m)
+            for (i, m, prices), nxt in zip(held, nexts, strict=True)
+            if _model_goes(nxt, ours[i], max_lens[i], min_prob, prices)
         ]
         chains = extend_many([m for _, m in going], min_prob)
         self.reads += max((t.size - 1 for t, _ in chains), default=0)
+        self._seconds += time.perf_counter() - start
         out = list(ours)
         for (i, _), (tokens, probs) in zip(going, chains, strict=True):
             out[i] = _model_proposal(ours[i], tokens, probs, max_lens[i], min_prob)
         return out
+
+    def spent(self) -> float:
+        """Seconds the models read for since the last call of this: the proposer's time in a
+        step, which the engine's step cost must not count."""
+        seconds, self._seconds = self._seconds, 0.0
+        return seconds
 
     def get(self, request: Hashable) -> ChainModel | None:
         """``request``'s model: the one it holds, else a free one, else a new one while fewer

@@ -217,6 +217,7 @@ class DraftcacheDraftModel(LlamaDraftModel):
         self.recalibrate = recalibrate
         self.chain_model = chain_model  # a small model drafting beside the cache (decoder_client.chain_model)
         self._model_draft = False  # whether the last proposal was the model's
+        self._model_seconds = 0.0  # the model's part of the last call (its reads)
 
     @classmethod
     def connect(
@@ -279,7 +280,9 @@ class DraftcacheDraftModel(LlamaDraftModel):
             # before it) evaluated its prompt and is not a step of the cost line.
             proposed = 0 if last_draft is None else last_draft.size
             counted = session is not None and last_draft is not None
-            self.cost.record(interval, proposed, rows=1, produced=new.size, counted=counted)
+            # The draft model's reads are the proposer's time, priced by the beside rule itself.
+            engine_s = interval - self._model_seconds
+            self.cost.record(engine_s, proposed, rows=1, produced=new.size, counted=counted)
         verified = last_draft if session is not None else None  # the draft this step verified
         if session is None:  # a new generation: its prompt is all but the token just sampled
             session, new = self.begin(ids[:-1]), ids[-1:]
@@ -294,11 +297,13 @@ class DraftcacheDraftModel(LlamaDraftModel):
         min_prob = 0.0 if self.cost is None else self.cost.ask_prob
         chances = self.outcomes.chances if self.recalibrate else None
         chain, claims, scores = chain_to_propose(tree, self.num_pred_tokens, min_prob, chances)
-        self._model_draft = False
+        self._model_draft, self._model_seconds = False, 0.0
         if self.chain_model is not None:
+            reading = time.perf_counter()
             chain, claims, scores, self._model_draft = beside(
-                self.chain_model, ids, chain, claims, scores, self.num_pred_tokens, min_prob
+                self.chain_model, ids, chain, claims, scores, self.num_pred_tokens, min_prob, self.cost
             )
+            self._model_seconds = time.perf_counter() - reading
         if self.cost is not None:  # what the step pays for, its own cost included (none where nothing pays)
             (n,) = self.cost.keep([scores])
             chain, claims = chain[:n], claims[:n]

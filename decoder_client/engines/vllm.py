@@ -55,11 +55,14 @@ step, on a GPU at batch 1 almost nothing.
 
 Beside a draft model. With ``draft_model`` (a Hugging Face folder whose tokenizer is the
 target's), a request's chain is a small model's greedy one wherever more of it is expected to
-be accepted than of the cache's (:mod:`decoder_client.engines.beside`; the rule and why in
-:mod:`decoder_client.chain_model`). The model runs in this worker on the target's device and in
-its dtype, in the engine's thread, each request with its own KV cache. The batch reads
+be accepted than of the cache's, once the step's cost is measured net of what each costs: the
+engine's verification and the model's reads (:mod:`decoder_client.engines.beside`; the rule and
+why in :mod:`decoder_client.chain_model`). The model runs in this worker on the target's device
+and in its dtype, in the engine's thread, each request with its own KV cache. The batch reads
 together: every step costs one forward over all rows' new tokens (a prompt is read alone), and
-one more per depth of the chains that go, at most ``K - 1``. At most ``draft_model_rows``
+one more per depth of the chains that go, at most ``K - 1``; a row whose model's chain could not
+pay even if right throughout is not read that step (``model_skipped``). The models' reads are the
+proposer's time: the step the cost line records is the interval less them. At most ``draft_model_rows``
 requests hold a model at once; the rest draft from the cache alone. The model's chains are
 counted apart (``model_*`` in the stats) and stay out of the outcomes that correct the cache's
 claims. With the service down, they still go.
@@ -223,7 +226,7 @@ class DraftcacheProposer:
             # prefilling, or one that just started) is not a step of the cost line.
             prefill = bool(fresh) or any(not len(s) and int(lengths[i]) > 0 for i, s in enumerate(sampled))
             self._cost.record(
-                interval,
+                interval - (0.0 if self._models is None else self._models.spent()),  # the engine's part
                 sum(n for _, n, _ in verified),
                 rows=max(1, len(live)),
                 produced=sum(produced.values()),
@@ -254,7 +257,7 @@ class DraftcacheProposer:
         if self._models is not None and chains:  # the models read every row either way: they follow the requests
             rows = [c[1] for c in chains]
             proposals = self._models.beside(
-                rows, [t.tokens for t in rows], [c[2] for c in chains], rooms, self._cost.ask_prob
+                rows, [t.tokens for t in rows], [c[2] for c in chains], rooms, self._cost.ask_prob, self._cost
             )
             chains = [(i, track, p) for (i, track, _), p in zip(chains, proposals, strict=True)]
         # keep() weighs the step as a whole: where no drafts pay for the step's cost, none go.
@@ -334,7 +337,8 @@ class DraftcacheProposer:
         """The draft model's part (none without one): the steps that proposed its chain, its
         tokens in them and how many were accepted, requests holding a model now, its
         per-request forward passes, the batch's reads (one per depth for all rows, where they
-        share a forward) and the tokens they read."""
+        share a forward), the rows that read nothing (the model's chain could not have paid)
+        and the tokens read."""
         if self._models is None:
             return {}
         return {
@@ -344,6 +348,7 @@ class DraftcacheProposer:
             "model_rows_live": self._models.live,
             "model_forwards": self._models.forwards,
             "model_reads": self._models.reads,
+            "model_skipped": self._models.skipped,
             "model_tokens_read": self._models.fed,
         }
 

@@ -52,9 +52,10 @@ class Engine:
     token), finished requests removed and the batch condensed (the last row moved into the
     hole) before the next step, as vLLM's input batch does."""
 
-    def __init__(self, proposer: DraftcacheProposer, rows: int = 8, token_s: float = 0.0) -> None:
+    def __init__(self, proposer: DraftcacheProposer, rows: int = 8, token_s: float = 0.0, step_s: float = 0.0) -> None:
         self.proposer = proposer
         self.token_s = token_s  # each step sleeps this long per drafted token it verifies
+        self.step_s = step_s  # ... and this long whatever it verifies (a target's forward)
         self.tokens = np.zeros((rows, WIDTH), dtype=np.int32)
         self.lengths = np.zeros(rows, dtype=np.int32)
         self.reqs: list[Request | None] = [None] * rows
@@ -70,8 +71,8 @@ class Engine:
         self.lengths[i] = len(req.prompt)
 
     def step(self) -> None:
-        if self.token_s:
-            time.sleep(self.token_s * sum(len(d) for d in self.drafts))
+        if self.token_s or self.step_s:
+            time.sleep(self.step_s + self.token_s * sum(len(d) for d in self.drafts))
         sampled: list[list[int]] = []
         self.verified += sum(len(d) for d, req in zip(self.drafts, self.reqs, strict=True) if req is not None)
         for i, req in enumerate(self.reqs):
@@ -547,6 +548,52 @@ def test_a_draft_model_drafts_beside_the_cache(running: Running, tmp_path: Path)
         assert stats["chains"]["proposed_tokens"] == engine.verified - stats["model_proposed"], stats
         eventually(lambda: namespace_info(running).requests == len(reqs), 10)
         eventually(lambda: proposer.stats()["model_rows_live"] == 0, 10)  # idle: every request ended
+    finally:
+        proposer.shutdown()
+
+
+def _fresh_workload(model: LlamaForCausalLM, seed: int) -> list[Request]:
+    """Five requests of random prompts, each answered by the model's greedy decoding: text the
+    service has not seen, so that the cache does not know the answers."""
+    rng = np.random.default_rng(seed)
+    prompts = [[int(t) for t in rng.integers(1, 128, 6)] for _ in range(5)]
+    return [Request(p, greedy_continuation(model, p, 24)) for p in prompts]
+
+
+@pytest.mark.parametrize("target", ["dear", "free"])
+def test_a_draft_models_chains_go_where_they_pay_for_their_reads(running: Running, tmp_path: Path, target: str) -> None:
+    # The same draft model (the target itself: its chains are right) beside an engine whose
+    # steps cost 60 ms (a target's forward: the model's reads, a millisecond or two, are cheap
+    # beside it) and beside one whose steps cost little but what each verified token does
+    # (2 ms), where a read of the model costs more than a token it could bring is worth. Once
+    # the step's cost is measured, the model's chains go in the first; in the second the model
+    # stops reading the rows at all: a chain right throughout could not pay for its reads.
+    model = _draft_model(tmp_path / "draft")
+    config = vllm_config(running.target, draft_model=str(tmp_path / "draft"), token_cost=-1.0)  # measured
+    proposer = proposer_for(running, config)
+    step_s = 0.06 if target == "dear" else 0.0
+    try:
+        seed = 0
+        while not proposer.stats()["cost_measured"] and seed < 12:
+            Engine(proposer, step_s=step_s, token_s=0.002).run(_fresh_workload(model, seed))
+            seed += 1
+        before = proposer.stats()
+        assert before["cost_measured"], before
+        reqs = _fresh_workload(model, seed)
+        engine = Engine(proposer, step_s=step_s, token_s=0.002)
+        engine.run(reqs)
+        assert [r.out for r in reqs] == [r.target for r in reqs]
+        stats = proposer.stats()
+        assert stats["errors"] == 0, stats
+        steps, skipped, forwards = (stats[k] - before[k] for k in ("model_steps", "model_skipped", "model_forwards"))
+        if target == "dear":
+            assert steps > 0 and skipped <= steps // 4, stats
+            assert engine.steps < sum(len(r.target) for r in reqs) / 2  # most steps took a whole chain
+        else:
+            assert steps == 0 and skipped > 0 and forwards <= skipped // 4, stats
+        # The line measures the engine's steps: the model's reads, which the rule prices
+        # itself, are the proposer's time and not in them.
+        assert stats["step_per_token_ms"] == pytest.approx(2, rel=0.25), stats
     finally:
         proposer.shutdown()
 
