@@ -7,7 +7,7 @@ the engine's cut to be reached, as the cache's chains are. Its tokens carry no c
 probabilities are its own, and the outcomes that correct the cache's claims
 (:class:`~decoder_client.engines.outcomes.ChainOutcomes`) must not learn from them.
 
-Once the engine's step cost is measured (:class:`~decoder_client.engines.step_cost.StepCost`),
+Once the engine's steps are timed (:class:`~decoder_client.engines.step_cost.StepCost`),
 each draft is weighed net of what it costs, in tokens' worth as the engine's cut weighs them
 (seconds over the time a produced token takes): the cache's, its verification and the model's
 later read of every token the step produces; the model's, its verification and its reads as its
@@ -133,10 +133,12 @@ class ReadPrices(NamedTuple):
 
     @classmethod
     def of(cls, model: ChainSource, cost: StepCost | None) -> ReadPrices | None:
-        """The prices for ``model`` where ``cost`` is measured; ``None`` before (the rule then
-        weighs expected tokens alone). A model not yet timed extending a chain is priced at a
-        token of its first read (a read of one token costs at least that)."""
-        if cost is None or not cost.measured or cost.token_s <= 0:
+        """The prices for ``model`` once ``cost`` knows what a produced token takes (its first
+        steps; verification at the configured prior until the line is measured); ``None`` before,
+        and where the cost is configured rather than measured (the rule then weighs expected
+        tokens alone). A model not yet timed extending a chain is priced at a token of its first
+        read (a read of one token costs at least that)."""
+        if cost is None or cost.token_s <= 0:
             return None
         catch_up = getattr(model, "catch_up_seconds", None) or 0.0
         read = getattr(model, "read_seconds", None) or catch_up

@@ -39,7 +39,9 @@ Steps that started a request (its prompt evaluated in them) and pauses are not s
 the line; until enough steps with different numbers of proposed tokens have been seen, the
 cost is the configured prior; and again once a whole window of steps drafted nothing (else a
 measurement that priced every draft out would stand for good: steps that draft nothing never
-correct it).
+correct it). What a produced token takes (:attr:`StepCost.token_s`, the worth of a second) is
+known after :data:`MIN_TIMED` steps, whatever they proposed: a draft model's reads are priced by
+it (:mod:`decoder_client.engines.beside`) before the line is measured.
 
 >>> cost = StepCost(prior=0.3, floor=0.0)
 >>> cost.min_prob
@@ -86,6 +88,7 @@ PRIOR = 0.3  # the cost until measured: a drafted token's share of a one-token s
 MAX_FREE = 16  # the most tokens a step is taken to verify at no cost (the knee, see the module docstring)
 KNEE_GAIN = 0.8  # a knee is kept where its line leaves at most this share of the straight line's squared error
 MIN_AT = 8  # steps seen with one number of proposed tokens before their median stands for it
+MIN_TIMED = 8  # steps seen before, the line not yet measured, the time a token takes is taken from them
 
 
 class StepCost:
@@ -125,6 +128,9 @@ class StepCost:
 
     def _fit(self) -> None:
         self._since_fit = 0
+        if self._token is None and self._held >= MIN_TIMED:  # what a token takes is known sooner than the line
+            steps = self._steps[: self._held]
+            self.token_s = float(steps[:, 0].sum() / steps[:, 2].sum())
         if self._held < MIN_STEPS:
             return
         steps = self._steps[: self._held]
@@ -175,7 +181,7 @@ class StepCost:
         self.base_s = self.per_row_s = self.per_step_s = self.per_token_s = 0.0
         self.free = 0  # tokens a step verifies at no cost per token (the knee)
         self._at = {}
-        self.token_s = 0.0  # the steps' time per token they produced
+        self.token_s = 0.0  # the steps' time per token they produced (once MIN_TIMED are seen, measured or not)
 
     @property
     def measured(self) -> bool:

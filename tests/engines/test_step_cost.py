@@ -15,6 +15,7 @@ from decoder_client.engines.step_cost import (
     MIN_SIDE,
     MIN_SPREAD,
     MIN_STEPS,
+    MIN_TIMED,
     StepCost,
     _knee,
     _squared_error,
@@ -54,6 +55,22 @@ def test_the_cut_is_a_proposed_tokens_cost_against_the_time_a_token_takes() -> N
     gpu = StepCost(prior=0.3)
     steps(gpu, 200, base=0.015, per_token=0.0003)  # a GPU at batch 1: drafted tokens nearly free
     assert gpu.min_prob == pytest.approx(0.02, abs=0.01)
+
+
+def test_the_time_a_token_takes_is_known_before_the_line() -> None:
+    # A draft model's reads are priced against it (engines.beside): from the first few steps,
+    # the cut still at the prior until the line is measured.
+    cost = StepCost(prior=0.3)
+    steps(cost, MIN_TIMED - 1, base=0.020, per_token=0.006)
+    assert cost.token_s == 0.0 and not cost.measured
+    steps(cost, 1, base=0.020, per_token=0.006, seed=1)
+    assert cost.token_s == pytest.approx(0.044, rel=0.25) and not cost.measured and cost.min_prob == 0.3
+    assert cost.costs(2).tolist() == pytest.approx([0.0, 0.3, 0.6])
+    steps(cost, 200, base=0.020, per_token=0.006, seed=2)
+    assert cost.measured and cost.token_s == pytest.approx(0.044, rel=0.05)
+    configured = StepCost(prior=0.2, measure=False)  # a configured cost times nothing
+    steps(configured, 200, base=0.020, per_token=0.006)
+    assert configured.token_s == 0.0
 
 
 def test_accepted_drafts_make_a_further_token_worth_less() -> None:
