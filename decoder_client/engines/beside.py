@@ -48,12 +48,14 @@ from decoder_client.engines.step_cost import StepCost, cut
 
 class Proposal(NamedTuple):
     """One request's chain this step: its tokens, the cache's claims for them (empty for the
-    model's), each token's chance of being reached, and whether it is the model's."""
+    model's), each token's chance of being reached, whether it is the model's, and whether the
+    model read nothing for it (its chain could not have paid)."""
 
     chain: np.ndarray
     claims: np.ndarray
     scores: np.ndarray
     model: bool
+    unread: bool = False
 
 
 def beside(
@@ -92,15 +94,16 @@ def beside(
     ...     read_seconds, catch_up_seconds = 0.024, 0.008
     ...     def first(self, context): raise AssertionError("read")
     >>> good = np.array([3, 4, 5]), np.zeros(3), np.array([0.9, 0.6, 0.5])  # 2.0 expected
-    >>> beside(Slow(), np.array([1, 2]), *good, max_len=4, min_prob=0.1, cost=cost).model  # not even read
-    False
+    >>> p = beside(Slow(), np.array([1, 2]), *good, max_len=4, min_prob=0.1, cost=cost)
+    >>> p.model, p.unread  # the cache's, the model not even read
+    (False, True)
     >>> beside(Sure(), np.array([1, 2]), *good, max_len=4, min_prob=0.1, cost=cost).model  # reads for free
     True
     """
     ours = Proposal(chain, claims, scores, False)
     prices = ReadPrices.of(model, cost)
     if prices is not None and not prices.could_pay(ours, max_len):
-        return ours
+        return ours._replace(unread=True)
     if not _model_goes(model.first(context), ours, max_len, min_prob, prices):
         return ours
     return _model_proposal(ours, *model.extend(min_prob), max_len, min_prob)

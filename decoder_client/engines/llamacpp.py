@@ -129,6 +129,7 @@ class DraftStats:
     model_steps: int = 0  # of the counted steps, those that proposed the draft model's chain
     model_proposed: int = 0  # its tokens in them
     model_accepted: int = 0  # of those, accepted
+    model_skipped: int = 0  # calls whose model read nothing: its chain could not have paid
     seconds: float = 0.0  # spent inside the calls: the client's work, the round trip, the draft model
 
     @property
@@ -300,10 +301,10 @@ class DraftcacheDraftModel(LlamaDraftModel):
         self._model_draft, self._model_seconds = False, 0.0
         if self.chain_model is not None:
             reading = time.perf_counter()
-            chain, claims, scores, self._model_draft = beside(
-                self.chain_model, ids, chain, claims, scores, self.num_pred_tokens, min_prob, self.cost
-            )
+            proposal = beside(self.chain_model, ids, chain, claims, scores, self.num_pred_tokens, min_prob, self.cost)
             self._model_seconds = time.perf_counter() - reading
+            chain, claims, scores, self._model_draft = proposal.chain, proposal.claims, proposal.scores, proposal.model
+            self.stats.model_skipped += proposal.unread
         if self.cost is not None:  # what the step pays for, its own cost included (none where nothing pays)
             (n,) = self.cost.keep([scores])
             chain, claims = chain[:n], claims[:n]
