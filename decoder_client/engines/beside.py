@@ -70,8 +70,8 @@ def beside(
 ) -> Proposal:
     """The cache's chain (``chain``, ``claims``, ``scores``, as
     :func:`~decoder_client.engines.step_cost.chain_to_propose` gives them) or the model's after
-    ``context``, whichever is expected to have more tokens accepted (given the engine's measured
-    ``cost``, net of what each costs); the model's is at most ``max_len`` tokens, cut at
+    ``context``, whichever is expected to have more tokens accepted (once ``cost`` has timed the
+    engine's steps, net of what each costs); the model's is at most ``max_len`` tokens, cut at
     ``min_prob`` (its tokens by the model's record). The model reads ``context`` unless its chain
     could not pay (its cache follows the request).
 
@@ -231,7 +231,7 @@ class ModelRows:
     ) -> list[Proposal]:
         """:func:`beside` for a batch: each request's proposal (``ours``: the cache's chain,
         claims and chances), the model's chain where it holds a model and more of its chain is
-        expected to be accepted (net of its cost, once ``cost`` is measured). The models read
+        expected to be accepted (net of its cost, once ``cost`` has timed the steps). The models read
         every context and chain of the batch together, but for the rows whose chain could not
         pay. A batch's read is priced to each row in it: the rule errs toward the cache."""
         start = time.perf_counter()
