@@ -55,7 +55,7 @@ step, on a GPU at batch 1 almost nothing.
 
 Beside a draft model. With ``draft_model`` (a Hugging Face folder whose tokenizer is the
 target's), a request's chain is a small model's greedy one wherever more of it is expected to
-be accepted than of the cache's, once the step's cost is measured net of what each costs: the
+be accepted than of the cache's, once the engine's steps are timed net of what each costs: the
 engine's verification and the model's reads (:mod:`decoder_client.engines.beside`; the rule and
 why in :mod:`decoder_client.chain_model`). The model runs in this worker on the target's device
 and in its dtype, in the engine's thread, each request with its own KV cache. The batch reads
@@ -219,6 +219,9 @@ class DraftcacheProposer:
             self._model_accepted += min(n, kept)
         self._sent = {}
         fresh = [t for t in tracks if t.payload is None]  # new rows (and any an earlier error left unopened)
+        # The models' reads in the last call are the proposer's time, not the engine's; taken every
+        # call, so that a call after a pause leaves none of its own to a later step.
+        reading = 0.0 if self._models is None else self._models.spent()
         if interval is not None:
             # The step just verified what the last call proposed to the requests still here (a
             # request that ended at the last step had its drafts dropped unverified), over the
@@ -226,7 +229,7 @@ class DraftcacheProposer:
             # prefilling, or one that just started) is not a step of the cost line.
             prefill = bool(fresh) or any(not len(s) and int(lengths[i]) > 0 for i, s in enumerate(sampled))
             self._cost.record(
-                interval - (0.0 if self._models is None else self._models.spent()),  # the engine's part
+                interval - reading,  # the engine's part
                 sum(n for _, n, _ in verified),
                 rows=max(1, len(live)),
                 produced=sum(produced.values()),
