@@ -239,6 +239,16 @@ class StepCosts:
     read: float
     catch_up: float = 0.0
 
+    def chain_reads(self, n: int) -> float:
+        """The model's reads for a chain of ``n`` it proposes: its ``n - 1`` reads past the first
+        token and its read of the step's last token."""
+        return max(0, n - 1) * self.read + self.catch_up
+
+    def reads_after(self, produced: float) -> float:
+        """The model's read, at its next step, of the ``produced`` tokens a step of the cache's
+        draft gives."""
+        return produced * self.catch_up
+
 
 def model_goes(
     model: NextToken | None,
@@ -280,14 +290,14 @@ def model_goes(
         return False
     if costs is None:
         return float(reach.sum()) >= cache_expected
-    theirs = (1.0 + float(reach.sum())) / (costs.verify(reach.size) + (reach.size - 1) * costs.read + costs.catch_up)
+    theirs = (1.0 + float(reach.sum())) / (costs.verify(reach.size) + costs.chain_reads(reach.size))
     return theirs >= _cache_rate(cache_expected, cache_tokens, costs)
 
 
 def _cache_rate(cache_expected: float, cache_tokens: int, costs: StepCosts) -> float:
     """Tokens a second of a step that verifies the cache's draft, the model's reads after it included."""
     produced = 1.0 + cache_expected
-    return produced / (costs.verify(cache_tokens) + produced * costs.catch_up)
+    return produced / (costs.verify(cache_tokens) + costs.reads_after(produced))
 
 
 def model_could_pay(cache_expected: float, cache_tokens: int, k: int, costs: StepCosts) -> bool:
@@ -299,7 +309,7 @@ def model_could_pay(cache_expected: float, cache_tokens: int, k: int, costs: Ste
     >>> model_could_pay(1.0, 2, 8, costs), model_could_pay(5.5, 6, 8, costs)  # 9 / 3.5: 2 / 1.1, 6.5 / 1.3
     (True, False)
     """
-    best = (1.0 + k) / (costs.verify(k) + (k - 1) * costs.read + costs.catch_up)
+    best = (1.0 + k) / (costs.verify(k) + costs.chain_reads(k))
     return best > _cache_rate(cache_expected, cache_tokens, costs)
 
 

@@ -38,6 +38,7 @@ from decoder_client.chain_model import (
     ChainModel,
     ChainSource,
     NextToken,
+    StepCosts,
     expected_tokens,
     extend_many,
     first_many,
@@ -110,15 +111,15 @@ def beside(
 
 
 class ReadPrices(NamedTuple):
-    """A draft's worth net of its cost, in tokens' worth (seconds over the time a produced token
-    takes, :attr:`StepCost.token_s`): the engine's measured ``cost`` of verifying its tokens, a
-    model's read of one token as its chain extends (``read``, seconds) and a token of its first
-    read of a step (``catch_up``: the tokens the last step produced, which it has not read).
+    """A draft's worth net of its cost, in tokens' worth: what it is expected to bring, less its
+    seconds (:class:`~decoder_client.chain_model.StepCosts`, the reference decoder's accounting:
+    the engine's verification of its tokens past a step with none, by its measured ``cost``, and
+    the model's reads) over the time a produced token takes (:attr:`StepCost.token_s`).
 
     >>> cost = StepCost(prior=0.3)
     >>> for i in range(64):  # 20 ms a step, 2 ms per proposed token, one token a step
     ...     cost.record(0.020 + 0.002 * (i % 5), i % 5, rows=1, produced=1)
-    >>> slow = ReadPrices(cost, read=0.024, catch_up=0.012)  # a model as slow as the target's step
+    >>> slow = ReadPrices.at(cost, read=0.024, catch_up=0.012)  # a model as slow as the target's step
     >>> round(slow.cache(0.8, 2), 2)  # 0.8 expected less 2 tokens' 0.17 and 1.8 tokens read, 0.9
     -0.27
     >>> round(slow.model(np.full(8, 0.9)), 2)  # 7.2 less 8 tokens' 0.67 and 7.5 tokens' worth of reads
@@ -126,13 +127,23 @@ class ReadPrices(NamedTuple):
     >>> ours = Proposal(np.arange(3), np.zeros(3), np.array([0.9, 0.6, 0.5]), False)  # 2.0 expected
     >>> slow.could_pay(ours, 8)  # 2.0 less 0.25 and 1.5 against 8 less 0.67 and 7.5
     False
-    >>> ReadPrices(cost, read=0.002, catch_up=0.001).could_pay(ours, 8)  # a model a tenth as dear
+    >>> ReadPrices.at(cost, read=0.002, catch_up=0.001).could_pay(ours, 8)  # a model a tenth as dear
     True
     """
 
-    cost: StepCost
-    read: float
-    catch_up: float
+    costs: StepCosts
+    token_s: float
+
+    @classmethod
+    def at(cls, cost: StepCost, read: float, catch_up: float) -> ReadPrices:
+        """Prices by the engine's ``cost`` for a model whose read of one token as its chain
+        extends takes ``read`` seconds, and a token of its first read of a step ``catch_up``
+        (the tokens the last step produced, which it has not read)."""
+
+        def verify(n: int) -> float:  # a step's time with n proposed, less its time with none
+            return float(cost.costs(n)[n]) * cost.token_s
+
+        return cls(StepCosts(verify, read, catch_up), cost.token_s)
 
     @classmethod
     def of(cls, model: ChainSource, cost: StepCost | None) -> ReadPrices | None:
@@ -145,21 +156,21 @@ class ReadPrices(NamedTuple):
             return None
         catch_up = getattr(model, "catch_up_seconds", None) or 0.0
         read = getattr(model, "read_seconds", None) or catch_up
-        return cls(cost, read, catch_up)
+        return cls.at(cost, read, catch_up)
 
-    def _net(self, expected: float, n: int, seconds: float) -> float:
-        return expected - float(self.cost.costs(n)[n]) - seconds / self.cost.token_s
+    def _net(self, expected: float, n: int, reads: float) -> float:
+        return expected - (self.costs.verify(n) + reads) / self.token_s
 
     def cache(self, expected: float, n: int) -> float:
         """The cache's draft of ``n`` tokens, ``expected`` of them accepted: its verification,
         and the model's read of what the step produces."""
-        return self._net(expected, n, (1.0 + expected) * self.catch_up)
+        return self._net(expected, n, self.costs.reads_after(1.0 + expected))
 
     def model(self, reaches: np.ndarray) -> float:
         """The model's chain, each token's chance of being reached: its verification, its reads
         past the first token and its read of the step's last token."""
         n = int(reaches.size)
-        return self._net(float(reaches.sum()), n, max(0, n - 1) * self.read + self.catch_up)
+        return self._net(float(reaches.sum()), n, self.costs.chain_reads(n))
 
     def could_pay(self, ours: Proposal, max_len: int) -> bool:
         """Whether the model's chain of ``max_len``, were it right throughout, would be worth
