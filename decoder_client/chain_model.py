@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import abc
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -44,7 +44,7 @@ Drafter = Callable[[np.ndarray], DraftTree]
 MODEL_TIER = Tier.CONTEXT
 
 # A first read of at most this many tokens a model is a step's catch-up, timed for the beside
-# rule's costs; a longer one is a prompt.
+# rule's costs; a longer one is a prompt, timed apart (a token of it costs far less).
 CATCH_UP = 32
 
 
@@ -229,6 +229,19 @@ class ChainSource(Protocol):
         reached falls below ``min_prob`` (a proposal cut there would drop the rest)."""
 
 
+@dataclass
+class ReadTimes:
+    """What a model's reads take, each a moving average in seconds (``None`` until timed): a
+    read of one token as a chain extends, a token of a step's first read (at most
+    :data:`CATCH_UP` a row), and a token of a longer first read (a prompt). The models of one
+    engine, copies of the same weights, share theirs (:class:`decoder_client.engines.beside.ModelRows`).
+    """
+
+    read: float | None = None
+    catch_up: float | None = None
+    prompt: float | None = None
+
+
 @dataclass(frozen=True)
 class StepCosts:
     """What a step costs where the decoder knows it: seconds for the target to verify ``n``
@@ -348,8 +361,7 @@ class ChainModel(abc.ABC):
         self.record = ModelRecord()  # how often its first tokens were the target's, and how far its chains went
         self.forwards = 0  # forward passes, for what drafting cost
         self.fed = 0  # tokens those passes read
-        self.read_seconds: float | None = None  # a read of one token while a chain extends (moving average)
-        self.catch_up_seconds: float | None = None  # a token of a step's first read, at most CATCH_UP long
+        self.times = ReadTimes()  # what its reads take
 
     @abc.abstractmethod
     def _feed(self, ids: np.ndarray) -> np.ndarray:
@@ -364,6 +376,38 @@ class ChainModel(abc.ABC):
         """:meth:`_feed` for several of this class's models at once (each its own ids after its
         own cache). One at a time here; a class whose models can share a forward overrides it."""
         return [m._feed(ids) for m, ids in zip(models, feeds, strict=True)]
+
+    @property
+    def read_seconds(self) -> float | None:
+        """A read of one token while a chain extends."""
+        return self.times.read
+
+    @property
+    def catch_up_seconds(self) -> float | None:
+        """A token of a step's first read, at most :data:`CATCH_UP` long."""
+        return self.times.catch_up
+
+    @property
+    def prompt_seconds(self) -> float | None:
+        """A token of a longer first read."""
+        return self.times.prompt
+
+    def unread(self, context: np.ndarray) -> int:
+        """How many ids of ``context`` a read of it would feed the model: what its cache does
+        not hold, and at least the last (read again for its logits).
+
+        >>> class Held(ChainModel):
+        ...     def _feed(self, ids): return np.ones(4) / 4
+        ...     def _rewind(self, n): pass
+        >>> m = Held(k=2, vocab_size=4, max_positions=None)
+        >>> ids = np.array([1, 2, 3, 0, 1], np.int32)
+        >>> m.unread(ids[:3]), m.first(ids[:3]).token
+        (3, 0)
+        >>> m.unread(ids), m.unread(ids[:2]), m.unread(ids[:3])
+        (2, 1, 1)
+        """
+        n = int(np.asarray(context).size)
+        return n - min(shared_prefix(self._held, np.asarray(context)), max(n - 1, 0))
 
     def first(self, context: np.ndarray) -> NextToken | None:
         """The model's next token after ``context`` (int32 ids), or ``None`` where the context
@@ -444,9 +488,13 @@ def first_many(models: Sequence[ChainModel], contexts: Sequence[np.ndarray]) -> 
     start = time.perf_counter()
     probs = read_many([models[i] for i in fit], reads)
     seconds, fed = time.perf_counter() - start, sum(int(f.size) for f in reads)
-    if fit and fed <= CATCH_UP * len(fit):  # a step's tokens, not a prompt
-        for i in fit:
-            models[i].catch_up_seconds = _averaged(models[i].catch_up_seconds, seconds / fed)
+    if fed:
+        prompt = fed > CATCH_UP * len(fit)  # not a step's tokens: a prompt's
+        for times in _distinct(models[i].times for i in fit):
+            if prompt:
+                times.prompt = _averaged(times.prompt, seconds / fed)
+            else:
+                times.catch_up = _averaged(times.catch_up, seconds / fed)
     for i, p in zip(fit, probs, strict=True):
         token = int(np.argmax(p))
         m, prob = models[i], float(p[token])
@@ -472,8 +520,8 @@ def extend_many(models: Sequence[ChainModel], min_prob: float = 0.0) -> list[tup
         start = time.perf_counter()
         read = read_many([models[i] for i in going], [np.array(tokens[i][-1:], dtype=np.int32) for i in going])
         seconds = time.perf_counter() - start  # a read of one token each
-        for i in going:
-            models[i].read_seconds = _averaged(models[i].read_seconds, seconds)
+        for times in _distinct(models[i].times for i in going):
+            times.read = _averaged(times.read, seconds)
         for i, p in zip(going, read, strict=True):
             m = models[i]
             m._held = np.append(m._held, np.int32(tokens[i][-1]))
@@ -487,6 +535,11 @@ def extend_many(models: Sequence[ChainModel], min_prob: float = 0.0) -> list[tup
         m._next = None
         m._chain = chain  # the next context tells how far it went
     return out
+
+
+def _distinct(times: Iterable[ReadTimes]) -> list[ReadTimes]:
+    """Each of ``times`` once: models that share theirs count a batch's read once."""
+    return list({id(t): t for t in times}.values())
 
 
 def _averaged(average: float | None, seconds: float) -> float:

@@ -35,9 +35,11 @@ from typing import NamedTuple
 import numpy as np
 
 from decoder_client.chain_model import (
+    CATCH_UP,
     ChainModel,
     ChainSource,
     NextToken,
+    ReadTimes,
     StepCosts,
     expected_tokens,
     extend_many,
@@ -102,8 +104,8 @@ def beside(
     True
     """
     ours = Proposal(chain, claims, scores, False)
-    prices = ReadPrices.of(model, cost)
-    if prices is not None and not prices.could_pay(ours, max_len):
+    reads, prices, _ = plan_read(model, context, ours, max_len, cost)
+    if not reads:
         return ours._replace(unread=True)
     if not _model_goes(model.first(context), ours, max_len, min_prob, prices):
         return ours
@@ -133,17 +135,19 @@ class ReadPrices(NamedTuple):
 
     costs: StepCosts
     token_s: float
+    prompt: float | None = None  # a token of the model's read of a prompt (None: not yet timed)
 
     @classmethod
-    def at(cls, cost: StepCost, read: float, catch_up: float) -> ReadPrices:
+    def at(cls, cost: StepCost, read: float, catch_up: float, prompt: float | None = None) -> ReadPrices:
         """Prices by the engine's ``cost`` for a model whose read of one token as its chain
-        extends takes ``read`` seconds, and a token of its first read of a step ``catch_up``
-        (the tokens the last step produced, which it has not read)."""
+        extends takes ``read`` seconds, a token of its first read of a step ``catch_up``
+        (the tokens the last step produced, which it has not read), and a token of a prompt
+        ``prompt``."""
 
         def verify(n: int) -> float:  # a step's time with n proposed, less its time with none
             return float(cost.costs(n)[n]) * cost.token_s
 
-        return cls(StepCosts(verify, read, catch_up), cost.token_s)
+        return cls(StepCosts(verify, read, catch_up), cost.token_s, prompt)
 
     @classmethod
     def of(cls, model: ChainSource, cost: StepCost | None) -> ReadPrices | None:
@@ -151,12 +155,14 @@ class ReadPrices(NamedTuple):
         steps; verification at the configured prior until the line is measured); ``None`` before,
         and where the cost is configured rather than measured (the rule then weighs expected
         tokens alone). A model not yet timed extending a chain is priced at a token of its first
-        read (a read of one token costs at least that)."""
+        read, and that, not yet timed, at a token of a prompt (a read of one token costs at
+        least either)."""
         if cost is None or cost.token_s <= 0:
             return None
-        catch_up = getattr(model, "catch_up_seconds", None) or 0.0
+        prompt = getattr(model, "prompt_seconds", None)
+        catch_up = getattr(model, "catch_up_seconds", None) or prompt or 0.0
         read = getattr(model, "read_seconds", None) or catch_up
-        return cls.at(cost, read, catch_up)
+        return cls.at(cost, read, catch_up, prompt)
 
     def _net(self, expected: float, n: int, reads: float) -> float:
         return expected - (self.costs.verify(n) + reads) / self.token_s
@@ -172,10 +178,73 @@ class ReadPrices(NamedTuple):
         n = int(reaches.size)
         return self._net(float(reaches.sum()), n, self.costs.chain_reads(n))
 
-    def could_pay(self, ours: Proposal, max_len: int) -> bool:
+    def prompt_read(self, unread: int) -> float:
+        """Seconds of the model's first read of ``unread`` tokens that no earlier draft was
+        charged for: a prompt's (more than :data:`~decoder_client.chain_model.CATCH_UP`), at the
+        model's rate for prompts (none until timed). A step's catch-up was charged to the drafts
+        whose steps produced its tokens."""
+        return unread * (self.prompt or 0.0) if unread > CATCH_UP else 0.0
+
+    def could_pay(self, ours: Proposal, max_len: int, unread: int = 0) -> bool:
         """Whether the model's chain of ``max_len``, were it right throughout, would be worth
-        more than the cache's draft ``ours``."""
-        return self.model(np.ones(max_len)) > self.cache(expected_tokens(ours.scores), int(ours.chain.size))
+        more than the cache's draft ``ours``, the model's read of its ``unread`` tokens first."""
+        mine = self.model(np.ones(max_len)) - self.prompt_read(unread) / self.token_s
+        return mine > self.cache(expected_tokens(ours.scores), int(ours.chain.size))
+
+
+def plan_read(
+    model: ChainSource,
+    context: np.ndarray,
+    ours: Proposal,
+    max_len: int,
+    cost: StepCost | None,
+    may_probe: bool = True,
+) -> tuple[bool, ReadPrices | None, bool]:
+    """Whether ``model`` reads ``context`` this step, beside the cache's draft ``ours``; its
+    prices (:meth:`ReadPrices.of`); and whether the read is a prompt's that times the model's
+    rate for prompts.
+
+    - A step's catch-up is read unless a chain of ``max_len`` right throughout could not pay.
+    - A prompt (more than :data:`~decoder_client.chain_model.CATCH_UP` tokens unread) waits
+      while ``cost`` is timing the engine's first steps; once they are, the chain pays for its
+      read too. The first read of a prompt, which times the rate, is priced as a catch-up; while
+      it is untimed, a read that would be a second (``may_probe`` false) waits.
+    - Where ``cost`` is configured rather than timed, or absent, the model reads every step.
+
+    >>> from decoder_client.chain_model import NextToken
+    >>> class Model:  # a read of one token takes a quarter of the engine's step, of a prompt's a tenth
+    ...     k, vocab_size, read_seconds, catch_up_seconds, prompt_seconds = 8, 16, 0.005, 0.01, 0.002
+    ...     def unread(self, context): return context.size
+    >>> cost = StepCost(prior=0.3)
+    >>> ours = Proposal(np.zeros(0), np.zeros(0), np.zeros(0), False)  # the cache has nothing
+    >>> plan_read(Model(), np.arange(4), ours, 8, cost)[0], plan_read(Model(), np.arange(64), ours, 8, cost)[0]
+    (True, False)
+    >>> for i in range(8):  # the engine's first steps: 20 ms a token
+    ...     cost.record(0.020, 0, rows=1, produced=1)
+    >>> plan_read(Model(), np.arange(4), ours, 8, cost)[0]  # 8 tokens less 2.4 verified, 2.25 read: 3.35 > -0.5
+    True
+    >>> plan_read(Model(), np.arange(64), ours, 8, cost)[0]  # ... less a 64-token prompt's 6.4
+    False
+    >>> class Untimed(Model):
+    ...     prompt_seconds = None
+    >>> plan_read(Untimed(), np.arange(64), ours, 8, cost), plan_read(Untimed(), np.arange(64), ours, 8, cost, False)[0]
+    ((True, ReadPrices(...), True), False)
+    """
+    prices = ReadPrices.of(model, cost)
+    unread = _unread(model, context)
+    if unread <= CATCH_UP:
+        return prices is None or prices.could_pay(ours, max_len), prices, False
+    if prices is None:
+        return cost is None or not cost.measure, None, False
+    if prices.prompt is None:
+        return may_probe and prices.could_pay(ours, max_len), prices, True
+    return prices.could_pay(ours, max_len, unread), prices, False
+
+
+def _unread(model: ChainSource, context: np.ndarray) -> int:
+    """What ``model`` would read of ``context``: one token where it cannot tell."""
+    unread = getattr(model, "unread", None)
+    return 1 if unread is None else int(unread(context))
 
 
 def _model_goes(
@@ -228,7 +297,8 @@ class ModelRows:
         self._free: list[ChainModel] = []
         self._made: list[ChainModel] = []
         self.reads = 0  # reads of the batch: one for the step's contexts, one per depth of its chains
-        self.skipped = 0  # rows held a model but did not read: its chain could not have paid
+        self.skipped = 0  # rows held a model but did not read: its chain could not have paid, or its prompt waits
+        self.times = ReadTimes()  # what the models' reads take: copies of one model's weights, timed together
         self._seconds = 0.0  # the models' reads since spent() last took them
 
     def beside(
@@ -247,13 +317,15 @@ class ModelRows:
         pay. A batch's read is priced to each row in it: the rule errs toward the cache."""
         start = time.perf_counter()
         held = []
+        probe = True  # a prompt's read may time the models' rate for prompts, one a batch
         for i, r in enumerate(requests):
             if (m := self.get(r)) is None:
                 continue
-            prices = ReadPrices.of(m, cost)
-            if prices is not None and not prices.could_pay(ours[i], max_lens[i]):
+            reads, prices, probing = plan_read(m, contexts[i], ours[i], max_lens[i], cost, probe)
+            if not reads:
                 self.skipped += 1
             else:
+                probe = probe and not probing
                 held.append((i, m, prices))
         nexts = first_many([m for _, m, _ in held], [contexts[i] for i, _, _ in held])
         self.reads += 1 if held else 0
@@ -286,6 +358,7 @@ class ModelRows:
             model = self._free.pop()
         elif len(self._made) < self.limit:
             model = self._make()
+            model.times = self.times
             self._made.append(model)
         else:
             return None

@@ -598,6 +598,42 @@ def test_a_draft_models_chains_go_where_they_pay_for_their_reads(running: Runnin
         proposer.shutdown()
 
 
+@pytest.mark.parametrize("target", ["dear", "free"])
+def test_a_prompt_is_read_once_its_read_is_priced(running: Running, tmp_path: Path, target: str) -> None:
+    # Five requests of 200-token prompts start together in a fresh engine. A prompt is a read of
+    # its own, dearer than a step's catch-up: none is read until the engine's first steps say
+    # what a token is worth. Then one read times what a prompt's token takes, and the others are
+    # read where a chain right throughout pays for that read too: beside a target whose steps
+    # cost 60 ms, they are (those the cache does not draft better); beside one whose steps cost
+    # little, none is but the one that timed the rate.
+    model = _draft_model(tmp_path / "draft")
+    rng = np.random.default_rng(7)
+    prompts = [[int(t) for t in rng.integers(1, 128, 200)] for _ in range(5)]
+    reqs = [Request(p, greedy_continuation(model, p, 24)) for p in prompts]
+    config = vllm_config(running.target, draft_model=str(tmp_path / "draft"), token_cost=-1.0)  # measured
+    proposer = proposer_for(running, config)
+    try:
+        engine = Engine(proposer, step_s=0.06 if target == "dear" else 0.0, token_s=0.002)
+        for r in reqs:
+            engine.add(r)
+        for _ in range(8):  # a token's worth is not known before 8 steps are timed
+            engine.step()
+        early = proposer.stats()
+        assert early["model_forwards"] == 0 and early["model_skipped"] == 8 * len(reqs), early
+        while any(r is not None for r in engine.reqs):
+            engine.step()
+        assert [r.out for r in reqs] == [r.target for r in reqs]
+        stats = proposer.stats()
+        assert stats["errors"] == 0, stats
+        prompt = len(prompts[0]) + 8  # a prompt and the tokens its first 8 steps produced
+        if target == "dear":
+            assert stats["model_tokens_read"] > 2 * prompt and stats["model_steps"] > len(reqs), stats
+        else:
+            assert prompt <= stats["model_tokens_read"] < 2 * prompt, stats
+    finally:
+        proposer.shutdown()
+
+
 def test_a_draft_model_drafts_with_the_service_gone_for_as_many_requests_as_allowed(tmp_path: Path) -> None:
     model = _draft_model(tmp_path / "draft")
     config = vllm_config(f"127.0.0.1:{free_port()}", draft_model=str(tmp_path / "draft"), draft_model_rows=2)
