@@ -12,8 +12,10 @@ each draft is weighed net of what it costs, in tokens' worth as the engine's cut
 (seconds over the time a produced token takes): the cache's, its verification and the model's
 later read of every token the step produces; the model's, its verification and its reads as its
 chain extends (:class:`ReadPrices`). Where even a chain of the model's right throughout could not
-beat the cache's draft, the model reads nothing that step: it catches up when next asked. A draft
-model as slow as its target then costs the engine nothing but the steps it pays for. The
+beat the cache's draft, the model reads nothing that step: it catches up when next asked. A
+prompt is a read of its own (:func:`plan_read`): it waits for the engine's first steps to be
+timed, and is read only where the chain pays for that read too. A draft model as slow as its
+target then costs the engine nothing but the steps it pays for. The
 proposer's time in the model's reads is its own, not the engine's: the adapters take it out of
 the step they record (:meth:`ModelRows.spent`), or the cut would charge it to every proposed
 token.
