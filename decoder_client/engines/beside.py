@@ -53,14 +53,27 @@ from decoder_client.engines.step_cost import StepCost, cut
 
 class Proposal(NamedTuple):
     """One request's chain this step: its tokens, the cache's claims for them (empty for the
-    model's), each token's chance of being reached, whether it is the model's, and whether the
-    model read nothing for it (its chain could not have paid)."""
+    model's), each token's chance of being reached, whether it is the model's, whether the
+    model read nothing for it (its chain could not have paid, or its prompt waited), and
+    whether that was a prompt waiting for its price."""
 
     chain: np.ndarray
     claims: np.ndarray
     scores: np.ndarray
     model: bool
     unread: bool = False
+    waited: bool = False
+
+
+class ReadPlan(NamedTuple):
+    """Whether a model reads a request's context this step, at what prices
+    (:meth:`ReadPrices.of`), whether the read is a prompt's that times the model's rate for
+    prompts, and, where it does not read, whether its prompt waits for a price."""
+
+    reads: bool
+    prices: ReadPrices | None
+    probe: bool = False
+    waits: bool = False
 
 
 def beside(
@@ -106,10 +119,10 @@ def beside(
     True
     """
     ours = Proposal(chain, claims, scores, False)
-    reads, prices, _ = plan_read(model, context, ours, max_len, cost)
-    if not reads:
-        return ours._replace(unread=True)
-    if not _model_goes(model.first(context), ours, max_len, min_prob, prices):
+    plan = plan_read(model, context, ours, max_len, cost)
+    if not plan.reads:
+        return ours._replace(unread=True, waited=plan.waits)
+    if not _model_goes(model.first(context), ours, max_len, min_prob, plan.prices):
         return ours
     return _model_proposal(ours, *model.extend(min_prob), max_len, min_prob)
 
@@ -201,10 +214,8 @@ def plan_read(
     max_len: int,
     cost: StepCost | None,
     may_probe: bool = True,
-) -> tuple[bool, ReadPrices | None, bool]:
-    """Whether ``model`` reads ``context`` this step, beside the cache's draft ``ours``; its
-    prices (:meth:`ReadPrices.of`); and whether the read is a prompt's that times the model's
-    rate for prompts.
+) -> ReadPlan:
+    """Whether ``model`` reads ``context`` this step, beside the cache's draft ``ours``.
 
     - A step's catch-up is read unless a chain of ``max_len`` right throughout could not pay.
     - A prompt (more than :data:`~decoder_client.chain_model.CATCH_UP` tokens unread) waits
@@ -219,28 +230,33 @@ def plan_read(
     ...     def unread(self, context): return context.size
     >>> cost = StepCost(prior=0.3)
     >>> ours = Proposal(np.zeros(0), np.zeros(0), np.zeros(0), False)  # the cache has nothing
-    >>> plan_read(Model(), np.arange(4), ours, 8, cost)[0], plan_read(Model(), np.arange(64), ours, 8, cost)[0]
-    (True, False)
+    >>> plan_read(Model(), np.arange(4), ours, 8, cost).reads, plan_read(Model(), np.arange(64), ours, 8, cost)
+    (True, ReadPlan(reads=False, prices=None, probe=False, waits=True))
     >>> for i in range(8):  # the engine's first steps: 20 ms a token
     ...     cost.record(0.020, 0, rows=1, produced=1)
-    >>> plan_read(Model(), np.arange(4), ours, 8, cost)[0]  # 8 tokens less 2.4 verified, 2.25 read: 3.35 > -0.5
+    >>> plan_read(Model(), np.arange(4), ours, 8, cost).reads  # 8 tokens less 2.4 verified, 2.25 read: 3.35 > -0.5
     True
-    >>> plan_read(Model(), np.arange(64), ours, 8, cost)[0]  # ... less a 64-token prompt's 6.4
+    >>> plan_read(Model(), np.arange(64), ours, 8, cost).reads  # ... less a 64-token prompt's 6.4
     False
     >>> class Untimed(Model):
     ...     prompt_seconds = None
-    >>> plan_read(Untimed(), np.arange(64), ours, 8, cost), plan_read(Untimed(), np.arange(64), ours, 8, cost, False)[0]
-    ((True, ReadPrices(...), True), False)
+    >>> first = plan_read(Untimed(), np.arange(64), ours, 8, cost)
+    >>> second = plan_read(Untimed(), np.arange(64), ours, 8, cost, may_probe=False)
+    >>> first.reads, first.probe, second.reads, second.waits  # one read times the rate, another waits
+    (True, True, False, True)
     """
     prices = ReadPrices.of(model, cost)
     unread = _unread(model, context)
     if unread <= CATCH_UP:
-        return prices is None or prices.could_pay(ours, max_len), prices, False
+        return ReadPlan(prices is None or prices.could_pay(ours, max_len), prices)
     if prices is None:
-        return cost is None or not cost.measure, None, False
+        timing = cost is not None and cost.measure
+        return ReadPlan(not timing, None, waits=timing)
     if prices.prompt is None:
-        return may_probe and prices.could_pay(ours, max_len), prices, True
-    return prices.could_pay(ours, max_len, unread), prices, False
+        if not may_probe:
+            return ReadPlan(False, prices, waits=True)
+        return ReadPlan(prices.could_pay(ours, max_len), prices, probe=True)
+    return ReadPlan(prices.could_pay(ours, max_len, unread), prices)
 
 
 def _unread(model: ChainSource, context: np.ndarray) -> int:
@@ -299,7 +315,8 @@ class ModelRows:
         self._free: list[ChainModel] = []
         self._made: list[ChainModel] = []
         self.reads = 0  # reads of the batch: one for the step's contexts, one per depth of its chains
-        self.skipped = 0  # rows held a model but did not read: its chain could not have paid, or its prompt waits
+        self.skipped = 0  # rows held a model but did not read: its chain could not have paid
+        self.waited = 0  # ... or its prompt waited for a price
         self.times = ReadTimes()  # what the models' reads take: copies of one model's weights, timed together
         self._seconds = 0.0  # the models' reads since spent() last took them
 
@@ -323,12 +340,14 @@ class ModelRows:
         for i, r in enumerate(requests):
             if (m := self.get(r)) is None:
                 continue
-            reads, prices, probing = plan_read(m, contexts[i], ours[i], max_lens[i], cost, probe)
-            if not reads:
+            plan = plan_read(m, contexts[i], ours[i], max_lens[i], cost, probe)
+            if plan.waits:
+                self.waited += 1
+            elif not plan.reads:
                 self.skipped += 1
             else:
-                probe = probe and not probing
-                held.append((i, m, prices))
+                probe = probe and not plan.probe
+                held.append((i, m, plan.prices))
         nexts = first_many([m for _, m, _ in held], [contexts[i] for i, _, _ in held])
         self.reads += 1 if held else 0
         going = [

@@ -130,6 +130,7 @@ class DraftStats:
     model_proposed: int = 0  # its tokens in them
     model_accepted: int = 0  # of those, accepted
     model_skipped: int = 0  # calls whose model read nothing: its chain could not have paid
+    model_waited: int = 0  # ... or its prompt waited for a price
     seconds: float = 0.0  # spent inside the calls: the client's work, the round trip, the draft model
 
     @property
@@ -304,7 +305,8 @@ class DraftcacheDraftModel(LlamaDraftModel):
             proposal = beside(self.chain_model, ids, chain, claims, scores, self.num_pred_tokens, min_prob, self.cost)
             self._model_seconds = time.perf_counter() - reading
             chain, claims, scores, self._model_draft = proposal.chain, proposal.claims, proposal.scores, proposal.model
-            self.stats.model_skipped += proposal.unread
+            self.stats.model_skipped += proposal.unread and not proposal.waited
+            self.stats.model_waited += proposal.waited
         if self.cost is not None:  # what the step pays for, its own cost included (none where nothing pays)
             (n,) = self.cost.keep([scores])
             chain, claims = chain[:n], claims[:n]

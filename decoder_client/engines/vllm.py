@@ -61,7 +61,8 @@ why in :mod:`decoder_client.chain_model`). The model runs in this worker on the 
 and in its dtype, in the engine's thread, each request with its own KV cache. The batch reads
 together: every step costs one forward over all rows' new tokens (a prompt is read alone), and
 one more per depth of the chains that go, at most ``K - 1``; a row whose model's chain could not
-pay even if right throughout is not read that step (``model_skipped``). The models' reads are the
+pay even if right throughout is not read that step (``model_skipped``), nor a prompt before its
+read can be priced (``model_waited``). The models' reads are the
 proposer's time: the step the cost line records is the interval less them. At most ``draft_model_rows``
 requests hold a model at once; the rest draft from the cache alone. The model's chains are
 counted apart (``model_*`` in the stats) and stay out of the outcomes that correct the cache's
@@ -352,6 +353,7 @@ class DraftcacheProposer:
             "model_forwards": self._models.forwards,
             "model_reads": self._models.reads,
             "model_skipped": self._models.skipped,
+            "model_waited": self._models.waited,
             "model_tokens_read": self._models.fed,
         }
 

@@ -619,7 +619,7 @@ def test_a_prompt_is_read_once_its_read_is_priced(running: Running, tmp_path: Pa
         for _ in range(8):  # a token's worth is not known before 8 steps are timed
             engine.step()
         early = proposer.stats()
-        assert early["model_forwards"] == 0 and early["model_skipped"] == 8 * len(reqs), early
+        assert early["model_forwards"] == 0 and early["model_waited"] == 8 * len(reqs), early
         while any(r is not None for r in engine.reqs):
             engine.step()
         assert [r.out for r in reqs] == [r.target for r in reqs]
