@@ -233,8 +233,9 @@ class ChainSource(Protocol):
 class ReadTimes:
     """What a model's reads take, each a moving average in seconds (``None`` until timed): a
     read of one token as a chain extends, a token of a step's first read (at most
-    :data:`CATCH_UP` a row), and a token of a longer first read (a prompt). The models of one
-    engine, copies of the same weights, share theirs (:class:`decoder_client.engines.beside.ModelRows`).
+    :data:`CATCH_UP` a row), and a token of a longer first read (a prompt). Where rows read in
+    one forward, each is timed at its share of it. The models of one engine, copies of the same
+    weights, share theirs (:class:`decoder_client.engines.beside.ModelRows`).
     """
 
     read: float | None = None
@@ -519,7 +520,7 @@ def extend_many(models: Sequence[ChainModel], min_prob: float = 0.0) -> list[tup
     while going:
         start = time.perf_counter()
         read = read_many([models[i] for i in going], [np.array(tokens[i][-1:], dtype=np.int32) for i in going])
-        seconds = time.perf_counter() - start  # a read of one token each
+        seconds = (time.perf_counter() - start) / len(going)  # a row's share of a read of one token each
         for times in _distinct(models[i].times for i in going):
             times.read = _averaged(times.read, seconds)
         for i, p in zip(going, read, strict=True):

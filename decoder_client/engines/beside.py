@@ -333,7 +333,8 @@ class ModelRows:
         claims and chances), the model's chain where it holds a model and more of its chain is
         expected to be accepted (net of its cost, once ``cost`` has timed the steps). The models read
         every context and chain of the batch together, but for the rows whose chain could not
-        pay. A batch's read is priced to each row in it: the rule errs toward the cache."""
+        pay. A row's reads are priced at its share of the batch's (the models' times are kept
+        so), as a produced token's time is its share of the engine's step."""
         start = time.perf_counter()
         held = []
         probe = True  # a prompt's read may time the models' rate for prompts, one a batch
