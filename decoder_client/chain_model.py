@@ -490,7 +490,7 @@ def first_many(models: Sequence[ChainModel], contexts: Sequence[np.ndarray]) -> 
     probs = read_many([models[i] for i in fit], reads)
     seconds, fed = time.perf_counter() - start, sum(int(f.size) for f in reads)
     if fed:
-        prompt = fed > CATCH_UP * len(fit)  # not a step's tokens: a prompt's
+        prompt = any(f.size > CATCH_UP for f in reads)  # a prompt's read, not only steps' tokens
         for times in _distinct(models[i].times for i in fit):
             if prompt:
                 times.prompt = _averaged(times.prompt, seconds / fed)

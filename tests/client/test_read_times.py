@@ -51,6 +51,11 @@ def test_a_rows_reads_are_its_share_of_the_batchs_and_a_prompt_is_timed_apart() 
     first_many(rows, [np.append(_ids(prompt, r), _ids(2, prompt + r + 5)) for r in range(4)])
     assert shared.catch_up == pytest.approx(FORWARD_S / 8, rel=0.5)
     assert all(m.read_seconds == shared.read and m.prompt_seconds == shared.prompt for m in rows)
+    # A prompt among the rows makes the forward a prompt's: a step's catch-up is not timed by it.
+    catch_up = shared.catch_up
+    rows[0].reset()
+    first_many(rows, [np.append(_ids(prompt, r), _ids(3, prompt + r + 7)) for r in range(4)])
+    assert shared.catch_up == catch_up
 
 
 def test_a_model_alone_pays_its_whole_read_and_keeps_its_own_times() -> None:
