@@ -85,6 +85,7 @@ def test_a_draft_model_drafts_beside_the_cache_in_vllms_worker(
     assert accepted >= 0.8 * drafted > 0, (drafted, accepted)  # vLLM's own counters say the same
     assert stats["model_rows_live"] == 0, stats  # every request gave its model back
     assert stats["model_reads"] < stats["model_forwards"], stats  # the batch's rows read together
+    assert stats["model_waited"] == stats["model_skipped"] == 0, stats  # a configured cost prices no read
     assert_committed_once(serve, MODEL_NAMESPACE, batch, plain[0])
 
 
@@ -114,4 +115,6 @@ def test_a_draft_model_as_dear_as_its_target_stops_reading_in_vllms_worker(
     assert stats["errors"] == 0 and stats["commits_dropped"] == 0, stats
     rows, skipped, forwards = (stats[k] - first[k] for k in ("rows", "model_skipped", "model_forwards"))
     assert first["model_forwards"] > 0 and rows > 8, (first, stats)  # it read the batch's steps at first
+    # ... once the engine's first steps were timed: the batch's prompts waited for their price.
+    assert first["model_waited"] >= len(batch), first
     assert skipped >= rows - 2 and forwards <= 2, (first, stats)
