@@ -14,7 +14,9 @@ later read of every token the step produces; the model's, its verification and i
 chain extends (:class:`ReadPrices`). Where even a chain of the model's right throughout could not
 beat the cache's draft, the model reads nothing that step: it catches up when next asked. A
 prompt is a read of its own (:func:`plan_read`): it waits for the engine's first steps to be
-timed, and is read only where the chain pays for that read too. A draft model as slow as its
+timed, and is read only where the chains pay for that read too, a share of it on each step the
+request is expected to run, by the lengths of the engine's requests that ended
+(:class:`~decoder_client.engines.request_steps.RequestSteps`). A draft model as slow as its
 target then costs the engine nothing but the steps it pays for. The
 proposer's time in the model's reads is its own, not the engine's: the adapters take it out of
 the step they record (:meth:`ModelRows.spent`), or the cut would charge it to every proposed
@@ -48,6 +50,7 @@ from decoder_client.chain_model import (
     first_many,
     model_goes,
 )
+from decoder_client.engines.request_steps import RequestSteps
 from decoder_client.engines.step_cost import StepCost, cut
 
 
@@ -85,13 +88,15 @@ def beside(
     max_len: int,
     min_prob: float,
     cost: StepCost | None = None,
+    serves: float = 1.0,
 ) -> Proposal:
     """The cache's chain (``chain``, ``claims``, ``scores``, as
     :func:`~decoder_client.engines.step_cost.chain_to_propose` gives them) or the model's after
     ``context``, whichever is expected to have more tokens accepted (once ``cost`` has timed the
     engine's steps, net of what each costs); the model's is at most ``max_len`` tokens, cut at
     ``min_prob`` (its tokens by the model's record). The model reads ``context`` unless its chain
-    could not pay (its cache follows the request).
+    could not pay (its cache follows the request); a prompt's read is charged to the ``serves``
+    steps the request is expected to run (:func:`plan_read`).
 
     >>> from decoder_client.chain_model import NextToken
     >>> class Sure:  # a model sure of 7, 8, then less so
@@ -119,7 +124,7 @@ def beside(
     True
     """
     ours = Proposal(chain, claims, scores, False)
-    plan = plan_read(model, context, ours, max_len, cost)
+    plan = plan_read(model, context, ours, max_len, cost, serves=serves)
     if not plan.reads:
         return ours._replace(unread=True, waited=plan.waits)
     if not _model_goes(model.first(context), ours, max_len, min_prob, plan.prices):
@@ -200,10 +205,24 @@ class ReadPrices(NamedTuple):
         whose steps produced its tokens."""
         return unread * (self.prompt or 0.0) if unread > CATCH_UP else 0.0
 
-    def could_pay(self, ours: Proposal, max_len: int, unread: int = 0) -> bool:
+    def could_pay(self, ours: Proposal, max_len: int, unread: int = 0, serves: float = 1.0) -> bool:
         """Whether the model's chain of ``max_len``, were it right throughout, would be worth
-        more than the cache's draft ``ours``, the model's read of its ``unread`` tokens first."""
-        mine = self.model(np.ones(max_len)) - self.prompt_read(unread) / self.token_s
+        more than the cache's draft ``ours``, the model's read of its ``unread`` tokens first.
+        A prompt's read serves the request's later steps too: it is charged to each of the
+        ``serves`` steps the request is expected to run from this one
+        (:class:`~decoder_client.engines.request_steps.RequestSteps`), each worth as much.
+
+        >>> cost = StepCost(prior=0.3)
+        >>> for i in range(64):  # 20 ms a step, 2 ms per proposed token, one token a step
+        ...     cost.record(0.020 + 0.002 * (i % 5), i % 5, rows=1, produced=1)
+        >>> prices = ReadPrices.at(cost, read=0.002, catch_up=0.001, prompt=0.001)  # a model a tenth as dear
+        >>> ours = Proposal(np.arange(3), np.zeros(3), np.array([0.9, 0.6, 0.5]), False)
+        >>> prices.could_pay(ours, 8, unread=400)  # 400 ms of prompt: 17 tokens' worth, in one step
+        False
+        >>> prices.could_pay(ours, 8, unread=400, serves=20)  # ... or less than one a step over 20
+        True
+        """
+        mine = self.model(np.ones(max_len)) - self.prompt_read(unread) / (self.token_s * max(serves, 1.0))
         return mine > self.cache(expected_tokens(ours.scores), int(ours.chain.size))
 
 
@@ -214,14 +233,16 @@ def plan_read(
     max_len: int,
     cost: StepCost | None,
     may_probe: bool = True,
+    serves: float = 1.0,
 ) -> ReadPlan:
     """Whether ``model`` reads ``context`` this step, beside the cache's draft ``ours``.
 
     - A step's catch-up is read unless a chain of ``max_len`` right throughout could not pay.
     - A prompt (more than :data:`~decoder_client.chain_model.CATCH_UP` tokens unread) waits
-      while ``cost`` is timing the engine's first steps; once they are, the chain pays for its
-      read too. The first read of a prompt, which times the rate, is priced as a catch-up; while
-      it is untimed, a read that would be a second (``may_probe`` false) waits.
+      while ``cost`` is timing the engine's first steps; once they are, the chains of the
+      ``serves`` steps the request is expected to run pay for its read too. The first read of
+      a prompt, which times the rate, is priced as a catch-up; while it is untimed, a read that
+      would be a second (``may_probe`` false) waits.
     - Where ``cost`` is configured rather than timed, or absent, the model reads every step.
 
     >>> from decoder_client.chain_model import NextToken
@@ -238,6 +259,8 @@ def plan_read(
     True
     >>> plan_read(Model(), np.arange(64), ours, 8, cost).reads  # ... less a 64-token prompt's 6.4
     False
+    >>> plan_read(Model(), np.arange(64), ours, 8, cost, serves=4).reads  # ... or its 1.6 a step over 4
+    True
     >>> class Untimed(Model):
     ...     prompt_seconds = None
     >>> first = plan_read(Untimed(), np.arange(64), ours, 8, cost)
@@ -256,7 +279,7 @@ def plan_read(
         if not may_probe:
             return ReadPlan(False, prices, waits=True)
         return ReadPlan(prices.could_pay(ours, max_len), prices, probe=True)
-    return ReadPlan(prices.could_pay(ours, max_len, unread), prices)
+    return ReadPlan(prices.could_pay(ours, max_len, unread, serves), prices)
 
 
 def _unread(model: ChainSource, context: np.ndarray) -> int:
@@ -318,6 +341,8 @@ class ModelRows:
         self.skipped = 0  # rows held a model but did not read: its chain could not have paid
         self.waited = 0  # ... or its prompt waited for a price
         self.times = ReadTimes()  # what the models' reads take: copies of one model's weights, timed together
+        self.steps = RequestSteps()  # how long the engine's requests run: what a prompt's read serves
+        self._ages: dict[Hashable, int] = {}  # the steps each running request has drafted
         self._seconds = 0.0  # the models' reads since spent() last took them
 
     def beside(
@@ -334,14 +359,17 @@ class ModelRows:
         expected to be accepted (net of its cost, once ``cost`` has timed the steps). The models read
         every context and chain of the batch together, but for the rows whose chain could not
         pay. A row's reads are priced at its share of the batch's (the models' times are kept
-        so), as a produced token's time is its share of the engine's step."""
+        so), as a produced token's time is its share of the engine's step; a prompt's read at its
+        share of each step the request is expected to run yet (:attr:`steps`)."""
         start = time.perf_counter()
         held = []
         probe = True  # a prompt's read may time the models' rate for prompts, one a batch
         for i, r in enumerate(requests):
+            age = self._ages.get(r, 0)
+            self._ages[r] = age + 1
             if (m := self.get(r)) is None:
                 continue
-            plan = plan_read(m, contexts[i], ours[i], max_lens[i], cost, probe)
+            plan = plan_read(m, contexts[i], ours[i], max_lens[i], cost, probe, self.steps.remaining(age))
             if plan.waits:
                 self.waited += 1
             elif not plan.reads:
@@ -388,8 +416,10 @@ class ModelRows:
         return model
 
     def release(self, requests: Iterable[Hashable]) -> None:
-        """These requests ended: their models forget them and are free for others."""
+        """These requests ended: their models forget them and are free for others, and their
+        steps count to how long the engine's requests run."""
         for request in requests:
+            self.steps.ended(self._ages.pop(request, 0))
             model = self._held.pop(request, None)
             if model is not None:
                 model.reset()  # its cache's memory goes now, not at the next request

@@ -62,6 +62,7 @@ from decoder_client.client.session import TopkAt, TopkRows
 from decoder_client.engines.beside import beside
 from decoder_client.engines.deadline import StepDeadline
 from decoder_client.engines.outcomes import ChainOutcomes
+from decoder_client.engines.request_steps import RequestSteps
 from decoder_client.engines.settings import EngineSettings
 from decoder_client.engines.step_clock import StepClock
 from decoder_client.engines.step_cost import StepCost, chain_to_propose
@@ -220,6 +221,8 @@ class DraftcacheDraftModel(LlamaDraftModel):
         self.chain_model = chain_model  # a small model drafting beside the cache (decoder_client.chain_model)
         self._model_draft = False  # whether the last proposal was the model's
         self._model_seconds = 0.0  # the model's part of the last call (its reads)
+        self.request_steps = RequestSteps()  # how long generations run: what the model's read of a prompt serves
+        self._age = 0  # the steps the open generation has drafted
 
     @classmethod
     def connect(
@@ -302,7 +305,10 @@ class DraftcacheDraftModel(LlamaDraftModel):
         self._model_draft, self._model_seconds = False, 0.0
         if self.chain_model is not None:
             reading = time.perf_counter()
-            proposal = beside(self.chain_model, ids, chain, claims, scores, self.num_pred_tokens, min_prob, self.cost)
+            serves = self.request_steps.remaining(self._age)
+            proposal = beside(
+                self.chain_model, ids, chain, claims, scores, self.num_pred_tokens, min_prob, self.cost, serves
+            )
             self._model_seconds = time.perf_counter() - reading
             chain, claims, scores, self._model_draft = proposal.chain, proposal.claims, proposal.scores, proposal.model
             self.stats.model_skipped += proposal.unread and not proposal.waited
@@ -311,6 +317,7 @@ class DraftcacheDraftModel(LlamaDraftModel):
             (n,) = self.cost.keep([scores])
             chain, claims = chain[:n], claims[:n]
         chain = chain.astype(np.intc)
+        self._age += 1
         self._sequence, self._draft, self._claims = ids, chain, claims[: chain.size]
         self.stats.calls += 1
         self.stats.seconds += time.perf_counter() - start
@@ -375,6 +382,8 @@ class DraftcacheDraftModel(LlamaDraftModel):
         """End the open generation, if any, and commit it. ``sequence``: the generation's final
         tokens (prompt included); what the session has not heard of them goes with the close."""
         session, self._session = self._session, None
+        self.request_steps.ended(self._age)
+        self._age = 0
         if session is None:
             return
         if sequence is not None:

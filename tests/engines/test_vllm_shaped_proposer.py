@@ -548,6 +548,8 @@ def test_a_draft_model_drafts_beside_the_cache(running: Running, tmp_path: Path)
         assert stats["chains"]["proposed_tokens"] == engine.verified - stats["model_proposed"], stats
         eventually(lambda: namespace_info(running).requests == len(reqs), 10)
         eventually(lambda: proposer.stats()["model_rows_live"] == 0, 10)  # idle: every request ended
+        # ... and each counted the steps it drafted: what a prompt's read is charged over.
+        assert 1 < proposer.stats()["model_request_steps"] <= engine.steps
     finally:
         proposer.shutdown()
 

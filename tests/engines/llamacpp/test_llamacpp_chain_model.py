@@ -99,6 +99,9 @@ def test_beside_a_cache_that_is_down_it_drafts_and_the_output_is_unchanged(make_
     assert stats.mean_accepted_tokens > 4.0
     # Only the cache's proposals reach the outcomes that correct its chances.
     assert draft.outcomes.summary()["proposed_tokens"] == stats.proposed - stats.model_proposed
+    # Each generation's steps, counted as it ended: what the model's read of a prompt serves.
+    assert draft.request_steps.count == len(QUESTIONS)
+    assert draft.request_steps.remaining(0) == pytest.approx(stats.calls / len(QUESTIONS))
     draft.close()
 
 
