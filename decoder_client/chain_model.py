@@ -242,6 +242,12 @@ class ReadTimes:
     catch_up: float | None = None
     prompt: float | None = None
 
+    def restart(self) -> None:
+        """Time a step's reads anew: what their averages held is stale (the model read nothing
+        for long, :class:`decoder_client.engines.read_retry.ReadRetry`). A prompt's rate is kept,
+        to be moved by the next prompt read."""
+        self.read = self.catch_up = None
+
 
 @dataclass(frozen=True)
 class StepCosts:

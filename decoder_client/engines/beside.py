@@ -50,6 +50,7 @@ from decoder_client.chain_model import (
     first_many,
     model_goes,
 )
+from decoder_client.engines.read_retry import ReadRetry
 from decoder_client.engines.request_steps import RequestSteps
 from decoder_client.engines.step_cost import StepCost, cut
 
@@ -57,8 +58,9 @@ from decoder_client.engines.step_cost import StepCost, cut
 class Proposal(NamedTuple):
     """One request's chain this step: its tokens, the cache's claims for them (empty for the
     model's), each token's chance of being reached, whether it is the model's, whether the
-    model read nothing for it (its chain could not have paid, or its prompt waited), and
-    whether that was a prompt waiting for its price."""
+    model read nothing for it (its chain could not have paid, or its prompt waited), whether
+    that was a prompt waiting for its price, and whether the model read though priced out
+    (:class:`~decoder_client.engines.read_retry.ReadRetry`)."""
 
     chain: np.ndarray
     claims: np.ndarray
@@ -66,6 +68,7 @@ class Proposal(NamedTuple):
     model: bool
     unread: bool = False
     waited: bool = False
+    retried: bool = False
 
 
 class ReadPlan(NamedTuple):
@@ -89,6 +92,7 @@ def beside(
     min_prob: float,
     cost: StepCost | None = None,
     serves: float = 1.0,
+    retry: ReadRetry | None = None,
 ) -> Proposal:
     """The cache's chain (``chain``, ``claims``, ``scores``, as
     :func:`~decoder_client.engines.step_cost.chain_to_propose` gives them) or the model's after
@@ -96,7 +100,9 @@ def beside(
     engine's steps, net of what each costs); the model's is at most ``max_len`` tokens, cut at
     ``min_prob`` (its tokens by the model's record). The model reads ``context`` unless its chain
     could not pay (its cache follows the request); a prompt's read is charged to the ``serves``
-    steps the request is expected to run (:func:`plan_read`).
+    steps the request is expected to run (:func:`plan_read`). With ``retry``, a model priced out
+    for long enough reads anyway, its chain extended, and the rule weighs it by what those reads
+    took (:class:`~decoder_client.engines.read_retry.ReadRetry`).
 
     >>> from decoder_client.chain_model import NextToken
     >>> class Sure:  # a model sure of 7, 8, then less so
@@ -125,6 +131,17 @@ def beside(
     """
     ours = Proposal(chain, claims, scores, False)
     plan = plan_read(model, context, ours, max_len, cost, serves=serves)
+    if retry is not None and not plan.reads and not plan.waits and retry.due():
+        retry.retried()
+        if (times := getattr(model, "times", None)) is not None:
+            times.restart()
+        nxt = model.first(context)
+        tokens, probs = model.extend(min_prob) if nxt is not None else (np.zeros(0), np.zeros(0))
+        if _model_goes(nxt, ours, max_len, min_prob, ReadPrices.of(model, cost)):
+            ours = _model_proposal(ours, tokens, probs, max_len, min_prob)
+        return ours._replace(retried=True)
+    if retry is not None and not plan.waits:
+        retry.after(read=plan.reads)
     if not plan.reads:
         return ours._replace(unread=True, waited=plan.waits)
     if not _model_goes(model.first(context), ours, max_len, min_prob, plan.prices):
@@ -340,6 +357,8 @@ class ModelRows:
         self.reads = 0  # reads of the batch: one for the step's contexts, one per depth of its chains
         self.skipped = 0  # rows held a model but did not read: its chain could not have paid
         self.waited = 0  # ... or its prompt waited for a price
+        self.retried = 0  # rows read though priced out, to time the reads again
+        self.retry = ReadRetry()  # when a model priced out reads anyway
         self.times = ReadTimes()  # what the models' reads take: copies of one model's weights, timed together
         self.steps = RequestSteps()  # how long the engine's requests run: what a prompt's read serves
         self._ages: dict[Hashable, int] = {}  # the steps each running request has drafted
@@ -360,9 +379,11 @@ class ModelRows:
         every context and chain of the batch together, but for the rows whose chain could not
         pay. A row's reads are priced at its share of the batch's (the models' times are kept
         so), as a produced token's time is its share of the engine's step; a prompt's read at its
-        share of each step the request is expected to run yet (:attr:`steps`)."""
+        share of each step the request is expected to run yet (:attr:`steps`). Where every row
+        has been priced out for long enough, all read together, their chains extended, and the
+        rule weighs them by what those reads took (:attr:`retry`)."""
         start = time.perf_counter()
-        held = []
+        held, priced_out = [], []
         probe = True  # a prompt's read may time the models' rate for prompts, one a batch
         for i, r in enumerate(requests):
             age = self._ages.get(r, 0)
@@ -373,22 +394,34 @@ class ModelRows:
             if plan.waits:
                 self.waited += 1
             elif not plan.reads:
-                self.skipped += 1
+                priced_out.append((i, m, plan.prices))
             else:
                 probe = probe and not plan.probe
                 held.append((i, m, plan.prices))
+        retrying = not held and bool(priced_out) and self.retry.due()
+        if retrying:
+            self.retry.retried()
+            self.times.restart()
+            self.retried += len(priced_out)
+            held = priced_out
+        else:
+            self.skipped += len(priced_out)
+            if held or priced_out:
+                self.retry.after(read=bool(held))
         nexts = first_many([m for _, m, _ in held], [contexts[i] for i, _, _ in held])
         self.reads += 1 if held else 0
         going = [
-            (i, m)
+            (i, m, nxt)
             for (i, m, prices), nxt in zip(held, nexts, strict=True)
-            if _model_goes(nxt, ours[i], max_lens[i], min_prob, prices)
+            if (nxt is not None if retrying else _model_goes(nxt, ours[i], max_lens[i], min_prob, prices))
         ]
-        chains = extend_many([m for _, m in going], min_prob)
+        chains = extend_many([m for _, m, _ in going], min_prob)
         self.reads += max((t.size - 1 for t, _ in chains), default=0)
         self._seconds += time.perf_counter() - start
         out = list(ours)
-        for (i, _), (tokens, probs) in zip(going, chains, strict=True):
+        for (i, m, nxt), (tokens, probs) in zip(going, chains, strict=True):
+            if retrying and not _model_goes(nxt, ours[i], max_lens[i], min_prob, ReadPrices.of(m, cost)):
+                continue  # read to be timed, and still not worth its reads
             out[i] = _model_proposal(ours[i], tokens, probs, max_lens[i], min_prob)
         return out
 

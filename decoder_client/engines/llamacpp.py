@@ -62,6 +62,7 @@ from decoder_client.client.session import TopkAt, TopkRows
 from decoder_client.engines.beside import beside
 from decoder_client.engines.deadline import StepDeadline
 from decoder_client.engines.outcomes import ChainOutcomes
+from decoder_client.engines.read_retry import ReadRetry
 from decoder_client.engines.request_steps import RequestSteps
 from decoder_client.engines.settings import EngineSettings
 from decoder_client.engines.step_clock import StepClock
@@ -132,6 +133,7 @@ class DraftStats:
     model_accepted: int = 0  # of those, accepted
     model_skipped: int = 0  # calls whose model read nothing: its chain could not have paid
     model_waited: int = 0  # ... or its prompt waited for a price
+    model_retried: int = 0  # calls whose model read though priced out, to be timed again
     seconds: float = 0.0  # spent inside the calls: the client's work, the round trip, the draft model
 
     @property
@@ -223,6 +225,7 @@ class DraftcacheDraftModel(LlamaDraftModel):
         self._model_seconds = 0.0  # the model's part of the last call (its reads)
         self.request_steps = RequestSteps()  # how long generations run: what the model's read of a prompt serves
         self._age = 0  # the steps the open generation has drafted
+        self.read_retry = ReadRetry()  # when the model, priced out, reads anyway to be timed again
 
     @classmethod
     def connect(
@@ -307,12 +310,22 @@ class DraftcacheDraftModel(LlamaDraftModel):
             reading = time.perf_counter()
             serves = self.request_steps.remaining(self._age)
             proposal = beside(
-                self.chain_model, ids, chain, claims, scores, self.num_pred_tokens, min_prob, self.cost, serves
+                self.chain_model,
+                ids,
+                chain,
+                claims,
+                scores,
+                self.num_pred_tokens,
+                min_prob,
+                self.cost,
+                serves,
+                self.read_retry,
             )
             self._model_seconds = time.perf_counter() - reading
             chain, claims, scores, self._model_draft = proposal.chain, proposal.claims, proposal.scores, proposal.model
             self.stats.model_skipped += proposal.unread and not proposal.waited
             self.stats.model_waited += proposal.waited
+            self.stats.model_retried += proposal.retried
         if self.cost is not None:  # what the step pays for, its own cost included (none where nothing pays)
             (n,) = self.cost.keep([scores])
             chain, claims = chain[:n], claims[:n]

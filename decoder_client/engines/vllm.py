@@ -342,8 +342,9 @@ class DraftcacheProposer:
         tokens in them and how many were accepted, requests holding a model now, its
         per-request forward passes, the batch's reads (one per depth for all rows, where they
         share a forward), the rows that read nothing (the model's chain could not have paid)
-        and the tokens read, and the steps a new request is expected to run (by those that
-        ended: what a prompt's read is charged over)."""
+        or waited for a price, those read though priced out (to be timed again), the tokens
+        read, and the steps a new request is expected to run (by those that ended: what a
+        prompt's read is charged over)."""
         if self._models is None:
             return {}
         return {
@@ -355,6 +356,7 @@ class DraftcacheProposer:
             "model_reads": self._models.reads,
             "model_skipped": self._models.skipped,
             "model_waited": self._models.waited,
+            "model_retried": self._models.retried,
             "model_tokens_read": self._models.fed,
             "model_request_steps": round(self._models.steps.remaining(0), 1),
         }
