@@ -12,12 +12,14 @@ each draft is weighed net of what it costs, in tokens' worth as the engine's cut
 (seconds over the time a produced token takes): the cache's, its verification and the model's
 later read of every token the step produces; the model's, its verification and its reads as its
 chain extends (:class:`ReadPrices`). Where even a chain of the model's right throughout could not
-beat the cache's draft, the model reads nothing that step: it catches up when next asked. A
+beat the cache's draft, the model reads nothing that step: it catches up when next asked (a
+model priced out for long reads once more now and then, to be timed again:
+:class:`~decoder_client.engines.read_retry.ReadRetry`). A
 prompt is a read of its own (:func:`plan_read`): it waits for the engine's first steps to be
 timed, and is read only where the chains pay for that read too, a share of it on each step the
 request is expected to run, by the lengths of the engine's requests that ended
 (:class:`~decoder_client.engines.request_steps.RequestSteps`). A draft model as slow as its
-target then costs the engine nothing but the steps it pays for. The
+target then costs the engine the steps it pays for and a retry's reads, ever further apart. The
 proposer's time in the model's reads is its own, not the engine's: the adapters take it out of
 the step they record (:meth:`ModelRows.spent`), or the cut would charge it to every proposed
 token.
@@ -131,22 +133,33 @@ def beside(
     """
     ours = Proposal(chain, claims, scores, False)
     plan = plan_read(model, context, ours, max_len, cost, serves=serves)
-    if retry is not None and not plan.reads and not plan.waits and retry.due():
+    retried = False
+    if retry is not None and isinstance(model, ChainModel) and not plan.reads and not plan.waits and retry.due():
         retry.retried()
-        if (times := getattr(model, "times", None)) is not None:
-            times.restart()
-        nxt = model.first(context)
-        tokens, probs = model.extend(min_prob) if nxt is not None else (np.zeros(0), np.zeros(0))
-        if _model_goes(nxt, ours, max_len, min_prob, ReadPrices.of(model, cost)):
-            ours = _model_proposal(ours, tokens, probs, max_len, min_prob)
-        return ours._replace(retried=True)
+        time_reads([model], [context])  # what it held is forgotten: its next read is the whole context
+        plan, retried = plan_read(model, context, ours, max_len, cost, serves=serves), True
     if retry is not None and not plan.waits:
         retry.after(read=plan.reads)
     if not plan.reads:
-        return ours._replace(unread=True, waited=plan.waits)
+        return ours._replace(unread=True, waited=plan.waits, retried=retried)
+    ours = ours._replace(retried=retried)
     if not _model_goes(model.first(context), ours, max_len, min_prob, plan.prices):
         return ours
-    return _model_proposal(ours, *model.extend(min_prob), max_len, min_prob)
+    return _model_proposal(ours, *model.extend(min_prob), max_len, min_prob)._replace(retried=retried)
+
+
+def time_reads(models: Sequence[ChainModel], contexts: Sequence[np.ndarray]) -> None:
+    """Time a step's reads anew (:meth:`~decoder_client.chain_model.ReadTimes.restart`): each of
+    ``models`` reads the last two tokens of its context, as a step's catch-up, and extends a
+    chain from them, all in one forward per depth, then forgets them. Nothing they give is
+    proposed; a model holds nothing after."""
+    for m in models:
+        m.times.restart()
+        m.reset()
+    nexts = first_many(models, [c[-2:] for c in contexts])
+    extend_many([m for m, nxt in zip(models, nexts, strict=True) if nxt is not None])
+    for m in models:
+        m.reset()
 
 
 class ReadPrices(NamedTuple):
@@ -357,8 +370,9 @@ class ModelRows:
         self.reads = 0  # reads of the batch: one for the step's contexts, one per depth of its chains
         self.skipped = 0  # rows held a model but did not read: its chain could not have paid
         self.waited = 0  # ... or its prompt waited for a price
-        self.retried = 0  # rows read though priced out, to time the reads again
-        self.retry = ReadRetry()  # when a model priced out reads anyway
+        self.retried = 0  # rows priced out whose reads were timed again, and the rule asked again
+        self.retry = ReadRetry()  # when a model priced out has its reads timed again
+        self._scratch: list[ChainModel] = []  # models that time the reads for a retry, holding no request
         self.times = ReadTimes()  # what the models' reads take: copies of one model's weights, timed together
         self.steps = RequestSteps()  # how long the engine's requests run: what a prompt's read serves
         self._ages: dict[Hashable, int] = {}  # the steps each running request has drafted
@@ -380,8 +394,9 @@ class ModelRows:
         pay. A row's reads are priced at its share of the batch's (the models' times are kept
         so), as a produced token's time is its share of the engine's step; a prompt's read at its
         share of each step the request is expected to run yet (:attr:`steps`). Where every row
-        has been priced out for long enough, all read together, their chains extended, and the
-        rule weighs them by what those reads took (:attr:`retry`)."""
+        has been priced out for long enough, the step's reads are timed again at this batch, on
+        models of their own (:func:`time_reads`; the rows' models keep what they hold), and the
+        rule asked again (:attr:`retry`)."""
         start = time.perf_counter()
         held, priced_out = [], []
         probe = True  # a prompt's read may time the models' rate for prompts, one a batch
@@ -390,40 +405,53 @@ class ModelRows:
             self._ages[r] = age + 1
             if (m := self.get(r)) is None:
                 continue
-            plan = plan_read(m, contexts[i], ours[i], max_lens[i], cost, probe, self.steps.remaining(age))
+            serves = self.steps.remaining(age)
+            plan = plan_read(m, contexts[i], ours[i], max_lens[i], cost, probe, serves)
             if plan.waits:
                 self.waited += 1
             elif not plan.reads:
-                priced_out.append((i, m, plan.prices))
+                priced_out.append((i, m, serves))
             else:
                 probe = probe and not plan.probe
                 held.append((i, m, plan.prices))
-        retrying = not held and bool(priced_out) and self.retry.due()
-        if retrying:
+        if not held and priced_out and self.retry.due():
             self.retry.retried()
-            self.times.restart()
             self.retried += len(priced_out)
-            held = priced_out
-        else:
-            self.skipped += len(priced_out)
-            if held or priced_out:
-                self.retry.after(read=bool(held))
+            time_reads(self._scratch_models(len(priced_out)), [contexts[i] for i, _, _ in priced_out])
+            again, priced_out = priced_out, []
+            for i, m, serves in again:
+                plan = plan_read(m, contexts[i], ours[i], max_lens[i], cost, probe, serves)
+                if plan.reads:
+                    probe = probe and not plan.probe
+                    held.append((i, m, plan.prices))
+                else:
+                    priced_out.append((i, m, serves))
+        self.skipped += len(priced_out)
+        if held or priced_out:
+            self.retry.after(read=bool(held))
         nexts = first_many([m for _, m, _ in held], [contexts[i] for i, _, _ in held])
         self.reads += 1 if held else 0
         going = [
-            (i, m, nxt)
+            (i, m)
             for (i, m, prices), nxt in zip(held, nexts, strict=True)
-            if (nxt is not None if retrying else _model_goes(nxt, ours[i], max_lens[i], min_prob, prices))
+            if _model_goes(nxt, ours[i], max_lens[i], min_prob, prices)
         ]
-        chains = extend_many([m for _, m, _ in going], min_prob)
+        chains = extend_many([m for _, m in going], min_prob)
         self.reads += max((t.size - 1 for t, _ in chains), default=0)
         self._seconds += time.perf_counter() - start
         out = list(ours)
-        for (i, m, nxt), (tokens, probs) in zip(going, chains, strict=True):
-            if retrying and not _model_goes(nxt, ours[i], max_lens[i], min_prob, ReadPrices.of(m, cost)):
-                continue  # read to be timed, and still not worth its reads
+        for (i, _), (tokens, probs) in zip(going, chains, strict=True):
             out[i] = _model_proposal(ours[i], tokens, probs, max_lens[i], min_prob)
         return out
+
+    def _scratch_models(self, n: int) -> list[ChainModel]:
+        """``n`` models that hold no request, to time reads with (made as the rows' are, the
+        weights shared, their times the rows')."""
+        while len(self._scratch) < n:
+            model = self._make()
+            model.times = self.times
+            self._scratch.append(model)
+        return self._scratch[:n]
 
     def spent(self) -> float:
         """Seconds the models read for since the last call of this: the proposer's time in a
@@ -467,9 +495,9 @@ class ModelRows:
     def forwards(self) -> int:
         """Forward passes of every model made, a request's share of a batch's counted as one
         of its own."""
-        return sum(m.forwards for m in self._made)
+        return sum(m.forwards for m in [*self._made, *self._scratch])
 
     @property
     def fed(self) -> int:
         """Tokens those passes read."""
-        return sum(m.fed for m in self._made)
+        return sum(m.fed for m in [*self._made, *self._scratch])

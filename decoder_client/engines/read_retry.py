@@ -1,16 +1,17 @@
-"""When a draft model that its prices keep from reading is read again anyway.
+"""When a draft model that its prices keep from reading has its reads timed again.
 
 The beside rule prices a model's reads by what its reads have taken (moving averages), and a
 model it prices out makes no reads: what they take is never timed again. So a price from a bad
 moment would hold for good: reads timed while the host was busy, or one row at a time (an
-engine's first request) where the rows of a batch would share each forward. :class:`ReadRetry`
-has the rows read once more, all the batch's together and their chains extended, their step's
-reads timed anew (:meth:`~decoder_client.chain_model.ReadTimes.restart`), after
-``first`` steps on which every row was priced out, then after twice as many each time the retry
-leaves it priced out (at most ``most``): a model that cannot pay costs a read every ``first``,
-``2 first``, ``4 first``, ... steps, a share that halves each time, and one that can is found
-within ``first`` steps of its reads' getting cheaper. A step on which the model read its
-price's way starts the count again.
+engine's first request) where the rows of a batch would share each forward. After ``first``
+steps on which every row was priced out, :class:`ReadRetry` has a step's reads timed anew
+(:func:`decoder_client.engines.beside.time_reads`: two tokens read and a chain extended, as many
+rows together as the batch has, on models that hold no request where an engine keeps one per
+request, else on the model itself, which then reads its whole context when next asked), and the
+rule is asked again on those times; then after twice as many steps each time that leaves it
+priced out (at most ``most``). A model that cannot pay costs a step's worth of reads every
+``first``, ``2 first``, ``4 first``, ... steps, and one whose reads got cheaper is found within
+``first`` steps. A step on which the model read its price's way starts the count again.
 
 >>> retry = ReadRetry(first=2, most=8)
 >>> retry.after(read=False); retry.due()  # a step priced out

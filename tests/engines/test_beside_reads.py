@@ -3,8 +3,9 @@
 - A read of a prompt serves every later step of its request: an engine's models read a long
   prompt where the chains of the steps its requests run would repay it, though one step's chain
   would not, and the lengths they go by are the engine's own finished requests.
-- A model priced out is read again, after twice as many priced-out steps each time: one that
-  stays dear costs a read now and then, and one whose reads got cheaper is found so."""
+- A model priced out has its reads timed again, after twice as many priced-out steps each
+  time: one that stays dear costs a step's reads now and then, and one whose reads got cheaper
+  is found so."""
 
 from __future__ import annotations
 
@@ -135,18 +136,23 @@ def test_a_model_priced_out_is_read_again_and_found_cheaper(rows_of: str) -> Non
     read, out = step()
     assert read and out[0].model  # its first read is not yet priced, and its chain goes
     dear = [step() for _ in range(15)]
-    # Priced out from the second step; read again after 4 steps priced out, then after 8.
+    # Priced out from the second step; its reads timed again after 4 steps priced out, then 8.
     assert retry.count == 2 and retry.patience == 16
-    assert [i for i, (read, _) in enumerate(dear) if read] == [4, 13]
+    assert [i for i, (read, _) in enumerate(dear) if read] == [4, 12]
     assert not any(p.model for _, out in dear for p in out)
     assert times.read is not None and times.read > 0.015  # 40 ms a forward, a row's share at the batch
     # The model's forwards get cheap (a millisecond): the next retry, after 16 priced-out
     # steps, times its reads anew, and from then on it reads every step and its chains go.
     Model.forward_s = 0.001
     cheap = [step() for _ in range(24)]
-    assert [i for i, (read, _) in enumerate(cheap) if read] == list(range(15, 24))
+    assert [i for i, (read, _) in enumerate(cheap) if read] == list(range(13, 24))
     assert retry.count == 3 and retry.patience == 4
     assert times.read is not None and times.read < 0.01
-    assert all(p.model for _, out in cheap[16:] for p in out)
-    if rows_of == "batch":  # both rows read in each retry
-        assert rows.retried == 6 and rows.skipped == 2 * (13 + 15)
+    assert all(p.model for _, out in cheap[14:] for p in out)
+    if rows_of == "batch":  # both rows timed in each retry, and priced out but in the last
+        assert rows.retried == 6 and rows.skipped == 2 * (15 + 13)
+        # The reads were timed on models of their own: the rows' models kept what they held
+        # (their first 9 tokens) and read what came after as a step's catch-up. Had they
+        # forgotten it, each would have had a prompt to read, whose rate no read has timed:
+        # one would have read and timed it, the other waited.
+        assert rows.waited == 0
