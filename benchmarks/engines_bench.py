@@ -252,6 +252,7 @@ def make_runner(a: argparse.Namespace) -> Runner:
             prompt_cache_mib=a.llama_prompt_cache_mib,
             methods=a.methods,
             variants=a.variants,
+            draft_model=a.llama_draft_model,
         )
     from benchmarks.engines_vllm import VllmRunner
 
@@ -340,6 +341,13 @@ def parser() -> argparse.ArgumentParser:
         default=0,
         help="llama.cpp: draftcache sends the engine's top-k ids at every position a step verified (0: none, "
         "at most 8), which feed the namespace's successor tier",
+    )
+    p.add_argument(
+        "--llama-draft-model",
+        default="",
+        metavar="GGUF|smollm2",
+        help="llama.cpp: also run draftcache beside this small model (the target's tokenizer; 'smollm2': the "
+        "target's own GGUF) in a Llama of its own (draftcache-beside)",
     )
     p.add_argument(
         "--llama-prompt-cache-mib",

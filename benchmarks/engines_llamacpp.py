@@ -3,7 +3,10 @@
 greedy, the engine's own model-free drafter (``LlamaPromptLookupDecoding``) and draftcache as
 its draft model, one ``Llama`` each; and one more for each variant of draftcache
 (``LlamaCppBench.variants``: draft-model settings of its own, such as ``near``), drafting from a
-namespace of its own, as vLLM's benchmark runs its variants.
+namespace of its own, as vLLM's benchmark runs its variants. With a small GGUF model
+(``LlamaCppBench.draft_model``), draftcache drafts beside it as well (``draftcache-beside``: a
+variant whose draft model has a :class:`~decoder_client.engines.llamacpp_chains.LlamaChainModel`
+on a ``Llama`` of its own), as vLLM's benchmark runs it beside its draft model.
 
 The engine counts no drafts itself: each draft model's proposals are compared with the next
 call's sequence (:func:`decoder_client.engines.llamacpp.accepted_drafts`), the engine's own
@@ -20,12 +23,14 @@ from typing import Any
 
 import numpy as np
 
+from decoder_client.chain_model import ChainSource
 from decoder_client.engines.llamacpp import DraftcacheDraftModel, DraftStats, accepted_drafts
 from indexer.successors import MAX_TOPK
 
 ENGINE = "llama.cpp"
 PLAIN, LOOKUP, OURS = "plain", "prompt-lookup", "draftcache"
 METHODS = (PLAIN, LOOKUP, OURS)
+BESIDE = "draftcache-beside"  # draftcache beside the run's small model (LlamaCppBench.draft_model)
 
 
 def amx_backend_problem() -> str | None:
@@ -69,6 +74,8 @@ class LlamaCppBench:
     # ``near``): method name -> settings, each drafting from a namespace of its own
     # (NAMESPACE-NAME), as vLLM's benchmark runs its variants.
     variants: dict[str, dict[str, str]] = field(default_factory=dict)
+    # A small GGUF model with the target's tokenizer: the variant BESIDE drafts beside it (None: no such variant).
+    draft_model: Path | None = None
 
     def __post_init__(self) -> None:
         for name in ("n_ctx", "max_new_tokens", "num_pred_tokens", "lookup_max_ngram", "lookup_num_pred_tokens"):
@@ -80,6 +87,8 @@ class LlamaCppBench:
             raise ValueError(f"prompt_cache_mib must be >= 0, got {self.prompt_cache_mib}")
         if not 0 <= self.topk <= MAX_TOPK:
             raise ValueError(f"topk must be in [0, {MAX_TOPK}], got {self.topk}")
+        if (self.draft_model is None) != (BESIDE not in self.variants):
+            raise ValueError(f"the variant {BESIDE} and a draft_model go together")
 
 
 class CountedDraftModel:
@@ -182,6 +191,7 @@ class Engines:
     llms: dict[str, Any] = field(default_factory=dict)
     counters: dict[str, Any] = field(default_factory=dict)  # method -> object with .stats
     prompt_caches: dict[str, PromptCache] = field(default_factory=dict)  # method -> its engine's
+    chain_llms: list[Any] = field(default_factory=list)  # the small models drafting beside the cache
 
     @classmethod
     def load(cls, config: LlamaCppBench) -> Engines:
@@ -192,13 +202,13 @@ class Engines:
         if problem is not None:
             raise RuntimeError(problem)
 
-        def llama(draft_model: Any = None) -> Any:
+        def llama(draft_model: Any = None, model_path: Path = config.model_path) -> Any:
             # logits_all: see DraftcacheDraftModel.attach (prompts longer than n_batch fail without it)
             kwargs: dict[str, Any] = {"n_ctx": config.n_ctx, "verbose": False, "draft_model": draft_model}
             kwargs["logits_all"] = draft_model is not None
             if config.n_threads is not None:
                 kwargs |= {"n_threads": config.n_threads, "n_threads_batch": config.n_threads}
-            return Llama(model_path=str(config.model_path), **kwargs)
+            return Llama(model_path=str(model_path), **kwargs)
 
         engines = cls(config)
         lookup = CountedDraftModel(
@@ -212,7 +222,13 @@ class Engines:
         for method, settings in {OURS: {}, **config.variants}.items():
             if method != OURS:  # a variant's namespace of its own, made first
                 ensure_namespace(config.target, variant_namespace(config, method), vocab_size)
-            ours = draft_model(config, method, settings, vocab_size)
+            chains = None
+            if method == BESIDE and config.draft_model is not None:
+                from decoder_client.engines.llamacpp_chains import LlamaChainModel
+
+                chains = LlamaChainModel(llama(model_path=config.draft_model), config.num_pred_tokens)
+                engines.chain_llms.append(chains.llm)
+            ours = draft_model(config, method, settings, vocab_size, chains)
             engines.llms[method] = ours.attach(llama(ours))
             engines.counters[method] = ours
         if config.prompt_cache_mib:
@@ -227,14 +243,20 @@ class Engines:
         for method, counter in self.counters.items():
             if method == OURS or method in self.config.variants:
                 counter.close()
-        for llm in self.llms.values():
+        for llm in [*self.llms.values(), *self.chain_llms]:
             llm.close()
 
 
-def draft_model(config: LlamaCppBench, method: str, settings: dict[str, str], vocab_size: int) -> DraftcacheDraftModel:
+def draft_model(
+    config: LlamaCppBench,
+    method: str,
+    settings: dict[str, str],
+    vocab_size: int,
+    chain_model: ChainSource | None = None,
+) -> DraftcacheDraftModel:
     """draftcache as the draft model of ``method``: the run's settings, then ``settings`` (a
     variant's own); draftcache itself drafts from NAMESPACE, a variant (``draftcache-NAME``) from
-    NAMESPACE-NAME."""
+    NAMESPACE-NAME; beside ``chain_model``, if any."""
     from decoder_client.engines.settings import EngineSettings
 
     run = {
@@ -246,7 +268,7 @@ def draft_model(config: LlamaCppBench, method: str, settings: dict[str, str], vo
     }
     namespace = config.namespace if method == OURS else variant_namespace(config, method)
     parsed = EngineSettings.from_sources({**run, **settings, "namespace": namespace}, {})
-    return DraftcacheDraftModel.from_settings(parsed, config.num_pred_tokens, vocab_size)
+    return DraftcacheDraftModel.from_settings(parsed, config.num_pred_tokens, vocab_size, chain_model=chain_model)
 
 
 def variant_namespace(config: LlamaCppBench, method: str) -> str:

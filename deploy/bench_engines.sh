@@ -13,6 +13,9 @@
 #   bash deploy/bench_engines.sh --vllm-draft-model smollm2  # also vLLM's draft-model method with this
 #                                                   # model (a folder with SmolLM2's tokenizer) and
 #                                                   # draftcache beside it (draftcache-beside)
+#   bash deploy/bench_engines.sh --llama-draft-model smollm2  # llama.cpp: also draftcache beside this
+#                                                   # GGUF (SmolLM2's tokenizer) in a Llama of its own
+#                                                   # (draftcache-beside)
 #   bash deploy/bench_engines.sh --vllm-methods draftcache  # vLLM: these methods only, and plain (each
 #                                                   # engine holds 2-3 GB here: six at once need more)
 #   bash deploy/bench_engines.sh --vllm-batch 6     # vLLM: prompts 6 at a time, as concurrent requests
@@ -43,6 +46,7 @@ PRIOR_ON=1
 ENGINES="vllm,llama.cpp"
 VLLM_DTYPE=float32
 VLLM_DRAFT_MODEL=""
+LLAMA_DRAFT_MODEL=""
 VLLM_METHODS=""
 VLLM_BATCH=1
 while [ $# -gt 0 ]; do
@@ -53,9 +57,10 @@ while [ $# -gt 0 ]; do
     --engines) ENGINES="$2"; shift ;;
     --vllm-dtype) VLLM_DTYPE="$2"; shift ;;
     --vllm-draft-model) VLLM_DRAFT_MODEL="$2"; shift ;;
+    --llama-draft-model) LLAMA_DRAFT_MODEL="$2"; shift ;;
     --vllm-methods) VLLM_METHODS="$2"; shift ;;
     --vllm-batch) VLLM_BATCH="$2"; shift ;;
-    *) echo "usage: bash deploy/bench_engines.sh [--quick] [--cold] [--engines vllm,llama.cpp] [--vllm-dtype auto|float32|bfloat16] [--vllm-draft-model DIR|smollm2] [--vllm-methods ngram,suffix,draftcache] [--vllm-batch N]" >&2; exit 2 ;;
+    *) echo "usage: bash deploy/bench_engines.sh [--quick] [--cold] [--engines vllm,llama.cpp] [--vllm-dtype auto|float32|bfloat16] [--vllm-draft-model DIR|smollm2] [--llama-draft-model GGUF|smollm2] [--vllm-methods ngram,suffix,draftcache] [--vllm-batch N]" >&2; exit 2 ;;
   esac
   shift
 done
@@ -138,7 +143,7 @@ start_service() {  # $1: the service's data folder, emptied first
   SERVER=$!
   wait_healthy "$PORT"
   if [ "$PRIOR_ON" = 1 ]; then  # published into its storage, then loaded (and read by the near copies)
-    for ns in smollm2 smollm2-service ${VLLM_DRAFT_MODEL:+smollm2-beside}; do
+    for ns in smollm2 smollm2-service ${VLLM_DRAFT_MODEL:+smollm2-beside} ${LLAMA_DRAFT_MODEL:+smollm2-beside}; do
       draftcache warm --namespace "$ns" --tokenizer "$TOKENIZER" --from-prior "$PRIOR" --data-dir "$1" >>"$1.log" 2>&1
       draftcache rebuild --target "127.0.0.1:$PORT" --namespace "$ns" >>"$1.log" 2>&1
     done
@@ -157,6 +162,7 @@ run_engine() {  # $1 engine, $2 its python
     if [ -n "$VLLM_METHODS" ]; then EXTRA+=(--methods "$VLLM_METHODS"); fi
     EXTRA+=(--batch "$VLLM_BATCH")
   fi
+  if [ "$1" = llama.cpp ] && [ -n "$LLAMA_DRAFT_MODEL" ]; then EXTRA+=(--llama-draft-model "$LLAMA_DRAFT_MODEL"); fi
   if [ "$QUICK" = 0 ]; then  # also drafting through the service at every step
     EXTRA+=(--variant "service:near=false")
   fi

@@ -187,6 +187,61 @@ def test_llama_cpp_lines_for_every_workload_and_method(shared_data: Path, serve:
     assert {"smollm2", "smollm2-service"} <= names
 
 
+def test_llama_cpp_drafts_beside_a_small_model_of_its_own(serve: Serve) -> None:
+    # SmolLM2 beside itself in a Llama of its own (the only GGUF here), at a set token cost: the
+    # model reads every step and its chains, the target's own greedy text, go where the cache's
+    # are less likely, and are accepted (but where llama.cpp's batched arithmetic tips a near-tie).
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    from benchmarks.engines_llamacpp import BESIDE
+    from benchmarks.engines_llamacpp_runner import LlamaCppRunner
+
+    runner = LlamaCppRunner(
+        target=f"127.0.0.1:{serve.port}",
+        namespace="smollm2",
+        max_new_tokens=32,
+        deadline_s=0.25,
+        chain_min_prob=0.1,
+        token_cost=0.1,
+        methods=["draftcache"],
+        draft_model="smollm2",
+    )
+    try:
+        assert runner.methods == ("plain", "draftcache", BESIDE)
+        llm = runner._engines.llms["plain"]
+        text = b"<|im_start|>user\nList the planets of the solar system in order.<|im_end|>\n<|im_start|>assistant\n"
+        ids = llm.tokenize(text, add_bos=False, special=True)
+        plain = runner.run("plain", ids)
+        runner.begin_workload()
+        beside = runner.run(BESIDE, ids)
+        notes, alone = runner.workload_notes(BESIDE), runner.workload_notes("draftcache")
+    finally:
+        runner.close()
+    assert len(beside.tokens) == len(plain.tokens) > 16  # 32, or fewer where the answer ends
+    assert sum(a == b for a, b in zip(beside.tokens, plain.tokens, strict=True)) >= len(plain.tokens) - 4
+    assert notes["model_steps"] > 0 and notes["model_accepted"] >= 0.8 * notes["model_proposed"] > 0, notes
+    assert notes["model_skipped"] == notes["model_waited"] == 0  # a set cost prices no read
+    assert notes["model_forwards"] > 0 and notes["model_tokens_read"] >= len(ids)
+    assert beside.steps is not None and beside.steps < len(beside.tokens) / 2  # its chains went whole
+    assert "model_steps" not in alone  # draftcache without a model has no model's part
+
+
+def test_a_llama_cpp_draft_model_that_is_no_file_stops_the_run_before_any_engine_loads(
+    serve: Serve, tmp_path: Path
+) -> None:
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    from benchmarks.engines_llamacpp_runner import LlamaCppRunner
+
+    with pytest.raises(RuntimeError, match="no GGUF file"):
+        LlamaCppRunner(
+            target=f"127.0.0.1:{serve.port}",
+            namespace="smollm2",
+            max_new_tokens=8,
+            deadline_s=0.25,
+            chain_min_prob=0.1,
+            draft_model=str(tmp_path / "missing.gguf"),
+        )
+
+
 def test_a_variant_is_draftcache_with_its_own_settings_namespace_and_stats(tmp_path: Path) -> None:
     from benchmarks.engines_vllm import VllmBench, llm_kwargs, variant
 
