@@ -511,9 +511,11 @@ def first_many(models: Sequence[ChainModel], contexts: Sequence[np.ndarray]) -> 
     return out
 
 
-def extend_many(models: Sequence[ChainModel], min_prob: float = 0.0) -> list[tuple[np.ndarray, np.ndarray]]:
+def extend_many(
+    models: Sequence[ChainModel], min_prob: float = 0.0, most: int | None = None
+) -> list[tuple[np.ndarray, np.ndarray]]:
     """:meth:`ChainModel.extend` for each model (distinct models), one read of all the chains
-    still going per depth."""
+    still going per depth; with ``most``, chains of at most that many tokens."""
     tokens: list[list[int]] = []
     probs: list[list[float]] = []
     for m in models:
@@ -522,7 +524,8 @@ def extend_many(models: Sequence[ChainModel], min_prob: float = 0.0) -> list[tup
         tokens.append([m._next.token])
         probs.append([m._next.prob])
     reach = [p[0] for p in probs]
-    going = [i for i, m in enumerate(models) if m.k > 1 and reach[i] >= min_prob]
+    limit = [m.k if most is None else min(m.k, most) for m in models]
+    going = [i for i in range(len(models)) if limit[i] > 1 and reach[i] >= min_prob]
     while going:
         start = time.perf_counter()
         read = read_many([models[i] for i in going], [np.array(tokens[i][-1:], dtype=np.int32) for i in going])
@@ -536,7 +539,7 @@ def extend_many(models: Sequence[ChainModel], min_prob: float = 0.0) -> list[tup
             tokens[i].append(token)
             probs[i].append(float(p[token]))
             reach[i] *= probs[i][-1]
-        going = [i for i in going if len(tokens[i]) < models[i].k and reach[i] >= min_prob]
+        going = [i for i in going if len(tokens[i]) < limit[i] and reach[i] >= min_prob]
     out = [(np.array(t, dtype=np.int32), np.array(p, dtype=np.float32)) for t, p in zip(tokens, probs, strict=True)]
     for m, (chain, _) in zip(models, out, strict=True):
         m._next = None

@@ -148,16 +148,19 @@ def beside(
     return _model_proposal(ours, *model.extend(min_prob), max_len, min_prob)._replace(retried=retried)
 
 
+TIMING_READS = 3  # a retry's reads of one token as a chain extends (a chain of 4)
+
+
 def time_reads(models: Sequence[ChainModel], contexts: Sequence[np.ndarray]) -> None:
     """Time a step's reads anew (:meth:`~decoder_client.chain_model.ReadTimes.restart`): each of
     ``models`` reads the last two tokens of its context, as a step's catch-up, and extends a
-    chain from them, all in one forward per depth, then forgets them. Nothing they give is
-    proposed; a model holds nothing after."""
+    chain from them by :data:`TIMING_READS` reads, all in one forward per depth, then forgets
+    them. Nothing they give is proposed; a model holds nothing after."""
     for m in models:
         m.times.restart()
         m.reset()
     nexts = first_many(models, [c[-2:] for c in contexts])
-    extend_many([m for m, nxt in zip(models, nexts, strict=True) if nxt is not None])
+    extend_many([m for m, nxt in zip(models, nexts, strict=True) if nxt is not None], most=TIMING_READS + 1)
     for m in models:
         m.reset()
 

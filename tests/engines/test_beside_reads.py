@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from decoder_client.chain_model import ChainModel
-from decoder_client.engines.beside import ModelRows, Proposal, beside
+from decoder_client.engines.beside import TIMING_READS, ModelRows, Proposal, beside
 from decoder_client.engines.read_retry import ReadRetry
 from decoder_client.engines.request_steps import RequestSteps
 from decoder_client.engines.step_cost import StepCost
@@ -156,3 +156,24 @@ def test_a_model_priced_out_is_read_again_and_found_cheaper(rows_of: str) -> Non
         # forgotten it, each would have had a prompt to read, whose rate no read has timed:
         # one would have read and timed it, the other waited.
         assert rows.waited == 0
+
+
+def test_a_retry_times_a_few_reads_however_long_the_chains() -> None:
+    # Chains of 16 beside a model whose forwards take 40 ms: priced out after its first step.
+    # A retry's reads are a step's catch-up and a few of a chain's: not a chain of 16 a row.
+    cost = _engine()
+    nothing = Proposal(np.zeros(0, np.int64), np.zeros(0), np.zeros(0), False)
+
+    class Model(Timed):
+        forward_s = 0.04
+
+    rows = ModelRows(lambda: Model(k=16, vocab_size=VOCAB, max_positions=None), limit=2)
+    rows.retry = ReadRetry(first=1, most=8)
+    contexts = [_short(0), _short(5)]
+    forwards = []
+    for _ in range(3):
+        before = rows.forwards
+        rows.beside(["a", "b"], contexts, [nothing, nothing], [16, 16], 0.0, cost)
+        forwards.append(rows.forwards - before)
+        contexts = [np.append(c, np.int32((c[-1] + 1) % VOCAB)) for c in contexts]
+    assert forwards == [2 * 16, 0, 2 * (1 + TIMING_READS)] and rows.retried == 2 and rows.skipped == 4
