@@ -13,7 +13,7 @@ each draft is weighed net of what it costs, in tokens' worth as the engine's cut
 later read of every token the step produces; the model's, its verification and its reads as its
 chain extends (:class:`ReadPrices`). Where even a chain of the model's right throughout could not
 beat the cache's draft, the model reads nothing that step: it catches up when next asked (a
-model priced out for long reads once more now and then, to be timed again:
+model priced out for long has its reads timed again now and then:
 :class:`~decoder_client.engines.read_retry.ReadRetry`). A
 prompt is a read of its own (:func:`plan_read`): it waits for the engine's first steps to be
 timed, and is read only where the chains pay for that read too, a share of it on each step the
@@ -61,8 +61,8 @@ class Proposal(NamedTuple):
     """One request's chain this step: its tokens, the cache's claims for them (empty for the
     model's), each token's chance of being reached, whether it is the model's, whether the
     model read nothing for it (its chain could not have paid, or its prompt waited), whether
-    that was a prompt waiting for its price, and whether the model read though priced out
-    (:class:`~decoder_client.engines.read_retry.ReadRetry`)."""
+    that was a prompt waiting for its price, and whether the model's reads were timed again
+    this step (:class:`~decoder_client.engines.read_retry.ReadRetry`)."""
 
     chain: np.ndarray
     claims: np.ndarray
@@ -103,8 +103,9 @@ def beside(
     ``min_prob`` (its tokens by the model's record). The model reads ``context`` unless its chain
     could not pay (its cache follows the request); a prompt's read is charged to the ``serves``
     steps the request is expected to run (:func:`plan_read`). With ``retry``, a model priced out
-    for long enough reads anyway, its chain extended, and the rule weighs it by what those reads
-    took (:class:`~decoder_client.engines.read_retry.ReadRetry`).
+    for long enough has its reads timed again (:func:`time_reads`, on the model itself, which
+    then reads the whole context if it reads), and the rule is asked again on those times
+    (:class:`~decoder_client.engines.read_retry.ReadRetry`).
 
     >>> from decoder_client.chain_model import NextToken
     >>> class Sure:  # a model sure of 7, 8, then less so

@@ -133,7 +133,7 @@ class DraftStats:
     model_accepted: int = 0  # of those, accepted
     model_skipped: int = 0  # calls whose model read nothing: its chain could not have paid
     model_waited: int = 0  # ... or its prompt waited for a price
-    model_retried: int = 0  # calls whose model read though priced out, to be timed again
+    model_retried: int = 0  # calls on which the model, priced out, had its reads timed again
     seconds: float = 0.0  # spent inside the calls: the client's work, the round trip, the draft model
 
     @property

@@ -342,7 +342,7 @@ class DraftcacheProposer:
         tokens in them and how many were accepted, requests holding a model now, its
         per-request forward passes, the batch's reads (one per depth for all rows, where they
         share a forward), the rows that read nothing (the model's chain could not have paid)
-        or waited for a price, those read though priced out (to be timed again), the tokens
+        or waited for a price, those priced out whose reads were timed again, the tokens
         read, and the steps a new request is expected to run (by those that ended: what a
         prompt's read is charged over)."""
         if self._models is None:
