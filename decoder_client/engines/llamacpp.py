@@ -225,7 +225,7 @@ class DraftcacheDraftModel(LlamaDraftModel):
         self._model_seconds = 0.0  # the model's part of the last call (its reads)
         self.request_steps = RequestSteps()  # how long generations run: what the model's read of a prompt serves
         self._age = 0  # the steps the open generation has drafted
-        self.read_retry = ReadRetry()  # when the model, priced out, reads anyway to be timed again
+        self.read_retry = ReadRetry()  # when the model, priced out, has its reads timed again
 
     @classmethod
     def connect(
