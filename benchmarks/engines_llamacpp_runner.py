@@ -74,6 +74,7 @@ class LlamaCppRunner:
         self.unavailable: dict[str, str] = {}
         self._lookup, self._ours, self._greedy = lc.LOOKUP, lc.OURS, lc.timed_greedy
         self._client_before: dict[str, ClientStats] = {}  # each draft client's counts when the workload began
+        self._model_before: dict[str, dict[str, int]] = {}  # ... and each small model's
         for method in self.methods:  # first-call costs (buffers, threads, the client's streams), unmeasured
             self.run(method, self._engines.llms[PLAIN].tokenize(WARM_UP, add_bos=False), max_new_tokens=8)
 
@@ -115,6 +116,7 @@ class LlamaCppRunner:
     def begin_workload(self) -> None:
         counters = self._engines.counters
         self._client_before = {m: dataclasses.replace(counters[m].client.stats) for m in self._drafting()}
+        self._model_before = {m: self._model_totals(m) for m in self._drafting()}
 
     def workload_notes(self, method: str) -> dict[str, Any]:
         c = self.config
@@ -159,11 +161,16 @@ class LlamaCppRunner:
             "draft_call_wait_ms": round(1e3 * (now.draft_wait_s - before.draft_wait_s) / calls, 3) if calls else 0.0,
         }
 
-    def _model_counts(self, method: str) -> dict[str, Any]:
-        """The small model's part, for a method that drafts beside one, over the run so far (the
-        warm-up's included): its chains proposed and accepted, the calls whose model read
-        nothing (priced out, or a prompt waiting for a price), those that read though priced
-        out, and the tokens and forwards it read."""
+    def _model_counts(self, method: str) -> dict[str, int]:
+        """The small model's part this workload, for a method that drafts beside one: its chains
+        proposed and accepted, the calls whose model read nothing (priced out, or a prompt
+        waiting for a price), those on which its reads were timed again, and the tokens and
+        forwards it read."""
+        now, before = self._model_totals(method), self._model_before.get(method, {})
+        return {k: v - before.get(k, 0) for k, v in now.items()}
+
+    def _model_totals(self, method: str) -> dict[str, int]:
+        """:meth:`_model_counts` since the engine was made (none without a small model)."""
         counter = self._engines.counters[method]
         if counter.chain_model is None:
             return {}
@@ -175,8 +182,8 @@ class LlamaCppRunner:
             "model_skipped": s.model_skipped,
             "model_waited": s.model_waited,
             "model_retried": s.model_retried,
-            "model_forwards": getattr(model, "forwards", None),
-            "model_tokens_read": getattr(model, "fed", None),
+            "model_forwards": int(getattr(model, "forwards", 0)),
+            "model_tokens_read": int(getattr(model, "fed", 0)),
         }
 
     def _cost_figures(self, method: str) -> dict[str, Any]:
