@@ -402,34 +402,33 @@ class ModelRows:
         models of their own (:func:`time_reads`; the rows' models keep what they hold), and the
         rule asked again (:attr:`retry`)."""
         start = time.perf_counter()
-        held, priced_out = [], []
+        held: list[tuple[int, ChainModel, ReadPrices | None]] = []
+        priced_out: list[tuple[int, ChainModel, float]] = []
         probe = True  # a prompt's read may time the models' rate for prompts, one a batch
+
+        def plan(i: int, m: ChainModel, serves: float) -> None:
+            nonlocal probe
+            p = plan_read(m, contexts[i], ours[i], max_lens[i], cost, probe, serves)
+            if p.waits:
+                self.waited += 1
+            elif not p.reads:
+                priced_out.append((i, m, serves))
+            else:
+                probe = probe and not p.probe
+                held.append((i, m, p.prices))
+
         for i, r in enumerate(requests):
             age = self._ages.get(r, 0)
             self._ages[r] = age + 1
-            if (m := self.get(r)) is None:
-                continue
-            serves = self.steps.remaining(age)
-            plan = plan_read(m, contexts[i], ours[i], max_lens[i], cost, probe, serves)
-            if plan.waits:
-                self.waited += 1
-            elif not plan.reads:
-                priced_out.append((i, m, serves))
-            else:
-                probe = probe and not plan.probe
-                held.append((i, m, plan.prices))
+            if (m := self.get(r)) is not None:
+                plan(i, m, self.steps.remaining(age))
         if not held and priced_out and self.retry.due():
             self.retry.retried()
             self.retried += len(priced_out)
             time_reads(self._scratch_models(len(priced_out)), [contexts[i] for i, _, _ in priced_out])
             again, priced_out = priced_out, []
-            for i, m, serves in again:
-                plan = plan_read(m, contexts[i], ours[i], max_lens[i], cost, probe, serves)
-                if plan.reads:
-                    probe = probe and not plan.probe
-                    held.append((i, m, plan.prices))
-                else:
-                    priced_out.append((i, m, serves))
+            for row in again:
+                plan(*row)
         self.skipped += len(priced_out)
         if held or priced_out:
             self.retry.after(read=bool(held))

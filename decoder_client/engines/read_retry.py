@@ -16,7 +16,7 @@ priced out (at most ``most``). A model that cannot pay costs a step's worth of r
 >>> retry = ReadRetry(first=2, most=8)
 >>> retry.after(read=False); retry.due()  # a step priced out
 False
->>> retry.after(read=False); retry.due()  # two: the next reads anyway
+>>> retry.after(read=False); retry.due()  # two: the next has its reads timed again
 True
 >>> retry.retried(); retry.patience  # ... and, still priced out, the one after waits 4
 4
@@ -39,7 +39,7 @@ class ReadRetry:
         self.count = 0  # retries made
 
     def due(self) -> bool:
-        """Whether a step on which every row is priced out reads anyway."""
+        """Whether a step on which every row is priced out has the model's reads timed again."""
         return self.quiet >= self.patience
 
     def after(self, read: bool) -> None:
@@ -51,6 +51,6 @@ class ReadRetry:
             self.quiet += 1
 
     def retried(self) -> None:
-        """This step read anyway."""
+        """This step had the model's reads timed again."""
         self.quiet, self.patience = 0, min(2 * self.patience, self.most)
         self.count += 1
