@@ -17,6 +17,10 @@ and, for draftcache, the proposer's own time per step).
 
     python -m benchmarks.engines_bench --engine vllm --workloads prompts.json --target 127.0.0.1:50051
     python -m benchmarks.engines_bench --engine llama.cpp --workloads prompts.json --target 127.0.0.1:50051
+    python -m benchmarks.engines_bench --engine llama-server --workloads prompts.json
+
+(``llama-server``: llama.cpp's own server and its own model-free methods, no draftcache in it:
+:mod:`benchmarks.engines_llamaserver`.)
 
 ``deploy/bench_engines.sh`` sets everything up and runs both engines.
 """
@@ -237,6 +241,17 @@ def skipped(engine: str, workloads: Sequence[str], method: str | None, reason: s
 
 
 def make_runner(a: argparse.Namespace) -> Runner:
+    if a.engine == "llama-server":
+        from benchmarks.engines_llamaserver import LlamaServerRunner
+
+        return LlamaServerRunner(
+            binary=a.llama_server_bin,
+            max_new_tokens=a.max_new_tokens,
+            work_dir=a.work_dir,
+            n_threads=a.llama_threads,
+            prompt_cache_mib=a.llama_prompt_cache_mib,
+            methods=a.methods,
+        )
     if a.engine == "llama.cpp":
         from benchmarks.engines_llamacpp_runner import LlamaCppRunner
 
@@ -289,7 +304,7 @@ def parser() -> argparse.ArgumentParser:
     from benchmarks.engines_vllm import VllmBench  # settings only: no vLLM, no numba
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--engine", choices=("vllm", "llama.cpp"), required=True)
+    p.add_argument("--engine", choices=("vllm", "llama.cpp", "llama-server"), required=True)
     p.add_argument("--workloads", type=Path, required=True, help="from python -m benchmarks.engine_workloads")
     p.add_argument("--target", default="127.0.0.1:50051", help="the draftcache service")
     p.add_argument("--namespace", default="smollm2")
@@ -332,8 +347,8 @@ def parser() -> argparse.ArgumentParser:
         "--llama-threads",
         type=int,
         default=1,
-        help="llama.cpp: threads for decoding and batches (0: its default); 1 leaves a core to the service, "
-        "as vLLM's CPU worker binds one core and reserves the rest",
+        help="llama.cpp and llama-server: threads for decoding and batches (0: its default); 1 leaves a core to "
+        "the service, as vLLM's CPU worker binds one core and reserves the rest",
     )
     p.add_argument(
         "--llama-topk",
@@ -350,11 +365,18 @@ def parser() -> argparse.ArgumentParser:
         "target's own GGUF) in a Llama of its own (draftcache-beside)",
     )
     p.add_argument(
+        "--llama-server-bin",
+        type=Path,
+        default=Path(".cache/llama-server/bin/llama-server"),
+        help="llama-server: the binary (deploy/setup_llama_server.sh builds it; default: %(default)s)",
+    )
+    p.add_argument(
         "--llama-prompt-cache-mib",
         type=int,
         default=1024,
-        help="llama.cpp: each engine keeps its prompts' states, as llama.cpp's server does, so a prompt asked "
-        "again is not evaluated again (0: every run evaluates its whole prompt; default: %(default)s)",
+        help="llama.cpp (and llama-server's host cache): each engine keeps its prompts' states, as llama.cpp's "
+        "server does, so a prompt asked again is not evaluated again (0: every run evaluates its whole prompt; "
+        "default: %(default)s)",
     )
     p.add_argument("--model", type=Path, default=None, help="vLLM: a Hugging Face folder (default: SmolLM2)")
     p.add_argument(

@@ -2,11 +2,18 @@
 # draftcache inside real engines, measured by the engines themselves: per engine (vLLM on CPU,
 # llama.cpp through llama-cpp-python), plain greedy decoding, the engine's own model-free
 # methods (vLLM: ngram, suffix; llama.cpp: LlamaPromptLookupDecoding) and draftcache, on
-# Spec-Bench first turns and a repeated agent workload, interleaved. Prints one JSON line per
-# engine x workload x method (benchmarks/engines_bench.py says what each key means).
+# Spec-Bench first turns and a repeated agent workload, interleaved; on request also llama.cpp's
+# own server (llama-server) with its own model-free methods, which takes no outside drafter.
+# Prints one JSON line per engine x workload x method (benchmarks/engines_bench.py says what each
+# key means).
 #   bash deploy/bench_engines.sh            # 3 Spec-Bench prompts per group, 4 agent tasks x 2 passes, 128 tokens
 #   bash deploy/bench_engines.sh --quick    # 1 per group, 2 agent tasks x 2 passes (shorter prompts), 64 tokens
-#   bash deploy/bench_engines.sh --engines vllm     # one engine only (vllm, llama.cpp)
+#   bash deploy/bench_engines.sh --engines vllm     # one engine only (vllm, llama.cpp, llama-server)
+#   bash deploy/bench_engines.sh --engines vllm,llama.cpp,llama-server  # also llama.cpp's own server
+#                                                   # with its own model-free methods (ngram-mod, its
+#                                                   # default, ngram-simple, ngram-map-k), no draftcache
+#                                                   # in it: it has no hook for an outside drafter
+#                                                   # (deploy/setup_llama_server.sh builds it, once)
 #   bash deploy/bench_engines.sh --cold             # the service with an empty memory and no static prior
 #   bash deploy/bench_engines.sh --vllm-dtype auto  # vLLM's dtype (default: float32; auto: bfloat16
 #                                                   # where the CPU has bf16 instructions; see below)
@@ -60,7 +67,7 @@ while [ $# -gt 0 ]; do
     --llama-draft-model) LLAMA_DRAFT_MODEL="$2"; shift ;;
     --vllm-methods) VLLM_METHODS="$2"; shift ;;
     --vllm-batch) VLLM_BATCH="$2"; shift ;;
-    *) echo "usage: bash deploy/bench_engines.sh [--quick] [--cold] [--engines vllm,llama.cpp] [--vllm-dtype auto|float32|bfloat16] [--vllm-draft-model DIR|smollm2] [--llama-draft-model GGUF|smollm2] [--vllm-methods ngram,suffix,draftcache] [--vllm-batch N]" >&2; exit 2 ;;
+    *) echo "usage: bash deploy/bench_engines.sh [--quick] [--cold] [--engines vllm,llama.cpp,llama-server] [--vllm-dtype auto|float32|bfloat16] [--vllm-draft-model DIR|smollm2] [--llama-draft-model GGUF|smollm2] [--vllm-methods ngram,suffix,draftcache] [--vllm-batch N]" >&2; exit 2 ;;
   esac
   shift
 done
@@ -92,6 +99,10 @@ if [[ ",$ENGINES," == *",llama.cpp,"* ]] && ! python -c "import llama_cpp" 2>/de
   # The project's llamacpp extra where it has one, else the version the draft model is tested on.
   if grep -q '^llamacpp *=' pyproject.toml; then WANT=(-e ".[llamacpp]"); else WANT=("$LLAMA_CPP_PYTHON"); fi
   CMAKE_ARGS="${CMAKE_ARGS:-$LLAMA_CMAKE_ARGS}" pip install -q "${WANT[@]}" >"$OUT/setup-llama-cpp.log" 2>&1 || LLAMA_OK=0
+fi
+SERVER_OK=1
+if [[ ",$ENGINES," == *",llama-server,"* ]]; then
+  bash deploy/setup_llama_server.sh >"$OUT/setup-llama-server.log" 2>&1 || SERVER_OK=0
 fi
 VLLM_OK=1
 if [[ ",$ENGINES," == *",vllm,"* ]]; then
@@ -191,7 +202,18 @@ for engine in ${ENGINES//,/ }; do
       else
         note llama.cpp "$LLAMA_CPP_PYTHON could not be installed: see $OUT/setup-llama-cpp.log"
       fi ;;
-    *) note "$engine" "unknown engine (known: vllm, llama.cpp)" ;;
+    llama-server)  # no draftcache in it, so no service
+      if [ "$SERVER_OK" = 1 ]; then
+        echo "== llama-server: plain, its own n-gram methods" >&2
+        setsid -w python -m benchmarks.engines_bench --engine llama-server --workloads "$OUT/prompts.json" \
+          --max-new-tokens "$MAX_NEW_TOKENS" --work-dir "$OUT" --out "$RESULTS" 2>"$OUT/driver-llama-server.log" &
+        DRIVER=$!
+        wait "$DRIVER" || note llama-server "the benchmark failed (exit $?): see $OUT/driver-llama-server.log"
+        DRIVER=""
+      else
+        note llama-server "llama-server could not be built: see $OUT/setup-llama-server.log"
+      fi ;;
+    *) note "$engine" "unknown engine (known: vllm, llama.cpp, llama-server)" ;;
   esac
 done
 echo "== done in $(( $(date +%s) - START )) s; the lines are in $RESULTS" >&2
