@@ -268,6 +268,7 @@ def make_runner(a: argparse.Namespace) -> Runner:
             methods=a.methods,
             variants=a.variants,
             draft_model=a.llama_draft_model,
+            flash_attn=a.llama_flash_attn == "on",
         )
     from benchmarks.engines_vllm import VllmRunner
 
@@ -363,6 +364,13 @@ def parser() -> argparse.ArgumentParser:
         metavar="GGUF|smollm2",
         help="llama.cpp: also run draftcache beside this small model (the target's tokenizer; 'smollm2': the "
         "target's own GGUF) in a Llama of its own (draftcache-beside)",
+    )
+    p.add_argument(
+        "--llama-flash-attn",
+        choices=("on", "off"),
+        default="on",
+        help="llama.cpp: every engine with flash attention (default: on; off: a batched verification rounds "
+        "unlike a one-token step, and drafting methods' outputs part from plain greedy's at near ties)",
     )
     p.add_argument(
         "--llama-server-bin",

@@ -58,6 +58,9 @@ class LlamaCppBench:
     namespace: str = "smollm2"
     n_ctx: int = 2048
     n_threads: int | None = None  # None: llama.cpp's default
+    # Every engine with flash attention: without it a batched verification rounds unlike a
+    # one-token step and outputs part from plain greedy's at near ties (flash_attention_off).
+    flash_attn: bool = True
     max_new_tokens: int = 128
     num_pred_tokens: int = 10  # draftcache's chain length (K)
     # A chain ends at a token less likely to be accepted than what a proposed token costs the
@@ -204,7 +207,12 @@ class Engines:
 
         def llama(draft_model: Any = None, model_path: Path = config.model_path) -> Any:
             # logits_all: see DraftcacheDraftModel.attach (prompts longer than n_batch fail without it)
-            kwargs: dict[str, Any] = {"n_ctx": config.n_ctx, "verbose": False, "draft_model": draft_model}
+            kwargs: dict[str, Any] = {
+                "n_ctx": config.n_ctx,
+                "verbose": False,
+                "draft_model": draft_model,
+                "flash_attn": config.flash_attn,
+            }
             kwargs["logits_all"] = draft_model is not None
             if config.n_threads is not None:
                 kwargs |= {"n_threads": config.n_threads, "n_threads_batch": config.n_threads}

@@ -39,6 +39,7 @@ class LlamaCppRunner:
         methods: Sequence[str] = (),
         variants: dict[str, dict[str, str]] | None = None,
         draft_model: str = "",
+        flash_attn: bool = True,
     ) -> None:
         from benchmarks import engines_llamacpp as lc
         from decoder_client.models import GGUF_FILE, smollm2_dir
@@ -62,6 +63,7 @@ class LlamaCppRunner:
             chain_min_prob=chain_min_prob,
             token_cost=token_cost,
             n_threads=n_threads,
+            flash_attn=flash_attn,
             topk=topk,
             prompt_cache_mib=prompt_cache_mib,
             variants=variants,
@@ -120,7 +122,7 @@ class LlamaCppRunner:
 
     def workload_notes(self, method: str) -> dict[str, Any]:
         c = self.config
-        notes: dict[str, Any] = {"n_threads": c.n_threads, **self._cache_notes(method)}
+        notes: dict[str, Any] = {"n_threads": c.n_threads, "flash_attn": c.flash_attn, **self._cache_notes(method)}
         if method == self._lookup:
             return {"max_ngram_size": c.lookup_max_ngram, "num_pred_tokens": c.lookup_num_pred_tokens, **notes}
         if method in self._drafting():

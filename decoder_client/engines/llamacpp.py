@@ -162,6 +162,19 @@ def _prompt_eval_hookable(llm: Any) -> bool:
     return isinstance(getattr(llm, "_logits_all", None), bool) and hasattr(getattr(llm, "_ctx", None), "get_logits")
 
 
+def flash_attention_off(llm: Any) -> bool:
+    """Whether ``llm`` was made without flash attention (``Llama(..., flash_attn=False)``, the
+    default). Then llama.cpp's CPU backend multiplies a batch's queries with the cached keys by
+    another kernel than a one-token step's (llamafile's sgemm), whose rounding differs, and a
+    verification step's greedy choice can part from plain decoding's at a near tie; with flash
+    attention every query row is computed alike. False where this build does not say."""
+    import llama_cpp
+
+    disabled = getattr(llama_cpp, "LLAMA_FLASH_ATTN_TYPE_DISABLED", None)
+    kind = getattr(getattr(llm, "context_params", None), "flash_attn_type", None)
+    return disabled is not None and kind == disabled
+
+
 def llama_fingerprint(llm: Any) -> str:
     """The fingerprint of a loaded ``Llama``'s tokenizer (:mod:`indexer.fingerprint`): the
     pieces its GGUF file lists, which are the Hugging Face tokenizer's. "" (not stated) where
@@ -415,7 +428,8 @@ class DraftcacheDraftModel(LlamaDraftModel):
         this becomes its draft model, as ``Llama(draft_model=...)`` sets it), and with
         ``logits_all=True``: with a draft model llama-cpp-python (0.3.36) keeps every
         position's logits, in a buffer sized by ``logits_all`` alone, so without it a prompt
-        longer than ``n_batch`` fails in the engine's ``eval``."""
+        longer than ``n_batch`` fails in the engine's ``eval``. Made without flash attention it
+        is attached with a warning (:func:`flash_attention_off`)."""
         if llm.draft_model is not None and llm.draft_model is not self:
             raise ValueError("this Llama has another draft model: make it with draft_model=None or this one")
         if llm.scores.shape[0] < llm.n_ctx():
@@ -423,6 +437,11 @@ class DraftcacheDraftModel(LlamaDraftModel):
         if self.chain_model is not None and self.chain_model.vocab_size < llm.n_vocab():
             raise ValueError(
                 f"the chain model reads {self.chain_model.vocab_size} ids; this Llama's vocabulary has {llm.n_vocab()}"
+            )
+        if flash_attention_off(llm):
+            logger.warning(
+                "this Llama computes attention without flash attention: its verification steps may part from plain "
+                "greedy decoding at near ties (make it with flash_attn=True)"
             )
         llm.draft_model = self  # what its generate reads
         self._llm = llm

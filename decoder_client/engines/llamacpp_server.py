@@ -22,7 +22,10 @@ Run it as the server is run, with draftcache's settings in ``DRAFTCACHE_*`` (the
 draft beside the cache (:class:`~decoder_client.engines.llamacpp_chains.LlamaChainModel`): each
 step proposes its chain unless more of the cache's is expected to be accepted. The
 model is loaded with ``logits_all`` (a draft model needs it; see
-:meth:`~decoder_client.engines.llamacpp.DraftcacheDraftModel.attach`); the server's own
+:meth:`~decoder_client.engines.llamacpp.DraftcacheDraftModel.attach`) and, unless
+``--flash_attn`` says otherwise, with flash attention, without which llama.cpp's batched
+verification rounds unlike a one-token step and greedy outputs can part from plain decoding's
+(:func:`~decoder_client.engines.llamacpp.flash_attention_off`); the server's own
 ``--draft_model`` is refused, as two draft models cannot share one engine.
 """
 
@@ -78,7 +81,10 @@ def proxy_class(settings: EngineSettings, num_pred_tokens: int, chain_model: str
 
         # The base's is a static method, which it calls through the instance: this one is called so.
         def load_llama_from_model_settings(self, model_settings: Any) -> Any:  # type: ignore[override]
-            model_settings = model_settings.model_copy(update={"logits_all": True, "draft_model": None})
+            update = {"logits_all": True, "draft_model": None}
+            if "flash_attn" not in model_settings.model_fields_set:  # see flash_attention_off
+                update["flash_attn"] = True
+            model_settings = model_settings.model_copy(update=update)
             llm = LlamaProxy.load_llama_from_model_settings(model_settings)
             chains = None
             if chain_model is not None:

@@ -159,7 +159,10 @@ def test_llama_cpp_lines_for_every_workload_and_method(shared_data: Path, serve:
     ]
     for x in lines:
         assert x["engine"] == "llama.cpp" and set(REQUIRED) <= set(x)
-        assert x["tokens_per_s"] > 0 and x["mean_accepted_tokens"] >= 1.0 and 0.0 <= x["identical_to_greedy"] <= 1.0
+        assert x["tokens_per_s"] > 0 and x["mean_accepted_tokens"] >= 1.0
+        # Every engine with flash attention: a batched verification rounds as a one-token step
+        # does, so every method's output is plain greedy's (without it, near ties part).
+        assert x["flash_attn"] is True and x["identical_to_greedy"] == 1.0, x
         assert x["tokens"] > 0 and x["prompts"] == len(workloads[x["workload"]])
         assert x["decode_tokens_per_s"] > 0  # timed from each run's first token, the prompt left out
         # Each engine keeps its prompts' states: pass 2 of the agent workload starts from them.
@@ -190,7 +193,7 @@ def test_llama_cpp_lines_for_every_workload_and_method(shared_data: Path, serve:
 def test_llama_cpp_drafts_beside_a_small_model_of_its_own(serve: Serve) -> None:
     # SmolLM2 beside itself in a Llama of its own (the only GGUF here), at a set token cost: the
     # model reads every step and its chains, the target's own greedy text, go where the cache's
-    # are less likely, and are accepted (but where llama.cpp's batched arithmetic tips a near-tie).
+    # are less likely, and are accepted; the output is plain greedy's (flash attention on).
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
     from benchmarks.engines_llamacpp import BESIDE
     from benchmarks.engines_llamacpp_runner import LlamaCppRunner
@@ -217,7 +220,7 @@ def test_llama_cpp_drafts_beside_a_small_model_of_its_own(serve: Serve) -> None:
     finally:
         runner.close()
     assert len(beside.tokens) == len(plain.tokens) > 16  # 32, or fewer where the answer ends
-    assert sum(a == b for a, b in zip(beside.tokens, plain.tokens, strict=True)) >= len(plain.tokens) - 4
+    assert beside.tokens == plain.tokens
     assert notes["model_steps"] > 0 and notes["model_accepted"] >= 0.8 * notes["model_proposed"] > 0, notes
     assert notes["model_skipped"] == notes["model_waited"] == 0  # a set cost prices no read
     assert notes["model_forwards"] > 0 and notes["model_tokens_read"] >= len(ids)

@@ -49,12 +49,13 @@ def vocab_size(gguf: Path) -> int:
 
 @pytest.fixture
 def make_llama(gguf: Path) -> Iterator[Callable[..., Any]]:
-    """``make_llama(draft_model=None)``: a greedy-ready ``Llama`` on SmolLM2 (closed after the test)."""
+    """``make_llama(draft_model=None, flash_attn=True)``: a greedy-ready ``Llama`` on SmolLM2
+    (closed after the test), with flash attention as the README asks of an engine that drafts."""
     from llama_cpp import Llama
 
     made: list[Any] = []
 
-    def make(draft_model: Any = None) -> Any:
+    def make(draft_model: Any = None, flash_attn: bool = True) -> Any:
         # One thread: the service's process shares the cores, and llama.cpp's spinning worker
         # threads slow to a crawl when they outnumber the free ones.
         llm = Llama(
@@ -64,6 +65,7 @@ def make_llama(gguf: Path) -> Iterator[Callable[..., Any]]:
             verbose=False,
             draft_model=draft_model,
             logits_all=draft_model is not None,
+            flash_attn=flash_attn,
         )
         made.append(llm)
         return llm

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import os
 import signal
 import time
@@ -284,6 +285,54 @@ def test_the_service_failing_mid_generation_does_not_stall_decoding(  # type: ig
     after = [seconds for _, _, seconds in draft.calls[killed_at:]]
     assert after and max(after) < 0.5, after  # a stall would wait out a 1 s control timeout, or for ever
     draft.close()
+
+
+# Spec-Bench-like first turns whose greedy answers part from a batched verification's without
+# flash attention (checked with the engine made without it: the first test below then fails).
+TIE_QUESTIONS = (
+    *QUESTIONS,
+    "Explain what a hash table is and when to use one.",
+    "Translate into French: The weather is nice today, so we will walk to the market.",
+    "Summarize the plot of Romeo and Juliet in three sentences.",
+    "What is 17 times 23? Show the steps.",
+)
+
+
+def test_with_flash_attention_the_drafted_output_is_plain_greedys(serve: Serve, make_llama, vocab_size: int) -> None:  # type: ignore[no-untyped-def]
+    """llama.cpp verifies a draft in one batch. Without flash attention its CPU backend
+    multiplies a batch's queries with the cached keys by another kernel than a one-token step's,
+    which rounds otherwise, and greedy choices at near ties part from plain decoding's (the
+    engine's own prompt lookup kept plain's output on 2 of 12 Spec-Bench first turns). With it,
+    every output drafted by draftcache, chains uncut so that many go, is plain greedy's token
+    for token, a question asked again (drafted whole from the near copy's memory) included."""
+    plain = make_llama()
+    draft = DraftcacheDraftModel.connect(
+        _target(serve), NAMESPACE, num_pred_tokens=K, vocab_size=vocab_size, near_start_s=0,
+        token_cost=0.0, chain_min_prob=0.0,
+    )  # fmt: skip
+    llm = draft.attach(make_llama(draft))
+    for question in TIE_QUESTIONS:
+        ids = chat_ids(plain, question)
+        expected = greedy(plain, ids, 64)
+        assert greedy(llm, ids, 64) == expected, question
+        assert greedy(llm, ids, 64) == expected, question
+    assert draft.stats.accepted > 200 and draft.stats.proposed > draft.stats.accepted, draft.stats
+    draft.close()
+
+
+def test_attaching_a_llama_without_flash_attention_warns(make_llama, caplog: pytest.LogCaptureFixture) -> None:  # type: ignore[no-untyped-def]
+    from decoder_client.engines.llamacpp import flash_attention_off
+
+    config = ClientConfig(target=f"127.0.0.1:{free_port()}", namespace=NAMESPACE, params=DraftParams(chain=K))
+    with_fa, without = (DraftcacheDraftModel(DraftClient(config), num_pred_tokens=K) for _ in range(2))
+    with caplog.at_level(logging.WARNING, logger="decoder_client.engines.llamacpp"):
+        with_fa.attach(make_llama(with_fa))
+        assert not caplog.records
+        llm = without.attach(make_llama(without, flash_attn=False))
+    assert flash_attention_off(llm)
+    assert [r.getMessage() for r in caplog.records if "flash_attn=True" in r.getMessage()], caplog.text
+    with_fa.close()
+    without.close()
 
 
 def test_a_near_copy_drafts_in_the_engine_and_commits_to_the_log(serve: Serve, make_llama, vocab_size: int) -> None:  # type: ignore[no-untyped-def]
