@@ -89,7 +89,11 @@ def proxy_class(settings: EngineSettings, num_pred_tokens: int, chain_model: str
             chains = None
             if chain_model is not None:
                 small = Llama(
-                    model_path=chain_model, n_ctx=llm.n_ctx(), n_threads=model_settings.n_threads, verbose=False
+                    model_path=chain_model,
+                    n_ctx=llm.n_ctx(),
+                    n_threads=model_settings.n_threads,
+                    flash_attn=model_settings.flash_attn,  # rounding as the served model's
+                    verbose=False,
                 )
                 chains = LlamaChainModel(small, num_pred_tokens)
             vocab = int(llm.n_vocab())

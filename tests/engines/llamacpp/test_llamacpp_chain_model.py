@@ -31,29 +31,21 @@ K = 6
 
 @pytest.fixture
 def small_llama(gguf: Path) -> Iterator[Callable[..., Any]]:
-    """``small_llama()``: a second engine on the GGUF, with no logits kept, as a draft model;
-    ``small_llama(logits_all=True)`` keeps every position's, to score a whole sequence."""
+    """``small_llama()``: a second engine on the GGUF, with no logits kept, as a draft model
+    (with flash attention, as the target's engine: the same rounding, so its greedy chains are
+    the target's)."""
     from llama_cpp import Llama
 
     made: list[Any] = []
 
-    def make(logits_all: bool = False) -> Any:
-        llm = Llama(model_path=str(gguf), n_ctx=N_CTX, n_threads=1, verbose=False, logits_all=logits_all)
+    def make() -> Any:
+        llm = Llama(model_path=str(gguf), n_ctx=N_CTX, n_threads=1, verbose=False, flash_attn=True)
         made.append(llm)
         return llm
 
     yield make
     for llm in made:
         llm.close()
-
-
-def _greedy_gaps(scorer: Any, prompt: list[int], out: list[int]) -> np.ndarray:
-    """How far below the model's likeliest logit each token of ``out`` is, the model reading
-    ``prompt + out`` in one pass: 0 where the token is its greedy choice."""
-    scorer.reset()
-    scorer.eval(prompt + out)
-    rows = scorer.scores[len(prompt) - 1 : len(prompt) + len(out) - 1]
-    return rows.max(axis=1) - rows[np.arange(len(out)), out]
 
 
 def test_its_chains_are_the_models_greedy_generation_as_the_context_moves(make_llama, small_llama) -> None:  # type: ignore[no-untyped-def]
@@ -81,21 +73,18 @@ def test_beside_a_cache_that_is_down_it_drafts_and_the_output_is_unchanged(make_
     config = ClientConfig(target=f"127.0.0.1:{free_port()}", namespace=NAMESPACE, params=DraftParams(chain=K))
     draft = DraftcacheDraftModel(DraftClient(config), num_pred_tokens=K, chain_model=LlamaChainModel(small_llama(), K))
     llm = draft.attach(make_llama(draft))
-    scorer = small_llama(logits_all=True)
+    plain = make_llama()
     for question in QUESTIONS:
         ids = chat_ids(llm, question)
         out = greedy(llm, ids, 48)
-        # Greedy's tokens, but where llama.cpp's batched verification tips a near-tie (as it
-        # does with any draft model, its own prompt lookup too): every token is the model's
-        # greedy choice or within a hair of it.
-        gaps = _greedy_gaps(scorer, ids, out)
-        assert len(out) > 0 and float(gaps.max()) < 0.05 and np.mean(gaps == 0) > 0.95, (question, gaps)
+        # Plain greedy's tokens: the engines compute attention with flash attention, so a
+        # batched verification rounds as a one-token step does.
+        assert len(out) > 0 and out == greedy(plain, ids, 48), question
     stats = draft.stats
     assert draft.client.stats.fallback > 0 and draft.client.stats.remote == 0
     assert 0 < stats.model_steps <= stats.steps
-    # The target drafting for itself: its chains are accepted whole but where a near-tie in
-    # llama.cpp's batched arithmetic tips the other way.
-    assert stats.model_accepted >= 0.9 * stats.model_proposed > 0
+    # The target drafting for itself, both engines rounding alike: its chains are accepted whole.
+    assert stats.model_accepted == stats.model_proposed > 0
     assert stats.mean_accepted_tokens > 4.0
     # Only the cache's proposals reach the outcomes that correct its chances.
     assert draft.outcomes.summary()["proposed_tokens"] == stats.proposed - stats.model_proposed

@@ -233,8 +233,7 @@ def test_the_engines_own_top_k_goes_back_to_the_service(serve: Serve, make_llama
 
 def test_a_request_the_fleet_has_seen_is_drafted_further_on_another_replica(serve: Serve, make_llama) -> None:  # type: ignore[no-untyped-def]
     """Two engines, one service: replica B, asked what replica A answered, is drafted A's answer
-    from the fleet's memory at once and needs far fewer steps. (An answer the model is sure of:
-    llama.cpp's batched verification flips near-ties, and a flip would part B's output from A's.)"""
+    from the fleet's memory at once and needs far fewer steps."""
     # Chains as long as the service made them (no cut for cost): the test is about what B is
     # drafted, not how much of it a CPU should verify.
     uncut = {"deadline_s": 0.05, "token_cost": 0.0, "chain_min_prob": 0.0, "near": False}
