@@ -101,6 +101,7 @@ def test_the_server_drafts_and_commits_every_completion(
     text = (tmp_path / "server.log").read_text()
     assert code in (0, -signal.SIGTERM) and "Application shutdown complete" in text, text[-3000:]
     assert "drafts from" in text and "Traceback" not in text  # the launcher's draft model was loaded
+    assert "without flash attention" not in text  # the launcher turned it on (attach warns otherwise)
     assert ("(near)" in text) == near
     assert ("beside the draft model" in text) == beside
     assert "1 draft models closed" in text  # ... and closed while the server stopped
