@@ -302,6 +302,7 @@ def vllm_bench(a: argparse.Namespace) -> VllmBench:
 
 def parser() -> argparse.ArgumentParser:
     """The command line (:func:`main` checks what one flag cannot check alone)."""
+    from benchmarks.engines_llamaserver import BINARY  # standard library only
     from benchmarks.engines_vllm import VllmBench  # settings only: no vLLM, no numba
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -375,7 +376,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--llama-server-bin",
         type=Path,
-        default=Path(".cache/llama-server/bin/llama-server"),
+        default=BINARY,
         help="llama-server: the binary (deploy/setup_llama_server.sh builds it; default: %(default)s)",
     )
     p.add_argument(

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import socket
 import subprocess
 import time
 import urllib.error
@@ -134,12 +133,6 @@ def measurement(reply: dict[str, Any], seconds: float) -> Measurement:
     )
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class Server:
     """One ``llama-server`` process, started and waited for; stopped by :meth:`close`."""
 
@@ -210,6 +203,7 @@ class LlamaServerRunner:
         prompt_cache_mib: int = 1024,
         methods: Sequence[str] = (),
     ) -> None:
+        from cache_service.host.embedded_redis import free_port
         from decoder_client.models import GGUF_FILE, smollm2_dir
 
         folder = smollm2_dir()
