@@ -150,7 +150,7 @@ class App:
         self.scheduler = BackgroundScheduler(job_defaults={"coalesce": True, "max_instances": 1})
         self.metrics = Metrics()
         self.compiles = CompileWatch(self.metrics.observe_compile)  # from serving on
-        self.sessions_saved = time.monotonic()  # last successful session write-back
+        self.sessions_saved = time.monotonic()  # when storage last held every session change
         self._last_rebuild: dict[str, float] = {}  # per namespace, when its last rebuild ended
         self.url = config.redis_url or ""
         # Ends the background client's calls (the jobs', the start's, the last writes'): a stop
@@ -298,7 +298,9 @@ class App:
         """Take changed sessions on the serving loop, write them from this job's thread."""
         future = asyncio.run_coroutine_threadsafe(self._take_changes(), self._loop)
         changed, closed = future.result(timeout=30)
-        if changed or closed:
+        if not changed and not closed:
+            self.sessions_saved = time.monotonic()  # nothing waits: storage is up to date
+        else:
             try:
                 saved = self.persistence.save_sessions(changed, closed, self.config.service.session_ttl_s)
                 self.sessions_saved = time.monotonic()

@@ -208,7 +208,7 @@ class ServiceCollector(Collector):
         if self._session_saves is not None:
             yield GaugeMetricFamily(
                 "draftcache_session_save_age_seconds",
-                "Time since session state was last written to storage.",
+                "Time since storage last held every session change (grows while write-backs fail).",
                 value=max(0.0, time.monotonic() - self._session_saves()),
             )
 
