@@ -39,6 +39,7 @@ from cache_service.storage.errors import MigrationInProgress, StorageError
 from cache_service.storage.redis_store import RedisStore, StoreConfig
 from cache_service.sync import StorageSync
 from indexer import kernels
+from indexer.lifetime_index import LifetimeIndexes
 
 logger = logging.getLogger(__name__)
 
@@ -252,7 +253,7 @@ class App:
         self.shared = None if lifetime_dir is None else SharedIndexes(store, lifetime_dir, lifetime)
         self.service = DraftService(self.config.service, self.persistence, shared_lifetime=lifetime_dir is not None)
         self.sync = StorageSync(self.service, self.persistence, self.shared)
-        self.service.refresh = self.sync.refresh
+        self.service.refresh = self._refresh
         # The compiled loops are built (or loaded from numba's cache) here, off the event loop and
         # before serving: on a fresh machine that takes tens of seconds, which the first
         # CreateNamespace would otherwise spend on the loop with every other call waiting.
@@ -371,7 +372,26 @@ class App:
         finally:
             self._last_rebuild[name] = time.monotonic()
             release_free_memory()  # what the build allocated and freed
-        if built is not None and built is not had:  # this process built it (shared: another may have; or none was due)
+        self._built(name, why, had, built)
+
+    def _refresh(self, names: list[str]) -> None:
+        """The admin rebuild: published priors reloaded and the named namespaces rebuilt now
+        (after a build under way in another process), measured as the scheduler's builds are;
+        a failure goes to the caller."""
+        self.sync.reload_priors()
+        for name in names:
+            had = self.service.namespace(name).memory.indexes
+            try:
+                built = self.sync.rebuild(name, wait=True)
+            finally:
+                self._last_rebuild[name] = time.monotonic()
+                release_free_memory()
+            self._built(name, " on request", had, built)
+
+    def _built(self, name: str, why: str, had: LifetimeIndexes | None, built: LifetimeIndexes | None) -> None:
+        """Measure and log a rebuild of ``name`` that this process made (not one it found
+        already built: shared, another may have; or none was due)."""
+        if built is not None and built is not had:
             self.metrics.observe_rebuild(name, built)
             how = "extended" if built.extended else "sorted afresh"
             table = "new table" if built.table_version is None else "table carried over"

@@ -294,13 +294,6 @@ class StorageSync:
         self._adopt(name)
         return built
 
-    def refresh(self, names: list[str]) -> None:
-        """The admin rebuild: published priors reloaded and the named namespaces rebuilt now
-        (after a build under way in another process)."""
-        self.reload_priors()
-        for name in names:
-            self.rebuild(name, wait=True)
-
     def adopt_published(self) -> None:
         """Serve generations other processes published (shared indexes only)."""
         if self.shared is None:

@@ -50,7 +50,14 @@ def test_serve_exports_metrics_and_logs_json(tmp_path: Path) -> None:
             req = pb.OpenSessionsRequest(sessions=[pb.OpenSession(namespace="toy", prompt=[1, 2, 3, 1, 2])])
             sid = stub.OpenSessions(req).session_ids[0]
             stub.Draft(pb.DraftRequest(items=[pb.DraftItem(session_id=sid)]))
+            # A finished request, and a rebuild on request: measured as the scheduler's are.
+            req = pb.OpenSessionsRequest(sessions=[pb.OpenSession(namespace="toy", prompt=[4, 5, 6])])
+            done = stub.OpenSessions(req).session_ids[0]
+            close = pb.CloseSession(session_id=done, commit=True, new_tokens=[7, 8, 9])
+            stub.CloseSessions(pb.CloseSessionsRequest(sessions=[close]))
+            pb_grpc.AdminStub(ch).Rebuild(pb.RebuildRequest(namespace="toy"))
         text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+        assert 'draftcache_rebuild_seconds_count{namespace="toy",suffix="sorted",table="new"} 1.0' in text
         assert 'draftcache_rpc_seconds_count{code="OK",method="Draft"} 1.0' in text
         assert 'draftcache_sessions{namespace="toy"} 1.0' in text
         assert "draftcache_writeback_lag_seconds 0.0" in text
