@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Prometheus and promtool for the alert rules' tests (tests/deploy/test_alert_rules.py). Where apt
+# Prometheus and promtool for the monitoring tests (tests/deploy/test_monitoring.py). Where apt
 # can fetch it, Debian's prometheus package is unpacked under the virtualenv, never installed
 # (both are static binaries), and the folder holding `prometheus` and `promtool` is printed.
 # Prints nothing where they cannot be had (then those tests skip, saying why).
-#   DRAFTCACHE_TEST_PROMETHEUS="$(bash deploy/setup_prometheus.sh)" python -m pytest tests/deploy/test_alert_rules.py
+#   DRAFTCACHE_TEST_PROMETHEUS="$(bash deploy/setup_prometheus.sh)" python -m pytest tests/deploy/test_monitoring.py
 set -uo pipefail
 cd "$(dirname "$0")/.."
 VENV="${DRAFTCACHE_VENV:-.venv}"

@@ -1,7 +1,9 @@
-"""deploy/prometheus/alerts.yml, the Prometheus rules an operator loads: checked by promtool, its
-unit tests (tests/deploy/alerts_test.yml) run, every metric and label value they read held to what
-a real ``draftcache serve`` exports, and the rules evaluated by a real Prometheus scraping a real
-service whose Redis is killed and started again.
+"""deploy/prometheus: the rules an operator loads (``alerts.yml``) and the Grafana dashboard
+(``dashboard.json``). The rules and every dashboard query are checked by promtool, the rules'
+unit tests (tests/deploy/alerts_test.yml) run, every metric and label value either reads is held
+to what a real ``draftcache serve`` exports, and a real Prometheus scraping a real service
+evaluates the rules and the dashboard's queries while the service's Redis is killed and started
+again.
 
 Prometheus and promtool are Debian's, unpacked by ``deploy/setup_prometheus.sh`` (``tests/run.sh``
 sets ``$DRAFTCACHE_TEST_PROMETHEUS`` to their folder); without them those tests skip, saying why.
@@ -35,6 +37,7 @@ from tests.faults import Serve, wait_for
 from tests.service.test_redis_outage import Redis
 
 RULES = DEPLOY / "prometheus" / "alerts.yml"
+DASHBOARD = DEPLOY / "prometheus" / "dashboard.json"
 UNIT_TESTS = Path(__file__).with_name("alerts_test.yml")
 PROMETHEUS_ENV = "DRAFTCACHE_TEST_PROMETHEUS"
 VOCAB = 1000
@@ -54,6 +57,48 @@ def tools() -> Path:
 
 def _rules() -> list[dict[str, Any]]:
     return [rule for group in yaml.safe_load(RULES.read_text())["groups"] for rule in group["rules"]]
+
+
+def _dashboard_queries() -> list[str]:
+    panels = json.loads(DASHBOARD.read_text())["panels"]
+    return [t["expr"] for p in panels for t in p.get("targets", [])]
+
+
+def test_the_dashboard_is_laid_out_and_reads_its_prometheus_variable() -> None:
+    dashboard = json.loads(DASHBOARD.read_text())
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+    panels = dashboard["panels"]
+    assert len({p["id"] for p in panels}) == len(panels)
+    cells: set[tuple[int, int]] = set()
+    for p in panels:
+        g = p["gridPos"]
+        assert g["x"] >= 0 and g["x"] + g["w"] <= 24, p["title"]
+        mine = {(x, y) for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])}
+        assert not mine & cells, f"{p['title']} overlaps another panel"
+        cells |= mine
+        if p["type"] == "row":
+            continue
+        assert p["datasource"]["uid"] == "${datasource}" and p["description"], p["title"]
+        refs = [t["refId"] for t in p["targets"]]
+        assert refs and len(set(refs)) == len(refs), p["title"]
+        assert all(t["datasource"]["uid"] == "${datasource}" and t["expr"] for t in p["targets"]), p["title"]
+    # The rules' recorded series are what the dashboard plots where it can.
+    records = {r["record"] for r in _rules() if "record" in r}
+    assert records <= set(_dashboard_queries())
+
+
+def test_promtool_parses_every_dashboard_query(tools: Path, tmp_path: Path) -> None:
+    queries = _dashboard_queries()
+    as_rules = {
+        "groups": [
+            {"name": "dashboard", "rules": [{"record": f"dashboard:q{i}", "expr": q} for i, q in enumerate(queries)]}
+        ]
+    }
+    path = tmp_path / "dashboard_queries.yml"
+    path.write_text(yaml.safe_dump(as_rules))
+    done = subprocess.run([tools / "promtool", "check", "rules", path], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
 
 
 def test_promtool_checks_the_rules(tools: Path) -> None:
@@ -119,11 +164,13 @@ def test_every_metric_and_label_the_rules_read_is_what_a_real_service_exports(tm
         _traffic(target, stream=True)
         _traffic(target, stream=False)
         _refused_open(serve)
+        serve.admin.Rebuild(pb.RebuildRequest(namespace="ns"), timeout=60)
         time.sleep(3)  # idle: nothing waits to be written back
         samples = _scrape(metrics)
-    read = {name for rule in _rules() for name in _METRIC.findall(rule["expr"])}
-    assert read, "no metric found in the rules"
-    assert read <= set(samples), f"the rules read metrics the service does not export: {read - set(samples)}"
+    for what, queries in (("rules", [r["expr"] for r in _rules()]), ("dashboard", _dashboard_queries())):
+        read = {name for q in queries for name in _METRIC.findall(q)}
+        assert read, f"no metric found in the {what}"
+        assert read <= set(samples), f"the {what} read metrics the service does not export: {read - set(samples)}"
     # The label values the rules select by: draft calls unary and on the stream, a refusal's code.
     calls = {(labels["method"], labels["code"]) for labels, _ in samples["draftcache_rpc_seconds_count"]}
     assert {("Draft", "OK"), ("Stream.draft", "OK"), ("OpenSessions", "FAILED_PRECONDITION")} <= calls
@@ -222,6 +269,9 @@ def test_a_real_prometheus_evaluates_the_rules_on_a_real_service_through_an_outa
             p99 = "instance:draftcache_draft_seconds:p99_5m"
             wait_for(lambda: [v for _, v in prom.query(p99) if math.isfinite(v) and v > 0], 30, "draft p99 recorded")
             assert not prom.alerts("DraftcacheStorageDown", "pending") and not prom.query("ALERTS")
+            # Every dashboard query evaluates (an error would fail the call), most to series already.
+            answered = [bool(prom.query(q)) for q in _dashboard_queries()]
+            assert sum(answered) >= len(answered) - 2, answered
             # A client of another tokenizer, refused once: the alert fires at once.
             _refused_open(serve)
             wait_for(lambda: prom.alerts("DraftcacheCallsRefused", "firing"), 30, "DraftcacheCallsRefused")
