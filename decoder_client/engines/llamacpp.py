@@ -73,6 +73,8 @@ from indexer.fingerprint import fingerprint_of
 if TYPE_CHECKING:
     from llama_cpp import Llama
     from llama_cpp.llama_speculative import LlamaDraftModel
+
+    from decoder_client.client.metrics import ClientMetrics
 else:
 
     def _hook_base() -> type:
@@ -143,6 +145,11 @@ class DraftStats:
     @property
     def seconds_per_call(self) -> float:
         return self.seconds / self.calls if self.calls else 0.0
+
+    def counts(self) -> dict[str, float]:
+        """The counts served as the engine's (:data:`~decoder_client.client.metrics.ENGINE_COUNTS`):
+        llama.cpp keeps none of its own."""
+        return {"steps": self.steps, "proposed": self.proposed, "accepted": self.accepted}
 
 
 def _token_ids(input_ids: Any) -> np.ndarray:
@@ -239,6 +246,7 @@ class DraftcacheDraftModel(LlamaDraftModel):
         self.request_steps = RequestSteps()  # how long generations run: what the model's read of a prompt serves
         self._age = 0  # the steps the open generation has drafted
         self.read_retry = ReadRetry()  # when the model, priced out, has its reads timed again
+        self._metrics: ClientMetrics | None = None  # the client's counts served (settings' metrics_port)
 
     @classmethod
     def connect(
@@ -278,7 +286,7 @@ class DraftcacheDraftModel(LlamaDraftModel):
     ) -> DraftcacheDraftModel:
         """See :meth:`connect`; each call's deadline follows the engine's step."""
         client = settings.draft_client(num_pred_tokens, vocab_size, tokenizer)
-        return cls(
+        model = cls(
             client,
             num_pred_tokens=num_pred_tokens,
             owns_client=True,
@@ -288,6 +296,8 @@ class DraftcacheDraftModel(LlamaDraftModel):
             recalibrate=settings.recalibrate,
             chain_model=chain_model,
         )
+        model._metrics = settings.client_metrics(client, "llama.cpp", model.stats.counts)
+        return model
 
     def __call__(self, input_ids: Any, /, **kwargs: Any) -> np.ndarray:
         """The draft for the sequence ``input_ids``: at most ``num_pred_tokens`` ids (intc)."""
@@ -493,6 +503,9 @@ class DraftcacheDraftModel(LlamaDraftModel):
         self.finish()
         if self._owns_client:
             self.client.shutdown()
+        if self._metrics is not None:
+            self._metrics.close()
+            self._metrics = None
 
     def __enter__(self) -> DraftcacheDraftModel:
         return self

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +23,7 @@ from decoder_client.engines.step_clock import StepClock
 if TYPE_CHECKING:
     from decoder_client.client import ClientConfig
     from decoder_client.client.drafting import Drafting
+    from decoder_client.client.metrics import ClientMetrics
     from decoder_client.engines.step_cost import StepCost
 
 ENV_PREFIX = "DRAFTCACHE_"
@@ -101,6 +102,11 @@ class EngineSettings:
     idle_close_s: float = 2.0  # the engine made no step this long: its requests are closed, with commit
     stats_path: str = ""  # a JSON file the proposer's step timings and counts are written to
     stats_every_s: float = 5.0  # how often that file is rewritten while the engine steps
+    # Serve the client's counts for Prometheus on this port (0: not served): where the drafts came
+    # from (the fallback's share among them), failed calls, commits retried and dropped
+    # (decoder_client.client.metrics); on this address.
+    metrics_port: int = 0
+    metrics_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         if not self.namespace:
@@ -133,6 +139,8 @@ class EngineSettings:
             raise ValueError(f"draft_model_rows must be >= 1, got {self.draft_model_rows}")
         if self.token_cost >= 1:
             raise ValueError(f"token_cost must be < 1 (< 0: measured), got {self.token_cost}")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be in [0, 65535] (0: not served), got {self.metrics_port}")
         # Their own checks. Imported here: the engine's process may not import numba yet (see
         # decoder_client.engines.vllm).
         from decoder_client.client.config import MOST_BATCH
@@ -208,6 +216,21 @@ class EngineSettings:
             token=self.token,
             tls_root_cert_file=self.tls_root_cert_file,
         )
+
+    def client_metrics(
+        self, client: Drafting, engine: str, engine_counts: Callable[[], Mapping[str, float]] | None = None
+    ) -> ClientMetrics | None:
+        """``client``'s counts (and the engine's own, keys of
+        :data:`~decoder_client.client.metrics.ENGINE_COUNTS`) served on ``metrics_port``;
+        ``None`` where it is 0, or cannot be bound (logged: the engine runs on without them)."""
+        if not self.metrics_port:
+            return None
+        from decoder_client.client.metrics import ClientCollector, ClientMetrics
+
+        collector = ClientCollector(
+            lambda: client.stats, namespace=self.namespace, engine=engine, engine_counts=engine_counts
+        )
+        return ClientMetrics.serve(collector, self.metrics_port, self.metrics_host)
 
     def draft_client(self, num_speculative_tokens: int, vocab_size: int | None = None, tokenizer: str = "") -> Drafting:
         """The client a proposer drafts with: the service's, or (``near``) a near copy in this

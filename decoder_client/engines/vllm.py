@@ -150,6 +150,7 @@ class DraftcacheProposer:
         if self.settings.create_namespace:  # in the background: the engine's start never waits on the service
             threading.Thread(target=ensure_namespace, args=(self.client_config, vocab), daemon=True).start()
         self._client: Drafting = self.settings.draft_client(self.num_speculative_tokens, vocab, tokenizer)
+        self._metrics = self.settings.client_metrics(self._client, "vllm")  # vLLM counts its drafts' outcomes itself
         self._models = draft_models(vllm_config, self.settings, vocab) if self.settings.draft_model else None
         self._model_steps = self._model_proposed = self._model_accepted = 0
         self._tracker = RowTracker()
@@ -385,6 +386,8 @@ class DraftcacheProposer:
             except Exception:
                 logger.exception("draftcache proposer: shutdown failed")
             self._write_stats()
+            if self._metrics is not None:
+                self._metrics.close()
 
 
 def drafts_read_here(vllm_config: Any) -> bool:

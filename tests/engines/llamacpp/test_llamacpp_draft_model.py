@@ -10,6 +10,7 @@ import logging
 import os
 import signal
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -376,3 +377,51 @@ def test_drafting_near_needs_the_vocabulary_and_an_engine_of_its_own(serve: Serv
         draft.attach(other)
     assert isinstance(other.draft_model, LlamaPromptLookupDecoding)
     draft.close()
+
+
+def _scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def test_its_counts_are_served_for_prometheus_and_a_taken_port_stops_nothing(  # type: ignore[no-untyped-def]
+    serve: Serve, make_llama, vocab_size: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``metrics_port``: the client's counts (where the drafts came from, commits) and the
+    engine's (steps, tokens proposed and accepted: llama.cpp keeps none) on /metrics, read as the
+    engine runs; the port freed by ``close``. A port already taken is logged and the engine
+    drafts all the same."""
+    port = free_port()
+    draft = DraftcacheDraftModel.connect(
+        _target(serve), NAMESPACE, num_pred_tokens=K, vocab_size=vocab_size, near_start_s=0, metrics_port=port
+    )
+    llm = draft.attach(make_llama())
+    ids = chat_ids(llm, "Count from 1 to 30, separated by commas.")
+    greedy(llm, ids, 48)
+    greedy(llm, ids, 48)  # asked again: drafted from the first answer
+    labels = (("engine", "llama.cpp"), ("namespace", NAMESPACE))
+    got = _scrape(port)
+    assert got[("draftcache_client_drafts_total", (*labels, ("source", "near")))] == draft.client.stats.near > 0
+    assert got[("draftcache_client_drafts_total", (*labels, ("source", "fallback")))] == 0
+    assert got[("draftcache_engine_accepted_tokens_total", labels)] == draft.stats.accepted > 16
+    assert got[("draftcache_engine_proposed_tokens_total", labels)] == draft.stats.proposed
+    assert got[("draftcache_engine_steps_total", labels)] == draft.stats.steps
+    # A second engine told the same port: logged, and it drafts.
+    with caplog.at_level(logging.ERROR, logger="decoder_client.client.metrics"):
+        other = DraftcacheDraftModel.connect(
+            _target(serve), NAMESPACE, num_pred_tokens=K, vocab_size=vocab_size, near_start_s=0, metrics_port=port
+        )
+    assert [r for r in caplog.records if f":{port}" in r.getMessage()], caplog.text
+    other_llm = other.attach(make_llama())
+    greedy(other_llm, ids, 16)
+    assert other.stats.calls > 0
+    other.close()
+    draft.close()
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)

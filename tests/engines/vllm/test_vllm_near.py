@@ -5,11 +5,14 @@ identical to plain vLLM, and every request still committed to the service's life
 from __future__ import annotations
 
 import json
+import urllib.request
 from pathlib import Path
 
 import numpy as np
 from draftcache.v1 import draftcache_pb2 as pb
+from prometheus_client.parser import text_string_to_metric_families
 
+from cache_service.host.embedded_redis import free_port
 from cache_service.storage.connect import connect
 from cache_service.storage.redis_store import RedisStore
 from tests.engines.vllm.conftest import (
@@ -49,13 +52,24 @@ def test_a_near_copy_drafts_in_vllms_worker_and_commits_every_request(
         NEAR_NAMESPACE, StaticPrior.build(corpus, PriorConfig()).to_bytes()
     )
     stats_path = tmp_path / "stats.json"
-    llm = make_llm(model_folder, **drafting_kwargs(serve, stats_path, namespace=NEAR_NAMESPACE))  # near: the default
+    port = free_port()  # the client's counts, served from vLLM's worker
+    kwargs = drafting_kwargs(serve, stats_path, namespace=NEAR_NAMESPACE, metrics_port=port)  # near: the default
+    llm = make_llm(model_folder, **kwargs)
     try:
         before = spec_counters(llm)
         assert generate(llm, batch) == plain
         after = spec_counters(llm)
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     finally:
         shutdown(llm)
+    drafts = {
+        s.labels["source"]: s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "draftcache_client_drafts_total"
+        and s.labels == {"engine": "vllm", "namespace": NEAR_NAMESPACE, "source": s.labels["source"]}
+    }
+    assert drafts["near"] > 0 and drafts["service"] == drafts["fallback"] == 0, drafts
     accepted = after["vllm:spec_decode_num_accepted_tokens"] - before.get("vllm:spec_decode_num_accepted_tokens", 0)
     assert accepted > 0  # vLLM verified the near copy's drafts and kept some
     stats = wait_stats(stats_path, lambda s: s["sessions_closed"] == len(batch), 30, "every request closed")
