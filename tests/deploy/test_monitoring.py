@@ -29,10 +29,12 @@ import pytest
 import yaml
 from deploy_files import DEPLOY, ROOT
 from draftcache.v1 import draftcache_pb2 as pb
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from cache_service.host.embedded_redis import free_port
-from decoder_client.client import ClientConfig, DraftClient
+from decoder_client.client import ClientConfig, ClientStats, DraftClient
+from decoder_client.client.metrics import ClientCollector, ClientMetrics
 from tests.faults import Serve, wait_for
 from tests.service.test_redis_outage import Redis
 
@@ -119,7 +121,10 @@ def test_the_rules_unit_tests_pass(tools: Path) -> None:
 
 def _scrape(port: int) -> dict[str, list[tuple[dict[str, str], float]]]:
     """The service's exposition: sample name -> its (labels, value) pairs."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return _samples(urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode())
+
+
+def _samples(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
     samples: dict[str, list[tuple[dict[str, str], float]]] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
@@ -127,20 +132,31 @@ def _scrape(port: int) -> dict[str, list[tuple[dict[str, str], float]]]:
     return samples
 
 
-def _traffic(target: str, *, stream: bool, requests: int = 3) -> None:
+def _requests(client: DraftClient, requests: int, *, wait: bool = True) -> None:
     """Requests that repeat their prompt, drafted for and verified step by step, then committed."""
-    config = ClientConfig(target=target, namespace="ns", vocab_size=VOCAB, deadline_s=2.0, stream=stream)
-    client = DraftClient(config)
+    for r in range(requests):
+        text = [(7 * r + i) % VOCAB for i in range(40)]
+        sessions = client.open([text + text[:8]], wait=wait)
+        client.draft(sessions, [[]])
+        for at in range(8, 40, 4):  # the prompt's own text, 4 tokens a step: its drafts are accepted
+            client.draft(sessions, [text[at : at + 4]])
+        client.close(sessions, commit=True)
+
+
+def _client(target: str, *, stream: bool = True, deadline_s: float = 2.0) -> DraftClient:
+    return DraftClient(
+        ClientConfig(target=target, namespace="ns", vocab_size=VOCAB, deadline_s=deadline_s, stream=stream)
+    )
+
+
+def _traffic(target: str, *, stream: bool, requests: int = 3) -> ClientStats:
+    """:func:`_requests` from a client of their own; its counts."""
+    client = _client(target, stream=stream)
     try:
-        for r in range(requests):
-            text = [(7 * r + i) % VOCAB for i in range(40)]
-            sessions = client.open([text + text[:8]])
-            client.draft(sessions, [[]])
-            for at in range(8, 40, 4):  # the prompt's own text, 4 tokens a step: its drafts are accepted
-                client.draft(sessions, [text[at : at + 4]])
-            client.close(sessions, commit=True)
+        _requests(client, requests)
     finally:
         client.shutdown()
+    return client.stats
 
 
 def _refused_open(serve: Serve) -> None:
@@ -162,15 +178,27 @@ def test_every_metric_and_label_the_rules_read_is_what_a_real_service_exports(tm
     with contextlib.closing(_start(tmp_path / "data", metrics)) as serve:
         target = f"127.0.0.1:{serve.port}"
         _traffic(target, stream=True)
-        _traffic(target, stream=False)
+        client = _traffic(target, stream=False)
         _refused_open(serve)
         serve.admin.Rebuild(pb.RebuildRequest(namespace="ns"), timeout=60)
         time.sleep(3)  # idle: nothing waits to be written back
         samples = _scrape(metrics)
+    # An engine's client serves its own (decoder_client.client.metrics): the rules read those too.
+    registry = CollectorRegistry()
+    registry.register(ClientCollector(lambda: client, namespace="ns", engine="test"))
+    engine_samples = _samples(generate_latest(registry).decode())
+    assert {labels["source"] for labels, _ in engine_samples["draftcache_client_drafts_total"]} == {
+        "service",
+        "near",
+        "fallback",
+    }
     for what, queries in (("rules", [r["expr"] for r in _rules()]), ("dashboard", _dashboard_queries())):
         read = {name for q in queries for name in _METRIC.findall(q)}
         assert read, f"no metric found in the {what}"
-        assert read <= set(samples), f"the {what} read metrics the service does not export: {read - set(samples)}"
+        engines = {n for n in read if n.startswith("draftcache_client_")}
+        served = read - engines
+        assert served <= set(samples), f"the {what} read metrics the service does not export: {served - set(samples)}"
+        assert engines <= set(engine_samples), f"the {what} read client metrics none exports: {engines}"
     # The label values the rules select by: draft calls unary and on the stream, a refusal's code.
     calls = {(labels["method"], labels["code"]) for labels, _ in samples["draftcache_rpc_seconds_count"]}
     assert {("Draft", "OK"), ("Stream.draft", "OK"), ("OpenSessions", "FAILED_PRECONDITION")} <= calls
@@ -189,13 +217,14 @@ def test_every_metric_and_label_the_rules_read_is_what_a_real_service_exports(tm
 class Prometheus:
     """A real Prometheus scraping ``targets`` every second and evaluating ``rules`` as often."""
 
-    def __init__(self, binary: Path, workdir: Path, rules: Path, metrics_port: int) -> None:
+    def __init__(self, binary: Path, workdir: Path, rules: Path, targets: dict[str, int]) -> None:
         workdir.mkdir(parents=True, exist_ok=True)
         config = {
             "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
             "rule_files": [str(rules)],
             "scrape_configs": [
-                {"job_name": "draftcache", "static_configs": [{"targets": [f"127.0.0.1:{metrics_port}"]}]}
+                {"job_name": job, "static_configs": [{"targets": [f"127.0.0.1:{port}"]}]}
+                for job, port in targets.items()
             ],
         }
         (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
@@ -239,26 +268,36 @@ class Prometheus:
 
 
 @contextlib.contextmanager
-def _prometheus(binary: Path, workdir: Path, metrics_port: int) -> Iterator[Prometheus]:
-    prometheus = Prometheus(binary, workdir, RULES, metrics_port)
+def _prometheus(binary: Path, workdir: Path, targets: dict[str, int]) -> Iterator[Prometheus]:
+    prometheus = Prometheus(binary, workdir, RULES, targets)
     try:
         yield prometheus
     finally:
         prometheus.close()
 
 
-def test_a_real_prometheus_evaluates_the_rules_on_a_real_service_through_an_outage(tmp_path: Path, tools: Path) -> None:
+def test_a_real_prometheus_evaluates_the_rules_on_a_real_service_and_client_through_outages(
+    tmp_path: Path, tools: Path
+) -> None:
+    """Prometheus scrapes the service and an engine's client (its counts served as an engine
+    integration serves them). The rules evaluate, the recorded figures are the service's, and
+    each fault raises its alert: a refused client at once; Redis killed, the storage alert
+    (pending: it fires after 1 m); the service frozen, the client's steps fall back and the
+    fallback alert is pending. Each clears when the fault ends."""
     redis = Redis(tmp_path)
     redis.start()
-    metrics = free_port()
+    metrics, client_metrics = free_port(), free_port()
     serve = _start(tmp_path / "data", metrics, redis_url=redis.url)
+    target = f"127.0.0.1:{serve.port}"
+    engine = _client(target, deadline_s=0.2)
+    served = ClientMetrics(ClientCollector(lambda: engine.stats, namespace="ns", engine="test"), client_metrics)
     try:
-        with _prometheus(tools / "prometheus", tmp_path / "prometheus", metrics) as prom:
-            wait_for(lambda: prom.query('up{job="draftcache"} == 1'), 30, "the first scrape")
-            target = f"127.0.0.1:{serve.port}"
+        targets = {"draftcache": metrics, "engines": client_metrics}
+        with _prometheus(tools / "prometheus", tmp_path / "prometheus", targets) as prom:
+            wait_for(lambda: len(prom.query("up == 1")) == 2, 30, "the first scrapes")
             deadline = time.monotonic() + 4  # over several scrapes: the rates need two samples apart
             while time.monotonic() < deadline:
-                _traffic(target, stream=True, requests=1)
+                _requests(engine, 1)
             # The rules evaluate without error, and the recorded figures are the service's.
             rules = [r for g in prom.api("rules")["groups"] for r in g["rules"]]
             assert len(rules) == len(_rules())
@@ -268,10 +307,12 @@ def test_a_real_prometheus_evaluates_the_rules_on_a_real_service_through_an_outa
             wait_for(lambda: [v for _, v in prom.query(per_step) if v > 0], 30, "accepted tokens per step recorded")
             p99 = "instance:draftcache_draft_seconds:p99_5m"
             wait_for(lambda: [v for _, v in prom.query(p99) if math.isfinite(v) and v > 0], 30, "draft p99 recorded")
-            assert not prom.alerts("DraftcacheStorageDown", "pending") and not prom.query("ALERTS")
+            assert not prom.query("ALERTS")
             # Every dashboard query evaluates (an error would fail the call), most to series already.
             answered = [bool(prom.query(q)) for q in _dashboard_queries()]
             assert sum(answered) >= len(answered) - 2, answered
+            share = 'sum by (namespace) (rate(draftcache_client_drafts_total{source="fallback"}[5m]))'
+            assert prom.query(share) == [({"namespace": "ns"}, 0.0)]
             # A client of another tokenizer, refused once: the alert fires at once.
             _refused_open(serve)
             wait_for(lambda: prom.alerts("DraftcacheCallsRefused", "firing"), 30, "DraftcacheCallsRefused")
@@ -279,8 +320,8 @@ def test_a_real_prometheus_evaluates_the_rules_on_a_real_service_through_an_outa
             assert fired["method"] == "OpenSessions" and fired["code"] == "FAILED_PRECONDITION"
             # Redis killed: a commit goes to the journal, and the outage is pending (for 1 m).
             redis.kill()
-            _traffic(target, stream=True, requests=1)
-            assert serve.stats().storage.journaled_commits >= 1
+            _requests(engine, 1)  # its close, with commit, lands in the background
+            wait_for(lambda: serve.stats().storage.journaled_commits >= 1, 30, "a commit journaled")
             wait_for(lambda: prom.alerts("DraftcacheStorageDown", "pending"), 30, "DraftcacheStorageDown pending")
             assert prom.query("draftcache_journal_commits > 0")
             # Redis back: the journal drains and the alert is gone.
@@ -288,6 +329,21 @@ def test_a_real_prometheus_evaluates_the_rules_on_a_real_service_through_an_outa
             wait_for(lambda: serve.stats().storage.journaled_commits == 0, 30, "the journal to drain")
             wait_for(lambda: not prom.alerts("DraftcacheStorageDown", "pending"), 30, "the outage to clear")
             assert prom.query("draftcache_storage_up == 1")
+            # The service frozen: the engine's steps draft locally, never waiting past the
+            # deadline, and the fallback alert is pending (it fires after 10 m).
+            serve.freeze()
+            try:
+                fallback, service = engine.stats.fallback, engine.stats.remote
+                began = time.monotonic()
+                while time.monotonic() - began < 1.5:  # local steps are quick: more than before it froze
+                    _requests(engine, 1, wait=False)
+                assert time.monotonic() - began < 3  # no step waited past its deadline for long
+                assert engine.stats.fallback - fallback > service and engine.stats.remote == service
+                wait_for(lambda: prom.alerts("DraftcacheClientsFallingBack", "pending"), 30, "fallback alert")
+            finally:
+                serve.thaw()
     finally:
+        served.close()
+        engine.shutdown()
         serve.close()
         redis.kill()
