@@ -127,6 +127,7 @@ class CommitWriter:
         max_pending: int,
         journal: Journal | None = None,
         on_written: Callable[[Logged], None] | None = None,
+        on_journaled: Callable[[list[JournalRecord]], None] | None = None,
         direct: RedisStore | None = None,
         replicas: int = 0,
         wait_ms: int = 1000,
@@ -138,6 +139,7 @@ class CommitWriter:
         self._replicas, self._wait_ms = replicas, wait_ms
         self._logs: dict[str, str] = {}  # per namespace, the identity of its log
         self._on_written = on_written
+        self._on_journaled = on_journaled  # this process's commits, queued (not known to the log yet)
         self.journal = journal
         self.status = StorageStatus()
         self.writer = os.urandom(16)
@@ -331,6 +333,8 @@ class CommitWriter:
         now = time.monotonic()
         for r in records:
             self._insert(r, now)
+        if self._on_journaled is not None:
+            self._on_journaled(records)
 
     def _insert(self, record: JournalRecord, now: float) -> None:
         rank = self._ranks.setdefault(record.writer, len(self._ranks))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import shutil
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from cache_service.domain.changes import Saved, SessionChange, SessionDelta
 from cache_service.domain.errors import Unavailable
 from cache_service.domain.ports import Committed, Logged, PriorPage
 from cache_service.host import prior_files
-from cache_service.host.journal import Journal
+from cache_service.host.journal import Journal, JournalRecord
 from cache_service.storage.errors import StorageError, StorageUnavailable
 from cache_service.storage.redis_store import RedisStore
 from cache_service.storage.sessions import SessionAppend, SessionWrite
@@ -76,12 +77,17 @@ class RedisPersistence:
             max_pending=max_pending,
             journal=journal,
             on_written=self._remember,
+            on_journaled=self._hold,
             direct=self.calls,
             replicas=replicas,
             wait_ms=wait_ms,
         )
         self._prior_dir = prior_dir
         self._own: dict[str, set[str]] = {}  # per namespace: ids of entries this process appended
+        # Per namespace: keys of commits this process journaled (its memory has them) -> when. An
+        # entry under such a key is skipped when following, whoever appended it: a client that
+        # retried the commit on another replica made that one append it too (see _hold).
+        self._held: dict[str, dict[str, float]] = {}
         self._last: dict[str, str] = {}  # per namespace: the last log entry read
         self._lock = threading.Lock()
         self._sync_lock = threading.Lock()  # one reader of the cursors
@@ -129,6 +135,7 @@ class RedisPersistence:
             self._last.pop(name, None)
             self._successors_seen.pop(name, None)
             self._own.pop(name, None)
+            self._held.pop(name, None)
 
     def requests_committed(self, namespace: str, requests: list[np.ndarray], keys: Sequence[str] = ()) -> Committed:
         """Write commits (each with its client's key, "" or none: no key) now, or journal them
@@ -147,6 +154,19 @@ class RedisPersistence:
         thread may read them: the commit writer holds the log while it writes)."""
         with self._lock:
             self._own.setdefault(logged[0], set()).update(stream_id(i) for i in logged[2])
+
+    def _hold(self, records: list[JournalRecord]) -> None:
+        """Commits journaled by this process, in its memory already: a request its client sent
+        again to another replica (the answer lost) is appended by that one, and this one's replay
+        then finds it logged and appends nothing. Following the log, the other's entry would
+        enter this memory a second time; held by its key, it is skipped instead. Keys are
+        forgotten when an entry under them passes (this process's own included) or, never
+        seen (trimmed unread), after the commit-key window."""
+        now = time.monotonic()
+        with self._lock:
+            for r in records:
+                if r.key:
+                    self._held.setdefault(r.namespace, {})[r.key] = now
 
     # -- the log, for decoders' near copies ----------------------------------------------------
 
@@ -298,16 +318,29 @@ class RedisPersistence:
             if not entries:
                 return [], []
             own = self._own.get(ns, set())
+            known = self._passed_keys(ns, [e.key for e in entries if e.key])  # journaled here: in memory
             theirs, ids = [], []
             for entry in entries:
                 if entry.id in own:
                     own.discard(entry.id)
-                elif covered is None or position(entry.id) > covered:
+                elif entry.key not in known and (covered is None or position(entry.id) > covered):
                     theirs.append(np.array(entry.tokens, dtype=np.int32))
                     ids.append(position(entry.id))
             self._last[ns] = entries[-1].id
             self._drop_own(ns, position(entries[-1].id))  # any left up to there were trimmed unread
             return theirs, ids
+
+    def _passed_keys(self, ns: str, keys: list[str]) -> set[str]:
+        """Of ``keys`` (the entries following passes), those held for ``ns`` (see :meth:`_hold`);
+        all of them are held no longer, nor any past the commit-key window."""
+        oldest = time.monotonic() - self.store.config.commit_key_ttl_s
+        with self._lock:
+            held = self._held.get(ns)
+            if not held:
+                return set()
+            for key in [k for k, since in held.items() if since < oldest]:
+                del held[key]
+            return {k for k in keys if held.pop(k, None) is not None}
 
     def _drop_own(self, ns: str, through: LogId) -> None:
         """Forget this process's entries of ``ns`` up to ``through``: following goes on past them."""

@@ -7,7 +7,7 @@ separate integer under :data:`SCHEMA_VERSION`; that key and the migration lock b
     draftcache:schema_version                          string  integer, see migrations/
     {draftcache:schema_version}:migration_lock         string  SET NX PX token while migrating
     draftcache:v1:namespaces                           hash    namespace name -> vocab_size
-    draftcache:v1:ns:{<ns>}:log                        stream  lifetime log, one entry per request
+    draftcache:v1:ns:{<ns>}:log                        stream  lifetime log: per request n, tokens, k (its commit key)
     draftcache:v1:ns:{<ns>}:log:tokens                 string  tokens currently in the log
     draftcache:v1:ns:{<ns>}:log:identity               string  random id of this log (SET NX)
     draftcache:v1:ns:{<ns>}:log:writers                hash    writer id -> highest commit seq appended (TTL)

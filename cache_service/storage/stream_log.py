@@ -81,7 +81,9 @@ end
 # (ms), ARGV[5] how many are kept at most, then (tokens, n, writer, seq, key) per commit, each
 # writer's in increasing seq. A commit whose seq is not above its writer's recorded one is in the
 # log already (this service's retry), and so is one whose key the log recorded (a client's retry
-# of a commit that landed, under another session): its id is ''. Commits made for another log
+# of a commit that landed, under another session): its id is ''. A keyed commit's entry holds its
+# key ('k'): a replica that has the request in memory already (journaled while storage was down)
+# knows another's append of it when following the log. Commits made for another log
 # (the namespace deleted, perhaps created again) are refused whole: the answer is {'replaced'}.
 # The clock is the server's (TIME, before any write), so every replica's commits age alike. The
 # first write is the XADD or HSET, which Redis refuses when out of memory (a write that frees
@@ -106,14 +108,16 @@ for i = 6, #ARGV, 5 do
   elseif key ~= '' and tonumber(redis.call('ZSCORE', KEYS[5], key) or '-1') >= since then
     redis.call('HSET', KEYS[3], ARGV[i + 2], ARGV[i + 3])
     ids[#ids + 1] = ''
+  elseif key ~= '' then
+    ids[#ids + 1] = redis.call('XADD', KEYS[1], '*', 'n', ARGV[i + 1], 'tokens', ARGV[i], 'k', key)
+    redis.call('HSET', KEYS[3], ARGV[i + 2], ARGV[i + 3])
+    total = total + tonumber(ARGV[i + 1])
+    redis.call('ZADD', KEYS[5], now, key)
+    keyed = true
   else
     ids[#ids + 1] = redis.call('XADD', KEYS[1], '*', 'n', ARGV[i + 1], 'tokens', ARGV[i])
     redis.call('HSET', KEYS[3], ARGV[i + 2], ARGV[i + 3])
     total = total + tonumber(ARGV[i + 1])
-    if key ~= '' then
-      redis.call('ZADD', KEYS[5], now, key)
-      keyed = true
-    end
   end
 end
 redis.call('EXPIRE', KEYS[3], ARGV[2])
@@ -163,10 +167,12 @@ _MAX_PART = 2**64 - 1  # each part of a stream id is an unsigned 64-bit integer:
 
 
 class LogEntry(NamedTuple):
-    """One finished request: its stream id and its tokens (a read-only int32 array)."""
+    """One finished request: its stream id, its tokens (a read-only int32 array) and the key its
+    client committed it under ("": none, or an entry appended before entries held keys)."""
 
     id: str
     tokens: np.ndarray
+    key: str = ""
 
 
 def check_stream_id(stream_id: str) -> str:
@@ -272,7 +278,10 @@ def _entry(raw_id: object, raw_fields: object) -> LogEntry:
     tokens = codec.tokens_from_bytes(raw, what=f"log entry {entry_id}")
     if tokens.size != n:
         raise StorageCorrupt(f"log entry {entry_id} says n={n} but holds {tokens.size} tokens")
-    return LogEntry(entry_id, tokens)
+    key = fields.get(b"k", b"")
+    if len(key) > MAX_KEY_LEN or not key.isascii():
+        raise StorageCorrupt(f"log entry {entry_id} holds a malformed commit key")
+    return LogEntry(entry_id, tokens, key.decode())
 
 
 def read(client: StorageClient, ns: str, after_id: str, count: int) -> list[LogEntry]:

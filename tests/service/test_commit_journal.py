@@ -267,3 +267,37 @@ def test_a_keyed_commit_journaled_and_sent_again_reaches_the_log_once(server: Em
         later.close()
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("replayed_first", [False, True], ids=["followed-first", "replayed-first"])
+def test_a_journaled_commit_sent_again_to_another_replica_enters_this_memory_once(
+    server: EmbeddedRedis, tmp_path: Path, replayed_first: bool
+) -> None:
+    """Replica A journals a close while storage is down (the request is in A's memory); its
+    client, the answer lost, sends it again under the same key to replica B once storage is
+    back, and B appends it. A's replay then finds it logged and appends nothing, and A, following
+    the log, skips B's entry of it (its key is one A journaled), whichever comes first, while
+    taking B's other requests. Before entries held their keys, A took its own request again."""
+    key = "c0ffee00c0ffee00c0ffee00c0ffee00"
+    a = RedisPersistence(_registered(RedisStore(connect(server.url))), max_pending=100,
+                         journal=Journal(tmp_path / "a.journal", 1 << 20))  # fmt: skip
+    a.commits.recover()  # its journal opened (empty)
+    a.read_log("ns")  # following from the log's start
+    server.stop()
+    assert a.requests_committed("ns", [_req(1)], [key]).repeated == [False]  # journaled
+    assert a.commits.health().journaled_commits == 1
+    server = _restart(server)
+    try:
+        b = RedisPersistence(RedisStore(connect(server.url)), max_pending=100)
+        assert b.requests_committed("ns", [_req(1), _req(7)], [key, ""]).repeated == [False, False]
+        if replayed_first:
+            a.flush()
+        followed, _ = a.follow("ns")
+        a.flush()
+        assert [t.tolist() for t in followed] == [_req(7).tolist()]
+        assert a.commits.health().journaled_commits == 0 and a.commits.health().repeated_commits == 1
+        assert _log(RedisStore(connect(server.url))) == [_req(1).tolist(), _req(7).tolist()]
+        assert a.follow("ns")[0] == []  # nothing else new
+        assert not a._held.get("ns")  # the key went when its entry passed
+    finally:
+        server.stop()

@@ -165,6 +165,7 @@ def test_a_commit_whose_key_the_log_recorded_is_appended_once(store: RedisStore,
     assert again[0] is not None and again[1] is None and again[2] is not None
     assert all(store.append_commits("ns", [(b, 2, _req(4), "")]))
     assert [e.tokens.tolist() for e in store.read_log("ns")] == [[1, 2], [3], [4], [4]]
+    assert [e.key for e in store.read_log("ns")] == [key, other, "", ""]  # an entry names its key
     assert store.log_size("ns") == (4, 5)
     # A skipped commit still counts as its writer's: its journal's replay skips it by seq.
     assert client.hgetall(keys.log_writers("ns")) == {a: b"3", b: b"2"}
