@@ -149,9 +149,7 @@ class WithDraftModel:
     def advance(self, tokens: np.ndarray, topk: np.ndarray | None = None) -> None:
         if self._asked is not None and tokens.size:
             token, prob, chain = self._asked
-            self.record.add(prob, int(tokens[0]) == token)
-            if chain is not None:
-                self.record.add_chain(prob, chain, tokens)
+            self.record.outcome(prob, token, chain, tokens)
             self._asked = None
         _advance(self._inner, self._inner_takes_topk, tokens, topk)
         self._rows.pos += int(tokens.size)

@@ -154,6 +154,16 @@ class ModelRecord:
         self.onward_seen[b] += right + (1 if miss.size else 0)
         self.onward_right[b] += right
 
+    def outcome(
+        self, prob: float, first: int, chain: Sequence[int] | np.ndarray | None, truth: Sequence[int] | np.ndarray
+    ) -> None:
+        """What the target produced (``truth``, at least one token) where the model's first token
+        was ``first``, given ``prob``: :meth:`add`, and :meth:`add_chain` where its ``chain`` was
+        proposed (``None``: not)."""
+        self.add(prob, int(truth[0]) == first)
+        if chain is not None:
+            self.add_chain(prob, chain, truth)
+
     def chance(self, prob: float) -> float:
         """The chance that a first token given ``prob`` is the target's."""
         b = self._bin(prob)
@@ -451,9 +461,7 @@ class ChainModel(abc.ABC):
         if self._asked is not None:  # the target's tokens where the model's first one was, and its chain
             at, nxt = self._asked
             if ctx.size > at and held >= at:
-                self.record.add(nxt.prob, int(ctx[at]) == nxt.token)
-                if self._chain is not None:
-                    self.record.add_chain(nxt.prob, self._chain, ctx[at:])
+                self.record.outcome(nxt.prob, nxt.token, self._chain, ctx[at:])
             self._asked = self._chain = None
         if self.max_positions is not None and ctx.size + self.k > self.max_positions:
             self.reset()
