@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import logging
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,8 @@ from typing import Any
 import numpy as np
 
 from cache_service.admin import warm
+
+logger = logging.getLogger(__name__)
 
 MAX_TOPK = 8  # most next-token ids per output position a trace may record
 
@@ -60,8 +63,13 @@ def read_traces(path: str | Path, *, limit: int | None = None) -> list[Conversat
 
 
 def iter_traces(path: str | Path, *, limit: int | None = None) -> Iterator[Conversation]:
+    """:func:`read_traces` one conversation at a time. A request that produced nothing (an
+    output segment without tokens: a model that ended at once, its end token not logged) has
+    no step to replay and is left out, and so is a conversation left with no request; a
+    warning counts them."""
     path = Path(path)
     opener = gzip.open if path.suffix == ".gz" else open
+    empty = [0, 0]  # output segments without tokens, conversations without a request
     try:
         with opener(path, "rt", encoding="utf-8") as fh:
             read = 0
@@ -69,10 +77,21 @@ def iter_traces(path: str | Path, *, limit: int | None = None) -> Iterator[Conve
                 if limit is not None and read >= limit:
                     return
                 if line.strip():
+                    conversation, dropped = _parse(line, f"{path}:{lineno}")
+                    empty[0] += dropped
+                    if conversation is None:
+                        empty[1] += 1
+                        continue
                     read += 1
-                    yield _parse(line, f"{path}:{lineno}")
+                    yield conversation
     except (OSError, EOFError, UnicodeDecodeError) as exc:
         raise ValueError(f"{path}: unreadable trace file: {exc}") from exc
+    finally:
+        if any(empty):
+            logger.warning(
+                "%s: %d output segments without tokens and %d conversations without a request left out",
+                path, *empty,
+            )  # fmt: skip
 
 
 def write_traces(conversations: Iterable[Conversation], path: str | Path) -> None:
@@ -102,18 +121,25 @@ def _segment_json(s: Segment) -> dict:
     return out
 
 
-def _parse(line: str, where: str) -> Conversation:
+def _parse(line: str, where: str) -> tuple[Conversation | None, int]:
+    """The conversation on ``line`` (``None``: no request in it) and how many output segments
+    without tokens were left out of it."""
     try:
         obj = json.loads(line)
-        segments = tuple(_segment(s) for s in obj["segments"])
+        if not isinstance(obj, dict) or not isinstance(obj.get("segments"), list):
+            raise ValueError("a conversation is an object with a list of segments")
+        namespace = str(obj["namespace"])
+        parsed = [_segment(s) for s in obj["segments"]]
+        segments = tuple(s for s in parsed if s.kind == "input" or s.tokens.size)
         if not any(s.kind == "output" for s in segments):
-            raise ValueError("no output segment: nothing to replay")
-        return Conversation(
+            return None, len(parsed) - len(segments)
+        conversation = Conversation(
             id=str(obj.get("id", where)),
-            namespace=str(obj["namespace"]),
+            namespace=namespace,
             category=str(obj.get("category", "all")),
             segments=segments,
         )
+        return conversation, len(parsed) - len(segments)
     except (ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"{where}: malformed conversation: {exc}") from exc
 
@@ -125,8 +151,6 @@ def _segment(obj: dict) -> Segment:
     tokens = np.asarray(_ids(obj["tokens"], "segment tokens"), dtype=np.int64)
     if tokens.ndim != 1 or (tokens.size and (tokens.min() < 0 or tokens.max() >= 2**31 - 1)):
         raise ValueError("segment tokens must be a flat list of non-negative int32 ids")
-    if kind == "output" and not tokens.size:
-        raise ValueError("an output segment holds no tokens (a request produces at least one)")
     if "topk" not in obj:
         return Segment(kind, tokens.astype(np.int32))
     if kind != "output":

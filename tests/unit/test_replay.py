@@ -286,10 +286,10 @@ def test_read_traces_invalid_json_names_line(tmp_path):
         {"namespace": "x", "segments": [{"kind": "input", "tokens": [True, 2]}, {"kind": "output", "tokens": [3]}]},
         {"namespace": "x", "segments": [{"kind": "output", "tokens": [3, 4], "topk": [[3.5], [4]]}]},
         {"namespace": "x", "segments": [{"kind": "input", "tokens": "12"}, {"kind": "output", "tokens": [3]}]},
-        # a request that produced nothing, and a conversation with no request in it
-        {"namespace": "x", "segments": [{"kind": "input", "tokens": [1, 2]}, {"kind": "output", "tokens": []}]},
-        {"namespace": "x", "segments": [{"kind": "input", "tokens": [1, 2]}]},
-        {"namespace": "x", "segments": []},
+        {"namespace": "x", "segments": {"kind": "output", "tokens": [3]}},  # segments not a list
+        [CONV_A],  # not an object
+        # an empty output's malformed top-k is malformed all the same
+        {"namespace": "x", "segments": [{"kind": "output", "tokens": [], "topk": [[1]]}]},
     ],
 )
 def test_read_traces_malformed_conversation_names_line(tmp_path, obj):
@@ -371,3 +371,36 @@ def test_chain_replay_config_is_checked(kw):
     # A chain length the params disagree with is refused.
     with pytest.raises(ValueError):
         ReplayConfig(**kw)
+
+
+def test_requests_that_produced_nothing_are_left_out_and_counted(tmp_path, caplog):
+    """A request that produced nothing (its output segment empty: the model ended at once and
+    its end token was not logged) has no step to replay: it is left out of its conversation, a
+    conversation left with no request is left out whole, and a warning counts both. A file of
+    real traffic is not refused for them."""
+    path = tmp_path / "t.jsonl.gz"
+    nothing = {
+        "id": "n",
+        "namespace": "x",
+        "segments": [{"kind": "input", "tokens": [1, 2]}, {"kind": "output", "tokens": []}],
+    }
+    partly = {
+        "id": "p",
+        "namespace": "x",
+        "segments": [
+            {"kind": "input", "tokens": [1, 2]},
+            {"kind": "output", "tokens": []},
+            {"kind": "input", "tokens": [3]},
+            {"kind": "output", "tokens": [4, 5]},
+        ],
+    }
+    no_request = {"id": "q", "namespace": "x", "segments": [{"kind": "input", "tokens": [1]}]}
+    lines = [json.dumps(o) for o in (CONV_A, nothing, partly, no_request, {"namespace": "x", "segments": []}, CONV_B)]
+    _write_gz(path, lines)
+    with caplog.at_level(logging.WARNING, logger="benchmarks.traces"):
+        convs = read_traces(path)
+    assert [c.id for c in convs] == [CONV_A["id"], "p", f"{path}:6"]  # CONV_B has no id: its line names it
+    (p,) = [c for c in convs if c.id == "p"]
+    assert [(s.kind, s.tokens.tolist()) for s in p.segments] == [("input", [1, 2]), ("input", [3]), ("output", [4, 5])]
+    assert "2 output segments without tokens and 3 conversations without a request left out" in caplog.text
+    assert [c.id for c in read_traces(path, limit=2)] == [CONV_A["id"], "p"]  # the limit counts what is replayed
