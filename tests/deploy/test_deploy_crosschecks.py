@@ -1,7 +1,8 @@
 """What the deployment artefacts promise each other and the code: every YAML file parses, every
 DRAFTCACHE_* setting they give ``draftcache serve`` is one of its flags with a value it accepts,
-one gRPC port everywhere, and the real ``draftcache serve`` starts, reports SERVING on the
-grpc.health.v1 service and stops cleanly on each artefact's own settings."""
+one gRPC port and one metrics port everywhere, and the real ``draftcache serve`` starts, reports
+SERVING on the grpc.health.v1 service, serves its metrics and stops cleanly on each artefact's
+own settings."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import shlex
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -118,13 +120,40 @@ def test_one_grpc_port_everywhere() -> None:
     assert {k: int(v) for k, v in claims.items()} == dict.fromkeys(claims, GRPC_PORT)
 
 
+METRICS_PORT = 9464
+
+
+def test_one_metrics_port_everywhere() -> None:
+    """Every artefact serves Prometheus metrics, on one port, where its scrapes look for them."""
+    services = compose()["services"]
+    pod = k8s_base("StatefulSet", "draftcache")["spec"]["template"]
+    ports = {p["name"]: p["containerPort"] for p in pod["spec"]["containers"][0]["ports"]}
+    scrape = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())["scrape_configs"]
+    targets = [t for job in scrape for c in job["static_configs"] for t in c["targets"]]
+    claims: dict[str, Any] = {
+        "k8s ConfigMap": k8s_base("ConfigMap", "draftcache")["data"]["DRAFTCACHE_METRICS_PORT"],
+        "k8s containerPort": ports["metrics"],
+        "k8s pod annotation": pod["metadata"]["annotations"]["prometheus.io/port"],
+        "systemd env file": read_env_file(UNIT_ENV)["DRAFTCACHE_METRICS_PORT"],
+    }
+    for name in ("draftcache-1", "draftcache-2"):
+        claims[f"compose {name} env"] = services[name]["environment"]["DRAFTCACHE_METRICS_PORT"]
+        assert f"{name}:{METRICS_PORT}" in targets, f"compose's Prometheus does not scrape {name}"
+    assert {k: int(v) for k, v in claims.items()} == dict.fromkeys(claims, METRICS_PORT)
+    assert pod["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
+    # The systemd host's metrics stay on its loopback unless the operator opens them.
+    assert read_env_file(UNIT_ENV)["DRAFTCACHE_METRICS_HOST"] == "127.0.0.1"
+
+
 def real_serve_env(settings: dict[str, str], tmp_path: Path) -> dict[str, str]:
-    """An artefact's settings on this machine: loopback, a free port, the embedded Redis in a
+    """An artefact's settings on this machine: loopback, free ports, the embedded Redis in a
     scratch folder instead of the deployment's Redis."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("DRAFTCACHE_")}
     env.update(settings)
     env.pop("DRAFTCACHE_REDIS_URL", None)
     env.update(DRAFTCACHE_HOST="127.0.0.1", DRAFTCACHE_PORT=str(free_port()), DRAFTCACHE_DATA_DIR=str(tmp_path))
+    if "DRAFTCACHE_METRICS_PORT" in env:
+        env.update(DRAFTCACHE_METRICS_PORT=str(free_port()), DRAFTCACHE_METRICS_HOST="127.0.0.1")
     return env
 
 
@@ -143,6 +172,9 @@ def serves_healthy_and_stops(env: dict[str, str]) -> None:
             assert time.monotonic() < deadline, check.stdout
             time.sleep(0.2)
         assert check.stdout.strip() == f"127.0.0.1:{env['DRAFTCACHE_PORT']} (server): SERVING"
+        if "DRAFTCACHE_METRICS_PORT" in env:  # what the artefact's scrape reads
+            url = f"http://127.0.0.1:{env['DRAFTCACHE_METRICS_PORT']}/metrics"
+            assert "draftcache_storage_up 1.0" in urllib.request.urlopen(url, timeout=10).read().decode()
         proc.terminate()  # SIGTERM, as docker stop, the kubelet and systemd send it
         assert proc.wait(timeout=30) == 0
     finally:
@@ -153,7 +185,9 @@ def serves_healthy_and_stops(env: dict[str, str]) -> None:
 
 @pytest.mark.parametrize("source", ["k8s ConfigMap", "compose draftcache-1", "systemd env file"])
 def test_serve_starts_healthy_and_stops_on_the_artefact_settings(source: str, tmp_path: Path) -> None:
-    serves_healthy_and_stops(real_serve_env(serve_settings()[source], tmp_path))
+    settings = serve_settings()[source]
+    assert "DRAFTCACHE_METRICS_PORT" in settings, f"{source} serves no metrics"
+    serves_healthy_and_stops(real_serve_env(settings, tmp_path))
 
 
 def test_serve_starts_healthy_over_tls_on_the_tls_overlay_settings(pki: Path, tmp_path: Path) -> None:

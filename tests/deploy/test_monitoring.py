@@ -27,7 +27,7 @@ from typing import Any
 import grpc
 import pytest
 import yaml
-from deploy_files import DEPLOY, ROOT
+from deploy_files import DEPLOY, ROOT, compose
 from draftcache.v1 import draftcache_pb2 as pb
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -107,6 +107,20 @@ def test_promtool_checks_the_rules(tools: Path) -> None:
     done = subprocess.run([tools / "promtool", "check", "rules", RULES], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"SUCCESS: {len(_rules())} rules found" in done.stdout
+
+
+def test_the_compose_prometheus_config_loads_the_rules(tools: Path) -> None:
+    """deploy/prometheus/prometheus.yml, which Compose mounts beside the rules: promtool reads it
+    and the rule file it names, as Prometheus will."""
+    config = DEPLOY / "prometheus" / "prometheus.yml"
+    done = subprocess.run([tools / "promtool", "check", "config", config], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "SUCCESS: 1 rule files found" in done.stdout and f"SUCCESS: {len(_rules())} rules found" in done.stdout
+    service = compose()["services"]["prometheus"]
+    mounts = {v.split(":")[1]: DEPLOY / v.split(":")[0] for v in service["volumes"] if v.startswith("./")}
+    assert mounts == {"/etc/prometheus/prometheus.yml": config, "/etc/prometheus/alerts.yml": RULES}
+    assert "--config.file=/etc/prometheus/prometheus.yml" in service["command"]
+    assert service["profiles"] == ["monitoring"]
 
 
 def test_the_rules_unit_tests_pass(tools: Path) -> None:
