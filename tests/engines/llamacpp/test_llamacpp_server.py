@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from cache_service.host.embedded_redis import free_port
 from tests.engines.llamacpp.conftest import NAMESPACE
@@ -56,8 +57,9 @@ def test_the_server_drafts_and_commits_every_completion(
     """Drafting near (the default: a near copy in the server's process) or through the service
     (``near=false``: the service drafts every step), or near beside a small draft model (the
     only GGUF here, the served model itself): each completion is committed when it stops."""
-    port = free_port()
+    port, metrics = free_port(), free_port()
     env = {**os.environ, "DRAFTCACHE_TARGET": f"127.0.0.1:{serve.port}", "DRAFTCACHE_NAMESPACE": NAMESPACE}
+    env["DRAFTCACHE_METRICS_PORT"] = str(metrics)  # a setting from the environment, as any
     log = (tmp_path / "server.log").open("w")
     cmd = [sys.executable, "-m", "decoder_client.engines.llamacpp_server", "--model", str(gguf), "--port", str(port)]
     if beside:
@@ -89,6 +91,17 @@ def test_the_server_drafts_and_commits_every_completion(
         chat = post(port, "/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 8})
         assert chat["choices"][0]["message"]["content"] is not None
         wait_for(lambda: len(log_entries(serve.redis_url(), NAMESPACE)) >= before + 2, 30, "the chat's commit")
+        # The draft model's counts, served for Prometheus from the server's process.
+        text = urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=10).read().decode()
+        got = {
+            (m.name, tuple(sorted(m.labels.items()))): m.value
+            for f in text_string_to_metric_families(text)
+            for m in f.samples
+        }
+        labels = (("engine", "llama.cpp"), ("namespace", NAMESPACE))
+        source = "near" if near else "service"
+        assert got[("draftcache_client_drafts_total", (*labels, ("source", source)))] > 0, got
+        assert got[("draftcache_engine_steps_total", labels)] > 0
     finally:
         server.send_signal(signal.SIGTERM)
         try:
