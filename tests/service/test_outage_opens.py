@@ -7,6 +7,7 @@ which must reach storage, answer within the call timeout."""
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -122,8 +123,14 @@ def test_namespace_calls_answer_within_the_call_timeout_while_redis_is_frozen(se
             (admin.DeleteNamespace, pb.DeleteNamespaceRequest(name="ns")),
         ):
             began = time.monotonic()
-            with pytest.raises(grpc.RpcError) as err:
-                call(request, timeout=20)
+            # A call that overstays leaves every thread's stack in the report (seen once: a
+            # CreateNamespace unanswered for 20 s, never reproduced).
+            faulthandler.dump_traceback_later(5)
+            try:
+                with pytest.raises(grpc.RpcError) as err:
+                    call(request, timeout=20)
+            finally:
+                faulthandler.cancel_dump_traceback_later()
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() - began < 5
     finally:
         redis.proc.send_signal(signal.SIGCONT)
