@@ -39,7 +39,6 @@ from cache_service.storage.errors import MigrationInProgress, StorageError
 from cache_service.storage.redis_store import RedisStore, StoreConfig
 from cache_service.sync import StorageSync
 from indexer import kernels
-from indexer.lifetime_index import LifetimeIndexes
 
 logger = logging.getLogger(__name__)
 
@@ -361,18 +360,11 @@ class App:
 
     def _rebuild_one(self, name: str, why: str) -> None:
         try:
-            had = self.service.namespace(name).memory.indexes
-            built = self.sync.rebuild(name)
+            self._rebuild_measured(name, why)
         except StorageError as exc:  # shared indexes are built from the log in storage
             logger.warning("rebuild of %s deferred: %s", name, exc)
-            return
         except Exception:  # a full disk, say: the other namespaces are rebuilt all the same
             logger.exception("rebuild of %s failed (tried again on the next run)", name)
-            return
-        finally:
-            self._last_rebuild[name] = time.monotonic()
-            release_free_memory()  # what the build allocated and freed
-        self._built(name, why, had, built)
 
     def _refresh(self, names: list[str]) -> None:
         """The admin rebuild: published priors reloaded and the named namespaces rebuilt now
@@ -380,17 +372,18 @@ class App:
         a failure goes to the caller."""
         self.sync.reload_priors()
         for name in names:
-            had = self.service.namespace(name).memory.indexes
-            try:
-                built = self.sync.rebuild(name, wait=True)
-            finally:
-                self._last_rebuild[name] = time.monotonic()
-                release_free_memory()
-            self._built(name, " on request", had, built)
+            self._rebuild_measured(name, " on request", wait=True)
 
-    def _built(self, name: str, why: str, had: LifetimeIndexes | None, built: LifetimeIndexes | None) -> None:
-        """Measure and log a rebuild of ``name`` that this process made (not one it found
-        already built: shared, another may have; or none was due)."""
+    def _rebuild_measured(self, name: str, why: str, *, wait: bool = False) -> None:
+        """Rebuild ``name`` (:meth:`~.sync.StorageSync.rebuild`), then measure and log the build
+        if this process made it (not one it found already built: shared, another may have; or
+        none was due)."""
+        try:
+            had = self.service.namespace(name).memory.indexes
+            built = self.sync.rebuild(name, wait=wait)
+        finally:
+            self._last_rebuild[name] = time.monotonic()
+            release_free_memory()  # what the build allocated and freed
         if built is not None and built is not had:
             self.metrics.observe_rebuild(name, built)
             how = "extended" if built.extended else "sorted afresh"

@@ -108,16 +108,18 @@ for i = 6, #ARGV, 5 do
   elseif key ~= '' and tonumber(redis.call('ZSCORE', KEYS[5], key) or '-1') >= since then
     redis.call('HSET', KEYS[3], ARGV[i + 2], ARGV[i + 3])
     ids[#ids + 1] = ''
-  elseif key ~= '' then
-    ids[#ids + 1] = redis.call('XADD', KEYS[1], '*', 'n', ARGV[i + 1], 'tokens', ARGV[i], 'k', key)
-    redis.call('HSET', KEYS[3], ARGV[i + 2], ARGV[i + 3])
-    total = total + tonumber(ARGV[i + 1])
-    redis.call('ZADD', KEYS[5], now, key)
-    keyed = true
   else
-    ids[#ids + 1] = redis.call('XADD', KEYS[1], '*', 'n', ARGV[i + 1], 'tokens', ARGV[i])
+    if key ~= '' then
+      ids[#ids + 1] = redis.call('XADD', KEYS[1], '*', 'n', ARGV[i + 1], 'tokens', ARGV[i], 'k', key)
+    else
+      ids[#ids + 1] = redis.call('XADD', KEYS[1], '*', 'n', ARGV[i + 1], 'tokens', ARGV[i])
+    end
     redis.call('HSET', KEYS[3], ARGV[i + 2], ARGV[i + 3])
     total = total + tonumber(ARGV[i + 1])
+    if key ~= '' then
+      redis.call('ZADD', KEYS[5], now, key)
+      keyed = true
+    end
   end
 end
 redis.call('EXPIRE', KEYS[3], ARGV[2])
