@@ -21,7 +21,7 @@ import numpy as np
 from cache_service.commits import CommitWriter
 from cache_service.domain.changes import Saved, SessionChange, SessionDelta
 from cache_service.domain.errors import Unavailable
-from cache_service.domain.ports import Committed, Logged, PriorPage
+from cache_service.domain.ports import Committed, Logged, PriorPage, Requests
 from cache_service.host import prior_files
 from cache_service.host.journal import Journal, JournalRecord
 from cache_service.storage.errors import StorageError, StorageUnavailable
@@ -36,8 +36,6 @@ logger = logging.getLogger(__name__)
 
 SAVE_BATCH = 256  # sessions written per pipelined round trip
 LOG_PAGE = 32  # log entries read per round trip for a decoder's near copy
-
-Requests = tuple[list[np.ndarray], list[LogId]]  # log entries: their tokens and positions
 
 
 class SessionsNotSaved(StorageUnavailable):
@@ -296,39 +294,43 @@ class RedisPersistence:
 
     def read_log(self, ns: str, after: LogId | None = None) -> Requests:
         """The whole log of ``ns`` (past ``after``), from which the cursor then follows it."""
-        out: list[np.ndarray] = []
-        ids: list[LogId] = []
+        out = Requests([], [], [])
         last = "0" if after is None else stream_id(after)
         while True:
             entries = self.store.read_log(ns, after_id=last)
             if not entries:
                 break
-            out.extend(np.array(e.tokens, dtype=np.int32) for e in entries)
-            ids.extend(position(e.id) for e in entries)
+            out.tokens.extend(np.array(e.tokens, dtype=np.int32) for e in entries)
+            out.ids.extend(position(e.id) for e in entries)
+            out.keys.extend(e.key for e in entries if e.key)
             last = entries[-1].id
         with self._sync_lock:
             self._last[ns] = last
-        return out, ids
+        return out
 
     def follow(self, ns: str, covered: LogId | None = None) -> Requests:
         """Requests other processes appended to the log of ``ns`` since the last read, except
-        those up to ``covered`` (an adopted generation indexes them already)."""
+        those up to ``covered`` (an adopted generation indexes them already) and those under a
+        key this process journaled (see :meth:`_hold`)."""
         with self.commits.writing, self._sync_lock:
             entries = self.store.read_log(ns, after_id=self._last.get(ns, "0"))
+            out = Requests([], [], [])
             if not entries:
-                return [], []
+                return out
             own = self._own.get(ns, set())
             known = self._passed_keys(ns, [e.key for e in entries if e.key])  # journaled here: in memory
-            theirs, ids = [], []
             for entry in entries:
                 if entry.id in own:
                     own.discard(entry.id)
-                elif entry.key not in known and (covered is None or position(entry.id) > covered):
-                    theirs.append(np.array(entry.tokens, dtype=np.int32))
-                    ids.append(position(entry.id))
+                    continue
+                if entry.key not in known and (covered is None or position(entry.id) > covered):
+                    out.tokens.append(np.array(entry.tokens, dtype=np.int32))
+                    out.ids.append(position(entry.id))
+                if entry.key:
+                    out.keys.append(entry.key)
             self._last[ns] = entries[-1].id
             self._drop_own(ns, position(entries[-1].id))  # any left up to there were trimmed unread
-            return theirs, ids
+            return out
 
     def _passed_keys(self, ns: str, keys: list[str]) -> set[str]:
         """Of ``keys`` (the entries following passes), those held for ``ns`` (see :meth:`_hold`);

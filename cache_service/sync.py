@@ -81,18 +81,17 @@ class StorageSync:
                     logger.error(
                         "namespace %s: lifetime generation not built (the rebuild job tries again): %s", name, exc
                     )
-            requests, ids = self.persistence.read_log(name, after)
-            drafter.memory.commit_many(requests, ids)
-            if requests and self.shared is None:
+            requests = self.persistence.read_log(name, after)
+            self.service.took_from_log(name, requests)
+            if requests.tokens and self.shared is None:
                 drafter.memory.rebuild()
             try:
                 self._load_prior(name)
             except (ValueError, OSError) as exc:  # a blob that does not parse, a folder not written
                 logger.error("namespace %s: static prior not loaded (the reload job tries again): %s", name, exc)
             self._load_successors(name, *self.persistence.read_successors(name))
-            logger.info(
-                "restored namespace %s: %d requests, %d tokens", name, len(requests), drafter.memory.buffered_tokens
-            )
+            tokens = drafter.memory.buffered_tokens
+            logger.info("restored namespace %s: %d requests, %d tokens", name, len(requests.tokens), tokens)
         self._learn_tokenizers(self._registered)
 
     # -- the periodic jobs ---------------------------------------------------------------------
@@ -105,9 +104,7 @@ class StorageSync:
             self._discover()
             for name in self.service.namespace_names():
                 covered = None if self.shared is None else self.shared.adopted(name)
-                requests, ids = self.persistence.follow(name, covered)
-                if requests:
-                    self.service.namespace(name).memory.commit_many(requests, ids)
+                self.service.took_from_log(name, self.persistence.follow(name, covered))
                 self._share_successors(name)
         except StorageError as exc:
             if not self._deferred:

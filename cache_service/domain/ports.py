@@ -17,6 +17,16 @@ from indexer.lifetime_index import LogId
 Logged = tuple[str, list[np.ndarray], list[LogId]]
 
 
+class Requests(NamedTuple):
+    """Log entries read into a memory: their tokens and positions, and the commit keys of
+    every entry the memory now holds from the read, those taken here and those it held already
+    (indexed in an adopted generation, or journaled here); none of this process's own."""
+
+    tokens: list[np.ndarray]
+    ids: list[LogId]
+    keys: list[str]
+
+
 class Committed(NamedTuple):
     """What became of one call's commits: what was written to logs (other calls' queued commits
     included), and per commit whether the log held it already (a client's retry of a commit

@@ -43,7 +43,7 @@ from cache_service.domain.items import (
 )
 from cache_service.domain.namespaces import Namespaces, check_vocab_size
 from cache_service.domain.opening import Opener
-from cache_service.domain.ports import Committed, Logged, Persistence, PriorPage
+from cache_service.domain.ports import Committed, Logged, Persistence, PriorPage, Requests
 from cache_service.domain.repeats import RecentKeys
 from cache_service.domain.sessions import SessionEntry, SessionTable
 from cache_service.domain.tenants import Principal, owns
@@ -500,6 +500,15 @@ class DraftService:
         ]
         drafter.remember(fresh)
         self.mark_logged(committed.logged)
+
+    def took_from_log(self, name: str, requests: Requests) -> None:
+        """Requests read from the log (other processes' commits) into the namespace's lifetime
+        memory (any thread: storage sync calls it). Their keys are recorded as taken: a client's
+        late retry of one that reaches this replica while storage is down (journaled, the log
+        cannot say it holds it) is not taken a second time."""
+        self._recent.took(name, requests.keys)
+        if requests.tokens:
+            self.namespace(name).memory.commit_many(requests.tokens, requests.ids)
 
     def _touched(self, entries: Sequence[SessionEntry]) -> None:
         """Sessions used now: most recently used, and changed since storage last took them."""

@@ -33,17 +33,17 @@ def test_commits_come_back_as_written_and_only_others_are_followed(store: RedisS
     mine, theirs = RedisPersistence(store, max_pending=10), RedisPersistence(store, max_pending=10)
     mine.read_log("a")  # both follow the log from its start
     theirs.read_log("a")
-    (logged,), _ = mine.requests_committed("a", [_tokens(1, 2), _tokens(3)])
+    (logged,), _ = mine.requests_committed("a", [_tokens(1, 2), _tokens(3)], ["k1" * 8, ""])
     ns, requests, ids = logged
     assert ns == "a" and [r.tolist() for r in requests] == [[1, 2], [3]] and ids[0] < ids[1]
-    assert mine.follow("a") == ([], [])  # its own entries are skipped
-    got, at = theirs.follow("a")
-    assert [r.tolist() for r in got] == [[1, 2], [3]] and at == ids
-    assert theirs.follow("a") == ([], [])  # each entry once
-    theirs.requests_committed("a", [_tokens(4)])
-    theirs.requests_committed("a", [_tokens(5)])
-    later = mine.follow("a", covered=ids[1])  # entries up to covered are indexed already
-    assert [r.tolist() for r in later[0]] == [[4], [5]]
+    assert mine.follow("a") == ([], [], [])  # its own entries are skipped
+    got, at, keys = theirs.follow("a")
+    assert [r.tolist() for r in got] == [[1, 2], [3]] and at == ids and keys == ["k1" * 8]
+    assert theirs.follow("a") == ([], [], [])  # each entry once
+    ((_, _, fourth),), _ = theirs.requests_committed("a", [_tokens(4)], ["k4" * 8])
+    theirs.requests_committed("a", [_tokens(5)], ["k5" * 8])
+    later = mine.follow("a", covered=fourth[0])  # entries up to covered are indexed already
+    assert [r.tolist() for r in later.tokens] == [[5]] and later.keys == ["k4" * 8, "k5" * 8]  # keys of both held
 
 
 def test_skip_to_moves_the_cursor_past_a_generation(store: RedisStore) -> None:
@@ -51,7 +51,7 @@ def test_skip_to_moves_the_cursor_past_a_generation(store: RedisStore) -> None:
     mine.read_log("a")
     ((_, _, ids),), _ = theirs.requests_committed("a", [_tokens(1), _tokens(2), _tokens(3)])
     mine.skip_to("a", ids[1])
-    assert [r.tolist() for r in mine.follow("a")[0]] == [[3]]
+    assert [r.tolist() for r in mine.follow("a").tokens] == [[3]]
 
 
 def test_sync_applies_what_persistence_reads(store: RedisStore) -> None:

@@ -54,7 +54,7 @@ def test_own_entries_trimmed_before_they_were_followed_are_forgotten(url: str) -
     mine.read_log("a")
     for i in range(10):  # 30 tokens into a log of 8: most are trimmed before anyone reads them
         mine.requests_committed("a", [np.full(3, i, dtype=np.int32)])
-    assert mine.follow("a") == ([], [])  # its own entries, those still there, skipped
+    assert mine.follow("a") == ([], [], [])  # its own entries, those still there, skipped
     assert sum(len(own) for own in mine._own.values()) == 0
     other = RedisPersistence(store, max_pending=10)
     other.requests_committed("a", [np.full(3, 7, dtype=np.int32)])

@@ -6,6 +6,7 @@ take it once. On a real Redis and real gRPC services."""
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import subprocess
 import time
@@ -149,6 +150,31 @@ def test_a_retry_through_another_replica_is_logged_and_remembered_once(
     _open_and_commit(second, "no-key-00000000000001", "")
     eventually(lambda: first.app.service.namespace("ns").memory.requests == 3)
     assert logged_requests(url, "ns") == [REQUEST] * 3 and memory.requests == 3
+
+
+def test_a_retry_a_replica_can_only_journal_is_not_remembered_again_once_it_followed_the_first(
+    two_replicas: tuple[Replica, Replica, str], tmp_path: Path
+) -> None:
+    """The first close landed through one replica and the second took it from the log; the
+    client's retry then reaches the second while storage does not answer, so the second can
+    only journal it (no log to say it holds it). Its memory holds the request once all the
+    same (it knows the key from the log), and the journal's replay, storage back, appends
+    nothing. Before followed keys were recorded, the memory took the request a second time."""
+    first, second, url = two_replicas
+    _open_and_commit(first, "first-try-0000000001", KEY)
+    memory = second.app.service.namespace("ns").memory
+    eventually(lambda: memory.requests == 1)  # followed from the log
+    pid = int((tmp_path / "server.pid").read_text())
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        _open_and_commit(second, "retry-000000000000001", KEY)  # acknowledged: journaled
+        assert second.app.persistence.pending == 1 and memory.requests == 1
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    eventually(lambda: second.app.persistence.pending == 0)  # replayed
+    assert logged_requests(url, "ns") == [REQUEST] and second.app.storage_health().repeated_commits == 1
+    time.sleep(0.3)  # several rounds of following
+    assert memory.requests == 1 and first.app.service.namespace("ns").memory.requests == 1
 
 
 def test_without_storage_a_replica_takes_a_retried_commit_once(running: Running) -> None:
