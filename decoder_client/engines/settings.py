@@ -221,11 +221,14 @@ class EngineSettings:
         self, client: Drafting, engine: str, engine_counts: Callable[[], Mapping[str, float]] | None = None
     ) -> ClientMetrics | None:
         """``client``'s counts (and the engine's own, keys of
-        :data:`~decoder_client.client.metrics.ENGINE_COUNTS`) served on ``metrics_port``;
-        ``None`` where it is 0, or cannot be bound (logged: the engine runs on without them)."""
-        if not self.metrics_port:
+        :data:`~decoder_client.client.metrics.ENGINE_COUNTS`) served on ``metrics_port``, and
+        written to prometheus_client's multiprocess directory where this process has one (the
+        engine's own /metrics then serves them); ``None`` where neither is (a port that cannot
+        be bound is logged: the engine runs on without it)."""
+        from decoder_client.client.metrics import ClientCollector, ClientMetrics, MultiprocessMirror
+
+        if not self.metrics_port and not MultiprocessMirror.available():
             return None
-        from decoder_client.client.metrics import ClientCollector, ClientMetrics
 
         collector = ClientCollector(
             lambda: client.stats, namespace=self.namespace, engine=engine, engine_counts=engine_counts

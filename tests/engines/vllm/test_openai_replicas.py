@@ -34,7 +34,16 @@ QUESTION = "Write a Python function that checks whether a string is a palindrome
 class ApiServer:
     """``python -m vllm.entrypoints.openai.api_server`` with draftcache as its proposer."""
 
-    def __init__(self, model: Path, service_port: int, core: int, log: Path, near: bool, namespace: str) -> None:
+    def __init__(
+        self,
+        model: Path,
+        service_port: int,
+        core: int,
+        log: Path,
+        near: bool,
+        namespace: str,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.port = free_port()
         self.log = log
         cmd = [
@@ -60,9 +69,11 @@ class ApiServer:
             json.dumps({"draftcache": {"target": f"127.0.0.1:{service_port}", "namespace": namespace, "near": near}}),
         ]
         # Each replica computes on a core of its own (by default every vLLM binds the first).
-        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": str(core), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+        bound = {"VLLM_CPU_OMP_THREADS_BIND": str(core), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
         with open(log, "ab") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=CHECKOUT)
+            self.proc = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **bound, **(env or {})}, cwd=CHECKOUT
+            )
 
     def url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.port}{path}"
@@ -92,10 +103,13 @@ class ApiServer:
             answer = json.loads(reply.read())
         return answer["choices"][0]["message"]["content"], time.monotonic() - start
 
+    def metrics(self) -> str:
+        with urllib.request.urlopen(self.url("/metrics"), timeout=10) as reply:
+            return str(reply.read().decode())
+
     def spec_counters(self) -> dict[str, float]:
         """The spec-decode counters of /metrics (name without ``vllm:`` and ``_total``)."""
-        with urllib.request.urlopen(self.url("/metrics"), timeout=10) as reply:
-            text = reply.read().decode()
+        text = self.metrics()
         out: dict[str, float] = {}
         for line in text.splitlines():
             if line.startswith("vllm:spec_decode_num_") and "_total" in line and "per_pos" not in line:

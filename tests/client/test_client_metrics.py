@@ -1,0 +1,100 @@
+"""A client's counts written to prometheus_client's multiprocess directory, as an engine whose
+server collects that directory serves them (vLLM's OpenAI server, its proposer in another
+process): real processes write, and the directory is read as such a server reads it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.parser import text_string_to_metric_families
+
+from decoder_client.client.core import ClientStats
+from decoder_client.client.metrics import ClientCollector, MultiprocessMirror
+from decoder_client.engines.settings import EngineSettings
+
+CHECKOUT = Path(__file__).resolve().parents[2]
+
+# One engine process: its counts written, grown (the mirror's thread writes them), grown again
+# (its close writes them); it waits on its stdin between the two.
+ENGINE = """
+import sys, time
+from decoder_client.client.core import ClientStats
+from decoder_client.client.metrics import ClientCollector, ClientMetrics
+near, version = int(sys.argv[1]), int(sys.argv[2])
+stats = ClientStats(near=near, fallback=1, commits_pending=2, prior_version=version)
+metrics = ClientMetrics.serve(ClientCollector(lambda: stats, namespace="chat", engine="vllm"), 0)
+assert metrics is not None and metrics.port == 0  # no port: the directory only
+stats.near += 5
+time.sleep(1.5)  # the mirror writes it within its second
+print("grown", flush=True)
+sys.stdin.readline()
+stats.near += 1
+stats.commits_pending = 0
+metrics.close()
+"""
+
+
+def _engine(folder: Path, near: int, version: int) -> subprocess.Popen[str]:
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(folder)}
+    args = [sys.executable, "-c", ENGINE, str(near), str(version)]
+    return subprocess.Popen(args, env=env, cwd=CHECKOUT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+
+def _served(folder: Path) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """What a server collecting ``folder`` serves: each sample's value by name and labels."""
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path=str(folder))
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for family in registry.collect() for s in family.samples}
+
+
+def _labels(**extra: str) -> tuple[tuple[str, str], ...]:
+    return tuple(sorted({"namespace": "chat", "engine": "vllm", **extra}.items()))
+
+
+def test_two_engine_processes_counts_are_served_summed_from_the_directory(tmp_path: Path) -> None:
+    engines = [_engine(tmp_path, 10, 3), _engine(tmp_path, 20, 7)]
+    try:
+        for engine in engines:
+            assert engine.stdout is not None and engine.stdout.readline().strip() == "grown"
+        grown = _served(tmp_path)  # written by each mirror's thread
+        assert grown[("draftcache_client_drafts_total", _labels(source="near"))] == 15 + 25
+        assert grown[("draftcache_client_commits_pending", _labels())] == 2 + 2  # summed
+        assert grown[("draftcache_client_near_prior_version", _labels())] == 7  # the newest
+        for engine in engines:
+            engine.communicate("\n", timeout=30)
+            assert engine.returncode == 0
+    finally:
+        for engine in engines:
+            engine.kill()
+    served = _served(tmp_path)
+    assert served[("draftcache_client_drafts_total", _labels(source="near"))] == 16 + 26  # close wrote the last
+    assert served[("draftcache_client_drafts_total", _labels(source="fallback"))] == 2
+    assert served[("draftcache_client_drafts_total", _labels(source="service"))] == 0  # every series, at 0 too
+    assert served[("draftcache_client_commits_pending", _labels())] == 0
+    # The same metrics, by name and labels, as the client's own /metrics serves (what the
+    # alert rules and the dashboard read).
+    direct = CollectorRegistry()
+    direct.register(ClientCollector(ClientStats, namespace="chat", engine="vllm"))
+    text = generate_latest(direct).decode()
+    expected = {
+        (s.name, tuple(sorted(s.labels.items())))
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if not s.name.endswith("_created")
+    }
+    assert expected == set(served)
+
+
+def test_without_a_port_or_a_directory_nothing_is_started() -> None:
+    assert not MultiprocessMirror.available()  # this process keeps its values in memory
+    settings = EngineSettings(namespace="chat")
+    assert settings.client_metrics(_Stats(), "vllm") is None  # type: ignore[arg-type]
+
+
+class _Stats:
+    stats = ClientStats()
