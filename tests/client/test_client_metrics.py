@@ -16,21 +16,21 @@ from prometheus_client.parser import text_string_to_metric_families
 from decoder_client.client.core import ClientStats
 from decoder_client.client.metrics import ClientCollector, MultiprocessMirror
 from decoder_client.engines.settings import EngineSettings
+from tests.faults import wait_for
 
 CHECKOUT = Path(__file__).resolve().parents[2]
 
 # One engine process: its counts written, grown (the mirror's thread writes them), grown again
 # (its close writes them); it waits on its stdin between the two.
 ENGINE = """
-import sys, time
+import sys
 from decoder_client.client.core import ClientStats
 from decoder_client.client.metrics import ClientCollector, ClientMetrics
 near, version = int(sys.argv[1]), int(sys.argv[2])
 stats = ClientStats(near=near, fallback=1, commits_pending=2, prior_version=version)
 metrics = ClientMetrics.serve(ClientCollector(lambda: stats, namespace="chat", engine="vllm"), 0)
 assert metrics is not None and metrics.port == 0  # no port: the directory only
-stats.near += 5
-time.sleep(1.5)  # the mirror writes it within its second
+stats.near += 5  # the mirror's thread writes it within its second
 print("grown", flush=True)
 sys.stdin.readline()
 stats.near += 1
@@ -61,8 +61,9 @@ def test_two_engine_processes_counts_are_served_summed_from_the_directory(tmp_pa
     try:
         for engine in engines:
             assert engine.stdout is not None and engine.stdout.readline().strip() == "grown"
-        grown = _served(tmp_path)  # written by each mirror's thread
-        assert grown[("draftcache_client_drafts_total", _labels(source="near"))] == 15 + 25
+        near = ("draftcache_client_drafts_total", _labels(source="near"))
+        wait_for(lambda: _served(tmp_path).get(near) == 15 + 25, 10, "each mirror's thread to write what grew")
+        grown = _served(tmp_path)
         assert grown[("draftcache_client_commits_pending", _labels())] == 2 + 2  # summed
         assert grown[("draftcache_client_near_prior_version", _labels())] == 7  # the newest
         for engine in engines:
