@@ -27,6 +27,10 @@ model is loaded with ``logits_all`` (a draft model needs it; see
 verification rounds unlike a one-token step and greedy outputs can part from plain decoding's
 (:func:`~decoder_client.engines.llamacpp.flash_attention_off`); the server's own
 ``--draft_model`` is refused, as two draft models cannot share one engine.
+
+``GET /metrics`` on the server's own port serves the loaded model's draft counts for Prometheus
+(:class:`LoadedDraftCounts`: the client's drafts by source, failed calls, commits; the engine's
+steps and draft tokens proposed and accepted), as ``metrics_port`` would on a port of its own.
 """
 
 from __future__ import annotations
@@ -36,8 +40,11 @@ import contextlib
 import logging
 import os
 import sys
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from typing import Any, cast
+
+from prometheus_client.core import Metric
+from prometheus_client.registry import Collector
 
 from decoder_client.engines.settings import ENV_PREFIX, EngineSettings
 
@@ -133,6 +140,40 @@ def _close(draft: Any) -> None:
         small.close()
 
 
+class LoadedDraftCounts(Collector):
+    """The counts of the draft model of the model ``server_app`` holds (it holds one at a time;
+    none before the first loads), labelled with ``namespace`` and the engine, ``llama.cpp``."""
+
+    def __init__(self, server_app: Any, namespace: str) -> None:
+        self._server_app = server_app
+        self._namespace = namespace
+
+    def collect(self) -> Iterator[Metric]:
+        from decoder_client.client.metrics import ClientCollector
+
+        proxy = self._server_app._llama_proxy
+        loaded = list(getattr(proxy, "draft_models", {}).values())
+        if loaded:
+            draft = loaded[-1]
+            stats, engine = (lambda: draft.client.stats), draft.stats.counts
+            counts = ClientCollector(stats, namespace=self._namespace, engine="llama.cpp", engine_counts=engine)
+            yield from counts.collect()
+
+
+def add_metrics_route(app: Any, server_app: Any, namespace: str) -> None:
+    """``GET /metrics`` on ``app``: :class:`LoadedDraftCounts` in Prometheus's text format."""
+    from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+    from starlette.responses import Response
+
+    registry = CollectorRegistry()
+    registry.register(LoadedDraftCounts(server_app, namespace))
+
+    def metrics() -> Response:  # a plain function: FastAPI runs it off the event loop
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    app.add_api_route("/metrics", metrics, methods=["GET"], include_in_schema=False)
+
+
 def parser() -> argparse.ArgumentParser:
     """llama-cpp-python's server command line, and draftcache's two flags."""
     from llama_cpp.server.cli import add_args_from_model
@@ -177,6 +218,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     setattr(server_app, "LlamaProxy", proxy_class(settings, a.draftcache_tokens, a.draftcache_model))  # noqa: B010
     app = server_app.create_app(server_settings=server_settings, model_settings=model_settings)
     app.router.lifespan_context = _freeing(app.router.lifespan_context, server_app)
+    add_metrics_route(app, server_app, settings.namespace)
     uvicorn.run(
         app,
         host=os.getenv("HOST", server_settings.host),

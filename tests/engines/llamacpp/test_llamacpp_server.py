@@ -46,6 +46,13 @@ def ready(port: int) -> bool:
         return False
 
 
+def scraped(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample ``/metrics`` on ``port`` serves, by name and labels."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    families = text_string_to_metric_families(text)
+    return {(m.name, tuple(sorted(m.labels.items()))): m.value for f in families for m in f.samples}
+
+
 @pytest.mark.parametrize(
     ("near", "beside"),
     [(True, False), (False, False), (True, True)],
@@ -91,17 +98,14 @@ def test_the_server_drafts_and_commits_every_completion(
         chat = post(port, "/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 8})
         assert chat["choices"][0]["message"]["content"] is not None
         wait_for(lambda: len(log_entries(serve.redis_url(), NAMESPACE)) >= before + 2, 30, "the chat's commit")
-        # The draft model's counts, served for Prometheus from the server's process.
-        text = urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=10).read().decode()
-        got = {
-            (m.name, tuple(sorted(m.labels.items()))): m.value
-            for f in text_string_to_metric_families(text)
-            for m in f.samples
-        }
+        # The draft model's counts, served for Prometheus from the server's process: on the
+        # metrics port, and the same on the server's own port.
+        got = scraped(metrics)
         labels = (("engine", "llama.cpp"), ("namespace", NAMESPACE))
         source = "near" if near else "service"
         assert got[("draftcache_client_drafts_total", (*labels, ("source", source)))] > 0, got
         assert got[("draftcache_engine_steps_total", labels)] > 0
+        assert scraped(port) == got  # idle: nothing changes between the two
     finally:
         server.send_signal(signal.SIGTERM)
         try:
