@@ -191,10 +191,29 @@ class MultiprocessMirror:
                 logger.exception("draftcache: client metrics not written")
 
     def close(self) -> None:
-        """Stop, with the last values written."""
+        """Stop, with the last values written (where they can be)."""
         self._stop.set()
         self._thread.join()
-        self.write()
+        try:
+            self.write()
+        except Exception:  # the engine's metrics, never the engine
+            logger.exception("draftcache: client metrics not written")
+
+
+def _mirrored(collector: Collector) -> MultiprocessMirror | None:
+    """``collector`` mirrored where this process keeps multiprocess values; ``None`` where it
+    keeps none, or where they cannot be written (logged: an engine does not stop for its
+    metrics)."""
+    if not MultiprocessMirror.available():
+        return None
+    where = os.environ.get("PROMETHEUS_MULTIPROC_DIR", "")
+    try:
+        mirror = MultiprocessMirror(collector)
+    except OSError as exc:  # the folder missing or not writable
+        logger.error("draftcache: cannot write the client's metrics to %s: %s", where, exc)
+        return None
+    logger.info("draftcache: client metrics written to %s for the engine's own /metrics", where)
+    return mirror
 
 
 class ClientMetrics:
@@ -211,10 +230,7 @@ class ClientMetrics:
             registry.register(collector)
             self._server, _ = start_http_server(port, addr=host, registry=registry)
             self.port = int(self._server.server_port)
-        self._mirror = MultiprocessMirror(collector) if MultiprocessMirror.available() else None
-        if self._mirror is not None:
-            where = os.environ.get("PROMETHEUS_MULTIPROC_DIR", "")
-            logger.info("draftcache: client metrics written to %s for the engine's own /metrics", where)
+        self._mirror = _mirrored(collector)
 
     @classmethod
     def serve(cls, collector: Collector, port: int, host: str = "127.0.0.1") -> ClientMetrics | None:

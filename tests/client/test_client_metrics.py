@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
@@ -89,6 +90,45 @@ def test_two_engine_processes_counts_are_served_summed_from_the_directory(tmp_pa
         if not s.name.endswith("_created")
     }
     assert expected == set(served)
+
+
+# An engine whose metrics cannot go where they were asked to: it starts all the same, with
+# whatever outlet is left. argv: "taken" (its port held by another socket) or "free", and
+# prints the port served (0: none) and whether the counts are mirrored.
+OUTLETS = """
+import socket, sys
+from decoder_client.client.core import ClientStats
+from decoder_client.client.metrics import ClientCollector, ClientMetrics
+held = socket.socket()
+held.bind(("127.0.0.1", 0))
+port = held.getsockname()[1]
+if sys.argv[1] == "taken":
+    held.listen()
+else:
+    held.close()
+metrics = ClientMetrics.serve(ClientCollector(ClientStats, namespace="chat", engine="vllm"), port)
+print(0 if metrics is None else int(metrics.port == port), int(metrics is not None and metrics._mirror is not None))
+if metrics is not None:
+    metrics.close()
+"""
+
+
+@pytest.mark.parametrize(
+    ("folder", "port", "outlets"),
+    [("made", "taken", "0 1"), ("missing", "free", "1 0"), ("missing", "taken", "0 0")],
+    ids=["port-taken-mirrored", "folder-missing-served", "neither"],
+)
+def test_metrics_that_cannot_go_where_asked_stop_nothing(tmp_path: Path, folder: str, port: str, outlets: str) -> None:
+    where = tmp_path / "prometheus"
+    if folder == "made":
+        where.mkdir()
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(where)}
+    run = subprocess.run(
+        [sys.executable, "-c", OUTLETS, port], env=env, cwd=CHECKOUT, capture_output=True, text=True, timeout=60
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == outlets, run.stderr
+    assert ("cannot write the client's metrics" in run.stderr) == (folder == "missing"), run.stderr
 
 
 def test_without_a_port_or_a_directory_nothing_is_started() -> None:
