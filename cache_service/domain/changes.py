@@ -45,6 +45,9 @@ class Saved:
     refused: list[str]
 
 
+ENDED_KEEP_S = 60.0  # a closed session's stored copy is deleted by a write-back well within this
+
+
 class ChangeTracker:
     """The sessions of a :class:`SessionTable` changed since storage last took them, and the
     ids closed since. A rejected table is written at most every ``table_flush_interval_s``.
@@ -59,6 +62,9 @@ class ChangeTracker:
         self._round: list[str] = []  # dirty sessions a round with a budget has still to look at
         self._closed: dict[str, None] = {}  # ids closed since, oldest first
         self._max_closed = max_closed
+        # ids closed here -> when, oldest first: their stored copies, until a write-back deletes
+        # them, are not continued (a closed session does not come back from storage)
+        self._ended: dict[str, float] = {}
 
     def changed(self, sids: Iterable[str]) -> None:
         self._dirty.update(sids)
@@ -70,6 +76,21 @@ class ChangeTracker:
         if not entry.unchecked:
             self._closed[entry.sid] = None
             self._keep_latest_closed()
+            self._ended.pop(entry.sid, None)
+            self._ended[entry.sid] = time.monotonic()
+            while len(self._ended) > self._max_closed:
+                del self._ended[next(iter(self._ended))]
+
+    def ended_lately(self, sid: str) -> bool:
+        """Whether the session was closed here within :data:`ENDED_KEEP_S`: what storage may
+        still keep of it (the write-back that deletes it not run yet) is not to be continued."""
+        since = self._ended.get(sid)
+        if since is None:
+            return False
+        if time.monotonic() - since < ENDED_KEEP_S:
+            return True
+        del self._ended[sid]
+        return False
 
     def _keep_latest_closed(self) -> None:
         while len(self._closed) > self._max_closed:

@@ -530,7 +530,9 @@ class DraftService:
         try:
             entry = self.sessions.get(sid)
         except NotFound:
-            stored = self._continuing.load(sid) if read_storage and self._persistence is not None else None
+            stored = None
+            if read_storage and self._persistence is not None and not self.changes.ended_lately(sid):
+                stored = self._continuing.load(sid)
             if stored is None:
                 raise
             return self._continuing.hold(sid, stored, principal)
@@ -551,7 +553,9 @@ class DraftService:
         return {} if self._persistence is None or not sids else self._continuing.read(sids, build=build)
 
     def continue_stored(self, found: Found, *, principal: Principal | None = None) -> None:
-        """Hold sessions read by :meth:`read_stored` (on the serving thread)."""
+        """Hold sessions read by :meth:`read_stored` (on the serving thread), but none closed
+        here lately: storage may keep a copy until the next write-back deletes it."""
+        found = {sid: held for sid, held in found.items() if not self.changes.ended_lately(sid)}
         self._continuing.hold_found(found, principal)
 
     # -- write-behind --------------------------------------------------------------------------

@@ -13,7 +13,8 @@ import pytest
 
 from cache_service.config import EmbeddedRedisConfig, ServiceConfig
 from cache_service.domain.changes import SessionDelta
-from cache_service.domain.items import DraftItem, OpenItem
+from cache_service.domain.errors import NotFound
+from cache_service.domain.items import CloseItem, DraftItem, OpenItem
 from cache_service.domain.service import DraftService
 from cache_service.host.embedded_redis import EmbeddedRedis
 from cache_service.persistence import RedisPersistence
@@ -178,3 +179,30 @@ def test_round_trip_and_recovery_from_lost_storage(store: RedisStore) -> None:
     got = store.load_session(sid)
     assert got is not None and got.snapshot.context.tolist() == [*PROMPT, 6, 7, 8, 9, 10]
     assert got.snapshot.rejected.items() == svc.sessions.get(sid).session.rejected.table.items()
+
+
+def test_a_closed_session_does_not_come_back_from_the_copy_storage_still_keeps(store: RedisStore) -> None:
+    """A session closed here keeps its stored copy until the next write-back deletes it; a call
+    naming it meanwhile is told it is unknown, as after, and does not continue that copy (it
+    did: a closed session came back, and a client that closed it found it drafting again)."""
+    persistence = RedisPersistence(store, max_pending=100)
+    svc = DraftService(ServiceConfig(table_flush_interval_s=0.0), persistence)
+    svc.create_namespace("toy", 100)
+    (sid,) = svc.open([OpenItem("toy", PROMPT)])
+
+    def flush() -> None:
+        changed, closed = svc.take_changes()
+        svc.saved(persistence.save_sessions(changed, closed, ttl_s=60))
+
+    flush()
+    assert store.load_session(sid) is not None
+    svc.close([CloseItem(sid, commit=False)])
+    assert store.load_session(sid) is not None  # the write-back has not run yet
+    with pytest.raises(NotFound):
+        _step(svc, sid, [6])
+    svc.continue_stored(svc.read_stored([sid]))  # the servicer's way: read off the serving thread
+    assert not svc.sessions.holds(sid)
+    flush()
+    assert store.load_session(sid) is None
+    with pytest.raises(NotFound):
+        _step(svc, sid, [6])
