@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -75,11 +76,10 @@ class ChangeTracker:
         self._dirty.discard(entry.sid)
         if not entry.unchecked:
             self._closed[entry.sid] = None
-            self._keep_latest_closed()
+            self._keep_latest(self._closed)
             self._ended.pop(entry.sid, None)
             self._ended[entry.sid] = time.monotonic()
-            while len(self._ended) > self._max_closed:
-                del self._ended[next(iter(self._ended))]
+            self._keep_latest(self._ended)
 
     def ended_lately(self, sid: str) -> bool:
         """Whether the session was closed here within :data:`ENDED_KEEP_S`: what storage may
@@ -92,9 +92,10 @@ class ChangeTracker:
         del self._ended[sid]
         return False
 
-    def _keep_latest_closed(self) -> None:
-        while len(self._closed) > self._max_closed:
-            del self._closed[next(iter(self._closed))]
+    def _keep_latest(self, ids: dict[str, Any]) -> None:
+        """``ids`` (oldest first) cut to the latest ``max_closed``."""
+        while len(ids) > self._max_closed:
+            del ids[next(iter(ids))]
 
     def pending(self, sid: str) -> bool:
         """Whether the session has changes storage has not taken (it must not leave memory)."""
@@ -181,4 +182,4 @@ class ChangeTracker:
             entry.stored_tokens, entry.stored_table = 0, -1
             self._dirty.add(sid)
         self._closed = dict.fromkeys([*closed, *self._closed])  # closed before those since
-        self._keep_latest_closed()
+        self._keep_latest(self._closed)
