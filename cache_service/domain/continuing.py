@@ -28,19 +28,29 @@ Load = Callable[[str], StoredSession | None]
 
 class Continuing:
     """Reads sessions from storage (``load``) and holds them in memory again; ``make_room``
-    frees session memory for the tokens a session brings back."""
+    frees session memory for the tokens a session brings back. A session ``ended`` says this
+    replica closed lately is never continued: storage may keep its copy until the next
+    write-back deletes it, and a closed session does not come back."""
 
     def __init__(
-        self, load: Load, namespaces: Namespaces, sessions: SessionTable, make_room: Callable[[int], None]
+        self,
+        load: Load,
+        namespaces: Namespaces,
+        sessions: SessionTable,
+        make_room: Callable[[int], None],
+        ended: Callable[[str], bool],
     ) -> None:
         self._load = load
         self._namespaces = namespaces
         self._sessions = sessions
         self._make_room = make_room
+        self._ended = ended
 
     def load(self, sid: str) -> StoredSession | None:
-        """What storage keeps of ``sid``; an id no storage key could hold is refused."""
-        return self._load(names.session_id(sid))
+        """What storage keeps of ``sid`` (``None`` for one closed here lately, unread); an id no
+        storage key could hold is refused."""
+        names.session_id(sid)
+        return None if self._ended(sid) else self._load(sid)
 
     def read(self, sids: Sequence[str], *, build: bool = True) -> Found:
         """What storage keeps of ``sids`` (those it has), each with the session built from it
@@ -66,10 +76,11 @@ class Continuing:
 
     def hold_found(self, found: Found, principal: Principal | None) -> None:
         """Hold sessions :meth:`read` found (on the serving thread); one that came back
-        meanwhile, or that is not the caller's (another tenant's, or in a namespace it may not
-        use), is left alone (the call then answers for it as it would have)."""
+        meanwhile, one closed here lately, or one that is not the caller's (another tenant's, or
+        in a namespace it may not use), is left alone (the call then answers for it as it would
+        have)."""
         for sid, (stored, session) in found.items():
-            if self._sessions.holds(sid) or not owns(principal, stored.tenant, stored.namespace):
+            if self._sessions.holds(sid) or self._ended(sid) or not owns(principal, stored.tenant, stored.namespace):
                 continue
             self.hold(sid, stored, principal, session)
 

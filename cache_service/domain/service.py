@@ -88,7 +88,9 @@ class DraftService:
         # one whose changes storage holds (a later call continues it from there).
         saved = persistence is not None
         self.admission = Admission(config, self.sessions, lambda sid: not saved or not self.changes.pending(sid))
-        self._continuing = Continuing(self._load, self.namespaces, self.sessions, self.admission.make_room)
+        self._continuing = Continuing(
+            self._load, self.namespaces, self.sessions, self.admission.make_room, self.changes.ended_lately
+        )
         self._opener = Opener(config.default_params, self.namespaces, self.sessions, self.admission, self.changes)
         self.refresh: Refresh | None = None
         self._orphaned = False  # a namespace deleted elsewhere may have left live sessions
@@ -530,9 +532,7 @@ class DraftService:
         try:
             entry = self.sessions.get(sid)
         except NotFound:
-            stored = None
-            if read_storage and self._persistence is not None and not self.changes.ended_lately(sid):
-                stored = self._continuing.load(sid)
+            stored = self._continuing.load(sid) if read_storage and self._persistence is not None else None
             if stored is None:
                 raise
             return self._continuing.hold(sid, stored, principal)
@@ -553,9 +553,7 @@ class DraftService:
         return {} if self._persistence is None or not sids else self._continuing.read(sids, build=build)
 
     def continue_stored(self, found: Found, *, principal: Principal | None = None) -> None:
-        """Hold sessions read by :meth:`read_stored` (on the serving thread), but none closed
-        here lately: storage may keep a copy until the next write-back deletes it."""
-        found = {sid: held for sid, held in found.items() if not self.changes.ended_lately(sid)}
+        """Hold sessions read by :meth:`read_stored` (on the serving thread)."""
         self._continuing.hold_found(found, principal)
 
     # -- write-behind --------------------------------------------------------------------------
