@@ -27,6 +27,10 @@
 #                                                   # engine holds 2-3 GB here: six at once need more)
 #   bash deploy/bench_engines.sh --vllm-batch 6     # vLLM: prompts 6 at a time, as concurrent requests
 #                                                   # (never both agent passes in one batch)
+#   bash deploy/bench_engines.sh --llama-threads 0  # llama.cpp and llama-server: their own thread
+#                                                   # defaults (a batch, a verification too, on every
+#                                                   # core) instead of one thread for all (the default,
+#                                                   # which leaves a core to the service)
 #
 # Sets up what it needs on a fresh machine: .venv (the service, the prompts and llama.cpp),
 # .venv-vllm (deploy/setup_vllm.sh) with arctic-inference for vLLM's suffix method, the SmolLM2
@@ -56,6 +60,7 @@ VLLM_DRAFT_MODEL=""
 LLAMA_DRAFT_MODEL=""
 VLLM_METHODS=""
 VLLM_BATCH=1
+LLAMA_THREADS=1
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) QUICK=1 ;;
@@ -67,7 +72,8 @@ while [ $# -gt 0 ]; do
     --llama-draft-model) LLAMA_DRAFT_MODEL="$2"; shift ;;
     --vllm-methods) VLLM_METHODS="$2"; shift ;;
     --vllm-batch) VLLM_BATCH="$2"; shift ;;
-    *) echo "usage: bash deploy/bench_engines.sh [--quick] [--cold] [--engines vllm,llama.cpp,llama-server] [--vllm-dtype auto|float32|bfloat16] [--vllm-draft-model DIR|smollm2] [--llama-draft-model GGUF|smollm2] [--vllm-methods ngram,suffix,draftcache] [--vllm-batch N]" >&2; exit 2 ;;
+    --llama-threads) LLAMA_THREADS="$2"; shift ;;
+    *) echo "usage: bash deploy/bench_engines.sh [--quick] [--cold] [--engines vllm,llama.cpp,llama-server] [--vllm-dtype auto|float32|bfloat16] [--vllm-draft-model DIR|smollm2] [--llama-draft-model GGUF|smollm2] [--vllm-methods ngram,suffix,draftcache] [--vllm-batch N] [--llama-threads N]" >&2; exit 2 ;;
   esac
   shift
 done
@@ -174,6 +180,7 @@ run_engine() {  # $1 engine, $2 its python
     EXTRA+=(--batch "$VLLM_BATCH")
   fi
   if [ "$1" = llama.cpp ] && [ -n "$LLAMA_DRAFT_MODEL" ]; then EXTRA+=(--llama-draft-model "$LLAMA_DRAFT_MODEL"); fi
+  if [ "$1" = llama.cpp ]; then EXTRA+=(--llama-threads "$LLAMA_THREADS"); fi
   if [ "$QUICK" = 0 ]; then  # also drafting through the service at every step
     EXTRA+=(--variant "service:near=false")
   fi
@@ -206,7 +213,8 @@ for engine in ${ENGINES//,/ }; do
       if [ "$SERVER_OK" = 1 ]; then
         echo "== llama-server: plain, its own n-gram methods" >&2
         setsid -w python -m benchmarks.engines_bench --engine llama-server --workloads "$OUT/prompts.json" \
-          --max-new-tokens "$MAX_NEW_TOKENS" --work-dir "$OUT" --out "$RESULTS" 2>"$OUT/driver-llama-server.log" &
+          --max-new-tokens "$MAX_NEW_TOKENS" --work-dir "$OUT" --out "$RESULTS" --llama-threads "$LLAMA_THREADS" \
+          2>"$OUT/driver-llama-server.log" &
         DRIVER=$!
         wait "$DRIVER" || note llama-server "the benchmark failed (exit $?): see $OUT/driver-llama-server.log"
         DRIVER=""
