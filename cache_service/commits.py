@@ -223,12 +223,12 @@ class CommitWriter:
                     self._replaced(namespace, len(records), exc)
                     return unknown
                 except _Unconfirmed as exc:  # in the log, but a failover could lose it: journaled too
-                    self._note_failure(exc)
+                    self.note_failure(exc)
                     with self._lock:
                         self._journal(records)
                     return Committed([exc.logged], exc.repeated)
                 except StorageError as exc:
-                    self._note_failure(exc)
+                    self.note_failure(exc)
                     with self._lock:
                         self._journal(records)
                     return unknown
@@ -250,7 +250,7 @@ class CommitWriter:
             try:
                 self.store.ping()
             except StorageError as exc:
-                self._note_failure(exc)
+                self.note_failure(exc)
                 raise
             self._recovered()
         while True:
@@ -266,10 +266,10 @@ class CommitWriter:
             except LogReplaced as exc:
                 self._replaced(run[0].namespace, len(run), exc)
             except _Unconfirmed as exc:  # kept until a later replay's wait confirms them
-                self._note_failure(exc)
+                self.note_failure(exc)
                 raise StorageUnavailable(str(exc)) from exc
             except StorageError as exc:
-                self._note_failure(exc)
+                self.note_failure(exc)
                 raise
             with self._lock:
                 del self._queue[: len(run)]
@@ -327,7 +327,7 @@ class CommitWriter:
             try:
                 self.journal.append(records)
             except JournalError as exc:
-                self._note_failure(exc, disk_full=exc.disk_full)
+                self.note_failure(exc, disk_full=exc.disk_full)
                 logger.error("commit refused, not acknowledged: %s", exc)
                 raise Unavailable(f"storage unavailable and {exc}") from exc
         now = time.monotonic()
@@ -356,6 +356,8 @@ class CommitWriter:
         if down is not None:
             logger.warning("storage available again after %.1f s; %d journaled commits to replay", down, self.pending)
 
-    def _note_failure(self, exc: Exception, *, disk_full: bool | None = None) -> None:
+    def note_failure(self, exc: Exception, *, disk_full: bool | None = None) -> None:
+        """A write to storage failed (a commit's, or another the caller made): commits are
+        journaled until a flush finds storage back."""
         if self.status.failed(exc, disk_full=disk_full):
             logger.warning("storage unavailable, commits are journaled until it returns: %s", exc)

@@ -238,6 +238,20 @@ class RedisPersistence:
         except StorageUnavailable as exc:
             raise Unavailable(f"storage unavailable: {exc}") from exc
 
+    def sessions_ended(self, sids: list[str]) -> None:
+        """Delete the stored copies of sessions closed here, now (each batch within the call
+        timeout): until then another replica named one of them would continue it. Skipped
+        while storage is known down (a failure here says so, as a commit's does, so later
+        closes do not wait on it either): the closed ids stay with the write-back, which
+        deletes them (and any copy a write under way when they closed put back)."""
+        if not sids or not self.commits.status.available:
+            return
+        try:
+            for start in range(0, len(sids), SAVE_BATCH):
+                self.calls.delete_sessions(sids[start : start + SAVE_BATCH])
+        except StorageError as exc:
+            self.commits.note_failure(exc)
+
     def save_sessions(self, changed: list[tuple[str, SessionChange]], closed: list[str], ttl_s: float) -> Saved:
         """Write session changes and drop closed sessions. A whole session is one transaction
         (state and rejected table), written unless storage holds another tenant's session

@@ -47,6 +47,12 @@ class Persistence(Protocol):
 
     def load_session(self, sid: str) -> StoredSession | None: ...
 
+    def sessions_ended(self, sids: list[str]) -> None:
+        """Sessions closed here: their stored copies deleted now, within the call timeout, so
+        that no replica continues them; nothing when storage does not answer (the write-back
+        deletes them later)."""
+        ...
+
     def namespace_created(self, name: str, vocab_size: int) -> None: ...
 
     def tokenizer_claimed(self, name: str, fingerprint: str) -> str:

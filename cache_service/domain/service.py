@@ -457,10 +457,13 @@ class DraftService:
     def close(
         self, items: list[CloseItem], *, principal: Principal | None = None, read_storage: bool = True
     ) -> list[Callable[[], None]]:
-        """End sessions now; return the commits still to run (off the request loop: a commit
-        indexes the request, milliseconds of work). A commit that names a key its namespace's
-        log (or, where storage cannot tell, this replica) took lately is a retry of one that
-        landed: acknowledged, and neither logged nor taken into the lifetime memory again."""
+        """End sessions now; return what is still to run, in order, before the caller is
+        answered, off the request loop: the commits (a commit indexes the request, milliseconds
+        of work), then the sessions' stored copies deleted (no replica continues a session
+        closed here). A commit
+        that names a key its namespace's log (or, where storage cannot tell, this replica) took
+        lately is a retry of one that landed: acknowledged, and neither logged nor taken into
+        the lifetime memory again."""
         self.admission.batch(len(items))
         for item in items:
             names.commit_key(item.commit_key)
@@ -484,7 +487,12 @@ class DraftService:
             self.changes.closed(entry)
             if item.commit:
                 commits.setdefault(entry.namespace, []).append((entry, item))
-        return [partial(self._commit, namespace, group) for namespace, group in commits.items()]
+        jobs: list[Callable[[], None]] = [partial(self._commit, ns, group) for ns, group in commits.items()]
+        # Not a session opened unchecked: its id may be another tenant's (see ChangeTracker.closed).
+        stored = [entry.sid for entry, _ in entries if not entry.unchecked]
+        if stored and self._persistence is not None:
+            jobs.append(partial(self._persistence.sessions_ended, stored))
+        return jobs
 
     def _commit(self, namespace: str, group: list[tuple[SessionEntry, CloseItem]]) -> None:
         """One namespace's commits of a close call, together: one log append, then one index

@@ -39,6 +39,13 @@ STORAGE_READ_THREADS = 8
 COMMIT_THREADS = 4
 
 
+def _run_in_order(jobs: list[Callable[[], None]]) -> None:
+    """A close's jobs, one after another, on the thread that runs them (the first that raises
+    stops the rest, and its error is the call's)."""
+    for job in jobs:
+        job()
+
+
 class DraftCacheServicer(pb_grpc.DraftCacheServicer):
     def __init__(self, service: DraftService, observe: Observer | None = None) -> None:
         self._service = service
@@ -100,10 +107,9 @@ class DraftCacheServicer(pb_grpc.DraftCacheServicer):
         items, principal = convert.close_items(request), auth.current()
         await self._continue_stored([item.session_id for item in items], principal)
         jobs = self._service.close(items, principal=principal, read_storage=False)
-        loop = asyncio.get_running_loop()
-        for job in jobs:  # commits run off the event loop; the reply waits so they are visible
-            await loop.run_in_executor(self._commits, job)
-        return pb.CloseSessionsResponse()
+        if jobs:  # off the event loop, in order, in one task: a caller that gives up stops none of them
+            await asyncio.get_running_loop().run_in_executor(self._commits, _run_in_order, jobs)
+        return pb.CloseSessionsResponse()  # after them: the commits are durable and visible
 
     async def Echo(self, request: pb.EchoRequest, context: grpc.aio.ServicerContext) -> pb.EchoResponse:
         return pb.EchoResponse(payload=request.payload)

@@ -51,9 +51,10 @@ def test_one_close_call_commits_its_requests_together(store: RedisStore, monkeyp
             super().__init__(tokens)
 
     monkeypatch.setattr(lifetime_index, "SuffixIndex", Counted)
-    # Sessions of two namespaces close in one call: one commit job per namespace.
+    # Sessions of two namespaces close in one call: their stored copies deleted, then one commit
+    # job per namespace.
     jobs = svc.close([CloseItem(sid) for ids in sids.values() for sid in ids])
-    assert len(jobs) == 2
+    assert len(jobs) == 3
     for job in jobs:
         job()
     memory = svc.namespace("a").memory

@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 
+import grpc
 import pytest
 from draftcache.v1 import draftcache_pb2 as pb
 
@@ -54,6 +55,22 @@ def test_session_continues_on_another_replica(replicas: tuple[Replica, Replica])
     eventually(lambda: a.app.persistence.store.load_session(sid).snapshot.context.size == 7)  # type: ignore[union-attr]
     # b never saw this session: it continues it from storage, context included ("1 2 3" -> 4).
     assert _draft(b, sid, [4])[:2] == [1, 2]
+
+
+def test_a_session_closed_on_one_replica_is_unknown_to_the_other_once_the_close_is_answered(
+    replicas: tuple[Replica, Replica],
+) -> None:
+    """Closed on a, named on b right after: NOT_FOUND, not continued from the copy a's next
+    write-back would have deleted (the close deletes it before answering)."""
+    a, b = replicas
+    a.admin.CreateNamespace(pb.CreateNamespaceRequest(name="toy", vocab_size=100))
+    eventually(lambda: _knows_namespace(b))
+    sid = _open(a, [1, 2, 3, 4, 1, 2])
+    eventually(lambda: a.app.persistence.store.load_session(sid) is not None)
+    a.stub.CloseSessions(pb.CloseSessionsRequest(sessions=[pb.CloseSession(session_id=sid, commit=False)]))
+    with pytest.raises(grpc.RpcError) as err:
+        _draft(b, sid, [3])
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
 
 
 def test_commit_on_one_replica_feeds_the_other(replicas: tuple[Replica, Replica]) -> None:

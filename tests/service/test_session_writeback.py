@@ -206,3 +206,36 @@ def test_a_closed_session_does_not_come_back_from_the_copy_storage_still_keeps(s
     assert store.load_session(sid) is None
     with pytest.raises(NotFound):
         _step(svc, sid, [6])
+
+
+def test_a_session_closed_on_one_replica_is_not_continued_on_another(store: RedisStore) -> None:
+    """Two replicas on one storage: a session closed on the first is unknown to the second the
+    moment the close is answered (its stored copy deleted with the close, not at the first
+    replica's next write-back, until which the second continued it: a closed session came
+    back there). A close while storage is known down leaves the copy to the write-back."""
+    persistence = RedisPersistence(store, max_pending=100)
+    first = DraftService(ServiceConfig(table_flush_interval_s=0.0), persistence)
+    second = DraftService(ServiceConfig(table_flush_interval_s=0.0), RedisPersistence(store, max_pending=100))
+    for svc in (first, second):
+        svc.create_namespace("toy", 100)
+    a, b = first.open([OpenItem("toy", PROMPT), OpenItem("toy", PROMPT)])
+
+    def flush() -> None:
+        changed, closed = first.take_changes()
+        first.saved(persistence.save_sessions(changed, closed, ttl_s=60))
+
+    flush()
+    assert store.load_session(a) is not None and store.load_session(b) is not None
+    for job in first.close([CloseItem(a, commit=False)]):  # run as the servicer runs them, before answering
+        job()
+    assert store.load_session(a) is None
+    assert second.read_stored([a]) == {}
+    with pytest.raises(NotFound):
+        _step(second, a, [6])
+    persistence.commits.status.failed("Connection refused")
+    for job in first.close([CloseItem(b, commit=False)]):
+        job()
+    assert store.load_session(b) is not None
+    persistence.commits.status.succeeded()
+    flush()
+    assert store.load_session(b) is None
