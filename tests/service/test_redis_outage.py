@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
 import subprocess
 import threading
 import time
@@ -27,6 +28,7 @@ from cache_service.host.embedded_redis import find_server_binary, free_port
 from cache_service.persistence import RedisPersistence
 from cache_service.storage.connect import connect_for_calls
 from cache_service.storage.redis_store import RedisStore
+from tests.service.conftest import eventually
 
 
 class Redis:
@@ -173,3 +175,31 @@ def test_a_namespace_storage_could_not_register_is_not_served_and_a_retry_regist
         assert store.namespaces() == {"ns": 100}
     finally:
         redis.kill()
+
+
+def test_a_close_its_caller_gave_up_on_still_commits_every_namespace_it_names(tmp_path: Path) -> None:
+    """A close naming sessions of two namespaces commits them one after the other. Redis frozen,
+    the first waits out the storage call timeout (1 s) before it is journaled, and the caller
+    gives up at 0.3 s. The second is journaled all the same, and both reach the log once Redis
+    is back (the caller's giving up stopped the jobs still to run: the second request, its
+    session closed, was lost to the service)."""
+    service = ServiceConfig(follow_interval_s=3600, flush_interval_s=3600)  # no job touches storage
+    with app_on_redis(tmp_path, service, call_timeout_s=1.0) as (app, redis, port, _):
+        for ns in ("a", "b"):
+            app.service.create_namespace(ns, 1000)
+        stub = pb_grpc.DraftCacheStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+        tokens = _request_tokens(0)
+        opens = [pb.OpenSession(namespace=ns, prompt=tokens) for ns in ("a", "b")]
+        sids = stub.OpenSessions(pb.OpenSessionsRequest(sessions=opens), timeout=10).session_ids
+        close = pb.CloseSessionsRequest(sessions=[pb.CloseSession(session_id=sid, commit=True) for sid in sids])
+        assert redis.proc is not None
+        redis.proc.send_signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(grpc.RpcError) as err:
+                stub.CloseSessions(close, timeout=0.3)
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            eventually(lambda: app.persistence.pending == 2)
+        finally:
+            redis.proc.send_signal(signal.SIGCONT)
+        app.persistence.flush()
+        assert logged_requests(redis.url, "a") == [tokens] == logged_requests(redis.url, "b")
