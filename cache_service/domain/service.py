@@ -460,10 +460,9 @@ class DraftService:
         """End sessions now; return what is still to run, in order, before the caller is
         answered, off the request loop: the commits (a commit indexes the request, milliseconds
         of work), then the sessions' stored copies deleted (no replica continues a session
-        closed here). A commit
-        that names a key its namespace's log (or, where storage cannot tell, this replica) took
-        lately is a retry of one that landed: acknowledged, and neither logged nor taken into
-        the lifetime memory again."""
+        closed here). A commit that names a key its namespace's log (or, where storage cannot
+        tell, this replica) took lately is a retry of one that landed: acknowledged, and neither
+        logged nor taken into the lifetime memory again."""
         self.admission.batch(len(items))
         for item in items:
             names.commit_key(item.commit_key)
