@@ -28,7 +28,7 @@ from cache_service.storage.errors import StorageError, StorageUnavailable
 from cache_service.storage.redis_store import RedisStore
 from cache_service.storage.sessions import SessionAppend, SessionWrite
 from cache_service.storage.stored_session import StoredSession
-from cache_service.storage.stream_log import position, stream_id
+from cache_service.storage.stream_log import LogEntry, position, stream_id
 from indexer.lifetime_index import LogId
 from indexer.prior import StaticPrior
 
@@ -88,7 +88,11 @@ class RedisPersistence:
         self._held: dict[str, dict[str, float]] = {}
         self._last: dict[str, str] = {}  # per namespace: the last log entry read
         self._lock = threading.Lock()
-        self._sync_lock = threading.Lock()  # one reader of the cursors
+        # Held briefly, never across a storage call, by whoever reads or moves the cursors: a
+        # caller that forgets a namespace (DeleteNamespace) takes it too, and must not wait out
+        # a hung storage's background timeout behind a follow.
+        self._sync_lock = threading.Lock()
+        self._forgets = 0  # namespaces forgotten so far: a follow read across one is not applied
         self._successors_seen: dict[str, str] = {}  # per namespace: the last successor change read
 
     @property
@@ -130,6 +134,7 @@ class RedisPersistence:
         """A namespace deleted: what was kept of its log goes (names come and go for weeks)."""
         self.commits.forget(name)
         with self._sync_lock, self._lock:
+            self._forgets += 1
             self._last.pop(name, None)
             self._successors_seen.pop(name, None)
             self._own.pop(name, None)
@@ -325,11 +330,20 @@ class RedisPersistence:
     def follow(self, ns: str, covered: LogId | None = None) -> Requests:
         """Requests other processes appended to the log of ``ns`` since the last read, except
         those up to ``covered`` (an adopted generation indexes them already) and those under a
-        key this process journaled (see :meth:`_hold`)."""
-        with self.commits.writing, self._sync_lock:
-            entries = self.store.read_log(ns, after_id=self._last.get(ns, "0"))
-            out = Requests([], [], [])
-            if not entries:
+        key this process journaled (see :meth:`_hold`). The read is taken only where the cursor
+        did not move while storage answered (a generation adopted, a namespace forgotten):
+        else nothing is, and the next follow reads from where the cursor is then."""
+        with self.commits.writing:
+            with self._sync_lock:
+                after, forgets = self._last.get(ns, "0"), self._forgets
+            entries = self.store.read_log(ns, after_id=after)
+            return self._followed(ns, after, forgets, entries, covered)
+
+    def _followed(self, ns: str, after: str, forgets: int, entries: list[LogEntry], covered: LogId | None) -> Requests:
+        """What :meth:`follow` read after ``after``, taken (see there)."""
+        out = Requests([], [], [])
+        with self._sync_lock:
+            if not entries or self._last.get(ns, "0") != after or self._forgets != forgets:
                 return out
             own = self._own.get(ns, set())
             known = self._passed_keys(ns, [e.key for e in entries if e.key])  # journaled here: in memory

@@ -3,7 +3,11 @@ replicas committed, what an adopted generation covers. StorageSync applies it. O
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -68,3 +72,35 @@ def test_sync_applies_what_persistence_reads(store: RedisStore) -> None:
     sync.sync()
     assert service.namespace_names() == ["a", "b"] and service.namespace("a").memory.requests == 2
     assert all(held is not service for held in vars(persistence).values())  # no hold on the service
+
+
+def test_forgetting_a_namespace_does_not_wait_on_a_follow_a_hung_storage_holds(tmp_path: Path) -> None:
+    """A follow waiting on a frozen Redis (the background client's timeout: 3 s here, 30 s by
+    default) holds nothing that forgetting a namespace, as DeleteNamespace does, waits on: it
+    returns at once (it waited out the follow's read). The read, once answered, is not taken
+    across the forgetting, and the next follow reads on from where the cursor is."""
+    server = EmbeddedRedis(EmbeddedRedisConfig(data_dir=tmp_path, appendonly=False)).start()
+    try:
+        mine = RedisPersistence(RedisStore(connect(server.url, socket_timeout=3.0)), max_pending=10)
+        theirs = RedisPersistence(RedisStore(connect(server.url)), max_pending=10)
+        mine.read_log("a")
+        theirs.requests_committed("a", [_tokens(1, 2)])
+        pid = int((tmp_path / "server.pid").read_text())
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            with ThreadPoolExecutor(1) as pool:
+                following = pool.submit(mine.follow, "a")
+                time.sleep(0.3)  # the follow is waiting on storage
+                began = time.monotonic()
+                mine.namespace_forgotten("b")
+                waited = time.monotonic() - began
+                assert not following.done()
+                os.kill(pid, signal.SIGCONT)
+                assert following.result(10) == ([], [], [])  # read across a forgetting: not taken
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert waited < 1.0
+        assert [r.tolist() for r in mine.follow("a").tokens] == [[1, 2]]
+        assert mine.follow("a") == ([], [], [])
+    finally:
+        server.stop()
