@@ -70,16 +70,19 @@ class ChangeTracker:
     def changed(self, sids: Iterable[str]) -> None:
         self._dirty.update(sids)
 
-    def closed(self, entry: SessionEntry) -> None:
+    def closed(self, entry: SessionEntry) -> bool:
         """The session ended: its stored copy is deleted at the next write-back, unless it was
-        opened unchecked and never written back (its id may be another tenant's)."""
+        opened unchecked and never written back (its id may be another tenant's). Whether its
+        stored copy is to be deleted."""
         self._dirty.discard(entry.sid)
-        if not entry.unchecked:
-            self._closed[entry.sid] = None
-            self._keep_latest(self._closed)
-            self._ended.pop(entry.sid, None)
-            self._ended[entry.sid] = time.monotonic()
-            self._keep_latest(self._ended)
+        if entry.unchecked:
+            return False
+        self._closed[entry.sid] = None
+        self._keep_latest(self._closed)
+        self._ended.pop(entry.sid, None)
+        self._ended[entry.sid] = time.monotonic()
+        self._keep_latest(self._ended)
+        return True
 
     def ended_lately(self, sid: str) -> bool:
         """Whether the session was closed here within :data:`ENDED_KEEP_S`: what storage may

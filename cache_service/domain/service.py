@@ -481,14 +481,14 @@ class DraftService:
                 raise InvalidArgument(f"commit_from {item.commit_from} is outside the session's context")
         drafting.accept(checked, self.sessions)
         commits: dict[str, list[tuple[SessionEntry, CloseItem]]] = {}
+        stored: list[str] = []  # the ids whose stored copies go (see ChangeTracker.closed)
         for entry, item in entries:
             self.sessions.pop(entry.sid)
-            self.changes.closed(entry)
+            if self.changes.closed(entry):
+                stored.append(entry.sid)
             if item.commit:
                 commits.setdefault(entry.namespace, []).append((entry, item))
         jobs: list[Callable[[], None]] = [partial(self._commit, ns, group) for ns, group in commits.items()]
-        # Not a session opened unchecked: its id may be another tenant's (see ChangeTracker.closed).
-        stored = [entry.sid for entry, _ in entries if not entry.unchecked]
         if stored and self._persistence is not None:
             jobs.append(partial(self._persistence.sessions_ended, stored))
         return jobs

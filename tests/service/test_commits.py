@@ -51,8 +51,8 @@ def test_one_close_call_commits_its_requests_together(store: RedisStore, monkeyp
             super().__init__(tokens)
 
     monkeypatch.setattr(lifetime_index, "SuffixIndex", Counted)
-    # Sessions of two namespaces close in one call: their stored copies deleted, then one commit
-    # job per namespace.
+    # Sessions of two namespaces close in one call: one commit job per namespace, then their
+    # stored copies deleted.
     jobs = svc.close([CloseItem(sid) for ids in sids.values() for sid in ids])
     assert len(jobs) == 3
     for job in jobs:
