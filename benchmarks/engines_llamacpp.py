@@ -49,6 +49,9 @@ def amx_backend_problem() -> str | None:
     )
 
 
+N_CTX = 2048  # the engines' context: the agent workload's prompts and answers fit
+
+
 @dataclass(frozen=True, kw_only=True)
 class LlamaCppBench:
     """One benchmark run's settings."""
@@ -56,7 +59,7 @@ class LlamaCppBench:
     model_path: Path  # a GGUF file
     target: str  # the draftcache service
     namespace: str = "smollm2"
-    n_ctx: int = 2048
+    n_ctx: int = N_CTX
     n_threads: int | None = None  # None: llama.cpp's default
     # Every engine with flash attention: without it a batched verification rounds unlike a
     # one-token step and outputs part from plain greedy's at near ties (flash_attention_off).

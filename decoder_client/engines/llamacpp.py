@@ -222,13 +222,16 @@ class DraftcacheDraftModel(LlamaDraftModel):
         idle_s: float = 2.0,
         recalibrate: bool = False,
         chain_model: ChainSource | None = None,
+        clock: StepClock | None = None,
     ) -> None:
         if not 1 <= num_pred_tokens <= MAX_DEPTH:
             raise ValueError(f"num_pred_tokens must be in [1, {MAX_DEPTH}], got {num_pred_tokens}")
         self.client = client
         self.deadline = deadline  # None: the client's own, every call
         self.cost = cost  # where chains are cut (None: where the service cut them)
-        self._clock = StepClock(idle_s)  # a longer gap between calls is a pause, not a step
+        # A longer gap between calls than idle_s is a pause, not a step. ``clock``: another
+        # source of the steps' times (an offline replay's, benchmarks.proposer_replay).
+        self._clock = StepClock(idle_s) if clock is None else clock
         self.topk = client.config.topk  # the engine's top-k sent back per verified position (0: none)
         self._llm: Any = None  # the attached engine, whose logits the top-k come from
         self.num_pred_tokens = num_pred_tokens
