@@ -28,6 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from cache_service.host.embedded_redis import free_port, runs_server
 from cache_service.storage.connect import connect
 from cache_service.storage.redis_store import RedisStore
+from decoder_client.client.config import RECONNECT_OPTIONS
 
 READY_S = 300.0  # a first start may compile the drafting loops (on a loaded 2-core machine, 2 minutes and more)
 
@@ -67,6 +68,26 @@ def wait_for(check: object, timeout_s: float, what: str, every_s: float = 0.1) -
         time.sleep(every_s)
 
 
+def wait_serving(target: str, proc: subprocess.Popen[bytes], timeout_s: float = READY_S) -> grpc.Channel:
+    """A channel to ``target`` once its health says SERVING; ``AssertionError`` when ``proc``
+    exits first or ``timeout_s`` passes. The channel retries its connection every second at
+    most: with gRPC's default backoff (growing to 2 minutes), a server that comes up after a
+    long first compile is not seen until long after it serves."""
+    channel = grpc.insecure_channel(target, options=RECONNECT_OPTIONS)
+    health = health_pb2_grpc.HealthStub(channel)
+    serving = health_pb2.HealthCheckResponse.SERVING
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with contextlib.suppress(grpc.RpcError):
+            if health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == serving:
+                return channel
+        if proc.poll() is not None or time.monotonic() > deadline:
+            channel.close()
+            why = "exited" if proc.poll() is not None else f"not serving after {timeout_s} s"
+            raise AssertionError(f"serve {why}")
+        time.sleep(0.1)
+
+
 class Serve:
     """``draftcache serve`` with its embedded Redis (or ``redis_url``) in a subprocess, data in
     ``data_dir``; ``args`` are more flags. Its log goes beside the folder (``<data_dir>.log``),
@@ -86,17 +107,12 @@ class Serve:
         cmd += ["--data-dir", str(self.data_dir), *self.args]
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
-        health = health_pb2_grpc.HealthStub(self.channel)
-        deadline = time.monotonic() + READY_S
-        while True:
-            with contextlib.suppress(grpc.RpcError):
-                if health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1:
-                    return self
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.close()
-                raise AssertionError(f"serve did not start:\n{self.log()[-3000:]}")
-            time.sleep(0.1)
+        try:
+            self.channel = wait_serving(f"127.0.0.1:{self.port}", self.proc)
+        except AssertionError as exc:
+            self.close()
+            raise AssertionError(f"{exc}:\n{self.log()[-3000:]}") from None
+        return self
 
     def __enter__(self) -> Serve:
         return self.start()

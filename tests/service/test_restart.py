@@ -16,13 +16,13 @@ import numpy as np
 import pytest
 from draftcache.v1 import draftcache_pb2 as pb
 from draftcache.v1 import draftcache_pb2_grpc as pb_grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cache_service.app import connect
 from cache_service.host.embedded_redis import free_port
 from cache_service.storage.redis_store import RedisStore
 from indexer.prior import PriorConfig, StaticPrior
 from indexer.tree_builder import Tier
+from tests.faults import wait_serving
 
 
 def _open(stub: pb_grpc.DraftCacheStub, prompt: list[int]) -> str:
@@ -33,23 +33,13 @@ def _open(stub: pb_grpc.DraftCacheStub, prompt: list[int]) -> str:
 def _serve(data: Path, port: int) -> subprocess.Popen[bytes]:
     cmd = [sys.executable, "-m", "cache_service.cli", "serve", "--port", str(port), "--data-dir", str(data)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-    health = health_pb2_grpc.HealthStub(channel)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            if (
-                health.Check(health_pb2.HealthCheckRequest(), timeout=1).status
-                == health_pb2.HealthCheckResponse.SERVING
-            ):
-                return proc
-        except grpc.RpcError:
-            pass
-        if proc.poll() is not None:
-            raise AssertionError(proc.stdout.read().decode() if proc.stdout else "serve exited")
-        time.sleep(0.1)
-    proc.kill()
-    raise AssertionError("serve did not become healthy")
+    try:
+        wait_serving(f"127.0.0.1:{port}", proc).close()  # the first start compiles
+    except AssertionError as exc:
+        if proc.poll() is None:
+            proc.kill()
+        raise AssertionError(f"{exc}: {proc.stdout.read().decode() if proc.stdout else ''}") from None
+    return proc
 
 
 @pytest.fixture

@@ -6,34 +6,15 @@ import json
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
 import grpc
 from draftcache.v1 import draftcache_pb2 as pb
 from draftcache.v1 import draftcache_pb2_grpc as pb_grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cache_service.host.embedded_redis import free_port
-
-# The first server a fresh checkout starts compiles every kernel before it serves: about a
-# minute on two busy cores. The bound only has to catch a server that never comes up.
-READY_S = 300
-
-
-def _healthy(target: str, proc: subprocess.Popen[bytes], timeout_s: float = READY_S) -> None:
-    health = health_pb2_grpc.HealthStub(grpc.insecure_channel(target))
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1:
-                return
-        except grpc.RpcError:
-            pass
-        assert proc.poll() is None, "serve exited"
-        time.sleep(0.1)
-    raise AssertionError("serve did not become healthy")
+from tests.faults import wait_serving
 
 
 def test_serve_exports_metrics_and_logs_json(tmp_path: Path) -> None:
@@ -43,7 +24,7 @@ def test_serve_exports_metrics_and_logs_json(tmp_path: Path) -> None:
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         target = f"127.0.0.1:{port}"
-        _healthy(target, proc)
+        wait_serving(target, proc).close()  # a first start compiles the kernels
         with grpc.insecure_channel(target) as ch:
             pb_grpc.AdminStub(ch).CreateNamespace(pb.CreateNamespaceRequest(name="toy", vocab_size=50))
             stub = pb_grpc.DraftCacheStub(ch)
