@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from decoder_client.engines.settings import setting_pairs
 from decoder_client.engines.step_clock import StepClock
 
 VOCAB = 49152  # SmolLM2's, the recorded outputs' by default
@@ -329,12 +330,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     if min(a.per_group, a.tasks, a.max_new) < 1 or not 0 <= a.noise < 1:
         p.error("--per-group, --tasks and --max-new must be >= 1, --noise in [0, 1)")
-    settings = {}
-    for kv in a.set:
-        key, eq, value = kv.partition("=")
-        if not eq:
-            p.error(f"--set takes KEY=VALUE, got {kv!r}")
-        settings[key] = value
+    try:
+        settings = setting_pairs(a.set, "--set")
+    except ValueError as exc:
+        p.error(str(exc))
     requests = select(load_outputs(a.outputs), per_group=a.per_group, tasks=a.tasks, max_new=a.max_new)
     model, clock = proposer(settings, a.prior, a.tokens, VOCAB)
     try:

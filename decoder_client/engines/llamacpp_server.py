@@ -46,7 +46,7 @@ from typing import Any, cast
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
-from decoder_client.engines.settings import ENV_PREFIX, EngineSettings
+from decoder_client.engines.settings import ENV_PREFIX, EngineSettings, setting_pairs
 
 logger = logging.getLogger(__name__)
 
@@ -62,13 +62,7 @@ def draftcache_settings(pairs: Sequence[str], env: Mapping[str, str]) -> EngineS
     ...
     ValueError: --draftcache wants KEY=VALUE, got 'namespace'
     """
-    given: dict[str, str] = {}
-    for pair in pairs:
-        key, eq, value = pair.partition("=")
-        if not eq or not key:
-            raise ValueError(f"--draftcache wants KEY=VALUE, got {pair!r}")
-        given[key] = value
-    return EngineSettings.from_sources(given, env)
+    return EngineSettings.from_sources(setting_pairs(pairs, "--draftcache"), env)
 
 
 def proxy_class(settings: EngineSettings, num_pred_tokens: int, chain_model: str | None = None) -> type:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -279,6 +279,26 @@ class EngineSettings:
                 values[name] = _typed(name, env[ENV_PREFIX + name.upper()], str(f.type))
         values.setdefault("namespace", "")
         return cls(**values)
+
+
+def setting_pairs(pairs: Sequence[str], flag: str) -> dict[str, str]:
+    """Settings given on a command line as ``KEY=VALUE`` pairs to ``flag`` (repeatable), for
+    :meth:`EngineSettings.from_sources` to check.
+
+    >>> setting_pairs(["near=false", "budget=32"], "--set")
+    {'near': 'false', 'budget': '32'}
+    >>> setting_pairs(["near"], "--set")
+    Traceback (most recent call last):
+    ...
+    ValueError: --set wants KEY=VALUE, got 'near'
+    """
+    given: dict[str, str] = {}
+    for pair in pairs:
+        key, eq, value = pair.partition("=")
+        if not eq or not key:
+            raise ValueError(f"{flag} wants KEY=VALUE, got {pair!r}")
+        given[key] = value
+    return given
 
 
 def _typed(name: str, value: Any, kind: str) -> Any:
