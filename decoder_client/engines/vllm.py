@@ -82,7 +82,9 @@ children re-import the script. vLLM's worker imports the client when it builds t
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -112,6 +114,8 @@ logger = logging.getLogger(__name__)
 
 CLASS_PATH = "decoder_client.engines.vllm.DraftcacheProposer"
 SECTION = "draftcache"  # the key of our settings in vLLM's additional_config
+NAMESPACE_THREAD = "draftcache-namespace"
+NAMESPACE_POLL_S = 1.0  # how often the namespace's creation, waiting for the service, sees a shutdown
 
 
 def speculative_config(num_speculative_tokens: int) -> dict[str, Any]:
@@ -147,8 +151,6 @@ class DraftcacheProposer:
         vocab = int(vllm_config.model_config.get_vocab_size())
         tokenizer = tokenizer_fingerprint(vllm_config.model_config)
         self.client_config = dataclasses.replace(self.client_config, vocab_size=vocab, tokenizer=tokenizer)
-        if self.settings.create_namespace:  # in the background: the engine's start never waits on the service
-            threading.Thread(target=ensure_namespace, args=(self.client_config, vocab), daemon=True).start()
         self._client: Drafting = self.settings.draft_client(self.num_speculative_tokens, vocab, tokenizer)
         self._metrics = self.settings.client_metrics(self._client, "vllm")  # vLLM counts its drafts' outcomes itself
         self._models = draft_models(vllm_config, self.settings, vocab) if self.settings.draft_model else None
@@ -164,6 +166,11 @@ class DraftcacheProposer:
         self._stats_written = 0.0
         self._stopping = threading.Event()
         threading.Thread(target=self._close_when_idle, name="draftcache-idle", daemon=True).start()
+        # In the background (the engine's start never waits on the service), once nothing above
+        # can fail (a start that fails leaves no thread behind), until shutdown at the latest.
+        if self.settings.create_namespace:
+            create = functools.partial(ensure_namespace, self.client_config, vocab, stop=self._stopping)
+            threading.Thread(target=create, name=NAMESPACE_THREAD, daemon=True).start()
         atexit.register(self.shutdown)
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
@@ -461,20 +468,43 @@ def tokenizer_fingerprint(model_config: Any) -> str:
         return ""
 
 
-def ensure_namespace(config: ClientConfig, vocab_size: int, timeout_s: float = 60.0) -> None:
+def ensure_namespace(
+    config: ClientConfig, vocab_size: int, timeout_s: float = 60.0, stop: threading.Event | None = None
+) -> None:
     """Create the namespace with the model's vocabulary (and ``config.tokenizer``'s
-    fingerprint) unless the service has it, waiting up to ``timeout_s`` for the service. Best
-    effort: a service that does not come, or a token that may not create namespaces, is logged
-    (drafts are local until the service serves the namespace). One that exists with another
-    tokenizer (another vocabulary, or another fingerprint) is logged as an error (the service
-    refuses this model's calls there); one that exists with the tokenizer's own size, which the
-    model pads, is used as it is, its fingerprint registered when it has none."""
+    fingerprint) unless the service has it, waiting up to ``timeout_s`` for the service, or
+    until ``stop`` is set (the proposer shut down: nothing is logged). Best effort: a service
+    that does not come, or a token that may not create namespaces, is logged (drafts are local
+    until the service serves the namespace). One that exists with another tokenizer (another
+    vocabulary, or another fingerprint) is logged as an error (the service refuses this model's
+    calls there); one that exists with the tokenizer's own size, which the model pads, is used
+    as it is, its fingerprint registered when it has none.
+
+    The channel retries its connection every second at most (the client's reconnect settings):
+    with gRPC's default backoff, which grows to two minutes, a service that comes up after a
+    long first compile would be seen only after the wait is over."""
+    from decoder_client.client.config import RECONNECT_OPTIONS
+
     creds = config.credentials()
+    deadline = time.monotonic() + timeout_s
     with (
-        grpc.insecure_channel(config.target) if creds is None else grpc.secure_channel(config.target, creds)
+        grpc.insecure_channel(config.target, options=RECONNECT_OPTIONS)
+        if creds is None
+        else grpc.secure_channel(config.target, creds, options=RECONNECT_OPTIONS)
     ) as channel:
+        ready = grpc.channel_ready_future(channel)
+        while not ready.done():  # connected, or a second passes: then look at ``stop`` again
+            if stop is not None and stop.is_set():
+                ready.cancel()
+                return
+            if time.monotonic() >= deadline:
+                break  # the call below waits the least and says why
+            with contextlib.suppress(grpc.FutureTimeoutError):
+                ready.result(timeout=min(NAMESPACE_POLL_S, max(deadline - time.monotonic(), 0.0)))
+        ready.cancel()
         admin = pb_grpc.AdminStub(channel)
         request = pb.CreateNamespaceRequest(name=config.namespace, vocab_size=vocab_size, tokenizer=config.tokenizer)
+        timeout_s = max(deadline - time.monotonic(), NAMESPACE_POLL_S)
         try:
             admin.CreateNamespace(request, timeout=timeout_s, metadata=config.metadata, wait_for_ready=True)
         except grpc.RpcError as exc:  # the service says why

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -25,7 +26,7 @@ from cache_service.config import ServiceConfig
 from cache_service.host.embedded_redis import free_port
 from decoder_client.client import ClientSession
 from decoder_client.engines.outcomes import EDGES, PRIOR
-from decoder_client.engines.vllm import DraftcacheProposer
+from decoder_client.engines.vllm import NAMESPACE_THREAD, DraftcacheProposer
 from indexer.prior import PriorConfig, StaticPrior
 from tests.client.conftest import greedy_continuation
 from tests.service.conftest import Running, eventually, start_service, stop_service
@@ -486,8 +487,10 @@ def test_a_near_copy_drafts_from_its_prior_file_with_the_service_gone(tmp_path: 
 
 
 def test_near_settings_are_checked_at_the_engines_start(tmp_path: Path) -> None:
+    before = set(_namespace_threads())
     with pytest.raises(FileNotFoundError):
         DraftcacheProposer(vllm_config("127.0.0.1:1", near=True, prior_file=str(tmp_path / "missing.npz")))
+    assert set(_namespace_threads()) == before  # a start that fails leaves nothing waiting for the service
     (tmp_path / "bad.npz").write_bytes(b"x")
     with pytest.raises(ValueError, match="is not a prior file"):
         DraftcacheProposer(vllm_config("127.0.0.1:1", near=True, prior_file=str(tmp_path / "bad.npz")))
@@ -670,3 +673,42 @@ def test_a_draft_model_that_cannot_read_the_targets_ids_is_refused(tmp_path: Pat
         DraftcacheProposer(
             vllm_config(f"127.0.0.1:{free_port()}", draft_model=str(tmp_path / "small"), draft_model_rows=0)
         )
+
+
+def _namespace_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == NAMESPACE_THREAD]
+
+
+def test_a_shutdown_ends_the_namespace_creation_waiting_for_the_service(caplog: pytest.LogCaptureFixture) -> None:
+    """Nothing listens: the proposer's namespace creation waits for the service in the
+    background, and ends with the proposer's shutdown, without a warning, not a minute later."""
+    before = set(_namespace_threads())
+    with caplog.at_level(logging.INFO, logger="decoder_client.engines.vllm"):
+        proposer = DraftcacheProposer(vllm_config(f"127.0.0.1:{free_port()}"))
+        (waiting,) = set(_namespace_threads()) - before
+        time.sleep(0.5)
+        assert waiting.is_alive()  # still waiting for the service
+        proposer.shutdown()
+        waiting.join(5)
+    assert not waiting.is_alive()
+    assert "not created" not in caplog.text
+
+
+def test_a_service_that_comes_up_late_gets_the_namespace_within_a_second_or_two() -> None:
+    """The service comes up half a minute after the engine (a first start compiles its loops):
+    the namespace is created within seconds of it. With gRPC's default reconnect backoff, which
+    grows to two minutes, the next try would come about 15 s after it, or past the wait."""
+    port = free_port()
+    proposer = DraftcacheProposer(vllm_config(f"127.0.0.1:{port}"))
+    try:
+        time.sleep(30)
+        running = start_service(ServiceConfig(), port=port)
+        try:
+            up = time.monotonic()
+            stats = running.admin.Stats
+            eventually(lambda: any(n.name == NS for n in stats(pb.StatsRequest(), timeout=5).namespaces), 20)
+            assert time.monotonic() - up < 5
+        finally:
+            stop_service(running)
+    finally:
+        proposer.shutdown()
