@@ -42,7 +42,7 @@ from deploy_files import (
 from cache_service.app import stop_seconds
 from cache_service.config import ServerConfig
 from cache_service.host.embedded_redis import EmbeddedRedis, free_port
-from tests.service.test_serve_metrics import READY_S
+from tests.faults import READY_S
 
 
 @pytest.mark.parametrize("path", yaml_files(), ids=lambda p: str(p.relative_to(DEPLOY)))

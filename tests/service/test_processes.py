@@ -25,8 +25,7 @@ from cache_service.host.embedded_redis import free_port
 from cache_service.host.workers import check_ports
 from cache_service.storage.redis_store import RedisStore
 from indexer.prior import PriorConfig, StaticPrior
-from tests.faults import children
-from tests.service.test_serve_metrics import READY_S, _healthy
+from tests.faults import READY_S, children, wait_serving
 
 
 def _free_pair() -> int:
@@ -106,7 +105,7 @@ def _draft_on_new_connections(target: str, n: int) -> None:
 
 def _serving_toy(target: str, metrics: int, proc: subprocess.Popen[bytes]) -> None:
     """Both workers of ``proc`` up (health and their metrics), and namespace ``toy`` made."""
-    _healthy(target, proc)
+    wait_serving(target, proc).close()
     _both_up(metrics, proc)
     with grpc.insecure_channel(target) as ch:
         pb_grpc.AdminStub(ch).CreateNamespace(pb.CreateNamespaceRequest(name="toy", vocab_size=50))
