@@ -27,9 +27,26 @@ def replica(tmp_path: Path) -> Iterator[tuple[AuthReplica, redis.Redis]]:
     r = AuthReplica(server.url, tmp_path / "replica")
     r.admin.CreateNamespace(pb.CreateNamespaceRequest(name="shared", vocab_size=100), metadata=OPS)
     r.app.scheduler.pause()  # no background job: what Redis counts during a call is the call's doing
-    yield r, server.client()
+    client = server.client()
+    _quiet(client)  # ... once a job that was running when the scheduler paused is done
+    yield r, client
     r.stop()
     server.stop()
+
+
+def _quiet(client: redis.Redis, for_s: float = 0.5, timeout_s: float = 30.0) -> None:
+    """Wait until Redis has run no command but these INFOs for ``for_s``. A job already
+    running when the scheduler paused (a follow, every 50 ms here) goes on; on a loaded host it
+    ran into a test's count (4 commands)."""
+    deadline = time.monotonic() + timeout_s
+    last = int(client.info("stats")["total_commands_processed"])
+    while time.monotonic() < deadline:
+        time.sleep(for_s)
+        now = int(client.info("stats")["total_commands_processed"])
+        if now - last == 1:  # the INFO itself
+            return
+        last = now
+    raise AssertionError(f"Redis not quiet within {timeout_s} s")
 
 
 def _rss_bytes() -> int:
@@ -81,9 +98,10 @@ def test_a_100k_batch_is_refused_at_once_without_storage(replica: tuple[AuthRepl
             assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, name
             assert err.value.details() == f"batch of {HUGE} exceeds the limit of 256", name
             assert commands == 0, f"{name}: {commands} Redis commands"
-        # The best of three is the call's own cost (~10-20 ms: receiving and parsing 3-4 MB);
-        # the others may also hold a busy machine's noise. It took 6-18 s before.
-        assert min(took) < 0.05 and max(took) < 0.5, f"{name}: refused after {[round(t * 1000) for t in took]} ms"
+        # The best of three is the call's own cost (~10-20 ms: receiving and parsing 3-4 MB;
+        # 60-80 ms on two cores with four busy loops beside); the others may also hold a busy
+        # machine's noise. It took 6-18 s before: the bounds are far from both.
+        assert min(took) < 0.25 and max(took) < 2.0, f"{name}: refused after {[round(t * 1000) for t in took]} ms"
     # Twelve refused batches later the process holds little more memory (each cost 40-60 MB
     # when the items were built and the sessions read before the limit was checked, and the
     # parsed request stayed until the cyclic collector ran: 480-720 MB for the twelve). In a
