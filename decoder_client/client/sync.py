@@ -14,7 +14,7 @@ import numpy as np
 from draftcache.v1 import draftcache_pb2 as pb
 from draftcache.v1 import draftcache_pb2_grpc as pb_grpc
 
-from decoder_client.client.config import RECONNECT_OPTIONS, ClientConfig
+from decoder_client.client.config import ClientConfig
 from decoder_client.client.core import ClientCore, ClientStats, Fallback, Reopening, parts, prompt_lookup_fallback
 from decoder_client.client.plan import CatchUp, Draft, DraftAhead, Drafted, Effect, Reopen, draft_step
 from decoder_client.client.protocol import UNARY, lane_of
@@ -35,12 +35,7 @@ class DraftClient:
 
     def __init__(self, config: ClientConfig, fallback: Fallback = prompt_lookup_fallback) -> None:
         self._core = ClientCore(config, fallback)
-        creds = config.credentials()
-        self._channel = (
-            grpc.insecure_channel(config.target, options=RECONNECT_OPTIONS)
-            if creds is None
-            else grpc.secure_channel(config.target, creds, options=RECONNECT_OPTIONS)
-        )
+        self._channel = config.channel()
         self._stub = pb_grpc.DraftCacheStub(self._channel)
         self._streams: dict[str, Stream] = {}  # by lane
         self._inflight: list[tuple[list[ClientSession], grpc.Future | StreamFuture]] = []  # drafting ahead

@@ -483,15 +483,8 @@ def ensure_namespace(
     The channel retries its connection every second at most (the client's reconnect settings):
     with gRPC's default backoff, which grows to two minutes, a service that comes up after a
     long first compile would be seen only after the wait is over."""
-    from decoder_client.client.config import RECONNECT_OPTIONS
-
-    creds = config.credentials()
     deadline = time.monotonic() + timeout_s
-    with (
-        grpc.insecure_channel(config.target, options=RECONNECT_OPTIONS)
-        if creds is None
-        else grpc.secure_channel(config.target, creds, options=RECONNECT_OPTIONS)
-    ) as channel:
+    with config.channel() as channel:
         ready = grpc.channel_ready_future(channel)
         while not ready.done():  # connected, or a second passes: then look at ``stop`` again
             if stop is not None and stop.is_set():
