@@ -9,7 +9,6 @@ import sys
 import urllib.request
 from pathlib import Path
 
-import grpc
 from draftcache.v1 import draftcache_pb2 as pb
 from draftcache.v1 import draftcache_pb2_grpc as pb_grpc
 
@@ -24,8 +23,7 @@ def test_serve_exports_metrics_and_logs_json(tmp_path: Path) -> None:
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         target = f"127.0.0.1:{port}"
-        wait_serving(target, proc).close()  # a first start compiles the kernels
-        with grpc.insecure_channel(target) as ch:
+        with wait_serving(target, proc) as ch:  # a first start compiles the kernels
             pb_grpc.AdminStub(ch).CreateNamespace(pb.CreateNamespaceRequest(name="toy", vocab_size=50))
             stub = pb_grpc.DraftCacheStub(ch)
             req = pb.OpenSessionsRequest(sessions=[pb.OpenSession(namespace="toy", prompt=[1, 2, 3, 1, 2])])
