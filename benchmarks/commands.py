@@ -18,7 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from benchmarks import replay_bench
+from benchmarks import replay_bench, service_admin
 from benchmarks.draft_rows import DraftRows
 from benchmarks.replay import ReplayStats
 from benchmarks.traces import check_vocabulary, read_traces, sharegpt_conversations, spread, write_traces
@@ -275,7 +275,7 @@ def _replay_groups(a: argparse.Namespace, config: replay_bench.ReplayConfig) -> 
         vocab = warm.load_tokenizer(a.tokenizer)[1]
     groups = replay_bench.by_namespace(conversations, vocab)
     if vocab is None and a.target:
-        served = [replay_bench.service_vocab(a.target, ns.name) for ns, _ in groups]
+        served = [service_admin.service_vocab(a.target, ns.name) for ns, _ in groups]
         groups = [
             (ns if size is None else Namespace(name=ns.name, vocab_size=size), part)
             for (ns, part), size in zip(groups, served, strict=True)
@@ -368,7 +368,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
     params = DraftParams(budget=a.budget, chain=a.chain or 0)
     drafter: InProcessDrafter | ServiceDrafter
     if a.target:
-        replay_bench.ensure_namespace(a.target, Namespace(name="generate", vocab_size=vocab))
+        service_admin.ensure_namespace(a.target, Namespace(name="generate", vocab_size=vocab))
         config = ClientConfig(target=a.target, namespace="generate", params=params, topk=MAX_TOPK, vocab_size=vocab)
         drafter = ServiceDrafter(config)
     else:
@@ -623,7 +623,7 @@ def cmd_bench_rpc(a: argparse.Namespace) -> int:
     conversations = read_traces(a.traces, limit=max(a.batch, 1))
     vocab = warm.load_tokenizer(a.tokenizer)[1] if a.tokenizer is not None else None
     namespace = replay_bench.namespace_of(conversations, vocab)
-    replay_bench.ensure_namespace(a.target, namespace)
+    service_admin.ensure_namespace(a.target, namespace)
     result = run_rpc_bench(
         a.target, namespace.name, conversations, steps=a.steps, batch=a.batch, during_rebuild=a.during_rebuild
     )
@@ -675,7 +675,7 @@ def cmd_bench_load(a: argparse.Namespace) -> int:
         conversations = read_traces(traces)
         namespace = replay_bench.namespace_of(conversations, vocab)
         for target in targets:
-            replay_bench.ensure_namespace(target, namespace)
+            service_admin.ensure_namespace(target, namespace)
         report = run_load(_load_config(a, targets, namespace.name, traces))
     print(json.dumps(report, indent=2))
     return 0

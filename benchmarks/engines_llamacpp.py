@@ -23,9 +23,11 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.service_admin import ensure_namespace
 from decoder_client.chain_model import ChainSource
 from decoder_client.engines.llamacpp import DraftcacheDraftModel, DraftStats, accepted_drafts
 from indexer.successors import MAX_TOPK
+from indexer.tokens import Namespace
 
 ENGINE = "llama.cpp"
 PLAIN, LOOKUP, OURS = "plain", "prompt-lookup", "draftcache"
@@ -232,7 +234,9 @@ class Engines:
         vocab_size = int(engines.llms[PLAIN].n_vocab())
         for method, settings in {OURS: {}, **config.variants}.items():
             if method != OURS:  # a variant's namespace of its own, made first
-                ensure_namespace(config.target, variant_namespace(config, method), vocab_size)
+                ensure_namespace(
+                    config.target, Namespace(name=variant_namespace(config, method), vocab_size=vocab_size), wait=True
+                )
             chains = None
             if method == BESIDE and config.draft_model is not None:
                 from decoder_client.engines.llamacpp_chains import LlamaChainModel
@@ -316,14 +320,3 @@ def timed_greedy(llm: Any, prompt: Sequence[int], max_new_tokens: int) -> tuple[
 def greedy(llm: Any, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
     """The tokens of :func:`timed_greedy`."""
     return timed_greedy(llm, prompt, max_new_tokens)[0]
-
-
-def ensure_namespace(target: str, name: str, vocab_size: int) -> None:
-    """Create the namespace on the service (a no-op when it exists alike)."""
-    import grpc
-    from draftcache.v1 import draftcache_pb2 as pb
-    from draftcache.v1 import draftcache_pb2_grpc as pb_grpc
-
-    with grpc.insecure_channel(target) as channel:
-        request = pb.CreateNamespaceRequest(name=name, vocab_size=vocab_size)
-        pb_grpc.AdminStub(channel).CreateNamespace(request, timeout=30, wait_for_ready=True)

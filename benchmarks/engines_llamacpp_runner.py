@@ -10,8 +10,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks import service_admin
 from benchmarks.engine_runs import PLAIN, Measurement
 from decoder_client.client import ClientStats
+from indexer.tokens import Namespace
 
 WARM_UP = b"<|im_start|>user\nName three colours.<|im_end|>\n<|im_start|>assistant\n"  # not measured
 
@@ -70,7 +72,9 @@ class LlamaCppRunner:
             draft_model=small,
         )
         self._engines = lc.Engines.load(self.config)  # its drafting Llamas keep every position's logits
-        lc.ensure_namespace(target, namespace, self._engines.vocab_size)
+        service_admin.ensure_namespace(
+            target, Namespace(name=namespace, vocab_size=self._engines.vocab_size), wait=True
+        )
         chosen = tuple(m for m in lc.METHODS if not methods or m == PLAIN or m in methods)
         self.methods: tuple[str, ...] = (*chosen, *self.config.variants)
         self.unavailable: dict[str, str] = {}

@@ -23,6 +23,7 @@ from benchmarks.baselines import (
 from benchmarks.draft_model_replay import DraftModelChain, LiveDraftModel, LiveWithDraftModel, WithDraftModel
 from benchmarks.draft_rows import SegmentRows
 from benchmarks.replay import ReplayDrafter, ReplayStats, replay, takes_topk
+from benchmarks.service_admin import ensure_namespace
 from benchmarks.traces import Conversation, check_vocabulary
 from cache_service.admin import warm
 from cache_service.admin.warm import split_documents
@@ -257,33 +258,6 @@ def build_rest_datastore(corpus: Path, fmt: str, tokenizer: Path, out: Path) -> 
     del writer
     os.replace(tmp, out)
     return total
-
-
-def ensure_namespace(target: str, namespace: Namespace) -> None:
-    """Create the namespace on the service at ``target`` (a no-op when it exists alike)."""
-    import grpc
-    from draftcache.v1 import draftcache_pb2 as pb
-    from draftcache.v1 import draftcache_pb2_grpc as pb_grpc
-
-    with grpc.insecure_channel(target) as channel:
-        request = pb.CreateNamespaceRequest(name=namespace.name, vocab_size=namespace.vocab_size)
-        pb_grpc.AdminStub(channel).CreateNamespace(request, timeout=30)
-
-
-def service_vocab(target: str, name: str) -> int | None:
-    """The vocabulary the service at ``target`` holds for namespace ``name`` (None: no such namespace)."""
-    import grpc
-    from draftcache.v1 import draftcache_pb2 as pb
-    from draftcache.v1 import draftcache_pb2_grpc as pb_grpc
-
-    with grpc.insecure_channel(target) as channel:
-        try:
-            stats = pb_grpc.AdminStub(channel).Stats(pb.StatsRequest(namespace=name), timeout=30)
-        except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.NOT_FOUND:
-                return None
-            raise
-    return next((int(i.vocab_size) for i in stats.namespaces if i.name == name), None)
 
 
 def remote_drafter(target: str, namespace: Namespace, params: DraftParams, lookahead: int = 0) -> ReplayDrafter:

@@ -4,7 +4,7 @@ service, the target's top-k at every node it verified sent back over the wire.""
 from __future__ import annotations
 
 from benchmarks.generate import ServiceDrafter, run_generate
-from benchmarks.replay_bench import ensure_namespace
+from benchmarks.service_admin import ensure_namespace
 from cache_service.config import ServiceConfig
 from decoder_client.client import ClientConfig
 from indexer.drafter import DraftParams
