@@ -105,9 +105,8 @@ def _draft_on_new_connections(target: str, n: int) -> None:
 
 def _serving_toy(target: str, metrics: int, proc: subprocess.Popen[bytes]) -> None:
     """Both workers of ``proc`` up (health and their metrics), and namespace ``toy`` made."""
-    wait_serving(target, proc).close()
-    _both_up(metrics, proc)
-    with grpc.insecure_channel(target) as ch:
+    with wait_serving(target, proc) as ch:
+        _both_up(metrics, proc)
         pb_grpc.AdminStub(ch).CreateNamespace(pb.CreateNamespaceRequest(name="toy", vocab_size=50))
 
 
