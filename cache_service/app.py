@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -23,6 +24,7 @@ from cache_service.config import EmbeddedRedisConfig, ServerConfig, ServiceConfi
 from cache_service.domain.changes import Changes, Saved
 from cache_service.domain.ports import StorageHealth
 from cache_service.domain.service import DraftService
+from cache_service.host import compile_ahead
 from cache_service.host.compiles import CompileWatch
 from cache_service.host.embedded_redis import EmbeddedRedis
 from cache_service.host.journal import Journal, journal_path
@@ -257,7 +259,8 @@ class App:
         # before serving: on a fresh machine that takes tens of seconds, which the first
         # CreateNamespace would otherwise spend on the loop with every other call waiting.
         threads = self.config.service.drafter.threads
-        await self._step(warm_up, threads)
+        # Workers of `serve --processes` each compile for themselves, side by side already.
+        await self._step(functools.partial(warm_up, threads, ahead=self.config.worker is None))
         if self.shared is not None:
             await self._step(self.shared.warm, threads)
         await self._step(self.sync.restore)
@@ -466,11 +469,20 @@ def early_rebuild_gap(last_build_seconds: float | None, *, shared: bool) -> floa
     return max(SHARED_EARLY_REBUILD_GAP_S if shared else EARLY_REBUILD_GAP_S, 2 * last_build_seconds)
 
 
-def warm_up(threads: int = 1, *, report_every_s: float = 15.0) -> None:
+def _warm_up_beside_draft_step() -> None:
+    """What a first start compiles beside the draft step: the kernels it does not call and the
+    reply encoder."""
+    kernels.warm_up_beside_draft_step()
+    wire.warm_up()
+
+
+def warm_up(threads: int = 1, *, ahead: bool = False, report_every_s: float = 15.0) -> None:
     """Compile (or load) every compiled loop the service runs: drafting (on ``threads`` worker
     threads too, when more than one) and the reply encoder. Loading from numba's cache takes a
-    few seconds; compiling, on a machine's first start, a minute or two: the log says which it is
-    and how long it has taken, so a first start is not mistaken for a hang."""
+    few seconds; compiling, on a machine's first start, two to four minutes: the log says which
+    it is and how long it has taken, so a first start is not mistaken for a hang. With
+    ``ahead``, a first start shares the compilation among processes
+    (:mod:`cache_service.host.compile_ahead`)."""
     steps: list[tuple[str, Callable[[], object]]] = [
         ("drafting kernels", kernels.warm_up),
         ("reply encoder", wire.warm_up),
@@ -489,6 +501,10 @@ def warm_up(threads: int = 1, *, report_every_s: float = 15.0) -> None:
 
     threading.Thread(target=heartbeat, name="compile-progress", daemon=True).start()
     try:
+        if ahead and compile_ahead.needed():
+            logger.info("first start here: compiling the draft step and the other kernels in two processes")
+            shares = (kernels.warm_up_draft_step, _warm_up_beside_draft_step)
+            logger.info("shared compilation done in %.1f s", compile_ahead.compile_ahead(shares))
         for i, (what, step) in enumerate(steps, 1):
             logger.info("compiling or loading %s (%d of %d)", what, i, len(steps))
             step()

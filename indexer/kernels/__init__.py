@@ -137,28 +137,58 @@ __all__ = [
     "verification_outcome",
     "verification_outcomes",
     "warm_up",
+    "warm_up_beside_draft_step",
+    "warm_up_draft_step",
     "warm_up_threads",
 ]
 
 
 def warm_up() -> None:
     """Compile (or load from cache) every kernel now, off any request's path."""
+    for part in (_warm_up_searches, warm_up_draft_step, warm_up_beside_draft_step, _warm_up_chain_step):
+        part()
+
+
+def _warm_up_indexes() -> None:
+    """A rebuild's kernels: suffix arrays and the frozen tables (indexer.ngram_table), with the
+    types a rebuild passes; none of them is part of a draft step."""
     toks = np.array([1, 2, 1, 2, 2147483647], dtype=np.int32)
     sa = np.array([0, 2, 1, 3, 4], dtype=np.int32)
-    longest_match(toks, sa, np.array([1, 2], dtype=np.int32), 4, 1, 0)
-    match_range(toks, sa, np.array([1], dtype=np.int32), 0, 5)
-    sample_starts(sa, 0, 2, 2)
-    # A frozen table's build (indexer.ngram_table), with the types a rebuild passes.
     follow = follower_lengths(toks, sa, 1, 1, 2147483647)
     common = lcp(toks, suffix_array(toks))
     firsts, _ = leader_runs(common, follow, 1)
     table_entries(common, follow, sa, firsts, np.array([0], dtype=np.int64), 1, 1, 1)
     # A rebuild that extends the last one (as indexer.suffix_array passes its arguments).
     merge_suffix_arrays(read_only(toks, np.int32), read_only(sa, np.int32), 2, sa[:1])
+    match_range(toks, sa, np.array([1], dtype=np.int32), 0, 5)
+    prompt_lookup_start(np.array([1, 2, 1], dtype=np.int32), 1, 3)
+    hash_rows(np.zeros((1, 2), dtype=np.int32))
+
+
+def warm_up_beside_draft_step() -> None:
+    """The kernels no draft step calls: a rebuild's, a verification outcome's, a chain's pick
+    and the batch merge of candidates gathered in Python (compiled beside
+    :func:`warm_up_draft_step` on a first start, sharing little with it)."""
+    _warm_up_indexes()
+    _warm_up_outcomes()
+    _warm_up_chains()
+    rows = np.array([[1, 2], [1, -1]], dtype=np.int32)
+    meta = np.array([[2, 2, 1, 1]], dtype=np.int64)
+    ints = np.array([2], dtype=np.int64)
+    merge_batch(rows.ravel(), np.ones(4), meta, np.ones(1), np.array([0, 1], dtype=np.int64), ints, ints,
+                np.zeros(1), ints, 7)  # fmt: skip
+
+
+def _warm_up_searches() -> None:
+    """The searches and a tree's merge as entry points of their own (the draft step compiles
+    them into itself)."""
+    toks = np.array([1, 2, 1, 2, 2147483647], dtype=np.int32)
+    sa = np.array([0, 2, 1, 3, 4], dtype=np.int32)
+    longest_match(toks, sa, np.array([1, 2], dtype=np.int32), 4, 1, 0)
+    sample_starts(sa, 0, 2, 2)
     tail_matches(np.array([1, 2, 1], dtype=np.int32), 0, 4)
     context_continuations(toks, toks, sa, 4, 4, 0, 2, 2, 2147483647)
     context_followers(toks, toks, sa, 4, 0, 1, 1, 2)
-    prompt_lookup_start(np.array([1, 2, 1], dtype=np.int32), 1, 3)
     recent_followers(toks, sa[:1], 2, 0, 1, 1, 2)
     sample_rows(toks, sa, 0, 2, 1, 2, 2, 2147483647)
     offsets = np.array([0, 5], dtype=np.int64)
@@ -167,20 +197,30 @@ def warm_up() -> None:
         toks, sa, toks, sa, offsets, np.array([1, 2], dtype=np.int32), 4, 0, 2, 2, 2147483647, (2, 1, 0, 5)
     )
     find_leader(np.array([1, 2], dtype=np.int32), 2, np.zeros(1, dtype=np.uint64))
-    hash_rows(np.zeros((1, 2), dtype=np.int32))
     rows = np.array([[1, 2], [1, -1]], dtype=np.int32)
     merge_tree(rows, np.ones((2, 2)), np.zeros(2, dtype=np.bool_), np.zeros(2, dtype=np.int64), 7, 4, 0.0, 1,
                _tiny_calibration(0))  # fmt: skip
-    meta = np.array([[2, 2, 1, 1]], dtype=np.int64)
-    one_tree = np.array([0, 1], dtype=np.int64)
-    ints = np.array([2], dtype=np.int64)
-    merge_batch(rows.ravel(), np.ones(4), meta, np.ones(1), one_tree, ints, ints, np.zeros(1), ints, 7)
+
+
+def warm_up_draft_step() -> None:
+    """The draft step, with everything it calls compiled into it: the longest compilation."""
+    i32, i64 = _tiny_store()
+    draft_batch(*_tiny_draft(i32, i64))
+    kstore.put_i32(i32, 0, kstore.get_i32(i32, 0))
+    kstore.put_i64(i64, 1, kstore.get_i64(i64, 1))
+
+
+def _warm_up_outcomes() -> None:
+    """What a verification's outcome runs: the accept step, the trees' outcomes and
+    calibration, drafting ahead for outcomes, the per-session tables' upkeep."""
+    toks = np.array([1, 2, 1, 2, 2147483647], dtype=np.int32)
     one = np.array([1], dtype=np.int32)
-    accepted_path(one, np.array([-1], dtype=np.int32), one)
-    rejected_branches(one, np.array([-1], dtype=np.int32), np.ones(1, dtype=np.float32), -1, 2)
-    verification_outcome(one, np.array([-1], dtype=np.int32), np.ones(1, dtype=np.float32), one, 2)
-    sizes = one_tree[1:]
     root = np.array([-1], dtype=np.int32)
+    one_tree = np.array([0, 1], dtype=np.int64)
+    sizes, ints = one_tree[1:], np.array([2], dtype=np.int64)
+    accepted_path(one, root, one)
+    rejected_branches(one, root, np.ones(1, dtype=np.float32), -1, 2)
+    verification_outcome(one, root, np.ones(1, dtype=np.float32), one, 2)
     verification_outcomes(
         one, root, np.ones(1, dtype=np.float32), np.zeros(1, dtype=np.uint8), one_tree[:1], sizes, one, sizes, sizes,
         2, 7,
@@ -188,9 +228,6 @@ def warm_up() -> None:
     guesses = np.full((1, 8), -1, dtype=np.int64)
     calibrate(np.zeros((8, 5)), np.zeros((8, 5)), guesses, np.zeros((1, 8)), guesses, one_tree[:1], one_tree[:1], 4)
     i32, i64 = _tiny_store()
-    draft_batch(*_tiny_draft(i32, i64))
-    kstore.put_i32(i32, 0, kstore.get_i32(i32, 0))
-    kstore.put_i64(i64, 1, kstore.get_i64(i64, 1))
     items = np.array([[0, 0, 1, 4], [1, 1, 2, 0]], dtype=np.int64)
     counts = np.zeros((8, 5))
     accept_batch(items, np.array([1, 9], np.int32), i32, i64, counts, counts.copy(), 4, np.zeros(8, np.int64))
@@ -204,23 +241,6 @@ def warm_up() -> None:
     )
     chain_fans(outcomes[1], one, np.zeros(1, dtype=np.uint8), np.ones(1, dtype=np.float32), one,
                np.zeros(1, dtype=np.uint8), np.ones(1, dtype=np.float32), one_tree)  # fmt: skip
-    cells = np.zeros((RATIO_BINS, 7, 8, DEPTHS, TRACKS, RANKS))  # indexer.chain's calibrator, its types
-    coarse = chain_backoff(np.zeros((RATIO_BINS, TRACKS)), np.zeros((RATIO_BINS, TRACKS)), np.ones(RATIO_BINS), 2.0)
-    reached = np.zeros((TRACKS, DEPTHS, 12))
-    chain_pick(root, np.ones(1, dtype=np.float32), np.zeros(1, dtype=np.uint8), np.ones(6), 0, cells, cells, coarse,
-               4.0, 2, 0.1, reached[0], reached[0], np.ones(11), 8.0)  # fmt: skip
-    chain_batch(one, root, np.zeros(1, dtype=np.uint8), np.ones(1, dtype=np.float32), one_tree, ints, np.ones(1),
-                ints, np.ones(6), cells, cells, coarse, 4.0, reached, reached, np.ones(11), 8.0)  # fmt: skip
-    chain_args = (
-        *_tiny_draft(), np.full(2, 4), np.zeros(2), np.zeros(2, dtype=np.int64), reached, reached, np.ones(11), 8.0,
-    )  # fmt: skip
-    draft_chain_batch(*chain_args)
-    # The held trees' outcomes learnt in one pass.
-    coarse_counts = np.zeros((RATIO_BINS, TRACKS))
-    i32b, i64b = _tiny_store()
-    chain_outcome_rows(i32b, i64b, np.zeros(2, dtype=np.int64), toks[:2].copy(), np.array([0, 1, 2]),
-                       np.zeros(2, dtype=np.int64), np.ones(6), cells, cells.copy(), coarse_counts,
-                       coarse_counts.copy())  # fmt: skip
     subtree_nodes(one, root, 1)
     for at in (-1, 0):  # stored scores, and probabilities given
         reach_at = np.array([at, -1], dtype=np.int64)
@@ -235,7 +255,39 @@ def warm_up() -> None:
     followers, weights, norm = np.full((2, 8), -1, dtype=np.int32), np.zeros((2, 8)), np.zeros(2)
     successor_observe(followers, weights, norm, one, np.ones((1, 2), dtype=np.int32), 0.9, np.ones(8))
     successor_rows(followers, weights, norm, 1, 2, 0.0)
-    # Chain mode: a node's cell, its probability, the chosen path and an outcome's count.
+
+
+def _warm_up_chain_step() -> None:
+    """The chain draft step: the draft step's pieces and a chain's pick."""
+    reached = np.zeros((TRACKS, DEPTHS, 12))
+    chain_args = (
+        *_tiny_draft(), np.full(2, 4), np.zeros(2), np.zeros(2, dtype=np.int64), reached, reached, np.ones(11), 8.0,
+    )  # fmt: skip
+    draft_chain_batch(*chain_args)
+
+
+def _warm_up_chains() -> None:
+    """Chain mode apart from its draft step: a chain's pick from a tree and what its outcome
+    teaches the calibrator."""
+    toks = np.array([1, 2, 1, 2, 2147483647], dtype=np.int32)
+    one = np.array([1], dtype=np.int32)
+    root = np.array([-1], dtype=np.int32)
+    one_tree = np.array([0, 1], dtype=np.int64)
+    ints = np.array([2], dtype=np.int64)
+    cells = np.zeros((RATIO_BINS, 7, 8, DEPTHS, TRACKS, RANKS))  # indexer.chain's calibrator, its types
+    coarse = chain_backoff(np.zeros((RATIO_BINS, TRACKS)), np.zeros((RATIO_BINS, TRACKS)), np.ones(RATIO_BINS), 2.0)
+    reached = np.zeros((TRACKS, DEPTHS, 12))
+    chain_pick(root, np.ones(1, dtype=np.float32), np.zeros(1, dtype=np.uint8), np.ones(6), 0, cells, cells, coarse,
+               4.0, 2, 0.1, reached[0], reached[0], np.ones(11), 8.0)  # fmt: skip
+    chain_batch(one, root, np.zeros(1, dtype=np.uint8), np.ones(1, dtype=np.float32), one_tree, ints, np.ones(1),
+                ints, np.ones(6), cells, cells, coarse, 4.0, reached, reached, np.ones(11), 8.0)  # fmt: skip
+    # The held trees' outcomes learnt in one pass.
+    coarse_counts = np.zeros((RATIO_BINS, TRACKS))
+    i32b, i64b = _tiny_store()
+    chain_outcome_rows(i32b, i64b, np.zeros(2, dtype=np.int64), toks[:2].copy(), np.array([0, 1, 2]),
+                       np.zeros(2, dtype=np.int64), np.ones(6), cells, cells.copy(), coarse_counts,
+                       coarse_counts.copy())  # fmt: skip
+    # A node's cell, its probability, the chosen path and an outcome's count.
     cells = chain_cells(root, np.ones(1, dtype=np.float32), np.zeros(1, dtype=np.uint8), np.ones(1), 0)
     grid = np.zeros((RATIO_BINS, 7, 8, DEPTHS, TRACKS, RANKS))
     chain_conditional(cells, grid, grid, np.ones((9, 4)), 1.0)

@@ -74,3 +74,15 @@ def stamp_with_package(directory: Path) -> None:
 
 
 stamp_with_package(Path(__file__).parent)  # the kernels themselves, defined after this module
+
+
+def holds(dispatcher: Any) -> bool | None:
+    """Whether numba's cache holds code of the compiled function ``dispatcher``, for these
+    sources and this CPU (for any argument types); ``None`` where that cannot be told (no
+    cache for it, the JIT disabled, a numba whose cache reads otherwise)."""
+    try:
+        index = dispatcher._cache._cache_file._load_index()
+        magic = dispatcher.targetctx.codegen().magic_tuple()
+    except Exception:  # numba's own layout, not an API: unknown is not an answer
+        return None
+    return any(key[1] == magic for key in index)

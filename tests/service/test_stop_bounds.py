@@ -84,13 +84,13 @@ def test_sigterm_with_redis_frozen_stops_within_the_bound_and_keeps_every_commit
         redis.kill()
 
 
-def _spawn(data: Path, *args: str) -> tuple[subprocess.Popen[bytes], Path]:
+def _spawn(data: Path, *args: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen[bytes], Path]:
     """``draftcache serve`` on ``data`` with the embedded Redis, not waited for; and its log."""
     data.mkdir(parents=True, exist_ok=True)
     log_path = data.with_name(data.name + ".log")
     cmd = [sys.executable, "-m", "cache_service.cli", "serve", "--port", str(free_port()), "--data-dir", str(data)]
     with open(log_path, "ab") as log:
-        proc = subprocess.Popen([*cmd, *args], stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen([*cmd, *args], stdout=log, stderr=subprocess.STDOUT, env=env)
     return proc, log_path
 
 
@@ -156,6 +156,50 @@ def test_sigterm_during_the_start_stops_the_embedded_redis(tmp_path: Path, momen
         wait_for(lambda: "compiling or loading" in log_path.read_text(errors="replace"), 60, "the compile", 0.005)
     log = _stopped_during_start(proc, log_path, redis_pid)
     assert "stop asked while starting" in log
+
+
+def test_sigterm_during_a_first_starts_shared_compilation_ends_its_processes(tmp_path: Path) -> None:
+    """A first start (an empty numba cache) compiles in two processes of its own; SIGTERM
+    then ends the start with ``os._exit`` (the compilation on its own thread cannot be
+    interrupted), which runs no exit handler: the two processes end with it all the same,
+    rather than compiling on for a minute or more."""
+    data = tmp_path / "data"
+    proc, log_path = _spawn(data, env={**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba")})
+    redis_pid = _redis_pid(data)
+    wait_for(lambda: "first start here" in log_path.read_text(errors="replace"), 60, "the shared compile", 0.005)
+    compiling: list[int] = []
+
+    def both_compiling() -> bool:  # past their start-up (which ends with a parent gone), compiling
+        compiling[:] = [pid for pid in children(proc.pid) if b"spawn_main" in _cmdline(pid)]
+        return len(compiling) >= 2 and all(_cpu_s(pid) > 3 for pid in compiling)
+
+    wait_for(both_compiling, 60, "two compiling processes", 0.05)
+    try:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(START_STOP_S) == 0
+        wait_for(lambda: not any(_ours(pid) for pid in compiling), 5, "the compiling processes gone")
+    finally:  # whatever is left, killed; the embedded Redis stopped
+        for pid in compiling:
+            if _ours(pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        _stopped_during_start(proc, log_path, redis_pid)
+
+
+def _cpu_s(pid: int) -> float:
+    """CPU seconds ``pid`` has used (0 once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 def test_sigterm_to_the_supervisor_while_it_starts_the_embedded_redis_leaves_nothing(tmp_path: Path) -> None:
