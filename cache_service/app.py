@@ -256,7 +256,7 @@ class App:
         self.sync = StorageSync(self.service, self.persistence, self.shared)
         self.service.refresh = self._refresh
         # The compiled loops are built (or loaded from numba's cache) here, off the event loop and
-        # before serving: on a fresh machine that takes tens of seconds, which the first
+        # before serving: on a fresh machine that takes minutes, which the first
         # CreateNamespace would otherwise spend on the loop with every other call waiting.
         threads = self.config.service.drafter.threads
         # Workers of `serve --processes` each compile for themselves, side by side already.
