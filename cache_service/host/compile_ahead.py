@@ -48,8 +48,13 @@ def compile_ahead(shares: tuple[Callable[[], None], ...]) -> float:
         for share in shares
     ]
     for proc in procs:
-        proc.start()
+        try:
+            proc.start()
+        except OSError as exc:  # no process to be had (limits, memory): start-up compiles it all
+            logger.warning("%s could not start (%s): start-up compiles its part", proc.name, exc)
     for proc in procs:
+        if proc.pid is None:
+            continue
         proc.join()
         if proc.exitcode != 0:
             logger.warning("%s ended with %s: start-up compiles its part", proc.name, proc.exitcode)
