@@ -33,26 +33,42 @@ from decoder_client.client.config import RECONNECT_OPTIONS
 READY_S = 300.0  # a first start may compile the drafting loops (on a loaded 2-core machine, 2 minutes and more)
 
 
+def _stat(pid: int | str) -> list[str]:
+    """The fields of ``/proc/<pid>/stat`` after the command's name (state first); ``[]`` when
+    the process is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return []
+
+
 def children(pid: int) -> list[int]:
     """The direct children of ``pid``."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(stat[1]) == pid:
-                out.append(int(entry.name))
-    return out
+    return [
+        int(entry.name)
+        for entry in Path("/proc").iterdir()
+        if entry.name.isdigit() and (stat := _stat(entry.name)) and int(stat[1]) == pid
+    ]
 
 
 def state(pid: int) -> str:
     """The process's state letter (``Z``: a zombie nobody reaped); ``""`` when it is gone."""
+    stat = _stat(pid)
+    return stat[0] if stat else ""
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds ``pid`` has used, user and system (0 once it is gone)."""
+    stat = _stat(pid)
+    return (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK") if stat else 0.0
+
+
+def cmdline(pid: int) -> bytes:
+    """The process's command line, NUL-separated; ``b""`` when it is gone."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
-        return ""
+        return b""
 
 
 def kill(pid: int, sig: signal.Signals = signal.SIGKILL) -> None:

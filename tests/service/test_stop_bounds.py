@@ -18,7 +18,7 @@ from draftcache.v1 import draftcache_pb2 as pb
 from cache_service.app import stop_seconds
 from cache_service.config import ServerConfig
 from cache_service.host.embedded_redis import free_port, runs_server
-from tests.faults import Serve, children, kill, log_entries, state, wait_for
+from tests.faults import Serve, children, cmdline, cpu_seconds, kill, log_entries, state, wait_for
 from tests.service.test_durability import _assert_logged_once, _commits, _start, _tokens
 from tests.service.test_redis_outage import Redis
 
@@ -102,19 +102,13 @@ def _redis_pid(data: Path) -> int:
 
 
 def _running_server(pid: int) -> bool:
-    try:
-        return runs_server(Path(f"/proc/{pid}/cmdline").read_bytes()) and state(pid) not in ("", "Z")
-    except OSError:
-        return False
+    return runs_server(cmdline(pid)) and state(pid) not in ("", "Z")
 
 
 def _ours(pid: int) -> bool:
     """Whether ``pid`` is still a live Redis or worker of the service under test."""
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return False
-    return state(pid) not in ("", "Z") and (runs_server(cmdline) or b"multiprocessing" in cmdline)
+    line = cmdline(pid)
+    return state(pid) not in ("", "Z") and (runs_server(line) or b"multiprocessing" in line)
 
 
 def _stopped_during_start(proc: subprocess.Popen[bytes], log_path: Path, redis_pid: int) -> str:
@@ -170,8 +164,8 @@ def test_sigterm_during_a_first_starts_shared_compilation_ends_its_processes(tmp
     compiling: list[int] = []
 
     def both_compiling() -> bool:  # past their start-up (which ends with a parent gone), compiling
-        compiling[:] = [pid for pid in children(proc.pid) if b"spawn_main" in _cmdline(pid)]
-        return len(compiling) >= 2 and all(_cpu_s(pid) > 3 for pid in compiling)
+        compiling[:] = [pid for pid in children(proc.pid) if b"spawn_main" in cmdline(pid)]
+        return len(compiling) >= 2 and all(cpu_seconds(pid) > 3 for pid in compiling)
 
     wait_for(both_compiling, 60, "two compiling processes", 0.05)
     try:
@@ -184,22 +178,6 @@ def test_sigterm_during_a_first_starts_shared_compilation_ends_its_processes(tmp
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
         _stopped_during_start(proc, log_path, redis_pid)
-
-
-def _cpu_s(pid: int) -> float:
-    """CPU seconds ``pid`` has used (0 once it is gone)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
-
-
-def _cmdline(pid: int) -> bytes:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return b""
 
 
 def test_sigterm_to_the_supervisor_while_it_starts_the_embedded_redis_leaves_nothing(tmp_path: Path) -> None:
